@@ -1,0 +1,60 @@
+"""Fakes 8 CPU devices before JAX is imported; shared tiny models and data."""
+
+import os
+
+os.environ["XLA_FLAGS"] = " ".join(
+    [f for f in os.environ.get("XLA_FLAGS", "").split() if "device_count" not in f]
+    + ["--xla_force_host_platform_device_count=8"]
+)
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import flax.linen as nn  # noqa: E402
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+
+assert len(jax.devices()) == 8, "tests need 8 fake CPU devices (set before jax is imported)"
+
+
+class MLP(nn.Module):
+    """A small deterministic classifier."""
+
+    features: int = 16
+    classes: int = 3
+
+    @nn.compact
+    def __call__(self, x):
+        x = nn.relu(nn.Dense(self.features)(x))
+        return nn.Dense(self.classes)(x)
+
+
+class NoisyMLP(nn.Module):
+    """MLP with BatchNorm and Dropout (the design's standard test model)."""
+
+    @nn.compact
+    def __call__(self, x, train: bool = False):
+        x = nn.Dense(16)(x)
+        x = nn.BatchNorm(use_running_average=not train, momentum=0.9)(x)
+        x = nn.relu(x)
+        x = nn.Dropout(0.2, deterministic=not train)(x)
+        return nn.Dense(3)(x)
+
+
+def make_classification(n: int, features: int = 5, seed: int = 0):
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(n, features)).astype(np.float32)
+    y = ((x[:, 0] > 0).astype(np.int32) + (x[:, 1] > 0.5)).astype(np.int32)
+    return x, y
+
+
+@pytest.fixture(scope="session")
+def data():
+    """100 rows: with batch 16 the last batch holds 4 real rows (ragged)."""
+    return make_classification(100)
+
+
+def tree_allclose(a, b, rtol=1e-5, atol=1e-6):
+    la, lb = jax.tree.leaves(a), jax.tree.leaves(b)
+    assert jax.tree.structure(a) == jax.tree.structure(b)
+    for x, y in zip(la, lb):
+        np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=rtol, atol=atol)

@@ -1,0 +1,25 @@
+"""trainkit: Keras-style multi-device training for Flax modules and optax optimizers.
+
+>>> import trainkit as tk
+>>> sorted(n for n in tk.__all__ if n[0].isupper())[:4]
+['DataParallel', 'SingleDevice', 'Strategy', 'TrainState']
+"""
+
+from trainkit import callbacks, losses, metrics
+from trainkit.state import TrainState
+from trainkit.strategies import DataParallel, SingleDevice, Strategy
+from trainkit.trainer import Trainer
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Trainer",
+    "TrainState",
+    "Strategy",
+    "SingleDevice",
+    "DataParallel",
+    "callbacks",
+    "losses",
+    "metrics",
+    "__version__",
+]

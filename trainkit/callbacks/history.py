@@ -1,0 +1,29 @@
+"""``History``: one value per epoch for every logged metric, as Keras returns from ``fit``.
+
+>>> h = History()
+>>> h.on_train_begin(); h.on_epoch_end(0, {"loss": 0.5}); h.on_epoch_end(1, {"loss": 0.25})
+>>> h.epoch, h.history["loss"]
+([0, 1], [0.5, 0.25])
+"""
+
+from __future__ import annotations
+
+from trainkit.callbacks.base import Callback, Logs
+
+
+class History(Callback):
+    """Keras-compatible: ``history.history[name]`` lists one value per epoch; ``epoch`` lists
+    the epoch indices; ``params`` holds ``epochs``, ``steps`` and ``verbose``."""
+
+    def __init__(self):
+        self.history: dict[str, list[float]] = {}
+        self.epoch: list[int] = []
+        self.params: dict = {}
+
+    def on_train_begin(self, logs: Logs | None = None) -> None:
+        self.history, self.epoch = {}, []
+
+    def on_epoch_end(self, epoch: int, logs: Logs | None = None) -> None:
+        self.epoch.append(epoch)
+        for name, value in (logs or {}).items():
+            self.history.setdefault(name, []).append(value)

@@ -1,0 +1,94 @@
+"""``ProgressBar``: a rich progress bar per epoch with ETA, steps/s and running metrics.
+
+>>> bar = ProgressBar(verbose=0)   # verbose=0 prints nothing
+>>> bar.on_train_begin(); bar.on_epoch_begin(0); bar.on_epoch_end(0, {"loss": 1.0})
+"""
+
+from __future__ import annotations
+
+from rich.console import Console
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TextColumn,
+    TimeElapsedColumn,
+    TimeRemainingColumn,
+)
+from rich.text import Text
+
+from trainkit.callbacks.base import Callback, Logs
+
+
+def format_logs(logs: Logs | None) -> str:
+    return " - ".join(f"{k}: {v:.4g}" for k, v in (logs or {}).items())
+
+
+class _Rate(TextColumn):
+    def __init__(self):
+        super().__init__("")
+
+    def render(self, task) -> Text:
+        speed = task.finished_speed or task.speed
+        return Text(f"{speed:.1f} steps/s" if speed else "", style="progress.data.speed")
+
+
+class ProgressBar(Callback):
+    """Shown by ``fit`` when ``verbose=1`` (the default). ``verbose=2`` prints one line per
+    epoch instead of a live bar; ``verbose=0`` prints nothing.
+
+    Args:
+        verbose: 0, 1 or 2 as in Keras.
+        console: a ``rich.console.Console`` to draw on (stdout by default).
+    """
+
+    def __init__(self, verbose: int = 1, console: Console | None = None):
+        self.verbose = verbose
+        self.console = console
+        self._progress: Progress | None = None
+        self._task = None
+        self._epochs: int | None = None
+
+    def on_train_begin(self, logs: Logs | None = None) -> None:
+        if self.verbose == 0:
+            return
+        self.console = self.console or Console()
+        self._epochs = getattr(self.trainer, "epochs", None)
+        if self.verbose == 1:
+            self._progress = Progress(
+                TextColumn("[bold]{task.description}"),
+                BarColumn(bar_width=20),
+                MofNCompleteColumn(),
+                TimeElapsedColumn(),
+                TextColumn("eta"),
+                TimeRemainingColumn(),
+                _Rate(),
+                TextColumn("{task.fields[metrics]}", markup=False),
+                console=self.console,
+                refresh_per_second=8,
+            )
+            self._progress.start()
+
+    def _describe(self, epoch: int) -> str:
+        return f"Epoch {epoch + 1}/{self._epochs}" if self._epochs else f"Epoch {epoch + 1}"
+
+    def on_epoch_begin(self, epoch: int, logs: Logs | None = None) -> None:
+        if self._progress is not None:
+            total = getattr(self.trainer, "steps_per_epoch", None)
+            self._task = self._progress.add_task(self._describe(epoch), total=total, metrics="")
+
+    def on_train_batch_end(self, batch: int, logs: Logs | None = None) -> None:
+        if self._progress is not None:
+            self._progress.update(self._task, completed=batch + 1, metrics=format_logs(logs))
+
+    def on_epoch_end(self, epoch: int, logs: Logs | None = None) -> None:
+        if self._progress is not None:
+            task = self._progress.tasks[-1]
+            self._progress.update(self._task, total=task.completed, metrics=format_logs(logs))
+        elif self.verbose == 2 and self.console is not None:
+            self.console.print(f"{self._describe(epoch)}  {format_logs(logs)}", highlight=False)
+
+    def on_train_end(self, logs: Logs | None = None) -> None:
+        if self._progress is not None:
+            self._progress.stop()
+            self._progress = None

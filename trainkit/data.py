@@ -1,0 +1,277 @@
+"""Host-side batching: arrays or iterables -> fixed-shape NumPy batches with a row mask.
+
+Every batch has the same static shape. The last partial batch is padded with zero rows whose
+``mask`` is 0, so no sample is dropped, none counts twice and nothing recompiles.
+
+>>> import numpy as np
+>>> data = as_dataset((np.arange(10.0)[:, None], np.arange(10)))
+>>> [b["mask"].sum() for b in data.batches(4, shuffle=False)]
+[4.0, 4.0, 2.0]
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any, Iterable, Iterator
+
+import jax
+import numpy as np
+
+PyTree = Any
+Batch = dict[str, Any]
+_KEYS = ("x", "y", "sample_weight")
+
+
+def _is_array(obj: Any) -> bool:
+    return isinstance(obj, (np.ndarray, jax.Array)) or (
+        hasattr(obj, "__array__") and hasattr(obj, "shape")
+    )
+
+
+def _is_array_tree(obj: Any) -> bool:
+    if _is_array(obj):
+        return True
+    if isinstance(obj, dict) and obj:
+        return all(_is_array_tree(v) for v in obj.values())
+    return False
+
+
+def _is_dataset_dict(obj: Any) -> bool:
+    return isinstance(obj, dict) and "x" in obj and set(obj) <= set(_KEYS)
+
+
+def split_xyw(element: Any) -> tuple[PyTree, PyTree, PyTree]:
+    """``(x, y, sample_weight)`` from a tuple, a ``{"x", "y", "sample_weight"}`` dict or bare x."""
+    if isinstance(element, tuple):
+        if not 1 <= len(element) <= 3:
+            raise ValueError(
+                f"A data tuple must be (x,), (x, y) or (x, y, sample_weight); received a tuple "
+                f"of {len(element)} items."
+            )
+        return tuple(element) + (None,) * (3 - len(element))  # type: ignore[return-value]
+    if _is_dataset_dict(element):
+        return element["x"], element.get("y"), element.get("sample_weight")
+    return element, None, None
+
+
+def num_rows(tree: PyTree) -> int:
+    return int(jax.tree.leaves(tree)[0].shape[0])
+
+
+def example_spec(x: PyTree) -> PyTree:
+    """Per-example shapes and dtypes of a batch of inputs (leading axis dropped)."""
+    return jax.tree.map(lambda a: (tuple(a.shape[1:]), np.dtype(a.dtype).name), x)
+
+
+def _check_lengths(parts: dict[str, PyTree]) -> int:
+    lengths = {}
+    for part, tree in parts.items():
+        if tree is None:
+            continue
+        for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
+            if np.ndim(leaf) == 0:
+                raise ValueError(
+                    f"{part}{jax.tree_util.keystr(path)} is a scalar; every input needs a leading "
+                    "batch axis (one row per example)."
+                )
+            lengths[f"{part}{jax.tree_util.keystr(path)}"] = int(np.shape(leaf)[0])
+    if len(set(lengths.values())) > 1:
+        detail = ", ".join(f"{k}: {v} rows" for k, v in lengths.items())
+        raise ValueError(
+            f"Inputs have different numbers of rows ({detail}). x, y and sample_weight must "
+            "have one row per example; check that they come from the same split."
+        )
+    n = next(iter(lengths.values()))
+    if n == 0:
+        raise ValueError("The dataset is empty (0 rows); pass at least one example.")
+    return n
+
+
+def _take(tree: PyTree, rows: np.ndarray | slice) -> PyTree:
+    return jax.tree.map(lambda a: np.asarray(a[rows]), tree)
+
+
+def pad_batch(x, y, w, batch_size: int) -> Batch:
+    """A batch dict padded with zero rows to ``batch_size`` and a float ``mask`` of real rows."""
+    n = num_rows(x)
+    pad = batch_size - n
+
+    def padded(a):
+        a = np.asarray(a)
+        return a if pad == 0 else np.concatenate([a, np.zeros((pad,) + a.shape[1:], a.dtype)])
+
+    batch: Batch = {"x": jax.tree.map(padded, x)}
+    if y is not None:
+        batch["y"] = jax.tree.map(padded, y)
+    if w is not None:
+        batch["sample_weight"] = padded(np.asarray(w, np.float32))
+    mask = np.zeros(batch_size, np.float32)
+    mask[:n] = 1.0
+    batch["mask"] = mask
+    return batch
+
+
+class ArrayDataset:
+    """In-memory arrays, batched in a (seeded) shuffled order, last batch padded."""
+
+    def __init__(self, x: PyTree, y: PyTree = None, sample_weight: PyTree = None):
+        self.num_examples = _check_lengths({"x": x, "y": y, "sample_weight": sample_weight})
+        host = lambda t: None if t is None else jax.tree.map(np.asarray, t)  # noqa: E731
+        self.x, self.y, self.sample_weight = host(x), host(y), host(sample_weight)
+
+    @property
+    def has_targets(self) -> bool:
+        return self.y is not None
+
+    def element_spec(self) -> PyTree:
+        return example_spec(self.x)
+
+    def first(self, rows: int = 1) -> tuple[PyTree, PyTree, PyTree]:
+        sl = slice(0, rows)
+        return _take(self.x, sl), None if self.y is None else _take(self.y, sl), None
+
+    def steps(self, batch_size: int) -> int:
+        return -(-self.num_examples // batch_size)
+
+    def batches(
+        self, batch_size: int, *, shuffle: bool = False, seed: int = 0, epoch: int = 0, start: int = 0
+    ) -> Iterator[Batch]:
+        """Batches of ``batch_size`` rows from batch index ``start`` on."""
+        n = self.num_examples
+        order = np.random.default_rng([seed, epoch]).permutation(n) if shuffle else None
+        for lo in range(start * batch_size, n, batch_size):
+            rows = slice(lo, min(lo + batch_size, n)) if order is None else order[lo : lo + batch_size]
+            x, y, w = (None if t is None else _take(t, rows) for t in (self.x, self.y, self.sample_weight))
+            yield pad_batch(x, y, w, batch_size)
+
+
+class IterableDataset:
+    """Any iterable of batches; its first batch fixes the static batch size.
+
+    A re-iterable (a list, or an object whose ``__iter__`` returns a fresh iterator) restarts
+    every epoch; a one-shot iterator (a generator) is consumed across epochs, so give
+    ``steps_per_epoch`` with it.
+    """
+
+    def __init__(self, iterable: Iterable):
+        self.iterable = iterable
+        self.one_shot = iter(iterable) is iterable
+        self._iterator = iter(iterable)
+        self._peeked: list = []
+        first = self._peek()
+        if first is None:
+            raise ValueError("The dataset is empty: its iterable yielded no batch.")
+        x, y, w = split_xyw(first)
+        self.batch_size = _check_lengths({"x": x, "y": y, "sample_weight": w})
+        self._first = (x, y, w)
+
+    def _peek(self):
+        if not self._peeked:
+            try:
+                self._peeked.append(next(self._iterator))
+            except StopIteration:
+                return None
+        return self._peeked[0]
+
+    @property
+    def has_targets(self) -> bool:
+        return self._first[1] is not None
+
+    def element_spec(self) -> PyTree:
+        return example_spec(self._first[0])
+
+    def first(self, rows: int = 1) -> tuple[PyTree, PyTree, PyTree]:
+        x, y, _ = self._first
+        return _take(x, slice(0, rows)), None if y is None else _take(y, slice(0, rows)), None
+
+    def steps(self, batch_size: int | None = None) -> int | None:
+        try:
+            return len(self.iterable)  # type: ignore[arg-type]
+        except TypeError:
+            return None
+
+    def _elements(self) -> Iterator:
+        if self._peeked:  # the batch read to learn the shapes
+            yield from self._peeked
+            self._peeked = []
+            yield from self._iterator
+        elif self.one_shot:
+            yield from self._iterator
+        else:
+            yield from iter(self.iterable)
+
+    def batches(self, batch_size: int | None = None, *, start: int = 0, **_) -> Iterator[Batch]:
+        for element in itertools.islice(self._elements(), start, None):
+            x, y, w = split_xyw(element)
+            n = _check_lengths({"x": x, "y": y, "sample_weight": w})
+            if n > self.batch_size:
+                raise ValueError(
+                    f"A batch of {n} rows follows a first batch of {self.batch_size} rows. "
+                    "Every batch of an iterable must have at most the first batch's size "
+                    "(only a smaller, last batch is padded)."
+                )
+            yield pad_batch(x, y, w, self.batch_size)
+
+
+Dataset = ArrayDataset | IterableDataset
+
+
+def as_dataset(data: Any, y: PyTree = None, sample_weight: PyTree = None) -> Dataset:
+    """Normalises Keras-style inputs: ``(x, y[, w])``, a dataset dict, ``x, y`` or an iterable."""
+    if y is not None or sample_weight is not None:
+        return ArrayDataset(data, y, sample_weight)
+    if isinstance(data, tuple) or _is_dataset_dict(data):
+        x, y, w = split_xyw(data)
+        if not _is_array_tree(x):
+            raise TypeError(
+                f"x must be an array or a dict of arrays; received {type(x).__name__}. "
+                "For batches from a generator, pass the iterable itself as `data`."
+            )
+        return ArrayDataset(x, y, w)
+    if _is_array_tree(data):
+        return ArrayDataset(data)
+    if isinstance(data, (str, bytes)) or not isinstance(data, Iterable):
+        raise TypeError(
+            f"Cannot train on data of type {type(data).__name__}. Pass a tuple (x, y) or "
+            "(x, y, sample_weight) of arrays, a dict {'x': ..., 'y': ...}, x and y as two "
+            "arguments, or an iterable of such batches."
+        )
+    return IterableDataset(data)
+
+
+def check_batch_size(batch_size: int, shards: int, *, what: str = "batch_size") -> None:
+    """Raises if ``batch_size`` cannot be split evenly into ``shards`` parts."""
+    if not isinstance(batch_size, (int, np.integer)) or batch_size <= 0:
+        raise ValueError(f"{what} must be a positive integer; received {batch_size!r}.")
+    if batch_size % shards:
+        lower = batch_size - batch_size % shards
+        upper = lower + shards
+        nearest = f"{lower} or {upper}" if lower > 0 else f"{upper}"
+        raise ValueError(
+            f"{what}={batch_size} cannot be split evenly across {shards} devices "
+            f"({batch_size} / {shards} is not an integer). Use a multiple of {shards}: the "
+            f"nearest valid sizes are {nearest}."
+        )
+
+
+def check_same_inputs(expected: PyTree, received: PyTree) -> None:
+    """Raises when ``received`` per-example input shapes differ from those the model was
+    initialised with (both from :func:`example_spec`)."""
+    is_spec = lambda s: isinstance(s, tuple) and len(s) == 2 and isinstance(s[1], str)  # noqa: E731
+    exp = dict(jax.tree_util.tree_leaves_with_path(expected, is_leaf=is_spec))
+    got = dict(jax.tree_util.tree_leaves_with_path(received, is_leaf=is_spec))
+    name = lambda path: "x" + jax.tree_util.keystr(path)  # noqa: E731
+    if set(map(name, exp)) != set(map(name, got)):
+        raise ValueError(
+            f"The inputs have entries {sorted(map(name, got))}, but the model was initialised "
+            f"with {sorted(map(name, exp))}. Pass inputs with the same structure."
+        )
+    for path, (shape, _) in exp.items():
+        other = got[path][0]
+        if tuple(other) != tuple(shape):
+            raise ValueError(
+                f"{name(path)} has per-example shape {tuple(other)} (batch shape "
+                f"(batch, {', '.join(map(str, other))})), but the model was initialised with "
+                f"per-example shape {tuple(shape)}. Reshape the data to (batch, "
+                f"{', '.join(map(str, shape))}), or build a new Trainer for the new shape."
+            )

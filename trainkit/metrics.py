@@ -1,0 +1,144 @@
+"""Per-batch metric functions (used inside the step) and their exact masked reduction.
+
+A metric is ``metric(predictions, targets) -> per-example values`` (or a scalar mean). Inside
+a step each metric becomes a :class:`WeightedAverage` (a ``clu.metrics.Average`` whose count is
+the sum of the row weights, so padded rows with weight 0 never count). Totals and counts are
+summed across devices and steps, and divided once at the end: the result does not depend on the
+device count or on how the data was split into batches.
+
+>>> import numpy as np
+>>> a = WeightedAverage.from_values(np.array([1.0, 3.0, 100.0]), np.array([1.0, 1.0, 0.0]))
+>>> float(a.merge(WeightedAverage.from_values(np.array([5.0]), np.array([1.0]))).compute())
+3.0
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable, Sequence
+
+import clu.metrics
+import flax.struct
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from trainkit import losses
+
+MetricFn = Callable[[Any, Any], jax.Array]
+
+
+@flax.struct.dataclass
+class WeightedAverage(clu.metrics.Average):
+    """``clu.metrics.Average`` with real-valued row weights (sample weights times the mask)."""
+
+    @classmethod
+    def empty(cls) -> "WeightedAverage":
+        return cls(total=jnp.array(0, jnp.float32), count=jnp.array(0, jnp.float32))
+
+    @classmethod
+    def from_values(cls, values: jax.Array, weights: jax.Array) -> "WeightedAverage":
+        """``total = sum(values * weights)`` (rows of weight 0 are dropped even if not finite)."""
+        xp = jnp if isinstance(values, jax.Array) else np
+        weighted = xp.where(weights > 0, values * weights, 0)
+        return cls(total=weighted.sum(), count=weights.sum())
+
+
+def _class_predictions(predictions: jax.Array) -> jax.Array:
+    return jnp.argmax(predictions, axis=-1)
+
+
+def sparse_categorical_accuracy(predictions: jax.Array, labels: jax.Array) -> jax.Array:
+    """1.0 where the arg-max of the logits equals the integer label."""
+    return (_class_predictions(predictions) == labels).astype(jnp.float32)
+
+
+def categorical_accuracy(predictions: jax.Array, one_hot: jax.Array) -> jax.Array:
+    """1.0 where the arg-max of the logits equals the arg-max of the one-hot target."""
+    return (_class_predictions(predictions) == _class_predictions(one_hot)).astype(jnp.float32)
+
+
+def binary_accuracy(logits: jax.Array, labels: jax.Array) -> jax.Array:
+    """1.0 where ``logits > 0`` agrees with ``labels > 0.5``."""
+    labels = losses._match_targets(logits, labels)
+    return ((logits > 0) == (labels > 0.5)).astype(jnp.float32)
+
+
+def accuracy(predictions: jax.Array, targets: jax.Array) -> jax.Array:
+    """Keras's ``"accuracy"``: sparse, categorical or binary, chosen from the shapes."""
+    if targets.ndim == predictions.ndim - 1 and predictions.shape[-1] > 1:
+        return sparse_categorical_accuracy(predictions, targets)
+    if targets.shape == predictions.shape and predictions.shape[-1] > 1:
+        return categorical_accuracy(predictions, targets)
+    return binary_accuracy(predictions, targets)
+
+
+def top_k_accuracy(k: int = 5) -> MetricFn:
+    """1.0 where the integer label is among the ``k`` largest logits.
+
+    >>> import jax.numpy as jnp
+    >>> top_k_accuracy(2)(jnp.array([[0.1, 0.5, 0.4]]), jnp.array([2])).tolist()
+    [1.0]
+    """
+
+    def top_k(predictions: jax.Array, labels: jax.Array) -> jax.Array:
+        _, best = jax.lax.top_k(predictions, k)
+        return jnp.any(best == labels[..., None], axis=-1).astype(jnp.float32)
+
+    top_k.__name__ = f"top_{k}_accuracy" if k != 5 else "top_k_accuracy"
+    return top_k
+
+
+METRICS: dict[str, MetricFn] = {
+    "accuracy": accuracy,
+    "acc": accuracy,
+    "sparse_categorical_accuracy": sparse_categorical_accuracy,
+    "categorical_accuracy": categorical_accuracy,
+    "binary_accuracy": binary_accuracy,
+    "top_k_accuracy": top_k_accuracy(5),
+    "sparse_top_k_categorical_accuracy": top_k_accuracy(5),
+    "mse": losses.mean_squared_error,
+    "mae": losses.mean_absolute_error,
+}
+
+
+def get_metrics(metrics: Sequence[str | MetricFn] | None) -> dict[str, MetricFn]:
+    """Named per-example metric functions; unknown names list the known ones."""
+    resolved: dict[str, MetricFn] = {}
+    for metric in metrics or ():
+        if isinstance(metric, str):
+            if metric not in METRICS:
+                raise ValueError(
+                    f"Unknown metric {metric!r}. Known names: {', '.join(sorted(METRICS))}; "
+                    "or pass a callable metric(predictions, targets) returning per-example values."
+                )
+            name, fn = metric, METRICS[metric]
+        elif callable(metric):
+            fn = metric
+            name = getattr(metric, "__name__", None) or type(metric).__name__
+            if isinstance(metric, functools.partial):
+                name = getattr(metric.func, "__name__", "metric")
+        else:
+            raise TypeError(
+                f"A metric must be a name or a callable; received {metric!r} of type "
+                f"{type(metric).__name__}."
+            )
+        if name == "loss" or name in resolved:
+            raise ValueError(f"Two metrics are named {name!r}; give each a distinct __name__.")
+        resolved[name] = fn
+    return resolved
+
+
+def compute(totals: dict[str, WeightedAverage], order: Sequence[str] = ("loss",)) -> dict[str, float]:
+    """Python floats ``total / count`` for each metric (NaN where nothing was counted), the
+    names in ``order`` first (pytrees sort dict keys; logs keep the user's order)."""
+    names = [n for n in order if n in totals] + [n for n in totals if n not in order]
+    return {
+        name: float(totals[name].total / totals[name].count) if float(totals[name].count) else float("nan")
+        for name in names
+    }
+
+
+def merge(a: dict[str, WeightedAverage] | None, b: dict[str, WeightedAverage]):
+    """Merges two dicts of averages (``a`` may be ``None``)."""
+    return b if a is None else {k: a[k].merge(b[k]) for k in b}

@@ -1,0 +1,151 @@
+"""The pure step functions: ``(state, batch) -> (state, metrics)``, testable without a Trainer.
+
+A *loss function* here has the signature of :meth:`trainkit.Trainer.compute_loss`::
+
+    compute_loss(params, batch, rng, *, model_state, train) -> (loss, (predictions, model_state))
+
+where ``loss`` holds one value per row of the batch (or a scalar mean). The step weights each
+row by ``mask * sample_weight``; under a named device axis it sums totals and counts across
+devices, so the loss of a step is the mean over the real rows of the *global* batch and the
+gradient is exactly the single-device gradient.
+
+>>> import jax, jax.numpy as jnp, optax
+>>> def compute_loss(params, batch, rng, *, model_state, train):
+...     preds = batch["x"] @ params
+...     return (preds - batch["y"]) ** 2, (preds, model_state)
+>>> tx = optax.sgd(0.1)
+>>> state = TrainState.create(params=jnp.zeros(()), opt_state=tx.init(jnp.zeros(())), model_state={}, seed=0)
+>>> batch = {"x": jnp.ones((4,)), "y": jnp.full((4,), 2.0), "mask": jnp.array([1.0, 1, 1, 0])}
+>>> state, metrics = make_train_step(compute_loss, tx, {})(state, batch)
+>>> round(float(state.params), 3), float(metrics["loss"].compute())
+(0.4, 4.0)
+"""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import Any, Callable, Mapping
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from trainkit.metrics import MetricFn, WeightedAverage
+from trainkit.state import Batch, TrainState
+
+LossFn = Callable[..., tuple[jax.Array, tuple[Any, Any]]]
+Metrics = dict[str, WeightedAverage]
+
+
+def _row_weights(batch: Batch) -> jax.Array:
+    mask = batch["mask"]
+    if "sample_weight" in batch:
+        return mask * batch["sample_weight"]
+    return mask
+
+
+def _psum(tree, axis_name):
+    return tree if axis_name is None else jax.lax.psum(tree, axis_name)
+
+
+def _pmean_floats(value: jax.Array, axis_name: str) -> jax.Array:
+    """Averages floating model state (batch statistics) across devices; keeps counters."""
+    if jnp.issubdtype(value.dtype, jnp.floating):
+        return jax.lax.pmean(value, axis_name)
+    return value
+
+
+def _step_rng(state: TrainState, axis_name: str | None) -> jax.Array:
+    rng = jax.random.fold_in(state.rng, state.step)
+    if axis_name is not None:  # dropout masks differ per device
+        rng = jax.random.fold_in(rng, jax.lax.axis_index(axis_name))
+    return rng
+
+
+def _rows(loss: jax.Array, num_rows: int) -> jax.Array:
+    """Per-row loss values; a scalar (a batch mean) is spread evenly over the rows."""
+    loss = jnp.asarray(loss, jnp.float32)
+    if loss.ndim == 0:
+        return jnp.broadcast_to(loss, (num_rows,))
+    return loss.reshape(num_rows, -1).mean(axis=1)
+
+
+def _batch_metrics(
+    metric_fns: Mapping[str, MetricFn], predictions, batch: Batch, row_loss, axis_name
+) -> Metrics:
+    mask = batch["mask"]
+    weights = _row_weights(batch)
+    # The loss follows Keras: sum(loss * sample_weight) / (number of real rows).
+    metrics = {"loss": WeightedAverage(total=jnp.where(mask > 0, row_loss * weights, 0).sum(), count=mask.sum())}
+    for name, fn in metric_fns.items():
+        values = _rows(fn(predictions, batch["y"]), mask.shape[0])
+        metrics[name] = WeightedAverage.from_values(values, weights)
+    return _psum(metrics, axis_name)
+
+
+def make_train_step(
+    compute_loss: LossFn,
+    tx: optax.GradientTransformation,
+    metric_fns: Mapping[str, MetricFn],
+    axis_name: str | None = None,
+) -> Callable[[TrainState, Batch], tuple[TrainState, Metrics]]:
+    """The pure training step; ``axis_name`` names the device axis under ``pmap``/``shard_map``."""
+
+    def train_step(state: TrainState, batch: Batch) -> tuple[TrainState, Metrics]:
+        rng = _step_rng(state, axis_name)
+        mask = batch["mask"]
+        weights = _row_weights(batch)
+        global_rows = _psum(mask.sum(), axis_name)
+
+        def objective(params):
+            loss, (predictions, model_state) = compute_loss(
+                params, batch, rng, model_state=state.model_state, train=True
+            )
+            row_loss = _rows(loss, mask.shape[0])
+            total = jnp.where(mask > 0, row_loss * weights, 0).sum()
+            return total / global_rows, (row_loss, predictions, model_state)
+
+        grads, (row_loss, predictions, model_state) = jax.grad(objective, has_aux=True)(
+            state.params
+        )
+        if axis_name is not None:
+            grads = jax.lax.psum(grads, axis_name)
+            model_state = jax.tree.map(partial(_pmean_floats, axis_name=axis_name), model_state)
+        updates, opt_state = tx.update(grads, state.opt_state, state.params)
+        params = optax.apply_updates(state.params, updates)
+        new_state = state.replace(
+            step=state.step + 1, params=params, opt_state=opt_state, model_state=model_state
+        )
+        metrics = _batch_metrics(metric_fns, predictions, batch, row_loss, axis_name)
+        return new_state, metrics
+
+    return train_step
+
+
+def make_eval_step(
+    compute_loss: LossFn, metric_fns: Mapping[str, MetricFn], axis_name: str | None = None
+) -> Callable[[TrainState, Batch], Metrics]:
+    """Masked loss and metric sums of one batch, in inference mode."""
+
+    def eval_step(state: TrainState, batch: Batch) -> Metrics:
+        loss, (predictions, _) = compute_loss(
+            state.params, batch, state.rng, model_state=state.model_state, train=False
+        )
+        row_loss = _rows(loss, batch["mask"].shape[0])
+        return _batch_metrics(metric_fns, predictions, batch, row_loss, axis_name)
+
+    return eval_step
+
+
+def make_predict_step(
+    apply: Callable[..., tuple[Any, Any]],
+) -> Callable[[TrainState, Batch], Any]:
+    """The model's outputs for a batch, in inference mode (padded rows included)."""
+
+    def predict_step(state: TrainState, batch: Batch):
+        outputs, _ = apply(
+            state.params, state.model_state, batch["x"], rng=state.rng, train=False
+        )
+        return outputs
+
+    return predict_step

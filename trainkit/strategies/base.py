@@ -1,0 +1,139 @@
+"""The Strategy protocol (the only code that knows devices exist) and ``SingleDevice``.
+
+A strategy owns a mesh and decides where every leaf of the state and every batch lives, and
+how the pure step functions are compiled. It never sees the loss, optimizer, callbacks or files.
+
+>>> import jax
+>>> strategy = SingleDevice()
+>>> strategy.num_batch_shards, strategy.axis_name
+(1, None)
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+PyTree = Any
+
+
+def make_mesh(devices: Sequence[jax.Device], shape: Sequence[int], names: Sequence[str]) -> Mesh:
+    """A mesh with explicitly ``Auto`` axis types, whatever the JAX version's default."""
+    array = np.asarray(devices, dtype=object).reshape(tuple(shape))
+    axis_type = getattr(jax.sharding, "AxisType", None)
+    if axis_type is None:  # pragma: no cover - very old JAX
+        return Mesh(array, tuple(names))
+    return Mesh(array, tuple(names), axis_types=(axis_type.Auto,) * len(names))
+
+
+class Strategy:
+    """Base class of every strategy; subclass it and override the members below.
+
+    Members a strategy provides:
+
+    - ``mesh``: the devices and their axis names.
+    - ``axis_name``: the device axis the step reduces over by hand (``pmap``/``shard_map``),
+      or ``None`` when the compiler inserts collectives from shardings (``jit``).
+    - ``num_batch_shards``: how many equal parts a global batch is split into.
+    - ``state_sharding(abstract_state)``: a sharding for every leaf of the state.
+    - ``put_batch(host_batch)``: a NumPy batch -> device arrays.
+    - ``compile_train(step_fn, abstract_state)``: the step, with the state donated.
+    - ``compile_eval(fn, abstract_state)``: a function whose outputs are reduced over devices.
+    - ``compile_predict(fn, abstract_state)``: a function with one output row per example.
+    - ``fetch_rows(tree)``: per-row device outputs -> host NumPy ``(global_batch, ...)``.
+
+    ``create_state`` is shared: it builds the state directly in its shardings.
+    """
+
+    axis_name: str | None = None
+
+    @property
+    def mesh(self) -> Mesh:
+        raise NotImplementedError
+
+    @property
+    def devices(self) -> list[jax.Device]:
+        return list(self.mesh.devices.flat)
+
+    @property
+    def num_batch_shards(self) -> int:
+        return 1
+
+    def replicated(self) -> NamedSharding:
+        return NamedSharding(self.mesh, PartitionSpec())
+
+    def state_sharding(self, abstract_state: PyTree) -> PyTree:
+        """Default: every leaf replicated on every device of the mesh."""
+        return jax.tree.map(lambda _: self.replicated(), abstract_state)
+
+    def create_state(self, init_fn: Callable[..., PyTree], *args: PyTree) -> PyTree:
+        """Runs ``init_fn(*args)`` compiled with the state's shardings as its outputs, so the
+        state is never whole on one device first."""
+        abstract = jax.eval_shape(init_fn, *args)
+        return jax.jit(init_fn, out_shardings=self.state_sharding(abstract))(*args)
+
+    def put_state(self, state: PyTree) -> PyTree:
+        """Places a (host or device) state into this strategy's shardings."""
+        return jax.device_put(state, self.state_sharding(state))
+
+    def put_batch(self, host_batch: PyTree) -> PyTree:
+        raise NotImplementedError
+
+    def compile_train(self, step_fn: Callable, abstract_state: PyTree) -> Callable:
+        raise NotImplementedError
+
+    def compile_eval(self, eval_fn: Callable, abstract_state: PyTree) -> Callable:
+        raise NotImplementedError
+
+    def compile_predict(self, predict_fn: Callable, abstract_state: PyTree) -> Callable:
+        """Like ``compile_eval`` for a function whose outputs have one row per example."""
+        return self.compile_eval(predict_fn, abstract_state)
+
+    def fetch_rows(self, tree: PyTree) -> PyTree:
+        return jax.tree.map(np.asarray, jax.device_get(tree))
+
+    def describe(self) -> str:
+        return f"{type(self).__name__}({len(self.devices)} devices)"
+
+
+class SingleDevice(Strategy):
+    """Everything on one device, compiled with ``jax.jit`` (the state donated).
+
+    Args:
+        device: the device to use; the first local device by default.
+    """
+
+    def __init__(self, device: jax.Device | None = None):
+        self._device = device
+        self._mesh: Mesh | None = None
+
+    @property
+    def mesh(self) -> Mesh:
+        if self._mesh is None:
+            self._mesh = make_mesh([self._device or jax.local_devices()[0]], (1,), ("data",))
+        return self._mesh
+
+    def put_batch(self, host_batch: PyTree) -> PyTree:
+        return jax.device_put(host_batch, self.replicated())
+
+    def compile_train(self, step_fn: Callable, abstract_state: PyTree) -> Callable:
+        shardings = self.state_sharding(abstract_state)
+        return jax.jit(
+            step_fn,
+            in_shardings=(shardings, self.replicated()),
+            out_shardings=(shardings, self.replicated()),
+            donate_argnums=(0,),
+        )
+
+    def compile_eval(self, eval_fn: Callable, abstract_state: PyTree) -> Callable:
+        return jax.jit(
+            eval_fn,
+            in_shardings=(self.state_sharding(abstract_state), self.replicated()),
+            out_shardings=self.replicated(),
+        )
+
+    def describe(self) -> str:
+        return f"SingleDevice({self.devices[0]})"

@@ -1,0 +1,439 @@
+"""``Trainer``: Keras-style ``fit`` / ``evaluate`` / ``predict`` for a Flax module and optax.
+
+It wires the pieces (model adapter, pure steps, strategy, data, callbacks) and owns the loop.
+
+>>> import numpy as np, optax, flax.linen as nn
+>>> x = np.random.default_rng(0).normal(size=(64, 3)).astype("float32")
+>>> y = (x.sum(axis=1) > 0).astype("int32")
+>>> trainer = Trainer(nn.Dense(2), loss="sparse_categorical_crossentropy",
+...                   optimizer=optax.adam(0.1), metrics=["accuracy"], strategy="single")
+>>> history = trainer.fit((x, y), epochs=3, batch_size=16, verbose=0)
+>>> len(history.history["loss"]), trainer.evaluate((x, y))["accuracy"] > 0.8
+(3, True)
+>>> trainer.predict(x[:5]).shape
+(5, 2)
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+import logging
+import warnings
+from typing import Any, Iterable, Sequence
+
+import jax
+import numpy as np
+import optax
+
+from trainkit import data as data_lib
+from trainkit import losses, metrics as metrics_lib
+from trainkit.callbacks import Callback, CallbackList, History, ProgressBar
+from trainkit.model import adapt_model
+from trainkit.state import Batch, TrainState
+from trainkit.step import make_eval_step, make_predict_step, make_train_step
+from trainkit.strategies import Strategy, resolve_strategy
+
+PyTree = Any
+logger = logging.getLogger("trainkit")
+
+
+def _host_float64(metrics: dict) -> dict:
+    host = jax.device_get(metrics)
+    return jax.tree.map(lambda v: np.float64(v), host)
+
+
+class Trainer:
+    """Trains a Flax module with a loss and an optax optimizer on any strategy.
+
+    Args:
+        model: a ``flax.linen.Module`` or ``flax.nnx.Module``. A ``train``, ``training`` or
+            ``deterministic`` argument of its ``__call__`` is set by the Trainer.
+        loss: a name (``"sparse_categorical_crossentropy"``, ``"categorical_crossentropy"``,
+            ``"binary_crossentropy"``, ``"mse"``, ``"mae"``; cross-entropies take logits) or a
+            callable ``loss(predictions, targets)`` returning per-example values or a mean.
+        optimizer: any ``optax.GradientTransformation``.
+        metrics: names (``"accuracy"``, ``"top_k_accuracy"``, ...) or callables
+            ``metric(predictions, targets)``.
+        strategy: a :class:`trainkit.Strategy`, ``"auto"`` (the default) or a name.
+        seed: seeds initialisation, dropout and the shuffle order.
+        params: variables to start from (``{"params": ..., "batch_stats": ...}`` or just the
+            parameter tree), for fine-tuning.
+
+    Override :meth:`compute_loss` to train a model whose loss is not ``loss(preds, y)``.
+    """
+
+    #: Steps dispatched ahead of the oldest one whose metrics were not read yet. Bounded: too
+    #: many queued collectives deadlock XLA's CPU all-reduce on fake devices.
+    max_in_flight: int = 2
+
+    def __init__(
+        self,
+        model: Any,
+        *,
+        loss: str | losses.LossFn | None = None,
+        optimizer: optax.GradientTransformation,
+        metrics: Sequence[str | metrics_lib.MetricFn] | None = None,
+        strategy: str | Strategy = "auto",
+        seed: int = 0,
+        params: PyTree | None = None,
+    ):
+        self.model = model
+        self._adapter = adapt_model(model)
+        if not isinstance(optimizer, optax.GradientTransformation):
+            raise TypeError(
+                f"optimizer must be an optax.GradientTransformation such as optax.adam(1e-3); "
+                f"received {type(optimizer).__name__}."
+            )
+        if loss is None and type(self).compute_loss is Trainer.compute_loss:
+            raise ValueError("Pass loss=..., or subclass Trainer and override compute_loss.")
+        self.loss = loss
+        self._loss_fn = None if loss is None else losses.get_loss(loss)
+        self._row_loss = None if loss is None else losses.per_example(self._loss_fn)
+        self.optimizer = optimizer
+        self.metric_fns = metrics_lib.get_metrics(metrics)
+        self._log_order = ("loss", *self.metric_fns)
+        self.strategy = resolve_strategy(strategy)
+        self.seed = int(seed)
+        self._initial_variables = params
+        self.state: TrainState | None = None
+        self.input_spec: PyTree | None = None
+        self._compiled: dict[str, Any] = {}
+        self.stop_training = False
+        self.global_step = 0
+        self.epoch = 0
+        self.epochs: int | None = None
+        self.steps_per_epoch: int | None = None
+        self.history: History | None = None
+
+    # ------------------------------------------------------------------ override points
+    def apply(self, params: PyTree, model_state: PyTree, x: PyTree, *, rng: jax.Array, train: bool):
+        """Runs the model: ``(outputs, new_model_state)``. Pure; usable inside ``compute_loss``."""
+        return self._adapter.apply(params, model_state, x, rng=rng, train=train)
+
+    def compute_loss(
+        self, params: PyTree, batch: Batch, rng: jax.Array, *, model_state: PyTree, train: bool
+    ) -> tuple[jax.Array, tuple[PyTree, PyTree]]:
+        """The loss of a batch: ``(per_example_loss, (predictions, new_model_state))``.
+
+        ``batch`` holds ``"x"``, ``"y"`` (when given), ``"mask"`` and maybe
+        ``"sample_weight"``; trainkit applies the mask and weights, so return one value per
+        row (a scalar is taken as the mean over the rows). Override it in a subclass for
+        losses that are not ``loss(predictions, y)``; the function must stay pure.
+        """
+        predictions, model_state = self.apply(params, model_state, batch["x"], rng=rng, train=train)
+        return self._row_loss(predictions, batch["y"]), (predictions, model_state)
+
+    @property
+    def _custom_loss(self) -> bool:
+        return type(self).compute_loss is not Trainer.compute_loss
+
+    # ------------------------------------------------------------------ state
+    def init(self, sample_batch: Any) -> TrainState:
+        """Builds the state from a sample batch (``x``, ``(x, y)`` or a dataset dict) without
+        training. Idempotent: a second call keeps the existing state."""
+        x, _, _ = data_lib.split_xyw(sample_batch)
+        spec = data_lib.example_spec(x)
+        if self.state is not None:
+            data_lib.check_same_inputs(self.input_spec, spec)
+            return self.state
+        first_row = jax.tree.map(lambda a: np.asarray(a[:1]), x)
+        variables = self._starting_variables(first_row)
+        self.state = self.strategy.create_state(self._init_state, variables, first_row)
+        self.input_spec = spec
+        self.global_step = int(self.state.step)
+        return self.state
+
+    def _init_state(self, variables, first_row) -> TrainState:
+        init_rng, state_rng = jax.random.split(jax.random.PRNGKey(self.seed))
+        if variables is None:
+            params, model_state = self._adapter.init(init_rng, first_row)
+        else:
+            params, model_state = variables
+        return TrainState.create(
+            params=params,
+            opt_state=self.optimizer.init(params),
+            model_state=model_state,
+            seed=state_rng,
+        )
+
+    def _starting_variables(self, first_row):
+        """Given variables (checked against the model's own) or the NNX module's arrays."""
+        abstract = jax.eval_shape(self._adapter.init, jax.random.PRNGKey(0), first_row)
+        given = self._initial_variables
+        if given is None:
+            from trainkit.model import NNXModel
+
+            if isinstance(self._adapter, NNXModel):
+                return self._adapter.init(None, None)
+            return None
+        if isinstance(given, dict) and "params" in given:
+            variables = (given["params"], {k: v for k, v in given.items() if k != "params"})
+        else:
+            variables = (given, {})
+        _check_tree_matches("params=", abstract, variables)
+        return jax.tree.map(np.asarray, variables)
+
+    def _require_state(self) -> TrainState:
+        if self.state is None:
+            raise RuntimeError(
+                "The trainer has no state yet: call fit(...) or init(sample_batch) first."
+            )
+        return self.state
+
+    @property
+    def params(self) -> PyTree:
+        """The parameters as host NumPy arrays."""
+        return jax.tree.map(np.asarray, jax.device_get(self._require_state().params))
+
+    def get_weights(self) -> PyTree:
+        """Host copies of all variables: ``{"params": ..., **model_state}``."""
+        state = self._require_state()
+        host = jax.device_get({"params": state.params, "model_state": state.model_state})
+        return {"params": host["params"], **host["model_state"]}
+
+    def set_weights(self, variables: PyTree) -> None:
+        """Puts variables from :meth:`get_weights` back into the live state (same shapes)."""
+        state = self._require_state()
+        variables = dict(variables)
+        params = variables.pop("params")
+        _check_tree_matches("set_weights", (state.params, state.model_state), (params, variables))
+        placed = jax.device_put(
+            (params, variables),
+            self.strategy.state_sharding((state.params, state.model_state)),
+        )
+        self.state = state.replace(params=placed[0], model_state=placed[1])
+
+    # ------------------------------------------------------------------ compiled steps
+    def _function(self, kind: str):
+        if kind not in self._compiled:
+            state = self._require_state()
+            abstract = jax.tree.map(
+                lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), state
+            )
+            axis = self.strategy.axis_name
+            if kind == "train":
+                fn = make_train_step(self.compute_loss, self.optimizer, self.metric_fns, axis)
+                self._compiled[kind] = self.strategy.compile_train(fn, abstract)
+            elif kind == "eval":
+                fn = make_eval_step(self.compute_loss, self.metric_fns, axis)
+                self._compiled[kind] = self.strategy.compile_eval(fn, abstract)
+            else:
+                fn = make_predict_step(self.apply)
+                self._compiled[kind] = self.strategy.compile_predict(fn, abstract)
+        return self._compiled[kind]
+
+    # ------------------------------------------------------------------ input checks
+    def _prepare(self, data, y, sample_weight, batch_size, *, targets: bool):
+        dataset = data_lib.as_dataset(data, y, sample_weight)
+        if targets and not dataset.has_targets and not self._custom_loss:
+            raise ValueError(
+                "The data has no targets: pass (x, y), {'x': ..., 'y': ...} or x and y as two "
+                "arguments (or override compute_loss for a loss without targets)."
+            )
+        if isinstance(dataset, data_lib.IterableDataset):
+            if batch_size is not None and batch_size != dataset.batch_size:
+                raise ValueError(
+                    f"batch_size={batch_size} was given, but the iterable yields batches of "
+                    f"{dataset.batch_size} rows; an iterable's batches set the batch size. "
+                    "Drop batch_size, or re-batch the iterable."
+                )
+            batch_size = dataset.batch_size
+        else:
+            batch_size = 32 if batch_size is None else batch_size
+        data_lib.check_batch_size(batch_size, self.strategy.num_batch_shards)
+        x0, y0, _ = dataset.first()
+        if targets and self._loss_fn is not None:
+            losses.check_targets(self._loss_fn, y0)
+        if self.state is None:
+            self.init(x0)
+        else:
+            data_lib.check_same_inputs(self.input_spec, dataset.element_spec())
+        return dataset, batch_size
+
+    # ------------------------------------------------------------------ fit
+    def fit(
+        self,
+        data: Any,
+        y: PyTree = None,
+        *,
+        epochs: int = 1,
+        batch_size: int | None = None,
+        validation_data: Any = None,
+        validation_batch_size: int | None = None,
+        shuffle: bool = True,
+        sample_weight: PyTree = None,
+        steps_per_epoch: int | None = None,
+        max_steps: int | None = None,
+        initial_epoch: int = 0,
+        callbacks: Iterable[Callback] = (),
+        verbose: int = 1,
+    ) -> History:
+        """Trains for ``epochs`` epochs (or ``max_steps`` optimizer steps) and returns a Keras
+        ``History``. See the class docstring for the accepted data forms."""
+        if not isinstance(epochs, (int, np.integer)) or epochs < 1:
+            raise ValueError(f"epochs must be a positive integer; received epochs={epochs!r}.")
+        for name, value in (("steps_per_epoch", steps_per_epoch), ("max_steps", max_steps)):
+            if value is not None and (not isinstance(value, (int, np.integer)) or value < 1):
+                raise ValueError(f"{name} must be a positive integer or None; received {value!r}.")
+        dataset, batch_size = self._prepare(data, y, sample_weight, batch_size, targets=True)
+        validation = None
+        if validation_data is not None:
+            validation = self._prepare(
+                validation_data, None, None, validation_batch_size or batch_size, targets=True
+            )
+        steps = dataset.steps(batch_size)
+        if steps_per_epoch is not None:
+            steps = steps_per_epoch if steps is None else min(steps, steps_per_epoch)
+        if steps is None and not isinstance(dataset, data_lib.ArrayDataset) and dataset.one_shot and epochs > 1:
+            raise ValueError(
+                "A one-shot iterator (such as a generator) cannot be restarted, so with "
+                "epochs > 1 pass steps_per_epoch=N to say where an epoch ends."
+            )
+        self.epochs, self.steps_per_epoch = epochs, steps
+        self.history = History()
+        callbacks = list(callbacks)
+        if verbose and not any(isinstance(c, ProgressBar) for c in callbacks):
+            callbacks.append(ProgressBar(verbose))
+        callback_list = CallbackList([self.history, *callbacks], trainer=self)
+        self.history.params = {"epochs": epochs, "steps": steps, "verbose": verbose}
+        self.stop_training = False
+        train_fn = self._function("train")
+        logger.info("fit: %s, batch_size=%d, %s steps/epoch", self.strategy.describe(), batch_size, steps)
+
+        callback_list.on_train_begin()
+        logs: dict[str, float] = {}
+        for epoch in range(initial_epoch, epochs):
+            self.epoch = epoch
+            callback_list.on_epoch_begin(epoch)
+            batches = dataset.batches(batch_size, shuffle=shuffle, seed=self.seed, epoch=epoch)
+            ran, logs = self._train_epoch(train_fn, itertools.islice(batches, steps), callback_list, max_steps)
+            if ran == 0:
+                warnings.warn(
+                    f"The data ran out at epoch {epoch}: no batch was left. Training stops; "
+                    "pass steps_per_epoch that the data can serve, or a re-iterable dataset.",
+                    stacklevel=2,
+                )
+                break
+            if validation is not None:
+                val_logs = self._evaluate(*validation, None, callback_list)
+                logs.update({f"val_{k}": v for k, v in val_logs.items()})
+            callback_list.on_epoch_end(epoch, logs)
+            if self.stop_training or (max_steps is not None and self.global_step >= max_steps):
+                break
+        callback_list.on_train_end(logs)
+        return self.history
+
+    def _train_epoch(self, train_fn, batches, callback_list, max_steps) -> tuple[int, dict]:
+        strategy = self.strategy
+        pending: collections.deque = collections.deque()
+        totals, logs, ran = None, {}, 0
+        batch_begin = callback_list.on_train_batch_begin
+        batch_end = callback_list.on_train_batch_end
+
+        def receive(totals):
+            index, metrics = pending.popleft()
+            totals = metrics_lib.merge(totals, _host_float64(metrics))
+            logs = metrics_lib.compute(totals, self._log_order) if batch_end.active or not pending else {}
+            if batch_end.active:
+                batch_end(index, logs)
+            return totals, logs
+
+        for index, host_batch in enumerate(batches):
+            if batch_begin.active:
+                batch_begin(index)
+            self.state, metrics = train_fn(self.state, strategy.put_batch(host_batch))
+            self.global_step += 1
+            ran += 1
+            pending.append((index, metrics))
+            if len(pending) > self.max_in_flight:
+                totals, logs = receive(totals)
+            if self.stop_training or (max_steps is not None and self.global_step >= max_steps):
+                break
+        while pending:
+            totals, logs = receive(totals)
+        return ran, logs
+
+    # ------------------------------------------------------------------ evaluate / predict
+    def evaluate(
+        self,
+        data: Any,
+        y: PyTree = None,
+        *,
+        batch_size: int | None = None,
+        sample_weight: PyTree = None,
+        steps: int | None = None,
+        callbacks: Iterable[Callback] = (),
+        verbose: int = 0,
+    ) -> dict[str, float]:
+        """The loss and metrics over the whole dataset, exact for any device count:
+        ``{"loss": float, "accuracy": float, ...}``."""
+        dataset, batch_size = self._prepare(data, y, sample_weight, batch_size, targets=True)
+        return self._evaluate(dataset, batch_size, steps, CallbackList(callbacks, trainer=self))
+
+    def _evaluate(self, dataset, batch_size, steps, callback_list) -> dict[str, float]:
+        eval_fn = self._function("eval")
+        callback_list.on_test_begin()
+        totals = None
+        for metrics in self._bounded(
+            eval_fn(self.state, self.strategy.put_batch(batch))
+            for batch in itertools.islice(dataset.batches(batch_size), steps)
+        ):
+            totals = metrics_lib.merge(totals, _host_float64(metrics))
+        logs = metrics_lib.compute(totals, self._log_order)
+        callback_list.on_test_end(logs)
+        return logs
+
+    def predict(
+        self,
+        x: Any,
+        *,
+        batch_size: int | None = None,
+        steps: int | None = None,
+        callbacks: Iterable[Callback] = (),
+        verbose: int = 0,
+    ) -> PyTree:
+        """Model outputs with exactly one row per input row (padding removed): an array, or a
+        pytree of arrays for models with several outputs."""
+        dataset, batch_size = self._prepare(x, None, None, batch_size, targets=False)
+        predict_fn = self._function("predict")
+        callback_list = CallbackList(callbacks, trainer=self)
+        callback_list.on_predict_begin()
+        parts = []
+        batches = itertools.islice(dataset.batches(batch_size), steps)
+        rows_iter = (
+            (predict_fn(self.state, self.strategy.put_batch(b)), int(b["mask"].sum()))
+            for b in batches
+        )
+        for outputs, rows in self._bounded(rows_iter):
+            host = self.strategy.fetch_rows(outputs)
+            parts.append(jax.tree.map(lambda a: a[:rows], host))
+        result = jax.tree.map(lambda *a: np.concatenate(a), *parts)
+        callback_list.on_predict_end()
+        return result
+
+    def _bounded(self, dispatched):
+        """Yields device results in order while keeping at most ``max_in_flight`` pending."""
+        pending: collections.deque = collections.deque()
+        for item in dispatched:
+            pending.append(item)
+            if len(pending) > self.max_in_flight:
+                yield pending.popleft()
+        yield from pending
+
+
+def _check_tree_matches(what: str, expected: PyTree, received: PyTree) -> None:
+    """Raises naming every path whose presence or shape differs."""
+    shape = lambda t: {  # noqa: E731
+        jax.tree_util.keystr(p): tuple(np.shape(v)) for p, v in jax.tree_util.tree_leaves_with_path(t)
+    }
+    exp, got = shape(expected), shape(received)
+    problems = [f"missing {k} {v}" for k, v in exp.items() if k not in got]
+    problems += [f"unexpected {k} {v}" for k, v in got.items() if k not in exp]
+    problems += [f"{k}: expected shape {v}, received {got[k]}" for k, v in exp.items() if k in got and got[k] != v]
+    if problems:
+        raise ValueError(
+            f"{what} does not match the model's variables: " + "; ".join(problems[:10])
+            + (f" (and {len(problems) - 10} more)" if len(problems) > 10 else "")
+            + ". Pass variables created by the same model (e.g. from trainer.get_weights())."
+        )
