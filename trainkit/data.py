@@ -191,14 +191,15 @@ class IterableDataset:
             return None
 
     def _elements(self) -> Iterator:
+        # Plain for-loops, not ``yield from``: closing this generator at an epoch's end must
+        # not close a one-shot iterator that the next epoch continues.
         if self._peeked:  # the batch read to learn the shapes
-            yield from self._peeked
-            self._peeked = []
-            yield from self._iterator
-        elif self.one_shot:
-            yield from self._iterator
+            yield self._peeked.pop()
+            source = self._iterator
         else:
-            yield from iter(self.iterable)
+            source = self._iterator if self.one_shot else iter(self.iterable)
+        for element in source:
+            yield element
 
     def batches(self, batch_size: int | None = None, *, start: int = 0, **_) -> Iterator[Batch]:
         for element in itertools.islice(self._elements(), start, None):
@@ -261,10 +262,13 @@ def check_same_inputs(expected: PyTree, received: PyTree) -> None:
     exp = dict(jax.tree_util.tree_leaves_with_path(expected, is_leaf=is_spec))
     got = dict(jax.tree_util.tree_leaves_with_path(received, is_leaf=is_spec))
     name = lambda path: "x" + jax.tree_util.keystr(path)  # noqa: E731
-    if set(map(name, exp)) != set(map(name, got)):
+    missing = sorted(set(map(name, exp)) - set(map(name, got)))
+    unexpected = sorted(set(map(name, got)) - set(map(name, exp)))
+    if missing or unexpected:
         raise ValueError(
-            f"The inputs have entries {sorted(map(name, got))}, but the model was initialised "
-            f"with {sorted(map(name, exp))}. Pass inputs with the same structure."
+            f"The inputs lack {missing or 'nothing'} and have unexpected entries "
+            f"{unexpected or 'none'}: the model was initialised with entries "
+            f"{sorted(map(name, exp))}. Pass inputs with the same structure."
         )
     for path, (shape, _) in exp.items():
         other = got[path][0]

@@ -100,7 +100,8 @@ class Trainer:
         self.input_spec: PyTree | None = None
         self._compiled: dict[str, Any] = {}
         self.stop_training = False
-        self.global_step = 0
+        self.global_step = 0  # optimizer steps dispatched
+        self.reported_step = 0  # the step whose metrics on_train_batch_end reports (1-based)
         self.epoch = 0
         self.epochs: int | None = None
         self.steps_per_epoch: int | None = None
@@ -332,7 +333,7 @@ class Trainer:
         batch_end = callback_list.on_train_batch_end
 
         def receive(totals):
-            index, metrics = pending.popleft()
+            index, self.reported_step, metrics = pending.popleft()
             totals = metrics_lib.merge(totals, _host_float64(metrics))
             logs = metrics_lib.compute(totals, self._log_order) if batch_end.active or not pending else {}
             if batch_end.active:
@@ -345,7 +346,7 @@ class Trainer:
             self.state, metrics = train_fn(self.state, strategy.put_batch(host_batch))
             self.global_step += 1
             ran += 1
-            pending.append((index, metrics))
+            pending.append((index, self.global_step, metrics))
             if len(pending) > self.max_in_flight:
                 totals, logs = receive(totals)
             if self.stop_training or (max_steps is not None and self.global_step >= max_steps):

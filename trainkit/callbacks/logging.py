@@ -71,13 +71,17 @@ class TerminateOnNaN(Callback):
     def __init__(self):
         self.stopped_step: int | None = None
 
+    def on_train_begin(self, logs: Logs | None = None) -> None:
+        self.stopped_step = None
+
     def on_train_batch_end(self, batch: int, logs: Logs | None = None) -> None:
         loss = (logs or {}).get("loss")
-        if loss is not None and not math.isfinite(loss):
-            self.stopped_step = self.trainer.global_step
+        if self.stopped_step is None and loss is not None and not math.isfinite(loss):
+            self.stopped_step = self.trainer.reported_step
             warnings.warn(
                 f"TerminateOnNaN: the loss became {loss} at batch {batch} of epoch "
-                f"{self.trainer.epoch} (step {self.stopped_step}); stopping training.",
+                f"{self.trainer.epoch} (step {self.stopped_step}, counting from 1); stopping "
+                "training.",
                 stacklevel=2,
             )
             self.trainer.stop_training = True

@@ -1,0 +1,144 @@
+"""Callbacks: History, EarlyStopping, CSVLogger, TerminateOnNaN, LambdaCallback, ProgressBar."""
+
+import csv
+import io
+import math
+
+import numpy as np
+import optax
+import pytest
+from rich.console import Console
+
+import trainkit as tk
+from conftest import MLP, make_classification
+from trainkit.callbacks import (CSVLogger, Callback, EarlyStopping, LambdaCallback, ProgressBar,
+                                TerminateOnNaN)
+
+
+@pytest.fixture(scope="module")
+def xy():
+    return make_classification(64)
+
+
+def make_trainer(lr=0.05, **kwargs):
+    return tk.Trainer(MLP(), loss="sparse_categorical_crossentropy", optimizer=optax.adam(lr),
+                      metrics=["accuracy"], strategy="single", **kwargs)
+
+
+def test_history_is_keras_compatible(xy):
+    x, y = xy
+    history = make_trainer().fit((x, y), epochs=3, batch_size=16, validation_data=(x, y), verbose=0)
+    assert history.epoch == [0, 1, 2]
+    assert list(history.history) == ["loss", "accuracy", "val_loss", "val_accuracy"]
+    assert all(len(v) == 3 for v in history.history.values())
+    assert history.params == {"epochs": 3, "steps": 4, "verbose": 0}
+
+
+def test_callbacks_see_every_hook_in_order_and_can_stop(xy):
+    x, y = xy
+    events = []
+
+    class Recorder(Callback):
+        def on_train_begin(self, logs=None): events.append("train_begin")
+        def on_epoch_begin(self, epoch, logs=None): events.append(f"epoch_begin{epoch}")
+        def on_train_batch_end(self, batch, logs=None):
+            events.append(f"batch{batch}")
+            assert set(logs) == {"loss", "accuracy"}
+            if self.trainer.global_step >= 6:
+                self.trainer.stop_training = True
+        def on_test_end(self, logs=None): events.append("test_end")
+        def on_epoch_end(self, epoch, logs=None): events.append(f"epoch_end{epoch}")
+        def on_train_end(self, logs=None): events.append("train_end")
+
+    trainer = make_trainer()
+    trainer.fit((x, y), epochs=5, batch_size=16, validation_data=(x, y), callbacks=[Recorder()], verbose=0)
+    assert events[:7] == ["train_begin", "epoch_begin0", "batch0", "batch1", "batch2", "batch3", "test_end"]
+    assert events[-1] == "train_end" and "epoch_end1" in events and "epoch_begin2" not in events
+    # metrics arrive late, so up to max_in_flight more steps may run after the request to stop
+    assert 6 <= trainer.global_step <= 6 + trainer.max_in_flight
+
+
+def test_early_stopping_patience_and_restore_best_weights(xy):
+    x, y = xy
+    values = iter([1.0, 0.5, 0.7, 0.6, 0.9, 0.1])
+    snapshots = {}
+
+    class FakeMetric(Callback):  # injects a controlled val_metric before EarlyStopping reads it
+        def on_epoch_end(self, epoch, logs=None):
+            logs["val_metric"] = next(values)
+            snapshots[epoch] = self.trainer.get_weights()
+
+    stopper = EarlyStopping(monitor="val_metric", patience=2, restore_best_weights=True)
+    trainer = make_trainer()
+    history = trainer.fit((x, y), epochs=6, batch_size=16, callbacks=[FakeMetric(), stopper], verbose=0)
+    assert history.epoch == [0, 1, 2, 3] and stopper.stopped_epoch == 3 and stopper.best_epoch == 1
+    assert not np.array_equal(snapshots[3]["params"]["Dense_0"]["kernel"], snapshots[1]["params"]["Dense_0"]["kernel"])
+    np.testing.assert_array_equal(trainer.params["Dense_0"]["kernel"], snapshots[1]["params"]["Dense_0"]["kernel"])
+
+
+def test_early_stopping_mode_auto_and_min_delta():
+    assert EarlyStopping(monitor="val_accuracy").monitor_.mode == "max"
+    assert EarlyStopping(monitor="val_loss").monitor_.mode == "min"
+    stopper = EarlyStopping(monitor="loss", min_delta=0.1)
+    assert stopper.monitor_.improved(1.0) and not stopper.monitor_.improved(0.95)
+    assert stopper.monitor_.improved(0.85)
+    with pytest.raises(ValueError, match="mode must be"):
+        EarlyStopping(mode="smallest")
+
+
+def test_missing_monitored_metric_warns_with_the_existing_names(xy):
+    x, y = xy
+    with pytest.warns(UserWarning, match=r"'val_loss', which is not among the logged metrics: accuracy, loss"):
+        make_trainer().fit((x, y), epochs=1, batch_size=16, callbacks=[EarlyStopping()], verbose=0)
+
+
+def test_csv_logger_writes_one_row_per_epoch(xy, tmp_path):
+    x, y = xy
+    path = tmp_path / "log.csv"
+    history = make_trainer().fit((x, y), epochs=2, batch_size=16, validation_data=(x, y),
+                                 callbacks=[CSVLogger(path)], verbose=0)
+    rows = list(csv.DictReader(open(path)))
+    assert [r["epoch"] for r in rows] == ["0", "1"]
+    assert float(rows[1]["val_accuracy"]) == pytest.approx(history.history["val_accuracy"][1])
+    make_trainer().fit((x, y), epochs=1, batch_size=16, validation_data=(x, y),
+                       callbacks=[CSVLogger(path, append=True)], verbose=0)
+    assert len(list(csv.DictReader(open(path)))) == 3
+
+
+def test_terminate_on_nan_names_the_step(xy):
+    x, y = xy
+    x_bad = x.copy()
+    x_bad[20] = np.inf  # the second batch of 16 holds an infinite input
+    stopper = TerminateOnNaN()
+    trainer = make_trainer()
+    with pytest.warns(UserWarning, match=r"loss became nan at batch 1 of epoch 0 \(step 2,"):
+        history = trainer.fit((x_bad, y), epochs=3, batch_size=16, shuffle=False, callbacks=[stopper], verbose=0)
+    assert history.epoch == [0] and math.isnan(history.history["loss"][0])
+    assert stopper.stopped_step == 2
+
+
+def test_lambda_callback(xy):
+    x, y = xy
+    seen = []
+    callback = LambdaCallback(on_epoch_end=lambda epoch, logs: seen.append((epoch, logs["loss"])))
+    history = make_trainer().fit((x, y), epochs=2, batch_size=16, callbacks=[callback], verbose=0)
+    assert seen == list(zip([0, 1], history.history["loss"]))
+    with pytest.raises(ValueError, match="unknown hook 'on_epoch_finish'"):
+        LambdaCallback(on_epoch_finish=print)
+
+
+def test_progress_bar_shows_epochs_rate_and_metrics(xy):
+    x, y = xy
+    buffer = io.StringIO()
+    console = Console(file=buffer, width=200, force_terminal=False)
+    make_trainer().fit((x, y), epochs=2, batch_size=16, validation_data=(x, y),
+                       callbacks=[ProgressBar(1, console=console)])
+    text = buffer.getvalue()
+    assert "Epoch 1/2" in text and "Epoch 2/2" in text and "4/4" in text
+    assert "steps/s" in text and "val_accuracy:" in text and "eta" in text
+
+
+def test_verbose_zero_prints_nothing(xy, capsys):
+    x, y = xy
+    make_trainer().fit((x, y), epochs=1, batch_size=16, verbose=0)
+    assert capsys.readouterr().out == ""
