@@ -5,7 +5,7 @@
 ['DataParallel', 'SingleDevice', 'Strategy', 'TrainState']
 """
 
-from trainkit import callbacks, losses, metrics
+from trainkit import callbacks, losses, metrics, strategies
 from trainkit.state import TrainState
 from trainkit.strategies import DataParallel, SingleDevice, Strategy
 from trainkit.trainer import Trainer
@@ -21,5 +21,6 @@ __all__ = [
     "callbacks",
     "losses",
     "metrics",
+    "strategies",
     "__version__",
 ]

@@ -5,8 +5,8 @@ Every batch has the same static shape. The last partial batch is padded with zer
 
 >>> import numpy as np
 >>> data = as_dataset((np.arange(10.0)[:, None], np.arange(10)))
->>> [b["mask"].sum() for b in data.batches(4, shuffle=False)]
-[4.0, 4.0, 2.0]
+>>> [int(b["mask"].sum()) for b in data.batches(4, shuffle=False)]
+[4, 4, 2]
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ gradient is exactly the single-device gradient.
 
 >>> import jax, jax.numpy as jnp, optax
 >>> def compute_loss(params, batch, rng, *, model_state, train):
-...     preds = batch["x"] @ params
+...     preds = batch["x"] * params
 ...     return (preds - batch["y"]) ** 2, (preds, model_state)
 >>> tx = optax.sgd(0.1)
 >>> state = TrainState.create(params=jnp.zeros(()), opt_state=tx.init(jnp.zeros(())), model_state={}, seed=0)

@@ -86,7 +86,7 @@ class ProgressBar(Callback):
             task = self._progress.tasks[-1]
             self._progress.update(self._task, total=task.completed, metrics=format_logs(logs))
         elif self.verbose == 2 and self.console is not None:
-            self.console.print(f"{self._describe(epoch)}  {format_logs(logs)}", highlight=False)
+            self.console.print(f"{self._describe(epoch)}  {format_logs(logs)}", highlight=False, soft_wrap=True)
 
     def on_train_end(self, logs: Logs | None = None) -> None:
         if self._progress is not None:

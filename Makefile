@@ -1,0 +1,28 @@
+# Two entry points for a fresh machine with Python 3.11+ and make:
+#   make example   sets up .venv and trains the digits CNN on 8 fake CPU devices
+#   make test      sets up .venv and runs the test suite
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+
+.PHONY: example test bench clean
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+
+$(VENV)/.installed: pyproject.toml | $(BIN)/python
+	$(BIN)/python -m pip install --quiet -e ".[dev,examples]"
+	touch $@
+
+example: $(VENV)/.installed
+	$(BIN)/python examples/digits_cnn.py --devices 8
+
+test: $(VENV)/.installed
+	$(BIN)/python -m pytest -n 2 --dist loadfile -q tests
+
+bench: $(VENV)/.installed
+	$(BIN)/python benchmarks/step_overhead.py
+
+clean:
+	rm -rf $(VENV)

@@ -1,0 +1,188 @@
+"""Loop overhead: steps/s of ``Trainer.fit`` against a hand-written jitted optax loop.
+
+Same model, same batches (one shuffled epoch of NumPy batches), same devices, measured in one
+run with alternating repeats; reported as ratios (trainkit / hand-written). On 8 fake CPU
+devices DataParallel is compared with a hand-written ``pmap`` loop and a hand-written
+``jit`` + ``NamedSharding`` loop. With the ``bench`` extra installed, Keras 3 ``fit`` on the
+JAX backend (``keras.distribution.DataParallel`` on 8 devices) is a third column.
+
+    python benchmarks/step_overhead.py [--repeats 5] [--steps 60]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+os.environ.setdefault("KERAS_BACKEND", "jax")
+
+import flax.linen as nn  # noqa: E402
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
+from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
+
+import trainkit as tk  # noqa: E402
+
+
+class MLP(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        x = nn.relu(nn.Dense(512)(x.reshape(x.shape[0], -1)))
+        x = nn.relu(nn.Dense(512)(x))
+        return nn.Dense(10)(x)
+
+
+class CNN(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        x = nn.avg_pool(nn.relu(nn.Conv(32, (3, 3))(x)), (2, 2), strides=(2, 2))
+        x = nn.avg_pool(nn.relu(nn.Conv(64, (3, 3))(x)), (2, 2), strides=(2, 2))
+        x = nn.relu(nn.Dense(256)(x.reshape(x.shape[0], -1)))
+        return nn.Dense(10)(x)
+
+
+CASES = {"mlp": (MLP, (784,), 128), "cnn": (CNN, (28, 28, 1), 64)}
+
+
+def dataset(shape, batch_size, steps, seed=0):
+    rng = np.random.default_rng(seed)
+    n = batch_size * steps
+    return rng.normal(size=(n, *shape)).astype(np.float32), rng.integers(0, 10, n).astype(np.int32)
+
+
+def epoch_batches(x, y, batch_size, epoch):
+    order = np.random.default_rng([0, epoch]).permutation(len(x))
+    for lo in range(0, len(x), batch_size):
+        rows = order[lo : lo + batch_size]
+        yield x[rows], y[rows]
+
+
+def hand_written(model, x, y, batch_size, devices, kind):
+    """A plain optax loop: the step jitted (or pmapped), the state donated, 2 steps in flight."""
+    tx = optax.adam(1e-3)
+    params = model.init(jax.random.PRNGKey(0), x[:1])["params"]
+
+    def loss_fn(params, xb, yb):
+        logits = model.apply({"params": params}, xb)
+        return optax.softmax_cross_entropy_with_integer_labels(logits, yb).mean()
+
+    if kind == "pmap":
+        def step(params, opt_state, xb, yb):
+            loss, grads = jax.value_and_grad(loss_fn)(params, xb, yb)
+            grads, loss = jax.lax.pmean((grads, loss), "data")
+            updates, opt_state = tx.update(grads, opt_state, params)
+            return optax.apply_updates(params, updates), opt_state, loss
+
+        mesh = tk.strategies.make_mesh(devices, (len(devices),), ("data",))
+        state = jax.device_put((params, tx.init(params)), NamedSharding(mesh, P()))
+        compiled = jax.pmap(step, axis_name="data", in_axes=(None, None, 0, 0), out_axes=None,
+                            donate_argnums=(0, 1), devices=devices)
+        n = len(devices)
+        put = lambda a: jax.device_put(a.reshape(n, -1, *a.shape[1:]), NamedSharding(mesh, P("data")))  # noqa: E731
+    else:
+        def step(params, opt_state, xb, yb):
+            loss, grads = jax.value_and_grad(loss_fn)(params, xb, yb)
+            updates, opt_state = tx.update(grads, opt_state, params)
+            return optax.apply_updates(params, updates), opt_state, loss
+
+        mesh = tk.strategies.make_mesh(devices, (len(devices),), ("data",))
+        rep, split = NamedSharding(mesh, P()), NamedSharding(mesh, P("data"))
+        state = jax.device_put((params, tx.init(params)), rep)
+        compiled = jax.jit(step, in_shardings=(rep, rep, split, split), out_shardings=(rep, rep, rep),
+                           donate_argnums=(0, 1))
+        put = lambda a: jax.device_put(a, split)  # noqa: E731
+
+    box = {"state": state, "epoch": 0}
+
+    def run():
+        params, opt_state = box["state"]
+        pending = []
+        for xb, yb in epoch_batches(x, y, batch_size, box["epoch"]):
+            params, opt_state, loss = compiled(params, opt_state, put(xb), put(yb))
+            pending.append(loss)
+            if len(pending) > 2:
+                float(pending.pop(0))
+        for loss in pending:
+            float(loss)
+        box["state"], box["epoch"] = (params, opt_state), box["epoch"] + 1
+
+    return run
+
+
+def trainkit_fit(model, x, y, batch_size, strategy):
+    trainer = tk.Trainer(model, loss="sparse_categorical_crossentropy", optimizer=optax.adam(1e-3),
+                         strategy=strategy)
+    return lambda: trainer.fit((x, y), batch_size=batch_size, epochs=1, verbose=0)
+
+
+def keras_fit(case, x, y, batch_size, devices):
+    try:
+        import keras
+    except ImportError:
+        return None
+    if len(devices) > 1:
+        keras.distribution.set_distribution(keras.distribution.DataParallel(devices=devices))
+    else:
+        keras.distribution.set_distribution(None)
+    layers = keras.layers
+    if case == "mlp":
+        body = [layers.Flatten(), layers.Dense(512, activation="relu"), layers.Dense(512, activation="relu")]
+    else:
+        body = [layers.Conv2D(32, 3, padding="same", activation="relu"), layers.AveragePooling2D(2),
+                layers.Conv2D(64, 3, padding="same", activation="relu"), layers.AveragePooling2D(2),
+                layers.Flatten(), layers.Dense(256, activation="relu")]
+    model = keras.Sequential([keras.Input(x.shape[1:]), *body, layers.Dense(10)])
+    model.compile(optimizer=keras.optimizers.Adam(1e-3),
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    return lambda: model.fit(x, y, batch_size=batch_size, epochs=1, verbose=0, shuffle=True)
+
+
+def measure(contenders, steps, repeats):
+    for run in contenders.values():  # compile and warm up
+        run()
+    rates = {name: [] for name in contenders}
+    for _ in range(repeats):
+        for name, run in contenders.items():  # alternate
+            start = time.perf_counter()
+            run()
+            rates[name].append(steps / (time.perf_counter() - start))
+    return {name: statistics.median(r) for name, r in rates.items()}
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=60)
+    args = parser.parse_args()
+    devices = jax.devices()
+    print(f"jax {jax.__version__}, {len(devices)} fake CPU devices, {os.cpu_count()} cores; "
+          f"{args.steps} steps per repeat, median of {args.repeats} alternating repeats\n")
+    header = f"{'model':5} {'devices':>7} {'contender':28} {'steps/s':>9} {'vs hand-written':>16}"
+    print(header + "\n" + "-" * len(header))
+    for case, (model_cls, shape, batch_size) in CASES.items():
+        x, y = dataset(shape, batch_size, args.steps)
+        for n in (1, 8):
+            devs = devices[:n]
+            contenders = {"hand-written jit": hand_written(model_cls(), x, y, batch_size, devs, "jit")}
+            if n > 1:
+                contenders["hand-written pmap"] = hand_written(model_cls(), x, y, batch_size, devs, "pmap")
+            strategy = tk.SingleDevice(devs[0]) if n == 1 else tk.DataParallel(devs)
+            contenders[f"trainkit {type(strategy).__name__}"] = trainkit_fit(model_cls(), x, y, batch_size, strategy)
+            keras_run = keras_fit(case, x, y, batch_size, devs)
+            if keras_run is not None:
+                contenders["keras fit"] = keras_run
+            rates = measure(contenders, args.steps, args.repeats)
+            base = rates["hand-written pmap" if n > 1 else "hand-written jit"]
+            for name, rate in rates.items():
+                print(f"{case:5} {n:>7} {name:28} {rate:9.1f} {rate / base:16.3f}")
+    print("\nratios are against the hand-written pmap loop on 8 devices, the jit loop on 1.")
+
+
+if __name__ == "__main__":
+    main()

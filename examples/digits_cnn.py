@@ -1,0 +1,96 @@
+"""Train a small CNN on scikit-learn's bundled handwritten digits with DataParallel.
+
+    python examples/digits_cnn.py --devices 8        # fake 8 CPU devices on a laptop
+
+The 1,797 8x8 digit images ship inside scikit-learn (no download). A fifth is held out; the
+script prints the held-out accuracy and exits non-zero below ``--min-accuracy``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--devices", type=int, default=0,
+                        help="fake this many CPU devices (0: use the real local devices)")
+    parser.add_argument("--epochs", type=int, default=15)
+    parser.add_argument("--batch-size", type=int, default=64)
+    parser.add_argument("--learning-rate", type=float, default=2e-3)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--min-accuracy", type=float, default=0.95)
+    parser.add_argument("--verbose", type=int, default=1)
+    return parser.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.devices:  # must happen before JAX is imported
+        os.environ["JAX_PLATFORMS"] = "cpu"
+        os.environ["XLA_FLAGS"] = (
+            os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={args.devices}"
+        )
+
+    import flax.linen as nn
+    import jax
+    import numpy as np
+    import optax
+    from sklearn.datasets import load_digits
+
+    import trainkit as tk
+
+    class CNN(nn.Module):
+        """Two 3x3 convolutions with ReLU and average pooling, then a 256-unit dense layer."""
+
+        @nn.compact
+        def __call__(self, x):
+            x = nn.Conv(32, (3, 3))(x)
+            x = nn.avg_pool(nn.relu(x), (2, 2), strides=(2, 2))
+            x = nn.Conv(64, (3, 3))(x)
+            x = nn.avg_pool(nn.relu(x), (2, 2), strides=(2, 2))
+            x = nn.relu(nn.Dense(256)(x.reshape(x.shape[0], -1)))
+            return nn.Dense(10)(x)
+
+    digits = load_digits()
+    images = (digits.images / 16.0).astype(np.float32)[..., None]  # (1797, 8, 8, 1) in [0, 1]
+    labels = digits.target.astype(np.int32)
+    order = np.random.default_rng(args.seed).permutation(len(labels))
+    held_out = len(labels) // 5
+    test, train = order[:held_out], order[held_out:]
+
+    trainer = tk.Trainer(
+        CNN(),
+        loss=optax.softmax_cross_entropy_with_integer_labels,
+        optimizer=optax.adam(args.learning_rate),
+        metrics=["accuracy"],
+        strategy=tk.DataParallel(),
+        seed=args.seed,
+    )
+    print(f"trainkit {tk.__version__} on {jax.device_count()} {jax.devices()[0].platform} devices: "
+          f"{trainer.strategy.describe()}")
+    start = time.perf_counter()
+    history = trainer.fit(
+        (images[train], labels[train]),
+        epochs=args.epochs,
+        batch_size=args.batch_size,
+        validation_data=(images[test], labels[test]),
+        verbose=args.verbose,
+    )
+    seconds = time.perf_counter() - start
+    result = trainer.evaluate((images[test], labels[test]), batch_size=128)
+    predictions = trainer.predict(images[test], batch_size=128)
+    assert predictions.shape == (len(test), 10)
+    print(f"held-out accuracy {result['accuracy']:.4f}, loss {result['loss']:.4f} "
+          f"({len(test)} images; {len(history.epoch)} epochs in {seconds:.1f} s)")
+    if result["accuracy"] < args.min_accuracy:
+        print(f"below the expected {args.min_accuracy:.2f}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,21 @@
+"""The README's example runs end to end and reaches its accuracy target."""
+
+import os
+import pathlib
+import re
+import subprocess
+import sys
+
+ROOT = pathlib.Path(__file__).parent.parent
+
+
+def test_digits_cnn_reaches_95_percent_on_8_fake_devices():
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / "digits_cnn.py"), "--devices", "8", "--verbose", "0"],
+        capture_output=True, text=True, env=env, timeout=300,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "8 cpu devices: DataParallel(pmap over 8 devices" in result.stdout
+    accuracy = float(re.search(r"held-out accuracy (\d\.\d+)", result.stdout).group(1))
+    assert accuracy >= 0.95
