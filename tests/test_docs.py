@@ -1,0 +1,18 @@
+"""The Python blocks of the user guides run as written."""
+
+import pathlib
+import re
+
+import pytest
+
+DOCS = pathlib.Path(__file__).parent.parent / "docs"
+
+
+@pytest.mark.parametrize("page", ["quickstart.md", "callbacks.md", "strategies.md"])
+def test_guide_code_runs(page):
+    namespace: dict = {}
+    blocks = re.findall(r"```python\n(.*?)```", (DOCS / page).read_text(), re.S)
+    assert blocks, f"{page} has no python example"
+    for block in blocks:
+        exec(compile(block, str(DOCS / page), "exec"), namespace)
+    assert namespace.get("trainer") is not None and namespace["trainer"].state is not None
