@@ -29,7 +29,7 @@ import optax
 from trainkit import data as data_lib
 from trainkit import losses, metrics as metrics_lib
 from trainkit.callbacks import Callback, CallbackList, History, ProgressBar
-from trainkit.model import adapt_model
+from trainkit.model import NNXModel, adapt_model
 from trainkit.state import Batch, TrainState
 from trainkit.step import make_eval_step, make_predict_step, make_train_step
 from trainkit.strategies import Strategy, resolve_strategy
@@ -163,8 +163,6 @@ class Trainer:
         abstract = jax.eval_shape(self._adapter.init, jax.random.PRNGKey(0), first_row)
         given = self._initial_variables
         if given is None:
-            from trainkit.model import NNXModel
-
             if isinstance(self._adapter, NNXModel):
                 return self._adapter.init(None, None)
             return None
@@ -368,7 +366,8 @@ class Trainer:
         verbose: int = 0,
     ) -> dict[str, float]:
         """The loss and metrics over the whole dataset, exact for any device count:
-        ``{"loss": float, "accuracy": float, ...}``."""
+        ``{"loss": float, "accuracy": float, ...}``. ``verbose`` is accepted for Keras
+        compatibility; evaluation prints nothing."""
         dataset, batch_size = self._prepare(data, y, sample_weight, batch_size, targets=True)
         return self._evaluate(dataset, batch_size, steps, CallbackList(callbacks, trainer=self))
 
@@ -395,7 +394,9 @@ class Trainer:
         verbose: int = 0,
     ) -> PyTree:
         """Model outputs with exactly one row per input row (padding removed): an array, or a
-        pytree of arrays for models with several outputs."""
+        pytree of arrays for models with several outputs. ``x`` takes the forms ``fit``
+        takes (targets, if present, are ignored); ``verbose`` is accepted for Keras
+        compatibility."""
         dataset, batch_size = self._prepare(x, None, None, batch_size, targets=False)
         predict_fn = self._function("predict")
         callback_list = CallbackList(callbacks, trainer=self)
