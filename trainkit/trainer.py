@@ -160,12 +160,12 @@ class Trainer:
 
     def _starting_variables(self, first_row):
         """Given variables (checked against the model's own) or the NNX module's arrays."""
-        abstract = jax.eval_shape(self._adapter.init, jax.random.PRNGKey(0), first_row)
         given = self._initial_variables
         if given is None:
             if isinstance(self._adapter, NNXModel):
                 return self._adapter.init(None, None)
             return None
+        abstract = jax.eval_shape(self._adapter.init, jax.random.PRNGKey(0), first_row)
         if isinstance(given, dict) and "params" in given:
             variables = (given["params"], {k: v for k, v in given.items() if k != "params"})
         else:

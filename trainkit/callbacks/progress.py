@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 from rich.console import Console
+from rich.table import Column
 from rich.progress import (
     BarColumn,
     MofNCompleteColumn,
@@ -50,32 +51,33 @@ class ProgressBar(Callback):
         self._epochs: int | None = None
 
     def on_train_begin(self, logs: Logs | None = None) -> None:
-        if self.verbose == 0:
-            return
-        self.console = self.console or Console()
-        self._epochs = getattr(self.trainer, "epochs", None)
-        if self.verbose == 1:
-            self._progress = Progress(
-                TextColumn("[bold]{task.description}"),
-                BarColumn(bar_width=20),
-                MofNCompleteColumn(),
-                TimeElapsedColumn(),
-                TextColumn("eta"),
-                TimeRemainingColumn(),
-                _Rate(),
-                TextColumn("{task.fields[metrics]}", markup=False),
-                console=self.console,
-                refresh_per_second=8,
-            )
-            self._progress.start()
+        if self.verbose:
+            self.console = self.console or Console()
+            self._epochs = getattr(self.trainer, "epochs", None)
 
     def _describe(self, epoch: int) -> str:
         return f"Epoch {epoch + 1}/{self._epochs}" if self._epochs else f"Epoch {epoch + 1}"
 
     def on_epoch_begin(self, epoch: int, logs: Logs | None = None) -> None:
-        if self._progress is not None:
-            total = getattr(self.trainer, "steps_per_epoch", None)
-            self._task = self._progress.add_task(self._describe(epoch), total=total, metrics="")
+        if self.verbose != 1:
+            return
+        # One live bar per epoch: when it stops, its last frame stays above the next epoch's.
+        self._progress = Progress(
+            TextColumn("[bold]{task.description}", table_column=Column(no_wrap=True)),
+            BarColumn(bar_width=20),
+            MofNCompleteColumn(table_column=Column(no_wrap=True)),
+            TimeElapsedColumn(),
+            TextColumn("eta"),
+            TimeRemainingColumn(),
+            _Rate(),
+            TextColumn("{task.fields[metrics]}", markup=False,
+                       table_column=Column(no_wrap=True, overflow="ellipsis")),
+            console=self.console,
+            refresh_per_second=8,
+        )
+        total = getattr(self.trainer, "steps_per_epoch", None)
+        self._task = self._progress.add_task(self._describe(epoch), total=total, metrics="")
+        self._progress.start()
 
     def on_train_batch_end(self, batch: int, logs: Logs | None = None) -> None:
         if self._progress is not None:
@@ -84,11 +86,14 @@ class ProgressBar(Callback):
     def on_epoch_end(self, epoch: int, logs: Logs | None = None) -> None:
         if self._progress is not None:
             task = self._progress.tasks[-1]
-            self._progress.update(self._task, total=task.completed, metrics=format_logs(logs))
+            self._progress.update(self._task, total=task.completed, metrics="")
+            self._progress.stop()
+            self._progress = None
+            self.console.print(f"  {format_logs(logs)}", highlight=False, soft_wrap=True)
         elif self.verbose == 2 and self.console is not None:
             self.console.print(f"{self._describe(epoch)}  {format_logs(logs)}", highlight=False, soft_wrap=True)
 
     def on_train_end(self, logs: Logs | None = None) -> None:
-        if self._progress is not None:
+        if self._progress is not None:  # stopped mid-epoch
             self._progress.stop()
             self._progress = None
