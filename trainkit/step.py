@@ -70,13 +70,18 @@ def _rows(loss: jax.Array, num_rows: int) -> jax.Array:
     return loss.reshape(num_rows, -1).mean(axis=1)
 
 
+def _loss_total(row_loss: jax.Array, batch: Batch) -> jax.Array:
+    """``sum(loss * sample_weight)`` over the real rows (padded rows dropped, even if NaN)."""
+    return jnp.where(batch["mask"] > 0, row_loss * _row_weights(batch), 0).sum()
+
+
 def _batch_metrics(
-    metric_fns: Mapping[str, MetricFn], predictions, batch: Batch, row_loss, axis_name
+    metric_fns: Mapping[str, MetricFn], predictions, batch: Batch, loss_total, axis_name
 ) -> Metrics:
     mask = batch["mask"]
     weights = _row_weights(batch)
     # The loss follows Keras: sum(loss * sample_weight) / (number of real rows).
-    metrics = {"loss": WeightedAverage(total=jnp.where(mask > 0, row_loss * weights, 0).sum(), count=mask.sum())}
+    metrics = {"loss": WeightedAverage(total=loss_total, count=mask.sum())}
     for name, fn in metric_fns.items():
         values = _rows(fn(predictions, batch["y"]), mask.shape[0])
         metrics[name] = WeightedAverage.from_values(values, weights)
@@ -93,19 +98,16 @@ def make_train_step(
 
     def train_step(state: TrainState, batch: Batch) -> tuple[TrainState, Metrics]:
         rng = _step_rng(state, axis_name)
-        mask = batch["mask"]
-        weights = _row_weights(batch)
-        global_rows = _psum(mask.sum(), axis_name)
+        global_rows = _psum(batch["mask"].sum(), axis_name)
 
         def objective(params):
             loss, (predictions, model_state) = compute_loss(
                 params, batch, rng, model_state=state.model_state, train=True
             )
-            row_loss = _rows(loss, mask.shape[0])
-            total = jnp.where(mask > 0, row_loss * weights, 0).sum()
-            return total / global_rows, (row_loss, predictions, model_state)
+            total = _loss_total(_rows(loss, batch["mask"].shape[0]), batch)
+            return total / global_rows, (total, predictions, model_state)
 
-        grads, (row_loss, predictions, model_state) = jax.grad(objective, has_aux=True)(
+        grads, (loss_total, predictions, model_state) = jax.grad(objective, has_aux=True)(
             state.params
         )
         if axis_name is not None:
@@ -116,7 +118,7 @@ def make_train_step(
         new_state = state.replace(
             step=state.step + 1, params=params, opt_state=opt_state, model_state=model_state
         )
-        metrics = _batch_metrics(metric_fns, predictions, batch, row_loss, axis_name)
+        metrics = _batch_metrics(metric_fns, predictions, batch, loss_total, axis_name)
         return new_state, metrics
 
     return train_step
@@ -131,8 +133,8 @@ def make_eval_step(
         loss, (predictions, _) = compute_loss(
             state.params, batch, state.rng, model_state=state.model_state, train=False
         )
-        row_loss = _rows(loss, batch["mask"].shape[0])
-        return _batch_metrics(metric_fns, predictions, batch, row_loss, axis_name)
+        loss_total = _loss_total(_rows(loss, batch["mask"].shape[0]), batch)
+        return _batch_metrics(metric_fns, predictions, batch, loss_total, axis_name)
 
     return eval_step
 

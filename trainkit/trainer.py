@@ -324,34 +324,26 @@ class Trainer:
         return self.history
 
     def _train_epoch(self, train_fn, batches, callback_list, max_steps) -> tuple[int, dict]:
-        strategy = self.strategy
-        pending: collections.deque = collections.deque()
-        totals, logs, ran = None, {}, 0
         batch_begin = callback_list.on_train_batch_begin
         batch_end = callback_list.on_train_batch_end
 
-        def receive(totals):
-            index, self.reported_step, metrics = pending.popleft()
-            totals = metrics_lib.merge(totals, _host_float64(metrics))
-            logs = metrics_lib.compute(totals, self._log_order) if batch_end.active or not pending else {}
-            if batch_end.active:
-                batch_end(index, logs)
-            return totals, logs
+        def dispatch():
+            for index, host_batch in enumerate(batches):
+                if batch_begin.active:
+                    batch_begin(index)
+                self.state, metrics = train_fn(self.state, self.strategy.put_batch(host_batch))
+                self.global_step += 1
+                yield index, self.global_step, metrics
+                if self.stop_training or (max_steps is not None and self.global_step >= max_steps):
+                    return
 
-        for index, host_batch in enumerate(batches):
-            if batch_begin.active:
-                batch_begin(index)
-            self.state, metrics = train_fn(self.state, strategy.put_batch(host_batch))
-            self.global_step += 1
+        totals, ran = None, 0
+        for index, self.reported_step, metrics in self._bounded(dispatch()):
+            totals = metrics_lib.merge(totals, _host_float64(metrics))
             ran += 1
-            pending.append((index, self.global_step, metrics))
-            if len(pending) > self.max_in_flight:
-                totals, logs = receive(totals)
-            if self.stop_training or (max_steps is not None and self.global_step >= max_steps):
-                break
-        while pending:
-            totals, logs = receive(totals)
-        return ran, logs
+            if batch_end.active:
+                batch_end(index, metrics_lib.compute(totals, self._log_order))
+        return ran, ({} if totals is None else metrics_lib.compute(totals, self._log_order))
 
     # ------------------------------------------------------------------ evaluate / predict
     def evaluate(
