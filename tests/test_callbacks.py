@@ -29,7 +29,7 @@ def test_history_is_keras_compatible(xy):
     x, y = xy
     history = make_trainer().fit((x, y), epochs=3, batch_size=16, validation_data=(x, y), verbose=0)
     assert history.epoch == [0, 1, 2]
-    assert list(history.history) == ["loss", "accuracy", "val_loss", "val_accuracy"]
+    assert list(history.history) == ["loss", "accuracy", "grad_norm", "val_loss", "val_accuracy"]
     assert all(len(v) == 3 for v in history.history.values())
     assert history.params == {"epochs": 3, "steps": 4, "verbose": 0}
 
@@ -43,7 +43,7 @@ def test_callbacks_see_every_hook_in_order_and_can_stop(xy):
         def on_epoch_begin(self, epoch, logs=None): events.append(f"epoch_begin{epoch}")
         def on_train_batch_end(self, batch, logs=None):
             events.append(f"batch{batch}")
-            assert set(logs) == {"loss", "accuracy"}
+            assert set(logs) == {"loss", "accuracy", "grad_norm"}
             if self.trainer.global_step >= 6:
                 self.trainer.stop_training = True
         def on_test_end(self, logs=None): events.append("test_end")
@@ -88,7 +88,7 @@ def test_early_stopping_mode_auto_and_min_delta():
 
 def test_missing_monitored_metric_warns_with_the_existing_names(xy):
     x, y = xy
-    with pytest.warns(UserWarning, match=r"'val_loss', which is not among the logged metrics: accuracy, loss"):
+    with pytest.warns(UserWarning, match=r"'val_loss', which is not among the logged metrics: accuracy, grad_norm, loss"):
         make_trainer().fit((x, y), epochs=1, batch_size=16, callbacks=[EarlyStopping()], verbose=0)
 
 

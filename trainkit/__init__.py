@@ -6,6 +6,7 @@
 """
 
 from trainkit import callbacks, losses, metrics, strategies
+from trainkit.precision import Precision
 from trainkit.state import TrainState
 from trainkit.strategies import DataParallel, SingleDevice, Strategy
 from trainkit.trainer import Trainer
@@ -14,6 +15,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "Trainer",
+    "Precision",
     "TrainState",
     "Strategy",
     "SingleDevice",

@@ -240,17 +240,22 @@ def as_dataset(data: Any, y: PyTree = None, sample_weight: PyTree = None) -> Dat
     return IterableDataset(data)
 
 
-def check_batch_size(batch_size: int, shards: int, *, what: str = "batch_size") -> None:
-    """Raises if ``batch_size`` cannot be split evenly into ``shards`` parts."""
+def check_batch_size(batch_size: int, shards: int, *, micro_batches: int = 1, what: str = "batch_size") -> None:
+    """Raises if ``batch_size`` cannot be split evenly into ``shards`` device parts (each split
+    again into ``micro_batches`` for gradient accumulation)."""
     if not isinstance(batch_size, (int, np.integer)) or batch_size <= 0:
-        raise ValueError(f"{what} must be a positive integer; received {batch_size!r}.")
-    if batch_size % shards:
-        lower = batch_size - batch_size % shards
-        upper = lower + shards
+        raise ValueError(f"{what}={batch_size!r}: it must be a positive integer.")
+    parts = shards * micro_batches
+    if batch_size % parts:
+        lower = batch_size - batch_size % parts
+        upper = lower + parts
         nearest = f"{lower} or {upper}" if lower > 0 else f"{upper}"
+        into = f"{shards} devices" + (
+            f" x {micro_batches} micro-batches (grad_accum_steps)" if micro_batches > 1 else ""
+        )
         raise ValueError(
-            f"{what}={batch_size} cannot be split evenly across {shards} devices "
-            f"({batch_size} / {shards} is not an integer). Use a multiple of {shards}: the "
+            f"{what}={batch_size} cannot be split evenly across {into} "
+            f"({batch_size} / {parts} is not an integer). Use a multiple of {parts}: the "
             f"nearest valid sizes are {nearest}."
         )
 

@@ -129,9 +129,10 @@ def get_metrics(metrics: Sequence[str | MetricFn] | None) -> dict[str, MetricFn]
     return resolved
 
 
-def compute(totals: dict[str, WeightedAverage], order: Sequence[str] = ("loss",)) -> dict[str, float]:
-    """Python floats ``total / count`` for each metric (NaN where nothing was counted), the
-    names in ``order`` first (pytrees sort dict keys; logs keep the user's order)."""
+def compute(totals: dict[str, clu.metrics.Metric], order: Sequence[str] = ("loss",)) -> dict[str, float]:
+    """Python floats ``total / count`` for each metric (a ``WeightedAverage`` or a
+    ``clu.metrics.LastValue``; NaN where nothing was counted), the names in ``order`` first
+    (pytrees sort dict keys; logs keep the user's order)."""
     names = [n for n in order if n in totals] + [n for n in totals if n not in order]
     return {
         name: float(totals[name].total / totals[name].count) if float(totals[name].count) else float("nan")

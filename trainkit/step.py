@@ -29,6 +29,7 @@ from typing import Any, Callable, Mapping
 import jax
 import jax.numpy as jnp
 import optax
+from clu.metrics import LastValue
 
 from trainkit.metrics import MetricFn, WeightedAverage
 from trainkit.state import Batch, TrainState
@@ -76,8 +77,9 @@ def _loss_total(row_loss: jax.Array, batch: Batch) -> jax.Array:
 
 
 def _batch_metrics(
-    metric_fns: Mapping[str, MetricFn], predictions, batch: Batch, loss_total, axis_name
+    metric_fns: Mapping[str, MetricFn], predictions, batch: Batch, loss_total
 ) -> Metrics:
+    """Masked totals and counts of one (device-local) batch; sum them across devices."""
     mask = batch["mask"]
     weights = _row_weights(batch)
     # The loss follows Keras: sum(loss * sample_weight) / (number of real rows).
@@ -85,7 +87,25 @@ def _batch_metrics(
     for name, fn in metric_fns.items():
         values = _rows(fn(predictions, batch["y"]), mask.shape[0])
         metrics[name] = WeightedAverage.from_values(values, weights)
-    return _psum(metrics, axis_name)
+    return metrics
+
+
+def _microbatches(batch: Batch, k: int) -> Batch:
+    return jax.tree.map(lambda a: a.reshape((k, a.shape[0] // k) + a.shape[1:]), batch)
+
+
+def learning_rate(opt_state) -> jax.Array | None:
+    """The current learning rate when the optimizer exposes it (``optax.inject_hyperparams``)."""
+    is_injected = lambda n: isinstance(getattr(n, "hyperparams", None), dict)  # noqa: E731
+    for node in jax.tree.leaves(opt_state, is_leaf=is_injected):
+        if is_injected(node) and "learning_rate" in node.hyperparams:
+            return node.hyperparams["learning_rate"]
+    return None
+
+
+def _all_finite(tree) -> jax.Array:
+    leaves = [jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)]
+    return jnp.stack(leaves).all() if leaves else jnp.array(True)
 
 
 def make_train_step(
@@ -93,32 +113,82 @@ def make_train_step(
     tx: optax.GradientTransformation,
     metric_fns: Mapping[str, MetricFn],
     axis_name: str | None = None,
+    *,
+    grad_accum_steps: int = 1,
 ) -> Callable[[TrainState, Batch], tuple[TrainState, Metrics]]:
-    """The pure training step; ``axis_name`` names the device axis under ``pmap``/``shard_map``."""
+    """The pure training step; ``axis_name`` names the device axis under ``pmap``/``shard_map``.
+
+    With ``grad_accum_steps=k`` the (per-device) batch is split into ``k`` micro-batches
+    that run one after another inside the step (a ``lax.scan``): peak activation memory falls
+    by about ``k`` while the update equals the update on the whole batch. When
+    ``state.loss_scale`` is set, the loss is scaled before differentiation, the gradients
+    unscaled, and a step with non-finite gradients leaves the state unchanged (but for
+    ``step``, ``loss_scale`` and the rng).
+    """
+
+    def micro_step(params, model_state, batch, rng, global_rows, scale):
+        def objective(params):
+            loss, (predictions, new_model_state) = compute_loss(
+                params, batch, rng, model_state=model_state, train=True
+            )
+            total = _loss_total(_rows(loss, batch["mask"].shape[0]), batch)
+            return total / global_rows * scale, (total, predictions, new_model_state)
+
+        grads, (total, predictions, model_state) = jax.grad(objective, has_aux=True)(params)
+        return grads, model_state, _batch_metrics(metric_fns, predictions, batch, total)
 
     def train_step(state: TrainState, batch: Batch) -> tuple[TrainState, Metrics]:
         rng = _step_rng(state, axis_name)
         global_rows = _psum(batch["mask"].sum(), axis_name)
-
-        def objective(params):
-            loss, (predictions, model_state) = compute_loss(
-                params, batch, rng, model_state=state.model_state, train=True
+        scale = 1.0 if state.loss_scale is None else state.loss_scale.scale
+        if grad_accum_steps == 1:
+            grads, model_state, metrics = micro_step(
+                state.params, state.model_state, batch, rng, global_rows, scale
             )
-            total = _loss_total(_rows(loss, batch["mask"].shape[0]), batch)
-            return total / global_rows, (total, predictions, model_state)
+        else:
+            def body(carry, inputs):
+                grads, model_state, metrics = carry
+                index, micro = inputs
+                g, model_state, m = micro_step(
+                    state.params, model_state, micro, jax.random.fold_in(rng, index), global_rows, scale
+                )
+                return (jax.tree.map(jnp.add, grads, g), model_state, jax.tree.map(jnp.add, metrics, m)), None
 
-        grads, (loss_total, predictions, model_state) = jax.grad(objective, has_aux=True)(
-            state.params
-        )
+            micro = _microbatches(batch, grad_accum_steps)
+            first = jax.tree.map(lambda a: a[0], micro)
+            zeros = jax.eval_shape(micro_step, state.params, state.model_state, first, rng, global_rows, scale)
+            zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), (zeros[0], zeros[2]))
+            (grads, model_state, metrics), _ = jax.lax.scan(
+                body, (zeros[0], state.model_state, zeros[1]),
+                (jnp.arange(grad_accum_steps), micro),
+            )
         if axis_name is not None:
             grads = jax.lax.psum(grads, axis_name)
             model_state = jax.tree.map(partial(_pmean_floats, axis_name=axis_name), model_state)
+        if state.loss_scale is not None:
+            grads = jax.tree.map(lambda g: (g / scale).astype(g.dtype), grads)
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
+        loss_scale = state.loss_scale
+        if loss_scale is not None:
+            finite = _all_finite(grads)
+            keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(finite, a, b), new, old)  # noqa: E731
+            params, opt_state = keep(params, state.params), keep(opt_state, state.opt_state)
+            model_state = keep(model_state, state.model_state)
+            loss_scale = loss_scale.adjust(finite)
         new_state = state.replace(
-            step=state.step + 1, params=params, opt_state=opt_state, model_state=model_state
+            step=state.step + 1, params=params, opt_state=opt_state, model_state=model_state,
+            loss_scale=loss_scale,
         )
-        metrics = _batch_metrics(metric_fns, predictions, batch, loss_total, axis_name)
+        metrics = _psum(metrics, axis_name)
+        if loss_scale is not None:  # a skipped step's (overflowed) loss is not an observation
+            metrics = jax.tree.map(lambda v: jnp.where(finite, v, jnp.zeros_like(v)), metrics)
+        metrics["grad_norm"] = LastValue(value=optax.tree.norm(grads))
+        rate = learning_rate(opt_state)
+        if rate is not None:
+            metrics["learning_rate"] = LastValue(value=jnp.asarray(rate, jnp.float32))
+        if loss_scale is not None:
+            metrics["loss_scale"] = LastValue(value=loss_scale.scale)
         return new_state, metrics
 
     return train_step
@@ -134,7 +204,7 @@ def make_eval_step(
             state.params, batch, state.rng, model_state=state.model_state, train=False
         )
         loss_total = _loss_total(_rows(loss, batch["mask"].shape[0]), batch)
-        return _batch_metrics(metric_fns, predictions, batch, loss_total, axis_name)
+        return _psum(_batch_metrics(metric_fns, predictions, batch, loss_total), axis_name)
 
     return eval_step
 

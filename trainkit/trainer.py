@@ -30,6 +30,8 @@ from trainkit import data as data_lib
 from trainkit import losses, metrics as metrics_lib
 from trainkit.callbacks import Callback, CallbackList, History, ProgressBar
 from trainkit.model import NNXModel, adapt_model
+from trainkit.precision import Precision, cast_floating, get_precision
+from trainkit.remat import wrap_remat
 from trainkit.state import Batch, TrainState
 from trainkit.step import make_eval_step, make_predict_step, make_train_step
 from trainkit.strategies import Strategy, resolve_strategy
@@ -77,6 +79,9 @@ class Trainer:
         strategy: str | Strategy = "auto",
         seed: int = 0,
         params: PyTree | None = None,
+        precision: str | Precision | None = "fp32",
+        remat: Any = None,
+        grad_accum_steps: int = 1,
     ):
         self.model = model
         self._adapter = adapt_model(model)
@@ -96,6 +101,14 @@ class Trainer:
         self.strategy = resolve_strategy(strategy)
         self.seed = int(seed)
         self._initial_variables = params
+        self.precision = get_precision(precision)
+        if not isinstance(grad_accum_steps, (int, np.integer)) or grad_accum_steps < 1:
+            raise ValueError(
+                f"grad_accum_steps must be a positive integer; received {grad_accum_steps!r}."
+            )
+        self.grad_accum_steps = int(grad_accum_steps)
+        self.remat = remat
+        self._apply = self.precision.wrap_apply(wrap_remat(self._adapter, remat))
         self.state: TrainState | None = None
         self.input_spec: PyTree | None = None
         self._compiled: dict[str, Any] = {}
@@ -109,8 +122,9 @@ class Trainer:
 
     # ------------------------------------------------------------------ override points
     def apply(self, params: PyTree, model_state: PyTree, x: PyTree, *, rng: jax.Array, train: bool):
-        """Runs the model: ``(outputs, new_model_state)``. Pure; usable inside ``compute_loss``."""
-        return self._adapter.apply(params, model_state, x, rng=rng, train=train)
+        """Runs the model: ``(outputs, new_model_state)`` under the precision policy and remat
+        setting. Pure; usable inside ``compute_loss``."""
+        return self._apply(params, model_state, x, rng=rng, train=train)
 
     def compute_loss(
         self, params: PyTree, batch: Batch, rng: jax.Array, *, model_state: PyTree, train: bool
@@ -151,12 +165,13 @@ class Trainer:
             params, model_state = self._adapter.init(init_rng, first_row)
         else:
             params, model_state = variables
+        params = cast_floating(params, self.precision.param_dtype)
         return TrainState.create(
             params=params,
             opt_state=self.optimizer.init(params),
             model_state=model_state,
             seed=state_rng,
-        )
+        ).replace(loss_scale=self.precision.init_loss_scale())
 
     def _starting_variables(self, first_row):
         """Given variables (checked against the model's own) or the NNX module's arrays."""
@@ -212,7 +227,8 @@ class Trainer:
             )
             axis = self.strategy.axis_name
             if kind == "train":
-                fn = make_train_step(self.compute_loss, self.optimizer, self.metric_fns, axis)
+                fn = make_train_step(self.compute_loss, self.optimizer, self.metric_fns, axis,
+                                     grad_accum_steps=self.grad_accum_steps)
                 self._compiled[kind] = self.strategy.compile_train(fn, abstract)
             elif kind == "eval":
                 fn = make_eval_step(self.compute_loss, self.metric_fns, axis)
@@ -223,7 +239,7 @@ class Trainer:
         return self._compiled[kind]
 
     # ------------------------------------------------------------------ input checks
-    def _prepare(self, data, y, sample_weight, batch_size, *, targets: bool):
+    def _prepare(self, data, y, sample_weight, batch_size, *, targets: bool, training: bool = False):
         dataset = data_lib.as_dataset(data, y, sample_weight)
         if targets and not dataset.has_targets and not self._custom_loss:
             raise ValueError(
@@ -240,7 +256,8 @@ class Trainer:
             batch_size = dataset.batch_size
         else:
             batch_size = 32 if batch_size is None else batch_size
-        data_lib.check_batch_size(batch_size, self.strategy.num_batch_shards)
+        data_lib.check_batch_size(batch_size, self.strategy.num_batch_shards,
+                                  micro_batches=self.grad_accum_steps if training else 1)
         x0, y0, _ = dataset.first()
         if targets and self._loss_fn is not None:
             losses.check_targets(self._loss_fn, y0)
@@ -275,7 +292,7 @@ class Trainer:
         for name, value in (("steps_per_epoch", steps_per_epoch), ("max_steps", max_steps)):
             if value is not None and (not isinstance(value, (int, np.integer)) or value < 1):
                 raise ValueError(f"{name} must be a positive integer or None; received {value!r}.")
-        dataset, batch_size = self._prepare(data, y, sample_weight, batch_size, targets=True)
+        dataset, batch_size = self._prepare(data, y, sample_weight, batch_size, targets=True, training=True)
         validation = None
         if validation_data is not None:
             validation = self._prepare(

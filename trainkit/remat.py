@@ -1,0 +1,126 @@
+"""Rematerialisation (activation checkpointing) without editing the model's code.
+
+``remat=`` takes
+
+- ``None``: no remat;
+- ``"full"``: every direct submodule of the model is rematerialised and saves nothing, so the
+  backward pass recomputes its activations;
+- ``"dots"`` / ``"dots_no_batch"``: the same, but matrix products (all of them, or those
+  without batch dimensions) are saved (``jax.checkpoint_policies``);
+- a ``jax.checkpoint`` policy (any callable such as
+  ``jax.checkpoint_policies.save_only_these_names("attn")``), applied the same way;
+- a list of Flax submodule class names, e.g. ``["Block"]``: each call of such a submodule,
+  at any depth, is rematerialised (nothing saved), e.g. every block of a transformer.
+
+Submodule calls are wrapped with Flax's lifted ``nn.checkpoint`` from a method interceptor,
+for ``flax.linen`` modules. The gradients equal those without remat; a model with dropout draws
+other (equally distributed) masks under remat, because the lifted transform folds its rngs.
+
+>>> resolve_remat("dots_no_batch").modules is None
+True
+>>> resolve_remat(["Block"]).modules
+frozenset({'Block'})
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+from typing import Any, Callable, Sequence
+
+import flax.linen as nn
+import jax
+
+from trainkit.model import LinenModel, ModelAdapter
+
+POLICIES: dict[str, Callable | None] = {
+    "full": None,  # save nothing
+    "dots": jax.checkpoint_policies.checkpoint_dots,
+    "dots_no_batch": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class RematSpec:
+    """What to rematerialise: ``modules`` (class names; ``None`` = direct submodules) and the
+    ``jax.checkpoint`` policy of what to save inside each."""
+
+    policy: Callable | None
+    modules: frozenset[str] | None
+
+
+def resolve_remat(remat: Any) -> RematSpec | None:
+    """A :class:`RematSpec` from the forms ``Trainer(remat=...)`` accepts."""
+    if remat is None:
+        return None
+    if isinstance(remat, str):
+        if remat not in POLICIES:
+            raise ValueError(
+                f"Unknown remat policy {remat!r}. Known names: {', '.join(POLICIES)}; or pass a "
+                "jax.checkpoint policy, or a list of Flax submodule class names such as ['Block']."
+            )
+        return RematSpec(POLICIES[remat], None)
+    if isinstance(remat, (list, tuple, set, frozenset)) and remat and all(isinstance(n, str) for n in remat):
+        return RematSpec(None, frozenset(remat))
+    if callable(remat):
+        return RematSpec(remat, None)
+    raise TypeError(
+        f"remat must be None, a policy name, a jax.checkpoint policy or a list of submodule "
+        f"class names; received {remat!r}."
+    )
+
+
+_inside = threading.local()
+
+
+def _is_dynamic(value: Any) -> bool:
+    leaves = jax.tree.leaves(value)
+    return bool(leaves) and all(isinstance(leaf, jax.Array) for leaf in leaves)
+
+
+def _interceptor(spec: RematSpec):
+    def intercept(next_fun, args, kwargs, context):
+        module = context.module
+        if spec.modules is None:
+            selected = len(module.scope.path) == 1  # a direct submodule of the model
+        else:
+            selected = type(module).__name__ in spec.modules
+        if context.method_name != "__call__" or not selected or getattr(_inside, "active", False):
+            return next_fun(*args, **kwargs)
+        names = list(kwargs)
+        values = list(args) + [kwargs[n] for n in names]
+        dynamic = [_is_dynamic(v) for v in values]
+        arrays = [v for v, d in zip(values, dynamic) if d]
+
+        def call(mdl, *arrays):
+            it = iter(arrays)
+            full = [next(it) if d else v for v, d in zip(values, dynamic)]
+            _inside.active = True
+            try:
+                return type(mdl).__call__(mdl, *full[: len(args)], **dict(zip(names, full[len(args):])))
+            finally:
+                _inside.active = False
+
+        return nn.checkpoint(call, policy=spec.policy, prevent_cse=True)(module, *arrays)
+
+    return intercept
+
+
+def wrap_remat(adapter: ModelAdapter, remat: Any) -> Callable:
+    """The adapter's ``apply`` with the remat setting applied (unchanged for ``None``)."""
+    spec = resolve_remat(remat)
+    if spec is None:
+        return adapter.apply
+    if not isinstance(adapter, LinenModel):
+        raise ValueError(
+            f"remat={remat!r} needs a flax.linen module; this model is a "
+            f"{type(adapter.module).__name__} (NNX). Wrap the submodules you want to "
+            "rematerialise with nnx.remat in the model's code, and pass remat=None."
+        )
+    interceptor = _interceptor(spec)
+
+    def apply(params, model_state, x, *, rng, train):
+        with nn.intercept_methods(interceptor):
+            return adapter.apply(params, model_state, x, rng=rng, train=train)
+
+    return apply
