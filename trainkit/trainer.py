@@ -28,7 +28,7 @@ import optax
 
 from trainkit import data as data_lib
 from trainkit import losses, metrics as metrics_lib
-from trainkit.callbacks import Callback, CallbackList, History, ProgressBar
+from trainkit.callbacks import Callback, CallbackList, History, ProgressBar, TerminateOnNaN
 from trainkit.model import NNXModel, adapt_model
 from trainkit.precision import Precision, cast_floating, get_precision
 from trainkit.remat import wrap_remat
@@ -61,6 +61,13 @@ class Trainer:
         seed: seeds initialisation, dropout and the shuffle order.
         params: variables to start from (``{"params": ..., "batch_stats": ...}`` or just the
             parameter tree), for fine-tuning.
+        precision: ``"fp32"`` (default), ``"bf16"``, ``"fp16"`` (mixed, dynamic loss
+            scaling) or a :class:`trainkit.Precision`.
+        remat: ``None``, ``"full"``, ``"dots"``, ``"dots_no_batch"``, a ``jax.checkpoint``
+            policy, or a list of Flax submodule class names to rematerialise (see
+            :mod:`trainkit.remat`).
+        grad_accum_steps: split each global batch into this many micro-batches inside one
+            compiled step; the update equals the whole batch's.
 
     Override :meth:`compute_loss` to train a model whose loss is not ``loss(preds, y)``.
     """
@@ -354,9 +361,21 @@ class Trainer:
                 if self.stop_training or (max_steps is not None and self.global_step >= max_steps):
                     return
 
+        warn_non_finite = self.precision.loss_scale is None and not any(
+            isinstance(c, TerminateOnNaN) for c in callback_list.callbacks
+        )
         totals, ran = None, 0
         for index, self.reported_step, metrics in self._bounded(dispatch()):
-            totals = metrics_lib.merge(totals, _host_float64(metrics))
+            metrics = _host_float64(metrics)
+            if warn_non_finite and not np.isfinite(metrics["loss"].total):
+                warn_non_finite = False  # once per epoch
+                warnings.warn(
+                    f"The loss is {metrics['loss'].total / metrics['loss'].count} at step "
+                    f"{self.reported_step} (batch {index} of epoch {self.epoch}); training goes "
+                    "on. Add tk.callbacks.TerminateOnNaN() to stop at the first non-finite loss.",
+                    stacklevel=3,
+                )
+            totals = metrics_lib.merge(totals, metrics)
             ran += 1
             if batch_end.active:
                 batch_end(index, metrics_lib.compute(totals, self._log_order))
