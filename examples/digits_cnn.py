@@ -22,6 +22,8 @@ def parse_args(argv=None):
     parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument("--learning-rate", type=float, default=2e-3)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--precision", default="fp32", help="fp32, bf16 or fp16 (mixed)")
+    parser.add_argument("--grad-accum-steps", type=int, default=1)
     parser.add_argument("--min-accuracy", type=float, default=0.95)
     parser.add_argument("--verbose", type=int, default=1)
     return parser.parse_args(argv)
@@ -65,10 +67,13 @@ def main(argv=None) -> int:
     trainer = tk.Trainer(
         CNN(),
         loss=optax.softmax_cross_entropy_with_integer_labels,
-        optimizer=optax.adam(args.learning_rate),
+        # a schedule through inject_hyperparams shows the learning rate in the logs
+        optimizer=optax.inject_hyperparams(optax.adam)(learning_rate=args.learning_rate),
         metrics=["accuracy"],
         strategy=tk.DataParallel(),
         seed=args.seed,
+        precision=args.precision,
+        grad_accum_steps=args.grad_accum_steps,
     )
     print(f"trainkit {tk.__version__} on {jax.device_count()} {jax.devices()[0].platform} devices: "
           f"{trainer.strategy.describe()}")

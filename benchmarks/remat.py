@@ -1,0 +1,71 @@
+"""Remat settings side by side on the benchmark transformer: compiled temp bytes and steps/s.
+
+For each ``remat=`` setting, the real train step of ``tk.Trainer`` (SingleDevice) is lowered
+and compiled; ``compiled.memory_analysis()`` gives its temporary (activation) bytes, and a few
+real steps, alternated across settings, give steps/s. Ratios are against ``remat=None``.
+
+    python benchmarks/remat.py [--batch 4] [--seq 128] [--steps 3] [--repeats 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import jax  # noqa: E402
+import optax  # noqa: E402
+
+import trainkit as tk  # noqa: E402
+from models import TransformerLM, count_params, token_batches  # noqa: E402
+
+SETTINGS = {"none": None, "full": "full", "dots": "dots", "dots_no_batch": "dots_no_batch", "Block": ["Block"]}
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--seq", type=int, default=128)
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=2, help="0: memory only")
+    args = parser.parse_args()
+    x, y = token_batches(8192, args.batch, args.seq, args.steps)
+    trainers, memory = {}, {}
+    for name, remat in SETTINGS.items():
+        trainer = tk.Trainer(TransformerLM(), loss="sparse_categorical_crossentropy",
+                             optimizer=optax.adamw(1e-3), strategy=tk.SingleDevice(), remat=remat)
+        state = trainer.init(x[: args.batch])
+        batch = trainer.strategy.put_batch({"x": x[: args.batch], "y": y[: args.batch],
+                                            "mask": jax.numpy.ones(args.batch)})
+        compiled = trainer._function("train").lower(state, batch).compile()
+        memory[name] = compiled.memory_analysis()
+        trainers[name] = trainer
+    params = count_params(trainers["none"].params)
+    rates = {name: [float("nan")] for name in trainers}
+    if args.repeats:
+        for trainer in trainers.values():  # warm up (compile inside fit)
+            trainer.fit((x, y), batch_size=args.batch, epochs=1, verbose=0)
+        rates = {name: [] for name in trainers}
+    for _ in range(args.repeats):
+        for name, trainer in trainers.items():
+            start = time.perf_counter()
+            trainer.fit((x, y), batch_size=args.batch, epochs=1, verbose=0)
+            rates[name].append(args.steps / (time.perf_counter() - start))
+    print(f"TransformerLM: {params / 1e6:.1f}M parameters, batch {args.batch} x {args.seq} tokens, "
+          f"jax {jax.__version__}, {os.cpu_count()} cores; median of {args.repeats} alternating repeats")
+    header = f"{'remat':14} {'temp MiB':>9} {'temp vs none':>13} {'args MiB':>9} {'steps/s':>8} {'speed vs none':>14}"
+    print(header + "\n" + "-" * len(header))
+    base_temp, base_rate = memory["none"].temp_size_in_bytes, statistics.median(rates["none"])
+    for name in trainers:
+        m, rate = memory[name], statistics.median(rates[name])
+        print(f"{name:14} {m.temp_size_in_bytes / 2**20:9.1f} {m.temp_size_in_bytes / base_temp:13.3f} "
+              f"{m.argument_size_in_bytes / 2**20:9.1f} {rate:8.3f} {rate / base_rate:14.3f}")
+
+
+if __name__ == "__main__":
+    main()
