@@ -1,6 +1,7 @@
-"""Remat settings side by side on the benchmark transformer: compiled temp bytes and steps/s.
+"""Remat and gradient-accumulation settings side by side on the benchmark transformer:
+compiled temp bytes and steps/s.
 
-For each ``remat=`` setting, the real train step of ``tk.Trainer`` (SingleDevice) is lowered
+For each ``remat=`` / ``grad_accum_steps=`` setting, the real train step of ``tk.Trainer`` (SingleDevice) is lowered
 and compiled; ``compiled.memory_analysis()`` gives its temporary (activation) bytes, and a few
 real steps, alternated across settings, give steps/s. Ratios are against ``remat=None``.
 
@@ -24,7 +25,16 @@ import optax  # noqa: E402
 import trainkit as tk  # noqa: E402
 from models import TransformerLM, count_params, token_batches  # noqa: E402
 
-SETTINGS = {"none": None, "full": "full", "dots": "dots", "dots_no_batch": "dots_no_batch", "Block": ["Block"]}
+# name: (remat, grad_accum_steps)
+SETTINGS = {
+    "none": (None, 1),
+    "full": ("full", 1),
+    "dots": ("dots", 1),
+    "dots_no_batch": ("dots_no_batch", 1),
+    "Block": (["Block"], 1),
+    "accum 2": (None, 2),
+    "accum 4": (None, 4),
+}
 
 
 def main():
@@ -36,9 +46,10 @@ def main():
     args = parser.parse_args()
     x, y = token_batches(8192, args.batch, args.seq, args.steps)
     trainers, memory = {}, {}
-    for name, remat in SETTINGS.items():
+    for name, (remat, accumulation) in SETTINGS.items():
         trainer = tk.Trainer(TransformerLM(), loss="sparse_categorical_crossentropy",
-                             optimizer=optax.adamw(1e-3), strategy=tk.SingleDevice(), remat=remat)
+                             optimizer=optax.adamw(1e-3), strategy=tk.SingleDevice(), remat=remat,
+                             grad_accum_steps=accumulation)
         state = trainer.init(x[: args.batch])
         batch = trainer.strategy.put_batch({"x": x[: args.batch], "y": y[: args.batch],
                                             "mask": jax.numpy.ones(args.batch)})
@@ -58,7 +69,7 @@ def main():
             rates[name].append(args.steps / (time.perf_counter() - start))
     print(f"TransformerLM: {params / 1e6:.1f}M parameters, batch {args.batch} x {args.seq} tokens, "
           f"jax {jax.__version__}, {os.cpu_count()} cores; median of {args.repeats} alternating repeats")
-    header = f"{'remat':14} {'temp MiB':>9} {'temp vs none':>13} {'args MiB':>9} {'steps/s':>8} {'speed vs none':>14}"
+    header = f"{'setting':14} {'temp MiB':>9} {'temp vs none':>13} {'args MiB':>9} {'steps/s':>8} {'speed vs none':>14}"
     print(header + "\n" + "-" * len(header))
     base_temp, base_rate = memory["none"].temp_size_in_bytes, statistics.median(rates["none"])
     for name in trainers:

@@ -80,3 +80,31 @@ def test_remat_errors():
 
     with pytest.raises(ValueError, match="needs a flax.linen module.*nnx.remat"):
         tk.Trainer(Linear(), loss="mse", optimizer=optax.sgd(0.1), remat="full")
+
+
+class DropoutBlock(nn.Module):
+    @nn.compact
+    def __call__(self, x, train: bool = False):
+        return x + nn.Dropout(0.5, deterministic=not train)(nn.Dense(x.shape[-1])(x))
+
+
+class DropoutTower(nn.Module):
+    @nn.compact
+    def __call__(self, x, train: bool = False):
+        x = nn.Dense(16)(x)
+        x = DropoutBlock()(x, train)
+        x = nn.BatchNorm(use_running_average=not train)(x)  # mutable state: lifted checkpoint
+        return nn.Dense(3)(x)
+
+
+def test_remat_with_dropout_and_batch_norm_trains_and_masks_vary():
+    x, y = make_classification(64)
+    trainer = tk.Trainer(DropoutTower(), loss="sparse_categorical_crossentropy", optimizer=optax.adam(0.02),
+                         strategy="single", remat="full")
+    history = trainer.fit((x, y), batch_size=16, epochs=3, verbose=0)
+    assert history.history["loss"][-1] < history.history["loss"][0]
+    state = trainer.state
+    batch = {"x": x[:16], "y": y[:16], "mask": np.ones(16, np.float32)}
+    losses = [float(trainer.compute_loss(state.params, batch, jax.random.PRNGKey(k), model_state=state.model_state,
+                                         train=True)[0].mean()) for k in (0, 1)]
+    assert losses[0] != losses[1]  # dropout is active under remat, with the step's key

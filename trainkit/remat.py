@@ -12,9 +12,12 @@
 - a list of Flax submodule class names, e.g. ``["Block"]``: each call of such a submodule,
   at any depth, is rematerialised (nothing saved), e.g. every block of a transformer.
 
-Submodule calls are wrapped with Flax's lifted ``nn.checkpoint`` from a method interceptor,
-for ``flax.linen`` modules. The gradients equal those without remat; a model with dropout draws
-other (equally distributed) masks under remat, because the lifted transform folds its rngs.
+Submodule calls are intercepted (``flax.linen`` modules). A stateless submodule (only
+``params``) is applied as a pure function whose backward pass recomputes its activations
+inside a conditional on the incoming cotangent (:func:`recompute_in_backward`), so no compiler
+can hoist the recomputation next to the forward pass; a submodule with mutable state (batch
+statistics) goes through Flax's lifted ``nn.checkpoint``. The gradients equal those without
+remat; with dropout, a rematerialised submodule draws its own (equally distributed) masks.
 
 >>> resolve_remat("dots_no_batch").modules is None
 True
@@ -30,6 +33,7 @@ from typing import Any, Callable, Sequence
 
 import flax.linen as nn
 import jax
+import jax.numpy as jnp
 
 from trainkit.model import LinenModel, ModelAdapter
 
@@ -78,6 +82,44 @@ def _is_dynamic(value: Any) -> bool:
     return bool(leaves) and all(isinstance(leaf, jax.Array) for leaf in leaves)
 
 
+def _is_floating(value: Any) -> bool:
+    return all(jnp.issubdtype(leaf.dtype, jnp.floating) for leaf in jax.tree.leaves(value))
+
+
+def recompute_in_backward(fn: Callable, policy: Callable | None) -> Callable:
+    """``fn(variables, rng, *arrays)`` whose backward pass recomputes what ``policy`` does not
+    save, inside a ``lax.cond`` on the incoming cotangent.
+
+    Plain ``jax.checkpoint`` marks what to recompute, but a compiler may schedule the
+    recomputation early, right after the forward pass, which keeps the activations alive
+    anyway: XLA's CPU backend does (its temp bytes do not move). A conditional whose predicate
+    reads the cotangent cannot run before the backward pass reaches it, and its operands'
+    intermediates live only inside it (the idea of JAX's original remat lowering, PR #2391).
+    Gradients are unchanged.
+    """
+    checkpointed = jax.checkpoint(fn, policy=policy or jax.checkpoint_policies.nothing_saveable)
+
+    @jax.custom_vjp
+    def call(variables, rng, *arrays):
+        return fn(variables, rng, *arrays)
+
+    def forward(variables, rng, *arrays):
+        out, vjp = jax.vjp(lambda v, *a: checkpointed(v, rng, *a), variables, *arrays)
+        return out, (vjp,)
+
+    def backward(residuals, cotangent):
+        (vjp,) = residuals
+        leaf = jax.tree.leaves(cotangent)[0].reshape(-1)[0]
+        always = (leaf == leaf) | jnp.isnan(leaf)  # True, but unknown to the compiler
+        shapes = jax.eval_shape(vjp, cotangent)
+        zeros = lambda _: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)  # noqa: E731
+        grads = jax.lax.cond(always, vjp, zeros, cotangent)
+        return (grads[0], None, *grads[1:])
+
+    call.defvjp(forward, backward)
+    return call
+
+
 def _interceptor(spec: RematSpec):
     def intercept(next_fun, args, kwargs, context):
         module = context.module
@@ -97,10 +139,22 @@ def _interceptor(spec: RematSpec):
             full = [next(it) if d else v for v, d in zip(values, dynamic)]
             _inside.active = True
             try:
-                return type(mdl).__call__(mdl, *full[: len(args)], **dict(zip(names, full[len(args):])))
+                return mdl(*full[: len(args)], **dict(zip(names, full[len(args):])))
             finally:
                 _inside.active = False
 
+        variables = module.variables
+        if set(variables) <= {"params"} and all(_is_floating(a) for a in arrays):
+            # stateless submodule: recompute inside the backward pass (see above)
+            rng = module.make_rng("dropout") if module.scope.has_rng("dropout") else None
+            unbound = module.clone(parent=None)
+
+            def pure(variables, rng, *arrays):
+                return unbound.apply(variables, *arrays, method=call,
+                                     rngs=None if rng is None else {"dropout": rng})
+
+            return recompute_in_backward(pure, spec.policy)(dict(variables), rng, *arrays)
+        # submodules with mutable state (batch statistics): Flax's lifted checkpoint
         return nn.checkpoint(call, policy=spec.policy, prevent_cse=True)(module, *arrays)
 
     return intercept
