@@ -6,16 +6,18 @@
 """
 
 from trainkit import callbacks, losses, metrics, strategies
+from trainkit.checkpoint import CheckpointError
 from trainkit.precision import Precision
 from trainkit.state import TrainState
 from trainkit.strategies import DataParallel, SingleDevice, Strategy
 from trainkit.trainer import Trainer
 
-__version__ = "0.1.0"
+from trainkit.version import __version__
 
 __all__ = [
     "Trainer",
     "Precision",
+    "CheckpointError",
     "TrainState",
     "Strategy",
     "SingleDevice",

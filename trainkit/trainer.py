@@ -19,6 +19,7 @@ from __future__ import annotations
 import collections
 import itertools
 import logging
+import os
 import warnings
 from typing import Any, Iterable, Sequence
 
@@ -26,6 +27,7 @@ import jax
 import numpy as np
 import optax
 
+from trainkit import checkpoint as checkpoint_lib
 from trainkit import data as data_lib
 from trainkit import losses, metrics as metrics_lib
 from trainkit.callbacks import Callback, CallbackList, History, ProgressBar, TerminateOnNaN
@@ -33,11 +35,15 @@ from trainkit.model import NNXModel, adapt_model
 from trainkit.precision import Precision, cast_floating, get_precision
 from trainkit.remat import wrap_remat
 from trainkit.state import Batch, TrainState
+from trainkit.version import __version__
 from trainkit.step import make_eval_step, make_predict_step, make_train_step
 from trainkit.strategies import Strategy, resolve_strategy
 
 PyTree = Any
 logger = logging.getLogger("trainkit")
+
+#: Exit code of a run stopped by SIGTERM (preemption) after writing its backup: 128 + SIGTERM.
+PREEMPTED_EXIT_CODE = 143
 
 
 def _host_float64(metrics: dict) -> dict:
@@ -126,6 +132,10 @@ class Trainer:
         self.epochs: int | None = None
         self.steps_per_epoch: int | None = None
         self.history: History | None = None
+        self.position = {"epoch": 0, "batch": 0}  # the next batch to train on
+        self.batch_size: int | None = None
+        self.preempted = False  # set by BackupAndRestore on SIGTERM
+        self.resume_position: dict | None = None
 
     # ------------------------------------------------------------------ override points
     def apply(self, params: PyTree, model_state: PyTree, x: PyTree, *, rng: jax.Array, train: bool):
@@ -224,6 +234,80 @@ class Trainer:
             self.strategy.state_sharding((state.params, state.model_state)),
         )
         self.state = state.replace(params=placed[0], model_state=placed[1])
+
+    # ------------------------------------------------------------------ checkpoints
+    def manifest(self) -> dict:
+        """What a checkpoint records besides the arrays (JSON; see docs/checkpointing.md)."""
+        state = self._require_state()
+        mesh = self.strategy.mesh
+        return {
+            "trainkit_version": __version__,
+            "jax_version": jax.__version__,
+            "strategy": type(self.strategy).__name__,
+            "strategy_description": self.strategy.describe(),
+            "mesh": {name: int(size) for name, size in mesh.shape.items()},
+            "device_count": len(self.strategy.devices),
+            "process_count": jax.process_count(),
+            "precision": str(self.precision.compute_dtype),
+            "seed": self.seed,
+            "batch_size": self.batch_size,
+            "grad_accum_steps": self.grad_accum_steps,
+            "position": dict(self.position, global_step=int(self.global_step)),
+            "tree": {
+                "params": checkpoint_lib.tree_signature(state.params),
+                "opt_state": checkpoint_lib.tree_signature(state.opt_state),
+                "model_state": checkpoint_lib.tree_signature(state.model_state),
+            },
+        }
+
+    def save(self, directory: str | os.PathLike, *, max_to_keep: int | None = None) -> int:
+        """Writes the full state and manifest to ``directory`` (an orbax checkpoint at the
+        current step) and waits until it is on disk. Returns the step."""
+        checkpointer = checkpoint_lib.Checkpointer(directory, max_to_keep=max_to_keep, enable_async=False)
+        try:
+            checkpointer.save(self.global_step, self._require_state(), self.manifest(), wait=True)
+        finally:
+            checkpointer.close()
+        return self.global_step
+
+    def load(self, directory: str | os.PathLike | checkpoint_lib.Checkpointer, step: int | None = None) -> dict:
+        """Restores the full state (the latest checkpoint, or ``step``) into this trainer's
+        strategy and shardings; the checkpoint may come from another strategy or device
+        count. Call ``init(sample_batch)`` first. Returns the checkpoint's manifest."""
+        if self.state is None:
+            raise RuntimeError(
+                "load() restores into the trainer's state: call init(sample_batch) (or fit) first, "
+                "so that the model's shapes are known."
+            )
+        own = not isinstance(directory, checkpoint_lib.Checkpointer)
+        checkpointer = checkpoint_lib.Checkpointer(directory) if own else directory
+        try:
+            self.state, manifest = checkpointer.restore(self.state, step)
+        finally:
+            if own:
+                checkpointer.close()
+        self.global_step = int(self.state.step)
+        self._explain_restore(manifest)
+        return manifest
+
+    def _explain_restore(self, manifest: dict) -> None:
+        devices, batch = len(self.strategy.devices), getattr(self, "batch_size", None)
+        if manifest.get("device_count") != devices or manifest.get("strategy") != type(self.strategy).__name__:
+            logger.warning(
+                "Restored step %s written by %s on %s devices into %s on %s devices: the state is "
+                "exact; later steps reduce over another device layout, so they match the "
+                "original run to float rounding, not bit for bit.",
+                manifest["position"]["global_step"], manifest.get("strategy"), manifest.get("device_count"),
+                type(self.strategy).__name__, devices,
+            )
+        if batch is not None and manifest.get("batch_size") not in (None, batch):
+            logger.warning(
+                "The checkpoint was written with batch_size=%s, this run uses %s: the data "
+                "position is converted by examples seen (batch %s -> %s), and the batches, and "
+                "so the updates, differ from the original run from here on.",
+                manifest["batch_size"], batch, manifest["position"]["batch"],
+                manifest["position"]["batch"] * manifest["batch_size"] // batch,
+            )
 
     # ------------------------------------------------------------------ compiled steps
     def _function(self, kind: str):
@@ -324,14 +408,27 @@ class Trainer:
         train_fn = self._function("train")
         logger.info("fit: %s, batch_size=%d, %s steps/epoch", self.strategy.describe(), batch_size, steps)
 
-        callback_list.on_train_begin()
+        self.preempted = False
+        self.resume_position = None
+        self.batch_size = batch_size
+        callback_list.on_train_begin()  # BackupAndRestore may restore a run here
+        start_epoch, start_batch = initial_epoch, 0
+        if self.resume_position is not None:
+            start_epoch, start_batch = self.resume_position["epoch"], self.resume_position["batch"]
         logs: dict[str, float] = {}
-        for epoch in range(initial_epoch, epochs):
+        for epoch in range(start_epoch, epochs):
             self.epoch = epoch
+            first = start_batch if epoch == start_epoch else 0
+            self.position = {"epoch": epoch, "batch": first}
             callback_list.on_epoch_begin(epoch)
-            batches = dataset.batches(batch_size, shuffle=shuffle, seed=self.seed, epoch=epoch)
-            ran, logs = self._train_epoch(train_fn, itertools.islice(batches, steps), callback_list, max_steps)
-            if ran == 0:
+            batches = dataset.batches(batch_size, shuffle=shuffle, seed=self.seed, epoch=epoch, start=first)
+            limit = None if steps is None else max(steps - first, 0)
+            ran, logs = self._train_epoch(
+                train_fn, itertools.islice(batches, limit), callback_list, max_steps, first
+            )
+            if self.preempted:
+                break
+            if ran == 0 and first == 0:
                 warnings.warn(
                     f"The data ran out at epoch {epoch}: no batch was left. Training stops; "
                     "pass steps_per_epoch that the data can serve, or a re-iterable dataset.",
@@ -341,22 +438,26 @@ class Trainer:
             if validation is not None:
                 val_logs = self._evaluate(*validation, None, callback_list)
                 logs.update({f"val_{k}": v for k, v in val_logs.items()})
+            self.position = {"epoch": epoch + 1, "batch": 0}
             callback_list.on_epoch_end(epoch, logs)
             if self.stop_training or (max_steps is not None and self.global_step >= max_steps):
                 break
         callback_list.on_train_end(logs)
+        if self.preempted:
+            raise SystemExit(PREEMPTED_EXIT_CODE)
         return self.history
 
-    def _train_epoch(self, train_fn, batches, callback_list, max_steps) -> tuple[int, dict]:
+    def _train_epoch(self, train_fn, batches, callback_list, max_steps, first) -> tuple[int, dict]:
         batch_begin = callback_list.on_train_batch_begin
         batch_end = callback_list.on_train_batch_end
 
         def dispatch():
-            for index, host_batch in enumerate(batches):
+            for index, host_batch in enumerate(batches, start=first):
                 if batch_begin.active:
                     batch_begin(index)
                 self.state, metrics = train_fn(self.state, self.strategy.put_batch(host_batch))
                 self.global_step += 1
+                self.position = {"epoch": self.epoch, "batch": index + 1}
                 yield index, self.global_step, metrics
                 if self.stop_training or (max_steps is not None and self.global_step >= max_steps):
                     return

@@ -1,0 +1,57 @@
+"""A training run with BackupAndRestore, for the fault tests: it is killed and run again.
+
+    python resumable_fit.py BACKUP_DIR OUT.npz [--sleep S] [--width W]
+
+Writes the final parameters to OUT.npz. ``--sleep`` slows each step (without changing the
+numbers) so a test can interrupt it; ``--width`` makes the model, and so each save, larger.
+"""
+
+import argparse
+import os
+import sys
+import time
+
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import flax.linen as nn  # noqa: E402
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
+
+import trainkit as tk  # noqa: E402
+
+
+class Net(nn.Module):
+    width: int
+
+    @nn.compact
+    def __call__(self, x, train: bool = False):
+        x = nn.relu(nn.Dense(self.width)(x))
+        x = nn.Dropout(0.1, deterministic=not train)(x)
+        return nn.Dense(3)(x)
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("backup")
+    parser.add_argument("out")
+    parser.add_argument("--sleep", type=float, default=0.0)
+    parser.add_argument("--width", type=int, default=32)
+    parser.add_argument("--every", type=int, default=3)
+    args = parser.parse_args()
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(200, 5)).astype(np.float32)
+    y = ((x[:, 0] > 0).astype(np.int32) + (x[:, 1] > 0.5)).astype(np.int32)
+    trainer = tk.Trainer(Net(args.width), loss="sparse_categorical_crossentropy", optimizer=optax.adam(1e-2),
+                         strategy=tk.DataParallel(), seed=1)
+    slow = tk.callbacks.LambdaCallback(on_train_batch_begin=lambda batch, logs=None: time.sleep(args.sleep))
+    trainer.fit((x, y), epochs=4, batch_size=16, verbose=0,
+                callbacks=[tk.callbacks.BackupAndRestore(args.backup, every_n_steps=args.every), slow])
+    flat = {jax.tree_util.keystr(p): np.asarray(v) for p, v in jax.tree_util.tree_leaves_with_path(trainer.params)}
+    np.savez(args.out, step=int(trainer.state.step), **flat)
+    print(f"finished at step {int(trainer.state.step)}", flush=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,214 @@
+"""Checkpoints: orbax round trips, other device counts, best-k, manifests, errors, no pickle."""
+
+import logging
+import os
+import pickle
+import subprocess
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import trainkit as tk
+from conftest import MLP, NoisyMLP, make_classification, tree_allclose
+from trainkit.callbacks import BackupAndRestore, Callback, ModelCheckpoint
+
+
+def make(strategy="single", model=None, optimizer=None, **kwargs):
+    return tk.Trainer(model or NoisyMLP(), loss="sparse_categorical_crossentropy",
+                      optimizer=optimizer or optax.adam(0.01), strategy=strategy, seed=4, **kwargs)
+
+
+def states_equal(a, b):
+    la, lb = jax.tree.leaves(a), jax.tree.leaves(b)
+    assert jax.tree.structure(a) == jax.tree.structure(b) and len(la) == len(lb)
+    for x, y in zip(la, lb):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+def test_save_and_load_restore_the_full_state_and_training_continues_bit_identical(tmp_path):
+    x, y = make_classification(96)
+    uninterrupted = make(precision="fp16")
+    uninterrupted.fit((x, y), batch_size=16, epochs=2, shuffle=False, verbose=0)
+
+    first = make(precision="fp16")
+    first.fit((x, y), batch_size=16, epochs=1, shuffle=False, verbose=0)
+    assert first.save(tmp_path / "ckpt") == 6
+    second = make(precision="fp16")
+    second.init(x)
+    manifest = second.load(tmp_path / "ckpt")
+    states_equal(second.state, first.state)  # params, opt_state, batch_stats, rng, loss scale, step
+    assert manifest["position"] == {"epoch": 1, "batch": 0, "global_step": 6}
+    assert manifest["strategy"] == "SingleDevice" and manifest["jax_version"] == jax.__version__
+    assert manifest["tree"]["params"]["['Dense_0']['kernel']"] == [[5, 16], "float32"]
+    second.fit((x, y), batch_size=16, epochs=2, initial_epoch=1, shuffle=False, verbose=0)
+    states_equal(second.state.params, uninterrupted.state.params)
+
+
+@pytest.mark.parametrize("target", ["dp4", "single"])
+def test_a_checkpoint_moves_to_another_device_count(tmp_path, target, caplog):
+    x, y = make_classification(128)
+    model, optimizer = MLP(), optax.adam(0.01)
+    uninterrupted = make("dp", model, optimizer)
+    uninterrupted.fit((x, y), batch_size=32, epochs=2, shuffle=False, verbose=0)
+    first = make("dp", model, optimizer)
+    first.fit((x, y), batch_size=32, epochs=1, shuffle=False, verbose=0)
+    first.save(tmp_path / "ckpt")
+    strategy = tk.DataParallel(jax.devices()[:4]) if target == "dp4" else tk.SingleDevice()
+    moved = make(strategy, model, optimizer)
+    moved.init(x)
+    with caplog.at_level(logging.WARNING, logger="trainkit"):
+        moved.load(tmp_path / "ckpt")
+    assert "written by DataParallel on 8 devices" in caplog.text and "not bit for bit" in caplog.text
+    leaf = jax.tree.leaves(moved.state.params)[0]
+    assert len(leaf.sharding.device_set) == (4 if target == "dp4" else 1)
+    moved.fit((x, y), batch_size=32, epochs=2, initial_epoch=1, shuffle=False, verbose=0)
+    tree_allclose(moved.params, uninterrupted.params, rtol=1e-5, atol=1e-6)
+
+
+def test_restoring_into_another_model_or_optimizer_names_the_differences(tmp_path):
+    x, y = make_classification(32)
+    trainer = make(model=MLP(features=16))
+    trainer.fit((x, y), batch_size=16, verbose=0)
+    trainer.save(tmp_path / "ckpt")
+    wider = make(model=MLP(features=24))
+    wider.init(x)
+    with pytest.raises(tk.CheckpointError, match=r"params\['Dense_0'\]\['kernel'\]: checkpoint shape \(5, 16\) "
+                                                 r"float32, model shape \(5, 24\) float32"):
+        wider.load(tmp_path / "ckpt")
+    other_optimizer = make(model=MLP(features=16), optimizer=optax.sgd(0.1, momentum=0.9))
+    other_optimizer.init(x)
+    with pytest.raises(tk.CheckpointError, match=r"opt_state.*in the checkpoint, not in the model"):
+        other_optimizer.load(tmp_path / "ckpt")
+
+
+def test_no_pickle_is_used_to_load_or_stored(tmp_path, monkeypatch):
+    x, y = make_classification(32)
+    trainer = make()
+    trainer.fit((x, y), batch_size=16, verbose=0)
+    trainer.save(tmp_path / "ckpt")
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("pickle used while loading a checkpoint")
+
+    monkeypatch.setattr(pickle, "loads", refuse)
+    monkeypatch.setattr(pickle, "load", refuse)
+    monkeypatch.setattr(pickle, "Unpickler", refuse)
+    other = make()
+    other.init(x)
+    other.load(tmp_path / "ckpt")
+    for root, _, files in os.walk(tmp_path / "ckpt"):
+        for name in files:
+            head = open(os.path.join(root, name), "rb").read(2)
+            assert not (head[:1] == b"\x80" and head[1:2] in (b"\x02", b"\x03", b"\x04", b"\x05")), name
+
+
+class FakeValidation(Callback):
+    """Logs a controlled val_metric before the checkpoint callback reads it."""
+
+    def __init__(self, values):
+        self.values = iter(values)
+
+    def on_epoch_end(self, epoch, logs=None):
+        logs["val_metric"] = next(self.values)
+
+
+def test_model_checkpoint_keeps_the_best_k(tmp_path):
+    x, y = make_classification(32)
+    values = [0.9, 0.5, 0.7, 0.4, 0.45, 0.3]  # improvements at epochs 0, 1, 3, 5
+    checkpoint = ModelCheckpoint(tmp_path / "best", monitor="val_metric", save_best_only=True, max_to_keep=2)
+    trainer = make()
+    trainer.fit((x, y), batch_size=16, epochs=6, verbose=0, callbacks=[FakeValidation(values), checkpoint])
+    assert checkpoint.checkpointer.steps() == [8, 12]  # epochs 3 and 5 (2 steps per epoch)
+    assert checkpoint.best_step == 12
+
+
+def test_model_checkpoint_keeps_the_latest_and_saves_every_n_steps(tmp_path):
+    x, y = make_classification(64)
+    checkpoint = ModelCheckpoint(tmp_path / "latest", max_to_keep=3, every_n_steps=3, every_n_epochs=None)
+    trainer = make()
+    trainer.fit((x, y), batch_size=16, epochs=3, verbose=0, callbacks=[checkpoint])
+    assert checkpoint.checkpointer.steps() == [6, 9, 12]
+
+
+def test_a_non_finite_loss_is_never_checkpointed(tmp_path):
+    x, y = make_classification(32)
+    x = x.copy()
+    x[20] = np.inf
+    checkpoint = ModelCheckpoint(tmp_path / "nan", monitor="loss", every_n_epochs=1)
+    trainer = make()
+    with pytest.warns(UserWarning, match="not saving step 2: the loss is nan"):
+        trainer.fit((x, y), batch_size=16, epochs=1, shuffle=False, verbose=0, callbacks=[checkpoint])
+    assert checkpoint.checkpointer.steps() == []
+
+
+def test_unwritable_directory_is_reported_before_training(tmp_path):
+    x, y = make_classification(32)
+    blocker = tmp_path / "a_file"
+    blocker.write_text("not a directory")
+    trainer = make()
+    with pytest.raises(tk.CheckpointError, match=f"Cannot write checkpoints to '{blocker}/ckpt'"):
+        trainer.fit((x, y), batch_size=16, verbose=0, callbacks=[ModelCheckpoint(blocker / "ckpt")])
+    assert int(trainer.state.step) == 0  # nothing trained, nothing lost
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    mount = tmp_path / "disk"
+    mount.mkdir()
+    result = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mount)], capture_output=True)
+    if result.returncode != 0:
+        pytest.skip(f"cannot mount a small tmpfs here: {result.stderr.decode().strip()}")
+    yield mount
+    subprocess.run(["umount", str(mount)], check=False)
+
+
+def test_a_full_disk_raises_naming_the_directory_and_loses_nothing(small_disk, tmp_path):
+    x, y = make_classification(32)
+
+    class FillDisk(Callback):
+        def on_epoch_end(self, epoch, logs=None):
+            if epoch == 0:  # once the first checkpoint is on disk, fill the disk
+                checkpoint.checkpointer.wait()
+                with open(small_disk / "filler", "wb") as f:
+                    try:
+                        while True:
+                            f.write(b"\0" * 65536)
+                    except OSError:
+                        pass
+
+    checkpoint = ModelCheckpoint(small_disk / "ckpt", monitor="loss", every_n_epochs=1)
+    trainer = make()
+    with pytest.raises(tk.CheckpointError, match=rf"Writing a checkpoint to '{small_disk}/ckpt' failed.*"
+                                                 r"last complete checkpoint is step 2"):
+        trainer.fit((x, y), batch_size=16, epochs=4, verbose=0, callbacks=[checkpoint, FillDisk()])
+    assert int(trainer.state.step) >= 4  # the state in memory is intact and can be saved elsewhere
+    trainer.save(tmp_path / "elsewhere")
+    os.remove(small_disk / "filler")
+    restored = make()
+    restored.init(x)
+    assert restored.load(small_disk / "ckpt")["position"]["global_step"] == 2
+
+
+def test_backup_and_restore_converts_the_position_for_another_batch_size(tmp_path, caplog):
+    x, y = make_classification(64)
+
+    class Interrupt(Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            if self.trainer.global_step >= 4:
+                raise KeyboardInterrupt
+
+    trainer = make()
+    with pytest.raises(KeyboardInterrupt):
+        trainer.fit((x, y), batch_size=8, epochs=2, verbose=0,
+                    callbacks=[BackupAndRestore(tmp_path / "backup", every_n_steps=2), Interrupt()])
+    resumed = make()
+    with caplog.at_level(logging.WARNING, logger="trainkit"):
+        resumed.fit((x, y), batch_size=16, epochs=2, verbose=0,
+                    callbacks=[BackupAndRestore(tmp_path / "backup", every_n_steps=2)])
+    assert "written with batch_size=8, this run uses 16" in caplog.text
+    assert "resuming from step 2 (epoch 0, batch 1)" in caplog.text  # 2 batches of 8 = 1 of 16
+    assert int(resumed.state.step) == 2 + 3 + 4  # the rest of epoch 0, then epoch 1
+    assert not (tmp_path / "backup").exists()  # deleted once training completed

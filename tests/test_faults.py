@@ -1,0 +1,115 @@
+"""Faults that must lose nothing, each with a real process that is killed and run again."""
+
+import os
+import pathlib
+import random
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+SCRIPT = pathlib.Path(__file__).parent / "scripts" / "resumable_fit.py"
+PREEMPTED_EXIT_CODE = 143
+
+
+def start(backup, out, *extra):
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    return subprocess.Popen([sys.executable, str(SCRIPT), str(backup), str(out), *extra],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+
+
+def finish(backup, out, *extra):
+    process = start(backup, out, *extra)
+    output, _ = process.communicate(timeout=300)
+    assert process.returncode == 0, output
+    return output
+
+
+def committed_steps(backup):
+    if not backup.exists():
+        return []
+    return sorted(int(p.name) for p in backup.iterdir() if p.name.isdigit() and (p / "commit_success.txt").exists())
+
+
+def wait_for(condition, timeout=120.0, poll=0.005):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = condition()
+        if value:
+            return value
+        time.sleep(poll)
+    raise AssertionError("timed out waiting")
+
+
+def params(path):
+    with np.load(path) as data:
+        return {k: data[k] for k in data.files}
+
+
+def assert_bit_identical(a, b):
+    assert a.keys() == b.keys()
+    for key in a:
+        np.testing.assert_array_equal(a[key], b[key], err_msg=key)
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    root = tmp_path_factory.mktemp("reference")
+    finish(root / "backup", root / "ref.npz")
+    return params(root / "ref.npz")
+
+
+def test_kill_9_at_a_random_step_then_rerun_finishes_bit_identical(tmp_path, reference):
+    backup = tmp_path / "backup"
+    process = start(backup, tmp_path / "out.npz", "--sleep", "0.03")
+    wait_for(lambda: committed_steps(backup))
+    time.sleep(random.uniform(0.0, 0.4))
+    process.kill()  # SIGKILL
+    process.wait()
+    killed_at = committed_steps(backup)
+    assert killed_at and killed_at[-1] < 52  # it died mid-run
+    output = finish(backup, tmp_path / "out.npz")
+    assert re.search(r"resuming from step \d+", output), output
+    assert_bit_identical(params(tmp_path / "out.npz"), reference)
+
+
+def test_kill_9_in_the_middle_of_a_save_keeps_the_previous_checkpoint(tmp_path):
+    backup = tmp_path / "backup"
+    wide = ("--width", "60000")  # about 1 MB of parameters and 2 MB of Adam state per save
+    reference_dir = tmp_path / "reference"
+    finish(reference_dir / "backup", reference_dir / "ref.npz", *wide)
+    process = start(backup, tmp_path / "out.npz", *wide)
+    first = wait_for(lambda: committed_steps(backup))[-1]
+
+    def saving_a_later_step():
+        tmp = [p.name for p in backup.iterdir() if "tmp" in p.name]
+        return tmp if tmp and not any(n.split(".")[0] == str(first) for n in tmp) else None
+
+    in_progress = wait_for(saving_a_later_step, poll=0.0005)
+    process.kill()
+    process.wait()
+    complete = committed_steps(backup)
+    half_written = int(in_progress[0].split(".")[0])
+    assert half_written not in complete  # the half-written save never became a checkpoint
+    output = finish(backup, tmp_path / "out.npz", *wide)
+    resumed = int(re.search(r"resuming from step (\d+)", output).group(1))
+    assert resumed == complete[-1] < half_written
+    assert_bit_identical(params(tmp_path / "out.npz"), params(reference_dir / "ref.npz"))
+
+
+def test_sigterm_finishes_the_step_writes_a_backup_and_exits_143(tmp_path, reference):
+    backup = tmp_path / "backup"
+    process = start(backup, tmp_path / "out.npz", "--sleep", "0.03")
+    wait_for(lambda: committed_steps(backup))
+    process.send_signal(signal.SIGTERM)
+    output, _ = process.communicate(timeout=120)
+    assert process.returncode == PREEMPTED_EXIT_CODE, output
+    written = int(re.search(r"backup of step (\d+) written", output).group(1))
+    assert committed_steps(backup)[-1] == written
+    output = finish(backup, tmp_path / "out.npz")
+    assert f"resuming from step {written}" in output
+    assert_bit_identical(params(tmp_path / "out.npz"), reference)

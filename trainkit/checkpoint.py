@@ -1,0 +1,210 @@
+"""Bytes on disk: save and restore a ``TrainState`` with orbax, plus a JSON manifest.
+
+A checkpoint is an orbax step directory holding ``state`` (arrays, via tensorstore) and
+``meta`` (JSON: the manifest). Nothing is pickled, so loading a checkpoint cannot run code.
+Orbax writes each step into a temporary directory and renames it when complete, so a process
+killed mid-save leaves no half-written checkpoint that could be chosen later.
+
+>>> import tempfile, jax.numpy as jnp
+>>> from trainkit.state import TrainState
+>>> state = TrainState.create(params={"w": jnp.ones(3)}, opt_state=(), model_state={}, seed=0)
+>>> checkpoints = Checkpointer(tempfile.mkdtemp())
+>>> checkpoints.save(0, state, {"position": {"epoch": 0, "batch": 0}}, wait=True)
+True
+>>> restored, manifest = checkpoints.restore(state)
+>>> restored.params["w"].tolist(), manifest["position"]
+([1.0, 1.0, 1.0], {'epoch': 0, 'batch': 0})
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import uuid
+from typing import Any, Callable
+
+import flax.serialization
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+
+PyTree = Any
+logger = logging.getLogger("trainkit")
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint could not be written or does not fit the model being restored."""
+
+
+def tree_signature(tree: PyTree) -> dict[str, list]:
+    """``{path: [shape, dtype]}`` for every array leaf (for manifests and comparisons)."""
+    return {
+        jax.tree_util.keystr(path): [list(np.shape(leaf)), str(np.dtype(leaf.dtype))]
+        for path, leaf in jax.tree_util.tree_leaves_with_path(tree)
+        if hasattr(leaf, "dtype")
+    }
+
+
+def compare_signatures(what: str, saved: dict, current: dict) -> list[str]:
+    """Human-readable differences between two :func:`tree_signature` results."""
+    problems = [f"{what}{k}: in the checkpoint, not in the model" for k in saved if k not in current]
+    problems += [f"{what}{k}: in the model, not in the checkpoint" for k in current if k not in saved]
+    problems += [
+        f"{what}{k}: checkpoint shape {tuple(saved[k][0])} {saved[k][1]}, model shape "
+        f"{tuple(current[k][0])} {current[k][1]}"
+        for k in saved
+        if k in current and saved[k] != current[k]
+    ]
+    return problems
+
+
+def check_writable(directory: str) -> None:
+    """Raises a :class:`CheckpointError` naming ``directory`` if it cannot be written."""
+    try:
+        os.makedirs(directory, exist_ok=True)
+        probe = os.path.join(directory, f".trainkit-write-probe-{uuid.uuid4().hex}")
+        with open(probe, "wb") as f:
+            f.write(b"0" * 4096)
+            f.flush()
+            os.fsync(f.fileno())
+        os.remove(probe)
+    except OSError as error:
+        raise CheckpointError(
+            f"Cannot write checkpoints to {directory!r}: {error.strerror or error}. Choose a "
+            "writable directory with free space (nothing has been trained or lost yet)."
+        ) from error
+
+
+class Checkpointer:
+    """An orbax ``CheckpointManager`` over one directory, for ``TrainState`` + manifest.
+
+    Args:
+        directory: where the step directories go (created if missing).
+        max_to_keep: how many checkpoints to keep (``None``: all).
+        best_fn: maps a step's ``metrics`` dict to a number; with it, the *best* ``max_to_keep``
+            are kept instead of the latest.
+        best_mode: ``"min"`` or ``"max"`` for ``best_fn``.
+        enable_async: write in a background thread after copying the arrays to host memory.
+    """
+
+    def __init__(
+        self,
+        directory: str | os.PathLike,
+        *,
+        max_to_keep: int | None = None,
+        best_fn: Callable[[dict], float] | None = None,
+        best_mode: str = "min",
+        enable_async: bool = True,
+    ):
+        self.directory = os.path.abspath(os.fspath(directory))
+        check_writable(self.directory)
+        options = ocp.CheckpointManagerOptions(
+            max_to_keep=max_to_keep,
+            best_fn=best_fn,
+            best_mode=best_mode,
+            keep_checkpoints_without_metrics=False if best_fn else True,
+            enable_async_checkpointing=enable_async,
+            cleanup_tmp_directories=True,
+        )
+        self._manager = ocp.CheckpointManager(self.directory, options=options)
+        self._last_saved: int | None = None
+
+    # ----------------------------------------------------------------- writing
+    def save(self, step: int, state: PyTree, manifest: dict, *, metrics: dict | None = None,
+             wait: bool = False) -> bool:
+        """Starts writing ``state`` at ``step`` (returns once the arrays are on the host).
+        A step already saved by this checkpointer is not written twice."""
+        if step == self._last_saved or step in self.steps():
+            return False
+        try:
+            saved = self._manager.save(
+                int(step),
+                args=ocp.args.Composite(
+                    state=ocp.args.StandardSave(flax.serialization.to_state_dict(state)),
+                    meta=ocp.args.JsonSave(manifest),
+                ),
+                metrics=metrics,
+                force=True,
+            )
+            self._last_saved = int(step)
+            if wait:
+                self.wait()
+            return bool(saved)
+        except CheckpointError:
+            raise
+        except Exception as error:  # orbax and tensorstore raise many kinds
+            raise self._write_error(error) from error
+
+    def wait(self) -> None:
+        """Blocks until every started write is on disk."""
+        try:
+            self._manager.wait_until_finished()
+        except Exception as error:
+            raise self._write_error(error) from error
+
+    def _write_error(self, error: Exception) -> CheckpointError:
+        last = self.latest_step()
+        kept = f"the last complete checkpoint is step {last}" if last is not None else "no complete checkpoint exists yet"
+        return CheckpointError(
+            f"Writing a checkpoint to {self.directory!r} failed ({type(error).__name__}: {error}). "
+            f"The training state in memory is intact and {kept}. Free disk space or choose "
+            "another directory, then save again (trainer.save(...))."
+        )
+
+    # ----------------------------------------------------------------- reading
+    def steps(self) -> list[int]:
+        return list(self._manager.all_steps())
+
+    def latest_step(self) -> int | None:
+        return self._manager.latest_step()
+
+    def best_step(self) -> int | None:
+        return self._manager.best_step()
+
+    def manifest(self, step: int | None = None) -> dict:
+        step = self._resolve(step)
+        return self._manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+
+    def _resolve(self, step: int | None) -> int:
+        steps = self.steps()
+        if not steps:
+            raise CheckpointError(f"No complete checkpoint in {self.directory!r}.")
+        if step is None:
+            return max(steps)
+        if step not in steps:
+            raise CheckpointError(
+                f"No checkpoint for step {step} in {self.directory!r}; available steps: {sorted(steps)}."
+            )
+        return step
+
+    def restore(self, target: PyTree, step: int | None = None) -> tuple[PyTree, dict]:
+        """Restores into the structure, shapes and shardings of ``target`` (a state of arrays
+        or ``jax.ShapeDtypeStruct``s); raises a :class:`CheckpointError` naming every path
+        whose shape or dtype differs."""
+        step = self._resolve(step)
+        manifest = self.manifest(step)
+        problems = []
+        for part in ("params", "opt_state", "model_state"):
+            if part in manifest.get("tree", {}):
+                problems += compare_signatures(
+                    f"{part}", manifest["tree"][part], tree_signature(getattr(target, part))
+                )
+        if problems:
+            raise CheckpointError(
+                f"The checkpoint at step {step} in {self.directory!r} does not match this "
+                f"model and optimizer: " + "; ".join(problems[:12])
+                + (f" (and {len(problems) - 12} more)" if len(problems) > 12 else "")
+                + ". Restore with the model and optimizer that wrote it."
+            )
+        abstract = jax.tree.map(
+            lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=getattr(a, "sharding", None)),
+            flax.serialization.to_state_dict(target),
+        )
+        restored = self._manager.restore(
+            step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract))
+        )["state"]
+        return flax.serialization.from_state_dict(target, restored), manifest
+
+    def close(self) -> None:
+        self.wait()
+        self._manager.close()

@@ -1,0 +1,3 @@
+"""The trainkit version (one place)."""
+
+__version__ = "0.1.0"
