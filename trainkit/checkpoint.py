@@ -18,6 +18,7 @@ True
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 import os
 import uuid
@@ -30,6 +31,15 @@ import orbax.checkpoint as ocp
 
 PyTree = Any
 logger = logging.getLogger("trainkit")
+
+# A device-side copy of the state, dispatched asynchronously: the next (donating) step may run
+# while a background thread moves the copy to the host and orbax writes it.
+_snapshot = jax.jit(lambda tree: jax.tree.map(lambda a: a.copy(), tree))
+
+# Every orbax write of the process runs on this one thread, one after another: concurrent saves
+# of two CheckpointManagers (e.g. ModelCheckpoint and BackupAndRestore at the same step) were
+# seen to deadlock orbax's signalling between its save phases.
+_WRITER = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="trainkit-checkpoint")
 
 
 class CheckpointError(RuntimeError):
@@ -84,7 +94,10 @@ class Checkpointer:
         best_fn: maps a step's ``metrics`` dict to a number; with it, the *best* ``max_to_keep``
             are kept instead of the latest.
         best_mode: ``"min"`` or ``"max"`` for ``best_fn``.
-        enable_async: write in a background thread after copying the arrays to host memory.
+        enable_async: return from ``save`` at once: the state is copied on its devices (an
+            asynchronous dispatch that costs one state's worth of device memory until it is on
+            the host), and trainkit's checkpoint thread writes the copy with orbax. Errors
+            surface at the next ``save`` or ``wait``.
     """
 
     def __init__(
@@ -103,46 +116,64 @@ class Checkpointer:
             best_fn=best_fn,
             best_mode=best_mode,
             keep_checkpoints_without_metrics=False if best_fn else True,
-            enable_async_checkpointing=enable_async,
+            enable_async_checkpointing=False,  # trainkit's writer thread is the async part
             cleanup_tmp_directories=True,
         )
         self._manager = ocp.CheckpointManager(self.directory, options=options)
         self._last_saved: int | None = None
+        self.enable_async = enable_async
+        self._pending: list[concurrent.futures.Future] = []
 
     # ----------------------------------------------------------------- writing
     def save(self, step: int, state: PyTree, manifest: dict, *, metrics: dict | None = None,
              wait: bool = False) -> bool:
-        """Starts writing ``state`` at ``step`` (returns once the arrays are on the host).
-        A step already saved by this checkpointer is not written twice."""
+        """Starts writing ``state`` at ``step``; a step already saved is not written twice."""
+        self._collect_errors()
         if step == self._last_saved or step in self.steps():
             return False
+        self._last_saved = int(step)
+        state_dict = flax.serialization.to_state_dict(state)
+        if self.enable_async:
+            state_dict = _snapshot(state_dict)
+        self._pending.append(_WRITER.submit(self._write, step, state_dict, manifest, metrics))
+        if wait or not self.enable_async:
+            self.wait()
+        return True
+
+    def _write(self, step, state_dict, manifest, metrics) -> None:
         try:
-            saved = self._manager.save(
+            self._manager.save(
                 int(step),
                 args=ocp.args.Composite(
-                    state=ocp.args.StandardSave(flax.serialization.to_state_dict(state)),
-                    meta=ocp.args.JsonSave(manifest),
+                    state=ocp.args.StandardSave(state_dict), meta=ocp.args.JsonSave(manifest)
                 ),
                 metrics=metrics,
                 force=True,
             )
-            self._last_saved = int(step)
-            if wait:
-                self.wait()
-            return bool(saved)
-        except CheckpointError:
-            raise
         except Exception as error:  # orbax and tensorstore raise many kinds
             raise self._write_error(error) from error
 
+    def _collect_errors(self, block: bool = False) -> None:
+        pending, self._pending = self._pending, []
+        for future in pending:
+            if block or future.done():
+                future.result()  # raises the CheckpointError of a failed write
+            else:
+                self._pending.append(future)
+
     def wait(self) -> None:
         """Blocks until every started write is on disk."""
+        self._collect_errors(block=True)
         try:
             self._manager.wait_until_finished()
         except Exception as error:
             raise self._write_error(error) from error
 
     def _write_error(self, error: Exception) -> CheckpointError:
+        try:
+            self._manager.reload()  # what is really on disk, not what orbax meant to write
+        except Exception:  # noqa: BLE001 - the error being reported matters more
+            pass
         last = self.latest_step()
         kept = f"the last complete checkpoint is step {last}" if last is not None else "no complete checkpoint exists yet"
         return CheckpointError(
@@ -206,5 +237,7 @@ class Checkpointer:
         return flax.serialization.from_state_dict(target, restored), manifest
 
     def close(self) -> None:
-        self.wait()
-        self._manager.close()
+        try:
+            self.wait()
+        finally:
+            self._manager.close()
