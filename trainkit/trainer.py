@@ -306,8 +306,17 @@ class Trainer:
                 "position is converted by examples seen (batch %s -> %s), and the batches, and "
                 "so the updates, differ from the original run from here on.",
                 manifest["batch_size"], batch, manifest["position"]["batch"],
-                manifest["position"]["batch"] * manifest["batch_size"] // batch,
+                self.position_after(manifest)["batch"],
             )
+
+    def position_after(self, manifest: dict) -> dict:
+        """Where to continue after restoring ``manifest``'s checkpoint: its ``epoch`` and
+        ``batch``, the batch converted by examples seen if the batch size changed."""
+        position = dict(manifest["position"])
+        saved, now = manifest.get("batch_size"), self.batch_size
+        if saved and now:
+            position["batch"] = position["batch"] * saved // now
+        return position
 
     # ------------------------------------------------------------------ compiled steps
     def _function(self, kind: str):

@@ -138,10 +138,7 @@ class BackupAndRestore(Callback):
         self.checkpointer = Checkpointer(self.directory, max_to_keep=2)
         self.restored_step = None
         if self.checkpointer.latest_step() is not None:
-            manifest = trainer.load(self.checkpointer)
-            position = dict(manifest["position"])
-            saved_batch = manifest.get("batch_size") or trainer.batch_size
-            position["batch"] = position["batch"] * saved_batch // trainer.batch_size
+            position = trainer.position_after(trainer.load(self.checkpointer))
             trainer.resume_position = position
             self.restored_step = trainer.global_step
             logger.warning(
