@@ -5,6 +5,8 @@ run with alternating repeats; reported as ratios (trainkit / hand-written). On 8
 devices DataParallel is compared with a hand-written ``pmap`` loop and a hand-written
 ``jit`` + ``NamedSharding`` loop. With the ``bench`` extra installed, Keras 3 ``fit`` on the
 JAX backend (``keras.distribution.DataParallel`` on 8 devices) is a third column.
+trainkit runs with ``log_grad_norm=False`` (the same work as the hand-written loop); a second
+row shows the default, which adds one pass over the gradients for the logged ``grad_norm``.
 
     python benchmarks/step_overhead.py [--repeats 5] [--steps 60]
 """
@@ -115,9 +117,9 @@ def hand_written(model, x, y, batch_size, devices, kind):
     return run
 
 
-def trainkit_fit(model, x, y, batch_size, strategy):
+def trainkit_fit(model, x, y, batch_size, strategy, log_grad_norm=False):
     trainer = tk.Trainer(model, loss="sparse_categorical_crossentropy", optimizer=optax.adam(1e-3),
-                         strategy=strategy)
+                         strategy=strategy, log_grad_norm=log_grad_norm)
     return lambda: trainer.fit((x, y), batch_size=batch_size, epochs=1, verbose=0)
 
 
@@ -179,6 +181,7 @@ def main():
                 contenders["hand-written pmap"] = hand_written(model_cls(), x, y, batch_size, devs, "pmap")
             strategy = tk.SingleDevice(devs[0]) if n == 1 else tk.DataParallel(devs)
             contenders[f"trainkit {type(strategy).__name__}"] = trainkit_fit(model_cls(), x, y, batch_size, strategy)
+            contenders["  + log_grad_norm (default)"] = trainkit_fit(model_cls(), x, y, batch_size, strategy, True)
             keras_run = keras_fit(case, x, y, batch_size, devs)
             if keras_run is not None:
                 contenders["keras fit"] = keras_run

@@ -86,3 +86,11 @@ def test_non_finite_loss_warns_with_the_step_unless_terminate_on_nan():
     messages = [str(w.message) for w in caught]
     assert any("TerminateOnNaN: the loss became nan at batch 2 of epoch 0 (step 3" in m for m in messages)
     assert not any(m.startswith("The loss is") for m in messages)
+
+
+def test_grad_norm_can_be_turned_off():
+    x, y = make_classification(32)
+    trainer = tk.Trainer(MLP(), loss="sparse_categorical_crossentropy", optimizer=optax.sgd(0.1),
+                         log_grad_norm=False)
+    history = trainer.fit((x, y), batch_size=16, verbose=0)
+    assert list(history.history) == ["loss"]

@@ -115,6 +115,7 @@ def make_train_step(
     axis_name: str | None = None,
     *,
     grad_accum_steps: int = 1,
+    log_grad_norm: bool = True,
 ) -> Callable[[TrainState, Batch], tuple[TrainState, Metrics]]:
     """The pure training step; ``axis_name`` names the device axis under ``pmap``/``shard_map``.
 
@@ -126,47 +127,50 @@ def make_train_step(
     ``step``, ``loss_scale`` and the rng).
     """
 
-    def micro_step(params, model_state, batch, rng, global_rows, scale):
+    def micro_step(params, model_state, batch, rng, batch_rows, scale):
         def objective(params):
             loss, (predictions, new_model_state) = compute_loss(
                 params, batch, rng, model_state=model_state, train=True
             )
             total = _loss_total(_rows(loss, batch["mask"].shape[0]), batch)
-            return total / global_rows * scale, (total, predictions, new_model_state)
+            return total / batch_rows * scale, (total, predictions, new_model_state)
 
         grads, (total, predictions, model_state) = jax.grad(objective, has_aux=True)(params)
         return grads, model_state, _batch_metrics(metric_fns, predictions, batch, total)
 
     def train_step(state: TrainState, batch: Batch) -> tuple[TrainState, Metrics]:
         rng = _step_rng(state, axis_name)
-        global_rows = _psum(batch["mask"].sum(), axis_name)
+        # Differentiate the masked loss sum over the *static* global batch size, then rescale by
+        # static / real rows after the one all-reduce: the exact gradient of the mean over the
+        # real rows, with no collective before the forward pass.
+        batch_rows = batch["mask"].shape[0] * (1 if axis_name is None else jax.lax.psum(1, axis_name))
         scale = 1.0 if state.loss_scale is None else state.loss_scale.scale
         if grad_accum_steps == 1:
             grads, model_state, metrics = micro_step(
-                state.params, state.model_state, batch, rng, global_rows, scale
+                state.params, state.model_state, batch, rng, batch_rows, scale
             )
         else:
             def body(carry, inputs):
                 grads, model_state, metrics = carry
                 index, micro = inputs
                 g, model_state, m = micro_step(
-                    state.params, model_state, micro, jax.random.fold_in(rng, index), global_rows, scale
+                    state.params, model_state, micro, jax.random.fold_in(rng, index), batch_rows, scale
                 )
                 return (jax.tree.map(jnp.add, grads, g), model_state, jax.tree.map(jnp.add, metrics, m)), None
 
             micro = _microbatches(batch, grad_accum_steps)
             first = jax.tree.map(lambda a: a[0], micro)
-            zeros = jax.eval_shape(micro_step, state.params, state.model_state, first, rng, global_rows, scale)
+            zeros = jax.eval_shape(micro_step, state.params, state.model_state, first, rng, batch_rows, scale)
             zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), (zeros[0], zeros[2]))
             (grads, model_state, metrics), _ = jax.lax.scan(
                 body, (zeros[0], state.model_state, zeros[1]),
                 (jnp.arange(grad_accum_steps), micro),
             )
+        grads, metrics = _psum((grads, metrics), axis_name)  # one all-reduce
         if axis_name is not None:
-            grads = jax.lax.psum(grads, axis_name)
             model_state = jax.tree.map(partial(_pmean_floats, axis_name=axis_name), model_state)
-        if state.loss_scale is not None:
-            grads = jax.tree.map(lambda g: (g / scale).astype(g.dtype), grads)
+        factor = batch_rows / metrics["loss"].count / scale  # static rows / real rows, unscaled
+        grads = jax.tree.map(lambda g: (g * factor).astype(g.dtype), grads)
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
         loss_scale = state.loss_scale
@@ -180,10 +184,10 @@ def make_train_step(
             step=state.step + 1, params=params, opt_state=opt_state, model_state=model_state,
             loss_scale=loss_scale,
         )
-        metrics = _psum(metrics, axis_name)
         if loss_scale is not None:  # a skipped step's (overflowed) loss is not an observation
             metrics = jax.tree.map(lambda v: jnp.where(finite, v, jnp.zeros_like(v)), metrics)
-        metrics["grad_norm"] = LastValue(value=optax.tree.norm(grads))
+        if log_grad_norm:  # one more pass over the gradients (free when clipping by norm)
+            metrics["grad_norm"] = LastValue(value=optax.tree.norm(grads))
         rate = learning_rate(opt_state)
         if rate is not None:
             metrics["learning_rate"] = LastValue(value=jnp.asarray(rate, jnp.float32))

@@ -74,6 +74,8 @@ class Trainer:
             :mod:`trainkit.remat`).
         grad_accum_steps: split each global batch into this many micro-batches inside one
             compiled step; the update equals the whole batch's.
+        log_grad_norm: log the global gradient norm of every step (``grad_norm``); it costs
+            one more pass over the gradients (free when the optimizer clips by global norm).
 
     Override :meth:`compute_loss` to train a model whose loss is not ``loss(preds, y)``.
     """
@@ -95,6 +97,7 @@ class Trainer:
         precision: str | Precision | None = "fp32",
         remat: Any = None,
         grad_accum_steps: int = 1,
+        log_grad_norm: bool = True,
     ):
         self.model = model
         self._adapter = adapt_model(model)
@@ -120,6 +123,7 @@ class Trainer:
                 f"grad_accum_steps must be a positive integer; received {grad_accum_steps!r}."
             )
         self.grad_accum_steps = int(grad_accum_steps)
+        self.log_grad_norm = bool(log_grad_norm)
         self.remat = remat
         self._apply = self.precision.wrap_apply(wrap_remat(self._adapter, remat))
         self.state: TrainState | None = None
@@ -328,7 +332,8 @@ class Trainer:
             axis = self.strategy.axis_name
             if kind == "train":
                 fn = make_train_step(self.compute_loss, self.optimizer, self.metric_fns, axis,
-                                     grad_accum_steps=self.grad_accum_steps)
+                                     grad_accum_steps=self.grad_accum_steps,
+                                     log_grad_norm=self.log_grad_norm)
                 self._compiled[kind] = self.strategy.compile_train(fn, abstract)
             elif kind == "eval":
                 fn = make_eval_step(self.compute_loss, self.metric_fns, axis)
