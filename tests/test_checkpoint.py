@@ -6,7 +6,6 @@ import pickle
 import subprocess
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import threading
-from typing import Any, Callable, Sequence
+from typing import Any, Callable
 
 import flax.linen as nn
 import jax
