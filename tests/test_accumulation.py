@@ -42,7 +42,7 @@ def test_accumulation_needs_a_divisible_batch():
                                          r"micro-batches \(grad_accum_steps\).*24 or 48"):
         trainer.fit((x, y), batch_size=32, verbose=0)
     with pytest.raises(ValueError, match="grad_accum_steps must be a positive integer"):
-        tk.Trainer(MLP(), loss="mse", optimizer=optax.sgd(0.1), grad_accum_steps=0)
+        tk.Trainer(MLP(), loss="mse", optimizer=optax.sgd(0.1), grad_accum_steps=0, strategy="dp")
 
 
 def test_clipping_schedule_learning_rate_and_grad_norm_in_the_logs():
@@ -75,10 +75,10 @@ def test_non_finite_loss_warns_with_the_step_unless_terminate_on_nan():
     x, y = make_classification(64)
     x = x.copy()
     x[40] = np.inf  # batch 2 (rows 32-47), i.e. step 3
-    trainer = tk.Trainer(MLP(), loss="sparse_categorical_crossentropy", optimizer=optax.sgd(0.1))
+    trainer = tk.Trainer(MLP(), loss="sparse_categorical_crossentropy", optimizer=optax.sgd(0.1), strategy="dp")
     with pytest.warns(UserWarning, match=r"The loss is nan at step 3 \(batch 2 of epoch 0\).*TerminateOnNaN"):
         trainer.fit((x, y), batch_size=16, epochs=1, shuffle=False, verbose=0)
-    trainer = tk.Trainer(MLP(), loss="sparse_categorical_crossentropy", optimizer=optax.sgd(0.1))
+    trainer = tk.Trainer(MLP(), loss="sparse_categorical_crossentropy", optimizer=optax.sgd(0.1), strategy="dp")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         trainer.fit((x, y), batch_size=16, epochs=1, shuffle=False, verbose=0,
@@ -91,6 +91,6 @@ def test_non_finite_loss_warns_with_the_step_unless_terminate_on_nan():
 def test_grad_norm_can_be_turned_off():
     x, y = make_classification(32)
     trainer = tk.Trainer(MLP(), loss="sparse_categorical_crossentropy", optimizer=optax.sgd(0.1),
-                         log_grad_norm=False)
+                         log_grad_norm=False, strategy="dp")
     history = trainer.fit((x, y), batch_size=16, verbose=0)
     assert list(history.history) == ["loss"]

@@ -50,7 +50,7 @@ def test_generator_is_consumed_across_epochs_with_steps_per_epoch():
         while True:
             for i in range(0, 64, 8):
                 yield {"x": x[i : i + 8], "y": y[i : i + 8]}
-    trainer = tk.Trainer(MLP(), loss="sparse_categorical_crossentropy", optimizer=optax.sgd(0.1))
+    trainer = tk.Trainer(MLP(), loss="sparse_categorical_crossentropy", optimizer=optax.sgd(0.1), strategy="dp")
     history = trainer.fit(forever(), epochs=3, steps_per_epoch=5, verbose=0)
     assert len(history.epoch) == 3 and int(trainer.state.step) == 15
     with pytest.raises(ValueError, match="one-shot iterator.*steps_per_epoch"):
@@ -59,14 +59,14 @@ def test_generator_is_consumed_across_epochs_with_steps_per_epoch():
 
 def test_max_steps_bounds_the_run():
     x, y = make_classification(64)
-    trainer = tk.Trainer(MLP(), loss="sparse_categorical_crossentropy", optimizer=optax.sgd(0.1))
+    trainer = tk.Trainer(MLP(), loss="sparse_categorical_crossentropy", optimizer=optax.sgd(0.1), strategy="dp")
     history = trainer.fit((x, y), epochs=10, batch_size=16, max_steps=6, verbose=0)
     assert int(trainer.state.step) == 6 and history.epoch == [0, 1]
 
 
 def test_iterable_batch_larger_than_the_first_is_rejected():
     x, y = make_classification(40)
-    trainer = tk.Trainer(MLP(), loss="sparse_categorical_crossentropy", optimizer=optax.sgd(0.1))
+    trainer = tk.Trainer(MLP(), loss="sparse_categorical_crossentropy", optimizer=optax.sgd(0.1), strategy="dp")
     with pytest.raises(ValueError, match="A batch of 24 rows follows a first batch of 16 rows"):
         trainer.fit([(x[:16], y[:16]), (x[16:], y[16:])], verbose=0)
 

@@ -47,7 +47,7 @@ def test_empty_dataset(no_compile, empty):
 
 @pytest.mark.parametrize("loss", ["sparse_categorical_crossentropy", optax.softmax_cross_entropy_with_integer_labels])
 def test_float_labels_for_sparse_loss(loss):
-    trainer = tk.Trainer(MLP(), loss=loss, optimizer=optax.sgd(0.1))
+    trainer = tk.Trainer(MLP(), loss=loss, optimizer=optax.sgd(0.1), strategy="dp")
     x, y = make_classification(16)
     with pytest.raises(ValueError, match=r"integer class ids.*dtype float32.*astype"):
         trainer.fit((x, y.astype(np.float32)), batch_size=8, verbose=0)
@@ -56,12 +56,12 @@ def test_float_labels_for_sparse_loss(loss):
 
 def test_unknown_loss_lists_known_names():
     with pytest.raises(ValueError, match=r"Unknown loss 'crossentropy'.*sparse_categorical_crossentropy"):
-        tk.Trainer(MLP(), loss="crossentropy", optimizer=optax.sgd(0.1))
+        tk.Trainer(MLP(), loss="crossentropy", optimizer=optax.sgd(0.1), strategy="dp")
 
 
 def test_unknown_metric_lists_known_names():
     with pytest.raises(ValueError, match=r"Unknown metric 'f1'.*accuracy.*top_k_accuracy"):
-        tk.Trainer(MLP(), loss="mse", optimizer=optax.sgd(0.1), metrics=["f1"])
+        tk.Trainer(MLP(), loss="mse", optimizer=optax.sgd(0.1), metrics=["f1"], strategy="dp")
 
 
 @pytest.mark.parametrize("epochs", [0, -1, 1.5])
@@ -74,7 +74,7 @@ def test_bad_epochs(no_compile, epochs):
 @pytest.mark.parametrize("model", [lambda x: x, "MLP", object()])
 def test_non_flax_model(model):
     with pytest.raises(TypeError, match="needs a Flax module; received an object of type"):
-        tk.Trainer(model, loss="mse", optimizer=optax.sgd(0.1))
+        tk.Trainer(model, loss="mse", optimizer=optax.sgd(0.1), strategy="dp")
 
 
 def test_batch_size_devices_cannot_split(no_compile):
@@ -94,7 +94,7 @@ def test_iterable_batches_devices_cannot_split(no_compile):
 
 def test_not_an_optimizer():
     with pytest.raises(TypeError, match="optax.GradientTransformation"):
-        tk.Trainer(MLP(), loss="mse", optimizer="adam")
+        tk.Trainer(MLP(), loss="mse", optimizer="adam", strategy="dp")
 
 
 def test_missing_targets(no_compile):
@@ -111,12 +111,12 @@ def test_unknown_strategy():
 def test_fine_tuning_variables_that_do_not_match():
     x, _ = make_classification(4)
     wrong = {"params": {"Dense_0": {"kernel": np.zeros((5, 16)), "bias": np.zeros(16)}}}
-    trainer = tk.Trainer(MLP(), loss="mse", optimizer=optax.sgd(0.1), params=wrong)
+    trainer = tk.Trainer(MLP(), loss="mse", optimizer=optax.sgd(0.1), params=wrong, strategy="dp")
     with pytest.raises(ValueError, match=r"params= does not match.*missing .*Dense_1"):
         trainer.init(x)
 
 
 def test_state_needed_before_params():
-    trainer = tk.Trainer(MLP(), loss="mse", optimizer=optax.sgd(0.1))
+    trainer = tk.Trainer(MLP(), loss="mse", optimizer=optax.sgd(0.1), strategy="dp")
     with pytest.raises(RuntimeError, match="call fit"):
         trainer.params

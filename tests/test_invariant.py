@@ -7,15 +7,23 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from jax.sharding import PartitionSpec as P
 
 import trainkit as tk
 from conftest import MLP, make_classification, tree_allclose
+
+MLP_TENSOR_RULES = [(r"Dense_0/kernel", P(None, "model")), (r"Dense_1/kernel", P("model", None))]
 
 STRATEGIES = {
     "single": lambda: tk.SingleDevice(),
     "dp8": lambda: tk.DataParallel(),
     "dp4": lambda: tk.DataParallel(jax.devices()[:4]),
+    # min_shard_size=16: the tiny MLP's leaves are really sharded
+    "fsdp8": lambda: tk.FSDP(min_shard_size=16),
+    "hybrid2x4_fsdp": lambda: tk.Hybrid(data=2, fsdp=4, min_shard_size=16),
+    "hybrid2x4_model": lambda: tk.Hybrid(data=2, model=4, rules=MLP_TENSOR_RULES),
 }
+SHARDED = ["dp8", "dp4", "fsdp8", "hybrid2x4_fsdp", "hybrid2x4_model"]
 
 
 def hand_written(x, y, batch_size, epochs, lr, seed):
@@ -57,7 +65,7 @@ def trained(data):
     return results
 
 
-@pytest.mark.parametrize("name", ["dp8", "dp4"])
+@pytest.mark.parametrize("name", SHARDED)
 def test_strategies_match_single_device(trained, name):
     tree_allclose(trained[name][0].params, trained["single"][0].params)
     np.testing.assert_allclose(
@@ -73,12 +81,23 @@ def test_single_device_matches_hand_written_loop(trained, data):
     assert int(trained["dp8"][0].state.step) == 2 * 7  # ceil(100 / 16) steps per epoch
 
 
+def test_sharded_state_really_is_sharded(trained):
+    params = trained["fsdp8"][0].state.params
+    assert params["Dense_0"]["kernel"].sharding.spec == P(None, "fsdp")
+    opt_state = trained["fsdp8"][0].state.opt_state  # momentum follows its parameter
+    assert jax.tree.leaves(opt_state)[1].sharding.spec == params["Dense_0"]["kernel"].sharding.spec
+    tensor = trained["hybrid2x4_model"][0].state.params["Dense_1"]["kernel"]
+    assert tensor.sharding.spec == P("model", None)
+    assert tensor.addressable_shards[0].data.shape == (4, 3)
+
+
+@pytest.mark.parametrize("name", SHARDED)
 @pytest.mark.parametrize("n", [1, 37, 100])
-def test_evaluate_and_predict_exact_on_1_and_8_devices(trained, n):
+def test_evaluate_and_predict_exact_on_every_strategy(trained, name, n):
     x, y = make_classification(n, seed=n)
-    single, dp = trained["single"][0], trained["dp8"][0]
-    dp.set_weights(single.get_weights())  # the same parameters on both
-    e1, e8 = single.evaluate((x, y), batch_size=16), dp.evaluate((x, y), batch_size=16)
+    single, other = trained["single"][0], trained[name][0]
+    other.set_weights(single.get_weights())  # the same parameters on both
+    e1, e8 = single.evaluate((x, y), batch_size=16), other.evaluate((x, y), batch_size=16)
     assert e1.keys() == e8.keys() == {"loss", "accuracy"}
     for k in e1:
         assert e1[k] == pytest.approx(e8[k], rel=1e-6)
@@ -86,7 +105,7 @@ def test_evaluate_and_predict_exact_on_1_and_8_devices(trained, n):
     expected_loss = float(optax.softmax_cross_entropy_with_integer_labels(logits, y).mean())
     assert e1["loss"] == pytest.approx(expected_loss, rel=1e-5)
     assert e1["accuracy"] == pytest.approx(float(np.mean(np.argmax(logits, -1) == y)))
-    p1, p8 = single.predict(x, batch_size=16), dp.predict(x, batch_size=24)
+    p1, p8 = single.predict(x, batch_size=16), other.predict(x, batch_size=24)
     assert p1.shape == p8.shape == (n, 3)
     np.testing.assert_allclose(p1, logits, rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(p8, logits, rtol=1e-5, atol=1e-6)
@@ -101,7 +120,7 @@ def test_sample_weights_follow_keras_semantics():
                              optimizer=optax.sgd(0.1), metrics=["accuracy"], strategy=strategy)
         trainer.init(x)
         results.append(trainer.evaluate((x, y, w), batch_size=16))
-    params = tk.Trainer(MLP(), loss="mse", optimizer=optax.sgd(0.1)).init(x).params
+    params = tk.Trainer(MLP(), loss="mse", optimizer=optax.sgd(0.1), strategy="dp").init(x).params
     logits = MLP().apply({"params": jax.device_get(params)}, x)
     per_example = optax.softmax_cross_entropy_with_integer_labels(logits, y)
     correct = np.argmax(logits, -1) == y

@@ -41,7 +41,7 @@ def test_batch_norm_statistics_are_averaged_across_devices():
 def test_dropout_and_batch_norm_train_and_switch_to_inference():
     x, y = make_classification(256)
     trainer = tk.Trainer(NoisyMLP(), loss="sparse_categorical_crossentropy",
-                         optimizer=optax.adam(0.02), metrics=["accuracy"])
+                         optimizer=optax.adam(0.02), metrics=["accuracy"], strategy="dp")
     history = trainer.fit((x, y), epochs=15, batch_size=32, verbose=0)
     assert history.history["loss"][-1] < history.history["loss"][0]
     # Inference is deterministic: dropout off, running statistics used.
@@ -123,7 +123,7 @@ def test_compute_loss_override_trains_without_targets():
 
 def test_fine_tuning_starts_from_given_variables():
     x, y = make_classification(64)
-    first = tk.Trainer(NoisyMLP(), loss="sparse_categorical_crossentropy", optimizer=optax.adam(0.01))
+    first = tk.Trainer(NoisyMLP(), loss="sparse_categorical_crossentropy", optimizer=optax.adam(0.01), strategy="dp")
     first.fit((x, y), epochs=2, batch_size=16, verbose=0)
     second = tk.Trainer(NoisyMLP(), loss="sparse_categorical_crossentropy", optimizer=optax.sgd(0.01),
                         params=first.get_weights(), strategy="dp", seed=7)
@@ -134,7 +134,7 @@ def test_fine_tuning_starts_from_given_variables():
 
 def test_init_is_idempotent_and_params_are_host_arrays():
     x, _ = make_classification(8)
-    trainer = tk.Trainer(MLP(), loss="mse", optimizer=optax.sgd(0.1))
+    trainer = tk.Trainer(MLP(), loss="mse", optimizer=optax.sgd(0.1), strategy="dp")
     state = trainer.init(x)
     assert trainer.init((x, None)) is state
     assert all(isinstance(leaf, np.ndarray) for leaf in jax.tree.leaves(trainer.params))

@@ -103,9 +103,9 @@ def test_fp16_skips_an_overflowing_step_and_lowers_the_scale(strategy):
 
 
 def test_precision_names_and_errors():
-    assert tk.Trainer(MLP(), loss="mse", optimizer=optax.sgd(0.1), precision="mixed_float16").precision.loss_scale == "dynamic"
+    assert tk.Trainer(MLP(), loss="mse", optimizer=optax.sgd(0.1), precision="mixed_float16", strategy="dp").precision.loss_scale == "dynamic"
     with pytest.raises(ValueError, match=r"Unknown precision 'half'. Known names: fp32.*bf16"):
-        tk.Trainer(MLP(), loss="mse", optimizer=optax.sgd(0.1), precision="half")
+        tk.Trainer(MLP(), loss="mse", optimizer=optax.sgd(0.1), precision="half", strategy="dp")
     with pytest.raises(ValueError, match="must be a floating dtype; received int32"):
         tk.Precision(compute_dtype=jnp.int32)
 
@@ -113,6 +113,6 @@ def test_precision_names_and_errors():
 def test_bf16_params_when_asked():
     x, y = make_classification(16)
     trainer = tk.Trainer(MLP(), loss="sparse_categorical_crossentropy", optimizer=optax.sgd(0.1),
-                         precision=tk.Precision(param_dtype=jnp.bfloat16, compute_dtype=jnp.bfloat16))
+                         precision=tk.Precision(param_dtype=jnp.bfloat16, compute_dtype=jnp.bfloat16), strategy="dp")
     trainer.fit((x, y), batch_size=16, verbose=0)
     assert all(leaf.dtype == jnp.bfloat16 for leaf in jax.tree.leaves(trainer.state.params))

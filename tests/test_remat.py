@@ -66,9 +66,9 @@ def test_training_with_block_remat_matches_no_remat_on_8_devices():
 
 def test_remat_errors():
     with pytest.raises(ValueError, match=r"Unknown remat policy 'everything'. Known names: full, dots"):
-        tk.Trainer(Tower(), loss="mse", optimizer=optax.sgd(0.1), remat="everything")
+        tk.Trainer(Tower(), loss="mse", optimizer=optax.sgd(0.1), remat="everything", strategy="dp")
     with pytest.raises(TypeError, match="remat must be"):
-        tk.Trainer(Tower(), loss="mse", optimizer=optax.sgd(0.1), remat=3)
+        tk.Trainer(Tower(), loss="mse", optimizer=optax.sgd(0.1), remat=3, strategy="dp")
 
     class Linear(nnx.Module):
         def __init__(self):
@@ -78,7 +78,7 @@ def test_remat_errors():
             return self.layer(x)
 
     with pytest.raises(ValueError, match="needs a flax.linen module.*nnx.remat"):
-        tk.Trainer(Linear(), loss="mse", optimizer=optax.sgd(0.1), remat="full")
+        tk.Trainer(Linear(), loss="mse", optimizer=optax.sgd(0.1), remat="full", strategy="dp")
 
 
 class DropoutBlock(nn.Module):

@@ -2,14 +2,14 @@
 
 >>> import trainkit as tk
 >>> sorted(n for n in tk.__all__ if n[0].isupper())[:4]
-['DataParallel', 'SingleDevice', 'Strategy', 'TrainState']
+['CheckpointError', 'DataParallel', 'FSDP', 'Hybrid']
 """
 
 from trainkit import callbacks, losses, metrics, strategies
 from trainkit.checkpoint import CheckpointError
 from trainkit.precision import Precision
 from trainkit.state import TrainState
-from trainkit.strategies import DataParallel, SingleDevice, Strategy
+from trainkit.strategies import FSDP, DataParallel, Hybrid, SingleDevice, Strategy
 from trainkit.trainer import Trainer
 
 from trainkit.version import __version__
@@ -22,6 +22,8 @@ __all__ = [
     "Strategy",
     "SingleDevice",
     "DataParallel",
+    "FSDP",
+    "Hybrid",
     "callbacks",
     "losses",
     "metrics",

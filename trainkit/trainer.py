@@ -20,6 +20,7 @@ import collections
 import itertools
 import logging
 import os
+import sys
 import warnings
 from typing import Any, Iterable, Sequence
 
@@ -29,7 +30,7 @@ import optax
 
 from trainkit import checkpoint as checkpoint_lib
 from trainkit import data as data_lib
-from trainkit import losses, metrics as metrics_lib
+from trainkit import losses, metrics as metrics_lib, plan as plan_lib
 from trainkit.callbacks import Callback, CallbackList, History, ProgressBar, TerminateOnNaN
 from trainkit.model import NNXModel, adapt_model
 from trainkit.precision import Precision, cast_floating, get_precision
@@ -37,7 +38,7 @@ from trainkit.remat import wrap_remat
 from trainkit.state import Batch, TrainState
 from trainkit.version import __version__
 from trainkit.step import make_eval_step, make_predict_step, make_train_step
-from trainkit.strategies import Strategy, resolve_strategy
+from trainkit.strategies import Auto, DataParallel, Strategy, resolve_strategy
 
 PyTree = Any
 logger = logging.getLogger("trainkit")
@@ -140,6 +141,9 @@ class Trainer:
         self.batch_size: int | None = None
         self.preempted = False  # set by BackupAndRestore on SIGTERM
         self.resume_position: dict | None = None
+        self.last_plan: plan_lib.MemoryPlan | None = None  # the plan strategy="auto" chose from
+        self._plan_functions: dict = {}
+        self._batch_abstract: PyTree = None  # the shape of fit's batches, for lowered_text()
 
     # ------------------------------------------------------------------ override points
     def apply(self, params: PyTree, model_state: PyTree, x: PyTree, *, rng: jax.Array, train: bool):
@@ -173,6 +177,7 @@ class Trainer:
         if self.state is not None:
             data_lib.check_same_inputs(self.input_spec, spec)
             return self.state
+        self._resolve_auto(sample_batch, None)
         first_row = jax.tree.map(lambda a: np.asarray(a[:1]), x)
         variables = self._starting_variables(first_row)
         self.state = self.strategy.create_state(self._init_state, variables, first_row)
@@ -233,10 +238,8 @@ class Trainer:
         variables = dict(variables)
         params = variables.pop("params")
         _check_tree_matches("set_weights", (state.params, state.model_state), (params, variables))
-        placed = jax.device_put(
-            (params, variables),
-            self.strategy.state_sharding((state.params, state.model_state)),
-        )
+        shardings = jax.tree.map(lambda a: a.sharding, (state.params, state.model_state))
+        placed = jax.device_put((params, variables), shardings)
         self.state = state.replace(params=placed[0], model_state=placed[1])
 
     # ------------------------------------------------------------------ checkpoints
@@ -323,28 +326,139 @@ class Trainer:
         return position
 
     # ------------------------------------------------------------------ compiled steps
+    def _step_fn(self, kind: str, strategy: Strategy):
+        axis = strategy.axis_name
+        if kind == "train":
+            return make_train_step(self.compute_loss, self.optimizer, self.metric_fns, axis,
+                                   grad_accum_steps=self.grad_accum_steps, log_grad_norm=self.log_grad_norm)
+        if kind == "eval":
+            return make_eval_step(self.compute_loss, self.metric_fns, axis)
+        return make_predict_step(self.apply)
+
+    def _compile(self, kind: str, strategy: Strategy, abstract_state: PyTree):
+        compile_fn = {"train": strategy.compile_train, "eval": strategy.compile_eval,
+                      "predict": strategy.compile_predict}[kind]
+        return compile_fn(self._step_fn(kind, strategy), abstract_state)
+
     def _function(self, kind: str):
         if kind not in self._compiled:
-            state = self._require_state()
-            abstract = jax.tree.map(
-                lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), state
-            )
-            axis = self.strategy.axis_name
-            if kind == "train":
-                fn = make_train_step(self.compute_loss, self.optimizer, self.metric_fns, axis,
-                                     grad_accum_steps=self.grad_accum_steps,
-                                     log_grad_norm=self.log_grad_norm)
-                self._compiled[kind] = self.strategy.compile_train(fn, abstract)
-            elif kind == "eval":
-                fn = make_eval_step(self.compute_loss, self.metric_fns, axis)
-                self._compiled[kind] = self.strategy.compile_eval(fn, abstract)
-            else:
-                fn = make_predict_step(self.apply)
-                self._compiled[kind] = self.strategy.compile_predict(fn, abstract)
+            self._compiled[kind] = self._compile(kind, self.strategy, _abstract(self._require_state()))
         return self._compiled[kind]
 
+    def lowered_text(self, sample_batch: Any = None) -> str:
+        """The train step as StableHLO text, before compiler optimisation (what the removed
+        ``jax.xla_computation`` showed). ``sample_batch`` defaults to the last ``fit``'s batch
+        shape."""
+        return self._lower_train(sample_batch).as_text()
+
+    def compiled_text(self, sample_batch: Any = None) -> str:
+        """The train step as optimised HLO after partitioning: the collectives the compiler
+        inserted (``all-gather``, ``reduce-scatter``, ``all-reduce``) are visible here."""
+        return self._lower_train(sample_batch).compile().as_text()
+
+    def _lower_train(self, sample_batch):
+        state = self._require_state()
+        if sample_batch is not None:
+            x, y, w = data_lib.split_xyw(sample_batch)
+            batch = self.strategy.put_batch(data_lib.pad_batch(x, y, w, data_lib.num_rows(x)))
+        elif self._batch_abstract is not None:
+            batch = self._batch_abstract
+        else:
+            raise ValueError("Pass a sample batch, e.g. trainer.lowered_text((x[:32], y[:32])), or call fit first.")
+        function = self._function("train")
+        if not hasattr(function, "lower"):
+            raise TypeError(f"{type(self.strategy).__name__}.compile_train returned a function without .lower().")
+        return function.lower(_abstract(state), batch)
+
+    # ------------------------------------------------------------------ planning
+    def plan(
+        self,
+        sample_batch: Any,
+        *,
+        batch_size: int | None = None,
+        candidates: Sequence[Strategy] | None = None,
+        measure: bool = False,
+        memory_limit: int | None = None,
+        steps: int = plan_lib.MEASURE_STEPS,
+        verbose: int = 1,
+    ) -> plan_lib.MemoryPlan:
+        """Compiles the real train step under each candidate strategy and reports, per device,
+        the argument / output / temporary / total bytes, the flops, bytes accessed and bytes
+        moved by collectives, and an estimated (or with ``measure=True`` measured) step time.
+
+        ``sample_batch`` is a batch in any form ``fit`` takes; ``batch_size`` (default: its
+        rows) is the global batch size to plan for. Nothing is allocated unless ``measure``.
+        ``verbose=1`` prints the table; the recommended row is what ``strategy="auto"`` picks.
+        """
+        dataset = data_lib.as_dataset(sample_batch)
+        if batch_size is None:
+            batch_size = data_lib.num_rows(dataset.first(sys.maxsize)[0])
+        x, y, w = dataset.first(batch_size)
+        if y is None and not self._custom_loss:
+            raise ValueError("plan() compiles the train step, so the sample batch needs targets: pass (x, y).")
+        host_batch = data_lib.pad_batch(x, y, w, batch_size)
+        first_row = jax.tree.map(lambda a: np.asarray(a[:1]), host_batch["x"])
+        variables = self._starting_variables(first_row)
+        abstract_state = jax.eval_shape(self._init_state, variables, first_row)
+        self._plan_functions = {}
+
+        def lower(strategy: Strategy):
+            data_lib.check_batch_size(batch_size, strategy.num_batch_shards, micro_batches=self.grad_accum_steps)
+            shardings = strategy.state_sharding(abstract_state)
+            abstract = jax.tree.map(
+                lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract_state, shardings
+            )
+            function = self._plan_functions[id(strategy)] = self._compile("train", strategy, abstract)
+            return function.lower(abstract, strategy.put_batch(host_batch))
+
+        host_state = []  # initialised once (sharded, by the first candidate), then copied
+
+        def run(strategy: Strategy, compiled) -> float:
+            if not host_state:
+                host_state.append(jax.device_get(strategy.create_state(self._init_state, variables, first_row)))
+            state = strategy.put_state(host_state[0])
+            return plan_lib.time_steps(compiled, state, strategy.put_batch(host_batch), steps)
+
+        result = plan_lib.make_plan(
+            candidates if candidates is not None else plan_lib.default_candidates(),
+            lower, memory_limit=memory_limit, measure=run if measure else None,
+        )
+        if verbose:
+            result.print()
+        return result
+
+    def _resolve_auto(self, sample_batch: Any, batch_size: int | None, announce: bool = False) -> None:
+        """Replaces an :class:`~trainkit.strategies.Auto` strategy with its plan's choice."""
+        auto = self.strategy
+        if not isinstance(auto, Auto):
+            return
+        if not data_lib.as_dataset(sample_batch).has_targets and not self._custom_loss:
+            self.strategy = DataParallel()
+            logger.info("strategy='auto' without targets to compile the train step with: using %s. "
+                        "Call fit, or init((x, y)), to choose from the compiled plan.", self.strategy.describe())
+            return
+        result = self.plan(sample_batch, batch_size=batch_size, candidates=auto.candidates,
+                           measure=auto.measure, memory_limit=auto.memory_limit, verbose=0)
+        best = result.recommended
+        if best is None:
+            raise ValueError(
+                f"strategy='auto' found no strategy that runs this model and batch: {result.reason()}. "
+                "Lower the batch size, pass remat='full' or grad_accum_steps=k, or pass "
+                f"strategy=tk.strategies.Auto(memory_limit=...) or a strategy.\n{result}"
+            )
+        self.strategy = best.strategy
+        self.last_plan = result
+        function = self._plan_functions.get(id(best.strategy))
+        if function is not None:
+            self._compiled["train"] = function
+        self._plan_functions = {}
+        logger.info("strategy='auto' %s", result.reason())
+        if announce:
+            print(f"strategy='auto' {result.reason()}")
+
     # ------------------------------------------------------------------ input checks
-    def _prepare(self, data, y, sample_weight, batch_size, *, targets: bool, training: bool = False):
+    def _prepare(self, data, y, sample_weight, batch_size, *, targets: bool, training: bool = False,
+                 announce: bool = False):
         dataset = data_lib.as_dataset(data, y, sample_weight)
         if targets and not dataset.has_targets and not self._custom_loss:
             raise ValueError(
@@ -367,6 +481,10 @@ class Trainer:
         if targets and self._loss_fn is not None:
             losses.check_targets(self._loss_fn, y0)
         if self.state is None:
+            if isinstance(self.strategy, Auto):
+                first_x, first_y, _ = dataset.first(batch_size)
+                sample = first_x if first_y is None else (first_x, first_y)
+                self._resolve_auto(sample, batch_size, announce)
             self.init(x0)
         else:
             data_lib.check_same_inputs(self.input_spec, dataset.element_spec())
@@ -397,7 +515,8 @@ class Trainer:
         for name, value in (("steps_per_epoch", steps_per_epoch), ("max_steps", max_steps)):
             if value is not None and (not isinstance(value, (int, np.integer)) or value < 1):
                 raise ValueError(f"{name} must be a positive integer or None; received {value!r}.")
-        dataset, batch_size = self._prepare(data, y, sample_weight, batch_size, targets=True, training=True)
+        dataset, batch_size = self._prepare(data, y, sample_weight, batch_size, targets=True, training=True,
+                                            announce=bool(verbose))
         validation = None
         if validation_data is not None:
             validation = self._prepare(
@@ -469,7 +588,10 @@ class Trainer:
             for index, host_batch in enumerate(batches, start=first):
                 if batch_begin.active:
                     batch_begin(index)
-                self.state, metrics = train_fn(self.state, self.strategy.put_batch(host_batch))
+                batch = self.strategy.put_batch(host_batch)
+                if self._batch_abstract is None:
+                    self._batch_abstract = _abstract(batch)
+                self.state, metrics = train_fn(self.state, batch)
                 self.global_step += 1
                 self.position = {"epoch": self.epoch, "batch": index + 1}
                 yield index, self.global_step, metrics
@@ -565,6 +687,10 @@ class Trainer:
             if len(pending) > self.max_in_flight:
                 yield pending.popleft()
         yield from pending
+
+
+def _abstract(tree: PyTree) -> PyTree:
+    return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), tree)
 
 
 def _check_tree_matches(what: str, expected: PyTree, received: PyTree) -> None:

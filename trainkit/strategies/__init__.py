@@ -4,19 +4,29 @@ from __future__ import annotations
 
 import jax
 
-from trainkit.strategies.base import SingleDevice, Strategy, make_mesh
+from trainkit.strategies.auto import Auto
+from trainkit.strategies.base import Strategy, make_mesh
 from trainkit.strategies.data_parallel import DataParallel
+from trainkit.strategies.fsdp import FSDP
+from trainkit.strategies.hybrid import Hybrid
+from trainkit.strategies.sharded import ShardedStrategy, SingleDevice
 
-__all__ = ["Strategy", "SingleDevice", "DataParallel", "make_mesh", "resolve_strategy"]
+__all__ = [
+    "Auto", "Strategy", "ShardedStrategy", "SingleDevice", "DataParallel", "FSDP", "Hybrid", "make_mesh",
+    "resolve_strategy",
+]
 
-_NAMES = {"single": SingleDevice, "single_device": SingleDevice, "data_parallel": DataParallel, "dp": DataParallel}
+_NAMES = {
+    "single": SingleDevice, "single_device": SingleDevice, "data_parallel": DataParallel,
+    "dp": DataParallel, "fsdp": FSDP,
+}
 
 
 def resolve_strategy(strategy: "str | Strategy") -> Strategy:
     """A strategy object from an instance, a name, or ``"auto"``.
 
-    ``"auto"`` picks :class:`DataParallel` when more than one local device exists, else
-    :class:`SingleDevice`.
+    ``"auto"`` is :class:`SingleDevice` on one local device, else :class:`Auto` (resolved by
+    the Trainer from its compiled plan).
 
     >>> isinstance(resolve_strategy("single"), SingleDevice)
     True
@@ -24,7 +34,7 @@ def resolve_strategy(strategy: "str | Strategy") -> Strategy:
     if isinstance(strategy, Strategy):
         return strategy
     if strategy == "auto":
-        return DataParallel() if len(jax.local_devices()) > 1 else SingleDevice()
+        return Auto() if len(jax.local_devices()) > 1 else SingleDevice()
     if isinstance(strategy, str) and strategy in _NAMES:
         return _NAMES[strategy]()
     if isinstance(strategy, type) and issubclass(strategy, Strategy):

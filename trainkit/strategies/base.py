@@ -1,12 +1,12 @@
-"""The Strategy protocol (the only code that knows devices exist) and ``SingleDevice``.
+"""The Strategy protocol: the only code that knows devices exist.
 
 A strategy owns a mesh and decides where every leaf of the state and every batch lives, and
 how the pure step functions are compiled. It never sees the loss, optimizer, callbacks or files.
 
 >>> import jax
->>> strategy = SingleDevice()
->>> strategy.num_batch_shards, strategy.axis_name
-(1, None)
+>>> mesh = make_mesh(jax.devices()[:2], (2,), ("data",))
+>>> dict(mesh.shape)
+{'data': 2}
 """
 
 from __future__ import annotations
@@ -97,43 +97,3 @@ class Strategy:
 
     def describe(self) -> str:
         return f"{type(self).__name__}({len(self.devices)} devices)"
-
-
-class SingleDevice(Strategy):
-    """Everything on one device, compiled with ``jax.jit`` (the state donated).
-
-    Args:
-        device: the device to use; the first local device by default.
-    """
-
-    def __init__(self, device: jax.Device | None = None):
-        self._device = device
-        self._mesh: Mesh | None = None
-
-    @property
-    def mesh(self) -> Mesh:
-        if self._mesh is None:
-            self._mesh = make_mesh([self._device or jax.local_devices()[0]], (1,), ("data",))
-        return self._mesh
-
-    def put_batch(self, host_batch: PyTree) -> PyTree:
-        return jax.device_put(host_batch, self.replicated())
-
-    def compile_train(self, step_fn: Callable, abstract_state: PyTree) -> Callable:
-        shardings = self.state_sharding(abstract_state)
-        return jax.jit(
-            step_fn,
-            in_shardings=(shardings, self.replicated()),
-            out_shardings=(shardings, self.replicated()),
-            donate_argnums=(0,),
-        )
-
-    def compile_eval(self, eval_fn: Callable, abstract_state: PyTree) -> Callable:
-        return jax.jit(
-            eval_fn,
-            in_shardings=(self.state_sharding(abstract_state), self.replicated()),
-            out_shardings=self.replicated(),
-        )
-
-    def describe(self) -> str:
-        return f"SingleDevice({self.devices[0]})"

@@ -1,0 +1,282 @@
+"""A compiler-measured memory and cost plan: the real train step compiled under each strategy.
+
+For every candidate strategy the train step is lowered with an abstract state (nothing is
+allocated) and compiled; ``compiled.memory_analysis()`` gives the per-device argument, output,
+temporary and total bytes, ``compiled.cost_analysis()`` the flops and bytes accessed, and the
+compiled HLO the collectives and the bytes they move. A roofline-style model turns these into
+an estimated step time; ``measure=True`` times a few real steps instead. ``strategy="auto"``
+picks the fastest strategy whose total fits the device memory with headroom.
+
+>>> hlo = "%all-gather.1 = f32[256,128]{1,0} all-gather(%p), dimensions={0}"
+>>> collective_traffic(hlo)
+(131072, {'all-gather': 1})
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import re
+import time
+from typing import Any, Callable, Sequence
+
+import jax
+from rich.console import Console
+from rich.table import Table
+
+from trainkit.strategies import FSDP, DataParallel, Hybrid, SingleDevice, Strategy
+
+#: Timed steps per candidate when measuring (after one warm-up step); the fastest counts.
+MEASURE_STEPS = 3
+
+#: Fraction of the device memory a plan may use: the rest is headroom for the runtime,
+#: fragmentation and the arrays the host keeps (prefetched batches, metrics).
+HEADROOM = 0.9
+
+_COLLECTIVE = re.compile(
+    r"=\s*(?P<type>\S.*?)\s+(?P<op>all-reduce|all-gather|reduce-scatter|all-to-all|collective-permute)"
+    r"(?P<start>-start)?\("
+)
+_SHAPE = re.compile(r"\b(pred|s8|u8|s16|u16|f16|bf16|s32|u32|f32|s64|u64|f64|c64|c128)\[([\d,]*)\]")
+_DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4,
+                "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16}
+
+# Rough per-device throughput (flop/s, memory bytes/s, collective bytes/s) by platform, for the
+# estimate only; ``measure=True`` replaces it by real timings.
+_THROUGHPUT = {
+    "cpu": (5e10, 1e10, 5e9),
+    "gpu": (5e13, 2e12, 1e11),
+    "tpu": (1e14, 1e12, 1e11),
+}
+
+
+def collective_traffic(hlo_text: str) -> tuple[int, dict[str, int]]:
+    """Bytes produced by the collectives of a compiled HLO module, and how many of each kind."""
+    total, counts = 0, {}
+    for match in _COLLECTIVE.finditer(hlo_text):
+        sizes = [
+            _DTYPE_BYTES[dtype] * math.prod(int(d) for d in dims.split(",") if d)
+            for dtype, dims in _SHAPE.findall(match["type"])
+        ]
+        # an async "-start" returns (operands, results): count its largest buffer once
+        total += max(sizes, default=0) if match["start"] else sum(sizes)
+        counts[match["op"]] = counts.get(match["op"], 0) + 1
+    return total, counts
+
+
+def device_memory_limit(devices: Sequence[jax.Device]) -> int:
+    """Bytes one device may use: the accelerator's limit, or on CPU the host memory shared by
+    the host's devices."""
+    stats = None
+    try:
+        stats = devices[0].memory_stats()
+    except Exception:  # noqa: BLE001 - not every backend implements it
+        stats = None
+    if stats and stats.get("bytes_limit"):
+        return int(stats["bytes_limit"])
+    host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return int(host // max(1, len(jax.local_devices())))
+
+
+def estimate_seconds(flops: float, bytes_accessed: float, collective_bytes: float, devices: Sequence[jax.Device]) -> float:
+    """A roofline estimate of one step: compute or memory time, plus collective time. Fake CPU
+    devices share the host's cores, so their work adds up once they outnumber the cores."""
+    platform = devices[0].platform
+    flop_rate, memory_rate, link_rate = _THROUGHPUT.get(platform, _THROUGHPUT["gpu"])
+    seconds = max(flops / flop_rate, bytes_accessed / memory_rate) + collective_bytes / link_rate
+    if platform == "cpu":  # all devices' work shares the host's cores
+        seconds *= len(devices) / (os.cpu_count() or 1)
+    return seconds
+
+
+def short_name(strategy: Strategy) -> str:
+    """``FSDP(fsdp=8)``, ``Hybrid(data=2, fsdp=4)``, ``SingleDevice``: a table label."""
+    name = type(strategy).__name__
+    try:
+        mesh = strategy.mesh
+    except Exception:  # noqa: BLE001 - a custom strategy without a mesh yet
+        return name
+    if mesh.size == 1:
+        return name
+    return f"{name}({', '.join(f'{k}={v}' for k, v in mesh.shape.items())})"
+
+
+@dataclasses.dataclass
+class PlanRow:
+    """One strategy's compiled train step: per-device bytes, cost, and the verdict."""
+
+    strategy: Strategy
+    name: str
+    argument_bytes: int = 0
+    output_bytes: int = 0
+    alias_bytes: int = 0
+    temp_bytes: int = 0
+    flops: float = 0.0
+    bytes_accessed: float = 0.0
+    collective_bytes: int = 0
+    collectives: dict = dataclasses.field(default_factory=dict)
+    estimated_seconds: float = math.inf
+    measured_seconds: float | None = None
+    fits: bool = False
+    recommended: bool = False
+    error: str | None = None
+    compiled: Any = dataclasses.field(default=None, repr=False)
+
+    @property
+    def total_bytes(self) -> int:
+        """Peak per-device bytes of the step: inputs, outputs not aliased to donated inputs,
+        and temporaries."""
+        return self.argument_bytes + self.output_bytes - self.alias_bytes + self.temp_bytes
+
+    @property
+    def seconds(self) -> float:
+        return self.measured_seconds if self.measured_seconds is not None else self.estimated_seconds
+
+
+def analyse(row: PlanRow, compiled) -> PlanRow:
+    """Fills ``row`` from a ``jax.stages.Compiled``."""
+    memory = compiled.memory_analysis()
+    if memory is not None:
+        row.argument_bytes = int(memory.argument_size_in_bytes)
+        row.output_bytes = int(memory.output_size_in_bytes)
+        row.alias_bytes = int(memory.alias_size_in_bytes)
+        row.temp_bytes = int(memory.temp_size_in_bytes)
+    cost = compiled.cost_analysis()
+    if isinstance(cost, (list, tuple)):  # older JAX: one dict per computation
+        cost = cost[0] if cost else {}
+    cost = cost or {}
+    row.flops = float(cost.get("flops", 0.0))
+    row.bytes_accessed = float(cost.get("bytes accessed", 0.0))
+    row.collective_bytes, row.collectives = collective_traffic(compiled.as_text())
+    row.estimated_seconds = estimate_seconds(
+        row.flops, row.bytes_accessed, row.collective_bytes, row.strategy.devices
+    )
+    row.compiled = compiled
+    return row
+
+
+class MemoryPlan:
+    """The rows of :func:`make_plan`; ``recommended`` is the strategy ``"auto"`` picks."""
+
+    def __init__(self, rows: list[PlanRow], memory_limit: int, measured: bool):
+        self.rows, self.memory_limit, self.measured = rows, memory_limit, measured
+
+    @property
+    def recommended(self) -> PlanRow | None:
+        return next((r for r in self.rows if r.recommended), None)
+
+    def reason(self) -> str:
+        best = self.recommended
+        if best is None:
+            return "no strategy fits: " + "; ".join(f"{r.name}: {r.error or _gib(r.total_bytes)}" for r in self.rows)
+        fitting = [r for r in self.rows if r.fits and r is not best]
+        kind = "measured" if self.measured else "estimated"
+        runner_up = min(fitting, key=lambda r: r.seconds, default=None)
+        versus = "" if runner_up is None else (
+            f"; next {runner_up.name} at {runner_up.seconds / best.seconds:.2f}x its step time"
+        )
+        return (
+            f"picked {best.name}: {kind} {best.seconds * 1e3:.3g} ms/step, {_gib(best.total_bytes)} "
+            f"of {_gib(self.memory_limit)} per device{versus}"
+        )
+
+    def table(self) -> Table:
+        kind = "measured" if self.measured else "estimated"
+        table = Table(title=f"trainkit memory plan (per device; limit {_gib(self.memory_limit)})")
+        table.add_column("strategy", no_wrap=True)
+        for column in ( "arguments", "outputs", "temporaries", "total", "GFLOP",
+                       "collectives", f"{kind} ms/step", ""):
+            table.add_column(column, justify="left" if column == "" else "right")
+        for r in self.rows:
+            if r.error:
+                table.add_row(r.name, "", "", "", "", "", "", "", f"[red]{r.error}[/red]")
+                continue
+            verdict = "[bold green]recommended[/bold green]" if r.recommended else ("" if r.fits else "[red]does not fit[/red]")
+            table.add_row(
+                r.name, _mib(r.argument_bytes), _mib(r.output_bytes - r.alias_bytes), _mib(r.temp_bytes),
+                _mib(r.total_bytes), f"{r.flops / 1e9:.3g}",
+                f"{_mib(r.collective_bytes)} ({sum(r.collectives.values())})", f"{r.seconds * 1e3:.3g}", verdict,
+            )
+        return table
+
+    def print(self, console: Console | None = None) -> None:
+        (console or Console()).print(self.table())
+
+    def __str__(self) -> str:
+        console = Console(width=140, record=True, file=open(os.devnull, "w"))
+        console.print(self.table())
+        return console.export_text()
+
+    def __repr__(self) -> str:
+        return f"MemoryPlan({[r.name for r in self.rows]}, recommended={getattr(self.recommended, 'name', None)})"
+
+
+def _mib(n: float) -> str:
+    return f"{n / 2**20:.2f} MiB"
+
+
+def _gib(n: float) -> str:
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else _mib(n)
+
+
+def default_candidates(devices: Sequence[jax.Device] | None = None) -> list[Strategy]:
+    """SingleDevice, DataParallel, FSDP and every ``Hybrid(data=d, fsdp=n/d)`` for the devices."""
+    devices = list(devices if devices is not None else jax.local_devices())
+    n = len(devices)
+    candidates: list[Strategy] = [SingleDevice(devices[0])]
+    if n > 1:
+        candidates += [DataParallel(devices), FSDP(devices)]
+        candidates += [Hybrid(data=d, fsdp=n // d, devices=devices) for d in range(2, n) if n % d == 0]
+    return candidates
+
+
+def make_plan(
+    candidates: Sequence[Strategy],
+    lower: Callable[[Strategy], Any],
+    *,
+    memory_limit: int | None = None,
+    measure: Callable[[Strategy, Any], float] | None = None,
+) -> MemoryPlan:
+    """Compiles ``lower(strategy)`` (a ``jax.stages.Lowered``) for each candidate and picks one.
+
+    ``lower`` may raise ``ValueError``/``TypeError`` for a candidate that cannot run this
+    configuration (say, a batch it cannot split); the row then carries the message.
+    ``measure(strategy, compiled)`` returns seconds per step, for the candidates that fit.
+    """
+    rows = []
+    for strategy in candidates:
+        row = PlanRow(strategy, short_name(strategy))
+        try:
+            lowered = lower(strategy)
+            if not hasattr(lowered, "compile"):
+                raise TypeError(f"{type(strategy).__name__}.compile_train's result cannot be lowered")
+            analyse(row, lowered.compile())
+        except (ValueError, TypeError) as error:
+            row.error = str(error).split(". ")[0]
+        rows.append(row)
+    limit = int(memory_limit) if memory_limit is not None else device_memory_limit(candidates[0].devices)
+    for row in rows:
+        row.fits = row.error is None and row.total_bytes <= HEADROOM * limit
+    if measure is not None:
+        for row in rows:
+            if row.fits:
+                row.measured_seconds = measure(row.strategy, row.compiled)
+    fitting = [r for r in rows if r.fits]
+    if fitting:
+        min(fitting, key=lambda r: r.seconds).recommended = True
+    return MemoryPlan(rows, limit, measure is not None)
+
+
+def time_steps(step: Callable, state, batch, steps: int = MEASURE_STEPS) -> float:
+    """The fastest of ``steps`` calls of ``state, _ = step(state, batch)`` after one warm-up
+    (the minimum: other processes on the machine only ever add time)."""
+    state, metrics = step(state, batch)
+    jax.block_until_ready((state, metrics))
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        state, metrics = step(state, batch)
+        jax.block_until_ready((state, metrics))
+        times.append(time.perf_counter() - start)
+    return min(times)

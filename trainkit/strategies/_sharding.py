@@ -1,0 +1,155 @@
+"""Pure helpers that give every leaf of a state a ``PartitionSpec`` (shared by FSDP and Hybrid).
+
+A leaf is named by its path with ``/`` between keys (``params/Dense_0/kernel``,
+``opt_state/0/mu/Dense_0/kernel``), so a rule written for a parameter also places the optimizer
+moments of that parameter. Rules come first (``re.search`` on the name; two rules matching one
+leaf is an error, as in Keras ``LayoutMap``); otherwise the largest dimension divisible by the
+``fsdp`` axis is sharded over it, and leaves under ``min_shard_size`` elements stay replicated.
+
+>>> import jax, jax.numpy as jnp
+>>> tree = {"Dense_0": {"kernel": jax.ShapeDtypeStruct((16, 512), jnp.float32),
+...                     "bias": jax.ShapeDtypeStruct((512,), jnp.float32)}}
+>>> specs = partition_specs(tree, {"fsdp": 8}, fsdp_axis="fsdp", min_shard_size=1024)
+>>> tuple(specs["Dense_0"]["kernel"]), tuple(specs["Dense_0"]["bias"])
+((None, 'fsdp'), ())
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from typing import Any, Mapping, Sequence
+
+import jax
+from jax.sharding import PartitionSpec
+
+PyTree = Any
+Rule = tuple[str, PartitionSpec]
+
+
+def leaf_name(path: Sequence[Any]) -> str:
+    """``params/Dense_0/kernel`` for a key path of dict keys, attributes and indices."""
+    parts = []
+    for key in path:
+        for attr in ("key", "name", "idx"):
+            if hasattr(key, attr):
+                parts.append(str(getattr(key, attr)))
+                break
+        else:
+            parts.append(str(key))
+    return "/".join(parts)
+
+
+def check_rules(rules: Sequence[Rule], axis_names: Sequence[str]) -> list[tuple[re.Pattern, PartitionSpec]]:
+    """Validates ``[(regex, PartitionSpec), ...]`` against the mesh's axis names."""
+    checked = []
+    for rule in rules:
+        if not (isinstance(rule, (tuple, list)) and len(rule) == 2):
+            raise ValueError(
+                f"Each rule is (regex, PartitionSpec); received {rule!r}. Example: "
+                "rules=[(r'Dense_0/kernel', PartitionSpec(None, 'model'))]."
+            )
+        pattern, spec = rule
+        if not isinstance(spec, PartitionSpec):
+            raise TypeError(
+                f"The rule for {pattern!r} gives {spec!r}; pass a jax.sharding.PartitionSpec, "
+                "e.g. PartitionSpec(None, 'model')."
+            )
+        for axis in _spec_axes(spec):
+            if axis not in axis_names:
+                raise ValueError(
+                    f"The rule ({pattern!r}, {spec}) names the mesh axis {axis!r}, but this "
+                    f"strategy's mesh has the axes {tuple(axis_names)}. Use one of those names."
+                )
+        try:
+            checked.append((re.compile(pattern), spec))
+        except re.error as error:
+            raise ValueError(f"The rule pattern {pattern!r} is not a valid regex: {error}.") from None
+    return checked
+
+
+def _spec_axes(spec: PartitionSpec) -> list[str]:
+    axes = []
+    for entry in spec:
+        if entry is None:
+            continue
+        axes.extend(entry if isinstance(entry, tuple) else (entry,))
+    return axes
+
+
+def _entry_size(entry, axis_sizes: Mapping[str, int]) -> int:
+    if entry is None:
+        return 1
+    names = entry if isinstance(entry, tuple) else (entry,)
+    return math.prod(axis_sizes[n] for n in names)
+
+
+def _fits(spec: PartitionSpec, shape: Sequence[int], axis_sizes: Mapping[str, int]) -> str | None:
+    """Why ``spec`` cannot place an array of ``shape``, or ``None`` when it can."""
+    if len(spec) > len(shape):
+        return f"it has {len(spec)} entries but the leaf has {len(shape)} dimensions"
+    for dim, (size, entry) in enumerate(zip(shape, spec)):
+        parts = _entry_size(entry, axis_sizes)
+        if size % parts:
+            return f"dimension {dim} has size {size}, which {parts} devices ({entry!r}) do not divide"
+    return None
+
+
+def default_spec(shape: Sequence[int], fsdp_axis: str | None, fsdp_size: int, min_shard_size: int) -> PartitionSpec:
+    """The largest dimension divisible by the fsdp axis, sharded over it; else replicated."""
+    if fsdp_axis is None or fsdp_size <= 1 or math.prod(shape) < min_shard_size:
+        return PartitionSpec()
+    candidates = [d for d, size in enumerate(shape) if size % fsdp_size == 0 and size >= fsdp_size]
+    if not candidates:
+        return PartitionSpec()
+    dim = max(candidates, key=lambda d: (shape[d], -d))
+    return PartitionSpec(*([None] * dim + [fsdp_axis]))
+
+
+def leaf_spec(
+    name: str,
+    shape: Sequence[int],
+    axis_sizes: Mapping[str, int],
+    *,
+    fsdp_axis: str | None,
+    min_shard_size: int,
+    rules: Sequence[tuple[re.Pattern, PartitionSpec]] = (),
+) -> PartitionSpec:
+    """The ``PartitionSpec`` of one leaf named ``name`` (see the module docstring)."""
+    matches = [(p, s) for p, s in rules if p.search(name)]
+    if len(matches) > 1:
+        raise ValueError(
+            f"{name} {tuple(shape)} matches {len(matches)} rules: "
+            + ", ".join(f"({p.pattern!r}, {s})" for p, s in matches)
+            + ". Each leaf may match one rule; make the patterns more specific."
+        )
+    default = default_spec(shape, fsdp_axis, axis_sizes.get(fsdp_axis, 1) if fsdp_axis else 1, min_shard_size)
+    if not matches:
+        return default
+    pattern, spec = matches[0]
+    problem = _fits(spec, shape, axis_sizes)
+    if problem is None:
+        return spec
+    if name.startswith("params/") or name == "params":
+        raise ValueError(
+            f"The rule ({pattern.pattern!r}, {spec}) cannot place {name} of shape {tuple(shape)}: "
+            f"{problem}. Change the rule's PartitionSpec, or the layer's size."
+        )
+    return default  # e.g. a factored optimizer statistic of another shape than its parameter
+
+
+def partition_specs(
+    tree: PyTree,
+    axis_sizes: Mapping[str, int],
+    *,
+    fsdp_axis: str | None,
+    min_shard_size: int = 2**10,
+    rules: Sequence[tuple[re.Pattern, PartitionSpec]] = (),
+) -> PyTree:
+    """A ``PartitionSpec`` for every array leaf of ``tree`` (arrays or ``ShapeDtypeStruct``s)."""
+
+    def spec(path, leaf):
+        return leaf_spec(leaf_name(path), tuple(getattr(leaf, "shape", ())), axis_sizes,
+                         fsdp_axis=fsdp_axis, min_shard_size=min_shard_size, rules=rules)
+
+    return jax.tree_util.tree_map_with_path(spec, tree)

@@ -1,0 +1,47 @@
+"""``Auto``: a strategy chosen from the compiler-measured plan at the first ``fit`` or ``init``.
+
+``strategy="auto"`` (the Trainer's default) means ``Auto()``: on one device it is
+``SingleDevice``; on several, the Trainer compiles the real train step under every candidate
+(:func:`trainkit.plan.default_candidates`) and keeps the fastest one whose per-device memory
+fits, logging what it picked and why (see :meth:`trainkit.Trainer.plan`).
+
+>>> auto = Auto(memory_limit=2**30, measure=False)
+>>> auto.measure, auto.memory_limit
+(False, 1073741824)
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from trainkit.strategies.base import Strategy
+
+
+class Auto(Strategy):
+    """Placeholder replaced by the Trainer with the strategy its plan recommends.
+
+    Args:
+        memory_limit: bytes one device may use (default: the accelerator's limit, or on CPU
+            the host memory divided by the local devices).
+        measure: time a few real steps of each fitting candidate (the default); ``False``
+            ranks them by the compiler's cost estimate instead, which allocates nothing but is
+            rough (on CPU, fake devices and convolutions defeat any simple cost model).
+        candidates: the strategies to choose from (default: SingleDevice, DataParallel, FSDP
+            and the data x fsdp Hybrid shapes of the local devices).
+    """
+
+    def __init__(self, memory_limit: int | None = None, measure: bool = True,
+                 candidates: Sequence[Strategy] | None = None):
+        self.memory_limit = memory_limit
+        self.measure = bool(measure)
+        self.candidates = None if candidates is None else list(candidates)
+
+    @property
+    def mesh(self):
+        raise RuntimeError(
+            "Auto has no mesh until it is resolved: the Trainer replaces it with a real strategy "
+            "at the first fit(), evaluate(), predict() or init()."
+        )
+
+    def describe(self) -> str:
+        return "Auto(unresolved)"

@@ -1,0 +1,66 @@
+"""``Hybrid``: a 2-D (or 3-D) mesh of ``data`` x ``fsdp`` and/or ``model`` axes.
+
+- ``Hybrid(data=2, fsdp=4)``: the batch is split over both axes; the state is sharded over
+  ``fsdp`` (as in :class:`FSDP`) and replicated over ``data``. Gradients are reduced over all
+  devices, parameters are gathered only within an ``fsdp`` group.
+- ``Hybrid(data=2, model=4, rules=[...])``: tensor parallelism; the rules place kernel
+  dimensions on the ``model`` axis, the batch is split over ``data``.
+
+One size may be left out (``None``): it is the device count divided by the others.
+
+>>> from jax.sharding import PartitionSpec as P
+>>> strategy = Hybrid(data=2, model=4, rules=[(r"Dense_0/kernel", P(None, "model"))])
+>>> strategy.batch_axes, dict(strategy.mesh.shape)
+(('data',), {'data': 2, 'model': 4})
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import jax
+from jax.sharding import PartitionSpec
+
+from trainkit.strategies.sharded import ShardedStrategy
+
+
+class Hybrid(ShardedStrategy):
+    """Data parallelism across groups of devices, FSDP or tensor parallelism inside each group.
+
+    Args:
+        data: devices along the ``data`` axis (batch split, state replicated); ``None``: the
+            device count divided by the other sizes.
+        fsdp: devices along the ``fsdp`` axis (batch split, state sharded), if any.
+        model: devices along the ``model`` axis (tensor parallel: placed by ``rules``), if any.
+        rules: ``[(regex, PartitionSpec), ...]`` over leaf names like ``params/Dense_0/kernel``.
+        min_shard_size: leaves with fewer elements stay replicated over ``fsdp``.
+        devices: the devices to use; all devices by default.
+    """
+
+    def __init__(
+        self,
+        data: int | None = None,
+        fsdp: int | None = None,
+        model: int | None = None,
+        *,
+        rules: Sequence[tuple[str, PartitionSpec]] = (),
+        min_shard_size: int = 2**10,
+        devices: Sequence[jax.Device] | None = None,
+    ):
+        for name, size in (("data", data), ("fsdp", fsdp), ("model", model)):
+            if size is not None and (not isinstance(size, int) or size < 1):
+                raise ValueError(f"Hybrid: {name} must be a positive integer or None; received {size!r}.")
+        if fsdp is None and model is None:
+            raise ValueError(
+                "Hybrid needs an fsdp or a model axis besides data, e.g. Hybrid(data=2, fsdp=4) "
+                "or Hybrid(data=2, model=4, rules=[...]); for data parallelism alone use "
+                "DataParallel() or FSDP()."
+            )
+        axes = {"data": data}
+        if fsdp is not None:
+            axes["fsdp"] = fsdp
+        if model is not None:
+            axes["model"] = model
+        self.batch_axes = tuple(a for a in ("data", "fsdp") if a in axes)
+        self.fsdp_axis = "fsdp" if fsdp is not None else None
+        super().__init__(axes, devices=devices, rules=rules, min_shard_size=min_shard_size)

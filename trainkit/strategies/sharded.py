@@ -1,0 +1,164 @@
+"""Strategies compiled with ``jax.jit`` and ``NamedSharding``: the base and ``SingleDevice``.
+
+The compiler inserts the collectives from the shardings (``axis_name`` is ``None``): the step
+is the single-device step, so batch statistics span the global batch and random masks do not
+depend on the sharding (``jax_threefry_partitionable``). ``FSDP`` and ``Hybrid`` only choose
+a mesh and a ``PartitionSpec`` per leaf.
+
+>>> strategy = SingleDevice()
+>>> strategy.num_batch_shards, strategy.axis_name
+(1, None)
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from trainkit.strategies import _sharding
+from trainkit.strategies.base import Strategy, make_mesh
+
+PyTree = Any
+
+
+class ShardedStrategy(Strategy):
+    """A mesh, a ``PartitionSpec`` per state leaf, the batch split over ``batch_axes``.
+
+    Subclasses set ``axis_sizes`` (an ordered ``{axis name: size}``), ``batch_axes``,
+    ``fsdp_axis`` (the axis the default rule shards large leaves over, or ``None``), ``rules``
+    and ``min_shard_size``; this class builds the mesh and compiles the steps with ``jax.jit``.
+    """
+
+    axis_name = None
+    batch_axes: tuple[str, ...] = ()
+    fsdp_axis: str | None = None
+    min_shard_size: int = 2**10
+
+    def __init__(self, axis_sizes: dict[str, int | None], *, devices=None, rules=(), min_shard_size=2**10):
+        self._axis_sizes = dict(axis_sizes)
+        self._given_devices = list(devices) if devices is not None else None
+        if not isinstance(min_shard_size, (int, np.integer)) or min_shard_size < 1:
+            raise ValueError(f"min_shard_size must be a positive integer; received {min_shard_size!r}.")
+        self.min_shard_size = int(min_shard_size)
+        self.rules = list(rules)
+        self._rules = _sharding.check_rules(self.rules, tuple(self._axis_sizes))
+        self._mesh: Mesh | None = None
+
+    # ------------------------------------------------------------------ mesh
+    def _default_devices(self) -> list[jax.Device]:
+        return jax.devices()
+
+    @property
+    def mesh(self) -> Mesh:
+        if self._mesh is None:
+            devices = self._given_devices or self._default_devices()
+            sizes = self._resolve_sizes(len(devices))
+            self._mesh = make_mesh(devices, tuple(sizes.values()), tuple(sizes))
+        return self._mesh
+
+    def _resolve_sizes(self, count: int) -> dict[str, int]:
+        """Fills in one ``None`` axis size from the device count; checks the product."""
+        known = math.prod(v for v in self._axis_sizes.values() if v is not None)
+        sizes = dict(self._axis_sizes)
+        missing = [k for k, v in sizes.items() if v is None]
+        if missing:
+            if count % known:
+                raise ValueError(
+                    f"{type(self).__name__}: the given axis sizes "
+                    f"{ {k: v for k, v in sizes.items() if v is not None} } (product {known}) do "
+                    f"not divide the {count} devices; choose sizes whose product divides {count}."
+                )
+            sizes[missing[0]] = count // known
+        product = math.prod(sizes.values())
+        if product != count:
+            raise ValueError(
+                f"{type(self).__name__}: the mesh axes {sizes} hold {product} devices, but "
+                f"{count} devices are in use. Choose axis sizes whose product is {count}, or "
+                "pass devices=... with that many devices."
+            )
+        return sizes
+
+    @property
+    def num_batch_shards(self) -> int:
+        return math.prod(self.mesh.shape[a] for a in self.batch_axes)
+
+    @property
+    def batch_sharding(self) -> NamedSharding:
+        return NamedSharding(self.mesh, PartitionSpec(self.batch_axes) if self.batch_axes else PartitionSpec())
+
+    # ------------------------------------------------------------------ state
+    def state_specs(self, abstract_state: PyTree) -> PyTree:
+        """A ``PartitionSpec`` per leaf (errors name the leaf and the rule)."""
+        return _sharding.partition_specs(
+            abstract_state, dict(self.mesh.shape), fsdp_axis=self.fsdp_axis,
+            min_shard_size=self.min_shard_size, rules=self._rules,
+        )
+
+    def state_sharding(self, abstract_state: PyTree) -> PyTree:
+        is_spec = lambda x: isinstance(x, PartitionSpec)  # noqa: E731
+        return jax.tree.map(lambda s: NamedSharding(self.mesh, s), self.state_specs(abstract_state), is_leaf=is_spec)
+
+    # ------------------------------------------------------------------ batches and steps
+    def put_batch(self, host_batch: PyTree) -> PyTree:
+        if jax.process_count() > 1:
+            return jax.tree.map(
+                lambda a: jax.make_array_from_process_local_data(self.batch_sharding, a), host_batch
+            )
+        return jax.device_put(host_batch, self.batch_sharding)
+
+    def compile_train(self, step_fn: Callable, abstract_state: PyTree) -> Callable:
+        shardings = self.state_sharding(abstract_state)
+        return jax.jit(
+            step_fn,
+            in_shardings=(shardings, self.batch_sharding),
+            out_shardings=(shardings, self.replicated()),
+            donate_argnums=(0,),
+        )
+
+    def _compile_inference(self, fn: Callable, abstract_state: PyTree, out_sharding) -> Callable:
+        return jax.jit(
+            fn, in_shardings=(self.state_sharding(abstract_state), self.batch_sharding),
+            out_shardings=out_sharding,
+        )
+
+    def compile_eval(self, eval_fn: Callable, abstract_state: PyTree) -> Callable:
+        return self._compile_inference(eval_fn, abstract_state, self.replicated())
+
+    def compile_predict(self, predict_fn: Callable, abstract_state: PyTree) -> Callable:
+        return self._compile_inference(predict_fn, abstract_state, self.batch_sharding)
+
+    def fetch_rows(self, tree: PyTree) -> PyTree:
+        def host(a):
+            if getattr(a, "is_fully_addressable", True):
+                return np.asarray(jax.device_get(a))
+            from jax.experimental import multihost_utils
+
+            return np.asarray(multihost_utils.process_allgather(a, tiled=True))
+
+        return jax.tree.map(host, tree)
+
+    def describe(self) -> str:
+        axes = ", ".join(f"{k}={v}" for k, v in self.mesh.shape.items())
+        return f"{type(self).__name__}(jit over {self.mesh.size} devices, mesh {axes})"
+
+
+class SingleDevice(ShardedStrategy):
+    """Everything on one device, compiled with ``jax.jit`` (the state donated).
+
+    Args:
+        device: the device to use; the first local device by default.
+    """
+
+    def __init__(self, device: jax.Device | None = None):
+        super().__init__({"data": 1}, devices=None if device is None else [device])
+
+    def _default_devices(self) -> list[jax.Device]:
+        return jax.local_devices()[:1]
+
+    def describe(self) -> str:
+        return f"SingleDevice({self.devices[0]})"
+
