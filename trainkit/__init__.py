@@ -5,7 +5,7 @@
 ['CheckpointError', 'DataParallel', 'FSDP', 'Hybrid']
 """
 
-from trainkit import callbacks, losses, metrics, strategies
+from trainkit import callbacks, debug, losses, metrics, plan, strategies
 from trainkit.checkpoint import CheckpointError
 from trainkit.precision import Precision
 from trainkit.state import TrainState
@@ -25,6 +25,8 @@ __all__ = [
     "FSDP",
     "Hybrid",
     "callbacks",
+    "debug",
+    "plan",
     "losses",
     "metrics",
     "strategies",

@@ -182,30 +182,32 @@ class MemoryPlan:
         )
 
     def table(self) -> Table:
+        """Per device: argument, temporary and total MiB, GFLOP, MiB moved by collectives, and
+        the estimated or measured milliseconds of one step; the pick of ``"auto"`` marked."""
         kind = "measured" if self.measured else "estimated"
-        table = Table(title=f"trainkit memory plan (per device; limit {_gib(self.memory_limit)})")
+        table = Table(title=f"trainkit plan: MiB per device of {self.memory_limit / 2**20:,.0f}; {kind} ms/step; <- auto's pick")
         table.add_column("strategy", no_wrap=True)
-        for column in ( "arguments", "outputs", "temporaries", "total", "GFLOP",
-                       "collectives", f"{kind} ms/step", ""):
-            table.add_column(column, justify="left" if column == "" else "right")
+        for column in ("args", "temp", "total", "GFLOP", "comm", "ms"):
+            table.add_column(column, justify="right", no_wrap=True)
+        table.add_column("", no_wrap=True)
         for r in self.rows:
             if r.error:
-                table.add_row(r.name, "", "", "", "", "", "", "", f"[red]{r.error}[/red]")
+                table.add_row(r.name, "", "", "", "", "", "", f"[red]{r.error[:60]}[/red]")
                 continue
-            verdict = "[bold green]recommended[/bold green]" if r.recommended else ("" if r.fits else "[red]does not fit[/red]")
+            verdict = "[bold green]<-[/bold green]" if r.recommended else ("" if r.fits else "[red]too big[/red]")
             table.add_row(
-                r.name, _mib(r.argument_bytes), _mib(r.output_bytes - r.alias_bytes), _mib(r.temp_bytes),
-                _mib(r.total_bytes), f"{r.flops / 1e9:.3g}",
-                f"{_mib(r.collective_bytes)} ({sum(r.collectives.values())})", f"{r.seconds * 1e3:.3g}", verdict,
+                r.name, _mib(r.argument_bytes), _mib(r.temp_bytes), _mib(r.total_bytes),
+                f"{r.flops / 1e9:.2f}", _mib(r.collective_bytes), f"{r.seconds * 1e3:.2f}", verdict,
             )
         return table
 
     def print(self, console: Console | None = None) -> None:
         (console or Console()).print(self.table())
+        (console or Console()).print(self.reason())
 
     def __str__(self) -> str:
-        console = Console(width=140, record=True, file=open(os.devnull, "w"))
-        console.print(self.table())
+        console = Console(width=120, record=True, file=open(os.devnull, "w"))
+        self.print(console)
         return console.export_text()
 
     def __repr__(self) -> str:
@@ -213,11 +215,11 @@ class MemoryPlan:
 
 
 def _mib(n: float) -> str:
-    return f"{n / 2**20:.2f} MiB"
+    return f"{n / 2**20:,.2f}"
 
 
 def _gib(n: float) -> str:
-    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else _mib(n)
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.3g} MiB"
 
 
 def default_candidates(devices: Sequence[jax.Device] | None = None) -> list[Strategy]:

@@ -1,0 +1,153 @@
+"""The compiled plan (per-device memory, cost, collectives), "auto" choosing from it, and the
+inspection helpers (describe_sharding, lowered_text, compiled_text)."""
+
+import gc
+import logging
+
+import flax.linen as nn
+import jax
+import numpy as np
+import optax
+import pytest
+
+import trainkit as tk
+from trainkit.plan import collective_traffic
+
+
+class Wide(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        x = nn.relu(nn.Dense(256)(x))
+        x = nn.relu(nn.Dense(256)(x))
+        return nn.Dense(8)(x)
+
+
+def make_trainer(strategy="dp", **kwargs):
+    return tk.Trainer(Wide(), loss="sparse_categorical_crossentropy", optimizer=optax.adam(1e-3),
+                      strategy=strategy, **kwargs)
+
+
+def data(n=32):
+    rng = np.random.default_rng(0)
+    return rng.normal(size=(n, 64)).astype(np.float32), rng.integers(0, 8, n).astype(np.int32)
+
+
+@pytest.fixture(scope="module")
+def plan():
+    return make_trainer().plan(data(), verbose=0)
+
+
+def test_plan_has_a_row_per_candidate_with_compiled_figures(plan):
+    rows = {r.name: r for r in plan.rows}
+    assert list(rows) == ["SingleDevice", "DataParallel(data=8)", "FSDP(fsdp=8)",
+                          "Hybrid(data=2, fsdp=4)", "Hybrid(data=4, fsdp=2)"]
+    for row in plan.rows:
+        assert row.error is None and row.flops > 0 and row.bytes_accessed > 0
+        assert row.total_bytes == row.argument_bytes + row.output_bytes - row.alias_bytes + row.temp_bytes
+    # Adam state + params: FSDP's per-device arguments are a fraction of replicated DP's
+    assert rows["FSDP(fsdp=8)"].argument_bytes < rows["DataParallel(data=8)"].argument_bytes / 4
+    assert rows["Hybrid(data=2, fsdp=4)"].argument_bytes < rows["DataParallel(data=8)"].argument_bytes / 2
+    assert rows["SingleDevice"].collectives == {}
+    assert rows["DataParallel(data=8)"].collectives.get("all-reduce", 0) >= 1
+    fsdp = rows["FSDP(fsdp=8)"].collectives
+    assert fsdp.get("all-gather", 0) + fsdp.get("reduce-scatter", 0) >= 1, fsdp
+    assert sum(r.recommended for r in plan.rows) == 1
+    text = str(plan)
+    assert "<-" in text and "FSDP(fsdp=8)" in text and f"picked {plan.recommended.name}" in text
+
+
+def test_plan_allocates_no_state():
+    gc.collect()
+    before = {id(a) for a in jax.live_arrays()}
+    make_trainer().plan(data(), verbose=0)
+    gc.collect()
+    new = [a.shape for a in jax.live_arrays() if id(a) not in before]
+    assert (256, 256) not in new, new
+
+
+def test_a_small_memory_limit_excludes_the_replicated_strategies(plan):
+    rows = {r.name: r for r in plan.rows}
+    # between what FSDP needs and what replicated data parallelism needs
+    limit = int((rows["FSDP(fsdp=8)"].total_bytes + rows["DataParallel(data=8)"].total_bytes) / 2 / tk.plan.HEADROOM)
+    trainer = make_trainer(tk.strategies.Auto(memory_limit=limit, measure=False))
+    result = trainer.plan(data(), memory_limit=limit, verbose=0)
+    fits = {r.name for r in result.rows if r.fits}
+    assert "DataParallel(data=8)" not in fits and "SingleDevice" not in fits and "FSDP(fsdp=8)" in fits
+    trainer.fit(data(), batch_size=32, epochs=1, verbose=0)
+    assert trainer.last_plan.recommended.name in fits
+    assert tk.plan.short_name(trainer.strategy) == trainer.last_plan.recommended.name
+
+
+def test_no_strategy_fits_is_a_clear_error():
+    trainer = make_trainer(tk.strategies.Auto(memory_limit=1000, measure=False))
+    with pytest.raises(ValueError, match=r"found no strategy.*grad_accum_steps"):
+        trainer.fit(data(), batch_size=32, verbose=0)
+    assert trainer.state is None
+
+
+def test_measured_auto_picks_the_fastest_fitting_row(caplog):
+    trainer = make_trainer("auto")
+    with caplog.at_level(logging.INFO, logger="trainkit"):
+        trainer.fit(data(), batch_size=32, epochs=1, verbose=0)
+    plan = trainer.last_plan
+    assert plan.measured and all(r.measured_seconds > 0 for r in plan.rows if r.fits)
+    best = min((r for r in plan.rows if r.fits), key=lambda r: r.measured_seconds)
+    assert plan.recommended is best and trainer.strategy is best.strategy
+    assert any(f"picked {best.name}: measured" in m for m in caplog.messages)
+
+
+def test_candidates_that_cannot_split_the_batch_carry_the_reason():
+    result = make_trainer().plan(data(12), verbose=0)  # 12 rows: not a multiple of 8
+    rows = {r.name: r for r in result.rows}
+    assert rows["SingleDevice"].recommended
+    assert "cannot be split evenly across 8 devices" in rows["FSDP(fsdp=8)"].error
+
+
+def test_collective_traffic_reads_compiled_hlo():
+    hlo = """
+  %all-reduce.3 = (f32[1024]{0}, f32[16,4]{1,0}) all-reduce(%a, %b), channel_id=1
+  %reduce-scatter = bf16[128,64]{1,0} reduce-scatter(%g), dimensions={0}
+  %ag-start = (f32[8,64]{1,0}, f32[64,64]{1,0}) all-gather-start(%p), dimensions={0}
+  %ag-done = f32[64,64]{1,0} all-gather-done(%ag-start)
+"""
+    total, counts = collective_traffic(hlo)
+    assert counts == {"all-reduce": 1, "reduce-scatter": 1, "all-gather": 1}
+    assert total == (1024 + 64) * 4 + 128 * 64 * 2 + 64 * 64 * 4
+
+
+# ---------------------------------------------------------------------- inspection
+@pytest.fixture(scope="module")
+def fsdp_trainer():
+    trainer = make_trainer(tk.FSDP())
+    trainer.fit(data(), batch_size=32, epochs=1, verbose=0)
+    return trainer
+
+
+def test_describe_sharding_lists_each_leaf(fsdp_trainer, capsys):
+    rows = {r.path: r for r in tk.debug.sharding_rows(fsdp_trainer)}
+    kernel = rows["params/Dense_1/kernel"]
+    assert kernel.shape == (256, 256) and kernel.dtype == "float32"
+    assert kernel.device_bytes * 8 == kernel.total_bytes == 256 * 256 * 4
+    assert "fsdp" in kernel.spec
+    assert rows["params/Dense_2/bias"].spec == "P()"  # 8 elements: replicated
+    tk.debug.describe_sharding(fsdp_trainer)
+    out = capsys.readouterr().out
+    assert "params/Dense_1/kernel" in out and "32,768" in out and "FSDP" in out
+    tk.debug.visualize_leaf(fsdp_trainer, "params/Dense_1/kernel")
+    drawn = capsys.readouterr().out
+    assert all(f"CPU {i}" in drawn for i in range(8)), drawn
+    with pytest.raises(KeyError, match="params/Dense_1/kernel"):
+        tk.debug.visualize_leaf(fsdp_trainer, "params/Dense_9/kernel")
+
+
+def test_lowered_and_compiled_text(fsdp_trainer):
+    lowered = fsdp_trainer.lowered_text()
+    assert "func.func" in lowered and "sharding" in lowered
+    compiled = fsdp_trainer.compiled_text()
+    assert "HloModule" in compiled and ("all-gather" in compiled or "reduce-scatter" in compiled)
+    x, y = data(16)
+    assert "16x64" in fsdp_trainer.lowered_text((x, y))
+    with pytest.raises(ValueError, match="Pass a sample batch"):
+        trainer = make_trainer("single")
+        trainer.init(data())
+        trainer.lowered_text()

@@ -1,0 +1,106 @@
+"""Where the state lives: a table of every leaf's placement, and one leaf drawn on the mesh.
+
+>>> import numpy as np, optax, flax.linen as nn, trainkit as tk
+>>> trainer = tk.Trainer(nn.Dense(64), loss="mse", optimizer=optax.sgd(0.1), strategy=tk.FSDP(min_shard_size=8))
+>>> _ = trainer.init((np.zeros((8, 16), np.float32), np.zeros((8, 64), np.float32)))
+>>> rows = sharding_rows(trainer)
+>>> [(r.path, r.shape, r.spec, r.device_bytes) for r in rows]
+[('params/bias', (64,), 'P(fsdp)', 32), ('params/kernel', (16, 64), 'P(None,fsdp)', 512)]
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import numpy as np
+from rich.console import Console
+from rich.table import Table
+
+from trainkit.strategies._sharding import leaf_name
+
+PyTree = Any
+
+
+@dataclasses.dataclass(frozen=True)
+class LeafPlacement:
+    """One array of the state: its name, shape, dtype, ``PartitionSpec`` and bytes per device."""
+
+    path: str
+    shape: tuple[int, ...]
+    dtype: str
+    spec: str
+    device_bytes: int
+    total_bytes: int
+
+
+def _state(trainer_or_state: Any) -> PyTree:
+    state = getattr(trainer_or_state, "state", trainer_or_state)
+    if state is None:
+        raise RuntimeError("The trainer has no state yet: call fit(...) or init(sample_batch) first.")
+    return state
+
+
+def _spec_text(sharding) -> str:
+    spec = getattr(sharding, "spec", None)
+    if spec is None:
+        return type(sharding).__name__
+    return "P(" + ",".join(str(entry) if not isinstance(entry, tuple) else "(" + ",".join(entry) + ")"
+                           for entry in spec) + ")"
+
+
+def sharding_rows(trainer_or_state: Any, part: str = "params") -> list[LeafPlacement]:
+    """A :class:`LeafPlacement` per leaf of ``state.<part>`` (``"params"``, ``"opt_state"``,
+    ``"model_state"``, or ``""`` for the whole state)."""
+    state = _state(trainer_or_state)
+    tree = getattr(state, part) if part else state
+    rows = []
+    for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
+        if not isinstance(leaf, jax.Array):
+            continue
+        shard = leaf.addressable_shards[0].data
+        rows.append(LeafPlacement(
+            path=(part + "/" if part else "") + leaf_name(path), shape=tuple(leaf.shape),
+            dtype=str(leaf.dtype), spec=_spec_text(leaf.sharding),
+            device_bytes=int(shard.nbytes), total_bytes=int(leaf.nbytes),
+        ))
+    return rows
+
+
+def describe_sharding(trainer_or_state: Any, part: str = "params", *, console: Console | None = None) -> Table:
+    """Prints (and returns) a table of each leaf's path, shape, dtype, ``PartitionSpec`` and
+    bytes per device, with the totals; ``part`` as in :func:`sharding_rows`."""
+    rows = sharding_rows(trainer_or_state, part)
+    strategy = getattr(trainer_or_state, "strategy", None)
+    title = f"{part or 'state'} on {strategy.describe()}" if strategy is not None else (part or "state")
+    table = Table(title=title)
+    for column in ("path", "shape", "dtype", "spec", "bytes/dev", "%"):
+        table.add_column(column, justify="right" if column in ("bytes/dev", "%") else "left", no_wrap=True)
+    for r in rows:
+        share = r.device_bytes / r.total_bytes if r.total_bytes else 1.0
+        table.add_row(r.path, "x".join(map(str, r.shape)) or "scalar", r.dtype, r.spec, f"{r.device_bytes:,}", f"{share:.0%}")
+    device, total = sum(r.device_bytes for r in rows), sum(r.total_bytes for r in rows)
+    table.add_section()
+    table.add_row("total", "", "", "", f"{device:,}", f"{device / total:.0%}" if total else "")
+    (console or Console()).print(table)
+    return table
+
+
+def visualize_leaf(trainer_or_state: Any, path: str, part: str = "params") -> None:
+    """Draws the placement of one 1-D or 2-D leaf over the devices with
+    ``jax.debug.visualize_array_sharding``; ``path`` as printed by :func:`describe_sharding`
+    (``"params/Dense_0/kernel"``)."""
+    state = _state(trainer_or_state)
+    tree = getattr(state, part) if part else state
+    leaves = {(part + "/" if part else "") + leaf_name(p): leaf for p, leaf in jax.tree_util.tree_leaves_with_path(tree)}
+    if path not in leaves:
+        near = [name for name in leaves if path.split("/")[-1] in name][:5]
+        raise KeyError(f"No leaf named {path!r}; leaves with that ending: {near or sorted(leaves)[:5]}.")
+    leaf = leaves[path]
+    if np.ndim(leaf) not in (1, 2):
+        raise ValueError(
+            f"{path} has shape {tuple(leaf.shape)}; visualize_array_sharding draws 1-D or 2-D "
+            "arrays only. describe_sharding shows every leaf's PartitionSpec."
+        )
+    jax.debug.visualize_array_sharding(leaf)
