@@ -12,8 +12,10 @@ import trainkit as tk
 from conftest import MLP, NoisyMLP, make_classification, tree_allclose
 
 
-@pytest.mark.parametrize("strategy", ["single", "data_parallel"])
+@pytest.mark.parametrize("strategy", ["single", "data_parallel", "fsdp", "hybrid"])
 def test_accumulated_update_equals_the_whole_batch_update(strategy):
+    if strategy == "hybrid":
+        strategy = tk.Hybrid(data=2, fsdp=4, min_shard_size=16)
     x, y = make_classification(100)  # batch 32: the last batch holds 4 real rows
     params = {}
     for k in (1, 4):
@@ -24,6 +26,21 @@ def test_accumulated_update_equals_the_whole_batch_update(strategy):
     tree_allclose(params[4][0], params[1][0], rtol=1e-5, atol=1e-6)
     for name in ("loss", "accuracy"):
         np.testing.assert_allclose(params[4][1][name], params[1][1][name], rtol=1e-5)
+
+
+def test_accumulation_with_batch_norm_is_the_same_under_every_strategy():
+    """Micro-batches are the same rows under every jit strategy, so per-micro-batch batch
+    statistics and dropout masks agree too."""
+    x, y = make_classification(128)
+    weights = {}
+    for name, strategy in (("single", "single"), ("fsdp", tk.FSDP(min_shard_size=16)),
+                           ("hybrid", tk.Hybrid(data=2, fsdp=4, min_shard_size=16))):
+        trainer = tk.Trainer(NoisyMLP(), loss="sparse_categorical_crossentropy", optimizer=optax.sgd(0.05),
+                             strategy=strategy, grad_accum_steps=2)
+        trainer.fit((x, y), batch_size=32, epochs=2, shuffle=False, verbose=0)
+        weights[name] = trainer.get_weights()
+    tree_allclose(weights["fsdp"], weights["single"], rtol=1e-4, atol=1e-5)
+    tree_allclose(weights["hybrid"], weights["single"], rtol=1e-4, atol=1e-5)
 
 
 def test_accumulation_with_batch_norm_and_dropout_trains():

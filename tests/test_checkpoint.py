@@ -46,23 +46,36 @@ def test_save_and_load_restore_the_full_state_and_training_continues_bit_identic
     states_equal(second.state.params, uninterrupted.state.params)
 
 
-@pytest.mark.parametrize("target", ["dp4", "single"])
-def test_a_checkpoint_moves_to_another_device_count(tmp_path, target, caplog):
+MOVES = {
+    "dp": lambda: "dp",
+    "dp4": lambda: tk.DataParallel(jax.devices()[:4]),
+    "single": lambda: tk.SingleDevice(),
+    "fsdp": lambda: tk.FSDP(min_shard_size=16),  # the tiny MLP's kernels really are sharded
+    "hybrid": lambda: tk.Hybrid(data=2, fsdp=4, min_shard_size=16),
+}
+WRITTEN_BY = {"dp": "DataParallel on 8 devices", "fsdp": "FSDP on 8 devices", "single": "SingleDevice on 1 devices"}
+
+
+@pytest.mark.parametrize("source, target", [("dp", "dp4"), ("dp", "single"), ("fsdp", "dp4"),
+                                            ("fsdp", "single"), ("single", "hybrid")])
+def test_a_checkpoint_moves_to_another_device_count_or_strategy(tmp_path, source, target, caplog):
     x, y = make_classification(128)
     model, optimizer = MLP(), optax.adam(0.01)
-    uninterrupted = make("dp", model, optimizer)
+    uninterrupted = make(MOVES[source](), model, optimizer)
     uninterrupted.fit((x, y), batch_size=32, epochs=2, shuffle=False, verbose=0)
-    first = make("dp", model, optimizer)
+    first = make(MOVES[source](), model, optimizer)
     first.fit((x, y), batch_size=32, epochs=1, shuffle=False, verbose=0)
     first.save(tmp_path / "ckpt")
-    strategy = tk.DataParallel(jax.devices()[:4]) if target == "dp4" else tk.SingleDevice()
-    moved = make(strategy, model, optimizer)
+    moved = make(MOVES[target](), model, optimizer)
     moved.init(x)
     with caplog.at_level(logging.WARNING, logger="trainkit"):
         moved.load(tmp_path / "ckpt")
-    assert "written by DataParallel on 8 devices" in caplog.text and "not bit for bit" in caplog.text
-    leaf = jax.tree.leaves(moved.state.params)[0]
-    assert len(leaf.sharding.device_set) == (4 if target == "dp4" else 1)
+    assert f"written by {WRITTEN_BY[source]}" in caplog.text and "not bit for bit" in caplog.text
+    states_equal(moved.state, first.state)  # the restored state itself is exact
+    kernel = moved.state.params["Dense_0"]["kernel"]
+    assert len(kernel.sharding.device_set) == {"dp4": 4, "single": 1, "hybrid": 8}[target]
+    if target == "hybrid":  # restored straight into its shards
+        assert kernel.addressable_shards[0].data.shape == (5, 4)
     moved.fit((x, y), batch_size=32, epochs=2, initial_epoch=1, shuffle=False, verbose=0)
     tree_allclose(moved.params, uninterrupted.params, rtol=1e-5, atol=1e-6)
 

@@ -63,16 +63,25 @@ def reference(tmp_path_factory):
     return params(root / "ref.npz")
 
 
-def test_kill_9_at_a_random_step_then_rerun_finishes_bit_identical(tmp_path, reference):
+@pytest.fixture(scope="module")
+def fsdp_reference(tmp_path_factory):
+    root = tmp_path_factory.mktemp("fsdp_reference")
+    finish(root / "backup", root / "ref.npz", "--strategy", "fsdp")
+    return params(root / "ref.npz")
+
+
+@pytest.mark.parametrize("strategy", ["dp", "fsdp"])
+def test_kill_9_at_a_random_step_then_rerun_finishes_bit_identical(tmp_path, request, strategy):
+    reference = request.getfixturevalue("reference" if strategy == "dp" else "fsdp_reference")
     backup = tmp_path / "backup"
-    process = start(backup, tmp_path / "out.npz", "--sleep", "0.03")
+    process = start(backup, tmp_path / "out.npz", "--sleep", "0.03", "--strategy", strategy)
     wait_for(lambda: committed_steps(backup))
     time.sleep(random.uniform(0.0, 0.4))
     process.kill()  # SIGKILL
     process.wait()
     killed_at = committed_steps(backup)
     assert killed_at and killed_at[-1] < 52  # it died mid-run
-    output = finish(backup, tmp_path / "out.npz")
+    output = finish(backup, tmp_path / "out.npz", "--strategy", strategy)
     assert re.search(r"resuming from step \d+", output), output
     assert_bit_identical(params(tmp_path / "out.npz"), reference)
 

@@ -91,7 +91,11 @@ def _batch_metrics(
 
 
 def _microbatches(batch: Batch, k: int) -> Batch:
-    return jax.tree.map(lambda a: a.reshape((k, a.shape[0] // k) + a.shape[1:]), batch)
+    """``(k, rows / k, ...)``: micro-batch ``j`` holds rows ``j, j + k, j + 2k, ...``. Strided,
+    not contiguous: every device's (contiguous) part of a sharded batch contributes equally to
+    every micro-batch, so no rows move between devices, and the micro-batches are the same
+    rows under every strategy (the device parts divide by ``k``)."""
+    return jax.tree.map(lambda a: jnp.swapaxes(a.reshape((a.shape[0] // k, k) + a.shape[1:]), 0, 1), batch)
 
 
 def learning_rate(opt_state) -> jax.Array | None:

@@ -39,12 +39,14 @@ def main():
     parser.add_argument("--sleep", type=float, default=0.0)
     parser.add_argument("--width", type=int, default=32)
     parser.add_argument("--every", type=int, default=3)
+    parser.add_argument("--strategy", choices=["dp", "fsdp"], default="dp")
     args = parser.parse_args()
     rng = np.random.default_rng(0)
     x = rng.normal(size=(200, 5)).astype(np.float32)
     y = ((x[:, 0] > 0).astype(np.int32) + (x[:, 1] > 0.5)).astype(np.int32)
     trainer = tk.Trainer(Net(args.width), loss="sparse_categorical_crossentropy", optimizer=optax.adam(1e-2),
-                         strategy=tk.DataParallel(), seed=1)
+                         strategy=tk.DataParallel() if args.strategy == "dp" else tk.FSDP(min_shard_size=16),
+                         seed=1)
     slow = tk.callbacks.LambdaCallback(on_train_batch_begin=lambda batch, logs=None: time.sleep(args.sleep))
     trainer.fit((x, y), epochs=4, batch_size=16, verbose=0,
                 callbacks=[tk.callbacks.BackupAndRestore(args.backup, every_n_steps=args.every), slow])
