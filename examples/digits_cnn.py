@@ -1,6 +1,10 @@
-"""Train a small CNN on scikit-learn's bundled handwritten digits with DataParallel.
+"""Train a small CNN on scikit-learn's bundled handwritten digits on any strategy.
 
-    python examples/digits_cnn.py --devices 8        # fake 8 CPU devices on a laptop
+    python examples/digits_cnn.py --devices 8                    # 8 fake CPU devices, "auto"
+    python examples/digits_cnn.py --devices 8 --strategy fsdp    # or single, dp, fsdp, hybrid
+
+With ``--strategy auto`` (the default) the Trainer compiles the train step under every
+strategy, prints why it picked one, and ``--plan`` prints the whole table.
 
 The 1,797 8x8 digit images ship inside scikit-learn (no download). A fifth is held out; the
 script prints the held-out accuracy and exits non-zero below ``--min-accuracy``.
@@ -18,6 +22,9 @@ def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--devices", type=int, default=0,
                         help="fake this many CPU devices (0: use the real local devices)")
+    parser.add_argument("--strategy", default="auto", choices=["auto", "single", "dp", "fsdp", "hybrid"],
+                        help="hybrid: data=2 x fsdp=devices/2")
+    parser.add_argument("--plan", action="store_true", help="print the compiled plan of every strategy")
     parser.add_argument("--epochs", type=int, default=15)
     parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument("--learning-rate", type=float, default=2e-3)
@@ -70,13 +77,14 @@ def main(argv=None) -> int:
         # a schedule through inject_hyperparams shows the learning rate in the logs
         optimizer=optax.inject_hyperparams(optax.adam)(learning_rate=args.learning_rate),
         metrics=["accuracy"],
-        strategy=tk.DataParallel(),
+        strategy=tk.Hybrid(data=2, fsdp=jax.device_count() // 2) if args.strategy == "hybrid" else args.strategy,
         seed=args.seed,
         precision=args.precision,
         grad_accum_steps=args.grad_accum_steps,
     )
-    print(f"trainkit {tk.__version__} on {jax.device_count()} {jax.devices()[0].platform} devices: "
-          f"{trainer.strategy.describe()}")
+    print(f"trainkit {tk.__version__} on {jax.device_count()} {jax.devices()[0].platform} devices")
+    if args.plan:
+        trainer.plan((images[train][:args.batch_size], labels[train][:args.batch_size]), measure=True)
     start = time.perf_counter()
     history = trainer.fit(
         (images[train], labels[train]),
@@ -86,11 +94,14 @@ def main(argv=None) -> int:
         verbose=args.verbose,
     )
     seconds = time.perf_counter() - start
+    if trainer.last_plan is not None and not args.verbose:  # fit printed it when verbose
+        print(f"strategy='auto' {trainer.last_plan.reason()}")
     result = trainer.evaluate((images[test], labels[test]), batch_size=128)
     predictions = trainer.predict(images[test], batch_size=128)
     assert predictions.shape == (len(test), 10)
     print(f"held-out accuracy {result['accuracy']:.4f}, loss {result['loss']:.4f} "
-          f"({len(test)} images; {len(history.epoch)} epochs in {seconds:.1f} s)")
+          f"({len(test)} images; {len(history.epoch)} epochs in {seconds:.1f} s on "
+          f"{trainer.strategy.describe()})")
     if result["accuracy"] < args.min_accuracy:
         print(f"below the expected {args.min_accuracy:.2f}", file=sys.stderr)
         return 1

@@ -16,6 +16,7 @@ def test_digits_cnn_reaches_95_percent_on_8_fake_devices():
         capture_output=True, text=True, env=env, timeout=300,
     )
     assert result.returncode == 0, result.stdout + result.stderr
-    assert "8 cpu devices: DataParallel(pmap over 8 devices" in result.stdout
+    assert "trainkit" in result.stdout and "on 8 cpu devices" in result.stdout
+    assert re.search(r"strategy='auto' picked \S+: measured [\d.]+ ms/step", result.stdout), result.stdout
     accuracy = float(re.search(r"held-out accuracy (\d\.\d+)", result.stdout).group(1))
     assert accuracy >= 0.95

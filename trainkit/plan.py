@@ -197,7 +197,7 @@ class MemoryPlan:
             verdict = "[bold green]<-[/bold green]" if r.recommended else ("" if r.fits else "[red]too big[/red]")
             table.add_row(
                 r.name, _mib(r.argument_bytes), _mib(r.temp_bytes), _mib(r.total_bytes),
-                f"{r.flops / 1e9:.2f}", _mib(r.collective_bytes), f"{r.seconds * 1e3:.2f}", verdict,
+                _short(r.flops / 1e9), _mib(r.collective_bytes), _short(r.seconds * 1e3), verdict,
             )
         return table
 
@@ -215,7 +215,14 @@ class MemoryPlan:
 
 
 def _mib(n: float) -> str:
-    return f"{n / 2**20:,.2f}"
+    return _short(n / 2**20)
+
+
+def _short(value: float) -> str:
+    """About three significant digits, without an exponent: 0.0152, 3.56, 35.6, 1,697."""
+    if value >= 100:
+        return f"{value:,.0f}"
+    return f"{value:.3g}" if value >= 0.001 or value == 0 else "<0.001"
 
 
 def _gib(n: float) -> str:
