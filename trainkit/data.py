@@ -134,15 +134,24 @@ class ArrayDataset:
         return -(-self.num_examples // batch_size)
 
     def batches(
-        self, batch_size: int, *, shuffle: bool = False, seed: int = 0, epoch: int = 0, start: int = 0
+        self, batch_size: int, *, shuffle: bool = False, seed: int = 0, epoch: int = 0, start: int = 0,
+        process_index: int = 0, process_count: int = 1,
     ) -> Iterator[Batch]:
-        """Batches of ``batch_size`` rows from batch index ``start`` on."""
+        """Batches of ``batch_size`` rows from batch index ``start`` on.
+
+        With several processes, every process computes the same (seeded) order and yields only
+        its part of each global batch: rows ``[p * b, (p + 1) * b)`` of the padded global batch,
+        ``b = batch_size / process_count``, so the parts of all processes, in process order,
+        are exactly the single-process batch."""
         n = self.num_examples
-        order = np.random.default_rng([seed, epoch]).permutation(n) if shuffle else None
+        local = batch_size // process_count
+        order = np.random.default_rng([seed, epoch]).permutation(n) if shuffle else np.arange(n)
         for lo in range(start * batch_size, n, batch_size):
-            rows = slice(lo, min(lo + batch_size, n)) if order is None else order[lo : lo + batch_size]
+            rows = order[lo : lo + batch_size][process_index * local : (process_index + 1) * local]
+            if process_count == 1 and not shuffle:
+                rows = slice(lo, min(lo + batch_size, n))
             x, y, w = (None if t is None else _take(t, rows) for t in (self.x, self.y, self.sample_weight))
-            yield pad_batch(x, y, w, batch_size)
+            yield pad_batch(x, y, w, local)
 
 
 class IterableDataset:
@@ -202,6 +211,8 @@ class IterableDataset:
             yield element
 
     def batches(self, batch_size: int | None = None, *, start: int = 0, **_) -> Iterator[Batch]:
+        """The iterable's batches, padded to the first batch's size. With several processes,
+        each process's iterable yields that process's part of every global batch."""
         for element in itertools.islice(self._elements(), start, None):
             x, y, w = split_xyw(element)
             n = _check_lengths({"x": x, "y": y, "sample_weight": w})

@@ -230,10 +230,12 @@ def _gib(n: float) -> str:
 
 
 def default_candidates(devices: Sequence[jax.Device] | None = None) -> list[Strategy]:
-    """SingleDevice, DataParallel, FSDP and every ``Hybrid(data=d, fsdp=n/d)`` for the devices."""
-    devices = list(devices if devices is not None else jax.local_devices())
+    """SingleDevice (on one process), DataParallel, FSDP and every ``Hybrid(data=d, fsdp=n/d)``
+    over ``devices`` (by default all devices of all processes)."""
+    devices = list(devices if devices is not None else jax.devices())
     n = len(devices)
-    candidates: list[Strategy] = [SingleDevice(devices[0])]
+    # one process's single device cannot train a batch that other processes feed
+    candidates: list[Strategy] = [SingleDevice(devices[0])] if jax.process_count() == 1 else []
     if n > 1:
         candidates += [DataParallel(devices), FSDP(devices)]
         candidates += [Hybrid(data=d, fsdp=n // d, devices=devices) for d in range(2, n) if n % d == 0]

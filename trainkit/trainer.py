@@ -28,7 +28,7 @@ import jax
 import numpy as np
 import optax
 
-from trainkit import checkpoint as checkpoint_lib
+from trainkit import checkpoint as checkpoint_lib, distributed
 from trainkit import data as data_lib
 from trainkit import losses, metrics as metrics_lib, plan as plan_lib
 from trainkit.callbacks import Callback, CallbackList, History, ProgressBar, TerminateOnNaN
@@ -48,7 +48,7 @@ PREEMPTED_EXIT_CODE = 143
 
 
 def _host_float64(metrics: dict) -> dict:
-    host = jax.device_get(metrics)
+    host = distributed.fetch(metrics)
     return jax.tree.map(lambda v: np.float64(v), host)
 
 
@@ -100,6 +100,7 @@ class Trainer:
         grad_accum_steps: int = 1,
         log_grad_norm: bool = True,
     ):
+        distributed.initialize_from_environment()  # a multi-process job: connect first
         self.model = model
         self._adapter = adapt_model(model)
         if not isinstance(optimizer, optax.GradientTransformation):
@@ -224,12 +225,12 @@ class Trainer:
     @property
     def params(self) -> PyTree:
         """The parameters as host NumPy arrays."""
-        return jax.tree.map(np.asarray, jax.device_get(self._require_state().params))
+        return jax.tree.map(np.asarray, distributed.fetch(self._require_state().params))
 
     def get_weights(self) -> PyTree:
         """Host copies of all variables: ``{"params": ..., **model_state}``."""
         state = self._require_state()
-        host = jax.device_get({"params": state.params, "model_state": state.model_state})
+        host = distributed.fetch({"params": state.params, "model_state": state.model_state})
         return {"params": host["params"], **host["model_state"]}
 
     def set_weights(self, variables: PyTree) -> None:
@@ -415,7 +416,7 @@ class Trainer:
 
         def run(strategy: Strategy, compiled) -> float:
             if not host_state:
-                host_state.append(jax.device_get(strategy.create_state(self._init_state, variables, first_row)))
+                host_state.append(distributed.fetch(strategy.create_state(self._init_state, variables, first_row)))
             state = strategy.put_state(host_state[0])
             return plan_lib.time_steps(compiled, state, strategy.put_batch(host_batch), steps)
 
@@ -458,7 +459,7 @@ class Trainer:
 
     # ------------------------------------------------------------------ input checks
     def _prepare(self, data, y, sample_weight, batch_size, *, targets: bool, training: bool = False,
-                 announce: bool = False):
+                 announce: bool = False, config: dict | None = None):
         dataset = data_lib.as_dataset(data, y, sample_weight)
         if targets and not dataset.has_targets and not self._custom_loss:
             raise ValueError(
@@ -472,11 +473,16 @@ class Trainer:
                     f"{dataset.batch_size} rows; an iterable's batches set the batch size. "
                     "Drop batch_size, or re-batch the iterable."
                 )
-            batch_size = dataset.batch_size
+            batch_size = dataset.batch_size * jax.process_count()  # each process yields its part
         else:
             batch_size = 32 if batch_size is None else batch_size
         data_lib.check_batch_size(batch_size, self.strategy.num_batch_shards,
                                   micro_batches=self.grad_accum_steps if training else 1)
+        distributed.check_same_configuration({  # before anything that needs the processes to agree
+            "batch_size": batch_size, "seed": self.seed, "strategy": self.strategy.describe(),
+            "grad_accum_steps": self.grad_accum_steps, "precision": str(self.precision.compute_dtype),
+            "inputs": str(dataset.element_spec()), **(config or {}),
+        })
         x0, y0, _ = dataset.first()
         if targets and self._loss_fn is not None:
             losses.check_targets(self._loss_fn, y0)
@@ -515,8 +521,11 @@ class Trainer:
         for name, value in (("steps_per_epoch", steps_per_epoch), ("max_steps", max_steps)):
             if value is not None and (not isinstance(value, (int, np.integer)) or value < 1):
                 raise ValueError(f"{name} must be a positive integer or None; received {value!r}.")
-        dataset, batch_size = self._prepare(data, y, sample_weight, batch_size, targets=True, training=True,
-                                            announce=bool(verbose))
+        dataset, batch_size = self._prepare(
+            data, y, sample_weight, batch_size, targets=True, training=True, announce=bool(verbose),
+            config={"epochs": epochs, "shuffle": shuffle, "steps_per_epoch": steps_per_epoch,
+                    "max_steps": max_steps, "initial_epoch": initial_epoch},
+        )
         validation = None
         if validation_data is not None:
             validation = self._prepare(
@@ -533,7 +542,7 @@ class Trainer:
         self.epochs, self.steps_per_epoch = epochs, steps
         self.history = History()
         callbacks = list(callbacks)
-        if verbose and not any(isinstance(c, ProgressBar) for c in callbacks):
+        if verbose and distributed.is_main_process() and not any(isinstance(c, ProgressBar) for c in callbacks):
             callbacks.append(ProgressBar(verbose))
         callback_list = CallbackList([self.history, *callbacks], trainer=self)
         self.history.params = {"epochs": epochs, "steps": steps, "verbose": verbose}
@@ -554,7 +563,8 @@ class Trainer:
             first = start_batch if epoch == start_epoch else 0
             self.position = {"epoch": epoch, "batch": first}
             callback_list.on_epoch_begin(epoch)
-            batches = dataset.batches(batch_size, shuffle=shuffle, seed=self.seed, epoch=epoch, start=first)
+            batches = dataset.batches(batch_size, shuffle=shuffle, seed=self.seed, epoch=epoch, start=first,
+                                      **_process_slice())
             limit = None if steps is None else max(steps - first, 0)
             ran, logs = self._train_epoch(
                 train_fn, itertools.islice(batches, limit), callback_list, max_steps, first
@@ -642,7 +652,7 @@ class Trainer:
         totals = None
         for metrics in self._bounded(
             eval_fn(self.state, self.strategy.put_batch(batch))
-            for batch in itertools.islice(dataset.batches(batch_size), steps)
+            for batch in itertools.islice(dataset.batches(batch_size, **_process_slice()), steps)
         ):
             totals = metrics_lib.merge(totals, _host_float64(metrics))
         logs = metrics_lib.compute(totals, self._log_order)
@@ -667,9 +677,9 @@ class Trainer:
         callback_list = CallbackList(callbacks, trainer=self)
         callback_list.on_predict_begin()
         parts = []
-        batches = itertools.islice(dataset.batches(batch_size), steps)
+        batches = itertools.islice(dataset.batches(batch_size, **_process_slice()), steps)
         rows_iter = (
-            (predict_fn(self.state, self.strategy.put_batch(b)), int(b["mask"].sum()))
+            (predict_fn(self.state, self.strategy.put_batch(b)), self._global_rows(b["mask"]))
             for b in batches
         )
         for outputs, rows in self._bounded(rows_iter):
@@ -679,6 +689,15 @@ class Trainer:
         callback_list.on_predict_end()
         return result
 
+    @staticmethod
+    def _global_rows(local_mask: np.ndarray) -> int:
+        """Real rows of the global batch (they come first; padding follows)."""
+        if jax.process_count() == 1:
+            return int(local_mask.sum())
+        from jax.experimental import multihost_utils
+
+        return int(np.asarray(multihost_utils.process_allgather(np.asarray(local_mask.sum()))).sum())
+
     def _bounded(self, dispatched):
         """Yields device results in order while keeping at most ``max_in_flight`` pending."""
         pending: collections.deque = collections.deque()
@@ -687,6 +706,11 @@ class Trainer:
             if len(pending) > self.max_in_flight:
                 yield pending.popleft()
         yield from pending
+
+
+def _process_slice() -> dict:
+    """Which part of every global batch this process reads (all of it on one process)."""
+    return {"process_index": jax.process_index(), "process_count": jax.process_count()}
 
 
 def _abstract(tree: PyTree) -> PyTree:

@@ -16,6 +16,7 @@ import os
 import warnings
 from typing import Callable
 
+from trainkit import distributed
 from trainkit.callbacks.base import Callback, Logs
 
 
@@ -37,6 +38,9 @@ class CSVLogger(Callback):
         self._keys: list[str] | None = None
 
     def on_train_begin(self, logs: Logs | None = None) -> None:
+        self._file = None
+        if not distributed.is_main_process():  # one file per run, written by process 0
+            return
         exists = self.append and os.path.exists(self.filename) and os.path.getsize(self.filename)
         self._file = open(self.filename, "a" if self.append else "w", newline="")
         self._keys, self._writer = None, None
@@ -46,6 +50,8 @@ class CSVLogger(Callback):
             self._keys = header[1:] if header else None
 
     def on_epoch_end(self, epoch: int, logs: Logs | None = None) -> None:
+        if self._file is None:
+            return
         logs = logs or {}
         if self._keys is None:
             self._keys = sorted(logs, key=lambda k: (k.startswith("val_"), k != "loss", k))

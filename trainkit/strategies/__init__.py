@@ -34,7 +34,7 @@ def resolve_strategy(strategy: "str | Strategy") -> Strategy:
     if isinstance(strategy, Strategy):
         return strategy
     if strategy == "auto":
-        return Auto() if len(jax.local_devices()) > 1 else SingleDevice()
+        return Auto() if jax.device_count() > 1 else SingleDevice()
     if isinstance(strategy, str) and strategy in _NAMES:
         return _NAMES[strategy]()
     if isinstance(strategy, type) and issubclass(strategy, Strategy):

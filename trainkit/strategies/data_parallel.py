@@ -19,6 +19,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from trainkit import distributed
 from trainkit.strategies.base import Strategy, make_mesh
 
 PyTree = Any
@@ -34,13 +35,14 @@ class DataParallel(Strategy):
     axis_name = "data"
 
     def __init__(self, devices: Sequence[jax.Device] | None = None):
+        """``devices`` defaults to every device of every process (the local ones on one)."""
         self._devices = list(devices) if devices is not None else None
         self._mesh: Mesh | None = None
 
     @property
     def mesh(self) -> Mesh:
         if self._mesh is None:
-            devices = self._devices or jax.local_devices()
+            devices = self._devices or jax.devices()
             self._mesh = make_mesh(devices, (len(devices),), (self.axis_name,))
         return self._mesh
 
@@ -49,9 +51,19 @@ class DataParallel(Strategy):
         return self.mesh.size
 
     def put_batch(self, host_batch: PyTree) -> PyTree:
-        n = self.mesh.size
-        split = jax.tree.map(lambda a: np.reshape(a, (n, a.shape[0] // n) + a.shape[1:]), host_batch)
-        return jax.device_put(split, NamedSharding(self.mesh, PartitionSpec(self.axis_name)))
+        """This process's rows -> ``(devices, rows_per_device, ...)``, split over ``data``."""
+        sharding = NamedSharding(self.mesh, PartitionSpec(self.axis_name))
+        if jax.process_count() == 1:
+            n = self.mesh.size
+            split = jax.tree.map(lambda a: np.reshape(a, (n, a.shape[0] // n) + a.shape[1:]), host_batch)
+            return jax.device_put(split, sharding)
+        local = len(self.mesh.local_devices)
+
+        def place(a):
+            part = np.reshape(a, (local, a.shape[0] // local) + a.shape[1:])
+            return jax.make_array_from_process_local_data(sharding, part, (self.mesh.size,) + part.shape[1:])
+
+        return jax.tree.map(place, host_batch)
 
     def _pmap(self, fn: Callable, out_axes, donate: bool) -> Callable:
         return jax.pmap(
@@ -73,7 +85,13 @@ class DataParallel(Strategy):
         return self._pmap(predict_fn, out_axes=0, donate=False)  # per row: stacked per device
 
     def fetch_rows(self, tree: PyTree) -> PyTree:
-        host = jax.device_get(tree)
+        if jax.process_count() > 1:  # pmap's per-device outputs come back as this process's part
+            from jax.experimental import multihost_utils
+
+            tree = jax.tree.map(
+                lambda a: multihost_utils.process_allgather(np.asarray(a), tiled=True)
+                if getattr(a, "is_fully_addressable", True) else a, tree)
+        host = distributed.fetch(tree)
         return jax.tree.map(lambda a: np.asarray(a).reshape((-1,) + a.shape[2:]), host)
 
     def describe(self) -> str:

@@ -19,6 +19,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from trainkit import distributed
 from trainkit.strategies import _sharding
 from trainkit.strategies.base import Strategy, make_mesh
 
@@ -132,14 +133,7 @@ class ShardedStrategy(Strategy):
         return self._compile_inference(predict_fn, abstract_state, self.batch_sharding)
 
     def fetch_rows(self, tree: PyTree) -> PyTree:
-        def host(a):
-            if getattr(a, "is_fully_addressable", True):
-                return np.asarray(jax.device_get(a))
-            from jax.experimental import multihost_utils
-
-            return np.asarray(multihost_utils.process_allgather(a, tiled=True))
-
-        return jax.tree.map(host, tree)
+        return jax.tree.map(np.asarray, distributed.fetch(tree))
 
     def describe(self) -> str:
         axes = ", ".join(f"{k}={v}" for k, v in self.mesh.shape.items())

@@ -1,0 +1,81 @@
+"""Trains the same model under several strategies in however many processes launched it, and
+(on process 0) writes parameters, evaluation and predictions to an .npz for comparison.
+
+    python -m trainkit.launch --nproc 2 --devices-per-proc 4 tests/scripts/multihost_fit.py out.npz
+"""
+
+import argparse
+import os
+import sys
+
+import trainkit as tk  # noqa: E402  (creating the Trainer connects the processes)
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("out")
+    parser.add_argument("--strategies", default="dp,fsdp,hybrid")
+    parser.add_argument("--seed", type=int, default=3)
+    parser.add_argument("--seed-by-process", action="store_true", help="a misconfiguration to catch")
+    parser.add_argument("--die-at-step", type=int, default=0, help="process 1 kills itself at this step")
+    parser.add_argument("--save", default="")
+    parser.add_argument("--load", default="")
+    parser.add_argument("--explicit-init", action="store_true")
+    args = parser.parse_args()
+    if args.explicit_init:
+        tk.distributed.initialize()
+
+    import flax.linen as nn
+    import jax
+    import numpy as np
+    import optax
+
+    class Net(nn.Module):
+        @nn.compact
+        def __call__(self, x, train: bool = False):
+            x = nn.relu(nn.Dense(32)(x))
+            x = nn.Dropout(0.2, deterministic=not train)(x)
+            return nn.Dense(3)(x)
+
+    strategies = {
+        "dp": lambda: tk.DataParallel(),
+        "fsdp": lambda: tk.FSDP(min_shard_size=16),
+        "hybrid": lambda: tk.Hybrid(data=2, fsdp=4, min_shard_size=16),
+    }
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(100, 5)).astype(np.float32)  # batch 16: the last batch holds 4 rows
+    y = ((x[:, 0] > 0).astype(np.int32) + (x[:, 1] > 0.5)).astype(np.int32)
+    seed = args.seed + (jax.process_index() if args.seed_by_process else 0)
+    results = {}
+    for name in args.strategies.split(","):
+        trainer = tk.Trainer(Net(), loss="sparse_categorical_crossentropy", optimizer=optax.adam(0.01),
+                             metrics=["accuracy"], strategy=strategies[name](), seed=seed)
+        callbacks = []
+        if args.die_at_step:
+            def die(batch, logs=None):
+                if jax.process_index() == 1 and trainer.global_step >= args.die_at_step:
+                    print("process 1 dies now", flush=True)
+                    os.kill(os.getpid(), 9)
+            callbacks.append(tk.callbacks.LambdaCallback(on_train_batch_begin=die))
+        if args.load:
+            trainer.init((x, y))
+            trainer.load(args.load)
+            trainer.fit((x, y), batch_size=16, epochs=3, initial_epoch=2, verbose=1)
+        else:
+            history = trainer.fit((x, y), batch_size=16, epochs=2 if args.save else 3, verbose=1,
+                                  callbacks=callbacks)
+            results[f"{name}/loss"] = np.asarray(history.history["loss"])
+        if args.save:
+            trainer.save(args.save)
+        results[f"{name}/eval"] = np.asarray(list(trainer.evaluate((x, y), batch_size=24).values()))
+        results[f"{name}/predict"] = trainer.predict(x, batch_size=24)
+        for path, leaf in jax.tree_util.tree_leaves_with_path(trainer.params):
+            results[f"{name}/{jax.tree_util.keystr(path)}"] = leaf
+    print(f"process {jax.process_index()} of {jax.process_count()} done", flush=True)
+    if jax.process_index() == 0:
+        np.savez(args.out, **results)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

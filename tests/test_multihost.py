@@ -1,0 +1,115 @@
+"""Real multi-process runs on CPU: 2 processes x 4 fake devices (gloo) against 1 x 8, a process
+that dies, a misconfigured process, checkpoints across process counts, and the launcher."""
+
+import os
+import pathlib
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+ROOT = pathlib.Path(__file__).parent.parent
+SCRIPT = ROOT / "tests" / "scripts" / "multihost_fit.py"
+
+
+def clean_env():
+    return {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_NUM_CPU_DEVICES")}
+
+
+def launch(nproc, devices, *args, timeout=420):
+    command = [sys.executable, "-m", "trainkit.launch", "--nproc", str(nproc), "--devices-per-proc",
+               str(devices), str(SCRIPT), *map(str, args)]
+    start = time.monotonic()
+    result = subprocess.run(command, capture_output=True, text=True, env=clean_env(), cwd=ROOT, timeout=timeout)
+    return result.returncode, result.stdout + result.stderr, time.monotonic() - start
+
+
+def load(path):
+    with np.load(path) as data:
+        return {k: data[k] for k in data.files}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("multihost")
+    results = {}
+    for nproc, devices in ((1, 8), (2, 4)):
+        code, output, _ = launch(nproc, devices, root / f"{nproc}x{devices}.npz")
+        assert code == 0, output
+        results[nproc] = (load(root / f"{nproc}x{devices}.npz"), output)
+    return results
+
+
+@pytest.mark.parametrize("strategy", ["dp", "fsdp", "hybrid"])
+def test_two_processes_give_the_parameters_of_one(runs, strategy):
+    one, two = runs[1][0], runs[2][0]
+    keys = [k for k in one if k.startswith(strategy + "/")]
+    assert len(keys) >= 7 and set(keys) <= set(two)  # 4 parameters, loss, eval, predict
+    for key in keys:
+        np.testing.assert_allclose(two[key], one[key], rtol=2e-5, atol=2e-6, err_msg=key)
+    assert two[f"{strategy}/predict"].shape == (100, 3)  # every row, in input order
+
+
+def test_output_is_prefixed_and_only_process_0_draws_progress(runs):
+    output = runs[2][1]
+    assert "[0] process 0 of 2 done" in output and "[1] process 1 of 2 done" in output
+    epoch_lines = [line for line in output.splitlines() if "Epoch 1/3" in line]
+    assert epoch_lines and all(line.startswith("[0] ") for line in epoch_lines)
+
+
+def test_a_dead_process_is_reported_and_the_others_end(tmp_path):
+    code, output, seconds = launch(2, 4, tmp_path / "out.npz", "--strategies", "fsdp", "--die-at-step", 3)
+    assert code != 0
+    assert "[1] process 1 dies now" in output
+    assert "[launch] process 1 was killed by SIGKILL; ending the other processes" in output
+    assert seconds < 120
+
+
+def test_without_the_launcher_the_survivor_exits_with_an_error(tmp_path):
+    sys.path.insert(0, str(ROOT))
+    from trainkit.launch import build_env, free_port
+
+    port = free_port()
+    processes = [
+        subprocess.Popen([sys.executable, str(SCRIPT), str(tmp_path / "out.npz"), "--strategies", "dp",
+                          "--die-at-step", "3"],
+                         env=build_env(clean_env(), process_id=i, nproc=2, port=port, devices_per_proc=4),
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT)
+        for i in range(2)
+    ]
+    assert processes[1].wait(timeout=180) == -9
+    try:
+        output, _ = processes[0].communicate(timeout=120)  # heartbeat timeout: 20 s
+    except subprocess.TimeoutExpired:
+        processes[0].kill()
+        pytest.fail("process 0 kept waiting for the dead process")
+    assert processes[0].returncode != 0, output
+
+
+def test_processes_with_different_settings_are_stopped_at_the_start(tmp_path):
+    code, output, _ = launch(2, 4, tmp_path / "out.npz", "--strategies", "fsdp", "--seed-by-process",
+                             "--explicit-init")
+    assert code != 0
+    assert "The processes were started with different settings for seed: process 0:" in output
+
+
+@pytest.mark.parametrize("save, load_", [((2, 4), (1, 8)), ((1, 8), (2, 4))])
+def test_a_checkpoint_moves_between_process_counts(runs, tmp_path, save, load_):
+    checkpoint = tmp_path / "ckpt"
+    code, output, _ = launch(*save, tmp_path / "saved.npz", "--strategies", "fsdp", "--save", checkpoint)
+    assert code == 0, output
+    code, output, _ = launch(*load_, tmp_path / "resumed.npz", "--strategies", "fsdp", "--load", checkpoint)
+    assert code == 0, output
+    resumed, uninterrupted = load(tmp_path / "resumed.npz"), runs[1][0]
+    for key in [k for k in uninterrupted if k.startswith("fsdp/['")]:
+        np.testing.assert_allclose(resumed[key], uninterrupted[key], rtol=2e-5, atol=2e-6, err_msg=key)
+
+
+def test_initialize_after_the_backend_started_says_to_call_it_first():
+    code = ("import jax; jax.devices(); import trainkit as tk\n"
+            "tk.distributed.initialize('127.0.0.1:1', num_processes=2, process_id=0)")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=clean_env(), cwd=ROOT)
+    assert result.returncode != 0
+    assert "must run before anything touches JAX's devices" in result.stderr

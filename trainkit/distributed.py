@@ -1,0 +1,151 @@
+"""Multi-process training on JAX's own multi-controller runtime (``jax.distributed``).
+
+Every process runs the same script; ``initialize`` connects them (explicit arguments, the
+``JAX_COORDINATOR_ADDRESS`` / ``JAX_NUM_PROCESSES`` / ``JAX_PROCESS_ID`` environment, or JAX's
+cluster detection for SLURM, Open MPI and TPU pods). The Trainer calls it itself when the
+environment asks for it. ``python -m trainkit.launch`` starts local processes for a try-out.
+
+>>> is_main_process(), process_count() >= 1
+(True, True)
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from typing import Any, Sequence
+
+import jax
+import numpy as np
+
+PyTree = Any
+
+#: Seconds without a heartbeat after which JAX's coordination service declares a process dead
+#: and stops the others (JAX's own default is 100).
+HEARTBEAT_TIMEOUT = 20
+
+
+def process_index() -> int:
+    return jax.process_index()
+
+
+def process_count() -> int:
+    return jax.process_count()
+
+
+def is_main_process() -> bool:
+    """True on process 0: the one that prints, logs and writes the small files."""
+    return jax.process_index() == 0
+
+
+def is_initialized() -> bool:
+    checker = getattr(jax.distributed, "is_initialized", None)
+    if checker is not None:
+        return bool(checker())
+    from jax._src import distributed as _distributed  # older JAX: no public check
+
+    return _distributed.global_state.client is not None
+
+
+def _backend_started() -> bool:
+    try:
+        from jax._src import xla_bridge
+
+        return bool(getattr(xla_bridge, "_backends", {}))
+    except Exception:  # noqa: BLE001 - a private detail; assume not started
+        return False
+
+
+def requested_by_environment() -> bool:
+    """Whether the environment describes a multi-process job (as ``trainkit.launch`` sets)."""
+    return bool(os.environ.get("JAX_COORDINATOR_ADDRESS")) and int(os.environ.get("JAX_NUM_PROCESSES", "1")) > 1
+
+
+def initialize(
+    coordinator_address: str | None = None,
+    num_processes: int | None = None,
+    process_id: int | None = None,
+    *,
+    local_device_ids: Sequence[int] | None = None,
+    heartbeat_timeout_seconds: int = HEARTBEAT_TIMEOUT,
+    initialization_timeout: int = 300,
+) -> None:
+    """Connects this process to the others; call it first thing in the script.
+
+    Arguments left out come from ``JAX_COORDINATOR_ADDRESS``, ``JAX_NUM_PROCESSES`` and
+    ``JAX_PROCESS_ID``, and if those are unset from JAX's cluster detection (SLURM, Open MPI,
+    TPU pods). On CPU the collectives run over gloo. A second call is a no-op.
+    """
+    if is_initialized():
+        return
+    if _backend_started():
+        raise RuntimeError(
+            "tk.distributed.initialize() must run before anything touches JAX's devices, but the "
+            "backend has already started (something called jax.devices(), created an array or "
+            "ran a jitted function). Call tk.distributed.initialize() (or create the Trainer) at "
+            "the top of the script, before any other JAX call."
+        )
+    env = os.environ
+    coordinator_address = coordinator_address or env.get("JAX_COORDINATOR_ADDRESS") or None
+    if num_processes is None and env.get("JAX_NUM_PROCESSES"):
+        num_processes = int(env["JAX_NUM_PROCESSES"])
+    if process_id is None and env.get("JAX_PROCESS_ID"):
+        process_id = int(env["JAX_PROCESS_ID"])
+    try:
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    except Exception:  # noqa: BLE001 - a JAX without the option: its default
+        pass
+    jax.distributed.initialize(
+        coordinator_address, num_processes, process_id, local_device_ids=local_device_ids,
+        heartbeat_timeout_seconds=heartbeat_timeout_seconds, initialization_timeout=initialization_timeout,
+    )
+
+
+def initialize_from_environment() -> None:
+    """``initialize()`` when the environment describes a multi-process job and it has not run."""
+    if requested_by_environment() and not is_initialized():
+        initialize()
+
+
+def fetch(tree: PyTree) -> PyTree:
+    """Host NumPy copies of a tree of arrays, also when they span processes: a replicated array
+    is read from a local shard; a sharded one is gathered from every process."""
+
+    def host(leaf):
+        if not isinstance(leaf, jax.Array) or leaf.is_fully_addressable:
+            return leaf
+        if leaf.is_fully_replicated:
+            return np.asarray(leaf.addressable_data(0))
+        from jax.experimental import multihost_utils
+
+        return np.asarray(multihost_utils.process_allgather(leaf, tiled=True))
+
+    return jax.device_get(jax.tree.map(host, tree))
+
+
+def check_same_configuration(config: dict[str, Any]) -> None:
+    """Raises on every process if ``config`` (JSON-able) differs between processes, naming the
+    fields and each process's value. Free on one process."""
+    if jax.process_count() == 1:
+        return
+    from jax.experimental import multihost_utils
+
+    digests = np.array([_digest(config[k]) for k in sorted(config)], dtype=np.int64)
+    everyone = np.asarray(multihost_utils.process_allgather(digests))
+    differing = [k for i, k in enumerate(sorted(config)) if len(set(everyone[:, i].tolist())) > 1]
+    if differing:
+        values = np.asarray(multihost_utils.process_allgather(
+            np.frombuffer(json.dumps({k: config[k] for k in differing}, default=str).encode().ljust(4096)[:4096], np.uint8)
+        ))
+        per_process = [bytes(row).rstrip(b" ").decode(errors="replace") for row in values]
+        raise ValueError(
+            f"The processes were started with different settings for {', '.join(differing)}: "
+            + "; ".join(f"process {i}: {v}" for i, v in enumerate(per_process))
+            + ". Every process must run the same script with the same arguments."
+        )
+
+
+def _digest(value: Any) -> int:
+    text = json.dumps(value, sort_keys=True, default=str).encode()
+    return int.from_bytes(hashlib.sha256(text).digest()[:7], "little")
