@@ -23,6 +23,7 @@ test: $(VENV)/.installed
 
 bench: $(VENV)/.installed
 	$(BIN)/python benchmarks/step_overhead.py
+	$(BIN)/python benchmarks/memory.py
 
 clean:
 	rm -rf $(VENV)

@@ -17,9 +17,7 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
-import time
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
@@ -33,6 +31,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 sys.path.insert(0, os.path.dirname(__file__))
 import trainkit as tk  # noqa: E402
 from models import TransformerLM, count_params, token_batches  # noqa: E402
+from step_overhead import measure  # noqa: E402
 
 
 class MLP(nn.Module):
@@ -124,18 +123,6 @@ def hand_written(trainer, x, y, batch_size):
     return run
 
 
-def measure(contenders, repeats):
-    for run in contenders.values():  # compile and warm up
-        run()
-    seconds = {name: [] for name in contenders}
-    for _ in range(repeats):
-        for name, run in contenders.items():  # alternate
-            start = time.perf_counter()
-            run()
-            seconds[name].append(time.perf_counter() - start)
-    return {name: statistics.median(s) for name, s in seconds.items()}
-
-
 def run_case(case, repeats):
     make_case, steps = CASES[case]
     model_cls, x, y, batch_size = make_case(steps)
@@ -151,8 +138,7 @@ def run_case(case, repeats):
         contenders[f"trainkit {name}"] = trainkit_run(trainer, x, y, batch_size)
         contenders[f"hand-written {name}"] = hand_written(trainer, x, y, batch_size)
     contenders["trainkit auto"] = trainkit_run(auto, x, y, batch_size)
-    seconds = measure(contenders, repeats)
-    rate = {name: steps / s for name, s in seconds.items()}
+    rate = measure(contenders, steps, repeats)  # steps/s, median of alternating repeats
     base = rate["trainkit DataParallel"]
     fastest = max(rate[f"trainkit {n}"] for n in trainers)
     print(f"\n{'strategy':24} {'steps/s':>8} {'vs DataParallel':>16} {'vs hand-written':>16}")

@@ -40,6 +40,16 @@ class NoisyMLP(nn.Module):
         return nn.Dense(3)(x)
 
 
+class Wide(nn.Module):
+    """64 -> 256 -> 256 -> 8: large enough for FSDP's default min_shard_size to split it."""
+
+    @nn.compact
+    def __call__(self, x):
+        x = nn.relu(nn.Dense(256)(x))
+        x = nn.relu(nn.Dense(256)(x))
+        return nn.Dense(8)(x)
+
+
 def make_classification(n: int, features: int = 5, seed: int = 0):
     rng = np.random.default_rng(seed)
     x = rng.normal(size=(n, features)).astype(np.float32)

@@ -4,22 +4,15 @@ inspection helpers (describe_sharding, lowered_text, compiled_text)."""
 import gc
 import logging
 
-import flax.linen as nn
 import jax
 import numpy as np
 import optax
 import pytest
 
 import trainkit as tk
+from conftest import Wide
 from trainkit.plan import collective_traffic
 
-
-class Wide(nn.Module):
-    @nn.compact
-    def __call__(self, x):
-        x = nn.relu(nn.Dense(256)(x))
-        x = nn.relu(nn.Dense(256)(x))
-        return nn.Dense(8)(x)
 
 
 def make_trainer(strategy="dp", **kwargs):

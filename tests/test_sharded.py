@@ -10,7 +10,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import trainkit as tk
-from conftest import tree_allclose
+from conftest import Wide, tree_allclose
 
 TENSOR_RULES = [
     (r"Conv_0/kernel", P(None, None, None, "model")),
@@ -125,13 +125,6 @@ def test_dataparallel_batchnorm_matches_only_with_the_named_axis():
         lambda a, b: np.allclose(a, b, rtol=1e-4), local.get_weights(), expected.get_weights()))
     assert not all(close)  # per-device statistics: a different (equally valid) model
 
-
-class Wide(nn.Module):
-    @nn.compact
-    def __call__(self, x):
-        x = nn.relu(nn.Dense(256)(x))
-        x = nn.relu(nn.Dense(256)(x))
-        return nn.Dense(8)(x)
 
 
 def per_device_bytes(tree):

@@ -144,10 +144,13 @@ def make_train_step(
 
     def train_step(state: TrainState, batch: Batch) -> tuple[TrainState, Metrics]:
         rng = _step_rng(state, axis_name)
-        # Differentiate the masked loss sum over the *static* global batch size, then rescale by
-        # static / real rows after the one all-reduce: the exact gradient of the mean over the
-        # real rows, with no collective before the forward pass.
-        batch_rows = batch["mask"].shape[0] * (1 if axis_name is None else jax.lax.psum(1, axis_name))
+        if axis_name is None:  # jit: the mask is the global batch's, so divide by its real rows
+            batch_rows = jnp.maximum(batch["mask"].sum(), 1.0)
+        else:
+            # pmap: differentiate the masked loss sum over the *static* global batch size, then
+            # rescale by static / real rows after the one all-reduce: the exact gradient of the
+            # mean over the real rows, with no collective before the forward pass.
+            batch_rows = batch["mask"].shape[0] * jax.lax.psum(1, axis_name)
         scale = 1.0 if state.loss_scale is None else state.loss_scale.scale
         if grad_accum_steps == 1:
             grads, model_state, metrics = micro_step(
@@ -173,8 +176,10 @@ def make_train_step(
         grads, metrics = _psum((grads, metrics), axis_name)  # one all-reduce
         if axis_name is not None:
             model_state = jax.tree.map(partial(_pmean_floats, axis_name=axis_name), model_state)
-        factor = batch_rows / metrics["loss"].count / scale  # static rows / real rows, unscaled
-        grads = jax.tree.map(lambda g: (g * factor).astype(g.dtype), grads)
+        if axis_name is not None or state.loss_scale is not None:
+            real_rows = batch_rows if axis_name is None else metrics["loss"].count
+            factor = batch_rows / real_rows / scale  # static rows / real rows (pmap); unscaled
+            grads = jax.tree.map(lambda g: (g * factor).astype(g.dtype), grads)
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
         loss_scale = state.loss_scale
