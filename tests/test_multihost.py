@@ -107,6 +107,15 @@ def test_a_checkpoint_moves_between_process_counts(runs, tmp_path, save, load_):
         np.testing.assert_allclose(resumed[key], uninterrupted[key], rtol=2e-5, atol=2e-6, err_msg=key)
 
 
+def test_auto_picks_one_strategy_for_all_processes(tmp_path):
+    """Each process times the candidates itself; all follow process 0's pick (or they would
+    run different programs and hang)."""
+    code, output, _ = launch(2, 4, tmp_path / "out.npz", "--strategies", "auto")
+    assert code == 0, output
+    assert "[0] strategy='auto' picked" in output and "[1] strategy='auto'" not in output
+    assert "[1] process 1 of 2 done" in output
+
+
 def test_initialize_after_the_backend_started_says_to_call_it_first():
     code = ("import jax; jax.devices(); import trainkit as tk\n"
             "tk.distributed.initialize('127.0.0.1:1', num_processes=2, process_id=0)")

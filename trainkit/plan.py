@@ -22,6 +22,7 @@ import time
 from typing import Any, Callable, Sequence
 
 import jax
+import numpy as np
 from rich.console import Console
 from rich.table import Table
 
@@ -251,8 +252,9 @@ def make_plan(
 ) -> MemoryPlan:
     """Compiles ``lower(strategy)`` (a ``jax.stages.Lowered``) for each candidate and picks one.
 
-    ``lower`` may raise ``ValueError``/``TypeError`` for a candidate that cannot run this
-    configuration (say, a batch it cannot split); the row then carries the message.
+    ``lower`` may raise for a candidate that cannot run this configuration (a batch it cannot
+    split, or ``jax.pmap``'s lowering of abstract arguments, which fails across processes); the
+    row then carries the message and the candidate is not chosen.
     ``measure(strategy, compiled)`` returns seconds per step, for the candidates that fit.
     """
     rows = []
@@ -263,8 +265,9 @@ def make_plan(
             if not hasattr(lowered, "compile"):
                 raise TypeError(f"{type(strategy).__name__}.compile_train's result cannot be lowered")
             analyse(row, lowered.compile())
-        except (ValueError, TypeError) as error:
-            row.error = str(error).split(". ")[0]
+        except Exception as error:  # noqa: BLE001 - a candidate that cannot compile is a row, not a crash
+            message = str(error).split(". ")[0]
+            row.error = message if isinstance(error, (ValueError, TypeError)) else f"{type(error).__name__}: {message}"
         rows.append(row)
     limit = int(memory_limit) if memory_limit is not None else device_memory_limit(candidates[0].devices)
     for row in rows:
@@ -275,7 +278,12 @@ def make_plan(
                 row.measured_seconds = measure(row.strategy, row.compiled)
     fitting = [r for r in rows if r.fits]
     if fitting:
-        min(fitting, key=lambda r: r.seconds).recommended = True
+        best = rows.index(min(fitting, key=lambda r: r.seconds))
+        if jax.process_count() > 1:  # timings differ per process: all follow process 0's pick
+            from jax.experimental import multihost_utils
+
+            best = int(multihost_utils.broadcast_one_to_all(np.int32(best)))
+        rows[best].recommended = True
     return MemoryPlan(rows, limit, measure is not None)
 
 

@@ -399,6 +399,9 @@ class Trainer:
             raise ValueError("plan() compiles the train step, so the sample batch needs targets: pass (x, y).")
         host_batch = data_lib.pad_batch(x, y, w, batch_size)
         first_row = jax.tree.map(lambda a: np.asarray(a[:1]), host_batch["x"])
+        if jax.process_count() > 1:  # strategies place this process's part of a global batch
+            local, index = batch_size // jax.process_count(), jax.process_index()
+            host_batch = jax.tree.map(lambda a: a[index * local:(index + 1) * local], host_batch)
         variables = self._starting_variables(first_row)
         abstract_state = jax.eval_shape(self._init_state, variables, first_row)
         self._plan_functions = {}
@@ -454,7 +457,7 @@ class Trainer:
             self._compiled["train"] = function
         self._plan_functions = {}
         logger.info("strategy='auto' %s", result.reason())
-        if announce:
+        if announce and distributed.is_main_process():
             print(f"strategy='auto' {result.reason()}")
 
     # ------------------------------------------------------------------ input checks

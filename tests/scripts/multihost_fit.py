@@ -41,6 +41,7 @@ def main():
         "dp": lambda: tk.DataParallel(),
         "fsdp": lambda: tk.FSDP(min_shard_size=16),
         "hybrid": lambda: tk.Hybrid(data=2, fsdp=4, min_shard_size=16),
+        "auto": lambda: "auto",
     }
     rng = np.random.default_rng(0)
     x = rng.normal(size=(100, 5)).astype(np.float32)  # batch 16: the last batch holds 4 rows
