@@ -145,11 +145,13 @@ class ArrayDataset:
         are exactly the single-process batch."""
         n = self.num_examples
         local = batch_size // process_count
-        order = np.random.default_rng([seed, epoch]).permutation(n) if shuffle else np.arange(n)
+        order = np.random.default_rng([seed, epoch]).permutation(n) if shuffle else None
+        mine = slice(process_index * local, (process_index + 1) * local)
         for lo in range(start * batch_size, n, batch_size):
-            rows = order[lo : lo + batch_size][process_index * local : (process_index + 1) * local]
-            if process_count == 1 and not shuffle:
-                rows = slice(lo, min(lo + batch_size, n))
+            if order is None:  # a slice (a view) of the unshuffled rows
+                rows = slice(min(lo + mine.start, n), min(lo + mine.stop, lo + batch_size, n))
+            else:
+                rows = order[lo : lo + batch_size][mine]
             x, y, w = (None if t is None else _take(t, rows) for t in (self.x, self.y, self.sample_weight))
             yield pad_batch(x, y, w, local)
 

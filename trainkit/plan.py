@@ -123,6 +123,7 @@ class PlanRow:
     recommended: bool = False
     error: str | None = None
     compiled: Any = dataclasses.field(default=None, repr=False)
+    function: Any = dataclasses.field(default=None, repr=False)  # the step that was lowered
 
     @property
     def total_bytes(self) -> int:

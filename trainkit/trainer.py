@@ -143,7 +143,6 @@ class Trainer:
         self.preempted = False  # set by BackupAndRestore on SIGTERM
         self.resume_position: dict | None = None
         self.last_plan: plan_lib.MemoryPlan | None = None  # the plan strategy="auto" chose from
-        self._plan_functions: dict = {}
         self._batch_abstract: PyTree = None  # the shape of fit's batches, for lowered_text()
 
     # ------------------------------------------------------------------ override points
@@ -404,7 +403,7 @@ class Trainer:
             host_batch = jax.tree.map(lambda a: a[index * local:(index + 1) * local], host_batch)
         variables = self._starting_variables(first_row)
         abstract_state = jax.eval_shape(self._init_state, variables, first_row)
-        self._plan_functions = {}
+        functions = {}  # the jitted step per candidate, kept on its row for reuse
 
         def lower(strategy: Strategy):
             data_lib.check_batch_size(batch_size, strategy.num_batch_shards, micro_batches=self.grad_accum_steps)
@@ -412,7 +411,7 @@ class Trainer:
             abstract = jax.tree.map(
                 lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract_state, shardings
             )
-            function = self._plan_functions[id(strategy)] = self._compile("train", strategy, abstract)
+            function = functions[id(strategy)] = self._compile("train", strategy, abstract)
             return function.lower(abstract, strategy.put_batch(host_batch))
 
         host_state = []  # initialised once (sharded, by the first candidate), then copied
@@ -427,6 +426,8 @@ class Trainer:
             candidates if candidates is not None else plan_lib.default_candidates(),
             lower, memory_limit=memory_limit, measure=run if measure else None,
         )
+        for row in result.rows:
+            row.function = functions.get(id(row.strategy))
         if verbose:
             result.print()
         return result
@@ -452,10 +453,8 @@ class Trainer:
             )
         self.strategy = best.strategy
         self.last_plan = result
-        function = self._plan_functions.get(id(best.strategy))
-        if function is not None:
-            self._compiled["train"] = function
-        self._plan_functions = {}
+        if best.function is not None:  # compiled during the plan: not compiled again
+            self._compiled["train"] = best.function
         logger.info("strategy='auto' %s", result.reason())
         if announce and distributed.is_main_process():
             print(f"strategy='auto' {result.reason()}")

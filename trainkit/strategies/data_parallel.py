@@ -53,17 +53,14 @@ class DataParallel(Strategy):
     def put_batch(self, host_batch: PyTree) -> PyTree:
         """This process's rows -> ``(devices, rows_per_device, ...)``, split over ``data``."""
         sharding = NamedSharding(self.mesh, PartitionSpec(self.axis_name))
+        local = len(self.mesh.local_devices)  # all of them on one process
+        split = jax.tree.map(lambda a: np.reshape(a, (local, a.shape[0] // local) + a.shape[1:]), host_batch)
         if jax.process_count() == 1:
-            n = self.mesh.size
-            split = jax.tree.map(lambda a: np.reshape(a, (n, a.shape[0] // n) + a.shape[1:]), host_batch)
             return jax.device_put(split, sharding)
-        local = len(self.mesh.local_devices)
-
-        def place(a):
-            part = np.reshape(a, (local, a.shape[0] // local) + a.shape[1:])
-            return jax.make_array_from_process_local_data(sharding, part, (self.mesh.size,) + part.shape[1:])
-
-        return jax.tree.map(place, host_batch)
+        return jax.tree.map(
+            lambda part: jax.make_array_from_process_local_data(sharding, part, (self.mesh.size,) + part.shape[1:]),
+            split,
+        )
 
     def _pmap(self, fn: Callable, out_axes, donate: bool) -> Callable:
         return jax.pmap(
