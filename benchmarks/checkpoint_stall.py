@@ -26,9 +26,9 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import optax  # noqa: E402
+from step_overhead import CASES, dataset  # noqa: E402
 
 import trainkit as tk  # noqa: E402
-from step_overhead import CASES, dataset  # noqa: E402
 
 
 class TimedCheckpoint(tk.callbacks.ModelCheckpoint):
@@ -62,19 +62,24 @@ def main():
     args = parser.parse_args()
     root = tempfile.mkdtemp(prefix="trainkit-stall-")
     saves = args.steps // args.every - 1  # saves happen before steps every, 2*every, ...
-    print(f"{args.steps} steps, a save every {args.every} steps ({saves} saves per run), "
-          f"median of {args.repeats} alternating repeats; stall in units of one step\n")
-    print(f"{'model':5} {'state MiB':>9} {'step ms':>8} {'async blocks':>14} {'async stall':>12} "
-          f"{'sync stall':>11} {'open+close':>13}")
+    print(
+        f"{args.steps} steps, a save every {args.every} steps ({saves} saves per run), "
+        f"median of {args.repeats} alternating repeats; stall in units of one step\n"
+    )
+    print(
+        f"{'model':5} {'state MiB':>9} {'step ms':>8} {'async blocks':>14} {'async stall':>12} "
+        f"{'sync stall':>11} {'open+close':>13}"
+    )
     for case, (model_cls, shape, batch_size) in CASES.items():
         x, y = dataset(shape, batch_size, args.steps)
-        trainer = tk.Trainer(model_cls(), loss="sparse_categorical_crossentropy", optimizer=optax.adam(1e-3),
-                             strategy=tk.SingleDevice())
+        trainer = tk.Trainer(
+            model_cls(), loss="sparse_categorical_crossentropy", optimizer=optax.adam(1e-3), strategy=tk.SingleDevice()
+        )
         trainer.fit((x, y), batch_size=batch_size, epochs=1, verbose=0)  # compile
 
         def run(callbacks):
             start = time.perf_counter()
-            trainer.fit((x, y), batch_size=batch_size, epochs=1, verbose=0, callbacks=callbacks)
+            trainer.fit((x, y), batch_size=batch_size, epochs=1, verbose=0, callbacks=callbacks)  # noqa: B023 - called within the iteration
             return time.perf_counter() - start
 
         times = {"plain": [], "idle": [], "async": [], "sync": []}
@@ -84,10 +89,10 @@ def main():
                 directory = os.path.join(root, f"{case}-{name}-{repeat}")
                 callbacks = {
                     "plain": [],
-                    "idle": [tk.callbacks.ModelCheckpoint(directory, every_n_steps=10**9,
-                                                          every_n_epochs=None, max_to_keep=2)],
-                    "async": [TimedCheckpoint(directory, every_n_steps=args.every,
-                                              every_n_epochs=None, max_to_keep=2)],
+                    "idle": [
+                        tk.callbacks.ModelCheckpoint(directory, every_n_steps=10**9, every_n_epochs=None, max_to_keep=2)
+                    ],
+                    "async": [TimedCheckpoint(directory, every_n_steps=args.every, every_n_epochs=None, max_to_keep=2)],
                     "sync": [SyncSave(directory, args.every)],
                 }[name]
                 times[name].append(run(callbacks))
@@ -99,8 +104,10 @@ def main():
         stall = {k: (statistics.median(times[k]) - idle) / saves / step for k in ("async", "sync")}
         fixed = (idle - plain) / step
         blocked = statistics.median(TimedCheckpoint.blocked) / step
-        print(f"{case:5} {state_mib:9.1f} {step * 1e3:8.2f} {blocked:14.2f} {stall['async']:12.2f} "
-              f"{stall['sync']:11.2f} {fixed:13.1f}")
+        print(
+            f"{case:5} {state_mib:9.1f} {step * 1e3:8.2f} {blocked:14.2f} {stall['async']:12.2f} "
+            f"{stall['sync']:11.2f} {fixed:13.1f}"
+        )
     shutil.rmtree(root, ignore_errors=True)
 
 

@@ -26,12 +26,14 @@ import flax.linen as nn  # noqa: E402
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
-from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
+from jax.sharding import NamedSharding  # noqa: E402
+from jax.sharding import PartitionSpec as P
 
 sys.path.insert(0, os.path.dirname(__file__))
-import trainkit as tk  # noqa: E402
 from models import TransformerLM, count_params, token_batches  # noqa: E402
 from step_overhead import measure  # noqa: E402
+
+import trainkit as tk  # noqa: E402
 
 
 class MLP(nn.Module):
@@ -68,8 +70,13 @@ def strategies():
 
 
 def make_trainer(model_cls, strategy):
-    return tk.Trainer(model_cls(), loss="sparse_categorical_crossentropy", optimizer=optax.adam(1e-3),
-                      strategy=strategy, log_grad_norm=False)
+    return tk.Trainer(
+        model_cls(),
+        loss="sparse_categorical_crossentropy",
+        optimizer=optax.adam(1e-3),
+        strategy=strategy,
+        log_grad_norm=False,
+    )
 
 
 def trainkit_run(trainer, x, y, batch_size):
@@ -97,14 +104,24 @@ def hand_written(trainer, x, y, batch_size):
     state = jax.device_put((params, tx.init(params)), shardings)
     if isinstance(strategy, tk.DataParallel):
         n = strategy.mesh.size
-        compiled = jax.pmap(step, axis_name="data", in_axes=(None, None, 0, 0), out_axes=None,
-                            donate_argnums=(0, 1), devices=strategy.devices)
+        compiled = jax.pmap(
+            step,
+            axis_name="data",
+            in_axes=(None, None, 0, 0),
+            out_axes=None,
+            donate_argnums=(0, 1),
+            devices=strategy.devices,
+        )
         split = NamedSharding(strategy.mesh, P("data"))
         put = lambda a: jax.device_put(a.reshape(n, -1, *a.shape[1:]), split)  # noqa: E731
     else:
         batch = strategy.batch_sharding
-        compiled = jax.jit(step, in_shardings=(*shardings, batch, batch),
-                           out_shardings=(*shardings, NamedSharding(strategy.mesh, P())), donate_argnums=(0, 1))
+        compiled = jax.jit(
+            step,
+            in_shardings=(*shardings, batch, batch),
+            out_shardings=(*shardings, NamedSharding(strategy.mesh, P())),
+            donate_argnums=(0, 1),
+        )
         put = lambda a: jax.device_put(a, batch)  # noqa: E731
     box = {"state": state}
 
@@ -112,7 +129,9 @@ def hand_written(trainer, x, y, batch_size):
         params, opt_state = box["state"]
         pending = []
         for lo in range(0, len(x), batch_size):
-            params, opt_state, loss = compiled(params, opt_state, put(x[lo:lo + batch_size]), put(y[lo:lo + batch_size]))
+            params, opt_state, loss = compiled(
+                params, opt_state, put(x[lo : lo + batch_size]), put(y[lo : lo + batch_size])
+            )
             pending.append(loss)
             if len(pending) > 2:
                 float(pending.pop(0))
@@ -146,8 +165,10 @@ def run_case(case, repeats):
         mine = rate[f"trainkit {name}"]
         print(f"{name:24} {mine:8.2f} {mine / base:16.3f} {mine / rate[f'hand-written {name}']:16.3f}")
     picked = tk.plan.short_name(auto.strategy)
-    print(f"{'auto -> ' + picked:24} {rate['trainkit auto']:8.2f} {rate['trainkit auto'] / base:16.3f}"
-          f"   auto / fastest strategy: {rate['trainkit auto'] / fastest:.3f}")
+    print(
+        f"{'auto -> ' + picked:24} {rate['trainkit auto']:8.2f} {rate['trainkit auto'] / base:16.3f}"
+        f"   auto / fastest strategy: {rate['trainkit auto'] / fastest:.3f}"
+    )
 
 
 def main():
@@ -155,9 +176,11 @@ def main():
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--case", choices=[*CASES, "all"], default="all")
     args = parser.parse_args()
-    print(f"jax {jax.__version__}, {len(jax.devices())} fake CPU devices, {os.cpu_count()} cores; "
-          f"median of {args.repeats} alternating repeats")
-    for case in (CASES if args.case == "all" else [args.case]):
+    print(
+        f"jax {jax.__version__}, {len(jax.devices())} fake CPU devices, {os.cpu_count()} cores; "
+        f"median of {args.repeats} alternating repeats"
+    )
+    for case in CASES if args.case == "all" else [args.case]:
         run_case(case, args.repeats)
 
 

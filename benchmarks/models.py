@@ -17,9 +17,7 @@ class Block(nn.Module):
     @nn.compact
     def __call__(self, x, train: bool = False):
         mask = nn.make_causal_mask(jnp.ones(x.shape[:2], jnp.int32))
-        h = nn.MultiHeadDotProductAttention(num_heads=self.heads, deterministic=True)(
-            nn.LayerNorm()(x), mask=mask
-        )
+        h = nn.MultiHeadDotProductAttention(num_heads=self.heads, deterministic=True)(nn.LayerNorm()(x), mask=mask)
         x = x + h
         h = nn.Dense(self.mlp)(nn.LayerNorm()(x))
         return x + nn.Dense(self.d_model)(nn.gelu(h))

@@ -21,9 +21,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import jax  # noqa: E402
 import optax  # noqa: E402
+from models import TransformerLM, count_params, token_batches  # noqa: E402
 
 import trainkit as tk  # noqa: E402
-from models import TransformerLM, count_params, token_batches  # noqa: E402
 
 # name: (remat, grad_accum_steps)
 SETTINGS = {
@@ -47,12 +47,18 @@ def main():
     x, y = token_batches(8192, args.batch, args.seq, args.steps)
     trainers, memory = {}, {}
     for name, (remat, accumulation) in SETTINGS.items():
-        trainer = tk.Trainer(TransformerLM(), loss="sparse_categorical_crossentropy",
-                             optimizer=optax.adamw(1e-3), strategy=tk.SingleDevice(), remat=remat,
-                             grad_accum_steps=accumulation)
+        trainer = tk.Trainer(
+            TransformerLM(),
+            loss="sparse_categorical_crossentropy",
+            optimizer=optax.adamw(1e-3),
+            strategy=tk.SingleDevice(),
+            remat=remat,
+            grad_accum_steps=accumulation,
+        )
         state = trainer.init(x[: args.batch])
-        batch = trainer.strategy.put_batch({"x": x[: args.batch], "y": y[: args.batch],
-                                            "mask": jax.numpy.ones(args.batch)})
+        batch = trainer.strategy.put_batch(
+            {"x": x[: args.batch], "y": y[: args.batch], "mask": jax.numpy.ones(args.batch)}
+        )
         compiled = trainer._function("train").lower(state, batch).compile()
         memory[name] = compiled.memory_analysis()
         trainers[name] = trainer
@@ -67,15 +73,19 @@ def main():
             start = time.perf_counter()
             trainer.fit((x, y), batch_size=args.batch, epochs=1, verbose=0)
             rates[name].append(args.steps / (time.perf_counter() - start))
-    print(f"TransformerLM: {params / 1e6:.1f}M parameters, batch {args.batch} x {args.seq} tokens, "
-          f"jax {jax.__version__}, {os.cpu_count()} cores; median of {args.repeats} alternating repeats")
+    print(
+        f"TransformerLM: {params / 1e6:.1f}M parameters, batch {args.batch} x {args.seq} tokens, "
+        f"jax {jax.__version__}, {os.cpu_count()} cores; median of {args.repeats} alternating repeats"
+    )
     header = f"{'setting':14} {'temp MiB':>9} {'temp vs none':>13} {'args MiB':>9} {'steps/s':>8} {'speed vs none':>14}"
     print(header + "\n" + "-" * len(header))
     base_temp, base_rate = memory["none"].temp_size_in_bytes, statistics.median(rates["none"])
     for name in trainers:
         m, rate = memory[name], statistics.median(rates[name])
-        print(f"{name:14} {m.temp_size_in_bytes / 2**20:9.1f} {m.temp_size_in_bytes / base_temp:13.3f} "
-              f"{m.argument_size_in_bytes / 2**20:9.1f} {rate:8.3f} {rate / base_rate:14.3f}")
+        print(
+            f"{name:14} {m.temp_size_in_bytes / 2**20:9.1f} {m.temp_size_in_bytes / base_temp:13.3f} "
+            f"{m.argument_size_in_bytes / 2**20:9.1f} {rate:8.3f} {rate / base_rate:14.3f}"
+        )
 
 
 if __name__ == "__main__":

@@ -26,7 +26,8 @@ import flax.linen as nn  # noqa: E402
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
-from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
+from jax.sharding import NamedSharding  # noqa: E402
+from jax.sharding import PartitionSpec as P
 
 import trainkit as tk  # noqa: E402
 
@@ -74,6 +75,7 @@ def hand_written(model, x, y, batch_size, devices, kind):
         return optax.softmax_cross_entropy_with_integer_labels(logits, yb).mean()
 
     if kind == "pmap":
+
         def step(params, opt_state, xb, yb):
             loss, grads = jax.value_and_grad(loss_fn)(params, xb, yb)
             grads, loss = jax.lax.pmean((grads, loss), "data")
@@ -82,11 +84,13 @@ def hand_written(model, x, y, batch_size, devices, kind):
 
         mesh = tk.strategies.make_mesh(devices, (len(devices),), ("data",))
         state = jax.device_put((params, tx.init(params)), NamedSharding(mesh, P()))
-        compiled = jax.pmap(step, axis_name="data", in_axes=(None, None, 0, 0), out_axes=None,
-                            donate_argnums=(0, 1), devices=devices)
+        compiled = jax.pmap(
+            step, axis_name="data", in_axes=(None, None, 0, 0), out_axes=None, donate_argnums=(0, 1), devices=devices
+        )
         n = len(devices)
         put = lambda a: jax.device_put(a.reshape(n, -1, *a.shape[1:]), NamedSharding(mesh, P("data")))  # noqa: E731
     else:
+
         def step(params, opt_state, xb, yb):
             loss, grads = jax.value_and_grad(loss_fn)(params, xb, yb)
             updates, opt_state = tx.update(grads, opt_state, params)
@@ -95,8 +99,9 @@ def hand_written(model, x, y, batch_size, devices, kind):
         mesh = tk.strategies.make_mesh(devices, (len(devices),), ("data",))
         rep, split = NamedSharding(mesh, P()), NamedSharding(mesh, P("data"))
         state = jax.device_put((params, tx.init(params)), rep)
-        compiled = jax.jit(step, in_shardings=(rep, rep, split, split), out_shardings=(rep, rep, rep),
-                           donate_argnums=(0, 1))
+        compiled = jax.jit(
+            step, in_shardings=(rep, rep, split, split), out_shardings=(rep, rep, rep), donate_argnums=(0, 1)
+        )
         put = lambda a: jax.device_put(a, split)  # noqa: E731
 
     box = {"state": state, "epoch": 0}
@@ -117,8 +122,13 @@ def hand_written(model, x, y, batch_size, devices, kind):
 
 
 def trainkit_fit(model, x, y, batch_size, strategy, log_grad_norm=False):
-    trainer = tk.Trainer(model, loss="sparse_categorical_crossentropy", optimizer=optax.adam(1e-3),
-                         strategy=strategy, log_grad_norm=log_grad_norm)
+    trainer = tk.Trainer(
+        model,
+        loss="sparse_categorical_crossentropy",
+        optimizer=optax.adam(1e-3),
+        strategy=strategy,
+        log_grad_norm=log_grad_norm,
+    )
     return lambda: trainer.fit((x, y), batch_size=batch_size, epochs=1, verbose=0)
 
 
@@ -135,18 +145,25 @@ def keras_fit(case, x, y, batch_size, devices):
     if case == "mlp":
         body = [layers.Flatten(), layers.Dense(512, activation="relu"), layers.Dense(512, activation="relu")]
     else:
-        body = [layers.Conv2D(32, 3, padding="same", activation="relu"), layers.AveragePooling2D(2),
-                layers.Conv2D(64, 3, padding="same", activation="relu"), layers.AveragePooling2D(2),
-                layers.Flatten(), layers.Dense(256, activation="relu")]
+        body = [
+            layers.Conv2D(32, 3, padding="same", activation="relu"),
+            layers.AveragePooling2D(2),
+            layers.Conv2D(64, 3, padding="same", activation="relu"),
+            layers.AveragePooling2D(2),
+            layers.Flatten(),
+            layers.Dense(256, activation="relu"),
+        ]
     model = keras.Sequential([keras.Input(x.shape[1:]), *body, layers.Dense(10)])
-    model.compile(optimizer=keras.optimizers.Adam(1e-3),
-                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    model.compile(
+        optimizer=keras.optimizers.Adam(1e-3), loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    )
     # Keras waits for the device only at epoch ends; 60 queued all-reduces deadlock XLA's CPU
     # collectives on 8 fake devices, so its epoch is cut into chunks of 10 steps.
     steps = len(x) // batch_size
     chunk = 10 if len(devices) > 1 and steps % 10 == 0 else steps
-    return lambda: model.fit(x, y, batch_size=batch_size, epochs=steps // chunk,
-                             steps_per_epoch=chunk, verbose=0, shuffle=True)
+    return lambda: model.fit(
+        x, y, batch_size=batch_size, epochs=steps // chunk, steps_per_epoch=chunk, verbose=0, shuffle=True
+    )
 
 
 def measure(contenders, steps, repeats):
@@ -167,8 +184,10 @@ def main():
     parser.add_argument("--steps", type=int, default=60)
     args = parser.parse_args()
     devices = jax.devices()
-    print(f"jax {jax.__version__}, {len(devices)} fake CPU devices, {os.cpu_count()} cores; "
-          f"{args.steps} steps per repeat, median of {args.repeats} alternating repeats\n")
+    print(
+        f"jax {jax.__version__}, {len(devices)} fake CPU devices, {os.cpu_count()} cores; "
+        f"{args.steps} steps per repeat, median of {args.repeats} alternating repeats\n"
+    )
     header = f"{'model':5} {'devices':>7} {'contender':28} {'steps/s':>9} {'vs hand-written':>16}"
     print(header + "\n" + "-" * len(header))
     for case, (model_cls, shape, batch_size) in CASES.items():

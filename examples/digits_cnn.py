@@ -20,10 +20,15 @@ import time
 
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--devices", type=int, default=0,
-                        help="fake this many CPU devices (0: use the real local devices)")
-    parser.add_argument("--strategy", default="auto", choices=["auto", "single", "dp", "fsdp", "hybrid"],
-                        help="hybrid: data=2 x fsdp=devices/2")
+    parser.add_argument(
+        "--devices", type=int, default=0, help="fake this many CPU devices (0: use the real local devices)"
+    )
+    parser.add_argument(
+        "--strategy",
+        default="auto",
+        choices=["auto", "single", "dp", "fsdp", "hybrid"],
+        help="hybrid: data=2 x fsdp=devices/2",
+    )
     parser.add_argument("--plan", action="store_true", help="print the compiled plan of every strategy")
     parser.add_argument("--epochs", type=int, default=15)
     parser.add_argument("--batch-size", type=int, default=64)
@@ -88,7 +93,7 @@ def main(argv=None) -> int:
     )
     print(f"trainkit {tk.__version__} on {jax.device_count()} {jax.devices()[0].platform} devices")
     if args.plan:
-        trainer.plan((images[train][:args.batch_size], labels[train][:args.batch_size]), measure=True)
+        trainer.plan((images[train][: args.batch_size], labels[train][: args.batch_size]), measure=True)
     start = time.perf_counter()
     history = trainer.fit(
         (images[train], labels[train]),
@@ -103,9 +108,11 @@ def main(argv=None) -> int:
     result = trainer.evaluate((images[test], labels[test]), batch_size=128)
     predictions = trainer.predict(images[test], batch_size=128)
     assert predictions.shape == (len(test), 10)
-    print(f"held-out accuracy {result['accuracy']:.4f}, loss {result['loss']:.4f} "
-          f"({len(test)} images; {len(history.epoch)} epochs in {seconds:.1f} s on "
-          f"{trainer.strategy.describe()})")
+    print(
+        f"held-out accuracy {result['accuracy']:.4f}, loss {result['loss']:.4f} "
+        f"({len(test)} images; {len(history.epoch)} epochs in {seconds:.1f} s on "
+        f"{trainer.strategy.describe()})"
+    )
     if result["accuracy"] < args.min_accuracy:
         print(f"below the expected {args.min_accuracy:.2f}", file=sys.stderr)
         return 1

@@ -7,6 +7,7 @@ os.environ["XLA_FLAGS"] = " ".join(
     + ["--xla_force_host_platform_device_count=8"]
 )
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+os.environ["KERAS_BACKEND"] = "jax"  # the Keras side-by-side tests (keras is a dev extra)
 
 import flax.linen as nn  # noqa: E402
 import jax  # noqa: E402

@@ -9,15 +9,22 @@ import jax
 import numpy as np
 import optax
 import pytest
+from conftest import MLP, NoisyMLP, make_classification, tree_allclose
 
 import trainkit as tk
-from conftest import MLP, NoisyMLP, make_classification, tree_allclose
 from trainkit.callbacks import BackupAndRestore, Callback, ModelCheckpoint
+from trainkit.checkpoint import Checkpointer
 
 
 def make(strategy="single", model=None, optimizer=None, **kwargs):
-    return tk.Trainer(model or NoisyMLP(), loss="sparse_categorical_crossentropy",
-                      optimizer=optimizer or optax.adam(0.01), strategy=strategy, seed=4, **kwargs)
+    return tk.Trainer(
+        model or NoisyMLP(),
+        loss="sparse_categorical_crossentropy",
+        optimizer=optimizer or optax.adam(0.01),
+        strategy=strategy,
+        seed=4,
+        **kwargs,
+    )
 
 
 def states_equal(a, b):
@@ -56,8 +63,9 @@ MOVES = {
 WRITTEN_BY = {"dp": "DataParallel on 8 devices", "fsdp": "FSDP on 8 devices", "single": "SingleDevice on 1 devices"}
 
 
-@pytest.mark.parametrize("source, target", [("dp", "dp4"), ("dp", "single"), ("fsdp", "dp4"),
-                                            ("fsdp", "single"), ("single", "hybrid")])
+@pytest.mark.parametrize(
+    "source, target", [("dp", "dp4"), ("dp", "single"), ("fsdp", "dp4"), ("fsdp", "single"), ("single", "hybrid")]
+)
 def test_a_checkpoint_moves_to_another_device_count_or_strategy(tmp_path, source, target, caplog):
     x, y = make_classification(128)
     model, optimizer = MLP(), optax.adam(0.01)
@@ -87,8 +95,11 @@ def test_restoring_into_another_model_or_optimizer_names_the_differences(tmp_pat
     trainer.save(tmp_path / "ckpt")
     wider = make(model=MLP(features=24))
     wider.init(x)
-    with pytest.raises(tk.CheckpointError, match=r"params\['Dense_0'\]\['kernel'\]: checkpoint shape \(5, 16\) "
-                                                 r"float32, model shape \(5, 24\) float32"):
+    with pytest.raises(
+        tk.CheckpointError,
+        match=r"params\['Dense_0'\]\['kernel'\]: checkpoint shape \(5, 16\) "
+        r"float32, model shape \(5, 24\) float32",
+    ):
         wider.load(tmp_path / "ckpt")
     other_optimizer = make(model=MLP(features=16), optimizer=optax.sgd(0.1, momentum=0.9))
     other_optimizer.init(x)
@@ -133,27 +144,27 @@ def test_model_checkpoint_keeps_the_best_k(tmp_path):
     checkpoint = ModelCheckpoint(tmp_path / "best", monitor="val_metric", save_best_only=True, max_to_keep=2)
     trainer = make()
     trainer.fit((x, y), batch_size=16, epochs=6, verbose=0, callbacks=[FakeValidation(values), checkpoint])
-    assert checkpoint.checkpointer.steps() == [8, 12]  # epochs 3 and 5 (2 steps per epoch)
-    assert checkpoint.best_step == 12
+    # a fixed path keeps the newest max_to_keep saves; with save_best_only those are the best
+    assert Checkpointer(tmp_path / "best").steps() == [8, 12]  # epochs 3 and 5 (2 steps per epoch)
 
 
 def test_model_checkpoint_keeps_the_latest_and_saves_every_n_steps(tmp_path):
     x, y = make_classification(64)
-    checkpoint = ModelCheckpoint(tmp_path / "latest", max_to_keep=3, every_n_steps=3, every_n_epochs=None)
+    checkpoint = ModelCheckpoint(tmp_path / "latest", max_to_keep=3, save_freq=3)
     trainer = make()
     trainer.fit((x, y), batch_size=16, epochs=3, verbose=0, callbacks=[checkpoint])
-    assert checkpoint.checkpointer.steps() == [6, 9, 12]
+    assert Checkpointer(tmp_path / "latest").steps() == [6, 9, 12]
 
 
 def test_a_non_finite_loss_is_never_checkpointed(tmp_path):
     x, y = make_classification(32)
     x = x.copy()
     x[20] = np.inf
-    checkpoint = ModelCheckpoint(tmp_path / "nan", monitor="loss", every_n_epochs=1)
+    checkpoint = ModelCheckpoint(tmp_path / "nan", monitor="loss")
     trainer = make()
-    with pytest.warns(UserWarning, match="not saving step 2: the loss is nan"):
+    with pytest.warns(UserWarning, match="not saving step 2 to .*: the loss is nan"):
         trainer.fit((x, y), batch_size=16, epochs=1, shuffle=False, verbose=0, callbacks=[checkpoint])
-    assert checkpoint.checkpointer.steps() == []
+    assert Checkpointer(tmp_path / "nan").steps() == []
 
 
 def test_unwritable_directory_is_reported_before_training(tmp_path):
@@ -183,7 +194,7 @@ def test_a_full_disk_raises_naming_the_directory_and_loses_nothing(small_disk, t
     class FillDisk(Callback):
         def on_epoch_end(self, epoch, logs=None):
             if epoch == 0:  # once the first checkpoint is on disk, fill the disk
-                checkpoint.checkpointer.wait()
+                checkpoint.wait()
                 try:
                     with open(small_disk / "filler", "wb") as f:
                         while True:
@@ -191,10 +202,13 @@ def test_a_full_disk_raises_naming_the_directory_and_loses_nothing(small_disk, t
                 except OSError:  # full (possibly already before the first byte)
                     pass
 
-    checkpoint = ModelCheckpoint(small_disk / "ckpt", monitor="loss", every_n_epochs=1)
+    checkpoint = ModelCheckpoint(small_disk / "ckpt", monitor="loss")
     trainer = make()
-    with pytest.raises(tk.CheckpointError, match=rf"Writing a checkpoint to '{small_disk}/ckpt' failed.*"
-                                                 r"last complete checkpoint is step 2"):
+    with pytest.raises(
+        tk.CheckpointError,
+        match=rf"Writing a checkpoint to '{small_disk}/ckpt' failed.*"
+        r"last complete checkpoint is step 2",
+    ):
         trainer.fit((x, y), batch_size=16, epochs=4, verbose=0, callbacks=[checkpoint, FillDisk()])
     assert int(trainer.state.step) >= 4  # the state in memory is intact and can be saved elsewhere
     trainer.save(tmp_path / "elsewhere")
@@ -215,12 +229,22 @@ def test_backup_and_restore_converts_the_position_for_another_batch_size(tmp_pat
 
     trainer = make()
     with pytest.raises(KeyboardInterrupt):
-        trainer.fit((x, y), batch_size=8, epochs=2, verbose=0,
-                    callbacks=[BackupAndRestore(tmp_path / "backup", every_n_steps=2), Interrupt()])
+        trainer.fit(
+            (x, y),
+            batch_size=8,
+            epochs=2,
+            verbose=0,
+            callbacks=[BackupAndRestore(tmp_path / "backup", save_freq=2), Interrupt()],
+        )
     resumed = make()
     with caplog.at_level(logging.WARNING, logger="trainkit"):
-        resumed.fit((x, y), batch_size=16, epochs=2, verbose=0,
-                    callbacks=[BackupAndRestore(tmp_path / "backup", every_n_steps=2)])
+        resumed.fit(
+            (x, y),
+            batch_size=16,
+            epochs=2,
+            verbose=0,
+            callbacks=[BackupAndRestore(tmp_path / "backup", save_freq=2)],
+        )
     assert "written with batch_size=8, this run uses 16" in caplog.text
     assert "resuming from step 2 (epoch 0, batch 1)" in caplog.text  # 2 batches of 8 = 1 of 16
     assert int(resumed.state.step) == 2 + 3 + 4  # the rest of epoch 0, then epoch 1

@@ -3,12 +3,11 @@
 import pathlib
 import re
 
-import pytest
-
 import optax
+import pytest
+from conftest import MLP, make_classification, tree_allclose
 
 import trainkit as tk
-from conftest import MLP, make_classification, tree_allclose
 
 DOC = pathlib.Path(__file__).parent.parent / "docs" / "custom_strategy.md"
 
@@ -26,8 +25,14 @@ def test_documented_custom_strategy_matches_single_device():
     x, y = make_classification(100)  # 100 rows, batch 16: a ragged last batch
     params, evals = [], []
     for strategy in (namespace["JitDataParallel"](), tk.SingleDevice()):
-        trainer = tk.Trainer(MLP(), loss="sparse_categorical_crossentropy", optimizer=optax.adam(0.01),
-                             metrics=["accuracy"], strategy=strategy, seed=2)
+        trainer = tk.Trainer(
+            MLP(),
+            loss="sparse_categorical_crossentropy",
+            optimizer=optax.adam(0.01),
+            metrics=["accuracy"],
+            strategy=strategy,
+            seed=2,
+        )
         trainer.fit((x, y), batch_size=16, epochs=2, shuffle=True, verbose=0)
         params.append(trainer.params)
         evals.append(trainer.evaluate((x, y), batch_size=24))

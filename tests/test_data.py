@@ -3,9 +3,9 @@
 import numpy as np
 import optax
 import pytest
+from conftest import MLP, make_classification, tree_allclose
 
 import trainkit as tk
-from conftest import MLP, make_classification, tree_allclose
 from trainkit.data import ArrayDataset, as_dataset
 
 
@@ -46,10 +46,12 @@ def test_forms_of_the_same_data_train_identically():
 
 def test_generator_is_consumed_across_epochs_with_steps_per_epoch():
     x, y = make_classification(64)
+
     def forever():
         while True:
             for i in range(0, 64, 8):
                 yield {"x": x[i : i + 8], "y": y[i : i + 8]}
+
     trainer = tk.Trainer(MLP(), loss="sparse_categorical_crossentropy", optimizer=optax.sgd(0.1), strategy="dp")
     history = trainer.fit(forever(), epochs=3, steps_per_epoch=5, verbose=0)
     assert len(history.epoch) == 3 and int(trainer.state.step) == 15
@@ -88,7 +90,8 @@ def test_unsupported_data_type():
 def test_a_long_epoch_on_8_devices_never_queues_without_bound():
     """Hundreds of steps in one epoch: with an unbounded queue XLA's CPU all-reduce deadlocks."""
     x, y = make_classification(2400)
-    trainer = tk.Trainer(MLP(), loss="sparse_categorical_crossentropy", optimizer=optax.sgd(0.05),
-                         metrics=["accuracy"], strategy="dp")
+    trainer = tk.Trainer(
+        MLP(), loss="sparse_categorical_crossentropy", optimizer=optax.sgd(0.05), metrics=["accuracy"], strategy="dp"
+    )
     history = trainer.fit((x, y), epochs=1, batch_size=8, verbose=0)
     assert int(trainer.state.step) == 300 and history.history["accuracy"][0] > 0.6

@@ -8,8 +8,17 @@ import pytest
 DOCS = pathlib.Path(__file__).parent.parent / "docs"
 
 
-@pytest.mark.parametrize("page", ["quickstart.md", "callbacks.md", "strategies.md", "precision_and_memory.md", "checkpointing.md",
-                                  "troubleshooting.md"])
+@pytest.mark.parametrize(
+    "page",
+    [
+        "quickstart.md",
+        "callbacks.md",
+        "strategies.md",
+        "precision_and_memory.md",
+        "checkpointing.md",
+        "troubleshooting.md",
+    ],
+)
 def test_guide_code_runs(page):
     namespace: dict = {}
     blocks = re.findall(r"```python\n(.*?)```", (DOCS / page).read_text(), re.S)

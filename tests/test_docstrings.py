@@ -8,9 +8,7 @@ import pytest
 
 import trainkit
 
-MODULES = sorted(
-    m.name for m in pkgutil.walk_packages(trainkit.__path__, prefix="trainkit.")
-)
+MODULES = sorted(m.name for m in pkgutil.walk_packages(trainkit.__path__, prefix="trainkit."))
 
 
 @pytest.mark.parametrize("name", MODULES)

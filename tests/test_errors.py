@@ -3,23 +3,26 @@
 import numpy as np
 import optax
 import pytest
+from conftest import MLP, make_classification
 
 import trainkit as tk
-from conftest import MLP, make_classification
 
 
 @pytest.fixture
 def trainer():
-    return tk.Trainer(MLP(), loss="sparse_categorical_crossentropy", optimizer=optax.sgd(0.1),
-                      strategy=tk.DataParallel())
+    return tk.Trainer(
+        MLP(), loss="sparse_categorical_crossentropy", optimizer=optax.sgd(0.1), strategy=tk.DataParallel()
+    )
 
 
 @pytest.fixture
 def no_compile(monkeypatch, trainer):
     """Fails the test if the trainer compiles a step."""
-    def refuse(kind):
+
+    def refuse(kind, strategy, abstract_state):
         raise AssertionError(f"compiled {kind} before rejecting bad input")
-    monkeypatch.setattr(trainer, "_function", refuse)
+
+    monkeypatch.setattr(trainer.program, "compile", refuse)
     return trainer
 
 
@@ -32,7 +35,7 @@ def test_mismatched_lengths(no_compile):
 def test_feature_shape_differs_from_initialisation(trainer, monkeypatch):
     x, y = make_classification(16)
     trainer.init(x)
-    monkeypatch.setattr(trainer, "_function", lambda kind: pytest.fail("compiled"))
+    monkeypatch.setattr(trainer.program, "compile", lambda *args: pytest.fail("compiled"))
     with pytest.raises(ValueError, match=r"per-example shape \(7,\).*initialised with per-example shape \(5,\)"):
         trainer.fit((np.ones((16, 7), np.float32), y), batch_size=8, verbose=0)
     with pytest.raises(ValueError, match="per-example shape"):
@@ -119,4 +122,4 @@ def test_fine_tuning_variables_that_do_not_match():
 def test_state_needed_before_params():
     trainer = tk.Trainer(MLP(), loss="mse", optimizer=optax.sgd(0.1), strategy="dp")
     with pytest.raises(RuntimeError, match="call fit"):
-        trainer.params
+        trainer.params  # noqa: B018

@@ -13,7 +13,10 @@ def test_digits_cnn_reaches_95_percent_on_8_fake_devices():
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     result = subprocess.run(
         [sys.executable, str(ROOT / "examples" / "digits_cnn.py"), "--devices", "8", "--verbose", "0"],
-        capture_output=True, text=True, env=env, timeout=300,
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
     )
     assert result.returncode == 0, result.stdout + result.stderr
     assert "trainkit" in result.stdout and "on 8 cpu devices" in result.stdout

@@ -18,8 +18,13 @@ PREEMPTED_EXIT_CODE = 143
 
 def start(backup, out, *extra):
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    return subprocess.Popen([sys.executable, str(SCRIPT), str(backup), str(out), *extra],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    return subprocess.Popen(
+        [sys.executable, str(SCRIPT), str(backup), str(out), *extra],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
+    )
 
 
 def finish(backup, out, *extra):

@@ -7,10 +7,10 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from conftest import MLP, make_classification, tree_allclose
 from jax.sharding import PartitionSpec as P
 
 import trainkit as tk
-from conftest import MLP, make_classification, tree_allclose
 
 MLP_TENSOR_RULES = [(r"Dense_0/kernel", P(None, "model")), (r"Dense_1/kernel", P("model", None))]
 
@@ -57,8 +57,12 @@ def trained(data):
     results = {}
     for name, make in STRATEGIES.items():
         trainer = tk.Trainer(
-            MLP(), loss=optax.softmax_cross_entropy_with_integer_labels,
-            optimizer=optax.sgd(0.1, momentum=0.9), metrics=["accuracy"], strategy=make(), seed=3,
+            MLP(),
+            loss=optax.softmax_cross_entropy_with_integer_labels,
+            optimizer=optax.sgd(0.1, momentum=0.9),
+            metrics=["accuracy"],
+            strategy=make(),
+            seed=3,
         )
         history = trainer.fit((x, y), epochs=2, batch_size=16, shuffle=False, verbose=0)
         results[name] = (trainer, history)
@@ -68,9 +72,7 @@ def trained(data):
 @pytest.mark.parametrize("name", SHARDED)
 def test_strategies_match_single_device(trained, name):
     tree_allclose(trained[name][0].params, trained["single"][0].params)
-    np.testing.assert_allclose(
-        trained[name][1].history["loss"], trained["single"][1].history["loss"], rtol=1e-5
-    )
+    np.testing.assert_allclose(trained[name][1].history["loss"], trained["single"][1].history["loss"], rtol=1e-5)
 
 
 def test_single_device_matches_hand_written_loop(trained, data):
@@ -116,8 +118,13 @@ def test_sample_weights_follow_keras_semantics():
     w = np.linspace(0.0, 2.0, 24).astype(np.float32)
     results = []
     for strategy in (tk.SingleDevice(), tk.DataParallel()):
-        trainer = tk.Trainer(MLP(), loss="sparse_categorical_crossentropy",
-                             optimizer=optax.sgd(0.1), metrics=["accuracy"], strategy=strategy)
+        trainer = tk.Trainer(
+            MLP(),
+            loss="sparse_categorical_crossentropy",
+            optimizer=optax.sgd(0.1),
+            metrics=["accuracy"],
+            strategy=strategy,
+        )
         trainer.init(x)
         results.append(trainer.evaluate((x, y, w), batch_size=16))
     params = tk.Trainer(MLP(), loss="mse", optimizer=optax.sgd(0.1), strategy="dp").init(x).params

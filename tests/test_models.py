@@ -6,10 +6,10 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from conftest import MLP, NoisyMLP, make_classification, tree_allclose
 from flax import nnx
 
 import trainkit as tk
-from conftest import MLP, NoisyMLP, make_classification, tree_allclose
 from trainkit.state import TrainState
 from trainkit.step import _step_rng
 
@@ -18,8 +18,9 @@ def test_dropout_keys_differ_per_step_and_per_device():
     state = TrainState.create(params={}, opt_state=(), model_state={}, seed=0)
     k0, k1 = _step_rng(state, None), _step_rng(state.replace(step=state.step + 1), None)
     assert not np.array_equal(k0, k1)
-    per_device = jax.pmap(lambda s, _: _step_rng(s, "data"), axis_name="data", in_axes=(None, 0),
-                          devices=jax.devices())(state, np.zeros(8))
+    per_device = jax.pmap(
+        lambda s, _: _step_rng(s, "data"), axis_name="data", in_axes=(None, 0), devices=jax.devices()
+    )(state, np.zeros(8))
     assert len({tuple(np.asarray(k)) for k in per_device}) == 8
 
 
@@ -27,21 +28,29 @@ def test_batch_norm_statistics_are_averaged_across_devices():
     x, y = make_classification(16)
     stats = {}
     for name, strategy in (("single", tk.SingleDevice()), ("dp", tk.DataParallel())):
-        trainer = tk.Trainer(NoisyMLP(), loss="sparse_categorical_crossentropy",
-                             optimizer=optax.sgd(0.1), strategy=strategy, seed=1)
+        trainer = tk.Trainer(
+            NoisyMLP(), loss="sparse_categorical_crossentropy", optimizer=optax.sgd(0.1), strategy=strategy, seed=1
+        )
         trainer.init(x)
         before = jax.device_get(trainer.state.model_state)
         trainer.fit((x, y), batch_size=16, epochs=1, verbose=0)
         stats[name] = jax.device_get(trainer.state.model_state)["batch_stats"]
         assert not np.allclose(stats[name]["BatchNorm_0"]["mean"], before["batch_stats"]["BatchNorm_0"]["mean"])
     # With equal shards, the mean of the 8 per-device means is the global mean.
-    np.testing.assert_allclose(stats["dp"]["BatchNorm_0"]["mean"], stats["single"]["BatchNorm_0"]["mean"], rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(
+        stats["dp"]["BatchNorm_0"]["mean"], stats["single"]["BatchNorm_0"]["mean"], rtol=1e-5, atol=1e-6
+    )
 
 
 def test_dropout_and_batch_norm_train_and_switch_to_inference():
     x, y = make_classification(256)
-    trainer = tk.Trainer(NoisyMLP(), loss="sparse_categorical_crossentropy",
-                         optimizer=optax.adam(0.02), metrics=["accuracy"], strategy="dp")
+    trainer = tk.Trainer(
+        NoisyMLP(),
+        loss="sparse_categorical_crossentropy",
+        optimizer=optax.adam(0.02),
+        metrics=["accuracy"],
+        strategy="dp",
+    )
     history = trainer.fit((x, y), epochs=15, batch_size=32, verbose=0)
     assert history.history["loss"][-1] < history.history["loss"][0]
     # Inference is deterministic: dropout off, running statistics used.
@@ -66,8 +75,13 @@ class NNXClassifier(nnx.Module):
 @pytest.mark.parametrize("strategy", ["single", "data_parallel"])
 def test_nnx_module_trains_with_the_same_calls(strategy):
     x, y = make_classification(256)
-    trainer = tk.Trainer(NNXClassifier(nnx.Rngs(0, dropout=1)), loss="sparse_categorical_crossentropy",
-                         optimizer=optax.adam(0.02), metrics=["accuracy"], strategy=strategy)
+    trainer = tk.Trainer(
+        NNXClassifier(nnx.Rngs(0, dropout=1)),
+        loss="sparse_categorical_crossentropy",
+        optimizer=optax.adam(0.02),
+        metrics=["accuracy"],
+        strategy=strategy,
+    )
     history = trainer.fit((x, y), epochs=10, batch_size=32, validation_data=(x[:64], y[:64]), verbose=0)
     assert history.history["loss"][-1] < history.history["loss"][0]
     assert "batch_stats" not in trainer.state.model_state  # NNX keeps its own names
@@ -80,8 +94,12 @@ def test_nnx_strategies_agree_without_randomness():
     x, y = make_classification(100)
     params = []
     for strategy in ("single", "data_parallel"):
-        trainer = tk.Trainer(NNXClassifier(nnx.Rngs(0), noisy=False), loss="sparse_categorical_crossentropy",
-                             optimizer=optax.sgd(0.1), strategy=strategy)
+        trainer = tk.Trainer(
+            NNXClassifier(nnx.Rngs(0), noisy=False),
+            loss="sparse_categorical_crossentropy",
+            optimizer=optax.sgd(0.1),
+            strategy=strategy,
+        )
         trainer.fit((x, y), epochs=2, batch_size=16, shuffle=False, verbose=0)
         params.append(trainer.params)
     tree_allclose(params[0], params[1])
@@ -118,15 +136,22 @@ def test_compute_loss_override_trains_without_targets():
     history = trainer.fit(x, epochs=5, batch_size=16, verbose=0)
     assert history.history["loss"][-1] < 0.7 * history.history["loss"][0]
     assert trainer.evaluate(x, batch_size=16)["loss"] == pytest.approx(
-        float(np.mean((trainer.predict(x) - x) ** 2)), rel=1e-5)
+        float(np.mean((trainer.predict(x) - x) ** 2)), rel=1e-5
+    )
 
 
 def test_fine_tuning_starts_from_given_variables():
     x, y = make_classification(64)
     first = tk.Trainer(NoisyMLP(), loss="sparse_categorical_crossentropy", optimizer=optax.adam(0.01), strategy="dp")
     first.fit((x, y), epochs=2, batch_size=16, verbose=0)
-    second = tk.Trainer(NoisyMLP(), loss="sparse_categorical_crossentropy", optimizer=optax.sgd(0.01),
-                        params=first.get_weights(), strategy="dp", seed=7)
+    second = tk.Trainer(
+        NoisyMLP(),
+        loss="sparse_categorical_crossentropy",
+        optimizer=optax.sgd(0.01),
+        params=first.get_weights(),
+        strategy="dp",
+        seed=7,
+    )
     second.init(x)
     tree_allclose(second.get_weights(), first.get_weights())
     assert second.evaluate((x, y))["loss"] == pytest.approx(first.evaluate((x, y))["loss"], rel=1e-5)

@@ -19,8 +19,17 @@ def clean_env():
 
 
 def launch(nproc, devices, *args, timeout=420):
-    command = [sys.executable, "-m", "trainkit.launch", "--nproc", str(nproc), "--devices-per-proc",
-               str(devices), str(SCRIPT), *map(str, args)]
+    command = [
+        sys.executable,
+        "-m",
+        "trainkit.launch",
+        "--nproc",
+        str(nproc),
+        "--devices-per-proc",
+        str(devices),
+        str(SCRIPT),
+        *map(str, args),
+    ]
     start = time.monotonic()
     result = subprocess.run(command, capture_output=True, text=True, env=clean_env(), cwd=ROOT, timeout=timeout)
     return result.returncode, result.stdout + result.stderr, time.monotonic() - start
@@ -73,10 +82,14 @@ def test_without_the_launcher_the_survivor_exits_with_an_error(tmp_path):
 
     port = free_port()
     processes = [
-        subprocess.Popen([sys.executable, str(SCRIPT), str(tmp_path / "out.npz"), "--strategies", "dp",
-                          "--die-at-step", "3"],
-                         env=build_env(clean_env(), process_id=i, nproc=2, port=port, devices_per_proc=4),
-                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT)
+        subprocess.Popen(
+            [sys.executable, str(SCRIPT), str(tmp_path / "out.npz"), "--strategies", "dp", "--die-at-step", "3"],
+            env=build_env(clean_env(), process_id=i, nproc=2, port=port, devices_per_proc=4),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            cwd=ROOT,
+        )
         for i in range(2)
     ]
     assert processes[1].wait(timeout=180) == -9
@@ -89,8 +102,7 @@ def test_without_the_launcher_the_survivor_exits_with_an_error(tmp_path):
 
 
 def test_processes_with_different_settings_are_stopped_at_the_start(tmp_path):
-    code, output, _ = launch(2, 4, tmp_path / "out.npz", "--strategies", "fsdp", "--seed-by-process",
-                             "--explicit-init")
+    code, output, _ = launch(2, 4, tmp_path / "out.npz", "--strategies", "fsdp", "--seed-by-process", "--explicit-init")
     assert code != 0
     assert "The processes were started with different settings for seed: process 0:" in output
 
@@ -117,8 +129,10 @@ def test_auto_picks_one_strategy_for_all_processes(tmp_path):
 
 
 def test_initialize_after_the_backend_started_says_to_call_it_first():
-    code = ("import jax; jax.devices(); import trainkit as tk\n"
-            "tk.distributed.initialize('127.0.0.1:1', num_processes=2, process_id=0)")
+    code = (
+        "import jax; jax.devices(); import trainkit as tk\n"
+        "tk.distributed.initialize('127.0.0.1:1', num_processes=2, process_id=0)"
+    )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=clean_env(), cwd=ROOT)
     assert result.returncode != 0
     assert "must run before anything touches JAX's devices" in result.stderr

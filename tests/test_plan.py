@@ -8,16 +8,16 @@ import jax
 import numpy as np
 import optax
 import pytest
+from conftest import Wide
 
 import trainkit as tk
-from conftest import Wide
 from trainkit.plan import collective_traffic
 
 
-
 def make_trainer(strategy="dp", **kwargs):
-    return tk.Trainer(Wide(), loss="sparse_categorical_crossentropy", optimizer=optax.adam(1e-3),
-                      strategy=strategy, **kwargs)
+    return tk.Trainer(
+        Wide(), loss="sparse_categorical_crossentropy", optimizer=optax.adam(1e-3), strategy=strategy, **kwargs
+    )
 
 
 def data(n=32):
@@ -32,8 +32,13 @@ def plan():
 
 def test_plan_has_a_row_per_candidate_with_compiled_figures(plan):
     rows = {r.name: r for r in plan.rows}
-    assert list(rows) == ["SingleDevice", "DataParallel(data=8)", "FSDP(fsdp=8)",
-                          "Hybrid(data=2, fsdp=4)", "Hybrid(data=4, fsdp=2)"]
+    assert list(rows) == [
+        "SingleDevice",
+        "DataParallel(data=8)",
+        "FSDP(fsdp=8)",
+        "Hybrid(data=2, fsdp=4)",
+        "Hybrid(data=4, fsdp=2)",
+    ]
     for row in plan.rows:
         assert row.error is None and row.flops > 0 and row.bytes_accessed > 0
         assert row.total_bytes == row.argument_bytes + row.output_bytes - row.alias_bytes + row.temp_bytes

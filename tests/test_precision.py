@@ -6,10 +6,10 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from conftest import MLP, make_classification
 from sklearn.datasets import load_digits
 
 import trainkit as tk
-from conftest import MLP, make_classification
 from trainkit.step import make_train_step
 
 
@@ -28,8 +28,14 @@ def test_bf16_reaches_the_accuracy_of_fp32_on_a_small_cnn():
     x, y = x[order], y[order]
     accuracy = {}
     for precision in ("fp32", "bf16"):
-        trainer = tk.Trainer(SmallCNN(), loss="sparse_categorical_crossentropy", optimizer=optax.adam(3e-3),
-                             metrics=["accuracy"], strategy="single", precision=precision)
+        trainer = tk.Trainer(
+            SmallCNN(),
+            loss="sparse_categorical_crossentropy",
+            optimizer=optax.adam(3e-3),
+            metrics=["accuracy"],
+            strategy="single",
+            precision=precision,
+        )
         trainer.fit((x[:1400], y[:1400]), epochs=10, batch_size=64, verbose=0)
         accuracy[precision] = trainer.evaluate((x[1400:], y[1400:]))["accuracy"]
         assert jax.tree.leaves(trainer.state.params)[0].dtype == jnp.float32  # master weights
@@ -61,8 +67,13 @@ class OwnDtype(nn.Module):
 
 def test_dtypes_inside_the_compiled_step():
     x, y = make_classification(16)
-    trainer = tk.Trainer(OwnDtype(), loss="sparse_categorical_crossentropy", optimizer=optax.sgd(0.1),
-                         strategy="single", precision="bf16")
+    trainer = tk.Trainer(
+        OwnDtype(),
+        loss="sparse_categorical_crossentropy",
+        optimizer=optax.sgd(0.1),
+        strategy="single",
+        precision="bf16",
+    )
     state = trainer.init(x)
     batch = {"x": x, "y": y, "mask": np.ones(16, np.float32)}
     step = make_train_step(trainer.compute_loss, trainer.optimizer, {})
@@ -73,26 +84,30 @@ def test_dtypes_inside_the_compiled_step():
     new_state, metrics = jax.eval_shape(step, state, batch)
     assert all(leaf.dtype == jnp.float32 for leaf in jax.tree.leaves(new_state.params))
     assert metrics["loss"].total.dtype == jnp.float32  # loss in float32
-    fp32 = tk.Trainer(OwnDtype(), loss="sparse_categorical_crossentropy", optimizer=optax.sgd(0.1),
-                      strategy="single")
-    fp32_dots = _dot_dtypes(jax.make_jaxpr(make_train_step(fp32.compute_loss, fp32.optimizer, {}))(
-        fp32.init(x), batch).jaxpr)
+    fp32 = tk.Trainer(OwnDtype(), loss="sparse_categorical_crossentropy", optimizer=optax.sgd(0.1), strategy="single")
+    fp32_dots = _dot_dtypes(
+        jax.make_jaxpr(make_train_step(fp32.compute_loss, fp32.optimizer, {}))(fp32.init(x), batch).jaxpr
+    )
     assert all(d == ("float32", "float32") for d in fp32_dots)
 
 
 @pytest.mark.parametrize("strategy", ["single", "data_parallel"])
 def test_fp16_skips_an_overflowing_step_and_lowers_the_scale(strategy):
     x, y = make_classification(64)
-    trainer = tk.Trainer(MLP(), loss="sparse_categorical_crossentropy", optimizer=optax.adam(1e-2),
-                         strategy=strategy, precision=tk.Precision(compute_dtype=jnp.float16,
-                                                                   loss_scale="dynamic", growth_interval=3))
+    trainer = tk.Trainer(
+        MLP(),
+        loss="sparse_categorical_crossentropy",
+        optimizer=optax.adam(1e-2),
+        strategy=strategy,
+        precision=tk.Precision(compute_dtype=jnp.float16, loss_scale="dynamic", growth_interval=3),
+    )
     trainer.fit((x, y), epochs=1, batch_size=16, shuffle=False, verbose=0)  # 4 finite steps
-    scale = float(trainer.state.loss_scale.scale)
+    scale = float(trainer.state.loss_scale.loss_scale)
     assert scale == 2.0**16  # grew once after 3 good steps
     before = trainer.get_weights()
     huge = np.full_like(x[:16], 6e4)  # float16 overflows (max 65504) in the first layer
     history = trainer.fit((huge, y[:16]), epochs=1, batch_size=16, verbose=0)
-    assert float(trainer.state.loss_scale.scale) == scale / 2
+    assert float(trainer.state.loss_scale.loss_scale) == scale / 2
     assert int(trainer.state.step) == 5
     for a, b in zip(jax.tree.leaves(before), jax.tree.leaves(trainer.get_weights())):
         np.testing.assert_array_equal(a, b)  # the update was skipped
@@ -103,7 +118,12 @@ def test_fp16_skips_an_overflowing_step_and_lowers_the_scale(strategy):
 
 
 def test_precision_names_and_errors():
-    assert tk.Trainer(MLP(), loss="mse", optimizer=optax.sgd(0.1), precision="mixed_float16", strategy="dp").precision.loss_scale == "dynamic"
+    assert (
+        tk.Trainer(
+            MLP(), loss="mse", optimizer=optax.sgd(0.1), precision="mixed_float16", strategy="dp"
+        ).precision.loss_scale
+        == "dynamic"
+    )
     with pytest.raises(ValueError, match=r"Unknown precision 'half'. Known names: fp32.*bf16"):
         tk.Trainer(MLP(), loss="mse", optimizer=optax.sgd(0.1), precision="half", strategy="dp")
     with pytest.raises(ValueError, match="must be a floating dtype; received int32"):
@@ -112,7 +132,12 @@ def test_precision_names_and_errors():
 
 def test_bf16_params_when_asked():
     x, y = make_classification(16)
-    trainer = tk.Trainer(MLP(), loss="sparse_categorical_crossentropy", optimizer=optax.sgd(0.1),
-                         precision=tk.Precision(param_dtype=jnp.bfloat16, compute_dtype=jnp.bfloat16), strategy="dp")
+    trainer = tk.Trainer(
+        MLP(),
+        loss="sparse_categorical_crossentropy",
+        optimizer=optax.sgd(0.1),
+        precision=tk.Precision(param_dtype=jnp.bfloat16, compute_dtype=jnp.bfloat16),
+        strategy="dp",
+    )
     trainer.fit((x, y), batch_size=16, verbose=0)
     assert all(leaf.dtype == jnp.bfloat16 for leaf in jax.tree.leaves(trainer.state.params))

@@ -5,10 +5,10 @@ import jax
 import numpy as np
 import optax
 import pytest
+from conftest import make_classification, tree_allclose
 from flax import nnx
 
 import trainkit as tk
-from conftest import make_classification, tree_allclose
 
 
 class Block(nn.Module):
@@ -28,8 +28,14 @@ class Tower(nn.Module):
 
 
 def _grads_and_jaxpr(remat, x, y):
-    trainer = tk.Trainer(Tower(), loss="sparse_categorical_crossentropy", optimizer=optax.sgd(0.1),
-                         strategy="single", remat=remat, seed=0)
+    trainer = tk.Trainer(
+        Tower(),
+        loss="sparse_categorical_crossentropy",
+        optimizer=optax.sgd(0.1),
+        strategy="single",
+        remat=remat,
+        seed=0,
+    )
     state = trainer.init(x)
     batch = {"x": x, "y": y, "mask": np.ones(len(x), np.float32)}
 
@@ -40,9 +46,11 @@ def _grads_and_jaxpr(remat, x, y):
     return jax.grad(loss)(state.params), str(jax.make_jaxpr(jax.grad(loss))(state.params))
 
 
-@pytest.mark.parametrize("remat", ["full", "dots", "dots_no_batch",
-                                   jax.checkpoint_policies.nothing_saveable, ["Block"]],
-                         ids=["full", "dots", "dots_no_batch", "policy", "class_names"])
+@pytest.mark.parametrize(
+    "remat",
+    ["full", "dots", "dots_no_batch", jax.checkpoint_policies.nothing_saveable, ["Block"]],
+    ids=["full", "dots", "dots_no_batch", "policy", "class_names"],
+)
 def test_gradients_equal_without_remat_and_remat_is_applied(remat):
     x, y = make_classification(16)
     reference, plain = _grads_and_jaxpr(None, x, y)
@@ -57,8 +65,9 @@ def test_training_with_block_remat_matches_no_remat_on_8_devices():
     x, y = make_classification(100)
     params = []
     for remat in (None, ["Block"]):
-        trainer = tk.Trainer(Tower(), loss="sparse_categorical_crossentropy", optimizer=optax.adam(0.01),
-                             strategy="dp", remat=remat)
+        trainer = tk.Trainer(
+            Tower(), loss="sparse_categorical_crossentropy", optimizer=optax.adam(0.01), strategy="dp", remat=remat
+        )
         trainer.fit((x, y), batch_size=16, epochs=1, verbose=0)
         params.append(trainer.params)
     tree_allclose(params[0], params[1], rtol=1e-5, atol=1e-6)
@@ -98,12 +107,23 @@ class DropoutTower(nn.Module):
 
 def test_remat_with_dropout_and_batch_norm_trains_and_masks_vary():
     x, y = make_classification(64)
-    trainer = tk.Trainer(DropoutTower(), loss="sparse_categorical_crossentropy", optimizer=optax.adam(0.02),
-                         strategy="single", remat="full")
+    trainer = tk.Trainer(
+        DropoutTower(),
+        loss="sparse_categorical_crossentropy",
+        optimizer=optax.adam(0.02),
+        strategy="single",
+        remat="full",
+    )
     history = trainer.fit((x, y), batch_size=16, epochs=3, verbose=0)
     assert history.history["loss"][-1] < history.history["loss"][0]
     state = trainer.state
     batch = {"x": x[:16], "y": y[:16], "mask": np.ones(16, np.float32)}
-    losses = [float(trainer.compute_loss(state.params, batch, jax.random.PRNGKey(k), model_state=state.model_state,
-                                         train=True)[0].mean()) for k in (0, 1)]
+    losses = [
+        float(
+            trainer.compute_loss(state.params, batch, jax.random.PRNGKey(k), model_state=state.model_state, train=True)[
+                0
+            ].mean()
+        )
+        for k in (0, 1)
+    ]
     assert losses[0] != losses[1]  # dropout is active under remat, with the step's key

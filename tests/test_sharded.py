@@ -7,10 +7,10 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from conftest import Wide, tree_allclose
 from jax.sharding import PartitionSpec as P
 
 import trainkit as tk
-from conftest import Wide, tree_allclose
 
 TENSOR_RULES = [
     (r"Conv_0/kernel", P(None, None, None, "model")),
@@ -57,9 +57,14 @@ STRATEGIES = {
 
 
 def train(model, strategy, data, optimizer=None):
-    trainer = tk.Trainer(model, loss="sparse_categorical_crossentropy",
-                         optimizer=optimizer or optax.adam(0.01), metrics=["accuracy"],
-                         strategy=strategy, seed=1)
+    trainer = tk.Trainer(
+        model,
+        loss="sparse_categorical_crossentropy",
+        optimizer=optimizer or optax.adam(0.01),
+        metrics=["accuracy"],
+        strategy=strategy,
+        seed=1,
+    )
     # 44 rows in batches of 16: the last batch holds 12 real rows and 4 padded ones
     trainer.fit(data, epochs=2, batch_size=16, verbose=0)
     return trainer
@@ -79,8 +84,9 @@ def test_mixed_layers_match_single_device(mixed, name):
     e1, e2 = single.evaluate(data, batch_size=8), other.evaluate(data, batch_size=8)
     assert e1["loss"] == pytest.approx(e2["loss"], rel=1e-5)
     assert e1["accuracy"] == e2["accuracy"]
-    np.testing.assert_allclose(other.predict(data, batch_size=8), single.predict(data, batch_size=8),
-                               rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(
+        other.predict(data, batch_size=8), single.predict(data, batch_size=8), rtol=1e-4, atol=1e-5
+    )
 
 
 def test_tensor_parallel_rules_place_the_state(mixed):
@@ -110,7 +116,9 @@ class BNOnly(nn.Module):
     @nn.compact
     def __call__(self, pixels, tokens, train: bool = False):
         flat = jnp.concatenate([pixels.reshape(pixels.shape[0], -1), tokens.astype(jnp.float32)], -1)
-        h = nn.BatchNorm(use_running_average=not train, momentum=0.9, axis_name=self.bn_axis)(nn.Dense(16, use_bias=False)(flat))
+        h = nn.BatchNorm(use_running_average=not train, momentum=0.9, axis_name=self.bn_axis)(
+            nn.Dense(16, use_bias=False)(flat)
+        )
         return nn.Dense(4)(nn.relu(h))
 
 
@@ -121,10 +129,10 @@ def test_dataparallel_batchnorm_matches_only_with_the_named_axis():
     named = train(BNOnly(bn_axis="data"), tk.DataParallel(), data)
     local = train(BNOnly(), tk.DataParallel(), data)
     tree_allclose(named.get_weights(), expected.get_weights(), rtol=2e-5, atol=2e-6)
-    close = jax.tree.leaves(jax.tree.map(
-        lambda a, b: np.allclose(a, b, rtol=1e-4), local.get_weights(), expected.get_weights()))
+    close = jax.tree.leaves(
+        jax.tree.map(lambda a, b: np.allclose(a, b, rtol=1e-4), local.get_weights(), expected.get_weights())
+    )
     assert not all(close)  # per-device statistics: a different (equally valid) model
-
 
 
 def per_device_bytes(tree):
@@ -152,7 +160,7 @@ def test_fsdp_creates_the_state_sharded_without_a_whole_copy():
 # ---------------------------------------------------------------------- errors before compiling
 def test_hybrid_sizes_must_multiply_to_the_device_count():
     with pytest.raises(ValueError, match=r"hold 6 devices, but 8 devices"):
-        tk.Hybrid(data=2, fsdp=3).mesh
+        tk.Hybrid(data=2, fsdp=3).mesh  # noqa: B018
 
 
 def test_hybrid_needs_a_second_axis():

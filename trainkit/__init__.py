@@ -5,19 +5,23 @@
 ['CheckpointError', 'DataParallel', 'FSDP', 'Hybrid']
 """
 
-from trainkit import callbacks, debug, losses, metrics, plan, strategies
+from trainkit import callbacks, debug, losses, metrics, optimizers, plan, strategies
 from trainkit.checkpoint import CheckpointError
+from trainkit.loop import PREEMPTED_EXIT_CODE, Position, Preempted, StepRecord
 from trainkit.precision import Precision
 from trainkit.state import TrainState
 from trainkit.strategies import FSDP, DataParallel, Hybrid, SingleDevice, Strategy
 from trainkit.trainer import Trainer
-
 from trainkit.version import __version__
 
 __all__ = [
     "Trainer",
     "Precision",
     "CheckpointError",
+    "Preempted",
+    "PREEMPTED_EXIT_CODE",
+    "Position",
+    "StepRecord",
     "TrainState",
     "Strategy",
     "SingleDevice",
@@ -29,6 +33,7 @@ __all__ = [
     "plan",
     "losses",
     "metrics",
+    "optimizers",
     "strategies",
     "__version__",
 ]

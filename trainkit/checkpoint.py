@@ -22,12 +22,15 @@ import concurrent.futures
 import logging
 import os
 import uuid
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import flax.serialization
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
+
+from trainkit.version import __version__
 
 PyTree = Any
 logger = logging.getLogger("trainkit")
@@ -40,6 +43,10 @@ _snapshot = jax.jit(lambda tree: jax.tree.map(lambda a: a.copy(), tree))
 # of two CheckpointManagers (e.g. ModelCheckpoint and BackupAndRestore at the same step) were
 # seen to deadlock orbax's signalling between its save phases.
 _WRITER = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="trainkit-checkpoint")
+
+
+#: The parts of a state that ``weights_only`` checkpoints hold.
+WEIGHTS = ("params", "model_state")
 
 
 class CheckpointError(RuntimeError):
@@ -125,14 +132,31 @@ class Checkpointer:
         self._pending: list[concurrent.futures.Future] = []
 
     # ----------------------------------------------------------------- writing
-    def save(self, step: int, state: PyTree, manifest: dict, *, metrics: dict | None = None,
-             wait: bool = False) -> bool:
-        """Starts writing ``state`` at ``step``; a step already saved is not written twice."""
+    def save(
+        self,
+        step: int,
+        state: PyTree,
+        manifest: dict,
+        *,
+        metrics: dict | None = None,
+        wait: bool = False,
+        weights_only: bool = False,
+    ) -> bool:
+        """Starts writing ``state`` at ``step``; a step already saved is not written twice.
+        ``weights_only`` writes the variables (``params`` and ``model_state``) without the
+        optimizer state, step and rng; :meth:`restore` then replaces only those."""
         self._collect_errors()
         if step == self._last_saved or step in self.steps():
             return False
         self._last_saved = int(step)
         state_dict = flax.serialization.to_state_dict(state)
+        if weights_only:
+            state_dict = {part: state_dict[part] for part in WEIGHTS}
+            manifest = dict(
+                manifest,
+                contents="weights",
+                tree={part: value for part, value in manifest.get("tree", {}).items() if part in WEIGHTS},
+            )
         if self.enable_async:
             state_dict = _snapshot(state_dict)
         self._pending.append(_WRITER.submit(self._write, step, state_dict, manifest, metrics))
@@ -144,9 +168,7 @@ class Checkpointer:
         try:
             self._manager.save(
                 int(step),
-                args=ocp.args.Composite(
-                    state=ocp.args.StandardSave(state_dict), meta=ocp.args.JsonSave(manifest)
-                ),
+                args=ocp.args.Composite(state=ocp.args.StandardSave(state_dict), meta=ocp.args.JsonSave(manifest)),
                 metrics=metrics,
                 force=True,
             )
@@ -175,7 +197,9 @@ class Checkpointer:
         except Exception:  # noqa: BLE001 - the error being reported matters more
             pass
         last = self.latest_step()
-        kept = f"the last complete checkpoint is step {last}" if last is not None else "no complete checkpoint exists yet"
+        kept = (
+            f"the last complete checkpoint is step {last}" if last is not None else "no complete checkpoint exists yet"
+        )
         return CheckpointError(
             f"Writing a checkpoint to {self.directory!r} failed ({type(error).__name__}: {error}). "
             f"The training state in memory is intact and {kept}. Free disk space or choose "
@@ -185,6 +209,10 @@ class Checkpointer:
     # ----------------------------------------------------------------- reading
     def steps(self) -> list[int]:
         return list(self._manager.all_steps())
+
+    def delete(self, step: int) -> None:
+        """Removes the checkpoint of ``step``."""
+        self._manager.delete(step)
 
     def latest_step(self) -> int | None:
         return self._manager.latest_step()
@@ -217,23 +245,26 @@ class Checkpointer:
         problems = []
         for part in ("params", "opt_state", "model_state"):
             if part in manifest.get("tree", {}):
-                problems += compare_signatures(
-                    f"{part}", manifest["tree"][part], tree_signature(getattr(target, part))
-                )
+                problems += compare_signatures(f"{part}", manifest["tree"][part], tree_signature(getattr(target, part)))
         if problems:
             raise CheckpointError(
                 f"The checkpoint at step {step} in {self.directory!r} does not match this "
-                f"model and optimizer: " + "; ".join(problems[:12])
+                f"model and optimizer: "
+                + "; ".join(problems[:12])
                 + (f" (and {len(problems) - 12} more)" if len(problems) > 12 else "")
                 + ". Restore with the model and optimizer that wrote it."
             )
+        target_dict = flax.serialization.to_state_dict(target)
+        if manifest.get("contents") == "weights":
+            target_dict = {part: target_dict[part] for part in WEIGHTS}
         abstract = jax.tree.map(
-            lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=getattr(a, "sharding", None)),
-            flax.serialization.to_state_dict(target),
+            lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=getattr(a, "sharding", None)), target_dict
         )
-        restored = self._manager.restore(
-            step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract))
-        )["state"]
+        restored = self._manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract)))[
+            "state"
+        ]
+        if manifest.get("contents") == "weights":
+            restored = {**flax.serialization.to_state_dict(target), **restored}
         return flax.serialization.from_state_dict(target, restored), manifest
 
     def close(self) -> None:
@@ -241,3 +272,47 @@ class Checkpointer:
             self.wait()
         finally:
             self._manager.close()
+
+
+def build_manifest(state: PyTree, strategy: Any, position: Any, **settings: Any) -> dict:
+    """What a checkpoint records besides the arrays: versions, the strategy and mesh, the data
+    ``position`` (``epoch``, ``batch``, ``step``), ``settings`` (precision, seed, batch size...)
+    and the shape and dtype of every leaf of the parameters, optimizer state and model state."""
+    return {
+        "trainkit_version": __version__,
+        "jax_version": jax.__version__,
+        "strategy": type(strategy).__name__,
+        "strategy_description": strategy.describe(),
+        "mesh": {name: int(size) for name, size in strategy.mesh.shape.items()},
+        "device_count": len(strategy.devices),
+        "process_count": jax.process_count(),
+        **settings,
+        "position": {"epoch": position.epoch, "batch": position.batch, "global_step": position.step},
+        "tree": {part: tree_signature(getattr(state, part)) for part in ("params", "opt_state", "model_state")},
+    }
+
+
+def explain_restore(manifest: dict, strategy: str, devices: int, batch_size: int | None, batch: int) -> None:
+    """Logs what a restore into another strategy, device count or batch size means for the
+    run's exactness (``batch``: the batch index the run continues at)."""
+    if manifest.get("device_count") != devices or manifest.get("strategy") != strategy:
+        logger.warning(
+            "Restored step %s written by %s on %s devices into %s on %s devices: the state is "
+            "exact; later steps reduce over another device layout, so they match the "
+            "original run to float rounding, not bit for bit.",
+            manifest["position"]["global_step"],
+            manifest.get("strategy"),
+            manifest.get("device_count"),
+            strategy,
+            devices,
+        )
+    if batch_size is not None and manifest.get("batch_size") not in (None, batch_size):
+        logger.warning(
+            "The checkpoint was written with batch_size=%s, this run uses %s: the data "
+            "position is converted by examples seen (batch %s -> %s), and the batches, and "
+            "so the updates, differ from the original run from here on.",
+            manifest["batch_size"],
+            batch_size,
+            manifest["position"]["batch"],
+            batch,
+        )

@@ -12,7 +12,8 @@ Every batch has the same static shape. The last partial batch is padded with zer
 from __future__ import annotations
 
 import itertools
-from typing import Any, Iterable, Iterator
+from collections.abc import Iterable, Iterator
+from typing import Any
 
 import jax
 import numpy as np
@@ -23,9 +24,7 @@ _KEYS = ("x", "y", "sample_weight")
 
 
 def _is_array(obj: Any) -> bool:
-    return isinstance(obj, (np.ndarray, jax.Array)) or (
-        hasattr(obj, "__array__") and hasattr(obj, "shape")
-    )
+    return isinstance(obj, (np.ndarray, jax.Array)) or (hasattr(obj, "__array__") and hasattr(obj, "shape"))
 
 
 def _is_array_tree(obj: Any) -> bool:
@@ -45,8 +44,7 @@ def split_xyw(element: Any) -> tuple[PyTree, PyTree, PyTree]:
     if isinstance(element, tuple):
         if not 1 <= len(element) <= 3:
             raise ValueError(
-                f"A data tuple must be (x,), (x, y) or (x, y, sample_weight); received a tuple "
-                f"of {len(element)} items."
+                f"A data tuple must be (x,), (x, y) or (x, y, sample_weight); received a tuple of {len(element)} items."
             )
         return tuple(element) + (None,) * (3 - len(element))  # type: ignore[return-value]
     if _is_dataset_dict(element):
@@ -134,8 +132,15 @@ class ArrayDataset:
         return -(-self.num_examples // batch_size)
 
     def batches(
-        self, batch_size: int, *, shuffle: bool = False, seed: int = 0, epoch: int = 0, start: int = 0,
-        process_index: int = 0, process_count: int = 1,
+        self,
+        batch_size: int,
+        *,
+        shuffle: bool = False,
+        seed: int = 0,
+        epoch: int = 0,
+        start: int = 0,
+        process_index: int = 0,
+        process_count: int = 1,
     ) -> Iterator[Batch]:
         """Batches of ``batch_size`` rows from batch index ``start`` on.
 
@@ -209,7 +214,7 @@ class IterableDataset:
             source = self._iterator
         else:
             source = self._iterator if self.one_shot else iter(self.iterable)
-        for element in source:
+        for element in source:  # noqa: UP028
             yield element
 
     def batches(self, batch_size: int | None = None, *, start: int = 0, **_) -> Iterator[Batch]:
@@ -297,3 +302,33 @@ def check_same_inputs(expected: PyTree, received: PyTree) -> None:
                 f"per-example shape {tuple(shape)}. Reshape the data to (batch, "
                 f"{', '.join(map(str, shape))}), or build a new Trainer for the new shape."
             )
+
+
+def prepare(
+    data: Any, y: PyTree, sample_weight: PyTree, batch_size: int | None, *, needs_targets: bool
+) -> tuple[Dataset, int]:
+    """A dataset and the global batch size for one ``fit`` / ``evaluate`` / ``predict`` call:
+    ``batch_size`` (default 32) for arrays; an iterable's own batches times the processes.
+    Raises before compiling when targets are needed but missing, or an iterable's batches
+    contradict ``batch_size``."""
+    dataset = as_dataset(data, y, sample_weight)
+    if needs_targets and not dataset.has_targets:
+        raise ValueError(
+            "The data has no targets: pass (x, y), {'x': ..., 'y': ...} or x and y as two "
+            "arguments (or override compute_loss for a loss without targets)."
+        )
+    if isinstance(dataset, IterableDataset):
+        if batch_size is not None and batch_size != dataset.batch_size:
+            raise ValueError(
+                f"batch_size={batch_size} was given, but the iterable yields batches of "
+                f"{dataset.batch_size} rows; an iterable's batches set the batch size. "
+                "Drop batch_size, or re-batch the iterable."
+            )
+        return dataset, dataset.batch_size * jax.process_count()  # each process yields its part
+    return dataset, 32 if batch_size is None else batch_size
+
+
+def sample_batch(dataset: Dataset, batch_size: int) -> Batch:
+    """The dataset's first ``batch_size`` rows as one padded global batch (for planning)."""
+    x, y, w = dataset.first(batch_size)
+    return pad_batch(x, y, w, batch_size)

@@ -46,8 +46,11 @@ def _spec_text(sharding) -> str:
     spec = getattr(sharding, "spec", None)
     if spec is None:
         return type(sharding).__name__
-    return "P(" + ",".join(str(entry) if not isinstance(entry, tuple) else "(" + ",".join(entry) + ")"
-                           for entry in spec) + ")"
+    return (
+        "P("
+        + ",".join(str(entry) if not isinstance(entry, tuple) else "(" + ",".join(entry) + ")" for entry in spec)
+        + ")"
+    )
 
 
 def sharding_rows(trainer_or_state: Any, part: str = "params") -> list[LeafPlacement]:
@@ -60,11 +63,16 @@ def sharding_rows(trainer_or_state: Any, part: str = "params") -> list[LeafPlace
         if not isinstance(leaf, jax.Array):
             continue
         shard = leaf.addressable_shards[0].data
-        rows.append(LeafPlacement(
-            path=(part + "/" if part else "") + leaf_name(path), shape=tuple(leaf.shape),
-            dtype=str(leaf.dtype), spec=_spec_text(leaf.sharding),
-            device_bytes=int(shard.nbytes), total_bytes=int(leaf.nbytes),
-        ))
+        rows.append(
+            LeafPlacement(
+                path=(part + "/" if part else "") + leaf_name(path),
+                shape=tuple(leaf.shape),
+                dtype=str(leaf.dtype),
+                spec=_spec_text(leaf.sharding),
+                device_bytes=int(shard.nbytes),
+                total_bytes=int(leaf.nbytes),
+            )
+        )
     return rows
 
 
@@ -79,7 +87,9 @@ def describe_sharding(trainer_or_state: Any, part: str = "params", *, console: C
         table.add_column(column, justify="right" if column in ("bytes/dev", "%") else "left", no_wrap=True)
     for r in rows:
         share = r.device_bytes / r.total_bytes if r.total_bytes else 1.0
-        table.add_row(r.path, "x".join(map(str, r.shape)) or "scalar", r.dtype, r.spec, f"{r.device_bytes:,}", f"{share:.0%}")
+        table.add_row(
+            r.path, "x".join(map(str, r.shape)) or "scalar", r.dtype, r.spec, f"{r.device_bytes:,}", f"{share:.0%}"
+        )
     device, total = sum(r.device_bytes for r in rows), sum(r.total_bytes for r in rows)
     table.add_section()
     table.add_row("total", "", "", "", f"{device:,}", f"{device / total:.0%}" if total else "")
@@ -93,7 +103,9 @@ def visualize_leaf(trainer_or_state: Any, path: str, part: str = "params") -> No
     (``"params/Dense_0/kernel"``)."""
     state = _state(trainer_or_state)
     tree = getattr(state, part) if part else state
-    leaves = {(part + "/" if part else "") + leaf_name(p): leaf for p, leaf in jax.tree_util.tree_leaves_with_path(tree)}
+    leaves = {
+        (part + "/" if part else "") + leaf_name(p): leaf for p, leaf in jax.tree_util.tree_leaves_with_path(tree)
+    }
     if path not in leaves:
         near = [name for name in leaves if path.split("/")[-1] in name][:5]
         raise KeyError(f"No leaf named {path!r}; leaves with that ending: {near or sorted(leaves)[:5]}.")

@@ -14,7 +14,8 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import jax
 import numpy as np
@@ -97,8 +98,12 @@ def initialize(
     except Exception:  # noqa: BLE001 - a JAX without the option: its default
         pass
     jax.distributed.initialize(
-        coordinator_address, num_processes, process_id, local_device_ids=local_device_ids,
-        heartbeat_timeout_seconds=heartbeat_timeout_seconds, initialization_timeout=initialization_timeout,
+        coordinator_address,
+        num_processes,
+        process_id,
+        local_device_ids=local_device_ids,
+        heartbeat_timeout_seconds=heartbeat_timeout_seconds,
+        initialization_timeout=initialization_timeout,
     )
 
 
@@ -135,9 +140,13 @@ def check_same_configuration(config: dict[str, Any]) -> None:
     everyone = np.asarray(multihost_utils.process_allgather(digests))
     differing = [k for i, k in enumerate(sorted(config)) if len(set(everyone[:, i].tolist())) > 1]
     if differing:
-        values = np.asarray(multihost_utils.process_allgather(
-            np.frombuffer(json.dumps({k: config[k] for k in differing}, default=str).encode().ljust(4096)[:4096], np.uint8)
-        ))
+        values = np.asarray(
+            multihost_utils.process_allgather(
+                np.frombuffer(
+                    json.dumps({k: config[k] for k in differing}, default=str).encode().ljust(4096)[:4096], np.uint8
+                )
+            )
+        )
         per_process = [bytes(row).rstrip(b" ").decode(errors="replace") for row in values]
         raise ValueError(
             f"The processes were started with different settings for {', '.join(differing)}: "

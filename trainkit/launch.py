@@ -22,7 +22,7 @@ import subprocess
 import sys
 import threading
 import time
-from typing import Sequence
+from collections.abc import Sequence
 
 #: Seconds the other processes get to exit after SIGTERM before they are killed.
 GRACE_SECONDS = 5.0
@@ -36,8 +36,12 @@ def free_port() -> int:
 
 def build_env(base: dict, *, process_id: int, nproc: int, port: int, devices_per_proc: int | None) -> dict:
     env = dict(base)
-    env.update(JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}", JAX_NUM_PROCESSES=str(nproc),
-               JAX_PROCESS_ID=str(process_id), PYTHONUNBUFFERED="1")
+    env.update(
+        JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}",
+        JAX_NUM_PROCESSES=str(nproc),
+        JAX_PROCESS_ID=str(process_id),
+        PYTHONUNBUFFERED="1",
+    )
     if devices_per_proc:
         env["JAX_PLATFORMS"] = "cpu"
         env["JAX_NUM_CPU_DEVICES"] = str(devices_per_proc)
@@ -72,8 +76,9 @@ def launch(command: Sequence[str], nproc: int, devices_per_proc: int | None = No
     processes, relays = [], []
     for index in range(nproc):
         env = build_env(os.environ, process_id=index, nproc=nproc, port=port, devices_per_proc=devices_per_proc)
-        process = subprocess.Popen(list(command), env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                   text=True, bufsize=1)
+        process = subprocess.Popen(
+            list(command), env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1
+        )
         processes.append(process)
         relay = threading.Thread(target=_relay, args=(index, process.stdout, lock), daemon=True)
         relay.start()
@@ -120,8 +125,9 @@ def _end(processes) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m trainkit.launch", description=__doc__.splitlines()[0])
     parser.add_argument("--nproc", type=int, required=True, help="processes to start")
-    parser.add_argument("--devices-per-proc", type=int, default=None,
-                        help="fake this many CPU devices in each process (CPU only)")
+    parser.add_argument(
+        "--devices-per-proc", type=int, default=None, help="fake this many CPU devices in each process (CPU only)"
+    )
     parser.add_argument("--port", type=int, default=None, help="coordinator port (default: a free one)")
     parser.add_argument("script", help="the Python script every process runs")
     parser.add_argument("args", nargs=argparse.REMAINDER, help="the script's arguments")

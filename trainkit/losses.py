@@ -12,7 +12,8 @@ cross-entropies, as Flax models usually output them.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp

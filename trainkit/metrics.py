@@ -15,7 +15,8 @@ device count or on how the data was split into batches.
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import clu.metrics
 import flax.struct
@@ -33,11 +34,11 @@ class WeightedAverage(clu.metrics.Average):
     """``clu.metrics.Average`` with real-valued row weights (sample weights times the mask)."""
 
     @classmethod
-    def empty(cls) -> "WeightedAverage":
+    def empty(cls) -> WeightedAverage:
         return cls(total=jnp.array(0, jnp.float32), count=jnp.array(0, jnp.float32))
 
     @classmethod
-    def from_values(cls, values: jax.Array, weights: jax.Array) -> "WeightedAverage":
+    def from_values(cls, values: jax.Array, weights: jax.Array) -> WeightedAverage:
         """``total = sum(values * weights)`` (rows of weight 0 are dropped even if not finite)."""
         xp = jnp if isinstance(values, jax.Array) else np
         weighted = xp.where(weights > 0, values * weights, 0)
@@ -120,8 +121,7 @@ def get_metrics(metrics: Sequence[str | MetricFn] | None) -> dict[str, MetricFn]
                 name = getattr(metric.func, "__name__", "metric")
         else:
             raise TypeError(
-                f"A metric must be a name or a callable; received {metric!r} of type "
-                f"{type(metric).__name__}."
+                f"A metric must be a name or a callable; received {metric!r} of type {type(metric).__name__}."
             )
         if name == "loss" or name in resolved:
             raise ValueError(f"Two metrics are named {name!r}; give each a distinct __name__.")

@@ -18,8 +18,11 @@ import inspect
 from typing import Any, Protocol
 
 import jax
+import numpy as np
 from flax import linen as nn
 from flax import nnx
+
+from trainkit.state import check_tree_matches
 
 PyTree = Any
 
@@ -75,18 +78,14 @@ class LinenModel:
         params_rng, dropout_rng = jax.random.split(rng)
         args, kwargs = _split_inputs(x, self._parameters)
         kwargs.update(_train_kwarg(self._parameters, False))
-        variables = dict(
-            self.module.init({"params": params_rng, "dropout": dropout_rng}, *args, **kwargs)
-        )
+        variables = dict(self.module.init({"params": params_rng, "dropout": dropout_rng}, *args, **kwargs))
         params = variables.pop("params", {})
         return params, variables
 
     def apply(self, params, model_state, x, *, rng, train):
         variables = {"params": params, **model_state}
         if train and model_state:
-            out, updates = self._call(
-                variables, x, True, rngs={"dropout": rng}, mutable=list(model_state)
-            )
+            out, updates = self._call(variables, x, True, rngs={"dropout": rng}, mutable=list(model_state))
             return out, {**model_state, **dict(updates)}
         return self._call(variables, x, train, rngs={"dropout": rng}), model_state
 
@@ -102,9 +101,7 @@ class NNXModel:
 
     def __init__(self, module: nnx.Module):
         self.module = module
-        self._graphdef, self._params, self._rng_state, self._rest = nnx.split(
-            module, nnx.Param, nnx.RngState, ...
-        )
+        self._graphdef, self._params, self._rng_state, self._rest = nnx.split(module, nnx.Param, nnx.RngState, ...)
         self._parameters = _call_parameters(type(module).__call__)
 
     def init(self, rng: jax.Array, x: PyTree) -> tuple[PyTree, PyTree]:
@@ -144,3 +141,18 @@ def adapt_model(model: Any) -> ModelAdapter:
         "(e.g. `class MLP(nn.Module)`) or a flax.nnx.Module instance. For a plain function, "
         "wrap it in a linen Module whose __call__ calls it."
     )
+
+
+def starting_variables(adapter: ModelAdapter, given: PyTree, first_row: PyTree) -> tuple[PyTree, PyTree] | None:
+    """``(params, model_state)`` to start from: ``given`` variables (``{"params": ...,
+    "batch_stats": ...}`` or a bare parameter tree, checked against the model's own), an NNX
+    module's arrays, or ``None`` (a linen module initialises itself)."""
+    if given is None:
+        return adapter.init(None, None) if isinstance(adapter, NNXModel) else None
+    abstract = jax.eval_shape(adapter.init, jax.random.PRNGKey(0), first_row)
+    if isinstance(given, dict) and "params" in given:
+        variables = (given["params"], {k: v for k, v in given.items() if k != "params"})
+    else:
+        variables = (given, {})
+    check_tree_matches("params=", abstract, variables)
+    return jax.tree.map(np.asarray, variables)

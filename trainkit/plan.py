@@ -19,13 +19,16 @@ import math
 import os
 import re
 import time
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import jax
 import numpy as np
 from rich.console import Console
 from rich.table import Table
 
+from trainkit import distributed
+from trainkit.data import check_batch_size
 from trainkit.strategies import FSDP, DataParallel, Hybrid, SingleDevice, Strategy
 
 #: Timed steps per candidate when measuring (after one warm-up step); the fastest counts.
@@ -40,8 +43,23 @@ _COLLECTIVE = re.compile(
     r"(?P<start>-start)?\("
 )
 _SHAPE = re.compile(r"\b(pred|s8|u8|s16|u16|f16|bf16|s32|u32|f32|s64|u64|f64|c64|c128)\[([\d,]*)\]")
-_DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4,
-                "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16}
+_DTYPE_BYTES = {
+    "pred": 1,
+    "s8": 1,
+    "u8": 1,
+    "s16": 2,
+    "u16": 2,
+    "f16": 2,
+    "bf16": 2,
+    "s32": 4,
+    "u32": 4,
+    "f32": 4,
+    "s64": 8,
+    "u64": 8,
+    "f64": 8,
+    "c64": 8,
+    "c128": 16,
+}
 
 # Rough per-device throughput (flop/s, memory bytes/s, collective bytes/s) by platform, for the
 # estimate only; ``measure=True`` replaces it by real timings.
@@ -80,7 +98,9 @@ def device_memory_limit(devices: Sequence[jax.Device]) -> int:
     return int(host // max(1, len(jax.local_devices())))
 
 
-def estimate_seconds(flops: float, bytes_accessed: float, collective_bytes: float, devices: Sequence[jax.Device]) -> float:
+def estimate_seconds(
+    flops: float, bytes_accessed: float, collective_bytes: float, devices: Sequence[jax.Device]
+) -> float:
     """A roofline estimate of one step: compute or memory time, plus collective time. Fake CPU
     devices share the host's cores, so their work adds up once they outnumber the cores."""
     platform = devices[0].platform
@@ -151,9 +171,7 @@ def analyse(row: PlanRow, compiled) -> PlanRow:
     row.flops = float(cost.get("flops", 0.0))
     row.bytes_accessed = float(cost.get("bytes accessed", 0.0))
     row.collective_bytes, row.collectives = collective_traffic(compiled.as_text())
-    row.estimated_seconds = estimate_seconds(
-        row.flops, row.bytes_accessed, row.collective_bytes, row.strategy.devices
-    )
+    row.estimated_seconds = estimate_seconds(row.flops, row.bytes_accessed, row.collective_bytes, row.strategy.devices)
     row.compiled = compiled
     return row
 
@@ -175,8 +193,10 @@ class MemoryPlan:
         fitting = [r for r in self.rows if r.fits and r is not best]
         kind = "measured" if self.measured else "estimated"
         runner_up = min(fitting, key=lambda r: r.seconds, default=None)
-        versus = "" if runner_up is None else (
-            f"; next {runner_up.name} at {runner_up.seconds / best.seconds:.2f}x its step time"
+        versus = (
+            ""
+            if runner_up is None
+            else (f"; next {runner_up.name} at {runner_up.seconds / best.seconds:.2f}x its step time")
         )
         return (
             f"picked {best.name}: {kind} {best.seconds * 1e3:.3g} ms/step, {_gib(best.total_bytes)} "
@@ -187,7 +207,9 @@ class MemoryPlan:
         """Per device: argument, temporary and total MiB, GFLOP, MiB moved by collectives, and
         the estimated or measured milliseconds of one step; the pick of ``"auto"`` marked."""
         kind = "measured" if self.measured else "estimated"
-        table = Table(title=f"trainkit plan: MiB per device of {self.memory_limit / 2**20:,.0f}; {kind} ms/step; <- auto's pick")
+        table = Table(
+            title=f"trainkit plan: MiB per device of {self.memory_limit / 2**20:,.0f}; {kind} ms/step; <- auto's pick"
+        )
         table.add_column("strategy", no_wrap=True)
         for column in ("args", "temp", "total", "GFLOP", "comm", "ms"):
             table.add_column(column, justify="right", no_wrap=True)
@@ -198,8 +220,14 @@ class MemoryPlan:
                 continue
             verdict = "[bold green]<-[/bold green]" if r.recommended else ("" if r.fits else "[red]too big[/red]")
             table.add_row(
-                r.name, _mib(r.argument_bytes), _mib(r.temp_bytes), _mib(r.total_bytes),
-                _short(r.flops / 1e9), _mib(r.collective_bytes), _short(r.seconds * 1e3), verdict,
+                r.name,
+                _mib(r.argument_bytes),
+                _mib(r.temp_bytes),
+                _mib(r.total_bytes),
+                _short(r.flops / 1e9),
+                _mib(r.collective_bytes),
+                _short(r.seconds * 1e3),
+                verdict,
             )
         return table
 
@@ -288,15 +316,65 @@ def make_plan(
     return MemoryPlan(rows, limit, measure is not None)
 
 
-def time_steps(step: Callable, state, batch, steps: int = MEASURE_STEPS) -> float:
-    """The fastest of ``steps`` calls of ``state, _ = step(state, batch)`` after one warm-up
-    (the minimum: other processes on the machine only ever add time)."""
-    state, metrics = step(state, batch)
-    jax.block_until_ready((state, metrics))
+def plan_step(
+    host_batch: dict,
+    candidates: Sequence[Strategy],
+    *,
+    abstract_state: Any,
+    compile_step: Callable[[Strategy, Any], Callable],
+    create_state: Callable[[Strategy], Any],
+    micro_batches: int = 1,
+    trains: bool = True,
+    measure: bool = False,
+    memory_limit: int | None = None,
+    steps: int = MEASURE_STEPS,
+) -> MemoryPlan:
+    """Lowers and compiles a step on ``host_batch`` (a padded global batch) under each candidate.
+
+    ``compile_step(strategy, abstract_state)`` returns the jitted step (``(state, batch) ->
+    (state, metrics)`` when ``trains``, else ``(state, batch) -> outputs``); the abstract state
+    carries each candidate's shardings, so nothing is allocated unless ``measure``, which builds
+    one state with ``create_state`` and copies it into each candidate's shardings. Each row
+    keeps its jitted step as ``row.function``.
+    """
+    functions = {}
+
+    def lower(strategy: Strategy):
+        check_batch_size(len(host_batch["mask"]), strategy.num_batch_shards, micro_batches=micro_batches)
+        shardings = strategy.state_sharding(abstract_state)
+        abstract = jax.tree.map(
+            lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract_state, shardings
+        )
+        function = functions[id(strategy)] = compile_step(strategy, abstract)
+        return function.lower(abstract, strategy.put_batch(strategy.local_rows(host_batch)))
+
+    host_state = []  # built once (sharded, by the first candidate measured), then copied
+
+    def run(strategy: Strategy, compiled) -> float:
+        if not host_state:
+            host_state.append(distributed.fetch(create_state(strategy)))
+        state = strategy.put_state(host_state[0])
+        return time_steps(compiled, state, strategy.put_batch(strategy.local_rows(host_batch)), steps, trains)
+
+    result = make_plan(candidates, lower, memory_limit=memory_limit, measure=run if measure else None)
+    for row in result.rows:
+        row.function = functions.get(id(row.strategy))
+    return result
+
+
+def time_steps(step: Callable, state, batch, steps: int = MEASURE_STEPS, trains: bool = True) -> float:
+    """The fastest of ``steps`` calls of ``step(state, batch)`` after one warm-up (the minimum:
+    other processes on the machine only ever add time); a training step's state is threaded."""
+
+    def call(state):
+        out = step(state, batch)
+        jax.block_until_ready(out)
+        return out[0] if trains else state
+
+    state = call(state)
     times = []
     for _ in range(steps):
         start = time.perf_counter()
-        state, metrics = step(state, batch)
-        jax.block_until_ready((state, metrics))
+        state = call(state)
         times.append(time.perf_counter() - start)
     return min(times)

@@ -11,14 +11,15 @@ scale, and the scale doubles after ``growth_interval`` finite steps in a row.
 >>> policy.compute_dtype, policy.param_dtype, policy.loss_scale
 (dtype(bfloat16), dtype('float32'), None)
 >>> scale = get_precision("fp16").init_loss_scale()
->>> float(scale.scale), float(scale.adjust(jnp.array(False)).scale)
+>>> float(scale.loss_scale), float(scale.adjust(jnp.array(False)).loss_scale)
 (32768.0, 16384.0)
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import flax.struct
 import jax
@@ -29,28 +30,84 @@ PyTree = Any
 
 
 @flax.struct.dataclass
-class DynamicLossScale:
-    """Loss-scale state kept in ``TrainState.loss_scale`` (and so checkpointed)."""
+class NoLossScale:
+    """No loss scaling (fp32 and bf16): every method is the identity, so the compiled step has
+    no scaling or finiteness work at all."""
 
-    scale: jax.Array
-    good_steps: jax.Array
+    def scale(self, loss: jax.Array) -> jax.Array:
+        return loss
+
+    def unscale(self, grads: PyTree) -> PyTree:
+        return grads
+
+    def guard(self, grads: PyTree, new: PyTree, old: PyTree) -> tuple[PyTree, NoLossScale]:
+        """``(new, self)``: every update is applied."""
+        return new, self
+
+    def metrics(self) -> dict:
+        return {}
+
+
+@flax.struct.dataclass
+class StaticLossScale:
+    """A fixed scale: the loss is multiplied by ``scale`` before differentiation, the gradients
+    divided by it, and a step whose gradients are not finite is skipped."""
+
+    loss_scale: jax.Array
+
+    def scale(self, loss: jax.Array) -> jax.Array:
+        return loss * self.loss_scale.astype(loss.dtype)
+
+    def unscale(self, grads: PyTree) -> PyTree:
+        inverse = 1.0 / self.loss_scale
+        return jax.tree.map(lambda g: (g * inverse).astype(g.dtype), grads)
+
+    def adjust(self, finite: jax.Array) -> StaticLossScale:
+        return self
+
+    def guard(self, grads: PyTree, new: PyTree, old: PyTree) -> tuple[PyTree, StaticLossScale]:
+        """``new`` where every gradient is finite, else ``old`` (the step is skipped); and the
+        next loss scale."""
+        finite = all_finite(grads)
+        chosen = jax.tree.map(lambda a, b: jnp.where(finite, a, b), new, old)
+        return chosen, self.adjust(finite)
+
+    def metrics(self) -> dict:
+        from clu.metrics import LastValue
+
+        return {"loss_scale": LastValue(value=self.loss_scale.astype(jnp.float32))}
+
+
+@flax.struct.dataclass
+class DynamicLossScale(StaticLossScale):
+    """A scale that halves on a non-finite step and doubles after ``growth_interval`` finite
+    steps in a row (the shape of DeepMind's ``jmp.DynamicLossScale``); kept in
+    ``TrainState.loss_scale``, so it is checkpointed."""
+
+    good_steps: jax.Array = None
     growth_interval: int = flax.struct.field(pytree_node=False, default=2000)
     factor: float = flax.struct.field(pytree_node=False, default=2.0)
     min_scale: float = flax.struct.field(pytree_node=False, default=1.0)
-    dynamic: bool = flax.struct.field(pytree_node=False, default=True)
 
-    def adjust(self, finite: jax.Array) -> "DynamicLossScale":
+    def adjust(self, finite: jax.Array) -> DynamicLossScale:
         """The next state: halve on a non-finite step, grow after ``growth_interval`` good ones."""
-        if not self.dynamic:
-            return self
         grow = self.good_steps + 1 >= self.growth_interval
         scale = jnp.where(
             finite,
-            jnp.where(grow, self.scale * self.factor, self.scale),
-            jnp.maximum(self.scale / self.factor, self.min_scale),
+            jnp.where(grow, self.loss_scale * self.factor, self.loss_scale),
+            jnp.maximum(self.loss_scale / self.factor, self.min_scale),
         )
         good_steps = jnp.where(finite & ~grow, self.good_steps + 1, 0)
-        return self.replace(scale=scale.astype(jnp.float32), good_steps=good_steps.astype(jnp.int32))
+        return self.replace(loss_scale=scale.astype(jnp.float32), good_steps=good_steps.astype(jnp.int32))
+
+
+LossScale = NoLossScale | StaticLossScale | DynamicLossScale
+
+
+def all_finite(tree: PyTree) -> jax.Array:
+    """Whether every element of every leaf is finite (a scalar boolean)."""
+    leaves = [jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)]
+    return jnp.stack(leaves).all() if leaves else jnp.array(True)
 
 
 def _floating(x) -> bool:
@@ -89,24 +146,23 @@ class Precision:
                 raise ValueError(f"Precision.{field} must be a floating dtype; received {dtype}.")
             object.__setattr__(self, field, dtype)
         if not (self.loss_scale is None or self.loss_scale == "dynamic" or isinstance(self.loss_scale, (int, float))):
-            raise ValueError(
-                f"loss_scale must be None, 'dynamic' or a number; received {self.loss_scale!r}."
-            )
+            raise ValueError(f"loss_scale must be None, 'dynamic' or a number; received {self.loss_scale!r}.")
 
     @property
     def mixed(self) -> bool:
         return self.compute_dtype != self.param_dtype
 
-    def init_loss_scale(self) -> DynamicLossScale | None:
+    def init_loss_scale(self) -> LossScale:
+        """The loss-scale state a fresh ``TrainState`` starts with."""
         if self.loss_scale is None:
-            return None
-        dynamic = self.loss_scale == "dynamic"
-        return DynamicLossScale(
-            scale=jnp.asarray(self.initial_scale if dynamic else self.loss_scale, jnp.float32),
-            good_steps=jnp.zeros((), jnp.int32),
-            growth_interval=self.growth_interval,
-            dynamic=dynamic,
-        )
+            return NoLossScale()
+        if self.loss_scale == "dynamic":
+            return DynamicLossScale(
+                loss_scale=jnp.asarray(self.initial_scale, jnp.float32),
+                good_steps=jnp.zeros((), jnp.int32),
+                growth_interval=self.growth_interval,
+            )
+        return StaticLossScale(loss_scale=jnp.asarray(self.loss_scale, jnp.float32))
 
     def wrap_apply(self, apply: Callable) -> Callable:
         """``apply`` with parameters and floating inputs cast to the compute dtype and floating
@@ -117,13 +173,17 @@ class Precision:
 
         def cast_apply(params, model_state, x, *, rng, train):
             outputs, new_model_state = apply(
-                cast_floating(params, self.compute_dtype), model_state,
-                cast_floating(x, self.compute_dtype), rng=rng, train=train,
+                cast_floating(params, self.compute_dtype),
+                model_state,
+                cast_floating(x, self.compute_dtype),
+                rng=rng,
+                train=train,
             )
             # model state (batch statistics) keeps its stored dtypes from step to step
             new_model_state = jax.tree.map(
                 lambda new, old: new.astype(old.dtype) if hasattr(old, "dtype") else new,
-                new_model_state, model_state,
+                new_model_state,
+                model_state,
             )
             return cast_floating(outputs, self.output_dtype), new_model_state
 

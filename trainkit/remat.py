@@ -29,7 +29,8 @@ from __future__ import annotations
 
 import dataclasses
 import threading
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import flax.linen as nn
 import jax
@@ -139,7 +140,7 @@ def _interceptor(spec: RematSpec):
             full = [next(it) if d else v for v, d in zip(values, dynamic)]
             _inside.active = True
             try:
-                return mdl(*full[: len(args)], **dict(zip(names, full[len(args):])))
+                return mdl(*full[: len(args)], **dict(zip(names, full[len(args) :])))
             finally:
                 _inside.active = False
 
@@ -150,8 +151,7 @@ def _interceptor(spec: RematSpec):
             unbound = module.clone(parent=None)
 
             def pure(variables, rng, *arrays):
-                return unbound.apply(variables, *arrays, method=call,
-                                     rngs=None if rng is None else {"dropout": rng})
+                return unbound.apply(variables, *arrays, method=call, rngs=None if rng is None else {"dropout": rng})
 
             return recompute_in_backward(pure, spec.policy)(dict(variables), rng, *arrays)
         # submodules with mutable state (batch statistics): Flax's lifted checkpoint

@@ -8,11 +8,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import flax.struct
 import jax
 import jax.numpy as jnp
+
+from trainkit.precision import NoLossScale
 
 PyTree = Any
 Batch = dict[str, Any]
@@ -28,7 +31,8 @@ class TrainState:
         opt_state: the optax optimizer state.
         model_state: non-parameter Flax collections such as ``batch_stats``.
         rng: a raw ``uint32[2]`` PRNG key; each step folds in its step number.
-        loss_scale: the loss-scale state of the precision policy, or ``None``.
+        loss_scale: the loss-scale state of the precision policy
+            (:class:`trainkit.precision.NoLossScale` unless fp16).
     """
 
     step: jax.Array
@@ -36,12 +40,10 @@ class TrainState:
     opt_state: PyTree
     model_state: PyTree
     rng: jax.Array
-    loss_scale: PyTree = None
+    loss_scale: PyTree = dataclasses.field(default_factory=NoLossScale)
 
     @classmethod
-    def create(
-        cls, *, params: PyTree, opt_state: PyTree, model_state: PyTree, seed: int | jax.Array
-    ) -> "TrainState":
+    def create(cls, *, params: PyTree, opt_state: PyTree, model_state: PyTree, seed: int | jax.Array) -> TrainState:
         """A fresh state at step 0 whose rng comes from ``seed``."""
         rng = jax.random.PRNGKey(seed) if isinstance(seed, int) else seed
         return cls(
@@ -50,4 +52,28 @@ class TrainState:
             opt_state=opt_state,
             model_state=model_state,
             rng=rng,
+        )
+
+
+def check_tree_matches(what: str, expected: PyTree, received: PyTree) -> None:
+    """Raises a ``ValueError`` naming every path whose presence or shape differs.
+
+    >>> check_tree_matches("params=", {"w": jnp.zeros(2)}, {"w": jnp.zeros(3)})
+    Traceback (most recent call last):
+    ValueError: params= does not match the model's variables: ['w']: expected shape (2,), received (3,). ...
+    """
+
+    def shapes(tree):
+        return {jax.tree_util.keystr(p): tuple(jnp.shape(v)) for p, v in jax.tree_util.tree_leaves_with_path(tree)}
+
+    exp, got = shapes(expected), shapes(received)
+    problems = [f"missing {k} {v}" for k, v in exp.items() if k not in got]
+    problems += [f"unexpected {k} {v}" for k, v in got.items() if k not in exp]
+    problems += [f"{k}: expected shape {v}, received {got[k]}" for k, v in exp.items() if k in got and got[k] != v]
+    if problems:
+        raise ValueError(
+            f"{what} does not match the model's variables: "
+            + "; ".join(problems[:10])
+            + (f" (and {len(problems) - 10} more)" if len(problems) > 10 else "")
+            + ". Pass variables created by the same model (e.g. from trainer.get_weights())."
         )

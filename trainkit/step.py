@@ -23,8 +23,9 @@ gradient is exactly the single-device gradient.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
 from functools import partial
-from typing import Any, Callable, Mapping
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -32,6 +33,7 @@ import optax
 from clu.metrics import LastValue
 
 from trainkit.metrics import MetricFn, WeightedAverage
+from trainkit.optimizers import learning_rate
 from trainkit.state import Batch, TrainState
 
 LossFn = Callable[..., tuple[jax.Array, tuple[Any, Any]]]
@@ -76,9 +78,7 @@ def _loss_total(row_loss: jax.Array, batch: Batch) -> jax.Array:
     return jnp.where(batch["mask"] > 0, row_loss * _row_weights(batch), 0).sum()
 
 
-def _batch_metrics(
-    metric_fns: Mapping[str, MetricFn], predictions, batch: Batch, loss_total
-) -> Metrics:
+def _batch_metrics(metric_fns: Mapping[str, MetricFn], predictions, batch: Batch, loss_total) -> Metrics:
     """Masked totals and counts of one (device-local) batch; sum them across devices."""
     mask = batch["mask"]
     weights = _row_weights(batch)
@@ -98,20 +98,6 @@ def _microbatches(batch: Batch, k: int) -> Batch:
     return jax.tree.map(lambda a: jnp.swapaxes(a.reshape((a.shape[0] // k, k) + a.shape[1:]), 0, 1), batch)
 
 
-def learning_rate(opt_state) -> jax.Array | None:
-    """The current learning rate when the optimizer exposes it (``optax.inject_hyperparams``)."""
-    is_injected = lambda n: isinstance(getattr(n, "hyperparams", None), dict)  # noqa: E731
-    for node in jax.tree.leaves(opt_state, is_leaf=is_injected):
-        if is_injected(node) and "learning_rate" in node.hyperparams:
-            return node.hyperparams["learning_rate"]
-    return None
-
-
-def _all_finite(tree) -> jax.Array:
-    leaves = [jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)]
-    return jnp.stack(leaves).all() if leaves else jnp.array(True)
-
-
 def make_train_step(
     compute_loss: LossFn,
     tx: optax.GradientTransformation,
@@ -119,25 +105,24 @@ def make_train_step(
     axis_name: str | None = None,
     *,
     grad_accum_steps: int = 1,
-    log_grad_norm: bool = True,
+    log_grad_norm: bool = False,
 ) -> Callable[[TrainState, Batch], tuple[TrainState, Metrics]]:
     """The pure training step; ``axis_name`` names the device axis under ``pmap``/``shard_map``.
 
     With ``grad_accum_steps=k`` the (per-device) batch is split into ``k`` micro-batches
     that run one after another inside the step (a ``lax.scan``): peak activation memory falls
-    by about ``k`` while the update equals the update on the whole batch. When
-    ``state.loss_scale`` is set, the loss is scaled before differentiation, the gradients
-    unscaled, and a step with non-finite gradients leaves the state unchanged (but for
-    ``step``, ``loss_scale`` and the rng).
+    by about ``k`` while the update equals the update on the whole batch. ``state.loss_scale``
+    (a :mod:`trainkit.precision` loss scale) scales the loss before differentiation, unscales
+    the gradients and decides whether the update is applied: with a static or dynamic scale, a
+    step with non-finite gradients leaves the state unchanged (but for ``step``, the scale and
+    the rng) and its metrics count nothing.
     """
 
-    def micro_step(params, model_state, batch, rng, batch_rows, scale):
+    def micro_step(params, model_state, batch, rng, batch_rows, loss_scale):
         def objective(params):
-            loss, (predictions, new_model_state) = compute_loss(
-                params, batch, rng, model_state=model_state, train=True
-            )
+            loss, (predictions, new_model_state) = compute_loss(params, batch, rng, model_state=model_state, train=True)
             total = _loss_total(_rows(loss, batch["mask"].shape[0]), batch)
-            return total / batch_rows * scale, (total, predictions, new_model_state)
+            return loss_scale.scale(total / batch_rows), (total, predictions, new_model_state)
 
         grads, (total, predictions, model_state) = jax.grad(objective, has_aux=True)(params)
         return grads, model_state, _batch_metrics(metric_fns, predictions, batch, total)
@@ -151,57 +136,57 @@ def make_train_step(
             # rescale by static / real rows after the one all-reduce: the exact gradient of the
             # mean over the real rows, with no collective before the forward pass.
             batch_rows = batch["mask"].shape[0] * jax.lax.psum(1, axis_name)
-        scale = 1.0 if state.loss_scale is None else state.loss_scale.scale
+        loss_scale = state.loss_scale
         if grad_accum_steps == 1:
             grads, model_state, metrics = micro_step(
-                state.params, state.model_state, batch, rng, batch_rows, scale
+                state.params, state.model_state, batch, rng, batch_rows, loss_scale
             )
         else:
+
             def body(carry, inputs):
                 grads, model_state, metrics = carry
                 index, micro = inputs
                 g, model_state, m = micro_step(
-                    state.params, model_state, micro, jax.random.fold_in(rng, index), batch_rows, scale
+                    state.params, model_state, micro, jax.random.fold_in(rng, index), batch_rows, loss_scale
                 )
                 return (jax.tree.map(jnp.add, grads, g), model_state, jax.tree.map(jnp.add, metrics, m)), None
 
             micro = _microbatches(batch, grad_accum_steps)
             first = jax.tree.map(lambda a: a[0], micro)
-            zeros = jax.eval_shape(micro_step, state.params, state.model_state, first, rng, batch_rows, scale)
+            zeros = jax.eval_shape(micro_step, state.params, state.model_state, first, rng, batch_rows, loss_scale)
             zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), (zeros[0], zeros[2]))
             (grads, model_state, metrics), _ = jax.lax.scan(
-                body, (zeros[0], state.model_state, zeros[1]),
+                body,
+                (zeros[0], state.model_state, zeros[1]),
                 (jnp.arange(grad_accum_steps), micro),
             )
         grads, metrics = _psum((grads, metrics), axis_name)  # one all-reduce
         if axis_name is not None:
             model_state = jax.tree.map(partial(_pmean_floats, axis_name=axis_name), model_state)
-        if axis_name is not None or state.loss_scale is not None:
-            real_rows = batch_rows if axis_name is None else metrics["loss"].count
-            factor = batch_rows / real_rows / scale  # static rows / real rows (pmap); unscaled
+            factor = batch_rows / metrics["loss"].count  # static rows / real rows
             grads = jax.tree.map(lambda g: (g * factor).astype(g.dtype), grads)
+        grads = loss_scale.unscale(grads)
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
-        loss_scale = state.loss_scale
-        if loss_scale is not None:
-            finite = _all_finite(grads)
-            keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(finite, a, b), new, old)  # noqa: E731
-            params, opt_state = keep(params, state.params), keep(opt_state, state.opt_state)
-            model_state = keep(model_state, state.model_state)
-            loss_scale = loss_scale.adjust(finite)
+        skipped = jax.tree.map(jnp.zeros_like, metrics)  # a skipped step's loss is not an observation
+        (params, opt_state, model_state, metrics), loss_scale = loss_scale.guard(
+            grads,
+            new=(params, opt_state, model_state, metrics),
+            old=(state.params, state.opt_state, state.model_state, skipped),
+        )
         new_state = state.replace(
-            step=state.step + 1, params=params, opt_state=opt_state, model_state=model_state,
+            step=state.step + 1,
+            params=params,
+            opt_state=opt_state,
+            model_state=model_state,
             loss_scale=loss_scale,
         )
-        if loss_scale is not None:  # a skipped step's (overflowed) loss is not an observation
-            metrics = jax.tree.map(lambda v: jnp.where(finite, v, jnp.zeros_like(v)), metrics)
         if log_grad_norm:  # one more pass over the gradients (free when clipping by norm)
             metrics["grad_norm"] = LastValue(value=optax.tree.norm(grads))
         rate = learning_rate(opt_state)
         if rate is not None:
             metrics["learning_rate"] = LastValue(value=jnp.asarray(rate, jnp.float32))
-        if loss_scale is not None:
-            metrics["loss_scale"] = LastValue(value=loss_scale.scale)
+        metrics.update(loss_scale.metrics())
         return new_state, metrics
 
     return train_step
@@ -228,9 +213,7 @@ def make_predict_step(
     """The model's outputs for a batch, in inference mode (padded rows included)."""
 
     def predict_step(state: TrainState, batch: Batch):
-        outputs, _ = apply(
-            state.params, state.model_state, batch["x"], rng=state.rng, train=False
-        )
+        outputs, _ = apply(state.params, state.model_state, batch["x"], rng=state.rng, train=False)
         return outputs
 
     return predict_step

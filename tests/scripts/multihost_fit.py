@@ -49,22 +49,29 @@ def main():
     seed = args.seed + (jax.process_index() if args.seed_by_process else 0)
     results = {}
     for name in args.strategies.split(","):
-        trainer = tk.Trainer(Net(), loss="sparse_categorical_crossentropy", optimizer=optax.adam(0.01),
-                             metrics=["accuracy"], strategy=strategies[name](), seed=seed)
+        trainer = tk.Trainer(
+            Net(),
+            loss="sparse_categorical_crossentropy",
+            optimizer=optax.adam(0.01),
+            metrics=["accuracy"],
+            strategy=strategies[name](),
+            seed=seed,
+        )
         callbacks = []
         if args.die_at_step:
+
             def die(batch, logs=None):
-                if jax.process_index() == 1 and trainer.global_step >= args.die_at_step:
+                if jax.process_index() == 1 and trainer.global_step >= args.die_at_step:  # noqa: B023
                     print("process 1 dies now", flush=True)
                     os.kill(os.getpid(), 9)
+
             callbacks.append(tk.callbacks.LambdaCallback(on_train_batch_begin=die))
         if args.load:
             trainer.init((x, y))
             trainer.load(args.load)
             trainer.fit((x, y), batch_size=16, epochs=3, initial_epoch=2, verbose=1)
         else:
-            history = trainer.fit((x, y), batch_size=16, epochs=2 if args.save else 3, verbose=1,
-                                  callbacks=callbacks)
+            history = trainer.fit((x, y), batch_size=16, epochs=2 if args.save else 3, verbose=1, callbacks=callbacks)
             results[f"{name}/loss"] = np.asarray(history.history["loss"])
         if args.save:
             trainer.save(args.save)

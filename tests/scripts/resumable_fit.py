@@ -44,12 +44,21 @@ def main():
     rng = np.random.default_rng(0)
     x = rng.normal(size=(200, 5)).astype(np.float32)
     y = ((x[:, 0] > 0).astype(np.int32) + (x[:, 1] > 0.5)).astype(np.int32)
-    trainer = tk.Trainer(Net(args.width), loss="sparse_categorical_crossentropy", optimizer=optax.adam(1e-2),
-                         strategy=tk.DataParallel() if args.strategy == "dp" else tk.FSDP(min_shard_size=16),
-                         seed=1)
+    trainer = tk.Trainer(
+        Net(args.width),
+        loss="sparse_categorical_crossentropy",
+        optimizer=optax.adam(1e-2),
+        strategy=tk.DataParallel() if args.strategy == "dp" else tk.FSDP(min_shard_size=16),
+        seed=1,
+    )
     slow = tk.callbacks.LambdaCallback(on_train_batch_begin=lambda batch, logs=None: time.sleep(args.sleep))
-    trainer.fit((x, y), epochs=4, batch_size=16, verbose=0,
-                callbacks=[tk.callbacks.BackupAndRestore(args.backup, every_n_steps=args.every), slow])
+    trainer.fit(
+        (x, y),
+        epochs=4,
+        batch_size=16,
+        verbose=0,
+        callbacks=[tk.callbacks.BackupAndRestore(args.backup, save_freq=args.every), slow],
+    )
     flat = {jax.tree_util.keystr(p): np.asarray(v) for p, v in jax.tree_util.tree_leaves_with_path(trainer.params)}
     np.savez(args.out, step=int(trainer.state.step), **flat)
     print(f"finished at step {int(trainer.state.step)}", flush=True)

@@ -1,22 +1,31 @@
-"""Callbacks: Keras-named hooks for logging, early stopping and user plugins."""
+"""Callbacks with Keras 3's names, arguments and hook order, plus trainkit's own."""
 
-from trainkit.callbacks.base import Callback, CallbackList, Monitor
-from trainkit.callbacks.checkpoint import BackupAndRestore, ModelCheckpoint
+from trainkit.callbacks.backup_and_restore import BackupAndRestore
+from trainkit.callbacks.base import Callback, CallbackList, MonitorCallback
+from trainkit.callbacks.csv_logger import CSVLogger
 from trainkit.callbacks.early_stopping import EarlyStopping
 from trainkit.callbacks.history import History
-from trainkit.callbacks.logging import CSVLogger, LambdaCallback, TerminateOnNaN
-from trainkit.callbacks.progress import ProgressBar
+from trainkit.callbacks.lambda_callback import LambdaCallback
+from trainkit.callbacks.learning_rate import LearningRateScheduler, ReduceLROnPlateau
+from trainkit.callbacks.model_checkpoint import ModelCheckpoint
+from trainkit.callbacks.progress import ProgbarLogger, ProgressBar
+from trainkit.callbacks.swap_ema_weights import SwapEMAWeights
+from trainkit.callbacks.terminate_on_nan import TerminateOnNaN
 
 __all__ = [
     "Callback",
     "CallbackList",
-    "Monitor",
+    "MonitorCallback",
     "History",
     "ProgressBar",
+    "ProgbarLogger",
     "EarlyStopping",
     "CSVLogger",
     "TerminateOnNaN",
     "LambdaCallback",
     "ModelCheckpoint",
     "BackupAndRestore",
+    "ReduceLROnPlateau",
+    "LearningRateScheduler",
+    "SwapEMAWeights",
 ]

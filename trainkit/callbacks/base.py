@@ -1,4 +1,11 @@
-"""``Callback``: Keras-named hooks run on the host; ``CallbackList`` dispatches them.
+"""``Callback``: Keras 3's hooks, arguments and attributes; ``CallbackList`` dispatches them.
+
+Code written for Keras 3 callbacks runs unchanged: every hook takes ``logs``; ``self.model``
+(the :class:`trainkit.Trainer`, also ``self.trainer``) has ``stop_training``, ``get_weights``,
+``set_weights`` and ``save``; ``self.params`` holds ``verbose``, ``epochs`` and ``steps``.
+trainkit adds ``self.trainer.loop`` (the position, the :class:`~trainkit.loop.StepRecord` of
+the batch a hook is about, ``resume_at`` / ``request_stop`` / ``preempt``) and
+``on_exception(error)``, called instead of ``on_train_end`` when ``fit`` raises.
 
 >>> class CountEpochs(Callback):
 ...     def __init__(self):
@@ -8,16 +15,19 @@
 >>> callbacks = CallbackList([CountEpochs()], trainer=None)
 >>> callbacks.on_epoch_end(0, {"loss": 1.0}); callbacks.callbacks[0].epochs
 1
+>>> callbacks.async_train   # no batch-level hook: the loop may run ahead
+True
 """
 
 from __future__ import annotations
 
-import math
 import warnings
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
-Logs = dict[str, float]
+Logs = dict[str, Any]
 
+#: Every hook, with the aliases ``on_batch_begin`` / ``on_batch_end`` of the train-batch hooks.
 HOOKS = (
     "on_train_begin",
     "on_train_end",
@@ -27,70 +37,168 @@ HOOKS = (
     "on_train_batch_end",
     "on_test_begin",
     "on_test_end",
+    "on_test_batch_begin",
+    "on_test_batch_end",
     "on_predict_begin",
     "on_predict_end",
+    "on_predict_batch_begin",
+    "on_predict_batch_end",
+    "on_exception",
 )
+_ALIASES = {"on_train_batch_begin": "on_batch_begin", "on_train_batch_end": "on_batch_end"}
+_BATCH_END = {
+    "train": ("on_train_batch_end", "on_batch_end"),
+    "test": ("on_test_batch_end",),
+    "predict": ("on_predict_batch_end",),
+}
 
 
 class Callback:
-    """Base class: override any hook. ``self.trainer`` is set before training starts; set
-    ``self.trainer.stop_training = True`` to stop after the current step.
+    """Base class: override any hook (Keras 3's names and arguments).
 
-    ``on_train_batch_end(batch, logs)`` receives the batch index inside the epoch and the
-    running epoch means; trainkit calls it a step or two late, when that step's metrics have
-    arrived, so the device is never blocked to serve a callback.
+    Attributes set before the first hook:
+        model, trainer: the :class:`trainkit.Trainer` (one object, two names).
+        params: ``{"verbose": ..., "epochs": ..., "steps": ...}`` of the running call.
+
+    ``async_safe``: at ``on_train_batch_end(i)`` the trainer's state is the state after batch
+    ``i``, and ``self.model.stop_training = True`` stops before batch ``i + 1``: the loop waits
+    for each batch. A callback whose batch-end hook needs neither sets ``async_safe = True``
+    (Keras's flag); when every batch-level callback does, the loop runs a few steps ahead and
+    the hook sees the metrics of batch ``i`` a little later.
     """
 
     trainer: Any = None
+    params: dict | None = None
+    async_safe: bool = False
+
+    @property
+    def model(self) -> Any:
+        """Keras's name for :attr:`trainer`."""
+        return self.trainer
+
+    @model.setter
+    def model(self, value: Any) -> None:
+        self.trainer = value
+
+    def set_model(self, model: Any) -> None:
+        self.trainer = model
 
     def set_trainer(self, trainer: Any) -> None:
         self.trainer = trainer
+
+    def set_params(self, params: dict | None) -> None:
+        self.params = params
 
     def on_train_begin(self, logs: Logs | None = None) -> None: ...
     def on_train_end(self, logs: Logs | None = None) -> None: ...
     def on_epoch_begin(self, epoch: int, logs: Logs | None = None) -> None: ...
     def on_epoch_end(self, epoch: int, logs: Logs | None = None) -> None: ...
-    def on_train_batch_begin(self, batch: int, logs: Logs | None = None) -> None: ...
-    def on_train_batch_end(self, batch: int, logs: Logs | None = None) -> None: ...
+    def on_batch_begin(self, batch: int, logs: Logs | None = None) -> None:
+        """Alias of ``on_train_batch_begin``, as in Keras."""
+
+    def on_batch_end(self, batch: int, logs: Logs | None = None) -> None:
+        """Alias of ``on_train_batch_end``, as in Keras."""
+
+    def on_train_batch_begin(self, batch: int, logs: Logs | None = None) -> None:
+        self.on_batch_begin(batch, logs=logs)
+
+    def on_train_batch_end(self, batch: int, logs: Logs | None = None) -> None:
+        self.on_batch_end(batch, logs=logs)
+
     def on_test_begin(self, logs: Logs | None = None) -> None: ...
     def on_test_end(self, logs: Logs | None = None) -> None: ...
+    def on_test_batch_begin(self, batch: int, logs: Logs | None = None) -> None: ...
+    def on_test_batch_end(self, batch: int, logs: Logs | None = None) -> None: ...
     def on_predict_begin(self, logs: Logs | None = None) -> None: ...
     def on_predict_end(self, logs: Logs | None = None) -> None: ...
+    def on_predict_batch_begin(self, batch: int, logs: Logs | None = None) -> None: ...
+    def on_predict_batch_end(self, batch: int, logs: Logs | None = None) -> None: ...
+
+    def on_exception(self, exception: BaseException) -> None:
+        """trainkit's hook for a ``fit`` that raises (``on_train_end`` is not called, as in
+        Keras): release what ``on_train_begin`` took (files, signal handlers, pending writes)."""
+
+
+def overrides(callback: Callback, hook: str) -> bool:
+    """Whether ``callback`` implements ``hook`` itself (a method or an instance attribute)."""
+    fn = getattr(callback, hook)
+    return getattr(fn, "__func__", fn) is not getattr(Callback, hook)
+
+
+def _keras_logs(logs: Logs | None) -> Logs:
+    """A fresh dict with sorted keys, as Keras's ``pythonify_logs`` passes: every callback of one
+    hook call sees the same dict, so one may add a key (e.g. ``learning_rate``) for the next."""
+    return dict(sorted((logs or {}).items()))
 
 
 class CallbackList:
-    """Calls each hook on the callbacks that override it (no per-step cost for the others)."""
+    """Calls each hook on the callbacks that implement it, in list order, with Keras's arguments.
 
-    def __init__(self, callbacks: Iterable[Callback], trainer: Any):
+    ``async_train`` / ``async_test`` / ``async_predict``: whether every callback implementing a
+    batch-end hook of that kind is ``async_safe`` (then the loop may run ahead of the hooks).
+    Each dispatcher has ``active``: ``False`` when no callback implements the hook, so the
+    loop skips building its arguments.
+    """
+
+    def __init__(self, callbacks: Iterable[Callback], trainer: Any, params: dict | None = None):
         self.callbacks = list(callbacks)
         for callback in self.callbacks:
             if not isinstance(callback, Callback):
                 raise TypeError(
-                    f"Callbacks must subclass trainkit.callbacks.Callback; received "
-                    f"{type(callback).__name__}."
+                    f"Callbacks must subclass trainkit.callbacks.Callback; received {type(callback).__name__}. "
+                    "A Keras callback's code runs unchanged once its class derives from tk.callbacks.Callback."
                 )
-            callback.set_trainer(trainer)
+            callback.set_model(trainer)
+            if params is not None:
+                callback.set_params(params)
+        for kind, hooks in _BATCH_END.items():
+            blocking = [
+                c for c in self.callbacks if not getattr(c, "async_safe", False) and any(overrides(c, h) for h in hooks)
+            ]
+            setattr(self, f"async_{kind}", not blocking)
         for hook in HOOKS:
-            bound = [getattr(c, hook) for c in self.callbacks if _overrides(c, hook)]
-            setattr(self, hook, self._dispatcher(bound))
+            alias = _ALIASES.get(hook)
+            bound = [
+                getattr(c, hook)
+                for c in self.callbacks
+                if overrides(c, hook) or (alias is not None and overrides(c, alias))
+            ]
+            setattr(self, hook, self._dispatcher(hook, bound))
 
     @staticmethod
-    def _dispatcher(bound):
-        def call(*args):
-            for fn in bound:
-                fn(*args)
+    def _dispatcher(hook: str, bound: list):
+        if hook == "on_exception":
+
+            def call(exception):
+                for fn in bound:
+                    try:
+                        fn(exception)
+                    except Exception as error:  # noqa: BLE001 - the original error matters more
+                        warnings.warn(f"{hook} of {fn} raised {error!r} while handling {exception!r}", stacklevel=2)
+        elif hook.endswith(
+            ("_train_begin", "_test_begin", "_predict_begin", "_train_end", "_test_end", "_predict_end")
+        ):
+
+            def call(logs=None):
+                logs = _keras_logs(logs)
+                for fn in bound:
+                    fn(logs)
+        else:
+
+            def call(index, logs=None):
+                logs = _keras_logs(logs)
+                for fn in bound:
+                    fn(index, logs)
 
         call.active = bool(bound)  # type: ignore[attr-defined]
         return call
 
 
-def _overrides(callback: Callback, hook: str) -> bool:
-    fn = getattr(callback, hook)
-    return getattr(fn, "__func__", fn) is not getattr(Callback, hook)
-
-
 def resolve_mode(monitor: str, mode: str) -> str:
-    """``"min"`` or ``"max"``; ``"auto"`` means max for accuracy-like names, else min."""
+    """``"min"`` or ``"max"``; ``"auto"`` means max for accuracy-like names, else min.
+
+    Keras warns on an unknown ``mode`` and falls back to ``"auto"``; trainkit raises, since a
+    misspelt mode would silently watch the wrong direction."""
     if mode not in ("auto", "min", "max"):
         raise ValueError(f"mode must be 'auto', 'min' or 'max'; received {mode!r}.")
     if mode != "auto":
@@ -99,36 +207,35 @@ def resolve_mode(monitor: str, mode: str) -> str:
     return "max" if any(k in name for k in ("acc", "auc", "precision", "recall", "f1")) else "min"
 
 
-class Monitor:
-    """Tracks the best value of one logged quantity (shared by early stopping and checkpoints)."""
+class MonitorCallback(Callback):
+    """Base of callbacks that watch one logged quantity (Keras's ``MonitorCallback``): ``best``
+    starts at ``baseline`` (``None``: the first value is an improvement), and a value improves
+    on a reference by more than ``min_delta`` in the direction of ``mode``."""
 
-    def __init__(self, monitor: str, mode: str = "auto", min_delta: float = 0.0):
+    def __init__(
+        self, monitor: str = "val_loss", mode: str = "auto", baseline: float | None = None, min_delta: float = 0.0
+    ):
         self.monitor = monitor
         self.mode = resolve_mode(monitor, mode)
+        self.best = baseline
         self.min_delta = abs(min_delta)
-        self.best = math.inf if self.mode == "min" else -math.inf
 
-    def value(self, logs: Logs | None, who: str) -> float | None:
+    def _is_improvement(self, value: float, reference: float | None) -> bool:
+        if reference is None:
+            return True
+        if self.mode == "min":
+            return value + self.min_delta < reference
+        return value - self.min_delta > reference
+
+    def get_monitor_value(self, logs: Logs | None) -> float | None:
+        """The monitored value, or ``None`` with a warning naming the logged quantities."""
         logs = logs or {}
         if self.monitor not in logs:
             warnings.warn(
-                f"{who} monitors {self.monitor!r}, which is not among the logged metrics: "
+                f"{type(self).__name__} monitors {self.monitor!r}, which is not among the logged metrics: "
                 f"{', '.join(sorted(logs)) or '(none)'}. Pass one of these as monitor= "
                 "(validation metrics need validation_data).",
                 stacklevel=3,
             )
             return None
         return float(logs[self.monitor])
-
-    def improved(self, value: float) -> bool:
-        """Whether ``value`` beats the best by more than ``min_delta`` (and records it)."""
-        if math.isnan(value):
-            return False
-        better = (
-            value < self.best - self.min_delta
-            if self.mode == "min"
-            else value > self.best + self.min_delta
-        )
-        if better:
-            self.best = value
-        return better

@@ -13,12 +13,12 @@ from trainkit.callbacks.base import Callback, Logs
 
 class History(Callback):
     """Keras-compatible: ``history.history[name]`` lists one value per epoch; ``epoch`` lists
-    the epoch indices; ``params`` holds ``epochs``, ``steps`` and ``verbose``."""
+    the epoch indices; ``params`` holds ``epochs``, ``steps`` and ``verbose``. ``fit`` adds it
+    after the user's callbacks (as Keras does), so keys they add to the epoch logs are kept."""
 
     def __init__(self):
         self.history: dict[str, list[float]] = {}
         self.epoch: list[int] = []
-        self.params: dict = {}
 
     def on_train_begin(self, logs: Logs | None = None) -> None:
         self.history, self.epoch = {}, []

@@ -1,13 +1,13 @@
 """``ProgressBar``: a rich progress bar per epoch with ETA, steps/s and running metrics.
 
 >>> bar = ProgressBar(verbose=0)   # verbose=0 prints nothing
+>>> bar.set_params({"verbose": 1, "epochs": 2, "steps": 4})
 >>> bar.on_train_begin(); bar.on_epoch_begin(0); bar.on_epoch_end(0, {"loss": 1.0})
 """
 
 from __future__ import annotations
 
 from rich.console import Console
-from rich.table import Column
 from rich.progress import (
     BarColumn,
     MofNCompleteColumn,
@@ -16,6 +16,7 @@ from rich.progress import (
     TimeElapsedColumn,
     TimeRemainingColumn,
 )
+from rich.table import Column
 from rich.text import Text
 
 from trainkit.callbacks.base import Callback, Logs
@@ -36,24 +37,34 @@ class _Rate(TextColumn):
 
 class ProgressBar(Callback):
     """Shown by ``fit`` when ``verbose=1`` (the default). ``verbose=2`` prints one line per
-    epoch instead of a live bar; ``verbose=0`` prints nothing.
+    epoch instead of a live bar; ``verbose=0`` prints nothing. ``ProgbarLogger`` is its Keras
+    name; like Keras's, it takes ``verbose`` from ``fit`` when not given.
 
     Args:
-        verbose: 0, 1 or 2 as in Keras.
+        verbose: 0, 1 or 2 as in Keras (``None``: ``fit``'s ``verbose``).
         console: a ``rich.console.Console`` to draw on (stdout by default).
     """
 
-    def __init__(self, verbose: int = 1, console: Console | None = None):
+    async_safe = True  # it only draws the logs it is given
+
+    def __init__(self, verbose: int | None = None, console: Console | None = None):
         self.verbose = verbose
         self.console = console
         self._progress: Progress | None = None
         self._task = None
         self._epochs: int | None = None
+        self._steps: int | None = None
+
+    def set_params(self, params: dict | None) -> None:
+        super().set_params(params)
+        params = params or {}
+        if self.verbose is None:
+            self.verbose = 1 if params.get("verbose", 1) == "auto" else int(params.get("verbose", 1))
+        self._epochs, self._steps = params.get("epochs"), params.get("steps")
 
     def on_train_begin(self, logs: Logs | None = None) -> None:
         if self.verbose:
             self.console = self.console or Console()
-            self._epochs = getattr(self.trainer, "epochs", None)
 
     def _describe(self, epoch: int) -> str:
         return f"Epoch {epoch + 1}/{self._epochs}" if self._epochs else f"Epoch {epoch + 1}"
@@ -70,12 +81,11 @@ class ProgressBar(Callback):
             TextColumn("eta"),
             TimeRemainingColumn(),
             _Rate(),
-            TextColumn("{task.fields[metrics]}", markup=False,
-                       table_column=Column(no_wrap=True, overflow="ellipsis")),
+            TextColumn("{task.fields[metrics]}", markup=False, table_column=Column(no_wrap=True, overflow="ellipsis")),
             console=self.console,
             refresh_per_second=8,
         )
-        total = getattr(self.trainer, "steps_per_epoch", None)
+        total = self._steps
         self._task = self._progress.add_task(self._describe(epoch), total=total, metrics="")
         self._progress.start()
 
@@ -97,3 +107,10 @@ class ProgressBar(Callback):
         if self._progress is not None:  # stopped mid-epoch
             self._progress.stop()
             self._progress = None
+
+    def on_exception(self, exception: BaseException) -> None:
+        self.on_train_end()
+
+
+#: Keras's name for the progress bar.
+ProgbarLogger = ProgressBar

@@ -1,32 +1,34 @@
-"""``Every``: the one helper that decides "every N steps / every N epochs" for callbacks.
+"""``save_freq``: the one helper that validates Keras's ``"epoch"`` or a number of batches and
+decides when a step-based save is due.
 
->>> every = Every(steps=3)
+>>> every = SaveFrequency(3)
 >>> [every.step_due(s) for s in range(0, 8)]
 [False, False, False, True, False, False, True, False]
->>> Every(epochs=2).epoch_due(1), Every(epochs=2).epoch_due(2)
+>>> SaveFrequency("epoch").per_epoch, SaveFrequency("epoch").step_due(3)
 (True, False)
 """
 
 from __future__ import annotations
 
 
-class Every:
-    """Fires every ``steps`` optimizer steps and/or at the end of every ``epochs``-th epoch.
+class SaveFrequency:
+    """``"epoch"`` (at every epoch end) or a positive number of batches.
 
-    Steps are global optimizer steps: a step trigger fires at multiples of ``steps``, so a
-    run resumed from a checkpoint fires where the uninterrupted run did. Check it where the
-    live state *is* that step (``on_train_batch_begin``: the steps done before the next batch).
+    A step trigger fires at multiples of the global optimizer step, so a run resumed from a
+    checkpoint fires where the uninterrupted run did.
     """
 
-    def __init__(self, steps: int | None = None, epochs: int | None = None):
-        for name, value in (("steps", steps), ("epochs", epochs)):
-            if value is not None and (not isinstance(value, int) or value < 1):
-                raise ValueError(f"every_n_{name} must be a positive integer or None; received {value!r}.")
-        self.steps, self.epochs = steps, epochs
+    def __init__(self, save_freq: str | int, who: str = "save_freq"):
+        if save_freq != "epoch" and (isinstance(save_freq, bool) or not isinstance(save_freq, int) or save_freq < 1):
+            raise ValueError(
+                f"Unrecognized save_freq: {save_freq!r}. Expected save_freq are 'epoch' or a positive integer "
+                f"(a number of batches) for {who}."
+            )
+        self.value = save_freq
+
+    @property
+    def per_epoch(self) -> bool:
+        return self.value == "epoch"
 
     def step_due(self, step: int) -> bool:
-        return self.steps is not None and step > 0 and step % self.steps == 0
-
-    def epoch_due(self, epoch: int) -> bool:
-        """``epoch`` counts from 0: the end of epoch ``epoch``."""
-        return self.epochs is not None and (epoch + 1) % self.epochs == 0
+        return not self.per_epoch and step > 0 and step % self.value == 0

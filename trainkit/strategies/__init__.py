@@ -12,26 +12,36 @@ from trainkit.strategies.hybrid import Hybrid
 from trainkit.strategies.sharded import ShardedStrategy, SingleDevice
 
 __all__ = [
-    "Auto", "Strategy", "ShardedStrategy", "SingleDevice", "DataParallel", "FSDP", "Hybrid", "make_mesh",
+    "Auto",
+    "Strategy",
+    "ShardedStrategy",
+    "SingleDevice",
+    "DataParallel",
+    "FSDP",
+    "Hybrid",
+    "make_mesh",
     "resolve_strategy",
 ]
 
 _NAMES = {
-    "single": SingleDevice, "single_device": SingleDevice, "data_parallel": DataParallel,
-    "dp": DataParallel, "fsdp": FSDP,
+    "single": SingleDevice,
+    "single_device": SingleDevice,
+    "data_parallel": DataParallel,
+    "dp": DataParallel,
+    "fsdp": FSDP,
 }
 
 
-def resolve_strategy(strategy: "str | Strategy") -> Strategy:
+def resolve_strategy(strategy: str | Strategy | Auto) -> Strategy | Auto:
     """A strategy object from an instance, a name, or ``"auto"``.
 
-    ``"auto"`` is :class:`SingleDevice` on one local device, else :class:`Auto` (resolved by
-    the Trainer from its compiled plan).
+    ``"auto"`` is :class:`SingleDevice` on one device, else an :class:`Auto` choice that the
+    Trainer makes from its compiled plan when it first sees data.
 
     >>> isinstance(resolve_strategy("single"), SingleDevice)
     True
     """
-    if isinstance(strategy, Strategy):
+    if isinstance(strategy, (Strategy, Auto)):
         return strategy
     if strategy == "auto":
         return Auto() if jax.device_count() > 1 else SingleDevice()

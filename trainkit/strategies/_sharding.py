@@ -18,7 +18,8 @@ from __future__ import annotations
 
 import math
 import re
-from typing import Any, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import jax
 from jax.sharding import PartitionSpec
@@ -149,7 +150,13 @@ def partition_specs(
     """A ``PartitionSpec`` for every array leaf of ``tree`` (arrays or ``ShapeDtypeStruct``s)."""
 
     def spec(path, leaf):
-        return leaf_spec(leaf_name(path), tuple(getattr(leaf, "shape", ())), axis_sizes,
-                         fsdp_axis=fsdp_axis, min_shard_size=min_shard_size, rules=rules)
+        return leaf_spec(
+            leaf_name(path),
+            tuple(getattr(leaf, "shape", ())),
+            axis_sizes,
+            fsdp_axis=fsdp_axis,
+            min_shard_size=min_shard_size,
+            rules=rules,
+        )
 
     return jax.tree_util.tree_map_with_path(spec, tree)

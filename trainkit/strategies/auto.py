@@ -12,13 +12,15 @@ fits, logging what it picked and why (see :meth:`trainkit.Trainer.plan`).
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 from trainkit.strategies.base import Strategy
 
 
-class Auto(Strategy):
-    """Placeholder replaced by the Trainer with the strategy its plan recommends.
+class Auto:
+    """How to choose a strategy; not a strategy itself. The Trainer turns it into the plan's
+    recommended strategy before anything is compiled or placed (``trainer.strategy`` is
+    ``None`` until then).
 
     Args:
         memory_limit: bytes one device may use (default: the accelerator's limit, or on CPU
@@ -30,18 +32,12 @@ class Auto(Strategy):
             and the data x fsdp Hybrid shapes of the local devices).
     """
 
-    def __init__(self, memory_limit: int | None = None, measure: bool = True,
-                 candidates: Sequence[Strategy] | None = None):
+    def __init__(
+        self, memory_limit: int | None = None, measure: bool = True, candidates: Sequence[Strategy] | None = None
+    ):
         self.memory_limit = memory_limit
         self.measure = bool(measure)
         self.candidates = None if candidates is None else list(candidates)
 
-    @property
-    def mesh(self):
-        raise RuntimeError(
-            "Auto has no mesh until it is resolved: the Trainer replaces it with a real strategy "
-            "at the first fit(), evaluate(), predict() or init()."
-        )
-
     def describe(self) -> str:
-        return "Auto(unresolved)"
+        return f"Auto(memory_limit={self.memory_limit}, measure={self.measure})"

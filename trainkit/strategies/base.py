@@ -11,7 +11,8 @@ how the pure step functions are compiled. It never sees the loss, optimizer, cal
 
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import jax
 import numpy as np
@@ -45,7 +46,10 @@ class Strategy:
     - ``compile_predict(fn, abstract_state)``: a function with one output row per example.
     - ``fetch_rows(tree)``: per-row device outputs -> host NumPy ``(global_batch, ...)``.
 
-    ``create_state`` is shared: it builds the state directly in its shardings.
+    Shared, rarely overridden: ``create_state`` (the state built directly in its shardings),
+    ``put_state``, ``put_like`` (host values into the shardings of live arrays),
+    ``local_rows`` (this process's rows of a global batch) and ``real_rows`` (the real rows of
+    the global batch, from this process's mask).
     """
 
     axis_name: str | None = None
@@ -78,6 +82,31 @@ class Strategy:
     def put_state(self, state: PyTree) -> PyTree:
         """Places a (host or device) state into this strategy's shardings."""
         return jax.device_put(state, self.state_sharding(state))
+
+    def put_like(self, tree: PyTree, like: PyTree) -> PyTree:
+        """Host (or device) values placed in the shardings of the live arrays ``like``."""
+        return jax.device_put(tree, jax.tree.map(lambda a: a.sharding, like))
+
+    @staticmethod
+    def local_rows(global_batch: PyTree) -> PyTree:
+        """This process's part of a global host batch: rows ``[p * b, (p + 1) * b)``."""
+        count = jax.process_count()
+        if count == 1:
+            return global_batch
+        rows = len(jax.tree.leaves(global_batch)[0]) // count
+        index = jax.process_index()
+        return jax.tree.map(lambda a: a[index * rows : (index + 1) * rows], global_batch)
+
+    @staticmethod
+    def real_rows(local_mask: np.ndarray) -> int:
+        """Real rows of the global batch whose part on this process has ``local_mask`` (real
+        rows come first, padding follows)."""
+        local = int(np.asarray(local_mask).sum())
+        if jax.process_count() == 1:
+            return local
+        from jax.experimental import multihost_utils
+
+        return int(np.asarray(multihost_utils.process_allgather(np.asarray(local))).sum())
 
     def put_batch(self, host_batch: PyTree) -> PyTree:
         raise NotImplementedError

@@ -13,7 +13,8 @@ averaged (``lax.pmean``). Every ``pmap`` call of trainkit lives in this file.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import jax
 import numpy as np
@@ -86,11 +87,15 @@ class DataParallel(Strategy):
             from jax.experimental import multihost_utils
 
             tree = jax.tree.map(
-                lambda a: multihost_utils.process_allgather(np.asarray(a), tiled=True)
-                if getattr(a, "is_fully_addressable", True) else a, tree)
+                lambda a: (
+                    multihost_utils.process_allgather(np.asarray(a), tiled=True)
+                    if getattr(a, "is_fully_addressable", True)
+                    else a
+                ),
+                tree,
+            )
         host = distributed.fetch(tree)
         return jax.tree.map(lambda a: np.asarray(a).reshape((-1,) + a.shape[2:]), host)
 
     def describe(self) -> str:
         return f"DataParallel(pmap over {self.mesh.size} devices, axis 'data')"
-

@@ -13,7 +13,7 @@ and reduce-scatters its gradient, so every device holds about 1/N of the state.
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import jax
 from jax.sharding import PartitionSpec

@@ -16,7 +16,7 @@ One size may be left out (``None``): it is the device count divided by the other
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import jax
 from jax.sharding import PartitionSpec

@@ -13,7 +13,8 @@ a mesh and a ``PartitionSpec`` per leaf.
 from __future__ import annotations
 
 import math
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import numpy as np
@@ -95,8 +96,11 @@ class ShardedStrategy(Strategy):
     def state_specs(self, abstract_state: PyTree) -> PyTree:
         """A ``PartitionSpec`` per leaf (errors name the leaf and the rule)."""
         return _sharding.partition_specs(
-            abstract_state, dict(self.mesh.shape), fsdp_axis=self.fsdp_axis,
-            min_shard_size=self.min_shard_size, rules=self._rules,
+            abstract_state,
+            dict(self.mesh.shape),
+            fsdp_axis=self.fsdp_axis,
+            min_shard_size=self.min_shard_size,
+            rules=self._rules,
         )
 
     def state_sharding(self, abstract_state: PyTree) -> PyTree:
@@ -106,9 +110,7 @@ class ShardedStrategy(Strategy):
     # ------------------------------------------------------------------ batches and steps
     def put_batch(self, host_batch: PyTree) -> PyTree:
         if jax.process_count() > 1:
-            return jax.tree.map(
-                lambda a: jax.make_array_from_process_local_data(self.batch_sharding, a), host_batch
-            )
+            return jax.tree.map(lambda a: jax.make_array_from_process_local_data(self.batch_sharding, a), host_batch)
         return jax.device_put(host_batch, self.batch_sharding)
 
     def compile_train(self, step_fn: Callable, abstract_state: PyTree) -> Callable:
@@ -122,7 +124,8 @@ class ShardedStrategy(Strategy):
 
     def _compile_inference(self, fn: Callable, abstract_state: PyTree, out_sharding) -> Callable:
         return jax.jit(
-            fn, in_shardings=(self.state_sharding(abstract_state), self.batch_sharding),
+            fn,
+            in_shardings=(self.state_sharding(abstract_state), self.batch_sharding),
             out_shardings=out_sharding,
         )
 
@@ -155,4 +158,3 @@ class SingleDevice(ShardedStrategy):
 
     def describe(self) -> str:
         return f"SingleDevice({self.devices[0]})"
-

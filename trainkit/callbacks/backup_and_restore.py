@@ -1,0 +1,137 @@
+"""``BackupAndRestore``: resume an interrupted ``fit`` exactly, also after SIGTERM (preemption).
+
+>>> import tempfile
+>>> BackupAndRestore(tempfile.mkdtemp(), save_freq=100).save_freq.value
+100
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import signal
+import threading
+
+from trainkit import distributed
+from trainkit.callbacks.base import Callback, Logs
+from trainkit.callbacks.triggers import SaveFrequency
+from trainkit.checkpoint import Checkpointer, CheckpointError
+from trainkit.loop import Position
+
+logger = logging.getLogger("trainkit")
+
+
+class BackupAndRestore(Callback):
+    """Makes ``fit`` resumable (Keras 3's arguments). When ``backup_dir`` holds a backup, ``fit``
+    continues from it exactly: the full ``TrainState`` and the position inside the epoch (so
+    the shuffle order too); a resumed run ends with the parameters of an uninterrupted one,
+    bit for bit (same device count and strategy). Keras restarts the interrupted epoch.
+
+    Args:
+        backup_dir: where the backup lives (an orbax checkpoint directory).
+        save_freq: ``"epoch"`` (a backup at every epoch end) or a number of batches (a backup
+            every that many optimizer steps, written asynchronously).
+        double_checkpoint: keep the previous backup too, and fall back to it when the latest
+            cannot be read.
+        delete_checkpoint: delete the backup when training completes.
+
+    On SIGTERM the current step finishes, ``on_train_end`` writes a backup (synchronously) and
+    ``fit`` raises :class:`trainkit.Preempted` (exit status 143); running the same command again
+    resumes. When ``fit`` raises, pending writes are finished and the backup is kept.
+    """
+
+    async_safe = True  # it saves in on_train_batch_begin, where the live state is the step's
+
+    def __init__(
+        self,
+        backup_dir: str | os.PathLike | None,
+        save_freq: str | int = "epoch",
+        double_checkpoint: bool = False,
+        delete_checkpoint: bool = True,
+    ):
+        if not backup_dir:
+            raise ValueError(
+                f"Empty `backup_dir` argument passed (received {backup_dir!r}): BackupAndRestore needs the "
+                "directory that holds the backup, e.g. BackupAndRestore('/tmp/backup')."
+            )
+        self.backup_dir = os.fspath(backup_dir)
+        self.save_freq = SaveFrequency(save_freq, "BackupAndRestore")
+        self.double_checkpoint = double_checkpoint
+        self.delete_checkpoint = delete_checkpoint
+        self.checkpointer: Checkpointer | None = None
+        self.restored_step: int | None = None
+        self._previous_handler = None
+
+    def on_train_begin(self, logs: Logs | None = None) -> None:
+        self.checkpointer = Checkpointer(self.backup_dir, max_to_keep=2 if self.double_checkpoint else 1)
+        self.restored_step = None
+        steps = sorted(self.checkpointer.steps(), reverse=True)
+        for index, step in enumerate(steps):
+            try:
+                manifest = self.trainer.load(self.checkpointer, step)
+            except CheckpointError:
+                if index + 1 == len(steps):
+                    raise
+                logger.warning(
+                    "BackupAndRestore: the backup of step %d cannot be read; trying step %d.",
+                    step,
+                    steps[index + 1],
+                    exc_info=True,
+                )
+                continue
+            saved = manifest["position"]
+            self.trainer.loop.resume_at(
+                Position(saved["epoch"], saved["batch"], saved["global_step"]), manifest.get("batch_size")
+            )
+            self.restored_step = saved["global_step"]
+            start = self.trainer.loop.start
+            logger.warning(
+                "BackupAndRestore: resuming from step %d (epoch %d, batch %d) in %s.",
+                self.restored_step,
+                start.epoch,
+                start.batch,
+                self.backup_dir,
+            )
+            break
+        if threading.current_thread() is threading.main_thread():
+            self._previous_handler = signal.signal(signal.SIGTERM, self._on_sigterm)
+
+    def _on_sigterm(self, signum, frame) -> None:
+        logger.warning("BackupAndRestore: SIGTERM received; finishing the current step, then writing a backup.")
+        self.trainer.loop.preempt()
+
+    def _save(self, wait: bool = False) -> None:
+        trainer = self.trainer
+        self.checkpointer.save(trainer.global_step, trainer.state, trainer.manifest(), wait=wait)
+
+    def on_train_batch_begin(self, batch: int, logs: Logs | None = None) -> None:
+        if self.save_freq.step_due(self.trainer.global_step):  # the live state is at that step
+            self._save()
+
+    def on_epoch_end(self, epoch: int, logs: Logs | None = None) -> None:
+        if self.save_freq.per_epoch:
+            self._save()
+
+    def _restore_handler(self) -> None:
+        if self._previous_handler is not None:
+            signal.signal(signal.SIGTERM, self._previous_handler)
+            self._previous_handler = None
+
+    def on_train_end(self, logs: Logs | None = None) -> None:
+        self._restore_handler()
+        if self.trainer.loop.preempted:
+            self._save(wait=True)
+            self.checkpointer.close()
+            logger.warning(
+                "BackupAndRestore: backup of step %d written to %s; exiting.", self.trainer.global_step, self.backup_dir
+            )
+            return
+        self.checkpointer.close()
+        if self.delete_checkpoint and distributed.is_main_process():
+            shutil.rmtree(self.backup_dir, ignore_errors=True)
+
+    def on_exception(self, exception: BaseException) -> None:
+        self._restore_handler()
+        if self.checkpointer is not None:
+            self.checkpointer.close()  # finishes the writes already started; the backup stays

@@ -1,0 +1,212 @@
+"""``ModelCheckpoint``: save the model at epoch ends or every N batches (Keras 3's semantics),
+as orbax checkpoints that ``trainer.load`` reads.
+
+>>> import tempfile
+>>> checkpoint = ModelCheckpoint(tempfile.mkdtemp() + "/ckpt-{epoch:02d}-{val_loss:.2f}", save_best_only=True)
+>>> checkpoint.mode, checkpoint._get_file_path(0, None, {"val_loss": 0.5}).rsplit("/", 1)[1]
+('min', 'ckpt-01-0.50')
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import shutil
+import warnings
+
+from trainkit import distributed
+from trainkit.callbacks.base import Logs, MonitorCallback
+from trainkit.callbacks.triggers import SaveFrequency
+from trainkit.checkpoint import Checkpointer, check_writable
+
+logger = logging.getLogger("trainkit")
+
+
+class ModelCheckpoint(MonitorCallback):
+    """Saves the training state (or only the variables) to ``filepath`` (Keras 3's arguments).
+
+    ``filepath`` is formatted like Keras's: ``epoch`` (from 1), ``batch`` (from 1, with an
+    integer ``save_freq``) and every logged value, e.g. ``"ckpt-{epoch:02d}-{val_loss:.2f}"``,
+    which keeps one checkpoint per epoch; a fixed path is replaced at every save, so it holds
+    the latest (or, with ``save_best_only``, the best) model. Each path is an orbax checkpoint
+    directory; ``trainer.load(path)`` restores it. A ``.keras`` or ``.weights.h5`` ending is
+    kept as part of the directory name.
+
+    Args:
+        filepath: the (template of the) checkpoint directory.
+        monitor: the logged name that ``save_best_only`` ranks by.
+        verbose: 1 prints a line per save decision, as Keras does.
+        save_best_only: save only when ``monitor`` improves on the best so far (a missing
+            ``monitor`` warns and saves, as Keras does).
+        save_weights_only: write the variables (parameters and model state) only, without the
+            optimizer state; ``trainer.load`` then replaces only the variables.
+        mode: ``"min"``, ``"max"`` or ``"auto"`` for ``monitor``.
+        save_freq: ``"epoch"`` or a number of batches.
+        initial_value_threshold: the best value to beat at the start (``save_best_only``).
+        max_to_keep: trainkit's retention limit: how many checkpoints a fixed path keeps
+            (default 1) or how many formatted paths stay on disk (default: all), oldest removed.
+
+    A step whose loss is NaN or infinite is never saved. With an integer ``save_freq`` the
+    loop waits for each batch (``on_train_batch_end(i)`` sees the state after batch ``i``); with
+    ``"epoch"`` it is ``async_safe``.
+    """
+
+    def __init__(
+        self,
+        filepath: str | os.PathLike,
+        monitor: str = "val_loss",
+        verbose: int = 0,
+        save_best_only: bool = False,
+        save_weights_only: bool = False,
+        mode: str = "auto",
+        save_freq: str | int = "epoch",
+        initial_value_threshold: float | None = None,
+        *,
+        max_to_keep: int | None = None,
+    ):
+        super().__init__(monitor, mode, baseline=initial_value_threshold)
+        self.filepath = os.fspath(filepath)
+        self.verbose = verbose
+        self.save_best_only = save_best_only
+        self.save_weights_only = save_weights_only
+        self.save_freq = SaveFrequency(save_freq, "ModelCheckpoint").value
+        if max_to_keep is not None and (not isinstance(max_to_keep, int) or max_to_keep < 1):
+            raise ValueError(f"max_to_keep must be a positive integer or None; received {max_to_keep!r}.")
+        self.max_to_keep = max_to_keep
+        self.async_safe = save_freq == "epoch"
+        self._templated = "{" in self.filepath
+        self._batches_seen_since_last_saving = 0
+        self._last_batch_seen: int | None = None
+        self._current_epoch = 0
+        self._open: dict[str, Checkpointer] = {}
+        self.saved_paths: list[str] = []  # formatted paths written, oldest first
+
+    # ------------------------------------------------------------------ Keras's decisions
+    def on_train_begin(self, logs: Logs | None = None) -> None:
+        if self._templated:  # fails now, not after an epoch, when the directory is unusable
+            check_writable(os.path.dirname(self.filepath.split("{", 1)[0]) or ".")
+        else:
+            self._checkpointer(self.filepath)
+
+    def on_epoch_begin(self, epoch: int, logs: Logs | None = None) -> None:
+        self._current_epoch = epoch
+
+    def on_train_batch_end(self, batch: int, logs: Logs | None = None) -> None:
+        if self._should_save_on_batch(batch):
+            self._save_model(self._current_epoch, batch, logs)
+
+    def on_epoch_end(self, epoch: int, logs: Logs | None = None) -> None:
+        if self.save_freq == "epoch":
+            self._save_model(epoch, None, logs)
+
+    def _should_save_on_batch(self, batch: int) -> bool:
+        if self.save_freq == "epoch":
+            return False
+        if self._last_batch_seen is None or batch <= self._last_batch_seen:
+            add = batch + 1  # a new epoch
+        else:
+            add = batch - self._last_batch_seen
+        self._batches_seen_since_last_saving += add
+        self._last_batch_seen = batch
+        if self._batches_seen_since_last_saving >= self.save_freq:
+            self._batches_seen_since_last_saving = 0
+            return True
+        return False
+
+    def _should_save_model(self, epoch: int, logs: Logs, filepath: str) -> bool:
+        if not self.save_best_only:
+            if self.verbose > 0:
+                print(f"\nEpoch {epoch + 1}: saving model to {filepath}")
+            return True
+        current = logs.get(self.monitor)
+        if current is None:
+            warnings.warn(f"Can save best model only with {self.monitor} available.", stacklevel=3)
+            return True
+        best = "None" if self.best is None else f"{self.best:.5f}"
+        if self._is_improvement(current, self.best):
+            if self.verbose > 0:
+                print(
+                    f"\nEpoch {epoch + 1}: {self.monitor} improved from {best} to {current:.5f}, "
+                    f"saving model to {filepath}"
+                )
+            self.best = current
+            return True
+        if self.verbose > 0:
+            print(f"\nEpoch {epoch + 1}: {self.monitor} did not improve from {best}")
+        return False
+
+    def _get_file_path(self, epoch: int, batch: int | None, logs: Logs | None) -> str:
+        logs = logs or {}
+        try:
+            if batch is None or "batch" in logs:
+                return self.filepath.format(epoch=epoch + 1, **logs)
+            return self.filepath.format(epoch=epoch + 1, batch=batch + 1, **logs)
+        except KeyError as error:
+            raise KeyError(
+                f'Failed to format this callback filepath: "{self.filepath}". Reason: {error}. The logged '
+                f"names are {sorted(logs)} (validation metrics need validation_data)."
+            ) from None
+
+    def _save_model(self, epoch: int, batch: int | None, logs: Logs | None) -> None:
+        logs = logs or {}
+        filepath = self._get_file_path(epoch, batch, logs)
+        loss = logs.get("loss")
+        if loss is not None and not math.isfinite(loss):
+            warnings.warn(
+                f"ModelCheckpoint: not saving step {self.trainer.global_step} to {filepath}: the loss is "
+                f"{loss}. The last good checkpoint stays.",
+                stacklevel=3,
+            )
+            return
+        if self._should_save_model(epoch, logs, filepath):
+            self._write(filepath)
+
+    # ------------------------------------------------------------------ bytes on disk
+    def _checkpointer(self, filepath: str) -> Checkpointer:
+        if filepath not in self._open:
+            keep = (self.max_to_keep or 1) if not self._templated else 1
+            checkpointer = Checkpointer(filepath, max_to_keep=keep)
+            stale = [s for s in checkpointer.steps() if s >= self.trainer.global_step]
+            if stale:  # written by an earlier run: replaced, as Keras overwrites the file
+                logger.warning("ModelCheckpoint: replacing the checkpoint(s) %s in %s.", stale, filepath)
+                for step in stale:
+                    checkpointer.delete(step)
+            self._open[filepath] = checkpointer
+        return self._open[filepath]
+
+    def _write(self, filepath: str) -> None:
+        trainer = self.trainer
+        self._checkpointer(filepath).save(
+            trainer.global_step, trainer.state, trainer.manifest(), weights_only=self.save_weights_only
+        )
+        if not self._templated:
+            return
+        if filepath in self.saved_paths:
+            self.saved_paths.remove(filepath)
+        self.saved_paths.append(filepath)
+        for old in list(self._open)[:-2]:  # older formatted paths: finish their writes
+            self._open.pop(old).close()
+        if self.max_to_keep is not None:
+            while len(self.saved_paths) > self.max_to_keep:
+                oldest = self.saved_paths.pop(0)
+                if oldest in self._open:
+                    self._open.pop(oldest).close()
+                if distributed.is_main_process():
+                    shutil.rmtree(oldest, ignore_errors=True)
+
+    def wait(self) -> None:
+        """Blocks until every checkpoint started so far is on disk."""
+        for checkpointer in self._open.values():
+            checkpointer.wait()
+
+    def _close(self) -> None:
+        open_checkpointers, self._open = self._open, {}
+        for checkpointer in open_checkpointers.values():
+            checkpointer.close()
+
+    def on_train_end(self, logs: Logs | None = None) -> None:
+        self._close()
+
+    def on_exception(self, exception: BaseException) -> None:
+        self._close()  # the writes already started are finished

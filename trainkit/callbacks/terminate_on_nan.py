@@ -1,0 +1,42 @@
+"""``TerminateOnNaN``: stop (or raise) at the first non-finite loss, before another update.
+
+>>> TerminateOnNaN(raise_error=True).raise_error
+True
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+
+from trainkit.callbacks.base import Callback, Logs
+
+
+class TerminateOnNaN(Callback):
+    """Stops training when the loss becomes NaN or infinite (Keras 3's callback).
+
+    It is not ``async_safe``: the loop runs each batch's hooks before dispatching the next, so
+    no update reaches the parameters after the non-finite batch (whose own update is applied,
+    as in Keras). ``raise_error=True`` raises a ``RuntimeError`` instead of stopping, which
+    skips ``on_train_end`` of every callback (backups are kept). ``stopped_step`` names the
+    optimizer step (counting from 1).
+    """
+
+    def __init__(self, raise_error: bool = False):
+        self.raise_error = raise_error
+        self.stopped_step: int | None = None
+
+    def on_train_begin(self, logs: Logs | None = None) -> None:
+        self.stopped_step = None
+
+    def on_batch_end(self, batch: int, logs: Logs | None = None) -> None:
+        loss = (logs or {}).get("loss")
+        if loss is None or math.isfinite(loss) or self.stopped_step is not None:
+            return
+        record = self.trainer.loop.record
+        self.stopped_step = record.step
+        where = f"batch {batch} of epoch {record.epoch} (step {record.step}, counting from 1)"
+        if self.raise_error:
+            raise RuntimeError(f"NaN or Inf loss encountered at {where}. Loss value: {loss}. Terminating training.")
+        warnings.warn(f"TerminateOnNaN: the loss became {loss} at {where}; stopping training.", stacklevel=2)
+        self.model.stop_training = True

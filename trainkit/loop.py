@@ -1,0 +1,297 @@
+"""The loop: epochs and steps, the position, the steps in flight, callback dispatch, resume and
+preemption. It runs compiled functions it is given and never compiles, places or saves anything.
+
+What the loop needs from its owner (the :class:`trainkit.Trainer`) is small: a ``state``
+attribute it reads and replaces, ``function(kind)`` for the compiled ``"train"``, ``"eval"``
+and ``"predict"`` steps, ``strategy`` (``put_batch``, ``fetch_rows``, ``real_rows``) and
+``log_order``. Callbacks see the loop as ``self.trainer.loop``: its ``position``, the
+:class:`StepRecord` of the batch a hook is about (``record``), and explicit calls:
+``resume_at(position)``, ``request_stop()``, ``preempt()``.
+
+>>> import numpy as np
+>>> from trainkit.callbacks import CallbackList
+>>> loop = Loop(owner=None)
+>>> loop.position, loop.stop_requested
+(Position(epoch=0, batch=0, step=0), False)
+>>> loop.resume_at(Position(epoch=2, batch=3, step=11)); loop.start
+Position(epoch=2, batch=3, step=11)
+>>> list(in_order(iter(range(5)), lag=2))
+[0, 1, 2, 3, 4]
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import itertools
+import warnings
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import jax
+import numpy as np
+
+from trainkit import distributed
+from trainkit import metrics as metrics_lib
+
+PyTree = Any
+
+#: Exit status of a run stopped by SIGTERM (preemption) after writing its backup: 128 + SIGTERM.
+PREEMPTED_EXIT_CODE = 143
+
+
+class Preempted(SystemExit):
+    """Raised by ``fit`` after a preemption request (SIGTERM under ``BackupAndRestore``) once
+    ``on_train_end`` ran and the backup is on disk. A ``SystemExit`` with status 143: uncaught,
+    the process exits quietly with the status job schedulers expect; running the same command
+    again resumes."""
+
+    def __init__(self, step: int):
+        super().__init__(PREEMPTED_EXIT_CODE)
+        self.step = step
+
+    def __str__(self) -> str:
+        return f"training preempted after step {self.step}; run the same command again to resume"
+
+
+@dataclasses.dataclass(frozen=True)
+class Position:
+    """Where training stands: the next batch to train (``epoch``, ``batch`` inside it) and the
+    optimizer steps applied so far (``step``)."""
+
+    epoch: int = 0
+    batch: int = 0
+    step: int = 0
+
+    def rebatched(self, saved_batch_size: int | None, batch_size: int | None) -> Position:
+        """The same number of examples seen, in batches of ``batch_size`` instead of
+        ``saved_batch_size`` (unchanged when either is unknown)."""
+        if not saved_batch_size or not batch_size or saved_batch_size == batch_size:
+            return self
+        return dataclasses.replace(self, batch=self.batch * saved_batch_size // batch_size)
+
+
+@dataclasses.dataclass(frozen=True)
+class StepRecord:
+    """The batch a hook is about: ``step`` is its optimizer step counted from 1 (the number of
+    updates once it is applied), ``epoch`` and ``batch`` where it sits."""
+
+    step: int
+    epoch: int
+    batch: int
+
+
+def in_order(dispatched: Iterator, lag: int) -> Iterator:
+    """Yields ``dispatched``'s items in order, each once ``lag`` newer ones were dispatched
+    (``lag=0``: at once). The device results of a yielded item are then read while ``lag``
+    steps still run: the device never waits for the host, and the queue stays bounded."""
+    pending: collections.deque = collections.deque()
+    for item in dispatched:
+        pending.append(item)
+        if len(pending) > lag:
+            yield pending.popleft()
+    yield from pending
+
+
+def host_metrics(metrics: PyTree) -> PyTree:
+    """Device metric totals -> host float64 (gathered across processes when needed)."""
+    return jax.tree.map(np.float64, distributed.fetch(metrics))
+
+
+def process_slice() -> dict:
+    """Which part of every global batch this process reads (all of it on one process)."""
+    return {"process_index": jax.process_index(), "process_count": jax.process_count()}
+
+
+class Loop:
+    """Runs ``fit``, ``evaluate`` and ``predict`` for its ``owner``; see the module docstring.
+
+    ``max_in_flight`` bounds the steps dispatched ahead of the oldest one whose metrics were
+    not read yet, when every batch-level callback is ``async_safe`` (otherwise each batch's
+    hooks run before the next batch is dispatched, as Keras does). Too many queued collectives
+    deadlock XLA's CPU all-reduce on fake devices, so it stays small.
+    """
+
+    max_in_flight: int = 2
+
+    def __init__(self, owner: Any):
+        self.owner = owner
+        self.position = Position()
+        self.record: StepRecord | None = None
+        self.batch_size: int | None = None
+        self.stop_requested = False
+        self.preempted = False
+        self.start: Position | None = None
+        self.batch_spec: PyTree = None  # shapes and shardings of this fit's batches
+
+    # ------------------------------------------------------------------ explicit requests
+    def request_stop(self) -> None:
+        """Stop before the next batch (``trainer.stop_training = True`` calls this)."""
+        self.stop_requested = True
+
+    def preempt(self) -> None:
+        """Stop before the next batch, run ``on_train_end``, then raise :class:`Preempted`.
+        Safe to call from a signal handler."""
+        self.preempted = True
+        self.stop_requested = True
+
+    def resume_at(self, position: Position, saved_batch_size: int | None = None) -> None:
+        """Start this ``fit`` at ``position`` instead of ``initial_epoch`` (call it from
+        ``on_train_begin``); a batch index written with another batch size is converted by
+        examples seen."""
+        self.start = position.rebatched(saved_batch_size, self.batch_size)
+        self.position = dataclasses.replace(self.position, step=position.step)
+
+    def restored(self, step: int) -> None:
+        """The state was replaced by one at optimizer step ``step`` (a restore)."""
+        self.position = dataclasses.replace(self.position, step=int(step))
+
+    def _done(self, max_steps: int | None) -> bool:
+        return self.stop_requested or (max_steps is not None and self.position.step >= max_steps)
+
+    # ------------------------------------------------------------------ fit
+    def fit(
+        self,
+        dataset: Any,
+        batch_size: int,
+        callbacks: Any,
+        *,
+        epochs: int,
+        initial_epoch: int = 0,
+        steps: int | None = None,
+        max_steps: int | None = None,
+        shuffle: bool = True,
+        seed: int = 0,
+        validation: tuple[Any, int] | None = None,
+        warn_non_finite: bool = True,
+    ) -> dict[str, float]:
+        """Trains from ``initial_epoch`` (or where a callback's ``resume_at`` says) to ``epochs``
+        and returns the last epoch's logs. Hooks follow Keras 3's ``fit`` order."""
+        self.stop_requested = self.preempted = False
+        self.batch_size, self.start, self.batch_spec = batch_size, None, None
+        self.position = Position(initial_epoch, 0, self.position.step)
+        train_fn = self.owner.function("train")
+        logs: dict[str, float] = {}
+        try:
+            callbacks.on_train_begin()
+            start = self.start or self.position
+            for epoch in range(start.epoch, epochs):
+                first = start.batch if epoch == start.epoch else 0
+                self.position = Position(epoch, first, self.position.step)
+                callbacks.on_epoch_begin(epoch)
+                batches = dataset.batches(
+                    batch_size, shuffle=shuffle, seed=seed, epoch=epoch, start=first, **process_slice()
+                )
+                limit = None if steps is None else max(steps - first, 0)
+                ran, logs = self._train_epoch(
+                    train_fn, itertools.islice(batches, limit), callbacks, max_steps, warn_non_finite
+                )
+                if self.preempted:
+                    break
+                if ran == 0 and first == 0:
+                    warnings.warn(
+                        f"The data ran out at epoch {epoch}: no batch was left. Training stops; "
+                        "pass steps_per_epoch that the data can serve, or a re-iterable dataset.",
+                        stacklevel=3,
+                    )
+                    break
+                if validation is not None:
+                    val_logs = self.evaluate(*validation, None, callbacks)
+                    logs.update({f"val_{k}": v for k, v in val_logs.items()})
+                self.position = Position(epoch + 1, 0, self.position.step)
+                callbacks.on_epoch_end(epoch, logs)
+                if self._done(max_steps):
+                    break
+            callbacks.on_train_end(logs)
+        except BaseException as error:
+            callbacks.on_exception(error)
+            raise
+        if self.preempted:
+            raise Preempted(self.position.step)
+        return logs
+
+    def _train_epoch(self, train_fn, batches: Iterable, callbacks, max_steps, warn_non_finite) -> tuple[int, dict]:
+        owner, epoch = self.owner, self.position.epoch
+        batch_begin, batch_end = callbacks.on_train_batch_begin, callbacks.on_train_batch_end
+
+        def dispatch():
+            for index, host_batch in enumerate(batches, start=self.position.batch):
+                record = StepRecord(self.position.step + 1, epoch, index)
+                if batch_begin.active:
+                    self.record = record
+                    batch_begin(index)
+                batch = owner.strategy.put_batch(host_batch)
+                if self.batch_spec is None:
+                    self.batch_spec = jax.tree.map(
+                        lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), batch
+                    )
+                owner.state, metrics = train_fn(owner.state, batch)
+                self.position = Position(epoch, index + 1, record.step)
+                yield record, metrics
+                if self._done(max_steps):
+                    return
+
+        totals, ran = None, 0
+        lag = self.max_in_flight if callbacks.async_train else 0
+        for record, metrics in in_order(dispatch(), lag):
+            metrics = host_metrics(metrics)
+            if warn_non_finite and not np.isfinite(metrics["loss"].total):
+                warn_non_finite = False  # once per epoch
+                warnings.warn(
+                    f"The loss is {metrics['loss'].total / metrics['loss'].count} at step {record.step} "
+                    f"(batch {record.batch} of epoch {epoch}); training goes on. Add "
+                    "tk.callbacks.TerminateOnNaN() to stop at the first non-finite loss.",
+                    stacklevel=4,
+                )
+            totals = metrics_lib.merge(totals, metrics)
+            ran += 1
+            if batch_end.active:
+                self.record = record
+                batch_end(record.batch, metrics_lib.compute(totals, owner.log_order))
+        return ran, ({} if totals is None else metrics_lib.compute(totals, owner.log_order))
+
+    # ------------------------------------------------------------------ evaluate / predict
+    def evaluate(self, dataset: Any, batch_size: int, steps: int | None, callbacks) -> dict[str, float]:
+        """The loss and metrics over ``dataset`` (exact: masked totals over every real row)."""
+        owner = self.owner
+        eval_fn = owner.function("eval")
+        callbacks.on_test_begin()
+        batch_begin, batch_end = callbacks.on_test_batch_begin, callbacks.on_test_batch_end
+
+        def dispatch():
+            for index, host_batch in enumerate(itertools.islice(dataset.batches(batch_size, **process_slice()), steps)):
+                if batch_begin.active:
+                    batch_begin(index)
+                yield index, eval_fn(owner.state, owner.strategy.put_batch(host_batch))
+
+        totals = None
+        for index, metrics in in_order(dispatch(), self.max_in_flight if callbacks.async_test else 0):
+            totals = metrics_lib.merge(totals, host_metrics(metrics))
+            if batch_end.active:
+                batch_end(index, metrics_lib.compute(totals, owner.log_order))
+        logs = metrics_lib.compute(totals, owner.log_order)
+        callbacks.on_test_end(logs)
+        return logs
+
+    def predict(self, dataset: Any, batch_size: int, steps: int | None, callbacks) -> PyTree:
+        """The model's outputs, one row per real input row (padding removed)."""
+        owner = self.owner
+        predict_fn = owner.function("predict")
+        callbacks.on_predict_begin()
+        batch_begin, batch_end = callbacks.on_predict_batch_begin, callbacks.on_predict_batch_end
+
+        def dispatch():
+            for index, host_batch in enumerate(itertools.islice(dataset.batches(batch_size, **process_slice()), steps)):
+                if batch_begin.active:
+                    batch_begin(index)
+                outputs = predict_fn(owner.state, owner.strategy.put_batch(host_batch))
+                yield index, outputs, owner.strategy.real_rows(host_batch["mask"])
+
+        parts = []
+        for index, outputs, rows in in_order(dispatch(), self.max_in_flight if callbacks.async_predict else 0):
+            host = jax.tree.map(lambda a, n=rows: a[:n], owner.strategy.fetch_rows(outputs))
+            parts.append(host)
+            if batch_end.active:
+                batch_end(index, {"outputs": host})
+        callbacks.on_predict_end()
+        return jax.tree.map(lambda *a: np.concatenate(a), *parts)
