@@ -5,7 +5,7 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: example test bench clean
+.PHONY: example test lint bench clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -20,6 +20,10 @@ example: $(VENV)/.installed
 
 test: $(VENV)/.installed
 	$(BIN)/python -m pytest -n 2 --dist loadfile -q tests
+
+lint: $(VENV)/.installed
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
 
 bench: $(VENV)/.installed
 	$(BIN)/python benchmarks/step_overhead.py

@@ -1,6 +1,6 @@
 """How long an asynchronous checkpoint stalls training, in steps of the benchmark models.
 
-``fit`` runs the same steps with ``ModelCheckpoint(every_n_steps=N)`` and with a
+``fit`` runs the same steps with ``ModelCheckpoint(save_freq=N)`` and with a
 ``ModelCheckpoint`` that never fires (same set-up and close), alternating over repeats in one
 run; the stall of one save is the extra time divided by the number of saves, in units of one
 training step. A synchronous save (``Trainer.save`` every N steps) is the comparison, and the
@@ -36,9 +36,9 @@ class TimedCheckpoint(tk.callbacks.ModelCheckpoint):
 
     blocked: list = []
 
-    def _save(self, logs):
+    def _write(self, filepath):
         start = time.perf_counter()
-        super()._save(logs)
+        super()._write(filepath)
         TimedCheckpoint.blocked.append(time.perf_counter() - start)
 
 
@@ -48,9 +48,9 @@ class SyncSave(tk.callbacks.Callback):
     def __init__(self, directory, every):
         self.directory, self.every = directory, every
 
-    def on_train_batch_begin(self, batch, logs=None):
+    def on_train_batch_end(self, batch, logs=None):
         step = self.trainer.global_step
-        if step and step % self.every == 0:
+        if step % self.every == 0:
             self.trainer.save(self.directory, max_to_keep=2)
 
 
@@ -61,7 +61,7 @@ def main():
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
     root = tempfile.mkdtemp(prefix="trainkit-stall-")
-    saves = args.steps // args.every - 1  # saves happen before steps every, 2*every, ...
+    saves = args.steps // args.every  # after steps every, 2*every, ...
     print(
         f"{args.steps} steps, a save every {args.every} steps ({saves} saves per run), "
         f"median of {args.repeats} alternating repeats; stall in units of one step\n"
@@ -89,11 +89,12 @@ def main():
                 directory = os.path.join(root, f"{case}-{name}-{repeat}")
                 callbacks = {
                     "plain": [],
-                    "idle": [
-                        tk.callbacks.ModelCheckpoint(directory, every_n_steps=10**9, every_n_epochs=None, max_to_keep=2)
+                    "idle": [tk.callbacks.ModelCheckpoint(directory, monitor="loss", save_freq=10**9, max_to_keep=2)],
+                    "async": [TimedCheckpoint(directory, monitor="loss", save_freq=args.every, max_to_keep=2)],
+                    "sync": [
+                        SyncSave(directory, args.every),
+                        tk.callbacks.ModelCheckpoint(directory + "-idle", monitor="loss", save_freq=10**9),
                     ],
-                    "async": [TimedCheckpoint(directory, every_n_steps=args.every, every_n_epochs=None, max_to_keep=2)],
-                    "sync": [SyncSave(directory, args.every)],
                 }[name]
                 times[name].append(run(callbacks))
                 shutil.rmtree(directory, ignore_errors=True)

@@ -5,8 +5,10 @@ run with alternating repeats; reported as ratios (trainkit / hand-written). On 8
 devices DataParallel is compared with a hand-written ``pmap`` loop and a hand-written
 ``jit`` + ``NamedSharding`` loop. With the ``bench`` extra installed, Keras 3 ``fit`` on the
 JAX backend (``keras.distribution.DataParallel`` on 8 devices) is a third column.
-trainkit runs with ``log_grad_norm=False`` (the same work as the hand-written loop); a second
-row shows the default, which adds one pass over the gradients for the logged ``grad_norm``.
+trainkit runs with its defaults (the same work as the hand-written loop); two more rows show
+``log_grad_norm=True`` (one more pass over the gradients) and the cost of one batch-level
+callback that is not ``async_safe`` (the loop then waits for every batch before dispatching the
+next, so that ``on_train_batch_end(i)`` sees the state after batch ``i``, as in Keras).
 
     python benchmarks/step_overhead.py [--repeats 5] [--steps 60]
 """
@@ -121,7 +123,14 @@ def hand_written(model, x, y, batch_size, devices, kind):
     return run
 
 
-def trainkit_fit(model, x, y, batch_size, strategy, log_grad_norm=False):
+class ReadsLoss(tk.callbacks.Callback):
+    """A Keras-style batch callback (not ``async_safe``): it reads each batch's running loss."""
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.loss = logs["loss"]
+
+
+def trainkit_fit(model, x, y, batch_size, strategy, log_grad_norm=False, callbacks=()):
     trainer = tk.Trainer(
         model,
         loss="sparse_categorical_crossentropy",
@@ -129,7 +138,7 @@ def trainkit_fit(model, x, y, batch_size, strategy, log_grad_norm=False):
         strategy=strategy,
         log_grad_norm=log_grad_norm,
     )
-    return lambda: trainer.fit((x, y), batch_size=batch_size, epochs=1, verbose=0)
+    return lambda: trainer.fit((x, y), batch_size=batch_size, epochs=1, verbose=0, callbacks=list(callbacks))
 
 
 def keras_fit(case, x, y, batch_size, devices):
@@ -199,7 +208,10 @@ def main():
                 contenders["hand-written pmap"] = hand_written(model_cls(), x, y, batch_size, devs, "pmap")
             strategy = tk.SingleDevice(devs[0]) if n == 1 else tk.DataParallel(devs)
             contenders[f"trainkit {type(strategy).__name__}"] = trainkit_fit(model_cls(), x, y, batch_size, strategy)
-            contenders["  + log_grad_norm (default)"] = trainkit_fit(model_cls(), x, y, batch_size, strategy, True)
+            contenders["  + log_grad_norm=True"] = trainkit_fit(model_cls(), x, y, batch_size, strategy, True)
+            contenders["  + a batch callback (sync)"] = trainkit_fit(
+                model_cls(), x, y, batch_size, strategy, callbacks=[ReadsLoss()]
+            )
             keras_run = keras_fit(case, x, y, batch_size, devs)
             if keras_run is not None:
                 contenders["keras fit"] = keras_run

@@ -4,7 +4,11 @@
     python examples/digits_cnn.py --devices 8 --strategy fsdp    # or single, dp, fsdp, hybrid
 
 With ``--strategy auto`` (the default) the Trainer compiles the train step under every
-strategy, prints why it picked one, and ``--plan`` prints the whole table.
+strategy, prints why it picked one, and ``--plan`` prints the whole table. Keras's callbacks
+run as in Keras: ``EarlyStopping`` restores the best epoch's weights, ``ReduceLROnPlateau``
+halves the learning rate on a plateau, ``ModelCheckpoint`` keeps the best epoch in
+``--out``/best (an orbax checkpoint ``trainer.load`` reads) and ``CSVLogger`` writes
+``--out``/log.csv.
 
 The 1,797 8x8 digit images ship inside scikit-learn (no download). A fifth is held out; the
 script prints the held-out accuracy and exits non-zero below ``--min-accuracy``.
@@ -15,6 +19,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import tempfile
 import time
 
 
@@ -38,6 +43,7 @@ def parse_args(argv=None):
     parser.add_argument("--grad-accum-steps", type=int, default=1)
     parser.add_argument("--min-accuracy", type=float, default=0.95)
     parser.add_argument("--verbose", type=int, default=1)
+    parser.add_argument("--out", default=None, help="checkpoint and CSV log directory (default: a new temp dir)")
     return parser.parse_args(argv)
 
 
@@ -94,6 +100,13 @@ def main(argv=None) -> int:
     print(f"trainkit {tk.__version__} on {jax.device_count()} {jax.devices()[0].platform} devices")
     if args.plan:
         trainer.plan((images[train][: args.batch_size], labels[train][: args.batch_size]), measure=True)
+    out = args.out or tempfile.mkdtemp(prefix="digits-cnn-")
+    callbacks = [
+        tk.callbacks.EarlyStopping(monitor="val_accuracy", patience=5, restore_best_weights=True),
+        tk.callbacks.ReduceLROnPlateau(monitor="val_loss", factor=0.5, patience=2),
+        tk.callbacks.ModelCheckpoint(os.path.join(out, "best"), monitor="val_accuracy", save_best_only=True),
+        tk.callbacks.CSVLogger(os.path.join(out, "log.csv")),
+    ]
     start = time.perf_counter()
     history = trainer.fit(
         (images[train], labels[train]),
@@ -101,6 +114,7 @@ def main(argv=None) -> int:
         batch_size=args.batch_size,
         validation_data=(images[test], labels[test]),
         verbose=args.verbose,
+        callbacks=callbacks,
     )
     seconds = time.perf_counter() - start
     if trainer.last_plan is not None and not args.verbose:  # fit printed it when verbose
@@ -113,6 +127,9 @@ def main(argv=None) -> int:
         f"({len(test)} images; {len(history.epoch)} epochs in {seconds:.1f} s on "
         f"{trainer.strategy.describe()})"
     )
+    stopper = callbacks[0]
+    print(f"best epoch {stopper.best_epoch + 1} (val_accuracy {stopper.best:.4f}) restored and saved in {out}/best")
+    print(f"per-epoch log: {out}/log.csv")
     if result["accuracy"] < args.min_accuracy:
         print(f"below the expected {args.min_accuracy:.2f}", file=sys.stderr)
         return 1

@@ -6,13 +6,24 @@ import re
 import subprocess
 import sys
 
+import pytest
+
 ROOT = pathlib.Path(__file__).parent.parent
 
 
-def test_digits_cnn_reaches_95_percent_on_8_fake_devices():
+def test_digits_cnn_reaches_95_percent_on_8_fake_devices(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     result = subprocess.run(
-        [sys.executable, str(ROOT / "examples" / "digits_cnn.py"), "--devices", "8", "--verbose", "0"],
+        [
+            sys.executable,
+            str(ROOT / "examples" / "digits_cnn.py"),
+            "--devices",
+            "8",
+            "--verbose",
+            "0",
+            "--out",
+            str(tmp_path),
+        ],
         capture_output=True,
         text=True,
         env=env,
@@ -23,3 +34,8 @@ def test_digits_cnn_reaches_95_percent_on_8_fake_devices():
     assert re.search(r"strategy='auto' picked \S+: measured [\d.]+ ms/step", result.stdout), result.stdout
     accuracy = float(re.search(r"held-out accuracy (\d\.\d+)", result.stdout).group(1))
     assert accuracy >= 0.95
+    best = float(re.search(r"best epoch \d+ \(val_accuracy (\d\.\d+)\) restored", result.stdout).group(1))
+    assert best == pytest.approx(accuracy, abs=1e-6)  # EarlyStopping restored the best epoch's weights
+    rows = (tmp_path / "log.csv").read_text().splitlines()
+    assert rows[0].startswith("epoch,accuracy,learning_rate,loss,val_accuracy,val_loss") and len(rows) > 2
+    assert (tmp_path / "best").is_dir()

@@ -141,3 +141,41 @@ def test_bf16_params_when_asked():
     )
     trainer.fit((x, y), batch_size=16, verbose=0)
     assert all(leaf.dtype == jnp.bfloat16 for leaf in jax.tree.leaves(trainer.state.params))
+
+
+def test_loss_scale_objects_share_one_interface():
+    from trainkit.precision import DynamicLossScale, NoLossScale, StaticLossScale
+
+    grads = {"w": jnp.array([1.0, jnp.inf])}
+    new, old = {"w": jnp.ones(2)}, {"w": jnp.zeros(2)}
+    none = NoLossScale()
+    assert none.scale(jnp.array(3.0)) == 3.0 and none.unscale(grads) is grads
+    assert none.guard(grads, new, old) == (new, none) and none.metrics() == {}
+    static = StaticLossScale(jnp.array(8.0, jnp.float32))
+    assert float(static.scale(jnp.array(3.0))) == 24.0
+    assert float(static.unscale({"w": jnp.array(8.0)})["w"]) == 1.0
+    chosen, after = static.guard(grads, new, old)
+    assert chosen["w"].tolist() == [0.0, 0.0] and after is static  # skipped; a static scale stays
+    dynamic = DynamicLossScale(jnp.array(8.0, jnp.float32), jnp.zeros((), jnp.int32), growth_interval=2)
+    chosen, after = dynamic.guard(grads, new, old)
+    assert chosen["w"].tolist() == [0.0, 0.0] and float(after.loss_scale) == 4.0
+    chosen, after = after.guard({"w": jnp.ones(2)}, new, old)
+    assert chosen["w"].tolist() == [1.0, 1.0] and float(after.loss_scale) == 4.0 and int(after.good_steps) == 1
+
+
+def test_a_static_loss_scale_trains_in_fp16_and_skips_overflows():
+    x, y = make_classification(64)
+    trainer = tk.Trainer(
+        MLP(),
+        loss="sparse_categorical_crossentropy",
+        optimizer=optax.adam(1e-2),
+        strategy="single",
+        precision=tk.Precision(compute_dtype=jnp.float16, loss_scale=128.0),
+    )
+    history = trainer.fit((x, y), epochs=3, batch_size=16, verbose=0)
+    assert history.history["loss"][-1] < history.history["loss"][0]
+    assert history.history["loss_scale"] == [128.0, 128.0, 128.0]
+    before = trainer.get_weights()
+    trainer.fit((np.full_like(x[:16], 6e4), y[:16]), epochs=1, batch_size=16, verbose=0)
+    for a, b in zip(jax.tree.leaves(before), jax.tree.leaves(trainer.get_weights())):
+        np.testing.assert_array_equal(a, b)

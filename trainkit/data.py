@@ -236,7 +236,10 @@ Dataset = ArrayDataset | IterableDataset
 
 
 def as_dataset(data: Any, y: PyTree = None, sample_weight: PyTree = None) -> Dataset:
-    """Normalises Keras-style inputs: ``(x, y[, w])``, a dataset dict, ``x, y`` or an iterable."""
+    """Normalises Keras-style inputs: ``(x, y[, w])``, a dataset dict, ``x, y`` or an iterable
+    (a dataset is returned as it is)."""
+    if isinstance(data, (ArrayDataset, IterableDataset)) and y is None and sample_weight is None:
+        return data
     if y is not None or sample_weight is not None:
         return ArrayDataset(data, y, sample_weight)
     if isinstance(data, tuple) or _is_dataset_dict(data):

@@ -18,6 +18,7 @@ import numpy as np
 from rich.console import Console
 from rich.table import Table
 
+from trainkit import data as data_lib
 from trainkit.strategies._sharding import leaf_name
 
 PyTree = Any
@@ -116,3 +117,26 @@ def visualize_leaf(trainer_or_state: Any, path: str, part: str = "params") -> No
             "arrays only. describe_sharding shows every leaf's PartitionSpec."
         )
     jax.debug.visualize_array_sharding(leaf)
+
+
+def _abstract(tree: PyTree) -> PyTree:
+    return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), tree)
+
+
+def lower_train_step(trainer: Any, sample_batch: Any = None) -> jax.stages.Lowered:
+    """The trainer's compiled train step lowered for ``sample_batch`` (any form ``fit`` takes),
+    or for the shapes of the last ``fit``'s batches; ``.as_text()`` is its StableHLO,
+    ``.compile().as_text()`` the partitioned HLO with the collectives the compiler inserted."""
+    if trainer.state is None:
+        raise RuntimeError("The trainer has no state yet: call fit(...) or init(sample_batch) first.")
+    if sample_batch is not None:
+        x, y, w = data_lib.split_xyw(sample_batch)
+        batch = trainer.strategy.put_batch(data_lib.pad_batch(x, y, w, data_lib.num_rows(x)))
+    elif trainer.loop.batch_spec is not None:
+        batch = trainer.loop.batch_spec
+    else:
+        raise ValueError("Pass a sample batch, e.g. trainer.lowered_text((x[:32], y[:32])), or call fit first.")
+    function = trainer.function("train")
+    if not hasattr(function, "lower"):
+        raise TypeError(f"{type(trainer.strategy).__name__}.compile_train returned a function without .lower().")
+    return function.lower(_abstract(trainer.state), batch)

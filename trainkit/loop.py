@@ -171,6 +171,7 @@ class Loop:
         self.batch_size, self.start, self.batch_spec = batch_size, None, None
         self.position = Position(initial_epoch, 0, self.position.step)
         train_fn = self.owner.function("train")
+        read_ahead = not getattr(dataset, "one_shot", False)
         logs: dict[str, float] = {}
         try:
             callbacks.on_train_begin()
@@ -184,7 +185,7 @@ class Loop:
                 )
                 limit = None if steps is None else max(steps - first, 0)
                 ran, logs = self._train_epoch(
-                    train_fn, itertools.islice(batches, limit), callbacks, max_steps, warn_non_finite
+                    train_fn, itertools.islice(batches, limit), callbacks, max_steps, warn_non_finite, read_ahead
                 )
                 if self.preempted:
                     break
@@ -210,26 +211,42 @@ class Loop:
             raise Preempted(self.position.step)
         return logs
 
-    def _train_epoch(self, train_fn, batches: Iterable, callbacks, max_steps, warn_non_finite) -> tuple[int, dict]:
+    def _train_epoch(
+        self, train_fn, batches: Iterable, callbacks, max_steps, warn_non_finite, read_ahead
+    ) -> tuple[int, dict]:
         owner, epoch = self.owner, self.position.epoch
         batch_begin, batch_end = callbacks.on_train_batch_begin, callbacks.on_train_batch_end
 
+        def place(item):
+            if item is None:
+                return None
+            batch = owner.strategy.put_batch(item[1])
+            if self.batch_spec is None:
+                self.batch_spec = jax.tree.map(
+                    lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), batch
+                )
+            return item[0], batch
+
         def dispatch():
-            for index, host_batch in enumerate(batches, start=self.position.batch):
+            items = enumerate(batches, start=self.position.batch)
+            upcoming = place(next(items, None))
+            while upcoming is not None:
+                index, batch = upcoming
                 record = StepRecord(self.position.step + 1, epoch, index)
                 if batch_begin.active:
                     self.record = record
                     batch_begin(index)
-                batch = owner.strategy.put_batch(host_batch)
-                if self.batch_spec is None:
-                    self.batch_spec = jax.tree.map(
-                        lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), batch
-                    )
                 owner.state, metrics = train_fn(owner.state, batch)
                 self.position = Position(epoch, index + 1, record.step)
+                # The host reads and places the next batch while the device runs this one; its
+                # step is dispatched only after this batch's hooks ran. A one-shot iterator is
+                # not read ahead: a stop would lose the batch read.
+                upcoming = place(next(items, None)) if read_ahead else None
                 yield record, metrics
                 if self._done(max_steps):
                     return
+                if not read_ahead:
+                    upcoming = place(next(items, None))
 
         totals, ran = None, 0
         lag = self.max_in_flight if callbacks.async_train else 0
@@ -251,47 +268,43 @@ class Loop:
         return ran, ({} if totals is None else metrics_lib.compute(totals, owner.log_order))
 
     # ------------------------------------------------------------------ evaluate / predict
-    def evaluate(self, dataset: Any, batch_size: int, steps: int | None, callbacks) -> dict[str, float]:
-        """The loss and metrics over ``dataset`` (exact: masked totals over every real row)."""
+    def _inference(self, kind: str, dataset: Any, batch_size: int, steps: int | None, callbacks) -> Iterator:
+        """``(index, host batch, device result)`` of the ``"eval"`` or ``"predict"`` function per
+        batch, in order, with the batch-begin hooks of ``kind`` (``"test"`` / ``"predict"``)."""
         owner = self.owner
-        eval_fn = owner.function("eval")
-        callbacks.on_test_begin()
-        batch_begin, batch_end = callbacks.on_test_batch_begin, callbacks.on_test_batch_end
+        fn = owner.function("eval" if kind == "test" else "predict")
+        batch_begin = getattr(callbacks, f"on_{kind}_batch_begin")
 
         def dispatch():
-            for index, host_batch in enumerate(itertools.islice(dataset.batches(batch_size, **process_slice()), steps)):
+            host_batches = itertools.islice(dataset.batches(batch_size, **process_slice()), steps)
+            for index, host_batch in enumerate(host_batches):
                 if batch_begin.active:
                     batch_begin(index)
-                yield index, eval_fn(owner.state, owner.strategy.put_batch(host_batch))
+                yield index, host_batch, fn(owner.state, owner.strategy.put_batch(host_batch))
 
-        totals = None
-        for index, metrics in in_order(dispatch(), self.max_in_flight if callbacks.async_test else 0):
+        return in_order(dispatch(), self.max_in_flight if getattr(callbacks, f"async_{kind}") else 0)
+
+    def evaluate(self, dataset: Any, batch_size: int, steps: int | None, callbacks) -> dict[str, float]:
+        """The loss and metrics over ``dataset`` (exact: masked totals over every real row)."""
+        callbacks.on_test_begin()
+        totals, order = None, self.owner.log_order
+        for index, _, metrics in self._inference("test", dataset, batch_size, steps, callbacks):
             totals = metrics_lib.merge(totals, host_metrics(metrics))
-            if batch_end.active:
-                batch_end(index, metrics_lib.compute(totals, owner.log_order))
-        logs = metrics_lib.compute(totals, owner.log_order)
+            if callbacks.on_test_batch_end.active:
+                callbacks.on_test_batch_end(index, metrics_lib.compute(totals, order))
+        logs = metrics_lib.compute(totals, order)
         callbacks.on_test_end(logs)
         return logs
 
     def predict(self, dataset: Any, batch_size: int, steps: int | None, callbacks) -> PyTree:
         """The model's outputs, one row per real input row (padding removed)."""
-        owner = self.owner
-        predict_fn = owner.function("predict")
+        strategy = self.owner.strategy
         callbacks.on_predict_begin()
-        batch_begin, batch_end = callbacks.on_predict_batch_begin, callbacks.on_predict_batch_end
-
-        def dispatch():
-            for index, host_batch in enumerate(itertools.islice(dataset.batches(batch_size, **process_slice()), steps)):
-                if batch_begin.active:
-                    batch_begin(index)
-                outputs = predict_fn(owner.state, owner.strategy.put_batch(host_batch))
-                yield index, outputs, owner.strategy.real_rows(host_batch["mask"])
-
         parts = []
-        for index, outputs, rows in in_order(dispatch(), self.max_in_flight if callbacks.async_predict else 0):
-            host = jax.tree.map(lambda a, n=rows: a[:n], owner.strategy.fetch_rows(outputs))
-            parts.append(host)
-            if batch_end.active:
-                batch_end(index, {"outputs": host})
+        for index, host_batch, outputs in self._inference("predict", dataset, batch_size, steps, callbacks):
+            rows = strategy.real_rows(host_batch["mask"])
+            parts.append(jax.tree.map(lambda a, n=rows: a[:n], strategy.fetch_rows(outputs)))
+            if callbacks.on_predict_batch_end.active:
+                callbacks.on_predict_batch_end(index, {"outputs": parts[-1]})
         callbacks.on_predict_end()
         return jax.tree.map(lambda *a: np.concatenate(a), *parts)

@@ -29,7 +29,7 @@ import optax
 
 from trainkit import checkpoint as checkpoint_lib
 from trainkit import data as data_lib
-from trainkit import distributed, losses, optimizers
+from trainkit import debug, distributed, losses, optimizers
 from trainkit import metrics as metrics_lib
 from trainkit import plan as plan_lib
 from trainkit.callbacks import Callback, CallbackList, History, ProgressBar, TerminateOnNaN
@@ -176,7 +176,7 @@ class Trainer:
     @property
     def learning_rate(self) -> float:
         """The optimizer's learning rate (needs ``optax.inject_hyperparams``); settable."""
-        return float(optimizers.require_learning_rate(distributed.fetch(self._require_state().opt_state)))
+        return float(distributed.fetch(optimizers.require_learning_rate(self._require_state().opt_state)))
 
     @learning_rate.setter
     def learning_rate(self, value: float) -> None:
@@ -288,26 +288,12 @@ class Trainer:
     def lowered_text(self, sample_batch: Any = None) -> str:
         """The train step as StableHLO text, before compiler optimisation. ``sample_batch``
         defaults to the last ``fit``'s batch shape."""
-        return self._lower_train(sample_batch).as_text()
+        return debug.lower_train_step(self, sample_batch).as_text()
 
     def compiled_text(self, sample_batch: Any = None) -> str:
         """The train step as optimised HLO after partitioning: the collectives the compiler
         inserted (``all-gather``, ``reduce-scatter``, ``all-reduce``) are visible here."""
-        return self._lower_train(sample_batch).compile().as_text()
-
-    def _lower_train(self, sample_batch):
-        state = self._require_state()
-        if sample_batch is not None:
-            x, y, w = data_lib.split_xyw(sample_batch)
-            batch = self.strategy.put_batch(data_lib.pad_batch(x, y, w, data_lib.num_rows(x)))
-        elif self.loop.batch_spec is not None:
-            batch = self.loop.batch_spec
-        else:
-            raise ValueError("Pass a sample batch, e.g. trainer.lowered_text((x[:32], y[:32])), or call fit first.")
-        function = self.function("train")
-        if not hasattr(function, "lower"):
-            raise TypeError(f"{type(self.strategy).__name__}.compile_train returned a function without .lower().")
-        return function.lower(_abstract(state), batch)
+        return debug.lower_train_step(self, sample_batch).compile().as_text()
 
     # ------------------------------------------------------------------ planning
     def plan(
@@ -327,7 +313,7 @@ class Trainer:
         batch in any form ``fit`` takes; ``batch_size`` (default: its rows) the global batch
         to plan for. A batch without targets plans the predict step instead. ``verbose=1``
         prints the table; the recommended row is what ``strategy="auto"`` picks."""
-        dataset = data_lib.as_dataset(sample_batch)
+        dataset = data_lib.as_dataset(sample_batch)  # a dataset stays as it is
         if batch_size is None:
             batch_size = data_lib.num_rows(dataset.first(2**62)[0])
         trains = dataset.has_targets or self._custom_loss
@@ -349,13 +335,13 @@ class Trainer:
         if self.strategy is not None:
             return
         auto = self._auto
-        trains = dataset.has_targets or self._custom_loss
-        result = self.program.plan(
-            data_lib.sample_batch(dataset, batch_size),
-            auto.candidates,
-            trains=trains,
+        result = self.plan(
+            dataset,
+            batch_size=batch_size,
+            candidates=auto.candidates,
             measure=auto.measure,
             memory_limit=auto.memory_limit,
+            verbose=0,
         )
         best = result.recommended
         if best is None:
@@ -365,7 +351,7 @@ class Trainer:
                 f"strategy=tk.strategies.Auto(memory_limit=...) or a strategy.\n{result}"
             )
         self.strategy, self.last_plan = best.strategy, result
-        if best.function is not None and trains:
+        if best.function is not None and (dataset.has_targets or self._custom_loss):
             self._compiled["train"] = best.function  # compiled during the plan: not compiled again
         logger.info("strategy='auto' %s", result.reason())
         if announce and distributed.is_main_process():
