@@ -239,11 +239,7 @@ def test_backup_and_restore_converts_the_position_for_another_batch_size(tmp_pat
     resumed = make()
     with caplog.at_level(logging.WARNING, logger="trainkit"):
         resumed.fit(
-            (x, y),
-            batch_size=16,
-            epochs=2,
-            verbose=0,
-            callbacks=[BackupAndRestore(tmp_path / "backup", save_freq=2)],
+            (x, y), batch_size=16, epochs=2, verbose=0, callbacks=[BackupAndRestore(tmp_path / "backup", save_freq=2)]
         )
     assert "written with batch_size=8, this run uses 16" in caplog.text
     assert "resuming from step 2 (epoch 0, batch 1)" in caplog.text  # 2 batches of 8 = 1 of 16

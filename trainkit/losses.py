@@ -70,10 +70,7 @@ LOSSES: dict[str, LossFn] = {
 }
 
 # Losses whose targets must be integer class ids.
-SPARSE_LOSSES = (
-    sparse_categorical_crossentropy,
-    optax.softmax_cross_entropy_with_integer_labels,
-)
+SPARSE_LOSSES = (sparse_categorical_crossentropy, optax.softmax_cross_entropy_with_integer_labels)
 
 
 def get_loss(loss: str | LossFn) -> LossFn:

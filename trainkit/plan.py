@@ -63,11 +63,7 @@ _DTYPE_BYTES = {
 
 # Rough per-device throughput (flop/s, memory bytes/s, collective bytes/s) by platform, for the
 # estimate only; ``measure=True`` replaces it by real timings.
-_THROUGHPUT = {
-    "cpu": (5e10, 1e10, 5e9),
-    "gpu": (5e13, 2e12, 1e11),
-    "tpu": (1e14, 1e12, 1e11),
-}
+_THROUGHPUT = {"cpu": (5e10, 1e10, 5e9), "gpu": (5e13, 2e12, 1e11), "tpu": (1e14, 1e12, 1e11)}
 
 
 def collective_traffic(hlo_text: str) -> tuple[int, dict[str, int]]:

@@ -181,9 +181,7 @@ class Precision:
             )
             # model state (batch statistics) keeps its stored dtypes from step to step
             new_model_state = jax.tree.map(
-                lambda new, old: new.astype(old.dtype) if hasattr(old, "dtype") else new,
-                new_model_state,
-                model_state,
+                lambda new, old: new.astype(old.dtype) if hasattr(old, "dtype") else new, new_model_state, model_state
             )
             return cast_floating(outputs, self.output_dtype), new_model_state
 

@@ -46,13 +46,7 @@ class TrainState:
     def create(cls, *, params: PyTree, opt_state: PyTree, model_state: PyTree, seed: int | jax.Array) -> TrainState:
         """A fresh state at step 0 whose rng comes from ``seed``."""
         rng = jax.random.PRNGKey(seed) if isinstance(seed, int) else seed
-        return cls(
-            step=jnp.zeros((), jnp.int32),
-            params=params,
-            opt_state=opt_state,
-            model_state=model_state,
-            rng=rng,
-        )
+        return cls(step=jnp.zeros((), jnp.int32), params=params, opt_state=opt_state, model_state=model_state, rng=rng)
 
 
 def check_tree_matches(what: str, expected: PyTree, received: PyTree) -> None:

@@ -156,9 +156,7 @@ def make_train_step(
             zeros = jax.eval_shape(micro_step, state.params, state.model_state, first, rng, batch_rows, loss_scale)
             zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), (zeros[0], zeros[2]))
             (grads, model_state, metrics), _ = jax.lax.scan(
-                body,
-                (zeros[0], state.model_state, zeros[1]),
-                (jnp.arange(grad_accum_steps), micro),
+                body, (zeros[0], state.model_state, zeros[1]), (jnp.arange(grad_accum_steps), micro)
             )
         grads, metrics = _psum((grads, metrics), axis_name)  # one all-reduce
         if axis_name is not None:
@@ -175,11 +173,7 @@ def make_train_step(
             old=(state.params, state.opt_state, state.model_state, skipped),
         )
         new_state = state.replace(
-            step=state.step + 1,
-            params=params,
-            opt_state=opt_state,
-            model_state=model_state,
-            loss_scale=loss_scale,
+            step=state.step + 1, params=params, opt_state=opt_state, model_state=model_state, loss_scale=loss_scale
         )
         if log_grad_norm:  # one more pass over the gradients (free when clipping by norm)
             metrics["grad_norm"] = LastValue(value=optax.tree.norm(grads))
@@ -207,9 +201,7 @@ def make_eval_step(
     return eval_step
 
 
-def make_predict_step(
-    apply: Callable[..., tuple[Any, Any]],
-) -> Callable[[TrainState, Batch], Any]:
+def make_predict_step(apply: Callable[..., tuple[Any, Any]]) -> Callable[[TrainState, Batch], Any]:
     """The model's outputs for a batch, in inference mode (padded rows included)."""
 
     def predict_step(state: TrainState, batch: Batch):

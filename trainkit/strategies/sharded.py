@@ -124,9 +124,7 @@ class ShardedStrategy(Strategy):
 
     def _compile_inference(self, fn: Callable, abstract_state: PyTree, out_sharding) -> Callable:
         return jax.jit(
-            fn,
-            in_shardings=(self.state_sharding(abstract_state), self.batch_sharding),
-            out_shardings=out_sharding,
+            fn, in_shardings=(self.state_sharding(abstract_state), self.batch_sharding), out_shardings=out_sharding
         )
 
     def compile_eval(self, eval_fn: Callable, abstract_state: PyTree) -> Callable:
