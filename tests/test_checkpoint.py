@@ -245,3 +245,26 @@ def test_backup_and_restore_converts_the_position_for_another_batch_size(tmp_pat
     assert "resuming from step 2 (epoch 0, batch 1)" in caplog.text  # 2 batches of 8 = 1 of 16
     assert int(resumed.state.step) == 2 + 3 + 4  # the rest of epoch 0, then epoch 1
     assert not (tmp_path / "backup").exists()  # deleted once training completed
+
+
+def test_a_fixed_model_checkpoint_path_is_replaced_only_when_saving(tmp_path):
+    x, y = make_classification(64)
+    path = tmp_path / "model"
+    first = make()
+    first.fit((x, y), batch_size=16, epochs=2, verbose=0, callbacks=[ModelCheckpoint(path, monitor="loss")])
+    assert Checkpointer(path).steps() == [8]
+
+    class FailAtOnce(Callback):
+        def on_train_batch_begin(self, batch, logs=None):
+            raise RuntimeError("stop")
+
+    with pytest.raises(RuntimeError, match="stop"):  # opening the path deletes nothing
+        make().fit((x, y), batch_size=16, verbose=0, callbacks=[ModelCheckpoint(path, monitor="loss"), FailAtOnce()])
+    assert Checkpointer(path).steps() == [8]
+    second = make()
+    second.fit((x, y), batch_size=16, epochs=1, verbose=0, callbacks=[ModelCheckpoint(path, monitor="loss")])
+    assert Checkpointer(path).steps() == [4]  # the newer-by-step file of the first run was replaced
+    reader = make()
+    reader.init(x)
+    reader.load(path)
+    tree_allclose(reader.get_weights(), second.get_weights(), rtol=0, atol=0)

@@ -210,6 +210,11 @@ class Checkpointer:
     def steps(self) -> list[int]:
         return list(self._manager.all_steps())
 
+    @property
+    def last_saved(self) -> int | None:
+        """The step this object last started writing, if any."""
+        return self._last_saved
+
     def delete(self, step: int) -> None:
         """Removes the checkpoint of ``step``."""
         self._manager.delete(step)

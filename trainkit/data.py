@@ -335,3 +335,28 @@ def sample_batch(dataset: Dataset, batch_size: int) -> Batch:
     """The dataset's first ``batch_size`` rows as one padded global batch (for planning)."""
     x, y, w = dataset.first(batch_size)
     return pad_batch(x, y, w, batch_size)
+
+
+def check_positive(**values: int | None) -> None:
+    """Raises naming the first argument that is neither ``None`` (where allowed) nor a positive
+    integer: ``epochs`` must be given, the others may be ``None``."""
+    for name, value in values.items():
+        if value is None and name != "epochs":
+            continue
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+            allowed = "a positive integer" if name == "epochs" else "a positive integer or None"
+            raise ValueError(f"{name} must be {allowed}; received {name}={value!r}.")
+
+
+def epoch_steps(dataset: Dataset, batch_size: int, steps_per_epoch: int | None, epochs: int) -> int | None:
+    """Batches per epoch: the data's, capped by ``steps_per_epoch``; ``None`` when unknown (an
+    iterable without ``len``), which a one-shot iterator allows only for one epoch."""
+    steps = dataset.steps(batch_size)
+    if steps_per_epoch is not None:
+        steps = steps_per_epoch if steps is None else min(steps, steps_per_epoch)
+    if steps is None and getattr(dataset, "one_shot", False) and epochs > 1:
+        raise ValueError(
+            "A one-shot iterator (such as a generator) cannot be restarted, so with "
+            "epochs > 1 pass steps_per_epoch=N to say where an epoch ends."
+        )
+    return steps

@@ -418,11 +418,7 @@ class Trainer:
         """Trains for ``epochs`` epochs (or ``max_steps`` optimizer steps) and returns a Keras
         ``History``. Callbacks run in Keras 3's order: yours, then ``History``, then the
         progress bar (``verbose``)."""
-        if not isinstance(epochs, (int, np.integer)) or epochs < 1:
-            raise ValueError(f"epochs must be a positive integer; received epochs={epochs!r}.")
-        for name, value in (("steps_per_epoch", steps_per_epoch), ("max_steps", max_steps)):
-            if value is not None and (not isinstance(value, (int, np.integer)) or value < 1):
-                raise ValueError(f"{name} must be a positive integer or None; received {value!r}.")
+        data_lib.check_positive(epochs=epochs, steps_per_epoch=steps_per_epoch, max_steps=max_steps)
         dataset, batch_size = self._prepare(
             data,
             y,
@@ -442,14 +438,7 @@ class Trainer:
         validation = None
         if validation_data is not None:
             validation = self._prepare(validation_data, None, None, validation_batch_size or batch_size, targets=True)
-        steps = dataset.steps(batch_size)
-        if steps_per_epoch is not None:
-            steps = steps_per_epoch if steps is None else min(steps, steps_per_epoch)
-        if steps is None and getattr(dataset, "one_shot", False) and epochs > 1:
-            raise ValueError(
-                "A one-shot iterator (such as a generator) cannot be restarted, so with "
-                "epochs > 1 pass steps_per_epoch=N to say where an epoch ends."
-            )
+        steps = data_lib.epoch_steps(dataset, batch_size, steps_per_epoch, epochs)
         self.history = History()
         callbacks = [*callbacks, self.history]
         if verbose and distributed.is_main_process() and not any(isinstance(c, ProgressBar) for c in callbacks):

@@ -166,20 +166,19 @@ class ModelCheckpoint(MonitorCallback):
     def _checkpointer(self, filepath: str) -> Checkpointer:
         if filepath not in self._open:
             keep = (self.max_to_keep or 1) if not self._templated else 1
-            checkpointer = Checkpointer(filepath, max_to_keep=keep)
-            stale = [s for s in checkpointer.steps() if s >= self.trainer.global_step]
-            if stale:  # written by an earlier run: replaced, as Keras overwrites the file
-                logger.warning("ModelCheckpoint: replacing the checkpoint(s) %s in %s.", stale, filepath)
-                for step in stale:
-                    checkpointer.delete(step)
-            self._open[filepath] = checkpointer
+            self._open[filepath] = Checkpointer(filepath, max_to_keep=keep)
         return self._open[filepath]
 
     def _write(self, filepath: str) -> None:
         trainer = self.trainer
-        self._checkpointer(filepath).save(
-            trainer.global_step, trainer.state, trainer.manifest(), weights_only=self.save_weights_only
-        )
+        checkpointer = self._checkpointer(filepath)
+        step = trainer.global_step
+        stale = [s for s in checkpointer.steps() if s > step or (s == step and checkpointer.last_saved != step)]
+        if stale:  # from an earlier run and not older: replaced, as Keras overwrites the file
+            logger.warning("ModelCheckpoint: replacing the checkpoint(s) of step(s) %s in %s.", stale, filepath)
+            for old in stale:
+                checkpointer.delete(old)
+        checkpointer.save(step, trainer.state, trainer.manifest(), weights_only=self.save_weights_only)
         if not self._templated:
             return
         if filepath in self.saved_paths:
