@@ -123,6 +123,7 @@ def test_sample_weights_follow_keras_semantics():
             loss="sparse_categorical_crossentropy",
             optimizer=optax.sgd(0.1),
             metrics=["accuracy"],
+            weighted_metrics=["accuracy"],
             strategy=strategy,
         )
         trainer.init(x)
@@ -132,9 +133,11 @@ def test_sample_weights_follow_keras_semantics():
     per_example = optax.softmax_cross_entropy_with_integer_labels(logits, y)
     correct = np.argmax(logits, -1) == y
     for result in results:
-        # loss: sum(w * l) / rows (Keras "sum_over_batch_size"); metrics: weighted mean
+        # loss: sum(w * l) / rows (Keras "sum_over_batch_size"); metrics: unweighted means;
+        # weighted_metrics: weighted means
         assert result["loss"] == pytest.approx(float(jnp.sum(w * per_example) / 24), rel=1e-5)
-        assert result["accuracy"] == pytest.approx(float(np.sum(w * correct) / np.sum(w)), rel=1e-6)
+        assert result["accuracy"] == pytest.approx(float(np.mean(correct)), rel=1e-6)
+        assert result["weighted_accuracy"] == pytest.approx(float(np.sum(w * correct) / np.sum(w)), rel=1e-6)
 
 
 class Tagger(nn.Module):

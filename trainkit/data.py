@@ -360,3 +360,61 @@ def epoch_steps(dataset: Dataset, batch_size: int, steps_per_epoch: int | None, 
             "epochs > 1 pass steps_per_epoch=N to say where an epoch ends."
         )
     return steps
+
+
+def _arrays_only(dataset: Dataset, what: str) -> ArrayDataset:
+    if not isinstance(dataset, ArrayDataset):
+        raise ValueError(
+            f"{what} is only supported for arrays (x, y[, sample_weight]); received an iterable of batches. "
+            "Split or weight the data before batching it, or pass validation_data / per-row sample weights."
+        )
+    return dataset
+
+
+def split_validation(dataset: Dataset, validation_split: float) -> tuple[ArrayDataset, ArrayDataset]:
+    """Keras's ``validation_split``: the last ``validation_split`` fraction of the rows (before
+    any shuffling) becomes the validation set."""
+    dataset = _arrays_only(dataset, "validation_split")
+    if not 0.0 < validation_split < 1.0:
+        raise ValueError(f"validation_split must be between 0 and 1; received {validation_split!r}.")
+    n = dataset.num_examples
+    split_at = int(np.floor(n * (1.0 - validation_split)))
+    if split_at in (0, n):
+        raise ValueError(
+            f"Training data contains {n} samples, which is not sufficient to split it into a validation and "
+            f"training set as specified by `validation_split={validation_split}`. Either provide more data, or a "
+            "different value for the `validation_split` argument."
+        )
+    part = lambda tree, rows: None if tree is None else _take(tree, rows)  # noqa: E731
+    train, val = slice(0, split_at), slice(split_at, n)
+    return (
+        ArrayDataset(part(dataset.x, train), part(dataset.y, train), part(dataset.sample_weight, train)),
+        ArrayDataset(part(dataset.x, val), part(dataset.y, val), part(dataset.sample_weight, val)),
+    )
+
+
+def with_class_weight(dataset: Dataset, class_weight: dict) -> ArrayDataset:
+    """Keras's ``class_weight``: every row weighted by its class (integer labels, ``(B, 1)``
+    labels or one-hot targets), 1.0 for classes not in the dict."""
+    dataset = _arrays_only(dataset, "class_weight")
+    if not hasattr(class_weight, "items"):
+        raise ValueError(f"class_weight must be a dict of class index -> weight; received {class_weight!r}.")
+    if dataset.sample_weight is not None:
+        raise ValueError(
+            "You cannot use `class_weight` and `sample_weight` at the same time: fold the class "
+            "weights into sample_weight."
+        )
+    if dataset.y is None or len(jax.tree.leaves(dataset.y)) != 1:
+        raise ValueError("class_weight needs one array of targets; for several outputs pass sample_weight.")
+    try:
+        weights = {int(k): float(v) for k, v in class_weight.items()}
+    except (TypeError, ValueError):
+        raise ValueError(
+            f"class_weight keys must be class indices (integers); received {list(class_weight)}."
+        ) from None
+    y = np.asarray(jax.tree.leaves(dataset.y)[0])
+    if y.ndim > 1:
+        y = np.argmax(y, axis=-1) if y.shape[-1] != 1 else y[..., 0]
+    classes = np.round(y).astype(np.int64).reshape(len(y))
+    sample_weight = np.array([weights.get(int(c), 1.0) for c in classes], np.float32)
+    return ArrayDataset(dataset.x, dataset.y, sample_weight)

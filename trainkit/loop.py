@@ -93,6 +93,22 @@ def in_order(dispatched: Iterator, lag: int) -> Iterator:
     yield from pending
 
 
+def validates(epoch: int, validation_freq: int | list[int]) -> bool:
+    """Keras's ``validation_freq``: whether epoch ``epoch`` (from 0) ends with validation.
+
+    >>> [validates(e, 2) for e in range(4)], [validates(e, [1, 4]) for e in range(4)]
+    ([False, True, False, True], [True, False, False, True])
+    """
+    if isinstance(validation_freq, int) and not isinstance(validation_freq, bool) and validation_freq >= 1:
+        return (epoch + 1) % validation_freq == 0
+    if isinstance(validation_freq, (list, tuple)):
+        return epoch + 1 in validation_freq
+    raise ValueError(
+        "validation_freq must be a positive integer or a list of epochs (counted from 1); "
+        f"received {validation_freq!r}."
+    )
+
+
 def host_metrics(metrics: PyTree) -> PyTree:
     """Device metric totals -> host float64 (gathered across processes when needed)."""
     return jax.tree.map(np.float64, distributed.fetch(metrics))
@@ -162,11 +178,14 @@ class Loop:
         max_steps: int | None = None,
         shuffle: bool = True,
         seed: int = 0,
-        validation: tuple[Any, int] | None = None,
+        validation: tuple[Any, int, int | None] | None = None,
+        validation_freq: int | list[int] = 1,
         warn_non_finite: bool = True,
     ) -> dict[str, float]:
         """Trains from ``initial_epoch`` (or where a callback's ``resume_at`` says) to ``epochs``
-        and returns the last epoch's logs. Hooks follow Keras 3's ``fit`` order."""
+        and returns the last epoch's logs. Hooks follow Keras 3's ``fit`` order. ``validation``
+        is ``(dataset, batch_size, steps)``, evaluated after the epochs ``validation_freq``
+        names (an int: every that many epochs; a list: those epochs, counted from 1)."""
         self.stop_requested = self.preempted = False
         self.batch_size, self.start, self.batch_spec = batch_size, None, None
         self.position = Position(initial_epoch, 0, self.position.step)
@@ -196,8 +215,8 @@ class Loop:
                         stacklevel=3,
                     )
                     break
-                if validation is not None:
-                    val_logs = self.evaluate(*validation, None, callbacks)
+                if validation is not None and validates(epoch, validation_freq):
+                    val_logs = self.evaluate(*validation, callbacks)
                     logs.update({f"val_{k}": v for k, v in val_logs.items()})
                 self.position = Position(epoch + 1, 0, self.position.step)
                 callbacks.on_epoch_end(epoch, logs)

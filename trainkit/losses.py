@@ -33,8 +33,18 @@ def _mean_over_features(values: jax.Array) -> jax.Array:
     return values.reshape(values.shape[0], -1).mean(axis=1) if values.ndim > 1 else values
 
 
+def sparse_labels(logits: jax.Array, labels: jax.Array) -> jax.Array:
+    """Integer labels ``(B, ..., 1)`` squeezed to ``(B, ...)`` against logits ``(B, ..., C)``, as
+    Keras accepts them."""
+    if labels.ndim == logits.ndim and labels.shape[-1] == 1:
+        return labels[..., 0]
+    return labels
+
+
 def sparse_categorical_crossentropy(logits: jax.Array, labels: jax.Array) -> jax.Array:
-    """Softmax cross-entropy of logits ``(B, ..., C)`` against integer labels ``(B, ...)``."""
+    """Softmax cross-entropy of logits ``(B, ..., C)`` against integer labels ``(B, ...)`` (or
+    ``(B, ..., 1)``)."""
+    labels = sparse_labels(logits, labels)
     return _mean_over_features(optax.softmax_cross_entropy_with_integer_labels(logits, labels))
 
 

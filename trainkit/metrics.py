@@ -50,8 +50,8 @@ def _class_predictions(predictions: jax.Array) -> jax.Array:
 
 
 def sparse_categorical_accuracy(predictions: jax.Array, labels: jax.Array) -> jax.Array:
-    """1.0 where the arg-max of the logits equals the integer label."""
-    return (_class_predictions(predictions) == labels).astype(jnp.float32)
+    """1.0 where the arg-max of the logits equals the integer label (``(B,)`` or ``(B, 1)``)."""
+    return (_class_predictions(predictions) == losses.sparse_labels(predictions, labels)).astype(jnp.float32)
 
 
 def categorical_accuracy(predictions: jax.Array, one_hot: jax.Array) -> jax.Array:
@@ -67,7 +67,8 @@ def binary_accuracy(logits: jax.Array, labels: jax.Array) -> jax.Array:
 
 def accuracy(predictions: jax.Array, targets: jax.Array) -> jax.Array:
     """Keras's ``"accuracy"``: sparse, categorical or binary, chosen from the shapes."""
-    if targets.ndim == predictions.ndim - 1 and predictions.shape[-1] > 1:
+    sparse = targets.ndim == predictions.ndim - 1 or (targets.ndim == predictions.ndim and targets.shape[-1] == 1)
+    if sparse and predictions.shape[-1] > 1:
         return sparse_categorical_accuracy(predictions, targets)
     if targets.shape == predictions.shape and predictions.shape[-1] > 1:
         return categorical_accuracy(predictions, targets)
@@ -83,6 +84,7 @@ def top_k_accuracy(k: int = 5) -> MetricFn:
     """
 
     def top_k(predictions: jax.Array, labels: jax.Array) -> jax.Array:
+        labels = losses.sparse_labels(predictions, labels)
         _, best = jax.lax.top_k(predictions, k)
         return jnp.any(best == labels[..., None], axis=-1).astype(jnp.float32)
 
@@ -126,6 +128,33 @@ def get_metrics(metrics: Sequence[str | MetricFn] | None) -> dict[str, MetricFn]
         if name == "loss" or name in resolved:
             raise ValueError(f"Two metrics are named {name!r}; give each a distinct __name__.")
         resolved[name] = fn
+    return resolved
+
+
+class Weighted:
+    """A metric that the sample weights apply to (Keras's ``weighted_metrics=``); metrics given
+    as ``metrics=`` count every real row once, whatever its sample weight."""
+
+    weighted = True
+
+    def __init__(self, fn: MetricFn):
+        self.fn = fn
+        self.__name__ = getattr(fn, "__name__", type(fn).__name__)
+
+    def __call__(self, predictions, targets):
+        return self.fn(predictions, targets)
+
+
+def all_metrics(metrics, weighted_metrics) -> dict[str, MetricFn]:
+    """``metrics`` (unweighted) then ``weighted_metrics`` (as :class:`Weighted`), named as Keras
+    names them: a weighted metric whose name is taken becomes ``weighted_<name>``.
+
+    >>> list(all_metrics(["mae"], ["mae", "mse"]))
+    ['mae', 'weighted_mae', 'mse']
+    """
+    resolved = get_metrics(metrics)
+    for name, fn in get_metrics(weighted_metrics).items():
+        resolved[f"weighted_{name}" if name in resolved else name] = Weighted(fn)
     return resolved
 
 

@@ -79,14 +79,16 @@ def _loss_total(row_loss: jax.Array, batch: Batch) -> jax.Array:
 
 
 def _batch_metrics(metric_fns: Mapping[str, MetricFn], predictions, batch: Batch, loss_total) -> Metrics:
-    """Masked totals and counts of one (device-local) batch; sum them across devices."""
+    """Masked totals and counts of one (device-local) batch; sum them across devices. As in
+    Keras, sample weights apply to the loss and to ``weighted_metrics`` only; other metrics
+    count every real row once."""
     mask = batch["mask"]
     weights = _row_weights(batch)
     # The loss follows Keras: sum(loss * sample_weight) / (number of real rows).
     metrics = {"loss": WeightedAverage(total=loss_total, count=mask.sum())}
     for name, fn in metric_fns.items():
         values = _rows(fn(predictions, batch["y"]), mask.shape[0])
-        metrics[name] = WeightedAverage.from_values(values, weights)
+        metrics[name] = WeightedAverage.from_values(values, weights if getattr(fn, "weighted", False) else mask)
     return metrics
 
 

@@ -33,7 +33,7 @@ from trainkit import debug, distributed, losses, optimizers
 from trainkit import metrics as metrics_lib
 from trainkit import plan as plan_lib
 from trainkit.callbacks import Callback, CallbackList, History, ProgressBar, TerminateOnNaN
-from trainkit.loop import Loop, Position
+from trainkit.loop import Loop, Position, validates
 from trainkit.model import adapt_model
 from trainkit.precision import NoLossScale, Precision, get_precision
 from trainkit.program import Program
@@ -56,7 +56,10 @@ class Trainer:
             callable ``loss(predictions, targets)`` returning per-example values or a mean.
         optimizer: any ``optax.GradientTransformation``.
         metrics: names (``"accuracy"``, ``"top_k_accuracy"``, ...) or callables
-            ``metric(predictions, targets)``.
+            ``metric(predictions, targets)``; each real row counts once (sample weights do not
+            apply, as in Keras).
+        weighted_metrics: metrics that the sample weights (and ``class_weight``) apply to; a
+            name already in ``metrics`` is logged as ``weighted_<name>``.
         strategy: a :class:`trainkit.Strategy`, ``"auto"`` (the default: chosen from the
             compiled plan when the trainer first sees data), a name, or a
             :class:`trainkit.strategies.Auto`.
@@ -82,6 +85,7 @@ class Trainer:
         loss: str | losses.LossFn | None = None,
         optimizer: optax.GradientTransformation,
         metrics: Sequence[str | metrics_lib.MetricFn] | None = None,
+        weighted_metrics: Sequence[str | metrics_lib.MetricFn] | None = None,
         strategy: str | Strategy | Auto = "auto",
         seed: int = 0,
         params: PyTree | None = None,
@@ -106,7 +110,7 @@ class Trainer:
         self._loss_fn = None if loss is None else losses.get_loss(loss)
         self._row_loss = None if loss is None else losses.per_example(self._loss_fn)
         self.optimizer = optimizer
-        self.metric_fns = metrics_lib.get_metrics(metrics)
+        self.metric_fns = metrics_lib.all_metrics(metrics, weighted_metrics)
         self.log_order = ("loss", *self.metric_fns)
         chosen = resolve_strategy(strategy)
         self._auto = chosen if isinstance(chosen, Auto) else None
@@ -207,6 +211,11 @@ class Trainer:
     def params(self) -> PyTree:
         """The parameters as host NumPy arrays."""
         return jax.tree.map(np.asarray, distributed.fetch(self._require_state().params))
+
+    def count_params(self) -> int:
+        """The number of scalars in all variables (parameters and model state), as Keras counts."""
+        state = self._require_state()
+        return int(sum(np.prod(leaf.shape) for leaf in jax.tree.leaves((state.params, state.model_state))))
 
     def get_weights(self) -> PyTree:
         """Host copies of all variables: ``{"params": ..., **model_state}``."""
@@ -400,15 +409,19 @@ class Trainer:
 
     def fit(
         self,
-        data: Any,
+        x: Any = None,
         y: PyTree = None,
         *,
         epochs: int = 1,
         batch_size: int | None = None,
         validation_data: Any = None,
+        validation_split: float = 0.0,
+        validation_freq: int | list[int] = 1,
+        validation_steps: int | None = None,
         validation_batch_size: int | None = None,
         shuffle: bool = True,
         sample_weight: PyTree = None,
+        class_weight: dict | None = None,
         steps_per_epoch: int | None = None,
         max_steps: int | None = None,
         initial_epoch: int = 0,
@@ -416,28 +429,34 @@ class Trainer:
         verbose: int = 1,
     ) -> History:
         """Trains for ``epochs`` epochs (or ``max_steps`` optimizer steps) and returns a Keras
-        ``History``. Callbacks run in Keras 3's order: yours, then ``History``, then the
-        progress bar (``verbose``)."""
+        ``History``. Keras's arguments: ``x`` (arrays, a tuple, a dataset dict or an iterable of
+        batches), ``validation_split`` (the last fraction of the arrays), ``validation_freq``,
+        ``validation_steps``, ``class_weight``. Callbacks run in Keras 3's order: yours, then
+        ``History``, then the progress bar (``verbose``)."""
         data_lib.check_positive(epochs=epochs, steps_per_epoch=steps_per_epoch, max_steps=max_steps)
+        validates(0, validation_freq)  # a bad validation_freq is refused before anything runs
+        dataset = data_lib.as_dataset(x, y, sample_weight)
+        if validation_split and validation_data is None:
+            dataset, validation_data = data_lib.split_validation(dataset, validation_split)
+        if class_weight is not None:
+            dataset = data_lib.with_class_weight(dataset, class_weight)
+        loop_config = {
+            "epochs": epochs,
+            "shuffle": shuffle,
+            "steps_per_epoch": steps_per_epoch,
+            "max_steps": max_steps,
+            "initial_epoch": initial_epoch,
+        }
         dataset, batch_size = self._prepare(
-            data,
-            y,
-            sample_weight,
-            batch_size,
-            targets=True,
-            training=True,
-            announce=bool(verbose),
-            config={
-                "epochs": epochs,
-                "shuffle": shuffle,
-                "steps_per_epoch": steps_per_epoch,
-                "max_steps": max_steps,
-                "initial_epoch": initial_epoch,
-            },
+            dataset, None, None, batch_size, targets=True, training=True, announce=bool(verbose), config=loop_config
         )
         validation = None
         if validation_data is not None:
-            validation = self._prepare(validation_data, None, None, validation_batch_size or batch_size, targets=True)
+            data_lib.check_positive(validation_steps=validation_steps)
+            validation = (
+                *self._prepare(validation_data, None, None, validation_batch_size or batch_size, targets=True),
+                validation_steps,
+            )
         steps = data_lib.epoch_steps(dataset, batch_size, steps_per_epoch, epochs)
         self.history = History()
         callbacks = [*callbacks, self.history]
@@ -461,13 +480,14 @@ class Trainer:
             shuffle=shuffle,
             seed=self.seed,
             validation=validation,
+            validation_freq=validation_freq,
             warn_non_finite=no_nan_guard,
         )
         return self.history
 
     def evaluate(
         self,
-        data: Any,
+        x: Any = None,
         y: PyTree = None,
         *,
         batch_size: int | None = None,
@@ -479,13 +499,13 @@ class Trainer:
         """The loss and metrics over the whole dataset, exact for any device count:
         ``{"loss": float, "accuracy": float, ...}``. ``verbose`` is accepted for Keras
         compatibility; evaluation prints nothing."""
-        dataset, batch_size = self._prepare(data, y, sample_weight, batch_size, targets=True)
+        dataset, batch_size = self._prepare(x, y, sample_weight, batch_size, targets=True)
         params = {"verbose": verbose, "epochs": 1, "steps": dataset.steps(batch_size) if steps is None else steps}
         return self.loop.evaluate(dataset, batch_size, steps, CallbackList(callbacks, trainer=self, params=params))
 
     def predict(
         self,
-        x: Any,
+        x: Any = None,
         *,
         batch_size: int | None = None,
         steps: int | None = None,

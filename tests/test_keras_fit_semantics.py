@@ -1,0 +1,157 @@
+"""Keras 3's ``fit`` / ``evaluate`` arguments, run side by side with Keras (JAX backend) on the
+same tiny classifier (weights copied across, SGD, no shuffling): ``validation_split``,
+``validation_freq``, ``validation_steps``, ``class_weight``, ``(n, 1)`` integer labels, the
+``x=`` / ``y=`` keywords and ``count_params`` (ported from ``keras/src/trainers/trainer_test.py``
+and ``data_adapters/*_test.py``). Part of the work on Keras's fit semantics; the rest (weighted
+metrics, multi-output losses, more loss and metric names) is still open."""
+
+import flax.linen as nn
+import numpy as np
+import optax
+import pytest
+
+import trainkit as tk
+
+keras = pytest.importorskip("keras")
+
+N, BATCH = 50, 16
+
+
+@pytest.fixture(scope="module")
+def data():
+    rng = np.random.default_rng(1)
+    x = rng.normal(size=(N, 4)).astype("float32")
+    y = (x[:, 0] > 0).astype("int32") + (x[:, 1] > 0.5).astype("int32")
+    return x, y
+
+
+def twins(lr=0.1):
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3)])
+    model.compile(
+        optimizer=keras.optimizers.SGD(lr),
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        metrics=["accuracy"],
+    )
+    kernel, bias = model.get_weights()
+    trainer = tk.Trainer(
+        nn.Dense(3),
+        loss="sparse_categorical_crossentropy",
+        optimizer=optax.sgd(lr),
+        metrics=["accuracy"],
+        strategy="single",
+        params={"kernel": kernel, "bias": bias},
+    )
+    return model, trainer
+
+
+def fit_both(x, y, epochs=3, **kwargs):
+    model, trainer = twins()
+    fit = {"epochs": epochs, "batch_size": BATCH, "shuffle": False, "verbose": 0, **kwargs}
+    return model.fit(x, y, **fit).history, trainer.fit(x, y, **fit).history, model, trainer
+
+
+def assert_histories_match(ours, theirs):
+    assert sorted(ours) == sorted(theirs)
+    for name in theirs:
+        np.testing.assert_allclose(ours[name], theirs[name], rtol=2e-5, atol=1e-6, err_msg=name)
+
+
+def test_validation_split_takes_the_last_rows_before_shuffling(data):
+    x, y = data
+    theirs, ours, _, _ = fit_both(x, y, validation_split=0.3)
+    assert len(ours["val_loss"]) == 3
+    assert_histories_match(ours, theirs)
+
+
+@pytest.mark.parametrize("freq", [2, [1, 3]])
+def test_validation_freq(data, freq):
+    x, y = data
+    theirs, ours, _, _ = fit_both(x[:40], y[:40], epochs=4, validation_data=(x[40:], y[40:]), validation_freq=freq)
+    assert len(ours["val_loss"]) == 2 and len(ours["loss"]) == 4
+    assert_histories_match(ours, theirs)
+
+
+def test_validation_steps(data):
+    x, y = data
+    theirs, ours, _, _ = fit_both(x[:30], y[:30], validation_data=(x[30:], y[30:]), validation_steps=1)
+    assert_histories_match(ours, theirs)
+
+
+def test_class_weight(data):
+    x, y = data
+    weights = {0: 0.5, 1: 2.0, 2: 1.0}
+    theirs, ours, _, _ = fit_both(x, y, class_weight=weights)
+    assert_histories_match(ours, theirs)
+    unweighted = twins()[1].fit(x, y, epochs=3, batch_size=BATCH, shuffle=False, verbose=0).history
+    assert unweighted["loss"] != pytest.approx(ours["loss"])  # the weights changed something
+
+
+def test_integer_labels_of_shape_n_by_1(data):
+    x, y = data
+    theirs, ours, model, trainer = fit_both(x, y[:, None])
+    assert_histories_match(ours, theirs)
+    keras_eval = model.evaluate(x, y[:, None], batch_size=BATCH, verbose=0, return_dict=True)
+    ours_eval = trainer.evaluate(x, y[:, None], batch_size=BATCH)
+    assert ours_eval == pytest.approx(keras_eval, rel=2e-5)
+
+
+def test_keyword_arguments_as_keras_spells_them(data):
+    x, y = data
+    model, trainer = twins()
+    history = trainer.fit(x=x, y=y, epochs=1, batch_size=BATCH, shuffle=False, verbose=0)
+    model.fit(x=x, y=y, epochs=1, batch_size=BATCH, shuffle=False, verbose=0)
+    assert trainer.evaluate(x=x, y=y, batch_size=BATCH)["loss"] == pytest.approx(
+        model.evaluate(x=x, y=y, batch_size=BATCH, verbose=0, return_dict=True)["loss"], rel=2e-5
+    )
+    assert trainer.predict(x=x).shape == (N, 3) and len(history.epoch) == 1
+
+
+def test_count_params_counts_what_keras_counts(data):
+    model, trainer = twins()
+    trainer.init(data[0])
+    assert trainer.count_params() == model.count_params() == 4 * 3 + 3
+
+
+def test_keras_refusals(data, tmp_path):
+    x, y = data
+    model, trainer = twins()
+    weights = np.ones(N, np.float32)
+    with pytest.raises(ValueError, match="`class_weight` and `sample_weight`"):
+        model.fit(x, y, sample_weight=weights, class_weight={0: 1.0}, verbose=0)
+    with pytest.raises(ValueError, match="`class_weight` and `sample_weight`"):
+        trainer.fit(x, y, sample_weight=weights, class_weight={0: 1.0}, verbose=0)
+    with pytest.raises(ValueError, match="not sufficient to split"):
+        trainer.fit(x[:2], y[:2], validation_split=0.6, verbose=0)
+    with pytest.raises(ValueError, match="validation_split is only supported for arrays"):
+        trainer.fit([(x[:16], y[:16])], validation_split=0.5, verbose=0)
+    with pytest.raises(ValueError, match="validation_freq must be a positive integer"):
+        trainer.fit(x, y, validation_freq=0, verbose=0)
+    assert trainer.state is None  # all refused before anything was built
+
+
+def test_sample_weights_apply_to_weighted_metrics_only(data):
+    x, y = data
+    w = np.linspace(0.0, 2.0, N).astype("float32")
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3)])
+    model.compile(
+        optimizer=keras.optimizers.SGD(0.1),
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        metrics=["accuracy"],
+        weighted_metrics=["accuracy"],
+    )
+    kernel, bias = model.get_weights()
+    trainer = tk.Trainer(
+        nn.Dense(3),
+        loss="sparse_categorical_crossentropy",
+        optimizer=optax.sgd(0.1),
+        metrics=["accuracy"],
+        weighted_metrics=["accuracy"],
+        strategy="single",
+        params={"kernel": kernel, "bias": bias},
+    )
+    theirs = model.fit(x, y, sample_weight=w, epochs=2, batch_size=BATCH, shuffle=False, verbose=0).history
+    ours = trainer.fit(x, y, sample_weight=w, epochs=2, batch_size=BATCH, shuffle=False, verbose=0).history
+    assert sorted(ours) == ["accuracy", "loss", "weighted_accuracy"]
+    assert_histories_match(ours, theirs)
