@@ -119,7 +119,7 @@ def main(argv=None) -> int:
     seconds = time.perf_counter() - start
     if trainer.last_plan is not None and not args.verbose:  # fit printed it when verbose
         print(f"strategy='auto' {trainer.last_plan.reason()}")
-    result = trainer.evaluate((images[test], labels[test]), batch_size=128)
+    result = trainer.evaluate((images[test], labels[test]), batch_size=128, return_dict=True)
     predictions = trainer.predict(images[test], batch_size=128)
     assert predictions.shape == (len(test), 10)
     print(

@@ -35,7 +35,7 @@ def test_documented_custom_strategy_matches_single_device():
         )
         trainer.fit((x, y), batch_size=16, epochs=2, shuffle=True, verbose=0)
         params.append(trainer.params)
-        evals.append(trainer.evaluate((x, y), batch_size=24))
+        evals.append(trainer.evaluate((x, y), batch_size=24, return_dict=True))
     tree_allclose(params[0], params[1], rtol=1e-5, atol=1e-6)
     assert evals[0]["loss"] == pytest.approx(evals[1]["loss"], rel=1e-5)
     sharded = namespace["JitDataParallel"]().put_batch({"x": x[:16]})["x"]

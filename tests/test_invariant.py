@@ -99,7 +99,10 @@ def test_evaluate_and_predict_exact_on_every_strategy(trained, name, n):
     x, y = make_classification(n, seed=n)
     single, other = trained["single"][0], trained[name][0]
     other.set_weights(single.get_weights())  # the same parameters on both
-    e1, e8 = single.evaluate((x, y), batch_size=16), other.evaluate((x, y), batch_size=16)
+    e1, e8 = (
+        single.evaluate((x, y), batch_size=16, return_dict=True),
+        other.evaluate((x, y), batch_size=16, return_dict=True),
+    )
     assert e1.keys() == e8.keys() == {"loss", "accuracy"}
     for k in e1:
         assert e1[k] == pytest.approx(e8[k], rel=1e-6)
@@ -127,7 +130,7 @@ def test_sample_weights_follow_keras_semantics():
             strategy=strategy,
         )
         trainer.init(x)
-        results.append(trainer.evaluate((x, y, w), batch_size=16))
+        results.append(trainer.evaluate((x, y, w), batch_size=16, return_dict=True))
     params = tk.Trainer(MLP(), loss="mse", optimizer=optax.sgd(0.1), strategy="dp").init(x).params
     logits = MLP().apply({"params": jax.device_get(params)}, x)
     per_example = optax.softmax_cross_entropy_with_integer_labels(logits, y)

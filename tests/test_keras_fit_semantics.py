@@ -92,7 +92,7 @@ def test_integer_labels_of_shape_n_by_1(data):
     theirs, ours, model, trainer = fit_both(x, y[:, None])
     assert_histories_match(ours, theirs)
     keras_eval = model.evaluate(x, y[:, None], batch_size=BATCH, verbose=0, return_dict=True)
-    ours_eval = trainer.evaluate(x, y[:, None], batch_size=BATCH)
+    ours_eval = trainer.evaluate(x, y[:, None], batch_size=BATCH, return_dict=True)
     assert ours_eval == pytest.approx(keras_eval, rel=2e-5)
 
 
@@ -101,8 +101,8 @@ def test_keyword_arguments_as_keras_spells_them(data):
     model, trainer = twins()
     history = trainer.fit(x=x, y=y, epochs=1, batch_size=BATCH, shuffle=False, verbose=0)
     model.fit(x=x, y=y, epochs=1, batch_size=BATCH, shuffle=False, verbose=0)
-    assert trainer.evaluate(x=x, y=y, batch_size=BATCH)["loss"] == pytest.approx(
-        model.evaluate(x=x, y=y, batch_size=BATCH, verbose=0, return_dict=True)["loss"], rel=2e-5
+    assert trainer.evaluate(x=x, y=y, batch_size=BATCH) == pytest.approx(
+        model.evaluate(x=x, y=y, batch_size=BATCH, verbose=0), rel=2e-5
     )
     assert trainer.predict(x=x).shape == (N, 3) and len(history.epoch) == 1
 
@@ -155,3 +155,71 @@ def test_sample_weights_apply_to_weighted_metrics_only(data):
     ours = trainer.fit(x, y, sample_weight=w, epochs=2, batch_size=BATCH, shuffle=False, verbose=0).history
     assert sorted(ours) == ["accuracy", "loss", "weighted_accuracy"]
     assert_histories_match(ours, theirs)
+
+
+def test_evaluate_returns_what_keras_returns(data):
+    x, y = data
+    model, trainer = twins()
+    trainer.init(x)
+    loss, accuracy = trainer.evaluate(x, y, batch_size=BATCH)
+    keras_loss, keras_accuracy = model.evaluate(x, y, batch_size=BATCH, verbose=0)
+    assert (loss, accuracy) == pytest.approx((keras_loss, keras_accuracy), rel=2e-5)
+    assert trainer.evaluate(x, y, batch_size=BATCH, return_dict=True) == pytest.approx(
+        model.evaluate(x, y, batch_size=BATCH, verbose=0, return_dict=True), rel=2e-5
+    )
+    loss_only = tk.Trainer(
+        nn.Dense(3), loss="sparse_categorical_crossentropy", optimizer=optax.sgd(0.1), strategy="single"
+    )
+    assert isinstance(loss_only.evaluate(x, y, batch_size=BATCH), float)  # a scalar, as Keras
+
+
+class SoftmaxHead(nn.Module):
+    """A model ported from Keras with its final softmax."""
+
+    @nn.compact
+    def __call__(self, x):
+        return nn.softmax(nn.Dense(3)(x))
+
+
+def test_a_logits_loss_fed_probabilities_warns_once(data):
+    x, y = data
+    trainer = tk.Trainer(
+        SoftmaxHead(), loss="sparse_categorical_crossentropy", optimizer=optax.sgd(0.1), strategy="single"
+    )
+    with pytest.warns(UserWarning, match="outputs look like probabilities.*from_logits=True"):
+        trainer.fit(x, y, epochs=2, batch_size=BATCH, verbose=0)
+    import warnings as warnings_module
+
+    with warnings_module.catch_warnings():
+        warnings_module.simplefilter("error")  # once per trainer
+        trainer.fit(x, y, epochs=1, batch_size=BATCH, verbose=0)
+        tk.Trainer(
+            nn.Dense(3), loss="sparse_categorical_crossentropy", optimizer=optax.sgd(0.1), strategy="single"
+        ).fit(x, y, batch_size=BATCH, verbose=0)  # logits: no warning
+
+
+def test_keras_loss_objects_and_keras_order_functions_match_keras(data):
+    x, y = data
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3, activation="softmax")])
+    model.compile(optimizer=keras.optimizers.SGD(0.1), loss="sparse_categorical_crossentropy")
+    kernel, bias = model.get_weights()
+    theirs = model.fit(x, y, epochs=2, batch_size=BATCH, shuffle=False, verbose=0).history
+    for loss in (
+        keras.losses.SparseCategoricalCrossentropy(),
+        tk.losses.keras_order(keras.losses.sparse_categorical_crossentropy),
+    ):
+        trainer = tk.Trainer(
+            SoftmaxHead(),
+            loss=loss,
+            optimizer=optax.sgd(0.1),
+            strategy="single",
+            params={"Dense_0": {"kernel": kernel, "bias": bias}},
+        )
+        ours = trainer.fit(x, y, epochs=2, batch_size=BATCH, shuffle=False, verbose=0).history
+        np.testing.assert_allclose(ours["loss"], theirs["loss"], rtol=2e-5)
+
+
+def test_stateful_keras_metric_objects_are_refused_with_the_way_out():
+    with pytest.raises(TypeError, match="stateful Keras metric object.*keras_order"):
+        tk.Trainer(nn.Dense(3), loss="mse", optimizer=optax.sgd(0.1), metrics=[keras.metrics.MeanAbsoluteError()])

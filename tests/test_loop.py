@@ -139,7 +139,7 @@ def test_auto_chooses_from_the_plan_before_anything_runs(xy, first):
         outputs = trainer.predict(x, batch_size=16)
         assert outputs.shape == (64, 3)
     elif first == "evaluate":
-        assert set(trainer.evaluate((x, y), batch_size=16)) == {"loss"}
+        assert set(trainer.evaluate((x, y), batch_size=16, return_dict=True)) == {"loss"}
     else:
         trainer.init((x, y))
     assert isinstance(trainer.strategy, tk.Strategy)

@@ -55,7 +55,7 @@ def test_dropout_and_batch_norm_train_and_switch_to_inference():
     assert history.history["loss"][-1] < history.history["loss"][0]
     # Inference is deterministic: dropout off, running statistics used.
     np.testing.assert_array_equal(trainer.predict(x[:20]), trainer.predict(x[:20]))
-    assert trainer.evaluate((x, y))["accuracy"] > 0.8
+    assert trainer.evaluate((x, y), return_dict=True)["accuracy"] > 0.8
 
 
 class NNXClassifier(nnx.Module):
@@ -86,7 +86,7 @@ def test_nnx_module_trains_with_the_same_calls(strategy):
     assert history.history["loss"][-1] < history.history["loss"][0]
     assert "batch_stats" not in trainer.state.model_state  # NNX keeps its own names
     assert set(trainer.state.model_state["norm"]) == {"mean", "var"}
-    assert trainer.evaluate((x, y))["accuracy"] > 0.8
+    assert trainer.evaluate((x, y), return_dict=True)["accuracy"] > 0.8
     assert trainer.predict(x[:7]).shape == (7, 3)
 
 
@@ -135,7 +135,7 @@ def test_compute_loss_override_trains_without_targets():
     trainer = AutoEncoderTrainer(MLP(classes=5), optimizer=optax.adam(0.02), strategy="dp")
     history = trainer.fit(x, epochs=5, batch_size=16, verbose=0)
     assert history.history["loss"][-1] < 0.7 * history.history["loss"][0]
-    assert trainer.evaluate(x, batch_size=16)["loss"] == pytest.approx(
+    assert trainer.evaluate(x, batch_size=16, return_dict=True)["loss"] == pytest.approx(
         float(np.mean((trainer.predict(x) - x) ** 2)), rel=1e-5
     )
 
@@ -154,7 +154,7 @@ def test_fine_tuning_starts_from_given_variables():
     )
     second.init(x)
     tree_allclose(second.get_weights(), first.get_weights())
-    assert second.evaluate((x, y))["loss"] == pytest.approx(first.evaluate((x, y))["loss"], rel=1e-5)
+    assert second.evaluate((x, y)) == pytest.approx(first.evaluate((x, y)), rel=1e-5)
 
 
 def test_init_is_idempotent_and_params_are_host_arrays():

@@ -37,7 +37,7 @@ def test_bf16_reaches_the_accuracy_of_fp32_on_a_small_cnn():
             precision=precision,
         )
         trainer.fit((x[:1400], y[:1400]), epochs=10, batch_size=64, verbose=0)
-        accuracy[precision] = trainer.evaluate((x[1400:], y[1400:]))["accuracy"]
+        accuracy[precision] = trainer.evaluate((x[1400:], y[1400:]), return_dict=True)["accuracy"]
         assert jax.tree.leaves(trainer.state.params)[0].dtype == jnp.float32  # master weights
     assert accuracy["fp32"] > 0.9
     assert accuracy["bf16"] >= accuracy["fp32"] - 0.03

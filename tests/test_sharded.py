@@ -81,7 +81,7 @@ def test_mixed_layers_match_single_device(mixed, name):
     data, trainers = mixed
     tree_allclose(trainers[name].params, trainers["single"].params, rtol=2e-5, atol=2e-6)
     single, other = trainers["single"], trainers[name]
-    e1, e2 = single.evaluate(data, batch_size=8), other.evaluate(data, batch_size=8)
+    e1, e2 = single.evaluate(data, batch_size=8, return_dict=True), other.evaluate(data, batch_size=8, return_dict=True)
     assert e1["loss"] == pytest.approx(e2["loss"], rel=1e-5)
     assert e1["accuracy"] == e2["accuracy"]
     np.testing.assert_allclose(

@@ -25,7 +25,7 @@ import collections
 import dataclasses
 import itertools
 import warnings
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import jax
@@ -181,11 +181,13 @@ class Loop:
         validation: tuple[Any, int, int | None] | None = None,
         validation_freq: int | list[int] = 1,
         warn_non_finite: bool = True,
+        first_step: Callable[[dict], None] | None = None,
     ) -> dict[str, float]:
         """Trains from ``initial_epoch`` (or where a callback's ``resume_at`` says) to ``epochs``
         and returns the last epoch's logs. Hooks follow Keras 3's ``fit`` order. ``validation``
         is ``(dataset, batch_size, steps)``, evaluated after the epochs ``validation_freq``
-        names (an int: every that many epochs; a list: those epochs, counted from 1)."""
+        names (an int: every that many epochs; a list: those epochs, counted from 1).
+        ``first_step`` receives the host metric totals of this fit's first step."""
         self.stop_requested = self.preempted = False
         self.batch_size, self.start, self.batch_spec = batch_size, None, None
         self.position = Position(initial_epoch, 0, self.position.step)
@@ -204,8 +206,15 @@ class Loop:
                 )
                 limit = None if steps is None else max(steps - first, 0)
                 ran, logs = self._train_epoch(
-                    train_fn, itertools.islice(batches, limit), callbacks, max_steps, warn_non_finite, read_ahead
+                    train_fn,
+                    itertools.islice(batches, limit),
+                    callbacks,
+                    max_steps,
+                    warn_non_finite,
+                    read_ahead,
+                    first_step,
                 )
+                first_step = None
                 if self.preempted:
                     break
                 if ran == 0 and first == 0:
@@ -231,7 +240,7 @@ class Loop:
         return logs
 
     def _train_epoch(
-        self, train_fn, batches: Iterable, callbacks, max_steps, warn_non_finite, read_ahead
+        self, train_fn, batches: Iterable, callbacks, max_steps, warn_non_finite, read_ahead, first_step=None
     ) -> tuple[int, dict]:
         owner, epoch = self.owner, self.position.epoch
         batch_begin, batch_end = callbacks.on_train_batch_begin, callbacks.on_train_batch_end
@@ -271,6 +280,8 @@ class Loop:
         lag = self.max_in_flight if callbacks.async_train else 0
         for record, metrics in in_order(dispatch(), lag):
             metrics = host_metrics(metrics)
+            if first_step is not None and ran == 0:
+                first_step(metrics)
             if warn_non_finite and not np.isfinite(metrics["loss"].total):
                 warn_non_finite = False  # once per epoch
                 warnings.warn(

@@ -2,7 +2,9 @@
 
 A loss is ``loss(predictions, targets)`` in optax's argument order, returning per-example
 values (shape ``(batch, ...)``) or a scalar mean. Built-in names expect *logits* for the
-cross-entropies, as Flax models usually output them.
+cross-entropies, as Flax models usually output them. Keras's order ``fn(y_true, y_pred)`` is
+taken from a Keras loss object (``keras.losses.SparseCategoricalCrossentropy(from_logits=False)``,
+JAX backend) or a function wrapped in :func:`keras_order`.
 
 >>> import jax.numpy as jnp
 >>> loss = get_loss("mse")
@@ -83,8 +85,58 @@ LOSSES: dict[str, LossFn] = {
 SPARSE_LOSSES = (sparse_categorical_crossentropy, optax.softmax_cross_entropy_with_integer_labels)
 
 
+# Losses that take logits: trainkit warns once when a model feeds them probabilities.
+LOGITS_LOSSES = (
+    sparse_categorical_crossentropy,
+    categorical_crossentropy,
+    binary_crossentropy,
+    optax.softmax_cross_entropy_with_integer_labels,
+    optax.softmax_cross_entropy,
+    optax.sigmoid_binary_cross_entropy,
+)
+
+
+def keras_order(fn: Callable) -> LossFn:
+    """A loss or metric written for Keras, ``fn(y_true, y_pred)``, in trainkit's (optax's)
+    order ``(predictions, targets)``.
+
+    >>> import jax.numpy as jnp
+    >>> mae = keras_order(lambda y_true, y_pred: jnp.abs(y_true - y_pred).mean(axis=-1))
+    >>> mae.__name__, mae(jnp.array([[3.0]]), jnp.array([[1.0]])).tolist()
+    ('<lambda>', [2.0])
+    """
+
+    def swapped(predictions, targets):
+        return fn(targets, predictions)
+
+    swapped.__name__ = getattr(fn, "__name__", None) or getattr(fn, "name", None) or type(fn).__name__
+    return swapped
+
+
+def _is_keras_object(obj: Any) -> bool:
+    return type(obj).__module__.startswith("keras") and hasattr(obj, "call")
+
+
+def _from_keras_loss(loss: Any) -> LossFn:
+    """A Keras loss object's unreduced ``call(y_true, y_pred)``; trainkit applies the mask, the
+    sample weights and Keras's ``sum_over_batch_size`` reduction itself."""
+    import keras
+
+    if keras.backend.backend() != "jax":
+        raise ValueError(
+            f"A Keras loss object ({type(loss).__name__}) runs inside trainkit's JAX step only with Keras's JAX "
+            f"backend; this Keras uses {keras.backend.backend()!r}. Set KERAS_BACKEND=jax before importing keras."
+        )
+    fn = keras_order(loss.call)
+    fn.__name__ = getattr(loss, "name", None) or type(loss).__name__
+    return fn
+
+
 def get_loss(loss: str | LossFn) -> LossFn:
-    """A loss function from a name or a callable; unknown names list the known ones."""
+    """A loss function from a name, a callable ``(predictions, targets)``, or a Keras loss
+    object; unknown names list the known ones."""
+    if _is_keras_object(loss):
+        return _from_keras_loss(loss)
     if callable(loss):
         return loss
     if isinstance(loss, str) and loss in LOSSES:
@@ -114,6 +166,25 @@ def per_example(loss: LossFn) -> LossFn:
         return _mean_over_features(out)
 
     return values
+
+
+def looks_like_probabilities(outputs: jax.Array, targets: Any = None) -> jax.Array:
+    """1.0 for each row whose outputs look like probabilities rather than logits: non-negative
+    and summing to 1 (several classes), or inside ``[0, 1]`` (one output). Only the first
+    position of each row is read (a sequence model's first token), so the check stays cheap.
+
+    >>> looks_like_probabilities(jnp.array([[0.2, 0.8], [2.0, -1.0]])).tolist()
+    [1.0, 0.0]
+    """
+    outputs = jnp.asarray(outputs)
+    if outputs.ndim == 1:
+        outputs = outputs[:, None]
+    first = outputs.reshape(outputs.shape[0], -1, outputs.shape[-1])[:, 0, :].astype(jnp.float32)
+    if first.shape[-1] == 1:
+        flags = (first >= 0) & (first <= 1)
+    else:
+        flags = (first >= 0) & (jnp.abs(first.sum(axis=-1, keepdims=True) - 1) < 1e-3)
+    return jnp.all(flags, axis=1).astype(jnp.float32)
 
 
 def check_targets(loss: LossFn, targets: Any) -> None:

@@ -109,6 +109,12 @@ def get_metrics(metrics: Sequence[str | MetricFn] | None) -> dict[str, MetricFn]
     """Named per-example metric functions; unknown names list the known ones."""
     resolved: dict[str, MetricFn] = {}
     for metric in metrics or ():
+        if type(metric).__module__.startswith("keras") and hasattr(metric, "update_state"):
+            raise TypeError(
+                f"{type(metric).__name__} is a stateful Keras metric object, which cannot run inside trainkit's "
+                "compiled step. Pass its name (e.g. 'accuracy'), or a function of (predictions, targets); a "
+                "function written for Keras's (y_true, y_pred) order goes through tk.losses.keras_order(fn)."
+            )
         if isinstance(metric, str):
             if metric not in METRICS:
                 raise ValueError(
@@ -161,8 +167,9 @@ def all_metrics(metrics, weighted_metrics) -> dict[str, MetricFn]:
 def compute(totals: dict[str, clu.metrics.Metric], order: Sequence[str] = ("loss",)) -> dict[str, float]:
     """Python floats ``total / count`` for each metric (a ``WeightedAverage`` or a
     ``clu.metrics.LastValue``; NaN where nothing was counted), the names in ``order`` first
-    (pytrees sort dict keys; logs keep the user's order)."""
-    names = [n for n in order if n in totals] + [n for n in totals if n not in order]
+    (pytrees sort dict keys; logs keep the user's order); names starting with ``_`` are
+    trainkit's own probes, not logged."""
+    names = [n for n in order if n in totals] + [n for n in totals if n not in order and not n.startswith("_")]
     return {
         name: float(totals[name].total / totals[name].count) if float(totals[name].count) else float("nan")
         for name in names

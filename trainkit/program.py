@@ -47,6 +47,8 @@ class Program:
         optimizer, metric_fns, precision, grad_accum_steps, log_grad_norm, seed: as the
             :class:`trainkit.Trainer` arguments.
         variables: variables to start from (fine-tuning), or ``None``.
+        probes: ``{"_name": fn(outputs, targets) -> per-row values}`` the train step also
+            averages (not logged; the Trainer reads them after the first step).
     """
 
     def __init__(
@@ -62,11 +64,13 @@ class Program:
         log_grad_norm: bool = False,
         seed: int = 0,
         variables: PyTree = None,
+        probes: Mapping[str, Callable] | None = None,
     ):
         self.adapter, self.compute_loss, self.apply = adapter, compute_loss, apply
         self.optimizer, self.metric_fns, self.precision = optimizer, metric_fns, precision
         self.grad_accum_steps, self.log_grad_norm, self.seed = grad_accum_steps, log_grad_norm, seed
         self.variables = variables
+        self.probes = dict(probes or {})  # per-row checks logged by the train step under "_" names
 
     # ------------------------------------------------------------------ the initial state
     def init_state(self, variables: PyTree, first_row: PyTree) -> TrainState:
@@ -93,7 +97,7 @@ class Program:
             step = make_train_step(
                 self.compute_loss,
                 self.optimizer,
-                self.metric_fns,
+                {**self.metric_fns, **self.probes},
                 axis,
                 grad_accum_steps=self.grad_accum_steps,
                 log_grad_norm=self.log_grad_norm,

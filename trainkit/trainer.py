@@ -10,7 +10,8 @@ iteration to :class:`trainkit.loop.Loop`, planning to :mod:`trainkit.plan`, byte
 >>> trainer = Trainer(nn.Dense(2), loss="sparse_categorical_crossentropy",
 ...                   optimizer=optax.adam(0.1), metrics=["accuracy"], strategy="single")
 >>> history = trainer.fit((x, y), epochs=3, batch_size=16, verbose=0)
->>> len(history.history["loss"]), trainer.evaluate((x, y))["accuracy"] > 0.8
+>>> loss, accuracy = trainer.evaluate((x, y))   # as Keras; return_dict=True gives a dict
+>>> len(history.history["loss"]), accuracy > 0.8
 (3, True)
 >>> trainer.predict(x[:5]).shape
 (5, 2)
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import os
+import warnings
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -132,6 +134,7 @@ class Trainer:
             log_grad_norm=self.log_grad_norm,
             seed=self.seed,
             variables=params,
+            probes={"_probabilities": losses.looks_like_probabilities} if self._logits_loss else None,
         )
         self.state: TrainState | None = None
         self.input_spec: PyTree | None = None
@@ -139,6 +142,7 @@ class Trainer:
         self.loop = Loop(self)
         self.history: History | None = None
         self.last_plan: plan_lib.MemoryPlan | None = None  # the plan strategy="auto" chose from
+        self._warned_probabilities = False
 
     # ------------------------------------------------------------------ override points
     def apply(self, params: PyTree, model_state: PyTree, x: PyTree, *, rng: jax.Array, train: bool):
@@ -161,6 +165,26 @@ class Trainer:
     @property
     def _custom_loss(self) -> bool:
         return type(self).compute_loss is not Trainer.compute_loss
+
+    @property
+    def _logits_loss(self) -> bool:
+        return not self._custom_loss and self._loss_fn in losses.LOGITS_LOSSES
+
+    def _check_first_step(self, metrics: dict) -> None:
+        """Warns once when a loss that takes logits received outputs that look like
+        probabilities (a model ported from Keras with a final softmax or sigmoid)."""
+        probe = metrics.get("_probabilities")
+        if probe is None or self._warned_probabilities or not probe.count or probe.total < probe.count:
+            return
+        self._warned_probabilities = True
+        name = getattr(self._loss_fn, "__name__", self._loss_fn)
+        warnings.warn(
+            f"The model's outputs look like probabilities (every row non-negative and summing to 1, or in [0, 1] "
+            f"for one output), but the loss {name!r} takes logits: trainkit's cross-entropies are Keras's with "
+            "from_logits=True, so this trains on another loss than Keras would. Remove the final softmax / "
+            "sigmoid, or pass a Keras loss object such as keras.losses.SparseCategoricalCrossentropy().",
+            stacklevel=4,
+        )
 
     # ------------------------------------------------------------------ what callbacks use
     @property
@@ -482,6 +506,7 @@ class Trainer:
             validation=validation,
             validation_freq=validation_freq,
             warn_non_finite=no_nan_guard,
+            first_step=self._check_first_step if self._logits_loss else None,
         )
         return self.history
 
@@ -495,13 +520,21 @@ class Trainer:
         steps: int | None = None,
         callbacks: Iterable[Callback] = (),
         verbose: int = 0,
-    ) -> dict[str, float]:
-        """The loss and metrics over the whole dataset, exact for any device count:
-        ``{"loss": float, "accuracy": float, ...}``. ``verbose`` is accepted for Keras
-        compatibility; evaluation prints nothing."""
+        return_dict: bool = False,
+    ) -> float | list[float] | dict[str, float]:
+        """The loss and metrics over the whole dataset, exact for any device count. As Keras:
+        the loss alone (no metrics) or ``[loss, *metrics]`` in the compiled order, and with
+        ``return_dict=True`` the dict ``{"loss": ..., "accuracy": ...}``. ``verbose`` is accepted
+        for Keras compatibility; evaluation prints nothing."""
         dataset, batch_size = self._prepare(x, y, sample_weight, batch_size, targets=True)
         params = {"verbose": verbose, "epochs": 1, "steps": dataset.steps(batch_size) if steps is None else steps}
-        return self.loop.evaluate(dataset, batch_size, steps, CallbackList(callbacks, trainer=self, params=params))
+        logs = self.loop.evaluate(dataset, batch_size, steps, CallbackList(callbacks, trainer=self, params=params))
+        if return_dict:
+            return logs
+        values = [logs[k] for k in self.log_order if k in logs] + [
+            v for k, v in sorted(logs.items()) if k not in self.log_order
+        ]
+        return values[0] if len(values) == 1 else values
 
     def predict(
         self,

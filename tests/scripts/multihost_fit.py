@@ -75,7 +75,7 @@ def main():
             results[f"{name}/loss"] = np.asarray(history.history["loss"])
         if args.save:
             trainer.save(args.save)
-        results[f"{name}/eval"] = np.asarray(list(trainer.evaluate((x, y), batch_size=24).values()))
+        results[f"{name}/eval"] = np.asarray(trainer.evaluate((x, y), batch_size=24))
         results[f"{name}/predict"] = trainer.predict(x, batch_size=24)
         for path, leaf in jax.tree_util.tree_leaves_with_path(trainer.params):
             results[f"{name}/{jax.tree_util.keystr(path)}"] = leaf
