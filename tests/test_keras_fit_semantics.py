@@ -223,3 +223,89 @@ def test_keras_loss_objects_and_keras_order_functions_match_keras(data):
 def test_stateful_keras_metric_objects_are_refused_with_the_way_out():
     with pytest.raises(TypeError, match="stateful Keras metric object.*keras_order"):
         tk.Trainer(nn.Dense(3), loss="mse", optimizer=optax.sgd(0.1), metrics=[keras.metrics.MeanAbsoluteError()])
+
+
+# ---------------------------------------------------------------------- loss and metric names
+def _targets(kind, rng):
+    if kind == "probabilities":
+        logits = rng.normal(size=(N, 3))
+        return (np.exp(logits) / np.exp(logits).sum(1, keepdims=True)).astype("float32")
+    if kind == "binary":
+        return rng.integers(0, 2, size=(N, 3)).astype("float32")
+    if kind == "one_hot":
+        return np.eye(3, dtype="float32")[rng.integers(0, 3, size=N)]
+    return rng.uniform(0.1, 2.0, size=(N, 3)).astype("float32")
+
+
+LOSS_NAMES = {  # name: (targets, softmax outputs)
+    "huber": ("positive", False),
+    "log_cosh": ("positive", False),
+    "mape": ("positive", False),
+    "msle": ("positive", True),
+    "cosine_similarity": ("positive", False),
+    "kl_divergence": ("probabilities", True),
+    "poisson": ("positive", True),
+    "hinge": ("binary", False),
+    "squared_hinge": ("binary", False),
+    "categorical_hinge": ("one_hot", False),
+    "mse": ("positive", False),
+    "mae": ("positive", False),
+}
+
+
+@pytest.mark.parametrize("name", sorted(LOSS_NAMES))
+def test_loss_names_match_keras_under_padding_on_8_devices(data, name):
+    x, _ = data
+    kind, softmax = LOSS_NAMES[name]
+    y = _targets(kind, np.random.default_rng(2))
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3, activation="softmax" if softmax else None)])
+    model.compile(optimizer=keras.optimizers.SGD(0.1), loss=name)
+    kernel, bias = model.get_weights()
+    trainer = tk.Trainer(
+        SoftmaxHead() if softmax else nn.Dense(3),
+        loss=name,
+        optimizer=optax.sgd(0.1),
+        strategy=tk.DataParallel(),
+        params={"Dense_0": {"kernel": kernel, "bias": bias}} if softmax else {"kernel": kernel, "bias": bias},
+    )
+    theirs = model.evaluate(x, y, batch_size=16, verbose=0)  # 50 rows: the last batch holds 2
+    assert trainer.evaluate(x, y, batch_size=16) == pytest.approx(theirs, rel=1e-5, abs=1e-6)
+
+
+METRIC_NAMES = {  # name: targets
+    "mean_absolute_error": "positive",
+    "mean_squared_error": "positive",
+    "mape": "positive",
+    "msle": "positive",
+    "cosine_similarity": "positive",
+    "hinge": "binary",
+    "squared_hinge": "binary",
+    "categorical_hinge": "one_hot",
+    "top_k_categorical_accuracy": "one_hot",
+    "categorical_accuracy": "one_hot",
+}
+
+
+def test_metric_names_match_keras_under_padding_on_8_devices(data):
+    x, _ = data
+    for kind in sorted(set(METRIC_NAMES.values())):
+        names = sorted(n for n, k in METRIC_NAMES.items() if k == kind)
+        y = _targets(kind, np.random.default_rng(3))
+        keras.utils.set_random_seed(0)
+        model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3)])
+        model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse", metrics=names)
+        kernel, bias = model.get_weights()
+        trainer = tk.Trainer(
+            nn.Dense(3),
+            loss="mse",
+            metrics=names,
+            optimizer=optax.sgd(0.1),
+            strategy=tk.DataParallel(),
+            params={"kernel": kernel, "bias": bias},
+        )
+        theirs = model.evaluate(x, y, batch_size=16, verbose=0, return_dict=True)
+        ours = trainer.evaluate(x, y, batch_size=16, return_dict=True)
+        assert set(ours) == set(theirs)
+        for name in theirs:
+            assert ours[name] == pytest.approx(theirs[name], rel=1e-5, abs=1e-6), name

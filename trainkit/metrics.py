@@ -85,11 +85,22 @@ def top_k_accuracy(k: int = 5) -> MetricFn:
 
     def top_k(predictions: jax.Array, labels: jax.Array) -> jax.Array:
         labels = losses.sparse_labels(predictions, labels)
-        _, best = jax.lax.top_k(predictions, k)
+        _, best = jax.lax.top_k(predictions, min(k, predictions.shape[-1]))  # k >= classes: always in
         return jnp.any(best == labels[..., None], axis=-1).astype(jnp.float32)
 
     top_k.__name__ = f"top_{k}_accuracy" if k != 5 else "top_k_accuracy"
     return top_k
+
+
+def cosine_similarity(predictions: jax.Array, targets: jax.Array) -> jax.Array:
+    """The cosine of the angle between prediction and target (Keras's metric; the loss is its
+    negative)."""
+    return -losses.cosine_similarity(predictions, targets)
+
+
+def top_k_categorical_accuracy(predictions: jax.Array, one_hot: jax.Array) -> jax.Array:
+    """1.0 where the class of the one-hot target is among the 5 largest outputs."""
+    return top_k_accuracy(5)(predictions, jnp.argmax(one_hot, axis=-1))
 
 
 METRICS: dict[str, MetricFn] = {
@@ -100,8 +111,23 @@ METRICS: dict[str, MetricFn] = {
     "binary_accuracy": binary_accuracy,
     "top_k_accuracy": top_k_accuracy(5),
     "sparse_top_k_categorical_accuracy": top_k_accuracy(5),
+    "top_k_categorical_accuracy": top_k_categorical_accuracy,
     "mse": losses.mean_squared_error,
+    "mean_squared_error": losses.mean_squared_error,
     "mae": losses.mean_absolute_error,
+    "mean_absolute_error": losses.mean_absolute_error,
+    "mape": losses.mean_absolute_percentage_error,
+    "mean_absolute_percentage_error": losses.mean_absolute_percentage_error,
+    "msle": losses.mean_squared_logarithmic_error,
+    "mean_squared_logarithmic_error": losses.mean_squared_logarithmic_error,
+    "cosine_similarity": cosine_similarity,
+    "log_cosh": losses.log_cosh,
+    "logcosh": losses.log_cosh,
+    "hinge": losses.hinge,
+    "squared_hinge": losses.squared_hinge,
+    "categorical_hinge": losses.categorical_hinge,
+    "poisson": losses.poisson,
+    "kl_divergence": losses.kl_divergence,
 }
 
 
