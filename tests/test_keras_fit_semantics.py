@@ -309,3 +309,26 @@ def test_metric_names_match_keras_under_padding_on_8_devices(data):
         assert set(ours) == set(theirs)
         for name in theirs:
             assert ours[name] == pytest.approx(theirs[name], rel=1e-5, abs=1e-6), name
+
+
+def test_shuffle_batch_permutes_rows_inside_each_batch_as_keras(data):
+    x, y = data
+    from trainkit.data import ArrayDataset
+
+    dataset = ArrayDataset(x, y)
+    plain = list(dataset.batches(BATCH, shuffle=False))
+    mixed = list(dataset.batches(BATCH, shuffle="batch", seed=0, epoch=1))
+    assert len(plain) == len(mixed) == 4
+    moved = 0
+    for a, b in zip(plain, mixed):  # the same rows in every batch, in another order
+        real = int(a["mask"].sum())
+        assert int(b["mask"].sum()) == real
+        assert sorted(map(tuple, a["x"][:real].tolist())) == sorted(map(tuple, b["x"][:real].tolist()))
+        moved += not np.array_equal(a["x"], b["x"])
+    assert moved >= 3
+    model, trainer = twins()
+    ours = trainer.fit(x, y, epochs=2, batch_size=BATCH, shuffle="batch", verbose=0).history
+    theirs = twins()[1].fit(x, y, epochs=2, batch_size=BATCH, shuffle=False, verbose=0).history
+    np.testing.assert_allclose(ours["loss"], theirs["loss"], rtol=1e-5)  # a batch's mean ignores row order
+    with pytest.raises(ValueError, match="shuffle must be True, False or 'batch'"):
+        trainer.fit(x, y, shuffle="rows", verbose=0)

@@ -109,6 +109,28 @@ def pad_batch(x, y, w, batch_size: int) -> Batch:
     return batch
 
 
+def check_shuffle(shuffle: Any) -> None:
+    if shuffle not in (True, False, "batch") or isinstance(shuffle, (int, float)) and not isinstance(shuffle, bool):
+        raise ValueError(f"shuffle must be True, False or 'batch' (Keras's values); received {shuffle!r}.")
+
+
+def shuffled_order(n: int, batch_size: int, shuffle: bool | str, seed: int, epoch: int) -> np.ndarray | None:
+    """The epoch's row order: ``None`` (unshuffled), a permutation (``shuffle=True``), or, with
+    Keras's ``shuffle="batch"``, the rows of each batch permuted among themselves (the batches
+    keep their rows and their order).
+
+    >>> shuffled_order(6, 4, "batch", 0, 0).tolist()
+    [3, 2, 1, 0, 4, 5]
+    """
+    check_shuffle(shuffle)
+    if not shuffle:
+        return None
+    rng = np.random.default_rng([seed, epoch])
+    if shuffle == "batch":
+        return np.lexsort((rng.random(n), np.arange(n) // batch_size))
+    return rng.permutation(n)
+
+
 class ArrayDataset:
     """In-memory arrays, batched in a (seeded) shuffled order, last batch padded."""
 
@@ -150,7 +172,7 @@ class ArrayDataset:
         are exactly the single-process batch."""
         n = self.num_examples
         local = batch_size // process_count
-        order = np.random.default_rng([seed, epoch]).permutation(n) if shuffle else None
+        order = shuffled_order(n, batch_size, shuffle, seed, epoch)
         mine = slice(process_index * local, (process_index + 1) * local)
         for lo in range(start * batch_size, n, batch_size):
             if order is None:  # a slice (a view) of the unshuffled rows

@@ -458,7 +458,8 @@ class Trainer:
         ``validation_steps``, ``class_weight``. Callbacks run in Keras 3's order: yours, then
         ``History``, then the progress bar (``verbose``)."""
         data_lib.check_positive(epochs=epochs, steps_per_epoch=steps_per_epoch, max_steps=max_steps)
-        validates(0, validation_freq)  # a bad validation_freq is refused before anything runs
+        validates(0, validation_freq)  # a bad validation_freq or shuffle is refused before anything runs
+        data_lib.check_shuffle(shuffle)
         dataset = data_lib.as_dataset(x, y, sample_weight)
         if validation_split and validation_data is None:
             dataset, validation_data = data_lib.split_validation(dataset, validation_split)
