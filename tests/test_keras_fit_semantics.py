@@ -332,3 +332,28 @@ def test_shuffle_batch_permutes_rows_inside_each_batch_as_keras(data):
     np.testing.assert_allclose(ours["loss"], theirs["loss"], rtol=1e-5)  # a batch's mean ignores row order
     with pytest.raises(ValueError, match="shuffle must be True, False or 'batch'"):
         trainer.fit(x, y, shuffle="rows", verbose=0)
+
+
+def test_all_zero_sample_weights_report_keras_values(data):
+    x, y = data
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3)])
+    model.compile(
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        metrics=["accuracy"],
+        weighted_metrics=["accuracy"],
+    )
+    kernel, bias = model.get_weights()
+    trainer = tk.Trainer(
+        nn.Dense(3),
+        loss="sparse_categorical_crossentropy",
+        optimizer=optax.sgd(0.1),
+        metrics=["accuracy"],
+        weighted_metrics=["accuracy"],
+        strategy="single",
+        params={"kernel": kernel, "bias": bias},
+    )
+    zeros = np.zeros(N, np.float32)
+    theirs = model.evaluate(x, y, sample_weight=zeros, batch_size=BATCH, verbose=0, return_dict=True)
+    ours = trainer.evaluate(x, y, sample_weight=zeros, batch_size=BATCH, return_dict=True)
+    assert ours == pytest.approx(theirs, abs=1e-7) and ours["weighted_accuracy"] == 0.0 and ours["loss"] == 0.0

@@ -192,14 +192,23 @@ def all_metrics(metrics, weighted_metrics) -> dict[str, MetricFn]:
 
 def compute(totals: dict[str, clu.metrics.Metric], order: Sequence[str] = ("loss",)) -> dict[str, float]:
     """Python floats ``total / count`` for each metric (a ``WeightedAverage`` or a
-    ``clu.metrics.LastValue``; NaN where nothing was counted), the names in ``order`` first
-    (pytrees sort dict keys; logs keep the user's order); names starting with ``_`` are
-    trainkit's own probes, not logged."""
+    ``clu.metrics.LastValue``), the names in ``order`` first (pytrees sort dict keys; logs keep
+    the user's order); names starting with ``_`` are trainkit's own probes, not logged. Where
+    nothing was counted, a metric is 0.0 (Keras's ``divide_no_nan``, e.g. all sample weights
+    zero) and the loss is NaN (a skipped fp16 step is not an observation).
+
+    >>> compute({"loss": WeightedAverage.empty(), "mae": WeightedAverage.empty()})
+    {'loss': nan, 'mae': 0.0}
+    """
     names = [n for n in order if n in totals] + [n for n in totals if n not in order and not n.startswith("_")]
-    return {
-        name: float(totals[name].total / totals[name].count) if float(totals[name].count) else float("nan")
-        for name in names
-    }
+
+    def value(name):
+        count = float(totals[name].count)
+        if count:
+            return float(totals[name].total / totals[name].count)
+        return float("nan") if name == "loss" else 0.0
+
+    return {name: value(name) for name in names}
 
 
 def merge(a: dict[str, WeightedAverage] | None, b: dict[str, WeightedAverage]):
