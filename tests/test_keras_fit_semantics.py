@@ -357,3 +357,47 @@ def test_all_zero_sample_weights_report_keras_values(data):
     theirs = model.evaluate(x, y, sample_weight=zeros, batch_size=BATCH, verbose=0, return_dict=True)
     ours = trainer.evaluate(x, y, sample_weight=zeros, batch_size=BATCH, return_dict=True)
     assert ours == pytest.approx(theirs, abs=1e-7) and ours["weighted_accuracy"] == 0.0 and ours["loss"] == 0.0
+
+
+@pytest.mark.parametrize("strategy", ["single", "dp"])
+def test_on_batch_methods_match_keras(data, strategy):
+    x, y = data
+    model, single = twins()
+    kernel, bias = model.get_weights()
+    trainer = tk.Trainer(
+        nn.Dense(3),
+        loss="sparse_categorical_crossentropy",
+        optimizer=optax.sgd(0.1),
+        metrics=["accuracy"],
+        strategy=strategy,
+        params={"kernel": kernel, "bias": bias},
+    )
+    for rows in (slice(0, 10), slice(10, 23)):  # 10 and 13 rows: not multiples of 8 devices
+        theirs = model.train_on_batch(x[rows], y[rows])
+        ours = trainer.train_on_batch(x[rows], y[rows])
+        assert ours == pytest.approx(theirs, rel=2e-5)
+    assert trainer.test_on_batch(x[:7], y[:7], return_dict=True) == pytest.approx(
+        model.test_on_batch(x[:7], y[:7], return_dict=True), rel=2e-5
+    )
+    np.testing.assert_allclose(trainer.predict_on_batch(x[:5]), model.predict_on_batch(x[:5]), rtol=2e-5, atol=1e-6)
+    assert trainer.global_step == int(model.optimizer.iterations) == 2
+
+
+def test_summary_counts_what_keras_counts(data):
+    import io
+
+    from conftest import NoisyMLP
+    from rich.console import Console
+
+    model, trainer = twins()
+    trainer.init(data[0])
+    buffer = io.StringIO()
+    trainer.summary(console=Console(file=buffer, width=150))
+    assert "Dense" in buffer.getvalue() and f"Total params: {model.count_params():,}" in buffer.getvalue()
+    noisy = tk.Trainer(NoisyMLP(), loss="sparse_categorical_crossentropy", optimizer=optax.sgd(0.1), strategy="single")
+    noisy.init(np.zeros((2, 5), np.float32))
+    buffer = io.StringIO()
+    noisy.summary(console=Console(file=buffer, width=150))
+    text = buffer.getvalue()
+    assert "batch_stats/BatchNorm_0 (state)" in text and "non-trainable 32" in text  # mean and var of 16 features
+    assert f"Total params: {noisy.count_params():,}" in text

@@ -140,3 +140,37 @@ def lower_train_step(trainer: Any, sample_batch: Any = None) -> jax.stages.Lower
     if not hasattr(function, "lower"):
         raise TypeError(f"{type(trainer.strategy).__name__}.compile_train returned a function without .lower().")
     return function.lower(_abstract(trainer.state), batch)
+
+
+def summary_table(trainer: Any) -> Table:
+    """Keras's ``model.summary()`` for a trainer: one row per top-level submodule with its
+    variables' shapes and counts (parameters, then model state such as batch statistics), and
+    the totals in the caption."""
+    state = _state(trainer)
+    table = Table(title=f"{type(getattr(trainer, 'model', None)).__name__} (trainkit)")
+    for column in ("layer", "variables", "shapes", "params"):
+        table.add_column(column, justify="right" if column == "params" else "left", no_wrap=column == "layer")
+    totals = {}
+    for kind, tree in (("params", state.params), ("state", state.model_state)):
+        groups: dict[str, list] = {}
+        for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
+            name = leaf_name(path)  # params: layer/variable; model state: collection/layer/variable
+            if kind == "params":
+                layer, _, variable = name.partition("/")
+            else:
+                layer, _, variable = name.rpartition("/")
+            groups.setdefault(layer or "(top)", []).append((variable or name, tuple(leaf.shape)))
+        for layer, leaves in groups.items():
+            count = sum(int(np.prod(shape)) for _, shape in leaves)
+            table.add_row(
+                layer + ("" if kind == "params" else " (state)"),
+                ", ".join(n for n, _ in leaves),
+                ", ".join(str(s) for _, s in leaves),
+                f"{count:,}",
+            )
+        totals[kind] = sum(int(np.prod(leaf.shape)) for leaf in jax.tree.leaves(tree))
+    table.caption = (
+        f"Total params: {totals['params'] + totals['state']:,}  (trainable {totals['params']:,}, "
+        f"non-trainable {totals['state']:,})"
+    )
+    return table

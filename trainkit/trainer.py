@@ -241,6 +241,13 @@ class Trainer:
         state = self._require_state()
         return int(sum(np.prod(leaf.shape) for leaf in jax.tree.leaves((state.params, state.model_state))))
 
+    def summary(self, console: Any = None) -> None:
+        """Prints Keras's ``summary()``: each layer's variables, shapes and parameter counts, and
+        the totals (trainable parameters and non-trainable model state)."""
+        from rich.console import Console
+
+        (console or Console()).print(debug.summary_table(self))
+
     def get_weights(self) -> PyTree:
         """Host copies of all variables: ``{"params": ..., **model_state}``."""
         state = self._require_state()
@@ -530,12 +537,57 @@ class Trainer:
         dataset, batch_size = self._prepare(x, y, sample_weight, batch_size, targets=True)
         params = {"verbose": verbose, "epochs": 1, "steps": dataset.steps(batch_size) if steps is None else steps}
         logs = self.loop.evaluate(dataset, batch_size, steps, CallbackList(callbacks, trainer=self, params=params))
+        return self._keras_result(logs, return_dict)
+
+    def _keras_result(self, logs: dict[str, float], return_dict: bool) -> float | list[float] | dict[str, float]:
+        """Keras's return value: the dict, or the loss alone, or ``[loss, *metrics]``."""
         if return_dict:
             return logs
         values = [logs[k] for k in self.log_order if k in logs] + [
             v for k, v in sorted(logs.items()) if k not in self.log_order
         ]
         return values[0] if len(values) == 1 else values
+
+    def _one_batch_size(self, x: Any) -> int:
+        """A batch size that holds all of ``x`` in one batch the devices can split (padded)."""
+        rows = data_lib.num_rows(data_lib.split_xyw(x)[0])
+        shards = self.strategy.num_batch_shards if self.strategy is not None else 1
+        return -(-rows // shards) * shards
+
+    def train_on_batch(
+        self,
+        x: Any,
+        y: PyTree = None,
+        sample_weight: PyTree = None,
+        class_weight: dict | None = None,
+        return_dict: bool = False,
+    ) -> float | list[float] | dict[str, float]:
+        """One optimizer step on exactly these rows (Keras's ``train_on_batch``); returns that
+        batch's loss and metrics like :meth:`evaluate`. The rows are padded to a size the
+        devices can split, so any number of rows works on any strategy."""
+        self.fit(
+            x,
+            y,
+            sample_weight=sample_weight,
+            class_weight=class_weight,
+            batch_size=self._one_batch_size(x),
+            epochs=1,
+            shuffle=False,
+            verbose=0,
+        )
+        return self._keras_result({k: v[-1] for k, v in self.history.history.items()}, return_dict)
+
+    def test_on_batch(
+        self, x: Any, y: PyTree = None, sample_weight: PyTree = None, return_dict: bool = False
+    ) -> float | list[float] | dict[str, float]:
+        """The loss and metrics of exactly these rows (Keras's ``test_on_batch``)."""
+        return self.evaluate(
+            x, y, sample_weight=sample_weight, batch_size=self._one_batch_size(x), return_dict=return_dict
+        )
+
+    def predict_on_batch(self, x: Any) -> PyTree:
+        """The outputs of exactly these rows (Keras's ``predict_on_batch``)."""
+        return self.predict(x, batch_size=self._one_batch_size(x))
 
     def predict(
         self,
