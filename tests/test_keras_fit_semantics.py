@@ -401,3 +401,17 @@ def test_summary_counts_what_keras_counts(data):
     text = buffer.getvalue()
     assert "batch_stats/BatchNorm_0 (state)" in text and "non-trainable 32" in text  # mean and var of 16 features
     assert f"Total params: {noisy.count_params():,}" in text
+
+
+def test_steps_per_epoch_walks_on_through_the_data_as_keras(data):
+    x, y = data  # 50 rows in batches of 16: 4 batches per pass
+    theirs, ours, model, trainer = fit_both(x, y, epochs=3, steps_per_epoch=3)
+    assert_histories_match(ours, theirs)  # epoch 1 ends with the pass (1 batch); epoch 2 starts the next
+    for a, b in zip(jax_leaves(trainer), model.get_weights()):
+        np.testing.assert_allclose(a, b, rtol=2e-5, atol=1e-6)
+    assert trainer.global_step == int(model.optimizer.iterations) == 3 + 1 + 3
+
+
+def jax_leaves(trainer):
+    weights = trainer.get_weights()["params"]
+    return [weights["kernel"], weights["bias"]]

@@ -440,3 +440,34 @@ def with_class_weight(dataset: Dataset, class_weight: dict) -> ArrayDataset:
     classes = np.round(y).astype(np.int64).reshape(len(y))
     sample_weight = np.array([weights.get(int(c), 1.0) for c in classes], np.float32)
     return ArrayDataset(dataset.x, dataset.y, sample_weight)
+
+
+def epoch_batches(
+    dataset: Dataset,
+    batch_size: int,
+    epoch: int,
+    first: int,
+    steps: int | None,
+    *,
+    continuing: bool = False,
+    **options: Any,
+) -> Iterator[Batch]:
+    """The batches of epoch ``epoch`` from batch ``first`` on, at most ``steps`` per epoch.
+
+    ``continuing`` (Keras's ``steps_per_epoch`` smaller than the data, on arrays): an epoch
+    walks on through the pass the previous epoch left, and ends early where that pass ends;
+    the next epoch starts a new pass, shuffled by its own index. Epoch ``e`` is thus the
+    ``e % E``-th slice of ``steps`` batches of pass ``e // E`` (``E`` epochs per pass), so any
+    position ``(epoch, batch)`` maps to one batch (exact resume).
+
+    >>> data = ArrayDataset(np.arange(10.0)[:, None], np.arange(10))
+    >>> [[b["y"][0].item() for b in epoch_batches(data, 2, e, 0, 4, continuing=True)] for e in range(3)]
+    [[0, 2, 4, 6], [8], [0, 2, 4, 6]]
+    """
+    if not continuing:
+        limit = None if steps is None else max(steps - first, 0)
+        return itertools.islice(dataset.batches(batch_size, epoch=epoch, start=first, **options), limit)
+    per_pass = dataset.steps(batch_size)
+    passes, part = divmod(epoch, -(-per_pass // steps))
+    start, end = part * steps + first, min((part + 1) * steps, per_pass)
+    return itertools.islice(dataset.batches(batch_size, epoch=passes, start=start, **options), max(end - start, 0))

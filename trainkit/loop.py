@@ -31,6 +31,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from trainkit import data as data_lib
 from trainkit import distributed
 from trainkit import metrics as metrics_lib
 
@@ -182,12 +183,14 @@ class Loop:
         validation_freq: int | list[int] = 1,
         warn_non_finite: bool = True,
         first_step: Callable[[dict], None] | None = None,
+        continuing: bool = False,
     ) -> dict[str, float]:
         """Trains from ``initial_epoch`` (or where a callback's ``resume_at`` says) to ``epochs``
         and returns the last epoch's logs. Hooks follow Keras 3's ``fit`` order. ``validation``
         is ``(dataset, batch_size, steps)``, evaluated after the epochs ``validation_freq``
         names (an int: every that many epochs; a list: those epochs, counted from 1).
-        ``first_step`` receives the host metric totals of this fit's first step."""
+        ``first_step`` receives the host metric totals of this fit's first step; ``continuing``:
+        epochs walk on through the data (Keras's ``steps_per_epoch`` on arrays)."""
         self.stop_requested = self.preempted = False
         self.batch_size, self.start, self.batch_spec = batch_size, None, None
         self.position = Position(initial_epoch, 0, self.position.step)
@@ -201,18 +204,19 @@ class Loop:
                 first = start.batch if epoch == start.epoch else 0
                 self.position = Position(epoch, first, self.position.step)
                 callbacks.on_epoch_begin(epoch)
-                batches = dataset.batches(
-                    batch_size, shuffle=shuffle, seed=seed, epoch=epoch, start=first, **process_slice()
+                batches = data_lib.epoch_batches(
+                    dataset,
+                    batch_size,
+                    epoch,
+                    first,
+                    steps,
+                    continuing=continuing,
+                    shuffle=shuffle,
+                    seed=seed,
+                    **process_slice(),
                 )
-                limit = None if steps is None else max(steps - first, 0)
                 ran, logs = self._train_epoch(
-                    train_fn,
-                    itertools.islice(batches, limit),
-                    callbacks,
-                    max_steps,
-                    warn_non_finite,
-                    read_ahead,
-                    first_step,
+                    train_fn, batches, callbacks, max_steps, warn_non_finite, read_ahead, first_step
                 )
                 first_step = None
                 if self.preempted:
