@@ -25,22 +25,23 @@ def data():
     return x, y
 
 
-def twins(lr=0.1):
+def twins(lr=0.1, strategy="single", **metrics):
+    """A Keras classifier and its trainkit twin with the same weights; ``metrics`` defaults to
+    ``metrics=["accuracy"]`` and may add ``weighted_metrics=[...]`` to both."""
+    metrics = {"metrics": ["accuracy"], **metrics}
     keras.utils.set_random_seed(0)
     model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3)])
     model.compile(
-        optimizer=keras.optimizers.SGD(lr),
-        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-        metrics=["accuracy"],
+        optimizer=keras.optimizers.SGD(lr), loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True), **metrics
     )
     kernel, bias = model.get_weights()
     trainer = tk.Trainer(
         nn.Dense(3),
         loss="sparse_categorical_crossentropy",
         optimizer=optax.sgd(lr),
-        metrics=["accuracy"],
-        strategy="single",
+        strategy=strategy,
         params={"kernel": kernel, "bias": bias},
+        **metrics,
     )
     return model, trainer
 
@@ -133,24 +134,7 @@ def test_keras_refusals(data, tmp_path):
 def test_sample_weights_apply_to_weighted_metrics_only(data):
     x, y = data
     w = np.linspace(0.0, 2.0, N).astype("float32")
-    keras.utils.set_random_seed(0)
-    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3)])
-    model.compile(
-        optimizer=keras.optimizers.SGD(0.1),
-        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-        metrics=["accuracy"],
-        weighted_metrics=["accuracy"],
-    )
-    kernel, bias = model.get_weights()
-    trainer = tk.Trainer(
-        nn.Dense(3),
-        loss="sparse_categorical_crossentropy",
-        optimizer=optax.sgd(0.1),
-        metrics=["accuracy"],
-        weighted_metrics=["accuracy"],
-        strategy="single",
-        params={"kernel": kernel, "bias": bias},
-    )
+    model, trainer = twins(weighted_metrics=["accuracy"])
     theirs = model.fit(x, y, sample_weight=w, epochs=2, batch_size=BATCH, shuffle=False, verbose=0).history
     ours = trainer.fit(x, y, sample_weight=w, epochs=2, batch_size=BATCH, shuffle=False, verbose=0).history
     assert sorted(ours) == ["accuracy", "loss", "weighted_accuracy"]
@@ -336,23 +320,7 @@ def test_shuffle_batch_permutes_rows_inside_each_batch_as_keras(data):
 
 def test_all_zero_sample_weights_report_keras_values(data):
     x, y = data
-    keras.utils.set_random_seed(0)
-    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3)])
-    model.compile(
-        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-        metrics=["accuracy"],
-        weighted_metrics=["accuracy"],
-    )
-    kernel, bias = model.get_weights()
-    trainer = tk.Trainer(
-        nn.Dense(3),
-        loss="sparse_categorical_crossentropy",
-        optimizer=optax.sgd(0.1),
-        metrics=["accuracy"],
-        weighted_metrics=["accuracy"],
-        strategy="single",
-        params={"kernel": kernel, "bias": bias},
-    )
+    model, trainer = twins(weighted_metrics=["accuracy"])
     zeros = np.zeros(N, np.float32)
     theirs = model.evaluate(x, y, sample_weight=zeros, batch_size=BATCH, verbose=0, return_dict=True)
     ours = trainer.evaluate(x, y, sample_weight=zeros, batch_size=BATCH, return_dict=True)
@@ -362,16 +330,7 @@ def test_all_zero_sample_weights_report_keras_values(data):
 @pytest.mark.parametrize("strategy", ["single", "dp"])
 def test_on_batch_methods_match_keras(data, strategy):
     x, y = data
-    model, single = twins()
-    kernel, bias = model.get_weights()
-    trainer = tk.Trainer(
-        nn.Dense(3),
-        loss="sparse_categorical_crossentropy",
-        optimizer=optax.sgd(0.1),
-        metrics=["accuracy"],
-        strategy=strategy,
-        params={"kernel": kernel, "bias": bias},
-    )
+    model, trainer = twins(strategy=strategy)
     for rows in (slice(0, 10), slice(10, 23)):  # 10 and 13 rows: not multiples of 8 devices
         theirs = model.train_on_batch(x[rows], y[rows])
         ours = trainer.train_on_batch(x[rows], y[rows])
