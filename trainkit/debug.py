@@ -19,6 +19,7 @@ from rich.console import Console
 from rich.table import Table
 
 from trainkit import data as data_lib
+from trainkit.state import abstract
 from trainkit.strategies._sharding import leaf_name
 
 PyTree = Any
@@ -119,10 +120,6 @@ def visualize_leaf(trainer_or_state: Any, path: str, part: str = "params") -> No
     jax.debug.visualize_array_sharding(leaf)
 
 
-def _abstract(tree: PyTree) -> PyTree:
-    return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), tree)
-
-
 def lower_train_step(trainer: Any, sample_batch: Any = None) -> jax.stages.Lowered:
     """The trainer's compiled train step lowered for ``sample_batch`` (any form ``fit`` takes),
     or for the shapes of the last ``fit``'s batches; ``.as_text()`` is its StableHLO,
@@ -139,7 +136,7 @@ def lower_train_step(trainer: Any, sample_batch: Any = None) -> jax.stages.Lower
     function = trainer.function("train")
     if not hasattr(function, "lower"):
         raise TypeError(f"{type(trainer.strategy).__name__}.compile_train returned a function without .lower().")
-    return function.lower(_abstract(trainer.state), batch)
+    return function.lower(abstract(trainer.state), batch)
 
 
 def summary_table(trainer: Any) -> Table:

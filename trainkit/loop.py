@@ -34,6 +34,7 @@ import numpy as np
 from trainkit import data as data_lib
 from trainkit import distributed
 from trainkit import metrics as metrics_lib
+from trainkit.state import abstract
 
 PyTree = Any
 
@@ -254,9 +255,7 @@ class Loop:
                 return None
             batch = owner.strategy.put_batch(item[1])
             if self.batch_spec is None:
-                self.batch_spec = jax.tree.map(
-                    lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), batch
-                )
+                self.batch_spec = abstract(batch)
             return item[0], batch
 
         def dispatch():

@@ -49,6 +49,12 @@ class TrainState:
         return cls(step=jnp.zeros((), jnp.int32), params=params, opt_state=opt_state, model_state=model_state, rng=rng)
 
 
+def abstract(tree: PyTree) -> PyTree:
+    """``jax.ShapeDtypeStruct`` of every array, with its sharding: what lowering needs, nothing
+    allocated."""
+    return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), tree)
+
+
 def check_tree_matches(what: str, expected: PyTree, received: PyTree) -> None:
     """Raises a ``ValueError`` naming every path whose presence or shape differs.
 

@@ -40,7 +40,7 @@ from trainkit.model import adapt_model
 from trainkit.precision import NoLossScale, Precision, get_precision
 from trainkit.program import Program
 from trainkit.remat import wrap_remat
-from trainkit.state import Batch, TrainState, check_tree_matches
+from trainkit.state import Batch, TrainState, abstract, check_tree_matches
 from trainkit.strategies import Auto, Strategy, resolve_strategy
 
 PyTree = Any
@@ -322,7 +322,7 @@ class Trainer:
     def function(self, kind: str):
         """The compiled ``"train"``, ``"eval"`` or ``"predict"`` step (compiled once)."""
         if kind not in self._compiled:
-            self._compiled[kind] = self.program.compile(kind, self.strategy, _abstract(self._require_state()))
+            self._compiled[kind] = self.program.compile(kind, self.strategy, abstract(self._require_state()))
         return self._compiled[kind]
 
     def lowered_text(self, sample_batch: Any = None) -> str:
@@ -607,7 +607,3 @@ class Trainer:
         dataset, batch_size = self._prepare(x, None, None, batch_size, targets=False)
         params = {"verbose": verbose, "epochs": 1, "steps": dataset.steps(batch_size) if steps is None else steps}
         return self.loop.predict(dataset, batch_size, steps, CallbackList(callbacks, trainer=self, params=params))
-
-
-def _abstract(tree: PyTree) -> PyTree:
-    return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), tree)
