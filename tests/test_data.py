@@ -77,9 +77,12 @@ def test_predict_accepts_iterables_and_drops_padding():
     x, _ = make_classification(21)
     trainer = tk.Trainer(MLP(), loss="mse", optimizer=optax.sgd(0.1), strategy="dp")
     direct = trainer.predict(x, batch_size=8)
-    batched = trainer.predict([x[i : i + 8] for i in range(0, 21, 8)])
+    batched = trainer.predict(iter([x[i : i + 8] for i in range(0, 21, 8)]))
     assert direct.shape == batched.shape == (21, 3)
     np.testing.assert_allclose(direct, batched, rtol=1e-6)
+    # Keras predicts a generator of uneven batches: a batch larger than the first is split
+    uneven = trainer.predict((x[lo:hi] for lo, hi in [(0, 8), (8, 21)]))
+    np.testing.assert_allclose(direct, uneven, rtol=1e-6)
 
 
 def test_unsupported_data_type():

@@ -12,6 +12,7 @@ DOCS = pathlib.Path(__file__).parent.parent / "docs"
     "page",
     [
         "quickstart.md",
+        "outputs.md",
         "callbacks.md",
         "strategies.md",
         "precision_and_memory.md",

@@ -27,11 +27,15 @@ def _is_array(obj: Any) -> bool:
     return isinstance(obj, (np.ndarray, jax.Array)) or (hasattr(obj, "__array__") and hasattr(obj, "shape"))
 
 
-def _is_array_tree(obj: Any) -> bool:
+def is_array_tree(obj: Any) -> bool:
+    """An array, a non-empty dict of array trees, or a non-empty list / tuple of arrays or dicts
+    (Keras's multi-input ``x``; a list of tuples is an iterable of ``(x, y)`` batches)."""
     if _is_array(obj):
         return True
     if isinstance(obj, dict) and obj:
-        return all(_is_array_tree(v) for v in obj.values())
+        return all(is_array_tree(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)) and obj:
+        return all(_is_array(v) or isinstance(v, dict) and is_array_tree(v) for v in obj)
     return False
 
 
@@ -163,6 +167,7 @@ class ArrayDataset:
         start: int = 0,
         process_index: int = 0,
         process_count: int = 1,
+        **_: Any,
     ) -> Iterator[Batch]:
         """Batches of ``batch_size`` rows from batch index ``start`` on.
 
@@ -239,19 +244,26 @@ class IterableDataset:
         for element in source:  # noqa: UP028
             yield element
 
-    def batches(self, batch_size: int | None = None, *, start: int = 0, **_) -> Iterator[Batch]:
+    def batches(
+        self, batch_size: int | None = None, *, start: int = 0, split: bool = False, **_: Any
+    ) -> Iterator[Batch]:
         """The iterable's batches, padded to the first batch's size. With several processes,
-        each process's iterable yields that process's part of every global batch."""
+        each process's iterable yields that process's part of every global batch. A larger
+        batch than the first is an error in training (it would change what a step averages);
+        with ``split`` (evaluate, predict: per-row results) it is cut into pieces of that size."""
         for element in itertools.islice(self._elements(), start, None):
             x, y, w = split_xyw(element)
             n = _check_lengths({"x": x, "y": y, "sample_weight": w})
-            if n > self.batch_size:
+            if n > self.batch_size and not split:
                 raise ValueError(
                     f"A batch of {n} rows follows a first batch of {self.batch_size} rows. "
-                    "Every batch of an iterable must have at most the first batch's size "
-                    "(only a smaller, last batch is padded)."
+                    "Every batch of an iterable given to fit must have at most the first batch's size "
+                    "(only a smaller, last batch is padded); evaluate and predict split larger ones."
                 )
-            yield pad_batch(x, y, w, self.batch_size)
+            for lo in range(0, n, self.batch_size):
+                part = slice(lo, lo + self.batch_size)
+                x_, y_, w_ = (None if t is None else _take(t, part) for t in (x, y, w))
+                yield pad_batch(x_, y_, w_, self.batch_size)
 
 
 Dataset = ArrayDataset | IterableDataset
@@ -266,13 +278,13 @@ def as_dataset(data: Any, y: PyTree = None, sample_weight: PyTree = None) -> Dat
         return ArrayDataset(data, y, sample_weight)
     if isinstance(data, tuple) or _is_dataset_dict(data):
         x, y, w = split_xyw(data)
-        if not _is_array_tree(x):
+        if not is_array_tree(x):
             raise TypeError(
                 f"x must be an array or a dict of arrays; received {type(x).__name__}. "
                 "For batches from a generator, pass the iterable itself as `data`."
             )
         return ArrayDataset(x, y, w)
-    if _is_array_tree(data):
+    if is_array_tree(data):
         return ArrayDataset(data)
     if isinstance(data, (str, bytes)) or not isinstance(data, Iterable):
         raise TypeError(

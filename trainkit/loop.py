@@ -309,7 +309,7 @@ class Loop:
         batch_begin = getattr(callbacks, f"on_{kind}_batch_begin")
 
         def dispatch():
-            host_batches = itertools.islice(dataset.batches(batch_size, **process_slice()), steps)
+            host_batches = itertools.islice(dataset.batches(batch_size, split=True, **process_slice()), steps)
             for index, host_batch in enumerate(host_batches):
                 if batch_begin.active:
                     batch_begin(index)

@@ -21,6 +21,16 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from trainkit import crossentropy
+from trainkit.crossentropy import (  # noqa: F401  (Keras's loss classes, as tk.losses.*)
+    BinaryCrossentropy,
+    BinaryFocalCrossentropy,
+    CategoricalCrossentropy,
+    CategoricalFocalCrossentropy,
+    Loss,
+    SparseCategoricalCrossentropy,
+)
+
 LossFn = Callable[[Any, Any], jax.Array]
 
 
@@ -149,6 +159,9 @@ def categorical_hinge(predictions: jax.Array, one_hot: jax.Array) -> jax.Array:
     return jnp.maximum(negative - positive + 1.0, 0.0)
 
 
+binary_focal_crossentropy = crossentropy.named("binary_focal_crossentropy", from_logits=True)
+categorical_focal_crossentropy = crossentropy.named("categorical_focal_crossentropy", from_logits=True)
+
 LOSSES: dict[str, LossFn] = {
     "sparse_categorical_crossentropy": sparse_categorical_crossentropy,
     "categorical_crossentropy": categorical_crossentropy,
@@ -171,6 +184,8 @@ LOSSES: dict[str, LossFn] = {
     "hinge": hinge,
     "squared_hinge": squared_hinge,
     "categorical_hinge": categorical_hinge,
+    "binary_focal_crossentropy": binary_focal_crossentropy,
+    "categorical_focal_crossentropy": categorical_focal_crossentropy,
 }
 
 # Losses whose targets must be integer class ids.
@@ -185,6 +200,8 @@ LOGITS_LOSSES = (
     optax.softmax_cross_entropy_with_integer_labels,
     optax.softmax_cross_entropy,
     optax.sigmoid_binary_cross_entropy,
+    binary_focal_crossentropy,
+    categorical_focal_crossentropy,
 )
 
 
@@ -205,7 +222,8 @@ def keras_order(fn: Callable) -> LossFn:
     return swapped
 
 
-def _is_keras_object(obj: Any) -> bool:
+def is_keras_object(obj: Any) -> bool:
+    """A Keras loss (or metric) object, called ``call(y_true, y_pred)``."""
     return type(obj).__module__.startswith("keras") and hasattr(obj, "call")
 
 
@@ -227,7 +245,7 @@ def _from_keras_loss(loss: Any) -> LossFn:
 def get_loss(loss: str | LossFn) -> LossFn:
     """A loss function from a name, a callable ``(predictions, targets)``, or a Keras loss
     object; unknown names list the known ones."""
-    if _is_keras_object(loss):
+    if is_keras_object(loss):
         return _from_keras_loss(loss)
     if callable(loss):
         return loss
@@ -281,7 +299,8 @@ def looks_like_probabilities(outputs: jax.Array, targets: Any = None) -> jax.Arr
 
 def check_targets(loss: LossFn, targets: Any) -> None:
     """Raises before compiling when a sparse (integer-label) loss receives float labels."""
-    if loss not in SPARSE_LOSSES or targets is None:
+    sparse = loss in SPARSE_LOSSES or isinstance(loss, crossentropy.SparseCategoricalCrossentropy)
+    if not sparse or targets is None:
         return
     for leaf in jax.tree.leaves(targets):
         dtype = getattr(leaf, "dtype", None)

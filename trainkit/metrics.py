@@ -24,7 +24,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from trainkit import losses
+from trainkit import crossentropy, losses, metric_states
+from trainkit.metric_states import AUC, Precision, R2Score, Recall, RootMeanSquaredError  # noqa: F401
 
 MetricFn = Callable[[Any, Any], jax.Array]
 
@@ -59,20 +60,30 @@ def categorical_accuracy(predictions: jax.Array, one_hot: jax.Array) -> jax.Arra
     return (_class_predictions(predictions) == _class_predictions(one_hot)).astype(jnp.float32)
 
 
-def binary_accuracy(logits: jax.Array, labels: jax.Array) -> jax.Array:
-    """1.0 where ``logits > 0`` agrees with ``labels > 0.5``."""
+def binary_accuracy(logits: jax.Array, labels: jax.Array, threshold: float = 0.0) -> jax.Array:
+    """1.0 where ``logits > threshold`` (0: logits; 0.5 for probabilities) agrees with
+    ``labels > 0.5``."""
     labels = losses._match_targets(logits, labels)
-    return ((logits > 0) == (labels > 0.5)).astype(jnp.float32)
+    return ((logits > threshold) == (labels > 0.5)).astype(jnp.float32)
 
 
-def accuracy(predictions: jax.Array, targets: jax.Array) -> jax.Array:
-    """Keras's ``"accuracy"``: sparse, categorical or binary, chosen from the shapes."""
+def accuracy(predictions: jax.Array, targets: jax.Array, threshold: float = 0.0) -> jax.Array:
+    """Keras's ``"accuracy"``: sparse, categorical or binary (at ``threshold``), chosen from the
+    shapes."""
     sparse = targets.ndim == predictions.ndim - 1 or (targets.ndim == predictions.ndim and targets.shape[-1] == 1)
     if sparse and predictions.shape[-1] > 1:
         return sparse_categorical_accuracy(predictions, targets)
     if targets.shape == predictions.shape and predictions.shape[-1] > 1:
         return categorical_accuracy(predictions, targets)
-    return binary_accuracy(predictions, targets)
+    return binary_accuracy(predictions, targets, threshold)
+
+
+def _at_threshold(fn: MetricFn, logits: bool) -> MetricFn:
+    if logits:
+        return fn
+    at_half = functools.partial(fn, threshold=0.5)
+    functools.update_wrapper(at_half, fn)
+    return at_half
 
 
 def top_k_accuracy(k: int = 5) -> MetricFn:
@@ -131,8 +142,27 @@ METRICS: dict[str, MetricFn] = {
 }
 
 
-def get_metrics(metrics: Sequence[str | MetricFn] | None) -> dict[str, MetricFn]:
-    """Named per-example metric functions; unknown names list the known ones."""
+# Names whose function depends on whether the output holds logits (trainkit's convention for
+# names) or probabilities (the output's loss says from_logits=False, as Keras's default).
+SPACE_METRICS: dict[str, Callable[[bool], MetricFn]] = {
+    "accuracy": lambda logits: _at_threshold(accuracy, logits),
+    "acc": lambda logits: _at_threshold(accuracy, logits),
+    "binary_accuracy": lambda logits: _at_threshold(binary_accuracy, logits),
+    **{
+        kind: functools.partial(crossentropy.named, kind)
+        for kind in ("binary_crossentropy", "categorical_crossentropy", "sparse_categorical_crossentropy")
+    },
+    **{name: (lambda logits, cls=cls: cls().with_space(logits)) for name, cls in metric_states.STATEFUL.items()},
+}
+
+
+def known_names() -> list[str]:
+    return sorted({*METRICS, *SPACE_METRICS})
+
+
+def get_metrics(metrics: Sequence[str | MetricFn] | None, *, logits: bool = True) -> dict[str, MetricFn]:
+    """Named per-example metric functions (or :mod:`trainkit.metric_states` objects) for an
+    output of logits (``logits=True``) or probabilities; unknown names list the known ones."""
     resolved: dict[str, MetricFn] = {}
     for metric in metrics or ():
         if type(metric).__module__.startswith("keras") and hasattr(metric, "update_state"):
@@ -142,12 +172,17 @@ def get_metrics(metrics: Sequence[str | MetricFn] | None) -> dict[str, MetricFn]
                 "function written for Keras's (y_true, y_pred) order goes through tk.losses.keras_order(fn)."
             )
         if isinstance(metric, str):
-            if metric not in METRICS:
+            if metric in SPACE_METRICS:
+                name, fn = metric, SPACE_METRICS[metric](logits)
+            elif metric in METRICS:
+                name, fn = metric, METRICS[metric]
+            else:
                 raise ValueError(
-                    f"Unknown metric {metric!r}. Known names: {', '.join(sorted(METRICS))}; "
+                    f"Unknown metric {metric!r}. Known names: {', '.join(known_names())}; "
                     "or pass a callable metric(predictions, targets) returning per-example values."
                 )
-            name, fn = metric, METRICS[metric]
+        elif isinstance(metric, metric_states.StatefulMetric):
+            name, fn = metric.__name__, metric.with_space(logits)
         elif callable(metric):
             fn = metric
             name = getattr(metric, "__name__", None) or type(metric).__name__
@@ -177,17 +212,51 @@ class Weighted:
         return self.fn(predictions, targets)
 
 
-def all_metrics(metrics, weighted_metrics) -> dict[str, MetricFn]:
+@flax.struct.dataclass
+class LossAverage(WeightedAverage):
+    """A loss: ``sum(loss * sample_weight)`` over the real rows, divided by the number of real
+    rows (Keras's ``sum_over_batch_size``); NaN when no row counted."""
+
+
+class LossTerm:
+    """The (unweighted by ``loss_weights``) loss of one output of a multi-output model, logged as
+    Keras logs it (``<output>_loss``), reduced like the loss."""
+
+    weighted = False
+
+    def __init__(self, row_loss: MetricFn, name: str):
+        self.row_loss, self.__name__ = row_loss, name
+
+    def batch_state(self, predictions, targets, *, mask, weights):
+        values = jnp.asarray(self.row_loss(predictions, targets), jnp.float32)
+        return LossAverage(total=jnp.where(mask > 0, values * weights, 0.0).sum(), count=mask.sum())
+
+
+def all_metrics(metrics, weighted_metrics, *, logits: bool = True) -> dict[str, MetricFn]:
     """``metrics`` (unweighted) then ``weighted_metrics`` (as :class:`Weighted`), named as Keras
     names them: a weighted metric whose name is taken becomes ``weighted_<name>``.
 
     >>> list(all_metrics(["mae"], ["mae", "mse"]))
     ['mae', 'weighted_mae', 'mse']
     """
-    resolved = get_metrics(metrics)
-    for name, fn in get_metrics(weighted_metrics).items():
+    resolved = get_metrics(metrics, logits=logits)
+    for name, fn in get_metrics(weighted_metrics, logits=logits).items():
         resolved[f"weighted_{name}" if name in resolved else name] = Weighted(fn)
     return resolved
+
+
+def batch_state(fn: MetricFn, predictions, targets, *, mask, weights) -> clu.metrics.Metric:
+    """One batch's state of the metric ``fn``: a :class:`WeightedAverage` of its per-row values
+    (rows counted by ``weights`` for a :class:`Weighted` metric, else once each), or the state a
+    stateful metric builds itself."""
+    inner = fn.fn if isinstance(fn, Weighted) else fn
+    if hasattr(inner, "batch_state"):
+        counted = weights if isinstance(fn, Weighted) else mask
+        return inner.batch_state(predictions, targets, mask=counted, weights=weights)
+    values = jnp.asarray(fn(predictions, targets), jnp.float32)
+    rows = mask.shape[0]
+    values = jnp.broadcast_to(values, (rows,)) if values.ndim == 0 else values.reshape(rows, -1).mean(axis=1)
+    return WeightedAverage.from_values(values, weights if getattr(fn, "weighted", False) else mask)
 
 
 def compute(totals: dict[str, clu.metrics.Metric], order: Sequence[str] = ("loss",)) -> dict[str, float]:
@@ -203,14 +272,16 @@ def compute(totals: dict[str, clu.metrics.Metric], order: Sequence[str] = ("loss
     names = [n for n in order if n in totals] + [n for n in totals if n not in order and not n.startswith("_")]
 
     def value(name):
-        count = float(totals[name].count)
-        if count:
-            return float(totals[name].total / totals[name].count)
-        return float("nan") if name == "loss" else 0.0
+        metric = totals[name]
+        if not isinstance(metric, (WeightedAverage, clu.metrics.LastValue)):
+            return float(metric.compute())  # a stateful metric's totals
+        if float(metric.count):
+            return float(metric.total / metric.count)
+        return float("nan") if name == "loss" or isinstance(metric, LossAverage) else 0.0
 
     return {name: value(name) for name in names}
 
 
-def merge(a: dict[str, WeightedAverage] | None, b: dict[str, WeightedAverage]):
+def merge(a: dict[str, clu.metrics.Metric] | None, b: dict[str, clu.metrics.Metric]):
     """Merges two dicts of averages (``a`` may be ``None``)."""
     return b if a is None else {k: a[k].merge(b[k]) for k in b}

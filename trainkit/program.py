@@ -4,6 +4,7 @@ compiled plan of a batch under candidate strategies.
 
 >>> import jax, numpy as np, optax, flax.linen as nn
 >>> from trainkit import losses, model
+>>> from trainkit.objective import Objective
 >>> from trainkit.precision import get_precision
 >>> from trainkit.strategies import SingleDevice
 >>> adapter = model.adapt_model(nn.Dense(2))
@@ -11,7 +12,7 @@ compiled plan of a batch under candidate strategies.
 ...     out, model_state = adapter.apply(params, model_state, batch["x"], rng=rng, train=train)
 ...     return losses.mean_squared_error(out, batch["y"]), (out, model_state)
 >>> program = Program(adapter=adapter, compute_loss=compute_loss, apply=adapter.apply, optimizer=optax.sgd(0.1),
-...                   metric_fns={}, precision=get_precision("fp32"))
+...                   objective=Objective("mse"), precision=get_precision("fp32"))
 >>> state = program.create_state(SingleDevice(), np.ones((1, 3), np.float32))
 >>> int(state.step), state.params["kernel"].shape
 (0, (3, 2))
@@ -19,7 +20,7 @@ compiled plan of a batch under candidate strategies.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -44,11 +45,13 @@ class Program:
         compute_loss: ``(params, batch, rng, *, model_state, train) -> (row_loss, (outputs,
             model_state))``.
         apply: the model call under the precision and remat policies.
-        optimizer, metric_fns, precision, grad_accum_steps, log_grad_norm, seed: as the
+        optimizer, precision, grad_accum_steps, log_grad_norm, seed: as the
             :class:`trainkit.Trainer` arguments.
+        objective: a :class:`trainkit.objective.Objective`; its ``metric_fns`` (and its
+            ``probes``, per-row checks the train step also averages under ``_`` names, which
+            the Trainer reads after the first step) are read when a step is compiled.
         variables: variables to start from (fine-tuning), or ``None``.
-        probes: ``{"_name": fn(outputs, targets) -> per-row values}`` the train step also
-            averages (not logged; the Trainer reads them after the first step).
+        eager: no compilation: :meth:`compile` returns the pure step (Keras's ``run_eagerly``).
     """
 
     def __init__(
@@ -58,19 +61,19 @@ class Program:
         compute_loss: Callable,
         apply: Callable,
         optimizer: optax.GradientTransformation,
-        metric_fns: Mapping[str, Callable],
+        objective: Any,
         precision: Precision,
         grad_accum_steps: int = 1,
         log_grad_norm: bool = False,
         seed: int = 0,
         variables: PyTree = None,
-        probes: Mapping[str, Callable] | None = None,
+        eager: bool = False,
     ):
         self.adapter, self.compute_loss, self.apply = adapter, compute_loss, apply
-        self.optimizer, self.metric_fns, self.precision = optimizer, metric_fns, precision
+        self.optimizer, self.objective, self.precision = optimizer, objective, precision
         self.grad_accum_steps, self.log_grad_norm, self.seed = grad_accum_steps, log_grad_norm, seed
         self.variables = variables
-        self.probes = dict(probes or {})  # per-row checks logged by the train step under "_" names
+        self.eager = eager
 
     # ------------------------------------------------------------------ the initial state
     def init_state(self, variables: PyTree, first_row: PyTree) -> TrainState:
@@ -91,21 +94,30 @@ class Program:
 
     # ------------------------------------------------------------------ compiled steps
     def compile(self, kind: str, strategy: Strategy, abstract_state: PyTree) -> Callable:
-        """The ``"train"``, ``"eval"`` or ``"predict"`` step compiled by ``strategy``."""
+        """The ``"train"``, ``"eval"`` or ``"predict"`` step compiled by ``strategy`` (with
+        ``eager``: the pure step itself, run op by op on one device)."""
         axis = strategy.axis_name
+        if self.eager:
+            return self.step(kind, None)
+        compile_step = {"train": strategy.compile_train, "eval": strategy.compile_eval}.get(
+            kind, strategy.compile_predict
+        )
+        return compile_step(self.step(kind, axis), abstract_state)
+
+    def step(self, kind: str, axis: str | None) -> Callable:
+        """The pure ``"train"``, ``"eval"`` or ``"predict"`` step (not compiled)."""
         if kind == "train":
-            step = make_train_step(
+            return make_train_step(
                 self.compute_loss,
                 self.optimizer,
-                {**self.metric_fns, **self.probes},
+                {**self.objective.metric_fns, **self.objective.probes},
                 axis,
                 grad_accum_steps=self.grad_accum_steps,
                 log_grad_norm=self.log_grad_norm,
             )
-            return strategy.compile_train(step, abstract_state)
         if kind == "eval":
-            return strategy.compile_eval(make_eval_step(self.compute_loss, self.metric_fns, axis), abstract_state)
-        return strategy.compile_predict(make_predict_step(self.apply), abstract_state)
+            return make_eval_step(self.compute_loss, self.objective.metric_fns, axis)
+        return make_predict_step(self.apply)
 
     def plan(
         self, host_batch: Batch, candidates: Sequence[Strategy] | None, *, trains: bool, **options

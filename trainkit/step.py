@@ -32,7 +32,7 @@ import jax.numpy as jnp
 import optax
 from clu.metrics import LastValue
 
-from trainkit.metrics import MetricFn, WeightedAverage
+from trainkit.metrics import LossAverage, MetricFn, WeightedAverage, batch_state
 from trainkit.optimizers import learning_rate
 from trainkit.state import Batch, TrainState
 
@@ -85,10 +85,9 @@ def _batch_metrics(metric_fns: Mapping[str, MetricFn], predictions, batch: Batch
     mask = batch["mask"]
     weights = _row_weights(batch)
     # The loss follows Keras: sum(loss * sample_weight) / (number of real rows).
-    metrics = {"loss": WeightedAverage(total=loss_total, count=mask.sum())}
+    metrics = {"loss": LossAverage(total=loss_total, count=mask.sum())}
     for name, fn in metric_fns.items():
-        values = _rows(fn(predictions, batch["y"]), mask.shape[0])
-        metrics[name] = WeightedAverage.from_values(values, weights if getattr(fn, "weighted", False) else mask)
+        metrics[name] = batch_state(fn, predictions, batch.get("y"), mask=mask, weights=weights)
     return metrics
 
 

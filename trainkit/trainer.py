@@ -37,11 +37,12 @@ from trainkit import plan as plan_lib
 from trainkit.callbacks import Callback, CallbackList, History, ProgressBar, TerminateOnNaN
 from trainkit.loop import Loop, Position, validates
 from trainkit.model import adapt_model
+from trainkit.objective import Objective
 from trainkit.precision import NoLossScale, Precision, get_precision
 from trainkit.program import Program
 from trainkit.remat import wrap_remat
 from trainkit.state import Batch, TrainState, abstract, check_tree_matches
-from trainkit.strategies import Auto, Strategy, resolve_strategy
+from trainkit.strategies import Auto, SingleDevice, Strategy, resolve_strategy
 
 PyTree = Any
 logger = logging.getLogger("trainkit")
@@ -54,14 +55,20 @@ class Trainer:
         model: a ``flax.linen.Module`` or ``flax.nnx.Module``. A ``train``, ``training`` or
             ``deterministic`` argument of its ``__call__`` is set by the Trainer.
         loss: a name (``"sparse_categorical_crossentropy"``, ``"categorical_crossentropy"``,
-            ``"binary_crossentropy"``, ``"mse"``, ``"mae"``; cross-entropies take logits) or a
-            callable ``loss(predictions, targets)`` returning per-example values or a mean.
+            ``"binary_crossentropy"``, ``"mse"``, ``"mae"``, ...; cross-entropies by name take
+            logits), a loss object (``tk.losses.BinaryCrossentropy(from_logits=False)``, or a
+            Keras one), or a callable ``loss(predictions, targets)`` returning per-example
+            values or a mean. For a model with several outputs: one loss for all, a list (one
+            per output) or a dict by output name (see :mod:`trainkit.objective`).
         optimizer: any ``optax.GradientTransformation``.
-        metrics: names (``"accuracy"``, ``"top_k_accuracy"``, ...) or callables
-            ``metric(predictions, targets)``; each real row counts once (sample weights do not
-            apply, as in Keras).
+        metrics: names (``"accuracy"``, ``"auc"``, ``"precision"``, ...), metric objects
+            (``tk.metrics.AUC()``) or callables ``metric(predictions, targets)``; each real row
+            counts once (sample weights do not apply, as in Keras). Several outputs: a dict
+            ``{output: [metrics]}`` or a list with one entry per output.
         weighted_metrics: metrics that the sample weights (and ``class_weight``) apply to; a
             name already in ``metrics`` is logged as ``weighted_<name>``.
+        loss_weights: a float (one output), or a list or dict with one weight per output: the
+            loss is ``sum(weight * output_loss)``.
         strategy: a :class:`trainkit.Strategy`, ``"auto"`` (the default: chosen from the
             compiled plan when the trainer first sees data), a name, or a
             :class:`trainkit.strategies.Auto`.
@@ -76,6 +83,10 @@ class Trainer:
             compiled step; the update equals the whole batch's.
         log_grad_norm: also log the global gradient norm of every step (``grad_norm``); one
             more pass over the gradients (free when the optimizer clips by global norm).
+        run_eagerly: run every step op by op, uncompiled, on one device, so that ``print``,
+            ``breakpoint()`` and pdb work inside the model and the loss (slow: for debugging).
+        jit_compile: Keras's switch: ``False`` is ``run_eagerly=True``; ``True`` and ``"auto"``
+            compile (the default).
 
     Override :meth:`compute_loss` to train a model whose loss is not ``loss(preds, y)``.
     """
@@ -86,8 +97,9 @@ class Trainer:
         *,
         loss: str | losses.LossFn | None = None,
         optimizer: optax.GradientTransformation,
-        metrics: Sequence[str | metrics_lib.MetricFn] | None = None,
-        weighted_metrics: Sequence[str | metrics_lib.MetricFn] | None = None,
+        metrics: Sequence[str | metrics_lib.MetricFn] | dict | None = None,
+        weighted_metrics: Sequence[str | metrics_lib.MetricFn] | dict | None = None,
+        loss_weights: float | Sequence[float] | dict | None = None,
         strategy: str | Strategy | Auto = "auto",
         seed: int = 0,
         params: PyTree | None = None,
@@ -95,6 +107,8 @@ class Trainer:
         remat: Any = None,
         grad_accum_steps: int = 1,
         log_grad_norm: bool = False,
+        run_eagerly: bool = False,
+        jit_compile: bool | str = "auto",
     ):
         distributed.initialize_from_environment()  # a multi-process job: connect first
         self.model = model
@@ -109,12 +123,17 @@ class Trainer:
         if not isinstance(grad_accum_steps, (int, np.integer)) or grad_accum_steps < 1:
             raise ValueError(f"grad_accum_steps must be a positive integer; received {grad_accum_steps!r}.")
         self.loss = loss
-        self._loss_fn = None if loss is None else losses.get_loss(loss)
-        self._row_loss = None if loss is None else losses.per_example(self._loss_fn)
+        self.objective = Objective(loss, metrics, weighted_metrics, loss_weights)
         self.optimizer = optimizer
-        self.metric_fns = metrics_lib.all_metrics(metrics, weighted_metrics)
-        self.log_order = ("loss", *self.metric_fns)
-        chosen = resolve_strategy(strategy)
+        if jit_compile not in (True, False, "auto"):
+            raise ValueError(f"jit_compile must be True, False or 'auto'; received {jit_compile!r}.")
+        self.run_eagerly = bool(run_eagerly) or jit_compile is False
+        chosen = resolve_strategy("single" if self.run_eagerly and strategy == "auto" else strategy)
+        if self.run_eagerly and not isinstance(chosen, SingleDevice):
+            raise ValueError(
+                f"run_eagerly=True runs each step op by op on one device, but the strategy is {chosen.describe()}, "
+                "which compiles the step across devices. Pass strategy='single' (or leave strategy='auto') to debug."
+            )
         self._auto = chosen if isinstance(chosen, Auto) else None
         self.strategy: Strategy | None = None if self._auto else chosen  # "auto": set by the plan
         self.seed = int(seed)
@@ -128,13 +147,13 @@ class Trainer:
             compute_loss=self.compute_loss,
             apply=self.apply,
             optimizer=optimizer,
-            metric_fns=self.metric_fns,
+            objective=self.objective,
             precision=self.precision,
             grad_accum_steps=self.grad_accum_steps,
             log_grad_norm=self.log_grad_norm,
+            eager=self.run_eagerly,
             seed=self.seed,
             variables=params,
-            probes={"_probabilities": losses.looks_like_probabilities} if self._logits_loss else None,
         )
         self.state: TrainState | None = None
         self.input_spec: PyTree | None = None
@@ -160,7 +179,16 @@ class Trainer:
         row (a scalar is taken as the mean over the rows). The function must stay pure.
         """
         predictions, model_state = self.apply(params, model_state, batch["x"], rng=rng, train=train)
-        return self._row_loss(predictions, batch["y"]), (predictions, model_state)
+        return self.objective.loss(predictions, batch["y"]), (predictions, model_state)
+
+    @property
+    def metric_fns(self) -> dict[str, metrics_lib.MetricFn]:
+        """The metrics by their names in the logs (per output for several outputs)."""
+        return self.objective.metric_fns
+
+    @property
+    def log_order(self) -> tuple[str, ...]:
+        return self.objective.log_order
 
     @property
     def _custom_loss(self) -> bool:
@@ -168,23 +196,24 @@ class Trainer:
 
     @property
     def _logits_loss(self) -> bool:
-        return not self._custom_loss and self._loss_fn in losses.LOGITS_LOSSES
+        return not self._custom_loss and bool(self.objective.probes)
 
     def _check_first_step(self, metrics: dict) -> None:
         """Warns once when a loss that takes logits received outputs that look like
         probabilities (a model ported from Keras with a final softmax or sigmoid)."""
-        probe = metrics.get("_probabilities")
-        if probe is None or self._warned_probabilities or not probe.count or probe.total < probe.count:
-            return
-        self._warned_probabilities = True
-        name = getattr(self._loss_fn, "__name__", self._loss_fn)
-        warnings.warn(
-            f"The model's outputs look like probabilities (every row non-negative and summing to 1, or in [0, 1] "
-            f"for one output), but the loss {name!r} takes logits: trainkit's cross-entropies are Keras's with "
-            "from_logits=True, so this trains on another loss than Keras would. Remove the final softmax / "
-            "sigmoid, or pass a Keras loss object such as keras.losses.SparseCategoricalCrossentropy().",
-            stacklevel=4,
-        )
+        for probe_name in self.objective.probes:
+            probe = metrics.get(probe_name)
+            if probe is None or self._warned_probabilities or not probe.count or probe.total < probe.count:
+                continue
+            self._warned_probabilities = True
+            warnings.warn(
+                f"The model's outputs look like probabilities (every row non-negative and summing to 1, or in [0, 1] "
+                f"for one output), but the loss {self.objective.loss_named(probe_name)!r} takes logits: trainkit's "
+                "cross-entropies by name are Keras's with from_logits=True, so this trains on another loss than "
+                "Keras would. Remove the final softmax / sigmoid, or pass a loss object that reads probabilities, "
+                "such as tk.losses.SparseCategoricalCrossentropy() (Keras's default from_logits=False).",
+                stacklevel=4,
+            )
 
     # ------------------------------------------------------------------ what callbacks use
     @property
@@ -357,6 +386,8 @@ class Trainer:
         if batch_size is None:
             batch_size = data_lib.num_rows(dataset.first(2**62)[0])
         trains = dataset.has_targets or self._custom_loss
+        if dataset.has_targets:
+            self.objective.build(dataset.first()[1])
         result = self.program.plan(
             data_lib.sample_batch(dataset, batch_size),
             candidates,
@@ -424,8 +455,10 @@ class Trainer:
                 **(config or {}),
             }
         )
-        if targets and self._loss_fn is not None:
-            losses.check_targets(self._loss_fn, dataset.first()[1])
+        if targets:
+            first_targets = dataset.first()[1]
+            self.objective.build(first_targets)
+            self.objective.check_targets(first_targets)
         if self.strategy is None:
             data_lib.check_batch_size(batch_size, 1, micro_batches=self.grad_accum_steps if training else 1)
             self._choose_strategy(dataset, batch_size, announce)
@@ -603,7 +636,10 @@ class Trainer:
     ) -> PyTree:
         """Model outputs with exactly one row per input row (padding removed): an array, or a
         pytree of arrays for models with several outputs. ``x`` takes the forms ``fit``
-        takes (targets, if present, are ignored)."""
+        takes (targets, if present, are ignored), and, as in Keras, a list or tuple of arrays
+        is the inputs of a model with several (``predict((x1, x2))``)."""
+        if isinstance(x, tuple) and len(x) > 1 and data_lib.is_array_tree(x):
+            x = {"x": x}  # Keras: predict's x is the inputs, whatever their structure
         dataset, batch_size = self._prepare(x, None, None, batch_size, targets=False)
         params = {"verbose": verbose, "epochs": 1, "steps": dataset.steps(batch_size) if steps is None else steps}
         return self.loop.predict(dataset, batch_size, steps, CallbackList(callbacks, trainer=self, params=params))

@@ -1,0 +1,317 @@
+"""What a model is trained and judged on: the loss of each output (weighted by
+``loss_weights`` and summed) and the metrics of each output, named in the logs as Keras 3
+names them.
+
+One output: ``loss`` is one loss and ``metrics`` a list. Several outputs (the model returns a
+dict or a list/tuple, and the targets have the same structure): ``loss`` is one loss for
+every output, a list with one entry per output, or a dict keyed by output name (an output
+without a loss is left out); ``metrics`` is a dict ``{output: [metrics]}`` or a list with one
+entry per output. Outputs are named by their dict keys, or ``output_0``, ``output_1``, ... for
+a list. The logs hold ``loss`` (the weighted sum), ``<output>_loss`` (each output's loss,
+without its weight) and ``<output>_<metric>``.
+
+>>> import numpy as np, jax.numpy as jnp
+>>> objective = Objective({"a": "mse", "b": "mae"}, metrics={"b": ["mse"]}, loss_weights={"a": 1.0, "b": 0.5})
+>>> _ = objective.build({"a": np.zeros((1, 1)), "b": np.zeros((1, 1))})
+>>> objective.log_order
+('loss', 'a_loss', 'b_loss', 'b_mse')
+>>> predictions = {"a": jnp.array([[2.0]]), "b": jnp.array([[2.0]])}
+>>> objective.loss(predictions, {"a": jnp.array([[0.0]]), "b": jnp.array([[0.0]])}).tolist()   # 4 + 0.5 * 2
+[5.0]
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import numpy as np
+
+from trainkit import losses
+from trainkit import metrics as metrics_lib
+
+PyTree = Any
+
+
+@dataclass(frozen=True)
+class Output:
+    """One output of the model: where it is in the outputs (``key``: a dict key, a list index,
+    or ``None`` for a model with a single output), its name in the logs, its loss (per example)
+    and loss weight, and whether the loss reads it as logits."""
+
+    name: str
+    key: Any
+    loss: Callable | None
+    loss_name: str
+    weight: float
+    logits: bool
+
+
+def _pick(tree: PyTree, key: Any, what: str) -> PyTree:
+    if key is None:
+        return tree
+    try:
+        return tree[key]
+    except (KeyError, IndexError, TypeError):
+        shape = jax.tree.map(lambda _: "*", tree)
+        raise ValueError(
+            f"The {what} have no output {key!r}: they are {shape}. A model with several outputs must return them in "
+            "the structure of the targets (a dict with the same keys, or a list/tuple of the same length)."
+        ) from None
+
+
+def takes_logits(loss: Any) -> bool:
+    """Whether a loss reads the outputs as logits: a loss object says so (``from_logits``);
+    trainkit's cross-entropy names and plain callables take logits; the other names
+    (``"mse"``, ``"hinge"``, ...) and Keras objects read values (Keras's 0.5 thresholds)."""
+    from_logits = getattr(loss, "from_logits", None)
+    if from_logits is None and hasattr(loss, "_fn_kwargs"):  # keras.losses.LossFunctionWrapper
+        from_logits = loss._fn_kwargs.get("from_logits")
+    if from_logits is not None:
+        return bool(from_logits)
+    if isinstance(loss, str):
+        return losses.LOSSES.get(loss) in losses.LOGITS_LOSSES
+    return not losses.is_keras_object(loss)
+
+
+def _as_list(spec: Any) -> list:
+    if spec is None:
+        return []
+    return list(spec) if isinstance(spec, (list, tuple)) else [spec]
+
+
+def _structure(targets: PyTree) -> tuple[str, list]:
+    """``("single", [None])``, ``("dict", sorted keys)`` or ``("list", indices)``."""
+    if isinstance(targets, Mapping) and not isinstance(targets, np.ndarray):
+        return "dict", sorted(targets)
+    if isinstance(targets, (list, tuple)):
+        return "list", list(range(len(targets)))
+    return "single", [None]
+
+
+class Objective:
+    """The losses and metrics of a model's outputs (see the module docstring). :meth:`build`
+    fixes the outputs from the targets' structure; until then a single output is assumed."""
+
+    def __init__(
+        self,
+        loss: Any = None,
+        metrics: Any = None,
+        weighted_metrics: Any = None,
+        loss_weights: float | Sequence[float] | Mapping[str, float] | None = None,
+    ):
+        if loss_weights is not None and not isinstance(loss_weights, (int, float, list, tuple, dict)):
+            raise ValueError(
+                "loss_weights must be a float (one output), or a list or dict with one weight per output; "
+                f"received {loss_weights!r} of type {type(loss_weights).__name__}."
+            )
+        self.spec = (loss, metrics, weighted_metrics, loss_weights)
+        self.structure: tuple | None = None
+        self.build(None)
+
+    # ------------------------------------------------------------------ building
+    def _loss_structure(self) -> Any:
+        """Before any targets are seen: the outputs that a dict or list of losses (or of loss
+        weights, or a dict of metrics) names."""
+        loss, metrics, weighted_metrics, loss_weights = self.spec
+        for spec in (loss, loss_weights, metrics, weighted_metrics):
+            if isinstance(spec, dict):
+                return dict.fromkeys(spec, np.zeros(1))
+            if (
+                isinstance(spec, (list, tuple))
+                and len(spec) > 1
+                and spec is not metrics
+                and spec is not weighted_metrics
+            ):
+                return [np.zeros(1)] * len(spec)
+        return None
+
+    def build(self, targets: PyTree) -> Objective:
+        """Resolves the outputs for targets of this structure (a dict, a list/tuple, or one
+        array); a call with the same structure is a no-op. Raises for an unknown output name,
+        a list of the wrong length, or nested outputs."""
+        seen = targets
+        targets = targets if targets is not None else self._loss_structure()
+        kind, keys = _structure(targets)
+        if kind != "single" and any(not hasattr(leaf, "shape") for leaf in jax.tree.leaves(targets)):
+            raise ValueError("Targets must be arrays, or a dict or list of arrays (one per output).")
+        if kind != "single" and any(isinstance(targets[k], (Mapping, list, tuple)) for k in keys):
+            raise ValueError(
+                "Nested outputs are not supported: give the targets as a flat dict or list with one array per output."
+            )
+        structure = (kind, tuple(keys))
+        if structure == self.structure:
+            return self
+        if self.structure is not None and self.structure[0] != "single" and seen is not None:
+            raise ValueError(
+                f"The targets' structure changed from {self.structure} to {structure}; one Trainer trains one "
+                "output structure. Make a new Trainer for the other one."
+            )
+        loss, metrics, weighted_metrics, loss_weights = self.spec
+        names = [str(k) if kind == "dict" else f"output_{k}" for k in keys] if kind != "single" else [""]
+        self.outputs = self._outputs(kind, keys, names, loss, loss_weights)
+        per_output = lambda spec, what: self._per_output(spec, names, what)  # noqa: E731
+        self._metric_specs = (per_output(metrics, "metrics"), per_output(weighted_metrics, "weighted_metrics"))
+        self._resolve_metrics()
+        self.structure = structure if seen is not None else None
+        return self
+
+    def _outputs(self, kind, keys, names, loss, loss_weights) -> list[Output]:
+        if kind == "single":
+            if isinstance(loss, (list, tuple)) and len(loss) == 1:
+                loss = loss[0]
+            if isinstance(loss, dict):
+                raise ValueError(
+                    f"loss is a dict ({list(loss)}) but the targets are one array: give the targets as a dict "
+                    "with the same keys (one array per output), or pass one loss."
+                )
+            if isinstance(loss_weights, (list, tuple)) and len(loss_weights) == 1:
+                loss_weights = loss_weights[0]
+            if isinstance(loss_weights, (list, tuple, dict)):
+                raise ValueError(
+                    f"loss_weights must be a float for a model with one output; received {loss_weights!r}."
+                )
+            losses_by_name, weights = {"": loss}, {"": 1.0 if loss_weights is None else float(loss_weights)}
+        else:
+            losses_by_name = self._per_output_values(loss, names, kind, "loss", broadcast=True)
+            weights = self._per_output_values(loss_weights, names, kind, "loss_weights", broadcast=False)
+            weights = {n: 1.0 if w is None else float(w) for n, w in weights.items()}
+        outputs = []
+        for name, key in zip(names, keys):
+            spec = losses_by_name.get(name)
+            fn = None if spec is None else losses.get_loss(spec)
+            loss_name = getattr(spec, "name", None) or getattr(fn, "__name__", None) or str(spec)
+            logits = True if spec is None else takes_logits(spec)
+            outputs.append(Output(name, key, fn, loss_name, weights[name], logits))
+        return outputs
+
+    @staticmethod
+    def _per_output_values(spec, names, kind, what, *, broadcast) -> dict[str, Any]:
+        """A value per output name from a dict (missing names: ``None``), a list (one per
+        output), or, with ``broadcast``, a single value for all."""
+        if spec is None:
+            return dict.fromkeys(names)
+        if isinstance(spec, dict):
+            unknown = [k for k in spec if str(k) not in names]
+            if unknown:
+                raise ValueError(
+                    f"{what} names outputs {unknown} that the targets do not have; the outputs are {names}."
+                )
+            by_name = {str(k): v for k, v in spec.items()}
+            return {n: by_name.get(n) for n in names}
+        if isinstance(spec, (list, tuple)):
+            if len(spec) != len(names):
+                raise ValueError(
+                    f"{what} is a list of {len(spec)} entries but the model has {len(names)} outputs ({names}); "
+                    "give one entry per output (None for an output without one), or a dict by output name."
+                )
+            return dict(zip(names, spec))
+        if broadcast:
+            return dict.fromkeys(names, spec)
+        raise ValueError(
+            f"{what}={spec!r} is a single value but the model has {len(names)} outputs ({names}); "
+            "give a list or a dict with one value per output."
+        )
+
+    @staticmethod
+    def _per_output(spec, names, what) -> dict[str, list]:
+        if len(names) == 1:  # one output: every metric applies to it (Keras)
+            flat = (
+                [m for entry in _as_list(spec) for m in _as_list(entry)]
+                if not isinstance(spec, dict)
+                else [m for entry in spec.values() for m in _as_list(entry)]
+            )
+            return {names[0]: flat}
+        if spec is None:
+            return {n: [] for n in names}
+        if isinstance(spec, dict) or (isinstance(spec, (list, tuple)) and len(spec) == len(names)):
+            return {
+                n: _as_list(v) for n, v in Objective._per_output_values(spec, names, "", what, broadcast=False).items()
+            }
+        raise ValueError(
+            f"With {len(names)} outputs ({names}), {what} must be a dict {{output: [metrics]}} or a list with one "
+            f"entry (a metric, a list of metrics, or None) per output; received {spec!r}."
+        )
+
+    def _resolve_metrics(self) -> None:
+        metrics, weighted = self._metric_specs
+        several = len(self.outputs) > 1
+        prefix = lambda out, name: f"{out.name}_{name}" if several else name  # noqa: E731
+        fns: dict[str, Callable] = {}
+        for out in self.outputs:
+            select = self._selector(out)
+            for name, fn in metrics_lib.get_metrics(metrics[out.name], logits=out.logits).items():
+                fns[prefix(out, name)] = select(fn)
+            for name, fn in metrics_lib.get_metrics(weighted[out.name], logits=out.logits).items():
+                key = prefix(out, name)
+                fns[prefix(out, f"weighted_{name}") if key in fns else key] = metrics_lib.Weighted(select(fn))
+        terms: dict[str, Callable] = {}
+        if sum(out.loss is not None for out in self.outputs) > 1:
+            loss = self.spec[0]  # Keras logs the outputs' losses in the order of a loss dict
+            order = [str(k) for k in loss] if isinstance(loss, dict) else [out.name for out in self.outputs]
+            for out in sorted(self.outputs, key=lambda o: order.index(o.name) if o.name in order else len(order)):
+                if out.loss is not None:
+                    terms[f"{out.name}_loss"] = metrics_lib.LossTerm(
+                        self._selector(out)(losses.per_example(out.loss)), f"{out.name}_loss"
+                    )
+        self.metric_fns = {**terms, **fns}
+        self.log_order = ("loss", *terms, *(sorted(fns) if several else fns))
+        self.probes = {
+            f"_probabilities/{out.name}": self._selector(out)(lambda p, t: losses.looks_like_probabilities(p))
+            for out in self.outputs
+            if out.loss in losses.LOGITS_LOSSES
+        }
+
+    @staticmethod
+    def _selector(out: Output):
+        """``fn(predictions, targets)`` on the whole structures -> ``fn`` on this output."""
+        if out.key is None:
+            return lambda fn: fn
+
+        def select(fn):
+            def on_output(predictions, targets):
+                y = None if targets is None else _pick(targets, out.key, "targets")
+                return fn(_pick(predictions, out.key, "model's outputs"), y)
+
+            on_output.__name__ = getattr(fn, "__name__", "metric")
+            if hasattr(fn, "batch_state"):  # a stateful metric keeps its state, on this output
+                on_output.batch_state = lambda p, t, **kw: fn.batch_state(
+                    _pick(p, out.key, "model's outputs"), None if t is None else _pick(t, out.key, "targets"), **kw
+                )
+            return on_output
+
+        return select
+
+    # ------------------------------------------------------------------ using it
+    @property
+    def has_loss(self) -> bool:
+        return any(out.loss is not None for out in self.outputs)
+
+    def loss(self, predictions: PyTree, targets: PyTree) -> jax.Array:
+        """Per-example ``sum(weight * loss)`` over the outputs with a loss."""
+        total = None
+        for out in self.outputs:
+            if out.loss is None:
+                continue
+            values = losses.per_example(out.loss)(
+                _pick(predictions, out.key, "model's outputs"), _pick(targets, out.key, "targets")
+            )
+            values = values if out.weight == 1.0 else values * out.weight
+            total = values if total is None else total + values
+        if total is None:
+            raise ValueError("No output has a loss: give loss=... (for at least one output).")
+        return total
+
+    def check_targets(self, targets: PyTree) -> None:
+        """Raises before compiling when a sparse loss gets float labels (per output)."""
+        for out in self.outputs:
+            if out.loss is not None and targets is not None:
+                losses.check_targets(out.loss, _pick(targets, out.key, "targets"))
+
+    def loss_named(self, probe: str) -> str:
+        """The loss name of the output a ``_probabilities/<output>`` probe watches."""
+        name = probe.split("/", 1)[1]
+        out = next(o for o in self.outputs if o.name == name)
+        return out.loss_name + (f" (output {out.name!r})" if out.name else "")
