@@ -1,9 +1,10 @@
 """Keras 3's ``fit`` / ``evaluate`` arguments, run side by side with Keras (JAX backend) on the
 same tiny classifier (weights copied across, SGD, no shuffling): ``validation_split``,
 ``validation_freq``, ``validation_steps``, ``class_weight``, ``(n, 1)`` integer labels, the
-``x=`` / ``y=`` keywords and ``count_params`` (ported from ``keras/src/trainers/trainer_test.py``
-and ``data_adapters/*_test.py``). Part of the work on Keras's fit semantics; the rest (weighted
-metrics, multi-output losses, more loss and metric names) is still open."""
+``x=`` / ``y=`` keywords, weighted metrics, ``evaluate``'s return value, the loss names,
+``steps_per_epoch``, the ``*_on_batch`` methods and ``count_params`` (ported from
+``keras/src/trainers/trainer_test.py`` and ``data_adapters/*_test.py``). Several outputs, loss
+objects, the remaining metric names and several inputs: ``test_keras_outputs.py``."""
 
 import flax.linen as nn
 import numpy as np
@@ -234,7 +235,26 @@ LOSS_NAMES = {  # name: (targets, softmax outputs)
     "categorical_hinge": ("one_hot", False),
     "mse": ("positive", False),
     "mae": ("positive", False),
+    "mean_squared_error": ("positive", False),
+    "mean_absolute_error": ("positive", False),
+    "mean_absolute_percentage_error": ("positive", False),
+    "mean_squared_logarithmic_error": ("positive", True),
+    "kld": ("probabilities", True),
+    "logcosh": ("positive", False),
 }
+
+
+CROSS_ENTROPY_NAMES = {  # compared with Keras (from_logits=True) in test_keras_outputs.py
+    "sparse_categorical_crossentropy",
+    "categorical_crossentropy",
+    "binary_crossentropy",
+    "binary_focal_crossentropy",
+    "categorical_focal_crossentropy",
+}
+
+
+def test_every_loss_name_is_compared_with_keras():
+    assert set(tk.losses.LOSSES) == set(LOSS_NAMES) | CROSS_ENTROPY_NAMES
 
 
 @pytest.mark.parametrize("name", sorted(LOSS_NAMES))
@@ -244,7 +264,7 @@ def test_loss_names_match_keras_under_padding_on_8_devices(data, name):
     y = _targets(kind, np.random.default_rng(2))
     keras.utils.set_random_seed(0)
     model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3, activation="softmax" if softmax else None)])
-    model.compile(optimizer=keras.optimizers.SGD(0.1), loss=name)
+    model.compile(optimizer=keras.optimizers.SGD(0.1), loss={"logcosh": "log_cosh"}.get(name, name))  # Keras lacks it
     kernel, bias = model.get_weights()
     trainer = tk.Trainer(
         SoftmaxHead() if softmax else nn.Dense(3),
@@ -374,3 +394,37 @@ def test_steps_per_epoch_walks_on_through_the_data_as_keras(data):
 def jax_leaves(trainer):
     weights = trainer.get_weights()["params"]
     return [weights["kernel"], weights["bias"]]
+
+
+class Batches:
+    """A re-iterable with a length (as a Keras ``PyDataset`` is): a fresh pass per ``iter``."""
+
+    def __init__(self, x, y, size):
+        self.parts = [(x[i : i + size], y[i : i + size]) for i in range(0, len(x), size)]
+
+    def __len__(self):
+        return len(self.parts)
+
+    def __iter__(self):
+        return iter(self.parts)
+
+
+def test_steps_per_epoch_walks_on_through_a_re_iterable_as_keras(data):
+    x, y = data
+    model, trainer = twins()
+
+    class KerasBatches(keras.utils.PyDataset):
+        def __init__(self):
+            super().__init__()
+            self.batches = Batches(x, y, BATCH)
+
+        def __len__(self):
+            return len(self.batches)
+
+        def __getitem__(self, index):
+            return self.batches.parts[index]
+
+    theirs = model.fit(KerasBatches(), epochs=3, steps_per_epoch=3, shuffle=False, verbose=0).history
+    ours = trainer.fit(Batches(x, y, BATCH), epochs=3, steps_per_epoch=3, verbose=0).history
+    assert_histories_match(ours, theirs)
+    assert trainer.global_step == int(model.optimizer.iterations) == 3 + 1 + 3

@@ -80,13 +80,22 @@ def test_loss_objects_with_from_logits_match_keras_on_8_devices(x, name, from_lo
     assert trainer.evaluate(x, y, batch_size=BATCH) == pytest.approx(theirs, rel=1e-5, abs=1e-6)
 
 
-@pytest.mark.parametrize("name", ["binary_focal_crossentropy", "categorical_focal_crossentropy"])
-def test_focal_names_take_logits_as_trainkit_cross_entropy_names_do(x, name):
-    y = targets("binary" if "binary" in name else "one_hot", np.random.default_rng(3))
+LOGITS_NAMES = {  # trainkit's name: (targets, Keras's class, told from_logits=True)
+    "sparse_categorical_crossentropy": ("sparse", "SparseCategoricalCrossentropy"),
+    "categorical_crossentropy": ("one_hot", "CategoricalCrossentropy"),
+    "binary_crossentropy": ("binary", "BinaryCrossentropy"),
+    "binary_focal_crossentropy": ("binary", "BinaryFocalCrossentropy"),
+    "categorical_focal_crossentropy": ("one_hot", "CategoricalFocalCrossentropy"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(LOGITS_NAMES))
+def test_cross_entropy_names_take_logits_on_8_devices(x, name):
+    kind, keras_class = LOGITS_NAMES[name]
+    y = targets(kind, np.random.default_rng(3))
     model, params = keras_dense(3)
-    keras_class = "BinaryFocalCrossentropy" if "binary" in name else "CategoricalFocalCrossentropy"
     model.compile(loss=getattr(keras.losses, keras_class)(from_logits=True))
-    trainer = tk.Trainer(Head(3), loss=name, optimizer=optax.sgd(0.1), strategy="single", params=params)
+    trainer = tk.Trainer(Head(3), loss=name, optimizer=optax.sgd(0.1), strategy=tk.DataParallel(), params=params)
     assert trainer.evaluate(x, y, batch_size=BATCH) == pytest.approx(
         model.evaluate(x, y, batch_size=BATCH, verbose=0), rel=1e-5
     )
@@ -223,6 +232,71 @@ def test_cross_entropies_as_metrics_match_keras(x, kind):
     )
     assert ours[name] == pytest.approx(theirs[name], rel=1e-5)
     assert ours["accuracy"] == pytest.approx(theirs["accuracy"])
+
+
+METRIC_CASES = {  # every metric name: (targets, softmax outputs, Keras's name for it where Keras spells it otherwise)
+    **dict.fromkeys(
+        ["acc", "sparse_categorical_accuracy", "sparse_top_k_categorical_accuracy"], ("sparse", False, None)
+    ),
+    "top_k_accuracy": ("sparse", False, "sparse_top_k_categorical_accuracy"),
+    **dict.fromkeys(
+        ["categorical_accuracy", "top_k_categorical_accuracy", "categorical_hinge"], ("one_hot", False, None)
+    ),
+    **dict.fromkeys(
+        [
+            "mse",
+            "mae",
+            "mean_squared_error",
+            "mean_absolute_error",
+            "mape",
+            "cosine_similarity",
+            "mean_absolute_percentage_error",
+        ],
+        ("normal", False, None),
+    ),
+    "log_cosh": ("normal", False, "log_cosh_error"),
+    "logcosh": ("normal", False, "log_cosh_error"),
+    **dict.fromkeys(
+        ["msle", "mean_squared_logarithmic_error", "poisson", "kl_divergence"], ("probabilities", True, None)
+    ),
+    **dict.fromkeys(["hinge", "squared_hinge", "AUC"], ("binary", False, None)),
+}
+COMPARED_ELSEWHERE = {  # by the tests above, on probabilities and on logits
+    *PROBABILITY_METRICS,
+    "sparse_categorical_crossentropy",
+    "categorical_crossentropy",
+}
+
+
+def test_every_metric_name_is_compared_with_keras():
+    assert set(tk.metrics.known_names()) == set(METRIC_CASES) | COMPARED_ELSEWHERE
+
+
+@pytest.mark.parametrize("kind", ["sparse", "one_hot", "normal", "probabilities", "binary"])
+def test_metric_names_match_keras_under_padding_on_8_devices(x, kind):
+    cases = {name: case for name, case in METRIC_CASES.items() if case[0] == kind}
+    softmax = next(iter(cases.values()))[1]
+    y = targets(kind, np.random.default_rng(14))
+    if kind == "probabilities":
+        y = np.exp(y) / np.exp(y).sum(1, keepdims=True)
+    model, params = keras_dense(3, "softmax" if softmax else None)
+    keras_names = list(dict.fromkeys(alias or name for name, (_, _, alias) in cases.items()))
+    sparse = kind == "sparse"  # Keras's mse takes no integer labels
+    model.compile(
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True) if sparse else "mse", metrics=keras_names
+    )
+    trainer = tk.Trainer(
+        Head(3, "softmax" if softmax else None),
+        loss="sparse_categorical_crossentropy" if sparse else "mse",
+        metrics=list(cases),
+        optimizer=optax.sgd(0.1),
+        strategy=tk.DataParallel(),
+        params=params,
+    )
+    theirs = model.evaluate(x, y, batch_size=BATCH, verbose=0, return_dict=True)
+    ours = trainer.evaluate(x, y, batch_size=BATCH, return_dict=True)
+    for name, (_, _, alias) in cases.items():
+        assert ours[name] == pytest.approx(theirs[alias or name], rel=1e-5, abs=1e-6), name
 
 
 def test_metric_objects_take_keras_options():

@@ -454,6 +454,15 @@ def with_class_weight(dataset: Dataset, class_weight: dict) -> ArrayDataset:
     return ArrayDataset(dataset.x, dataset.y, sample_weight)
 
 
+def continues_across_epochs(dataset: Dataset, batch_size: int, steps_per_epoch: int | None) -> bool:
+    """Keras's rule: with ``steps_per_epoch`` below the batches of one pass (arrays, or a
+    re-iterable with a length), the next epoch continues the pass (see :func:`epoch_batches`)."""
+    if steps_per_epoch is None or getattr(dataset, "one_shot", False):
+        return False
+    per_pass = dataset.steps(batch_size)
+    return per_pass is not None and steps_per_epoch < per_pass
+
+
 def epoch_batches(
     dataset: Dataset,
     batch_size: int,
@@ -466,7 +475,7 @@ def epoch_batches(
 ) -> Iterator[Batch]:
     """The batches of epoch ``epoch`` from batch ``first`` on, at most ``steps`` per epoch.
 
-    ``continuing`` (Keras's ``steps_per_epoch`` smaller than the data, on arrays): an epoch
+    ``continuing`` (Keras's ``steps_per_epoch`` smaller than the data): an epoch
     walks on through the pass the previous epoch left, and ends early where that pass ends;
     the next epoch starts a new pass, shuffled by its own index. Epoch ``e`` is thus the
     ``e % E``-th slice of ``steps`` batches of pass ``e // E`` (``E`` epochs per pass), so any

@@ -159,7 +159,8 @@ class AUC(StatefulMetric):
         self.thresholds = np.array([0.0 - EPSILON, *inner, 1.0 + EPSILON], np.float32)
 
     def batch_state(self, predictions, targets, *, mask, weights):
-        return AucCounts.count(self._probabilities(predictions), targets, mask, self.thresholds)
+        scores = jnp.clip(self._probabilities(predictions), 0.0, 1.0)  # as Keras's evenly spaced thresholds do
+        return AucCounts.count(scores, targets, mask, self.thresholds)
 
 
 class Precision(StatefulMetric):

@@ -548,9 +548,7 @@ class Trainer:
             validation_freq=validation_freq,
             warn_non_finite=no_nan_guard,
             first_step=self._check_first_step if self._logits_loss else None,
-            continuing=steps_per_epoch is not None
-            and isinstance(dataset, data_lib.ArrayDataset)
-            and steps_per_epoch < dataset.steps(batch_size),
+            continuing=data_lib.continues_across_epochs(dataset, batch_size, steps_per_epoch),
         )
         return self.history
 
