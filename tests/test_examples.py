@@ -39,3 +39,23 @@ def test_digits_cnn_reaches_95_percent_on_8_fake_devices(tmp_path):
     rows = (tmp_path / "log.csv").read_text().splitlines()
     assert rows[0].startswith("epoch,accuracy,learning_rate,loss,val_accuracy,val_loss") and len(rows) > 2
     assert (tmp_path / "best").is_dir()
+
+
+def test_two_output_example_logs_keras_keys_and_learns():
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / "digits_two_heads.py"), "--devices", "8", "--epochs", "10"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "logged digit_accuracy, digit_loss, even_accuracy, even_auc, even_loss, loss, val_digit_accuracy" in (
+        result.stdout
+    )
+    accuracy, even, auc = map(
+        float, re.search(r"digit accuracy ([\d.]+), even accuracy ([\d.]+), even AUC ([\d.]+)", result.stdout).groups()
+    )
+    assert accuracy >= 0.9 and even >= 0.85 and auc >= 0.9
+    assert "predict returns ['digit', 'even'] with shapes [(360, 10), (360, 1)]" in result.stdout

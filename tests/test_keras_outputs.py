@@ -504,3 +504,57 @@ def test_run_eagerly_refuses_a_multi_device_strategy():
         tk.Trainer(nn.Dense(2), loss="mse", optimizer=optax.sgd(0.1), strategy="dp", run_eagerly=True)
     with pytest.raises(ValueError, match="jit_compile must be True, False or 'auto'"):
         tk.Trainer(nn.Dense(2), loss="mse", optimizer=optax.sgd(0.1), jit_compile="xla")
+
+
+class DictInListOut(nn.Module):
+    """Keras's ``test_multi_inputs_and_outputs``: a dict of inputs, a list of outputs."""
+
+    @nn.compact
+    def __call__(self, inputs):
+        joined = nn.Dense(4, name="hidden")(inputs["x1"]) + nn.Dense(4, name="skip")(inputs["x2"])
+        return [nn.Dense(3, name="y1")(joined), nn.Dense(4, name="y2")(joined)]
+
+
+def test_dict_inputs_list_outputs_and_sample_weights_train_as_keras():
+    rng = np.random.default_rng(15)
+    x = {"x1": rng.random((34, 1), np.float32), "x2": rng.random((34, 2), np.float32)}
+    y = [rng.random((34, 3), np.float32), rng.random((34, 4), np.float32)]
+    weights = rng.random(34).astype("float32")
+    keras.utils.set_random_seed(0)
+    inputs = {"x1": keras.Input((1,), name="x1"), "x2": keras.Input((2,), name="x2")}
+    joined = keras.layers.Dense(4, name="hidden")(inputs["x1"]) + keras.layers.Dense(4, name="skip")(inputs["x2"])
+    model = keras.Model(inputs, [keras.layers.Dense(3, name="y1")(joined), keras.layers.Dense(4, name="y2")(joined)])
+    model.compile(optimizer=keras.optimizers.SGD(0.1), loss=["mse", "mae"], weighted_metrics=[["mse"], ["mae"]])
+    layer_weights = {layer.name: layer.get_weights() for layer in model.layers if layer.get_weights()}
+    params = {name: {"kernel": kernel, "bias": bias} for name, (kernel, bias) in layer_weights.items()}
+    trainer = tk.Trainer(
+        DictInListOut(),
+        loss=["mse", "mae"],
+        weighted_metrics=[["mse"], ["mae"]],
+        optimizer=optax.sgd(0.1),
+        strategy=tk.DataParallel(),
+        params=params,
+    )
+    fit = dict(sample_weight=weights, batch_size=16, epochs=2, shuffle=False, verbose=0)
+    theirs = model.fit(x, y, **fit).history
+    ours = trainer.fit(x, y, **fit).history
+    rename = {"y1": "output_0", "y2": "output_1"}
+    theirs = {rename.get(k.split("_")[0], k.split("_")[0]) + k[2:] if k != "loss" else k: v for k, v in theirs.items()}
+    assert sorted(ours) == sorted(theirs)
+    for key in theirs:
+        np.testing.assert_allclose(ours[key], theirs[key], rtol=3e-5, atol=1e-6, err_msg=key)
+
+
+def test_iterables_keep_their_feature_shapes_and_must_not_be_empty():
+    """Keras's generator adapter retraces for batches of new feature shapes; trainkit keeps one
+    compiled shape and says which batch differs. An empty generator is a clear error in both."""
+    trainer = tk.Trainer(nn.Dense(2), loss="mse", optimizer=optax.sgd(0.1), strategy="single")
+
+    def different_shapes():
+        yield np.ones([16, 4], "float32"), np.ones([16, 2], "float32")
+        yield np.ones([16, 5], "float32"), np.ones([16, 2], "float32")
+
+    with pytest.raises(ValueError, match=r"Batch 1 of the iterable has .*\(5,\).*first batch had .*\(4,\)"):
+        trainer.fit(different_shapes(), verbose=0)
+    with pytest.raises(ValueError, match="yielded no batch"):
+        trainer.fit((batch for batch in []), verbose=0)

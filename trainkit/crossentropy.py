@@ -113,50 +113,50 @@ def categorical_focal(
 class Loss:
     """A loss object: ``loss(predictions, targets)`` -> per-example values, with a ``name`` (for
     the logs) and ``from_logits`` (whether it reads the outputs as logits: metrics given by name
-    for the same output follow it, e.g. ``"accuracy"`` thresholds at 0.5 on probabilities)."""
+    for the same output follow it, e.g. ``"accuracy"`` thresholds at 0.5 on probabilities).
+    Subclasses set ``fn``, a per-example function taking ``from_logits`` and the options."""
 
-    from_logits: bool = True
+    fn: staticmethod
 
-    def __init__(self, name: str):
+    def __init__(self, name: str, from_logits: bool, **options):
         self.name = self.__name__ = name
+        self.from_logits = bool(from_logits)
+        self.options = options
 
     def __call__(self, predictions, targets):
-        raise NotImplementedError
+        return type(self).fn(predictions, targets, from_logits=self.from_logits, **self.options)
 
     def __repr__(self) -> str:
-        return f"{type(self).__name__}(from_logits={self.from_logits})"
+        options = "".join(f", {k}={v!r}" for k, v in self.options.items())
+        return f"{type(self).__name__}(from_logits={self.from_logits}{options})"
 
 
 class SparseCategoricalCrossentropy(Loss):
     """Keras's class: probabilities by default; ``from_logits=True`` for logits."""
 
-    def __init__(self, from_logits: bool = False, name: str = "sparse_categorical_crossentropy"):
-        super().__init__(name)
-        self.from_logits = bool(from_logits)
+    fn = staticmethod(sparse_categorical)
 
-    def __call__(self, predictions, targets):
-        return sparse_categorical(predictions, targets, from_logits=self.from_logits)
+    def __init__(self, from_logits: bool = False, name: str = "sparse_categorical_crossentropy"):
+        super().__init__(name, from_logits)
 
 
 class CategoricalCrossentropy(Loss):
-    def __init__(self, from_logits: bool = False, label_smoothing: float = 0.0, name: str = "categorical_crossentropy"):
-        super().__init__(name)
-        self.from_logits, self.label_smoothing = bool(from_logits), float(label_smoothing)
+    fn = staticmethod(categorical)
 
-    def __call__(self, predictions, targets):
-        return categorical(predictions, targets, from_logits=self.from_logits, label_smoothing=self.label_smoothing)
+    def __init__(self, from_logits: bool = False, label_smoothing: float = 0.0, name: str = "categorical_crossentropy"):
+        super().__init__(name, from_logits, label_smoothing=float(label_smoothing))
 
 
 class BinaryCrossentropy(Loss):
-    def __init__(self, from_logits: bool = False, label_smoothing: float = 0.0, name: str = "binary_crossentropy"):
-        super().__init__(name)
-        self.from_logits, self.label_smoothing = bool(from_logits), float(label_smoothing)
+    fn = staticmethod(binary)
 
-    def __call__(self, predictions, targets):
-        return binary(predictions, targets, from_logits=self.from_logits, label_smoothing=self.label_smoothing)
+    def __init__(self, from_logits: bool = False, label_smoothing: float = 0.0, name: str = "binary_crossentropy"):
+        super().__init__(name, from_logits, label_smoothing=float(label_smoothing))
 
 
 class BinaryFocalCrossentropy(Loss):
+    fn = staticmethod(binary_focal)
+
     def __init__(
         self,
         apply_class_balancing: bool = False,
@@ -166,17 +166,19 @@ class BinaryFocalCrossentropy(Loss):
         label_smoothing: float = 0.0,
         name: str = "binary_focal_crossentropy",
     ):
-        super().__init__(name)
-        self.from_logits = bool(from_logits)
-        self.options = dict(
-            apply_class_balancing=apply_class_balancing, alpha=alpha, gamma=gamma, label_smoothing=label_smoothing
+        super().__init__(
+            name,
+            from_logits,
+            apply_class_balancing=apply_class_balancing,
+            alpha=alpha,
+            gamma=gamma,
+            label_smoothing=label_smoothing,
         )
-
-    def __call__(self, predictions, targets):
-        return binary_focal(predictions, targets, from_logits=self.from_logits, **self.options)
 
 
 class CategoricalFocalCrossentropy(Loss):
+    fn = staticmethod(categorical_focal)
+
     def __init__(
         self,
         alpha: float = 0.25,
@@ -185,12 +187,7 @@ class CategoricalFocalCrossentropy(Loss):
         label_smoothing: float = 0.0,
         name: str = "categorical_focal_crossentropy",
     ):
-        super().__init__(name)
-        self.from_logits = bool(from_logits)
-        self.options = dict(alpha=alpha, gamma=gamma, label_smoothing=label_smoothing)
-
-    def __call__(self, predictions, targets):
-        return categorical_focal(predictions, targets, from_logits=self.from_logits, **self.options)
+        super().__init__(name, from_logits, alpha=alpha, gamma=gamma, label_smoothing=label_smoothing)
 
 
 def named(kind: str, from_logits: bool):

@@ -251,9 +251,17 @@ class IterableDataset:
         each process's iterable yields that process's part of every global batch. A larger
         batch than the first is an error in training (it would change what a step averages);
         with ``split`` (evaluate, predict: per-row results) it is cut into pieces of that size."""
-        for element in itertools.islice(self._elements(), start, None):
+        first_spec = example_spec((self._first[0], self._first[1]))
+        for index, element in enumerate(itertools.islice(self._elements(), start, None), start):
             x, y, w = split_xyw(element)
             n = _check_lengths({"x": x, "y": y, "sample_weight": w})
+            spec = example_spec((x, y))
+            if spec != first_spec:
+                raise ValueError(
+                    f"Batch {index} of the iterable has (x, y) of per-example shapes and dtypes {spec}, "
+                    f"but its first batch had {first_spec}. Every batch must have the same feature shapes (only the "
+                    "number of rows may differ); pad or crop the features before batching."
+                )
             if n > self.batch_size and not split:
                 raise ValueError(
                     f"A batch of {n} rows follows a first batch of {self.batch_size} rows. "
