@@ -179,3 +179,21 @@ def test_a_static_loss_scale_trains_in_fp16_and_skips_overflows():
     trainer.fit((np.full_like(x[:16], 6e4), y[:16]), epochs=1, batch_size=16, verbose=0)
     for a, b in zip(jax.tree.leaves(before), jax.tree.leaves(trainer.get_weights())):
         np.testing.assert_array_equal(a, b)
+
+
+def test_fp16_warns_when_every_step_is_skipped():
+    from trainkit.loop import SKIPPED_WARNING
+
+    x, y = make_classification(64)
+    trainer = tk.Trainer(
+        MLP(), loss="sparse_categorical_crossentropy", optimizer=optax.adam(1e-2), strategy="single", precision="fp16"
+    )
+    huge = np.full((16 * SKIPPED_WARNING, x.shape[1]), 6e4, np.float32)  # every step overflows
+    labels = np.resize(y, len(huge))
+    with pytest.warns(UserWarning, match=rf"The last {SKIPPED_WARNING} steps .* were all skipped.*precision='bf16'"):
+        trainer.fit((huge, labels), epochs=1, batch_size=16, verbose=0)
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # finite steps: no warning
+        trainer.fit((x, y), epochs=1, batch_size=16, verbose=0)

@@ -18,6 +18,8 @@ from typing import Any
 import jax
 import numpy as np
 
+from trainkit import checks
+
 PyTree = Any
 Batch = dict[str, Any]
 _KEYS = ("x", "y", "sample_weight")
@@ -141,7 +143,10 @@ class ArrayDataset:
     def __init__(self, x: PyTree, y: PyTree = None, sample_weight: PyTree = None):
         self.num_examples = _check_lengths({"x": x, "y": y, "sample_weight": sample_weight})
         host = lambda t: None if t is None else jax.tree.map(np.asarray, t)  # noqa: E731
-        self.x, self.y, self.sample_weight = host(x), host(y), host(sample_weight)
+        self.x, self.y = host(x), host(y)
+        checks.numeric(self.x, "x")
+        checks.numeric(self.y, "y")
+        self.sample_weight = checks.sample_weights(sample_weight, self.num_examples)
 
     @property
     def has_targets(self) -> bool:
@@ -206,6 +211,8 @@ class IterableDataset:
             raise ValueError("The dataset is empty: its iterable yielded no batch.")
         x, y, w = split_xyw(first)
         self.batch_size = _check_lengths({"x": x, "y": y, "sample_weight": w})
+        checks.numeric(x, "x")
+        checks.numeric(y, "y")
         self._first = (x, y, w)
 
     def _peek(self):
@@ -262,6 +269,7 @@ class IterableDataset:
                     f"but its first batch had {first_spec}. Every batch must have the same feature shapes (only the "
                     "number of rows may differ); pad or crop the features before batching."
                 )
+            w = checks.sample_weights(w, n, f"sample_weight of batch {index}")
             if n > self.batch_size and not split:
                 raise ValueError(
                     f"A batch of {n} rows follows a first batch of {self.batch_size} rows. "
@@ -306,7 +314,7 @@ def as_dataset(data: Any, y: PyTree = None, sample_weight: PyTree = None) -> Dat
 def check_batch_size(batch_size: int, shards: int, *, micro_batches: int = 1, what: str = "batch_size") -> None:
     """Raises if ``batch_size`` cannot be split evenly into ``shards`` device parts (each split
     again into ``micro_batches`` for gradient accumulation)."""
-    if not isinstance(batch_size, (int, np.integer)) or batch_size <= 0:
+    if isinstance(batch_size, bool) or not isinstance(batch_size, (int, np.integer)) or batch_size <= 0:
         raise ValueError(f"{what}={batch_size!r}: it must be a positive integer.")
     parts = shards * micro_batches
     if batch_size % parts:
@@ -388,6 +396,17 @@ def check_positive(**values: int | None) -> None:
         if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
             allowed = "a positive integer" if name == "epochs" else "a positive integer or None"
             raise ValueError(f"{name} must be {allowed}; received {name}={value!r}.")
+
+
+def check_validation_runs(dataset: Dataset, runs: int, validation_steps: int | None) -> None:
+    """A one-shot iterator (a generator) as ``validation_data`` serves one validation run, or
+    several with ``validation_steps`` (each run continues it); refused up front otherwise."""
+    if getattr(dataset, "one_shot", False) and runs > 1 and validation_steps is None:
+        raise ValueError(
+            f"validation_data is a one-shot iterator (such as a generator), but {runs} epochs validate: the second "
+            "validation would find it exhausted. Pass a list or a re-iterable of batches, arrays, or "
+            "validation_steps=N (each validation then reads the next N batches)."
+        )
 
 
 def epoch_steps(dataset: Dataset, batch_size: int, steps_per_epoch: int | None, epochs: int) -> int | None:

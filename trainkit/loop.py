@@ -95,6 +95,9 @@ def in_order(dispatched: Iterator, lag: int) -> Iterator:
     yield from pending
 
 
+SKIPPED_WARNING = 25  # steps skipped in a row by the loss scale before fit warns
+
+
 def validates(epoch: int, validation_freq: int | list[int]) -> bool:
     """Keras's ``validation_freq``: whether epoch ``epoch`` (from 0) ends with validation.
 
@@ -193,6 +196,7 @@ class Loop:
         ``first_step`` receives the host metric totals of this fit's first step; ``continuing``:
         epochs walk on through the data (Keras's ``steps_per_epoch`` on arrays)."""
         self.stop_requested = self.preempted = False
+        self.skipped_in_a_row = 0
         self.batch_size, self.start, self.batch_spec = batch_size, None, None
         self.position = Position(initial_epoch, 0, self.position.step)
         train_fn = self.owner.function("train")
@@ -293,12 +297,29 @@ class Loop:
                     "tk.callbacks.TerminateOnNaN() to stop at the first non-finite loss.",
                     stacklevel=4,
                 )
+            self._count_skipped(metrics, record)
             totals = metrics_lib.merge(totals, metrics)
             ran += 1
             if batch_end.active:
                 self.record = record
                 batch_end(record.batch, metrics_lib.compute(totals, owner.log_order))
         return ran, ({} if totals is None else metrics_lib.compute(totals, owner.log_order))
+
+    def _count_skipped(self, metrics: dict, record: StepRecord) -> None:
+        """Warns once per fit when the loss scale skipped ``SKIPPED_WARNING`` steps in a row (a
+        skipped step's metrics count no row): the model is then not training at all."""
+        if "loss_scale" not in metrics:
+            return
+        self.skipped_in_a_row = self.skipped_in_a_row + 1 if float(metrics["loss"].count) == 0 else 0
+        if self.skipped_in_a_row == SKIPPED_WARNING:
+            scale = float(metrics["loss_scale"].total / max(float(metrics["loss_scale"].count), 1.0))
+            warnings.warn(
+                f"The last {SKIPPED_WARNING} steps (up to step {record.step}) were all skipped: their gradients were "
+                f"not finite at every loss scale down to {scale:g}, so the parameters did not change. The loss or "
+                "the model overflows in fp16: use precision='bf16', lower the learning rate, or look for a NaN "
+                "in the data.",
+                stacklevel=5,
+            )
 
     # ------------------------------------------------------------------ evaluate / predict
     def _inference(self, kind: str, dataset: Any, batch_size: int, steps: int | None, callbacks) -> Iterator:

@@ -297,10 +297,18 @@ def looks_like_probabilities(outputs: jax.Array, targets: Any = None) -> jax.Arr
     return jnp.all(flags, axis=1).astype(jnp.float32)
 
 
+def is_sparse(loss: Any) -> bool:
+    """Whether ``loss`` takes integer class ids against per-class outputs."""
+    return loss in SPARSE_LOSSES or isinstance(loss, crossentropy.SparseCategoricalCrossentropy)
+
+
+# Named losses that compare targets and outputs element by element (same per-example shape).
+ELEMENTWISE_LOSSES = tuple(fn for name, fn in LOSSES.items() if fn not in SPARSE_LOSSES)
+
+
 def check_targets(loss: LossFn, targets: Any) -> None:
     """Raises before compiling when a sparse (integer-label) loss receives float labels."""
-    sparse = loss in SPARSE_LOSSES or isinstance(loss, crossentropy.SparseCategoricalCrossentropy)
-    if not sparse or targets is None:
+    if not is_sparse(loss) or targets is None:
         return
     for leaf in jax.tree.leaves(targets):
         dtype = getattr(leaf, "dtype", None)

@@ -29,7 +29,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from trainkit import losses
+from trainkit import checks, crossentropy, losses
 from trainkit import metrics as metrics_lib
 
 PyTree = Any
@@ -182,7 +182,9 @@ class Objective:
         for name, key in zip(names, keys):
             spec = losses_by_name.get(name)
             fn = None if spec is None else losses.get_loss(spec)
-            loss_name = getattr(spec, "name", None) or getattr(fn, "__name__", None) or str(spec)
+            loss_name = (
+                spec if isinstance(spec, str) else getattr(spec, "name", None) or getattr(fn, "__name__", "loss")
+            )
             logits = True if spec is None else takes_logits(spec)
             outputs.append(Output(name, key, fn, loss_name, weights[name], logits))
         return outputs
@@ -304,11 +306,27 @@ class Objective:
             raise ValueError("No output has a loss: give loss=... (for at least one output).")
         return total
 
-    def check_targets(self, targets: PyTree) -> None:
-        """Raises before compiling when a sparse loss gets float labels (per output)."""
+    def check_targets(self, targets: PyTree, outputs: PyTree = None, part: str = "y") -> None:
+        """Raises before compiling, per output with a loss: float labels for a sparse loss; and
+        given ``outputs`` (the model's output shapes, from ``jax.eval_shape``): labels outside
+        the classes, or targets whose shape an element-wise loss cannot compare."""
+        if targets is None:
+            return
         for out in self.outputs:
-            if out.loss is not None and targets is not None:
-                losses.check_targets(out.loss, _pick(targets, out.key, "targets"))
+            if out.loss is None:
+                continue
+            target = np.asarray(_pick(targets, out.key, "targets"))
+            where = part + (f"[{out.key!r}]" if out.key is not None else "")
+            losses.check_targets(out.loss, target)
+            if outputs is None:
+                continue
+            shape = tuple(_pick(outputs, out.key, "model's outputs").shape[1:])
+            if losses.is_sparse(out.loss):
+                labels = target[..., 0] if target.ndim == len(shape) + 1 and target.shape[-1] == 1 else target
+                checks.same_shape(labels.shape[1:], shape[:-1], out.loss_name, f"The labels {where}")
+                checks.sparse_labels(labels, shape[-1], where)
+            elif out.loss in losses.ELEMENTWISE_LOSSES or isinstance(out.loss, crossentropy.Loss):
+                checks.same_shape(target.shape[1:], shape, out.loss_name, f"The targets {where}")
 
     def loss_named(self, probe: str) -> str:
         """The loss name of the output a ``_probabilities/<output>`` probe watches."""

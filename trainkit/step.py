@@ -66,11 +66,22 @@ def _step_rng(state: TrainState, axis_name: str | None) -> jax.Array:
 
 
 def _rows(loss: jax.Array, num_rows: int) -> jax.Array:
-    """Per-row loss values; a scalar (a batch mean) is spread evenly over the rows."""
-    loss = jnp.asarray(loss, jnp.float32)
+    """Per-row loss values; a scalar (a batch mean) is spread evenly over the rows. Raises
+    while tracing for a loss that is not floating (no gradient) or not one value per row."""
+    loss = jnp.asarray(loss)
+    if not jnp.issubdtype(loss.dtype, jnp.floating):
+        raise ValueError(
+            f"The loss has dtype {loss.dtype}: it must be floating, or it has no gradient. Cast inside compute_loss "
+            "only what is not differentiated (labels), never the loss."
+        )
     if loss.ndim == 0:
-        return jnp.broadcast_to(loss, (num_rows,))
-    return loss.reshape(num_rows, -1).mean(axis=1)
+        return jnp.broadcast_to(loss.astype(jnp.float32), (num_rows,))
+    if loss.shape[0] != num_rows:
+        raise ValueError(
+            f"The loss has shape {loss.shape} for a batch of {num_rows} rows: return one value per row (shape "
+            f"({num_rows}, ...)) or a scalar mean, not values of several rows concatenated."
+        )
+    return loss.astype(jnp.float32).reshape(num_rows, -1).mean(axis=1)
 
 
 def _loss_total(row_loss: jax.Array, batch: Batch) -> jax.Array:

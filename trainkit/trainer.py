@@ -162,6 +162,7 @@ class Trainer:
         self.history: History | None = None
         self.last_plan: plan_lib.MemoryPlan | None = None  # the plan strategy="auto" chose from
         self._warned_probabilities = False
+        self._outputs: PyTree = None  # the model's output shapes, once traced
 
     # ------------------------------------------------------------------ override points
     def apply(self, params: PyTree, model_state: PyTree, x: PyTree, *, rng: jax.Array, train: bool):
@@ -455,10 +456,11 @@ class Trainer:
                 **(config or {}),
             }
         )
-        if targets:
-            first_targets = dataset.first()[1]
-            self.objective.build(first_targets)
-            self.objective.check_targets(first_targets)
+        if targets and dataset.has_targets:
+            self.objective.build(dataset.first()[1])
+            if self.objective.has_loss and not self._custom_loss:
+                every = dataset.y if isinstance(dataset, data_lib.ArrayDataset) else dataset.first()[1]
+                self.objective.check_targets(every, self._output_spec(dataset.first()[0]))
         if self.strategy is None:
             data_lib.check_batch_size(batch_size, 1, micro_batches=self.grad_accum_steps if training else 1)
             self._choose_strategy(dataset, batch_size, announce)
@@ -470,6 +472,20 @@ class Trainer:
         else:
             data_lib.check_same_inputs(self.input_spec, dataset.element_spec())
         return dataset, batch_size
+
+    def _output_spec(self, first_x: PyTree) -> PyTree:
+        """The shapes of the model's outputs for one row (traced, never run; cached)."""
+        if self._outputs is None:
+            first_row = jax.tree.map(lambda a: np.asarray(a[:1]), first_x)
+            state = (
+                abstract(self.state)
+                if self.state is not None
+                else jax.eval_shape(self.program.init_state, self.program.starting_variables(first_row), first_row)
+            )
+            self._outputs = jax.eval_shape(
+                lambda s, x: self.apply(s.params, s.model_state, x, rng=s.rng, train=False)[0], state, first_row
+            )
+        return self._outputs
 
     def fit(
         self,
@@ -518,8 +534,21 @@ class Trainer:
         validation = None
         if validation_data is not None:
             data_lib.check_positive(validation_steps=validation_steps)
+            validation_set = data_lib.as_dataset(validation_data)
+            data_lib.check_validation_runs(
+                validation_set,
+                sum(validates(e, validation_freq) for e in range(initial_epoch, epochs)),
+                validation_steps,
+            )
+            own_size = isinstance(validation_set, data_lib.IterableDataset)  # an iterable's batches are its own
             validation = (
-                *self._prepare(validation_data, None, None, validation_batch_size or batch_size, targets=True),
+                *self._prepare(
+                    validation_set,
+                    None,
+                    None,
+                    validation_batch_size or (None if own_size else batch_size),
+                    targets=True,
+                ),
                 validation_steps,
             )
         steps = data_lib.epoch_steps(dataset, batch_size, steps_per_epoch, epochs)
@@ -568,6 +597,7 @@ class Trainer:
         the loss alone (no metrics) or ``[loss, *metrics]`` in the compiled order, and with
         ``return_dict=True`` the dict ``{"loss": ..., "accuracy": ...}``. ``verbose`` is accepted
         for Keras compatibility; evaluation prints nothing."""
+        data_lib.check_positive(steps=steps)
         dataset, batch_size = self._prepare(x, y, sample_weight, batch_size, targets=True)
         params = {"verbose": verbose, "epochs": 1, "steps": dataset.steps(batch_size) if steps is None else steps}
         logs = self.loop.evaluate(dataset, batch_size, steps, CallbackList(callbacks, trainer=self, params=params))
@@ -638,6 +668,7 @@ class Trainer:
         is the inputs of a model with several (``predict((x1, x2))``)."""
         if isinstance(x, tuple) and len(x) > 1 and data_lib.is_array_tree(x):
             x = {"x": x}  # Keras: predict's x is the inputs, whatever their structure
+        data_lib.check_positive(steps=steps)
         dataset, batch_size = self._prepare(x, None, None, batch_size, targets=False)
         params = {"verbose": verbose, "epochs": 1, "steps": dataset.steps(batch_size) if steps is None else steps}
         return self.loop.predict(dataset, batch_size, steps, CallbackList(callbacks, trainer=self, params=params))

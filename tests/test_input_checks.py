@@ -1,0 +1,121 @@
+"""Inputs that used to train on the wrong thing without a word, or fail with a framework error,
+now get a clear error before compiling (or, for the shapes Keras accepts, the right result)."""
+
+import flax.linen as nn
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import trainkit as tk
+
+N = 40
+
+
+@pytest.fixture(scope="module")
+def data():
+    rng = np.random.default_rng(0)
+    return rng.normal(size=(N, 4)).astype("float32"), rng.integers(0, 3, N).astype("int32")
+
+
+def classifier(**kwargs):
+    kwargs.setdefault("loss", "sparse_categorical_crossentropy")
+    return tk.Trainer(nn.Dense(3), optimizer=optax.sgd(0.1), strategy="single", **kwargs)
+
+
+def test_sample_weights_of_shape_n_by_1_equal_n_and_others_are_refused(data):
+    x, y = data
+    weights = np.linspace(0.5, 1.5, N).astype("float32")
+    flat = classifier().fit(x, y, sample_weight=weights, batch_size=8, shuffle=False, verbose=0).history["loss"]
+    column = classifier().fit(x, y, sample_weight=weights[:, None], batch_size=8, shuffle=False, verbose=0)
+    np.testing.assert_allclose(column.history["loss"], flat, rtol=1e-6)  # not broadcast to (B, B)
+    with pytest.raises(ValueError, match=r"sample_weight has shape \(40, 2\).*shape \(40,\) or \(40, 1\)"):
+        classifier().fit(x, y, sample_weight=np.ones((N, 2)), verbose=0)
+    with pytest.raises(ValueError, match=r"sample_weight\[3\] is -1.0: sample weights must be finite and non-negative"):
+        classifier().fit(x, y, sample_weight=np.where(np.arange(N) == 3, -1.0, 1.0), verbose=0)
+    with pytest.raises(ValueError, match=r"sample_weight\[0\] is nan"):
+        classifier().fit(x, y, sample_weight=np.full(N, np.nan), verbose=0)
+    with pytest.raises(ValueError, match="one array with a weight per row, applied to every output"):
+        classifier().fit(x, y, sample_weight={"a": np.ones(N)}, verbose=0)
+    batches = [(x[:8], y[:8], np.ones(8)), (x[8:16], y[8:16], -np.ones(8))]
+    with pytest.raises(ValueError, match=r"sample_weight of batch 1\[0\] is -1.0"):
+        classifier().fit(batches, verbose=0)
+
+
+@pytest.mark.parametrize("bad", [-1, 3])
+def test_sparse_labels_outside_the_classes_are_named(data, bad):
+    x, y = data
+    y = y.copy()
+    y[7] = bad
+    with pytest.raises(ValueError, match=rf"y holds label {bad} \(row 7\), but the model outputs 3 classes"):
+        classifier().fit(x, y, verbose=0)
+    with pytest.raises(ValueError, match=rf"label {bad} \(row 7\)"):
+        classifier().fit(x, data[1], validation_data=(x, y), verbose=0)
+
+
+def test_targets_the_loss_cannot_compare_are_refused(data):
+    x, y = data
+    with pytest.raises(
+        ValueError, match=r"The targets y have per-example shape \(2,\), but the model outputs \(3,\); the loss 'mse'"
+    ):
+        classifier(loss="mse").fit(x, np.ones((N, 2), "float32"), verbose=0)
+    with pytest.raises(ValueError, match="needs integer class ids"):
+        classifier().fit(x, y, validation_data=(x, np.eye(3, dtype="float32")[y]), verbose=0)
+    with pytest.raises(ValueError, match="Integer class ids need loss='sparse_categorical_crossentropy'"):
+        classifier(loss="categorical_crossentropy").fit(x, y, verbose=0)
+    labels = classifier().fit(x, y[:, None], verbose=0).history["loss"]  # (N, 1) labels are fine, as in Keras
+    assert np.isfinite(labels).all()
+
+
+def test_non_numeric_inputs_are_refused(data):
+    _, y = data
+    with pytest.raises(ValueError, match=r"x has dtype <U1 \(strings\); models take numbers"):
+        classifier().fit(np.array(["a"] * N), y, verbose=0)
+    with pytest.raises(ValueError, match=r"x\['text'\] has dtype object \(Python objects\)"):
+        classifier().fit({"text": np.array([None] * N)}, y, verbose=0)
+
+
+def test_bad_counts_are_refused(data):
+    x, y = data
+    with pytest.raises(ValueError, match="batch_size=True: it must be a positive integer"):
+        classifier().fit(x, y, batch_size=True, verbose=0)
+    with pytest.raises(ValueError, match="steps must be a positive integer or None; received steps=0"):
+        classifier().evaluate(x, y, steps=0)
+    with pytest.raises(ValueError, match="steps must be a positive integer or None; received steps=0"):
+        classifier().predict(x, steps=0)
+
+
+class TwiceTheRows(tk.Trainer):
+    def compute_loss(self, params, batch, rng, *, model_state, train):
+        out, model_state = self.apply(params, model_state, batch["x"], rng=rng, train=train)
+        return jnp.concatenate([out[:, 0], out[:, 1]]), (out, model_state)
+
+
+class IntegerLoss(tk.Trainer):
+    def compute_loss(self, params, batch, rng, *, model_state, train):
+        out, model_state = self.apply(params, model_state, batch["x"], rng=rng, train=train)
+        return (out[:, 0] > 0).astype(jnp.int32), (out, model_state)
+
+
+def test_a_custom_loss_must_give_one_float_per_row(data):
+    x, y = data
+    with pytest.raises(ValueError, match=r"The loss has shape \(64,\) for a batch of 32 rows"):
+        TwiceTheRows(nn.Dense(3), optimizer=optax.sgd(0.1), strategy="single").fit(x, y, verbose=0)
+    with pytest.raises(ValueError, match="The loss has dtype int32: it must be floating"):
+        IntegerLoss(nn.Dense(3), optimizer=optax.sgd(0.1), strategy="single").fit(x, y, verbose=0)
+
+
+def test_validation_iterables_keep_their_batch_size_and_one_shot_ones_serve_one_run(data):
+    x, y = data
+
+    def batches_of_8():
+        for i in range(0, N, 8):
+            yield x[i : i + 8], y[i : i + 8]
+
+    trainer = classifier()
+    history = trainer.fit(x, y, batch_size=16, validation_data=batches_of_8(), verbose=0).history
+    assert history["val_loss"][0] == pytest.approx(trainer.evaluate(x, y, batch_size=16), rel=1e-5)
+    with pytest.raises(ValueError, match="validation_data is a one-shot iterator .* but 2 epochs validate"):
+        classifier().fit(x, y, epochs=2, validation_data=batches_of_8(), verbose=0)
+    history = classifier().fit(x, y, epochs=2, validation_data=batches_of_8(), validation_steps=2, verbose=0)
+    assert len(history.history["val_loss"]) == 2  # each validation reads the next 2 batches

@@ -1,0 +1,94 @@
+"""Checks of host inputs that would otherwise train on the wrong thing without a word, or fail
+later with a framework error: non-numeric features, sample weights of the wrong shape or sign,
+sparse labels outside the classes, targets whose shape does not match the model's output.
+Each raises a ``ValueError`` saying what was received and what to do, before compiling.
+
+>>> import numpy as np
+>>> sample_weights(np.ones((3, 1)), 3).shape           # (N, 1) is squeezed, as Keras does
+(3,)
+>>> sample_weights(np.array([1.0, -1.0]), 2)
+Traceback (most recent call last):
+...
+ValueError: sample_weight[1] is -1.0: sample weights must be finite and non-negative.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import numpy as np
+
+PyTree = Any
+
+
+def numeric(tree: PyTree, part: str) -> None:
+    """Raises for a leaf of strings, objects or dates (only numbers and booleans train)."""
+    if tree is None:
+        return
+    for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
+        kind = np.asarray(leaf).dtype.kind if not hasattr(leaf, "dtype") else np.dtype(leaf.dtype).kind
+        if kind not in "biuf":
+            raise ValueError(
+                f"{part}{jax.tree_util.keystr(path)} has dtype {np.asarray(leaf).dtype} ({_KINDS.get(kind, kind)}); "
+                "models take numbers. Encode it first (e.g. a vocabulary lookup for strings, "
+                "np.asarray(values, np.float32) for Python objects)."
+            )
+
+
+_KINDS = {"U": "strings", "S": "bytes", "O": "Python objects", "M": "dates", "m": "time deltas", "c": "complex"}
+
+
+def sample_weights(weights: Any, rows: int, part: str = "sample_weight") -> np.ndarray | None:
+    """One float32 weight per row: ``(N,)`` or ``(N, 1)``; finite and non-negative."""
+    if weights is None:
+        return None
+    if isinstance(weights, (dict, list, tuple)) and not np.isscalar(weights):
+        raise ValueError(
+            f"{part} must be one array with a weight per row, applied to every output; received a "
+            f"{type(weights).__name__}. For per-output weights, override Trainer.compute_loss."
+        )
+    array = np.asarray(weights)
+    if array.ndim == 2 and array.shape[1] == 1:
+        array = array[:, 0]
+    if array.shape != (rows,):
+        raise ValueError(
+            f"{part} has shape {array.shape}; it needs one weight per row: shape ({rows},) or ({rows}, 1)."
+        )
+    if array.dtype.kind not in "biuf":
+        raise ValueError(f"{part} has dtype {array.dtype}; weights must be numbers.")
+    array = array.astype(np.float32)
+    bad = np.flatnonzero(~np.isfinite(array) | (array < 0))
+    if bad.size:
+        raise ValueError(f"{part}[{bad[0]}] is {array[bad[0]]}: sample weights must be finite and non-negative.")
+    return array
+
+
+def sparse_labels(labels: np.ndarray, classes: int, where: str) -> None:
+    """Raises naming the first label outside ``[0, classes)``."""
+    labels = np.asarray(labels)
+    bad = np.flatnonzero((labels < 0) | (labels >= classes))
+    if bad.size:
+        row = int(np.unravel_index(bad[0], labels.shape)[0]) if labels.ndim else 0
+        raise ValueError(
+            f"{where} holds label {labels.reshape(-1)[bad[0]]} (row {row}), but the model outputs {classes} classes: "
+            f"labels must be in [0, {classes}). A label of -1 would silently count as the last class and one "
+            f">= {classes} gives a NaN loss; drop those rows, give them sample_weight 0 after mapping them to 0, "
+            "or widen the output layer."
+        )
+
+
+def same_shape(targets_shape: tuple, outputs_shape: tuple, loss_name: str, where: str) -> None:
+    """Per-example shapes of an element-wise loss's targets and outputs must match (``(B,)``
+    against ``(B, 1)`` is accepted)."""
+    if targets_shape == outputs_shape or (outputs_shape[-1:] == (1,) and targets_shape == outputs_shape[:-1]):
+        return
+    hint = (
+        " Integer class ids need loss='sparse_categorical_crossentropy'."
+        if len(targets_shape) == len(outputs_shape) - 1
+        else ""
+    )
+    raise ValueError(
+        f"{where} have per-example shape {targets_shape}, but the model outputs {outputs_shape}; "
+        f"the loss {loss_name!r} compares them element by element.{hint}"
+    )
