@@ -19,9 +19,13 @@ True
 from __future__ import annotations
 
 import concurrent.futures
+import fcntl
+import json
 import logging
 import os
+import socket
 import uuid
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -103,8 +107,14 @@ class Checkpointer:
         best_mode: ``"min"`` or ``"max"`` for ``best_fn``.
         enable_async: return from ``save`` at once: the state is copied on its devices (an
             asynchronous dispatch that costs one state's worth of device memory until it is on
-            the host), and trainkit's checkpoint thread writes the copy with orbax. Errors
-            surface at the next ``save`` or ``wait``.
+            the host), and trainkit's checkpoint thread writes the copy with orbax. At most one
+            write is in flight: the next ``save`` waits for it (and raises its error).
+        read_only: open to read (``load``, a restore): no write probe, no lock, nothing created;
+            works on a read-only or full file system.
+
+    A writer takes a lock on the directory (``.trainkit-lock``, held while open, on process
+    0): a second writer, in this process or another, gets a :class:`CheckpointError` naming the
+    holder instead of interleaving its steps with the first one's.
     """
 
     def __init__(
@@ -115,18 +125,33 @@ class Checkpointer:
         best_fn: Callable[[dict], float] | None = None,
         best_mode: str = "min",
         enable_async: bool = True,
+        read_only: bool = False,
     ):
         self.directory = os.path.abspath(os.fspath(directory))
-        check_writable(self.directory)
+        self.read_only = read_only
+        self._lock = None
+        if read_only:
+            if not os.path.isdir(self.directory):
+                raise CheckpointError(f"No checkpoint directory {self.directory!r}.")
+        else:
+            check_writable(self.directory)
+            self._lock = _lock_directory(self.directory)
         options = ocp.CheckpointManagerOptions(
             max_to_keep=max_to_keep,
             best_fn=best_fn,
             best_mode=best_mode,
             keep_checkpoints_without_metrics=False if best_fn else True,
             enable_async_checkpointing=False,  # trainkit's writer thread is the async part
-            cleanup_tmp_directories=True,
+            cleanup_tmp_directories=not read_only,
+            read_only=read_only,
+            create=not read_only,
+            **({"save_interval_steps": 0} if read_only else {}),
         )
-        self._manager = ocp.CheckpointManager(self.directory, options=options)
+        try:
+            self._manager = ocp.CheckpointManager(self.directory, options=options)
+        except BaseException:
+            _unlock(self._lock)
+            raise
         self._last_saved: int | None = None
         self.enable_async = enable_async
         self._pending: list[concurrent.futures.Future] = []
@@ -141,12 +166,29 @@ class Checkpointer:
         metrics: dict | None = None,
         wait: bool = False,
         weights_only: bool = False,
+        overwrite: bool = False,
+        allow_non_finite: bool = False,
     ) -> bool:
-        """Starts writing ``state`` at ``step``; a step already saved is not written twice.
-        ``weights_only`` writes the variables (``params`` and ``model_state``) without the
-        optimizer state, step and rng; :meth:`restore` then replaces only those."""
-        self._collect_errors()
+        """Starts writing ``state`` at ``step`` and returns ``True``; returns ``False`` (and
+        writes nothing) for a step already saved, unless ``overwrite``, and, with a warning,
+        for parameters that are not all finite, unless ``allow_non_finite``. ``weights_only``
+        writes the variables (``params`` and ``model_state``) without the optimizer state, step
+        and rng; :meth:`restore` then replaces only those."""
+        if self.read_only:
+            raise CheckpointError(f"{self.directory!r} was opened read-only; open it again to save.")
+        self._collect_errors(block=True)  # at most one write in flight; its error surfaces here
         if step == self._last_saved or step in self.steps():
+            if not overwrite:
+                return False
+            self.wait()
+            if step in self.steps():
+                self._manager.delete(int(step))
+        if not allow_non_finite and not all_finite(state.params):
+            warnings.warn(
+                f"Not saving step {step} to {self.directory!r}: its parameters are not all finite (NaN or inf). "
+                "The last finite checkpoint is kept.",
+                stacklevel=3,
+            )
             return False
         self._last_saved = int(step)
         state_dict = flax.serialization.to_state_dict(state)
@@ -222,6 +264,31 @@ class Checkpointer:
     def latest_step(self) -> int | None:
         return self._manager.latest_step()
 
+    def verified_steps(self) -> list[int]:
+        """The steps, newest first, whose manifest reads back and whose array files are all
+        present (orbax's metadata lists them); a corrupt step is left out with a warning."""
+        good = []
+        for step in sorted(self.steps(), reverse=True):
+            problem = self._verify(step)
+            if problem is None:
+                good.append(step)
+            else:
+                warnings.warn(f"Skipping checkpoint step {step} in {self.directory!r}: {problem}", stacklevel=3)
+        return good
+
+    def _verify(self, step: int) -> str | None:
+        """Why ``step`` cannot be read back (its JSON metadata unreadable), or ``None``."""
+        root = os.path.join(self.directory, str(step))
+        for path in (os.path.join(root, "meta", "metadata"), os.path.join(root, "state", "_METADATA")):
+            if path.endswith("_METADATA") and not os.path.exists(path):
+                continue
+            try:
+                with open(path) as f:
+                    json.load(f)
+            except (OSError, ValueError) as error:
+                return f"{path!r} is unreadable ({type(error).__name__}: {error})."
+        return None
+
     def best_step(self) -> int | None:
         return self._manager.best_step()
 
@@ -244,9 +311,33 @@ class Checkpointer:
     def restore(self, target: PyTree, step: int | None = None) -> tuple[PyTree, dict]:
         """Restores into the structure, shapes and shardings of ``target`` (a state of arrays
         or ``jax.ShapeDtypeStruct``s); raises a :class:`CheckpointError` naming every path
-        whose shape or dtype differs."""
-        step = self._resolve(step)
-        manifest = self.manifest(step)
+        whose shape or dtype differs. Without ``step``, the newest checkpoint that reads back
+        completely: a corrupt newer one is skipped with a warning naming it and why."""
+        if step is not None:
+            return self._restore(target, self._resolve(step))
+        candidates = self.verified_steps()
+        if not candidates:
+            self._resolve(None)  # raises "no complete checkpoint" when there is none
+        errors = []
+        for candidate in candidates:
+            try:
+                return self._restore(target, candidate)
+            except CheckpointError as error:
+                if "does not match this model" in str(error):
+                    raise
+                errors.append(str(error))
+                warnings.warn(f"Skipping checkpoint step {candidate}: {error}", stacklevel=2)
+        raise CheckpointError(
+            f"No checkpoint in {self.directory!r} reads back: " + " | ".join(errors or ["every step is corrupt"])
+        )
+
+    def _restore(self, target: PyTree, step: int) -> tuple[PyTree, dict]:
+        try:
+            manifest = self.manifest(step)
+        except Exception as error:  # noqa: BLE001 - orbax and json raise many kinds
+            raise CheckpointError(
+                f"The manifest of step {step} in {self.directory!r} is unreadable ({type(error).__name__}: {error})."
+            ) from error
         problems = []
         for part in ("params", "opt_state", "model_state"):
             if part in manifest.get("tree", {}):
@@ -265,18 +356,80 @@ class Checkpointer:
         abstract = jax.tree.map(
             lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=getattr(a, "sharding", None)), target_dict
         )
-        restored = self._manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract)))[
-            "state"
-        ]
+        try:
+            restored = self._manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract)))[
+                "state"
+            ]
+        except Exception as error:  # noqa: BLE001 - tensorstore DATA_LOSS, KeyError, ValueError...
+            raise CheckpointError(
+                f"The arrays of step {step} in {os.path.join(self.directory, str(step), 'state')!r} are corrupt or "
+                f"incomplete ({type(error).__name__}: {str(error)[:300]})."
+            ) from error
         if manifest.get("contents") == "weights":
             restored = {**flax.serialization.to_state_dict(target), **restored}
         return flax.serialization.from_state_dict(target, restored), manifest
 
     def close(self) -> None:
         try:
-            self.wait()
+            if not self.read_only:
+                self.wait()
         finally:
-            self._manager.close()
+            try:
+                self._manager.close()
+            finally:
+                _unlock(self._lock)
+                self._lock = None
+
+
+_all_finite_jit = jax.jit(
+    lambda tree: jax.numpy.all(
+        jax.numpy.stack(
+            [
+                jax.numpy.all(jax.numpy.isfinite(a))
+                for a in jax.tree.leaves(tree)
+                if jax.numpy.issubdtype(a.dtype, jax.numpy.inexact)
+            ]
+            or [jax.numpy.array(True)]
+        )
+    )
+)
+
+
+def all_finite(tree: PyTree) -> bool:
+    """Whether every floating leaf of ``tree`` is finite (one reduction on the devices)."""
+    return bool(_all_finite_jit(tree))
+
+
+def _lock_directory(directory: str):
+    """An exclusive, non-blocking lock on ``directory`` (process 0 only); ``None`` elsewhere."""
+    if jax.process_index() != 0:
+        return None
+    path = os.path.join(directory, ".trainkit-lock")
+    handle = open(path, "a+")  # noqa: SIM115 - held open while the checkpointer is
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        handle.seek(0)
+        holder = handle.read().strip() or "another writer"
+        handle.close()
+        raise CheckpointError(
+            f"{directory!r} is being written by {holder}: two writers in one directory corrupt each other's "
+            "checkpoints. Give this run its own directory, or close the other writer (trainer.save / a "
+            "ModelCheckpoint of another fit) first."
+        ) from None
+    handle.seek(0)
+    handle.truncate()
+    handle.write(f"pid {os.getpid()} on {socket.gethostname()}\n")
+    handle.flush()
+    return handle
+
+
+def _unlock(handle) -> None:
+    if handle is not None:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+        finally:
+            handle.close()
 
 
 def build_manifest(state: PyTree, strategy: Any, position: Any, **settings: Any) -> dict:

@@ -306,14 +306,40 @@ class Trainer:
             grad_accum_steps=self.grad_accum_steps,
         )
 
-    def save(self, filepath: str | os.PathLike, *, max_to_keep: int | None = None, weights_only: bool = False) -> int:
+    def save(
+        self,
+        filepath: str | os.PathLike,
+        *,
+        max_to_keep: int | None = None,
+        weights_only: bool = False,
+        overwrite: bool = True,
+        allow_non_finite: bool = False,
+    ) -> int:
         """Writes the full state (or only the variables) and the manifest to ``filepath``, an
         orbax checkpoint directory, at the current step; waits until it is on disk. Returns
-        the step."""
+        the step. A checkpoint of the same step in ``filepath`` is replaced (Keras's
+        ``overwrite=True``), or with ``overwrite=False`` a :class:`CheckpointError` is raised.
+        Parameters that are not all finite are refused unless ``allow_non_finite``."""
         checkpointer = checkpoint_lib.Checkpointer(filepath, max_to_keep=max_to_keep, enable_async=False)
         try:
+            step, state = self.global_step, self._require_state()
+            if not overwrite and step in checkpointer.steps():
+                raise checkpoint_lib.CheckpointError(
+                    f"{checkpointer.directory!r} already holds step {step}; pass overwrite=True to replace it."
+                )
+            if not allow_non_finite and not checkpoint_lib.all_finite(state.params):
+                raise checkpoint_lib.CheckpointError(
+                    f"The parameters at step {step} are not all finite (NaN or inf); nothing was written to "
+                    f"{checkpointer.directory!r}. Pass allow_non_finite=True to save them anyway (for debugging)."
+                )
             checkpointer.save(
-                self.global_step, self._require_state(), self.manifest(), wait=True, weights_only=weights_only
+                step,
+                state,
+                self.manifest(),
+                wait=True,
+                weights_only=weights_only,
+                overwrite=True,
+                allow_non_finite=allow_non_finite,
             )
         finally:
             checkpointer.close()
@@ -330,7 +356,7 @@ class Trainer:
                 "so that the model's shapes are known."
             )
         own = not isinstance(directory, checkpoint_lib.Checkpointer)
-        checkpointer = checkpoint_lib.Checkpointer(directory) if own else directory
+        checkpointer = checkpoint_lib.Checkpointer(directory, read_only=True) if own else directory
         try:
             self.state, manifest = checkpointer.restore(self.state, step)
         finally:
@@ -456,6 +482,8 @@ class Trainer:
                 **(config or {}),
             }
         )
+        if self.state is not None:
+            data_lib.check_same_inputs(self.input_spec, dataset.element_spec())
         if targets and dataset.has_targets:
             self.objective.build(dataset.first()[1])
             if self.objective.has_loss and not self._custom_loss:
@@ -469,8 +497,6 @@ class Trainer:
         )
         if self.state is None:
             self.init(dataset.first()[0])
-        else:
-            data_lib.check_same_inputs(self.input_spec, dataset.element_spec())
         return dataset, batch_size
 
     def _output_spec(self, first_x: PyTree) -> PyTree:

@@ -1,0 +1,175 @@
+"""Checkpoints that never lose or poison the state: overwrite or refuse, read-only loading,
+one writer per directory, no non-finite parameters saved, corrupt checkpoints skipped with a
+reason, one save in flight."""
+
+import os
+import pathlib
+import subprocess
+import sys
+import textwrap
+
+import flax.linen as nn
+import jax
+import numpy as np
+import optax
+import pytest
+
+import trainkit as tk
+from trainkit.callbacks import BackupAndRestore, Callback, ModelCheckpoint
+from trainkit.checkpoint import Checkpointer, CheckpointError
+
+
+@pytest.fixture(scope="module")
+def data():
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(32, 4)).astype("float32")
+    return x, (x[:, 0] > 0).astype("int32")
+
+
+def make():
+    return tk.Trainer(nn.Dense(2), loss="sparse_categorical_crossentropy", optimizer=optax.sgd(0.1), strategy="single")
+
+
+def kernel(trainer):
+    return np.asarray(trainer.get_weights()["params"]["kernel"])
+
+
+def test_saving_a_step_again_replaces_it_or_refuses(data, tmp_path):
+    x, y = data
+    trainer = make()
+    trainer.fit(x, y, batch_size=16, verbose=0)
+    trainer.save(tmp_path / "ck")
+    trainer.set_weights(jax.tree.map(lambda a: a + 1.0, trainer.get_weights()))  # same step, new weights
+    assert trainer.save(tmp_path / "ck") == 2
+    restored = make()
+    restored.init(x)
+    restored.load(tmp_path / "ck")
+    np.testing.assert_array_equal(kernel(restored), kernel(trainer))  # the new weights, not the old
+    with pytest.raises(CheckpointError, match="already holds step 2; pass overwrite=True"):
+        trainer.save(tmp_path / "ck", overwrite=False)
+
+
+@pytest.fixture
+def tmpfs(tmp_path):
+    mount = tmp_path / "fs"
+    mount.mkdir()
+    result = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(mount)], capture_output=True)
+    if result.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {result.stderr.decode().strip()}")
+    yield mount
+    subprocess.run(["umount", str(mount)], check=False)
+
+
+def test_load_works_on_a_read_only_file_system(data, tmpfs):
+    x, y = data
+    trainer = make()
+    trainer.fit(x, y, batch_size=16, verbose=0)
+    trainer.save(tmpfs / "ck")
+    subprocess.run(["mount", "-o", "remount,ro", str(tmpfs)], check=True)
+    with pytest.raises(OSError):
+        (tmpfs / "probe").write_text("x")  # really read-only, even for root
+    restored = make()
+    restored.init(x)
+    assert restored.load(tmpfs / "ck")["position"]["global_step"] == 2
+    np.testing.assert_array_equal(kernel(restored), kernel(trainer))
+    with pytest.raises(CheckpointError, match="Cannot write checkpoints"):
+        trainer.save(tmpfs / "other")
+
+
+def test_two_writers_in_one_directory_are_refused(data, tmp_path):
+    x, y = data
+    first = Checkpointer(tmp_path / "shared")
+    with pytest.raises(CheckpointError, match=rf"is being written by pid {os.getpid()}.*its own directory"):
+        Checkpointer(tmp_path / "shared")
+    other_process = textwrap.dedent(
+        f"""
+        from trainkit.checkpoint import Checkpointer, CheckpointError
+        try:
+            Checkpointer({str(tmp_path / "shared")!r})
+        except CheckpointError as error:
+            print("refused:", error)
+        """
+    )
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    result = subprocess.run([sys.executable, "-c", other_process], capture_output=True, text=True, env=env)
+    assert f"refused: '{tmp_path / 'shared'}' is being written by pid {os.getpid()}" in result.stdout, result.stderr
+    trainer = make()
+    with pytest.raises(CheckpointError, match="is being written by"):
+        trainer.fit(x, y, batch_size=16, verbose=0, callbacks=[ModelCheckpoint(tmp_path / "shared")])
+    first.close()
+    trainer.fit(x, y, batch_size=16, verbose=0, callbacks=[ModelCheckpoint(tmp_path / "shared")])  # free now
+    assert Checkpointer(tmp_path / "shared", read_only=True).steps() == [2]
+
+
+class PoisonAtEpoch(Callback):
+    """Makes the parameters NaN at the end of one epoch, before the checkpoint callbacks run:
+    the logged loss is finite, the state is not (a save must judge the state it writes)."""
+
+    def __init__(self, epoch):
+        super().__init__()
+        self.epoch = epoch
+
+    def on_epoch_end(self, epoch, logs=None):
+        if epoch == self.epoch:
+            self.trainer.set_weights(jax.tree.map(lambda a: a * np.nan, self.trainer.get_weights()))
+
+
+@pytest.mark.parametrize("kind", ["best_only", "backup"])
+def test_non_finite_parameters_are_never_saved_and_the_last_good_checkpoint_stays(data, tmp_path, kind):
+    x, y = data
+    if kind == "best_only":
+        saver = ModelCheckpoint(tmp_path / "ck", monitor="loss", save_best_only=True, mode="min", max_to_keep=1)
+    else:
+        saver = BackupAndRestore(tmp_path / "ck", delete_checkpoint=False)
+    trainer = make()
+    with pytest.warns(UserWarning, match="Not saving step 4 .*parameters are not all finite"):
+        trainer.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0, callbacks=[PoisonAtEpoch(1), saver])
+    assert Checkpointer(tmp_path / "ck", read_only=True).steps() == [2]  # the finite one, not deleted
+    with pytest.raises(CheckpointError, match="not all finite"):
+        trainer.save(tmp_path / "direct")
+    assert trainer.save(tmp_path / "direct", allow_non_finite=True) == 4  # when asked
+
+
+def corrupt(path: pathlib.Path, how: str) -> None:
+    if how == "truncate":
+        path.write_bytes(path.read_bytes()[: len(path.read_bytes()) // 2])
+    else:  # every data file of the arrays, truncated
+        for file in path.rglob("*"):
+            if file.is_file():
+                file.write_bytes(file.read_bytes()[:8])
+
+
+@pytest.mark.parametrize(
+    "target, how, reason",
+    [
+        ("state/_METADATA", "truncate", "_METADATA' is unreadable"),
+        ("meta/metadata", "truncate", "metadata' is unreadable"),
+        ("state/d", "data", "arrays of step 4 .* are corrupt or incomplete"),
+    ],
+)
+def test_a_corrupt_latest_checkpoint_is_skipped_naming_it(data, tmp_path, target, how, reason):
+    x, y = data
+    trainer = make()
+    checkpoint = ModelCheckpoint(tmp_path / "ck", monitor="loss", max_to_keep=2)
+    trainer.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0, callbacks=[checkpoint])
+    corrupt(tmp_path / "ck" / "4" / target, how)
+    restored = make()
+    restored.init(x)
+    with pytest.warns(UserWarning, match=rf"Skipping checkpoint step 4.*{reason}"):
+        assert restored.load(tmp_path / "ck")["position"]["global_step"] == 2
+    with pytest.raises(CheckpointError, match="step 4"):
+        restored.load(tmp_path / "ck", step=4)  # asked for by step: an error naming it, not a fallback
+
+
+def test_frequent_saves_keep_at_most_one_write_in_flight(data, tmp_path):
+    x, y = data
+    checkpointer = Checkpointer(tmp_path / "ck", max_to_keep=2)
+    trainer = make()
+    trainer.init(x)
+    in_flight = []
+    for step in range(1, 6):
+        checkpointer.save(step, trainer.state, trainer.manifest())
+        in_flight.append(sum(not f.done() for f in checkpointer._pending))
+    checkpointer.close()
+    assert max(in_flight) <= 1
+    assert Checkpointer(tmp_path / "ck", read_only=True).steps() == [4, 5]
