@@ -210,7 +210,9 @@ def test_a_full_disk_raises_naming_the_directory_and_loses_nothing(small_disk, t
         r"last complete checkpoint is step 2",
     ):
         trainer.fit((x, y), batch_size=16, epochs=4, verbose=0, callbacks=[checkpoint, FillDisk()])
-    assert int(trainer.state.step) >= 4  # the state in memory is intact and can be saved elsewhere
+    # reported at the first batch after the failed write (step 4), or at the latest when the next
+    # save waits for it (step 6): not at the end of fit (step 8)
+    assert 4 <= int(trainer.state.step) <= 6  # the state in memory is intact and can be saved elsewhere
     trainer.save(tmp_path / "elsewhere")
     if (small_disk / "filler").exists():
         os.remove(small_disk / "filler")

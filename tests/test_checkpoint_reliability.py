@@ -173,3 +173,20 @@ def test_frequent_saves_keep_at_most_one_write_in_flight(data, tmp_path):
     checkpointer.close()
     assert max(in_flight) <= 1
     assert Checkpointer(tmp_path / "ck", read_only=True).steps() == [4, 5]
+
+
+def test_a_write_still_in_flight_when_the_process_exits_is_completed(tmp_path):
+    script = textwrap.dedent(
+        f"""
+        import numpy as np, optax, flax.linen as nn, trainkit as tk
+        from trainkit.checkpoint import Checkpointer
+        trainer = tk.Trainer(nn.Dense(256), loss="mse", optimizer=optax.adam(0.1), strategy="single")
+        trainer.init(np.ones((1, 512), "float32"))
+        Checkpointer({str(tmp_path / "ck")!r}).save(7, trainer.state, trainer.manifest())  # returns at once
+        """
+    )  # ... and the interpreter exits without waiting
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert (tmp_path / "ck" / "7" / "commit_success.txt").exists(), result.stderr
+    assert Checkpointer(tmp_path / "ck", read_only=True).steps() == [7]

@@ -18,14 +18,17 @@ True
 
 from __future__ import annotations
 
+import atexit
 import concurrent.futures
 import fcntl
 import json
 import logging
 import os
 import socket
+import threading
 import uuid
 import warnings
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -48,6 +51,22 @@ _snapshot = jax.jit(lambda tree: jax.tree.map(lambda a: a.copy(), tree))
 # seen to deadlock orbax's signalling between its save phases.
 _WRITER = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="trainkit-checkpoint")
 
+
+# Writers still open at interpreter exit finish their writes first (a last resort: fit already
+# waits on every exit path). This runs before the thread pools shut down, while orbax can
+# still schedule its own work, hence threading's exit hook rather than atexit's.
+_OPEN_WRITERS: weakref.WeakSet = weakref.WeakSet()
+
+
+def _flush_at_exit() -> None:
+    for checkpointer in list(_OPEN_WRITERS):
+        try:
+            checkpointer.wait()
+        except Exception as error:  # noqa: BLE001 - exiting: report, never raise
+            logger.error("A checkpoint write to %s failed at exit: %s", checkpointer.directory, error)
+
+
+getattr(threading, "_register_atexit", atexit.register)(_flush_at_exit)
 
 #: The parts of a state that ``weights_only`` checkpoints hold.
 WEIGHTS = ("params", "model_state")
@@ -155,6 +174,8 @@ class Checkpointer:
         self._last_saved: int | None = None
         self.enable_async = enable_async
         self._pending: list[concurrent.futures.Future] = []
+        if not read_only:
+            _OPEN_WRITERS.add(self)
 
     # ----------------------------------------------------------------- writing
     def save(
@@ -224,6 +245,11 @@ class Checkpointer:
                 future.result()  # raises the CheckpointError of a failed write
             else:
                 self._pending.append(future)
+
+    def poll(self) -> None:
+        """Raises the :class:`CheckpointError` of a background write that failed (never blocks)."""
+        if self._pending:
+            self._collect_errors()
 
     def wait(self) -> None:
         """Blocks until every started write is on disk."""

@@ -106,6 +106,7 @@ class BackupAndRestore(Callback):
         self.checkpointer.save(trainer.global_step, trainer.state, trainer.manifest(), wait=wait)
 
     def on_train_batch_begin(self, batch: int, logs: Logs | None = None) -> None:
+        self.checkpointer.poll()  # a failed background write surfaces at once
         if self.save_freq.step_due(self.trainer.global_step):  # the live state is at that step
             self._save()
 

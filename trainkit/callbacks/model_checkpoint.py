@@ -92,6 +92,10 @@ class ModelCheckpoint(MonitorCallback):
     def on_epoch_begin(self, epoch: int, logs: Logs | None = None) -> None:
         self._current_epoch = epoch
 
+    def on_train_batch_begin(self, batch: int, logs: Logs | None = None) -> None:
+        for checkpointer in self._open.values():  # a failed background write surfaces at once
+            checkpointer.poll()
+
     def on_train_batch_end(self, batch: int, logs: Logs | None = None) -> None:
         if self._should_save_on_batch(batch):
             self._save_model(self._current_epoch, batch, logs)
