@@ -3,6 +3,8 @@ that dies, a misconfigured process, checkpoints across process counts, and the l
 
 import os
 import pathlib
+import re
+import signal
 import subprocess
 import sys
 import time
@@ -76,6 +78,14 @@ def test_a_dead_process_is_reported_and_the_others_end(tmp_path):
     assert seconds < 120
 
 
+def test_an_exception_in_one_process_ends_all_fast_naming_it(tmp_path):
+    code, output, seconds = launch(2, 4, tmp_path / "out.npz", "--strategies", "fsdp", "--raise-at-step", 3)
+    assert code != 0, output
+    # process 1 exits with 1 (or is aborted by the coordination service once process 0 fails)
+    assert re.search(r"\[launch\] process 1 .*\(RuntimeError: process 1 fails on purpose\)", output), output
+    assert seconds < 60, output  # not JAX's 300 s shutdown barrier
+
+
 def test_without_the_launcher_the_survivor_exits_with_an_error(tmp_path):
     sys.path.insert(0, str(ROOT))
     from trainkit.launch import build_env, free_port
@@ -136,3 +146,62 @@ def test_initialize_after_the_backend_started_says_to_call_it_first():
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=clean_env(), cwd=ROOT)
     assert result.returncode != 0
     assert "must run before anything touches JAX's devices" in result.stderr
+
+
+SLEEPER = """
+import os, sys, time
+print("ready", os.getpid(), flush=True)
+time.sleep(120)
+"""
+
+
+def alive(pid):
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with open(f"/proc/{pid}/stat") as f:  # a zombie is not alive
+        return f.read().split()[2] != "Z"
+
+
+def start_launcher(tmp_path, nproc=2):
+    script = tmp_path / "sleeper.py"
+    script.write_text(SLEEPER)
+    launcher = subprocess.Popen(
+        [sys.executable, "-m", "trainkit.launch", "--nproc", str(nproc), str(script)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=clean_env(),
+        cwd=ROOT,
+    )
+    pids = []
+    while len(pids) < nproc:
+        line = launcher.stdout.readline()
+        assert line, "the launcher ended early"
+        if "ready" in line:
+            pids.append(int(line.split()[-1]))
+    return launcher, pids
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_the_launcher_forwards_sigterm_and_sigint_and_leaves_no_child(tmp_path, signum):
+    launcher, pids = start_launcher(tmp_path)
+    launcher.send_signal(signum)
+    output, _ = launcher.communicate(timeout=30)
+    assert launcher.returncode == 128 + signum, output
+    assert f"[launch] received {signal.Signals(signum).name}, forwarded to every process" in output
+    deadline = time.monotonic() + 10
+    while any(alive(pid) for pid in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(alive(pid) for pid in pids)
+
+
+def test_the_processes_die_with_a_killed_launcher(tmp_path):
+    launcher, pids = start_launcher(tmp_path)
+    launcher.kill()  # SIGKILL: no handler runs; the kernel tells the children (PR_SET_PDEATHSIG)
+    launcher.wait()
+    deadline = time.monotonic() + 10
+    while any(alive(pid) for pid in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(alive(pid) for pid in pids)

@@ -18,6 +18,7 @@ def main():
     parser.add_argument("--seed", type=int, default=3)
     parser.add_argument("--seed-by-process", action="store_true", help="a misconfiguration to catch")
     parser.add_argument("--die-at-step", type=int, default=0, help="process 1 kills itself at this step")
+    parser.add_argument("--raise-at-step", type=int, default=0, help="process 1 raises at this step")
     parser.add_argument("--save", default="")
     parser.add_argument("--load", default="")
     parser.add_argument("--explicit-init", action="store_true")
@@ -66,6 +67,13 @@ def main():
                     os.kill(os.getpid(), 9)
 
             callbacks.append(tk.callbacks.LambdaCallback(on_train_batch_begin=die))
+        if args.raise_at_step:
+
+            def fail(batch, logs=None):
+                if jax.process_index() == 1 and trainer.global_step >= args.raise_at_step:  # noqa: B023
+                    raise RuntimeError("process 1 fails on purpose")
+
+            callbacks.append(tk.callbacks.LambdaCallback(on_train_batch_begin=fail))
         if args.load:
             trainer.init((x, y))
             trainer.load(args.load)
