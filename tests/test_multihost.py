@@ -117,6 +117,13 @@ def test_processes_with_different_settings_are_stopped_at_the_start(tmp_path):
     assert "The processes were started with different settings for seed: process 0:" in output
 
 
+def test_processes_holding_different_rows_are_stopped_at_the_start(tmp_path):
+    code, output, seconds = launch(2, 4, tmp_path / "out.npz", "--strategies", "dp", "--rows-by-process")
+    assert code != 0
+    assert 'different settings for batches, rows: process 0: {"batches": 7, "rows": 100}' in output, output
+    assert seconds < 60
+
+
 @pytest.mark.parametrize("save, load_", [((2, 4), (1, 8)), ((1, 8), (2, 4))])
 def test_a_checkpoint_moves_between_process_counts(runs, tmp_path, save, load_):
     checkpoint = tmp_path / "ckpt"
@@ -205,3 +212,61 @@ def test_the_processes_die_with_a_killed_launcher(tmp_path):
     while any(alive(pid) for pid in pids) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not any(alive(pid) for pid in pids)
+
+
+@pytest.mark.parametrize(
+    "env, expected",
+    [
+        ({}, None),
+        ({"JAX_COORDINATOR_ADDRESS": "h:1", "JAX_NUM_PROCESSES": "2", "JAX_PROCESS_ID": "1"}, ("h:1", 2, 1)),
+        (
+            {"MASTER_ADDR": "h", "MASTER_PORT": "29500", "WORLD_SIZE": "8", "RANK": "3", "LOCAL_RANK": "3"},
+            ("h:29501", 8, 3),
+        ),
+        ({"JAX_MASTER_ADDR": "h", "JAX_PORT": "7000", "WORLD_SIZE": "2", "RANK": "0"}, ("h:7000", 2, 0)),
+        (
+            {"JAX_COORDINATOR_ADDRESS": "h:1"},
+            "sets JAX_COORDINATOR_ADDRESS but not JAX_NUM_PROCESSES and JAX_PROCESS_ID",
+        ),
+        ({"MASTER_ADDR": "h", "WORLD_SIZE": "2", "RANK": "0"}, "sets MASTER_ADDR but not MASTER_PORT"),
+        (
+            {"MASTER_ADDR": "h", "MASTER_PORT": "1", "RANK": "0"},
+            "sets torchrun's MASTER_ADDR / MASTER_PORT but not WORLD_SIZE",
+        ),
+    ],
+)
+def test_launch_environments_users_arrive_with(env, expected):
+    from trainkit.distributed import environment_settings
+
+    if isinstance(expected, str):
+        with pytest.raises(ValueError, match=re.escape(expected)):
+            environment_settings(env)
+    else:
+        assert environment_settings(env) == expected
+
+
+def test_a_torchrun_environment_connects_the_processes(tmp_path):
+    from trainkit.launch import build_env, free_port
+
+    port = free_port()
+    processes = []
+    for rank in range(2):
+        env = build_env(clean_env(), process_id=rank, nproc=2, port=port, devices_per_proc=4)
+        for name in ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID"):
+            env.pop(name)
+        env.update(
+            MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port - 1), WORLD_SIZE="2", RANK=str(rank), LOCAL_RANK=str(rank)
+        )
+        processes.append(
+            subprocess.Popen(
+                [sys.executable, str(SCRIPT), str(tmp_path / "out.npz"), "--strategies", "dp"],
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+                cwd=ROOT,
+            )
+        )
+    outputs = [p.communicate(timeout=180)[0] for p in processes]
+    assert [p.returncode for p in processes] == [0, 0], outputs
+    assert "process 1 of 2 done" in outputs[1]

@@ -59,9 +59,58 @@ def _backend_started() -> bool:
         return False
 
 
+def environment_settings(env: dict | None = None) -> tuple[str, int, int] | None:
+    """``(coordinator_address, num_processes, process_id)`` from the environment a launcher set:
+    JAX's own ``JAX_COORDINATOR_ADDRESS`` / ``JAX_NUM_PROCESSES`` / ``JAX_PROCESS_ID``
+    (``trainkit.launch``), torchrun's ``MASTER_ADDR`` / ``MASTER_PORT`` / ``WORLD_SIZE`` /
+    ``RANK``, or ``JAX_MASTER_ADDR`` / ``JAX_PORT`` as some JAX guides write them (with
+    ``JAX_NUM_PROCESSES`` or ``WORLD_SIZE``, and ``JAX_PROCESS_ID`` or ``RANK``). ``None`` when
+    none is set; a ``ValueError`` naming what is missing when one is half set.
+
+    With torchrun the coordinator listens on ``MASTER_PORT + 1``: ``MASTER_PORT`` itself is
+    torchrun's own rendezvous store, already bound on the first node.
+
+    >>> environment_settings({"MASTER_ADDR": "node0", "MASTER_PORT": "29500", "WORLD_SIZE": "4", "RANK": "2"})
+    ('node0:29501', 4, 2)
+    """
+    env = os.environ if env is None else env
+    count = env.get("JAX_NUM_PROCESSES") or env.get("WORLD_SIZE")
+    index = env.get("JAX_PROCESS_ID") or env.get("RANK")
+    if env.get("JAX_COORDINATOR_ADDRESS"):
+        address, source = env["JAX_COORDINATOR_ADDRESS"], "JAX_COORDINATOR_ADDRESS"
+        count, index = env.get("JAX_NUM_PROCESSES"), env.get("JAX_PROCESS_ID")
+        names = ("JAX_NUM_PROCESSES", "JAX_PROCESS_ID")
+    elif env.get("JAX_MASTER_ADDR") or env.get("JAX_PORT"):
+        address, source = _address(env, "JAX_MASTER_ADDR", "JAX_PORT", 0), "JAX_MASTER_ADDR / JAX_PORT"
+        names = ("JAX_NUM_PROCESSES (or WORLD_SIZE)", "JAX_PROCESS_ID (or RANK)")
+    elif env.get("MASTER_ADDR") or env.get("MASTER_PORT"):
+        address, source = _address(env, "MASTER_ADDR", "MASTER_PORT", 1), "torchrun's MASTER_ADDR / MASTER_PORT"
+        names = ("WORLD_SIZE", "RANK")
+    else:
+        return None
+    missing = [name for name, value in zip(names, (count, index)) if value in (None, "")]
+    if missing:
+        raise ValueError(
+            f"The environment sets {source} but not {' and '.join(missing)}: a multi-process job needs the "
+            "coordinator address, the number of processes and this process's index. Set all three (or none)."
+        )
+    return address, int(count), int(index)
+
+
+def _address(env: dict, host_name: str, port_name: str, offset: int) -> str:
+    missing = [name for name in (host_name, port_name) if not env.get(name)]
+    if missing:
+        present = port_name if missing[0] == host_name else host_name
+        raise ValueError(
+            f"The environment sets {present} but not {missing[0]}: the coordinator needs both a host and a port."
+        )
+    return f"{env[host_name]}:{int(env[port_name]) + offset}"
+
+
 def requested_by_environment() -> bool:
-    """Whether the environment describes a multi-process job (as ``trainkit.launch`` sets)."""
-    return bool(os.environ.get("JAX_COORDINATOR_ADDRESS")) and int(os.environ.get("JAX_NUM_PROCESSES", "1")) > 1
+    """Whether the environment describes a multi-process job (see :func:`environment_settings`)."""
+    settings = environment_settings()
+    return settings is not None and settings[1] > 1
 
 
 def initialize(
@@ -75,9 +124,9 @@ def initialize(
 ) -> None:
     """Connects this process to the others; call it first thing in the script.
 
-    Arguments left out come from ``JAX_COORDINATOR_ADDRESS``, ``JAX_NUM_PROCESSES`` and
-    ``JAX_PROCESS_ID``, and if those are unset from JAX's cluster detection (SLURM, Open MPI,
-    TPU pods). On CPU the collectives run over gloo. A second call is a no-op.
+    Arguments left out come from the environment (:func:`environment_settings`: JAX's own
+    variables, torchrun's, or ``JAX_MASTER_ADDR`` / ``JAX_PORT``), and if none is set from JAX's
+    cluster detection (SLURM, Open MPI, TPU pods). On CPU the collectives run over gloo. A second call is a no-op.
     """
     if is_initialized():
         return
@@ -88,12 +137,11 @@ def initialize(
             "ran a jitted function). Call tk.distributed.initialize() (or create the Trainer) at "
             "the top of the script, before any other JAX call."
         )
-    env = os.environ
-    coordinator_address = coordinator_address or env.get("JAX_COORDINATOR_ADDRESS") or None
-    if num_processes is None and env.get("JAX_NUM_PROCESSES"):
-        num_processes = int(env["JAX_NUM_PROCESSES"])
-    if process_id is None and env.get("JAX_PROCESS_ID"):
-        process_id = int(env["JAX_PROCESS_ID"])
+    settings = environment_settings()
+    if settings is not None:
+        coordinator_address = coordinator_address or settings[0]
+        num_processes = settings[1] if num_processes is None else num_processes
+        process_id = settings[2] if process_id is None else process_id
     try:
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
     except Exception:  # noqa: BLE001 - a JAX without the option: its default

@@ -479,6 +479,8 @@ class Trainer:
                 "strategy": (self.strategy or self._auto).describe(),
                 "precision": str(self.precision.compute_dtype),
                 "inputs": str(dataset.element_spec()),
+                "rows": getattr(dataset, "num_examples", None),  # different counts would hang a collective
+                "batches": dataset.steps(batch_size),
                 **(config or {}),
             }
         )

@@ -17,6 +17,7 @@ def main():
     parser.add_argument("--strategies", default="dp,fsdp,hybrid")
     parser.add_argument("--seed", type=int, default=3)
     parser.add_argument("--seed-by-process", action="store_true", help="a misconfiguration to catch")
+    parser.add_argument("--rows-by-process", action="store_true", help="process 1 holds fewer rows")
     parser.add_argument("--die-at-step", type=int, default=0, help="process 1 kills itself at this step")
     parser.add_argument("--raise-at-step", type=int, default=0, help="process 1 raises at this step")
     parser.add_argument("--save", default="")
@@ -59,6 +60,8 @@ def main():
             seed=seed,
         )
         callbacks = []
+        if args.rows_by_process and jax.process_index() == 1:  # after the Trainer connected the processes
+            x, y = x[:60], y[:60]
         if args.die_at_step:
 
             def die(batch, logs=None):
