@@ -117,6 +117,17 @@ def test_processes_with_different_settings_are_stopped_at_the_start(tmp_path):
     assert "The processes were started with different settings for seed: process 0:" in output
 
 
+def test_a_gather_on_one_process_only_fails_clearly_within_seconds(tmp_path, monkeypatch):
+    monkeypatch.setenv("TRAINKIT_GATHER_TIMEOUT", "5")
+    code, output, seconds = launch(2, 4, tmp_path / "out.npz", "--strategies", "fsdp", "--gather-on-0-only")
+    assert code != 0
+    assert "[launch] process 0 exited with code 1 (RuntimeError: Process 0 waited 5 s for the other processes" in (
+        output
+    ), output
+    assert "call it on every process" in output
+    assert seconds < 60
+
+
 def test_processes_holding_different_rows_are_stopped_at_the_start(tmp_path):
     code, output, seconds = launch(2, 4, tmp_path / "out.npz", "--strategies", "dp", "--rows-by-process")
     assert code != 0

@@ -182,9 +182,43 @@ def initialize_from_environment() -> None:
         initialize()
 
 
+#: Seconds every process waits for the others before gathering a sharded array: a gather
+#: called on one process only (``if process_index() == 0: trainer.params``) fails with a clear
+#: error instead of hanging for minutes. ``TRAINKIT_GATHER_TIMEOUT`` overrides it.
+GATHER_TIMEOUT = 60
+_gathers = 0
+
+
+def _everyone_gathers() -> None:
+    """A coordination-service barrier before a cross-process gather, with a timeout."""
+    global _gathers
+    _gathers += 1
+    from jax._src import distributed as _distributed
+
+    client = _distributed.global_state.client
+    if client is None:
+        return
+    timeout = float(os.environ.get("TRAINKIT_GATHER_TIMEOUT", GATHER_TIMEOUT))
+    try:
+        client.wait_at_barrier(f"trainkit-gather-{_gathers}", int(timeout * 1000))
+    except Exception as error:  # noqa: BLE001 - DEADLINE_EXCEEDED and friends
+        raise RuntimeError(
+            f"Process {jax.process_index()} waited {timeout:g} s for the other processes to read the same sharded "
+            "arrays (trainer.params, get_weights(), ...): they never came. Reading sharded values gathers them "
+            "from every process, so call it on every process (then use the result on process 0 only), not "
+            f"inside `if jax.process_index() == 0:`. ({type(error).__name__}: {str(error)[:200]})"
+        ) from None
+
+
 def fetch(tree: PyTree) -> PyTree:
     """Host NumPy copies of a tree of arrays, also when they span processes: a replicated array
-    is read from a local shard; a sharded one is gathered from every process."""
+    is read from a local shard; a sharded one is gathered from every process (after a barrier
+    with a timeout, so a call on one process only fails clearly instead of hanging)."""
+    if any(
+        isinstance(leaf, jax.Array) and not leaf.is_fully_addressable and not leaf.is_fully_replicated
+        for leaf in jax.tree.leaves(tree)
+    ):
+        _everyone_gathers()
 
     def host(leaf):
         if not isinstance(leaf, jax.Array) or leaf.is_fully_addressable:

@@ -7,6 +7,7 @@
 import argparse
 import os
 import sys
+import time
 
 import trainkit as tk  # noqa: E402  (creating the Trainer connects the processes)
 
@@ -20,6 +21,7 @@ def main():
     parser.add_argument("--rows-by-process", action="store_true", help="process 1 holds fewer rows")
     parser.add_argument("--die-at-step", type=int, default=0, help="process 1 kills itself at this step")
     parser.add_argument("--raise-at-step", type=int, default=0, help="process 1 raises at this step")
+    parser.add_argument("--gather-on-0-only", action="store_true", help="read trainer.params on process 0 only")
     parser.add_argument("--save", default="")
     parser.add_argument("--load", default="")
     parser.add_argument("--explicit-init", action="store_true")
@@ -84,6 +86,10 @@ def main():
         else:
             history = trainer.fit((x, y), batch_size=16, epochs=2 if args.save else 3, verbose=1, callbacks=callbacks)
             results[f"{name}/loss"] = np.asarray(history.history["loss"])
+        if args.gather_on_0_only:
+            if jax.process_index() == 0:
+                trainer.params  # noqa: B018 - the mistake under test
+            time.sleep(30)  # process 1 does something else meanwhile
         if args.save:
             trainer.save(args.save)
         results[f"{name}/eval"] = np.asarray(trainer.evaluate((x, y), batch_size=24))
