@@ -128,6 +128,18 @@ def test_a_gather_on_one_process_only_fails_clearly_within_seconds(tmp_path, mon
     assert seconds < 60
 
 
+def test_a_process_stalled_in_python_ends_the_run_naming_it(tmp_path, monkeypatch):
+    monkeypatch.setenv("TRAINKIT_STALL_TIMEOUT", "6")
+    code, output, seconds = launch(2, 4, tmp_path / "out.npz", "--strategies", "dp", "--stall-at-step", 3)
+    assert code != 0
+    assert re.search(
+        r"\[launch\] process 0 exited with code 1 \(trainkit.watchdog.StallError: process 1 has made no progress "
+        r"for \d+ s \(last at step \d\)",
+        output,
+    ), output
+    assert seconds < 90, output  # not the 300 s sleep
+
+
 def test_processes_holding_different_rows_are_stopped_at_the_start(tmp_path):
     code, output, seconds = launch(2, 4, tmp_path / "out.npz", "--strategies", "dp", "--rows-by-process")
     assert code != 0

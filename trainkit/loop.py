@@ -35,6 +35,7 @@ from trainkit import data as data_lib
 from trainkit import distributed
 from trainkit import metrics as metrics_lib
 from trainkit.state import abstract
+from trainkit.watchdog import StallWatchdog
 
 PyTree = Any
 
@@ -202,7 +203,9 @@ class Loop:
         train_fn = self.owner.function("train")
         read_ahead = not getattr(dataset, "one_shot", False)
         logs: dict[str, float] = {}
+        self.watchdog = StallWatchdog()
         try:
+            self.watchdog.__enter__()
             callbacks.on_train_begin()
             start = self.start or self.position
             for epoch in range(start.epoch, epochs):
@@ -244,6 +247,8 @@ class Loop:
         except BaseException as error:
             callbacks.on_exception(error)
             raise
+        finally:
+            self.watchdog.__exit__()
         if self.preempted:
             raise Preempted(self.position.step)
         return logs
@@ -272,6 +277,7 @@ class Loop:
                     self.record = record
                     batch_begin(index)
                 owner.state, metrics = train_fn(owner.state, batch)
+                self.watchdog.progress(record.step)
                 self.position = Position(epoch, index + 1, record.step)
                 # The host reads and places the next batch while the device runs this one; its
                 # step is dispatched only after this batch's hooks ran. A one-shot iterator is

@@ -21,6 +21,7 @@ def main():
     parser.add_argument("--rows-by-process", action="store_true", help="process 1 holds fewer rows")
     parser.add_argument("--die-at-step", type=int, default=0, help="process 1 kills itself at this step")
     parser.add_argument("--raise-at-step", type=int, default=0, help="process 1 raises at this step")
+    parser.add_argument("--stall-at-step", type=int, default=0, help="process 1 sleeps in Python at this step")
     parser.add_argument("--gather-on-0-only", action="store_true", help="read trainer.params on process 0 only")
     parser.add_argument("--save", default="")
     parser.add_argument("--load", default="")
@@ -79,6 +80,13 @@ def main():
                     raise RuntimeError("process 1 fails on purpose")
 
             callbacks.append(tk.callbacks.LambdaCallback(on_train_batch_begin=fail))
+        if args.stall_at_step:
+
+            def stall(batch, logs=None):
+                if jax.process_index() == 1 and trainer.global_step == args.stall_at_step:  # noqa: B023
+                    time.sleep(300)
+
+            callbacks.append(tk.callbacks.LambdaCallback(on_train_batch_begin=stall))
         if args.load:
             trainer.init((x, y))
             trainer.load(args.load)
