@@ -69,3 +69,18 @@ def tree_allclose(a, b, rtol=1e-5, atol=1e-6):
     assert jax.tree.structure(a) == jax.tree.structure(b)
     for x, y in zip(la, lb):
         np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=rtol, atol=atol)
+
+
+@pytest.fixture
+def tmpfs(tmp_path):
+    """A 4 MiB file system of its own (to fill, or to remount read-only); skips where mounting
+    is not allowed."""
+    import subprocess
+
+    mount = tmp_path / "fs"
+    mount.mkdir()
+    result = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(mount)], capture_output=True)
+    if result.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {result.stderr.decode().strip()}")
+    yield mount
+    subprocess.run(["umount", str(mount)], check=False)

@@ -49,17 +49,6 @@ def test_saving_a_step_again_replaces_it_or_refuses(data, tmp_path):
         trainer.save(tmp_path / "ck", overwrite=False)
 
 
-@pytest.fixture
-def tmpfs(tmp_path):
-    mount = tmp_path / "fs"
-    mount.mkdir()
-    result = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(mount)], capture_output=True)
-    if result.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {result.stderr.decode().strip()}")
-    yield mount
-    subprocess.run(["umount", str(mount)], check=False)
-
-
 def test_load_works_on_a_read_only_file_system(data, tmpfs):
     x, y = data
     trainer = make()
