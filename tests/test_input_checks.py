@@ -119,3 +119,23 @@ def test_validation_iterables_keep_their_batch_size_and_one_shot_ones_serve_one_
         classifier().fit(x, y, epochs=2, validation_data=batches_of_8(), verbose=0)
     history = classifier().fit(x, y, epochs=2, validation_data=batches_of_8(), validation_steps=2, verbose=0)
     assert len(history.history["val_loss"]) == 2  # each validation reads the next 2 batches
+
+
+def test_device_arrays_stay_on_their_device_and_train_as_host_arrays(data):
+    """A ``jax.Array`` given to fit is sliced where it lives, one batch at a time to the host
+    (no full host copy), and trains exactly as the same NumPy arrays."""
+    import jax
+
+    from trainkit.data import ArrayDataset, split_validation
+
+    x, y = data
+    on_device = ArrayDataset(jax.numpy.asarray(x), jax.numpy.asarray(y))
+    assert all(isinstance(leaf, jax.Array) for leaf in (on_device.x, on_device.y))
+    train, val = split_validation(on_device, 0.25)
+    assert isinstance(train.x, jax.Array) and isinstance(val.x, jax.Array)
+    histories = [
+        classifier().fit(inputs, labels, batch_size=8, epochs=2, validation_split=0.25, verbose=0).history
+        for inputs, labels in ((x, y), (jax.numpy.asarray(x), jax.numpy.asarray(y)))
+    ]
+    for key in histories[0]:
+        np.testing.assert_allclose(histories[1][key], histories[0][key], rtol=1e-6, err_msg=key)

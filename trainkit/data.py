@@ -91,6 +91,14 @@ def _check_lengths(parts: dict[str, PyTree]) -> int:
     return n
 
 
+def _kept(tree: PyTree) -> PyTree:
+    """NumPy arrays for host data; a ``jax.Array`` stays where it is (on its device): batches
+    are sliced there and only one batch at a time comes to the host."""
+    if tree is None:
+        return None
+    return jax.tree.map(lambda a: a if isinstance(a, jax.Array) else np.asarray(a), tree)
+
+
 def _take(tree: PyTree, rows: np.ndarray | slice) -> PyTree:
     return jax.tree.map(lambda a: np.asarray(a[rows]), tree)
 
@@ -142,8 +150,7 @@ class ArrayDataset:
 
     def __init__(self, x: PyTree, y: PyTree = None, sample_weight: PyTree = None):
         self.num_examples = _check_lengths({"x": x, "y": y, "sample_weight": sample_weight})
-        host = lambda t: None if t is None else jax.tree.map(np.asarray, t)  # noqa: E731
-        self.x, self.y = host(x), host(y)
+        self.x, self.y = _kept(x), _kept(y)
         checks.numeric(self.x, "x")
         checks.numeric(self.y, "y")
         self.sample_weight = checks.sample_weights(sample_weight, self.num_examples)
@@ -446,7 +453,7 @@ def split_validation(dataset: Dataset, validation_split: float) -> tuple[ArrayDa
             f"training set as specified by `validation_split={validation_split}`. Either provide more data, or a "
             "different value for the `validation_split` argument."
         )
-    part = lambda tree, rows: None if tree is None else _take(tree, rows)  # noqa: E731
+    part = lambda tree, rows: None if tree is None else jax.tree.map(lambda a: a[rows], tree)  # noqa: E731
     train, val = slice(0, split_at), slice(split_at, n)
     return (
         ArrayDataset(part(dataset.x, train), part(dataset.y, train), part(dataset.sample_weight, train)),
