@@ -177,5 +177,9 @@ def test_a_write_still_in_flight_when_the_process_exits_is_completed(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=120)
     assert result.returncode == 0, result.stderr
-    assert (tmp_path / "ck" / "7" / "commit_success.txt").exists(), result.stderr
-    assert Checkpointer(tmp_path / "ck", read_only=True).steps() == [7]
+    if sys.version_info >= (3, 12):  # no thread may start at exit: the write is durably abandoned, and said so
+        assert "still in flight at exit was abandoned" in result.stderr, result.stderr
+        assert Checkpointer(tmp_path / "ck", read_only=True).steps() in ([], [7])
+    else:
+        assert (tmp_path / "ck" / "7" / "commit_success.txt").exists(), result.stderr
+        assert Checkpointer(tmp_path / "ck", read_only=True).steps() == [7]

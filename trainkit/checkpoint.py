@@ -54,7 +54,10 @@ _WRITER = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="trainkit-
 
 # Writers still open at interpreter exit finish their writes first (a last resort: fit already
 # waits on every exit path). This runs before the thread pools shut down, while orbax can
-# still schedule its own work, hence threading's exit hook rather than atexit's.
+# still schedule its own work, hence threading's exit hook rather than atexit's. Python 3.12+
+# refuses new threads in every exit hook, and orbax needs some: there the write is abandoned
+# (orbax renames a step into place only when complete, so nothing half-written is listed) and
+# the error says so.
 _OPEN_WRITERS: weakref.WeakSet = weakref.WeakSet()
 
 
@@ -63,7 +66,12 @@ def _flush_at_exit() -> None:
         try:
             checkpointer.wait()
         except Exception as error:  # noqa: BLE001 - exiting: report, never raise
-            logger.error("A checkpoint write to %s failed at exit: %s", checkpointer.directory, error)
+            logger.error(
+                "A checkpoint write to %s still in flight at exit was abandoned (%s); no half-written step is listed. "
+                "Call close() (or wait()) on a Checkpointer before the program ends.",
+                checkpointer.directory,
+                error,
+            )
 
 
 getattr(threading, "_register_atexit", atexit.register)(_flush_at_exit)

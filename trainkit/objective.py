@@ -220,12 +220,8 @@ class Objective:
     @staticmethod
     def _per_output(spec, names, what) -> dict[str, list]:
         if len(names) == 1:  # one output: every metric applies to it (Keras)
-            flat = (
-                [m for entry in _as_list(spec) for m in _as_list(entry)]
-                if not isinstance(spec, dict)
-                else [m for entry in spec.values() for m in _as_list(entry)]
-            )
-            return {names[0]: flat}
+            entries = spec.values() if isinstance(spec, dict) else _as_list(spec)
+            return {names[0]: [metric for entry in entries for metric in _as_list(entry)]}
         if spec is None:
             return {n: [] for n in names}
         if isinstance(spec, dict) or (isinstance(spec, (list, tuple)) and len(spec) == len(names)):
