@@ -3,6 +3,9 @@ and "auto" chosen before anything runs."""
 
 import signal
 
+import flax.linen as nn
+import jax
+import numpy as np
 import optax
 import pytest
 from conftest import MLP, make_classification
@@ -152,3 +155,39 @@ def test_auto_reuses_the_planned_train_step(xy):
     trainer = make_trainer(strategy="auto")
     trainer.fit((x, y), batch_size=16, verbose=0)
     assert trainer.function("train") is trainer.last_plan.recommended.function
+
+
+@pytest.mark.parametrize("one_shot", [True, False])
+def test_a_loader_error_mid_epoch_is_its_own_error_and_the_state_is_intact(one_shot):
+    """The loader's exception type and message, with a note naming the batch; the batches
+    before it went through their hooks, and the state is that of the last step run."""
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(48, 4)).astype("float32")
+    y = (x[:, 0] > 0).astype("int32")
+
+    class Corrupt(Exception):
+        pass
+
+    class Loader:
+        def __iter__(self):
+            for i in range(0, 48, 8):
+                if i == 24:
+                    raise Corrupt("record 24 is corrupt")
+                yield x[i : i + 8], y[i : i + 8]
+
+    ended = []
+    data = iter(Loader()) if one_shot else Loader()
+    trainer = tk.Trainer(
+        nn.Dense(2), loss="sparse_categorical_crossentropy", optimizer=optax.sgd(0.1), strategy="single"
+    )
+    hook = tk.callbacks.LambdaCallback(on_train_batch_end=lambda batch, logs: ended.append(batch))
+    with pytest.raises(Corrupt, match="record 24 is corrupt") as raised:
+        trainer.fit(data, steps_per_epoch=6 if one_shot else None, callbacks=[hook], verbose=0)
+    assert any("reading batch 3 of epoch 0; the trainer's state is that of step 3" in n for n in raised.value.__notes__)
+    assert ended == [0, 1, 2] and trainer.global_step == 3
+    reference = tk.Trainer(
+        nn.Dense(2), loss="sparse_categorical_crossentropy", optimizer=optax.sgd(0.1), strategy="single"
+    )
+    reference.fit([(x[i : i + 8], y[i : i + 8]) for i in range(0, 24, 8)], verbose=0)
+    for a, b in zip(jax.tree.leaves(trainer.params), jax.tree.leaves(reference.params)):
+        np.testing.assert_array_equal(a, b)

@@ -258,6 +258,7 @@ class Loop:
     ) -> tuple[int, dict]:
         owner, epoch = self.owner, self.position.epoch
         batch_begin, batch_end = callbacks.on_train_batch_begin, callbacks.on_train_batch_end
+        items = enumerate(batches, start=self.position.batch)
 
         def place(item):
             if item is None:
@@ -267,10 +268,23 @@ class Loop:
                 self.batch_spec = abstract(batch)
             return item[0], batch
 
+        def read():
+            """The next placed batch; an error of the data is kept (noted with where it
+            happened) and raised only after the batch before it went through its hooks."""
+            try:
+                return place(next(items, None))
+            except Exception as error:  # noqa: BLE001 - the loader's own error, re-raised as it is
+                error.add_note(
+                    f"trainkit: raised by the data while reading batch {self.position.batch} of epoch {epoch}; the "
+                    f"trainer's state is that of step {self.position.step}, the last one run, and is intact."
+                )
+                return error
+
         def dispatch():
-            items = enumerate(batches, start=self.position.batch)
-            upcoming = place(next(items, None))
+            upcoming = read()
             while upcoming is not None:
+                if isinstance(upcoming, Exception):
+                    raise upcoming
                 index, batch = upcoming
                 record = StepRecord(self.position.step + 1, epoch, index)
                 if batch_begin.active:
@@ -282,12 +296,12 @@ class Loop:
                 # The host reads and places the next batch while the device runs this one; its
                 # step is dispatched only after this batch's hooks ran. A one-shot iterator is
                 # not read ahead: a stop would lose the batch read.
-                upcoming = place(next(items, None)) if read_ahead else None
+                upcoming = read() if read_ahead else None
                 yield record, metrics
                 if self._done(max_steps):
                     return
                 if not read_ahead:
-                    upcoming = place(next(items, None))
+                    upcoming = read()
 
         totals, ran = None, 0
         lag = self.max_in_flight if callbacks.async_train else 0
