@@ -22,7 +22,7 @@ import jax.numpy as jnp
 EPSILON = 1e-7
 
 
-def _align(predictions, targets):
+def align(predictions, targets):
     """``(B,)`` targets against ``(B, 1)`` outputs are expanded, never broadcast to ``(B, B)``."""
     predictions, targets = jnp.asarray(predictions), jnp.asarray(targets)
     if targets.ndim == predictions.ndim - 1 and predictions.shape[-1] == 1:
@@ -43,7 +43,7 @@ def _smooth(one_hot, label_smoothing: float, classes: int | float):
 
 def categorical(predictions, one_hot, *, from_logits: bool = True, label_smoothing: float = 0.0):
     """``-sum(t * log p)`` over the last axis."""
-    predictions, one_hot = _align(predictions, one_hot)
+    predictions, one_hot = align(predictions, one_hot)
     one_hot = _smooth(one_hot, label_smoothing, predictions.shape[-1])
     return -jnp.sum(one_hot * _log_probabilities(predictions, from_logits), axis=-1)
 
@@ -66,7 +66,7 @@ def _binary_terms(predictions, targets, from_logits: bool):
 
 def binary(predictions, targets, *, from_logits: bool = True, label_smoothing: float = 0.0):
     """Sigmoid cross-entropy averaged over the last axis."""
-    predictions, targets = _align(predictions, targets)
+    predictions, targets = align(predictions, targets)
     targets = _smooth(targets, label_smoothing, 2.0)
     return jnp.mean(_binary_terms(predictions, targets, from_logits), axis=-1)
 
@@ -82,7 +82,7 @@ def binary_focal(
     label_smoothing: float = 0.0,
 ):
     """Keras's ``binary_focal_crossentropy``: ``(1 - p_t)^gamma * bce``, averaged over the last axis."""
-    predictions, targets = _align(predictions, targets)
+    predictions, targets = align(predictions, targets)
     targets = _smooth(targets, label_smoothing, 2.0)
     p = jax.nn.sigmoid(predictions) if from_logits else predictions
     bce = _binary_terms(p, targets, from_logits=False)
@@ -103,7 +103,7 @@ def categorical_focal(
     label_smoothing: float = 0.0,
 ):
     """Keras's ``categorical_focal_crossentropy``: ``-sum(alpha (1 - p)^gamma t log p)``."""
-    predictions, one_hot = _align(predictions, one_hot)
+    predictions, one_hot = align(predictions, one_hot)
     one_hot = _smooth(one_hot, label_smoothing, predictions.shape[-1])
     p = jax.nn.softmax(predictions, axis=-1) if from_logits else predictions
     p = jnp.clip(p / jnp.sum(p, axis=-1, keepdims=True), EPSILON, 1.0 - EPSILON)

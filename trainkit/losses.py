@@ -86,32 +86,27 @@ def mean_absolute_error(predictions: jax.Array, targets: jax.Array) -> jax.Array
 EPSILON = 1e-7
 
 
-def _pair(predictions: jax.Array, targets: jax.Array) -> tuple[jax.Array, jax.Array]:
-    targets = _match_targets(predictions, jnp.asarray(targets)).astype(predictions.dtype)
-    return predictions, targets
-
-
 def huber(predictions: jax.Array, targets: jax.Array, delta: float = 1.0) -> jax.Array:
     """Quadratic for errors up to ``delta``, linear beyond (Keras's ``huber``)."""
-    predictions, targets = _pair(predictions, targets)
+    predictions, targets = crossentropy.align(predictions, targets)
     error = jnp.abs(predictions - targets)
     return jnp.mean(jnp.where(error <= delta, 0.5 * error**2, delta * error - 0.5 * delta**2), axis=-1)
 
 
 def log_cosh(predictions: jax.Array, targets: jax.Array) -> jax.Array:
     """``log(cosh(error))`` averaged over the last axis, computed stably."""
-    predictions, targets = _pair(predictions, targets)
+    predictions, targets = crossentropy.align(predictions, targets)
     x = predictions - targets
     return jnp.mean(x + jax.nn.softplus(-2.0 * x) - jnp.log(2.0), axis=-1)
 
 
 def mean_absolute_percentage_error(predictions: jax.Array, targets: jax.Array) -> jax.Array:
-    predictions, targets = _pair(predictions, targets)
+    predictions, targets = crossentropy.align(predictions, targets)
     return 100.0 * jnp.mean(jnp.abs((targets - predictions) / jnp.maximum(jnp.abs(targets), EPSILON)), axis=-1)
 
 
 def mean_squared_logarithmic_error(predictions: jax.Array, targets: jax.Array) -> jax.Array:
-    predictions, targets = _pair(predictions, targets)
+    predictions, targets = crossentropy.align(predictions, targets)
     first = jnp.log(jnp.maximum(predictions, EPSILON) + 1.0)
     second = jnp.log(jnp.maximum(targets, EPSILON) + 1.0)
     return jnp.mean((first - second) ** 2, axis=-1)
@@ -119,20 +114,20 @@ def mean_squared_logarithmic_error(predictions: jax.Array, targets: jax.Array) -
 
 def cosine_similarity(predictions: jax.Array, targets: jax.Array) -> jax.Array:
     """Minus the cosine of the angle between prediction and target (Keras's loss sign)."""
-    predictions, targets = _pair(predictions, targets)
+    predictions, targets = crossentropy.align(predictions, targets)
     unit = lambda v: v * jax.lax.rsqrt(jnp.maximum(jnp.sum(v * v, axis=-1, keepdims=True), 1e-12))  # noqa: E731
     return -jnp.sum(unit(targets) * unit(predictions), axis=-1)
 
 
 def kl_divergence(predictions: jax.Array, targets: jax.Array) -> jax.Array:
     """``sum(t * log(t / p))`` with both clipped to ``[1e-7, 1]`` (probabilities, as Keras)."""
-    predictions, targets = _pair(predictions, targets)
+    predictions, targets = crossentropy.align(predictions, targets)
     targets, predictions = jnp.clip(targets, EPSILON, 1.0), jnp.clip(predictions, EPSILON, 1.0)
     return jnp.sum(targets * jnp.log(targets / predictions), axis=-1)
 
 
 def poisson(predictions: jax.Array, targets: jax.Array) -> jax.Array:
-    predictions, targets = _pair(predictions, targets)
+    predictions, targets = crossentropy.align(predictions, targets)
     return jnp.mean(predictions - targets * jnp.log(predictions + EPSILON), axis=-1)
 
 
@@ -143,17 +138,17 @@ def _hinge_labels(targets: jax.Array) -> jax.Array:
 
 
 def hinge(predictions: jax.Array, targets: jax.Array) -> jax.Array:
-    predictions, targets = _pair(predictions, targets)
+    predictions, targets = crossentropy.align(predictions, targets)
     return jnp.mean(jnp.maximum(1.0 - _hinge_labels(targets) * predictions, 0.0), axis=-1)
 
 
 def squared_hinge(predictions: jax.Array, targets: jax.Array) -> jax.Array:
-    predictions, targets = _pair(predictions, targets)
+    predictions, targets = crossentropy.align(predictions, targets)
     return jnp.mean(jnp.maximum(1.0 - _hinge_labels(targets) * predictions, 0.0) ** 2, axis=-1)
 
 
 def categorical_hinge(predictions: jax.Array, one_hot: jax.Array) -> jax.Array:
-    predictions, one_hot = _pair(predictions, one_hot)
+    predictions, one_hot = crossentropy.align(predictions, one_hot)
     positive = jnp.sum(one_hot * predictions, axis=-1)
     negative = jnp.max((1.0 - one_hot) * predictions, axis=-1)
     return jnp.maximum(negative - positive + 1.0, 0.0)

@@ -119,6 +119,12 @@ class Program:
             return make_eval_step(self.compute_loss, self.objective.metric_fns, axis)
         return make_predict_step(self.apply)
 
+    def abstract_state(self, first_row: PyTree, variables: PyTree = None) -> PyTree:
+        """The shapes and dtypes of the state at step 0 (traced, nothing computed), from
+        ``variables`` when they were already resolved."""
+        variables = self.starting_variables(first_row) if variables is None else variables
+        return jax.eval_shape(self.init_state, variables, first_row)
+
     def plan(
         self, host_batch: Batch, candidates: Sequence[Strategy] | None, *, trains: bool, **options
     ) -> plan_lib.MemoryPlan:
@@ -130,7 +136,7 @@ class Program:
         return plan_lib.plan_step(
             host_batch,
             candidates if candidates is not None else plan_lib.default_candidates(),
-            abstract_state=jax.eval_shape(self.init_state, variables, first_row),
+            abstract_state=self.abstract_state(first_row, variables),
             compile_step=lambda strategy, abstract: self.compile(kind, strategy, abstract),
             create_state=lambda strategy: strategy.create_state(self.init_state, variables, first_row),
             micro_batches=self.grad_accum_steps if trains else 1,

@@ -339,7 +339,7 @@ class Trainer:
                 wait=True,
                 weights_only=weights_only,
                 overwrite=True,
-                allow_non_finite=allow_non_finite,
+                allow_non_finite=True,  # judged above
             )
         finally:
             checkpointer.close()
@@ -505,11 +505,7 @@ class Trainer:
         """The shapes of the model's outputs for one row (traced, never run; cached)."""
         if self._outputs is None:
             first_row = jax.tree.map(lambda a: np.asarray(a[:1]), first_x)
-            state = (
-                abstract(self.state)
-                if self.state is not None
-                else jax.eval_shape(self.program.init_state, self.program.starting_variables(first_row), first_row)
-            )
+            state = abstract(self.state) if self.state is not None else self.program.abstract_state(first_row)
             self._outputs = jax.eval_shape(
                 lambda s, x: self.apply(s.params, s.model_state, x, rng=s.rng, train=False)[0], state, first_row
             )
