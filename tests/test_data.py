@@ -1,5 +1,7 @@
-"""Data forms: arrays, dataset dicts, Keras-style x and y, iterables and generators."""
+"""Data forms: arrays, Keras-style x and y, iterables and generators; one rule for dicts."""
 
+import flax.linen as nn
+import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
@@ -28,7 +30,7 @@ def test_forms_of_the_same_data_train_identically():
     forms = {
         "tuple": dict(data=(x, y)),
         "keras": dict(data=x, y=y),
-        "dict": dict(data={"x": x, "y": y}),
+        "with_weights": dict(data=(x, y, np.ones(40, np.float32))),
         "list_of_batches": dict(data=[(x[i : i + 16], y[i : i + 16]) for i in range(0, 40, 16)]),
         "generator": dict(data=((x[i : i + 16], y[i : i + 16]) for i in range(0, 40, 16)), steps_per_epoch=3),
     }
@@ -44,13 +46,33 @@ def test_forms_of_the_same_data_train_identically():
         tree_allclose(params[name], params["tuple"])
 
 
+class TwoInputs(nn.Module):
+    """A model whose inputs are named "x" and "y" (the names the old dataset-dict form took)."""
+
+    @nn.compact
+    def __call__(self, inputs, train: bool = False):
+        return nn.Dense(3)(jnp.concatenate([inputs["x"], inputs["y"]], axis=-1))
+
+
+def test_a_dict_is_the_models_inputs_whatever_its_keys():
+    x, labels = make_classification(32)
+    inputs = {"x": x, "y": x[:, ::-1]}
+    trainer = tk.Trainer(TwoInputs(), loss="sparse_categorical_crossentropy", optimizer=optax.sgd(0.1))
+    trainer.fit(inputs, labels, batch_size=16, epochs=1, verbose=0)  # Keras's rule: the dict is x
+    assert trainer.predict(inputs, batch_size=16).shape == (32, 3)
+    trainer.fit([(inputs, labels)], epochs=1, verbose=0)  # a dict inside a batch tuple is x too
+    mlp = tk.Trainer(MLP(), loss="sparse_categorical_crossentropy", optimizer=optax.sgd(0.1))
+    with pytest.raises(ValueError, match=r"no targets.*read as two inputs named 'x' and 'y'; pass .* tuple \(x, y\)"):
+        mlp.fit({"x": x, "y": labels}, epochs=1, verbose=0)
+
+
 def test_generator_is_consumed_across_epochs_with_steps_per_epoch():
     x, y = make_classification(64)
 
     def forever():
         while True:
             for i in range(0, 64, 8):
-                yield {"x": x[i : i + 8], "y": y[i : i + 8]}
+                yield x[i : i + 8], y[i : i + 8]
 
     trainer = tk.Trainer(MLP(), loss="sparse_categorical_crossentropy", optimizer=optax.sgd(0.1), strategy="dp")
     history = trainer.fit(forever(), epochs=3, steps_per_epoch=5, verbose=0)

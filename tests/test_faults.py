@@ -91,6 +91,25 @@ def test_kill_9_at_a_random_step_then_rerun_finishes_bit_identical(tmp_path, req
     assert_bit_identical(params(tmp_path / "out.npz"), reference)
 
 
+def test_kill_9_mid_epoch_of_a_grain_iterator_resumes_bit_identical_without_replaying(tmp_path):
+    pytest.importorskip("grain")
+    root = tmp_path / "reference"
+    output = finish(root / "backup", root / "ref.npz", "--data", "grain")
+    assert "finished at step 52; read 832 rows" in output  # 52 batches of 16
+    backup = tmp_path / "backup"
+    process = start(backup, tmp_path / "out.npz", "--sleep", "0.03", "--data", "grain", "--every", "1")
+    wait_for(lambda: [s for s in committed_steps(backup) if 14 <= s <= 40])  # in the second epoch or later
+    process.kill()  # SIGKILL
+    process.wait()
+    output = finish(backup, tmp_path / "out.npz", "--data", "grain")
+    resumed = int(re.search(r"resuming from step (\d+) \(epoch (\d+), batch (\d+)\)", output).group(1))
+    assert 14 <= resumed < 52, output
+    # The iterator continued from its saved position: only the remaining batches were read
+    # (and the one read to learn the shapes, before the backup was found).
+    assert f"read {(52 - resumed) * 16 + 16} rows" in output, output
+    assert_bit_identical(params(tmp_path / "out.npz"), params(root / "ref.npz"))
+
+
 def test_kill_9_in_the_middle_of_a_save_keeps_the_previous_checkpoint(tmp_path):
     backup = tmp_path / "backup"
     wide = ("--width", "60000")  # about 1 MB of parameters and 2 MB of Adam state per save

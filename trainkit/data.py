@@ -12,7 +12,7 @@ Every batch has the same static shape. The last partial batch is padded with zer
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import jax
@@ -22,7 +22,6 @@ from trainkit import checks
 
 PyTree = Any
 Batch = dict[str, Any]
-_KEYS = ("x", "y", "sample_weight")
 
 
 def _is_array(obj: Any) -> bool:
@@ -41,21 +40,36 @@ def is_array_tree(obj: Any) -> bool:
     return False
 
 
-def _is_dataset_dict(obj: Any) -> bool:
-    return isinstance(obj, dict) and "x" in obj and set(obj) <= set(_KEYS)
-
-
 def split_xyw(element: Any) -> tuple[PyTree, PyTree, PyTree]:
-    """``(x, y, sample_weight)`` from a tuple, a ``{"x", "y", "sample_weight"}`` dict or bare x."""
+    """``(x, y, sample_weight)`` from a tuple, or bare ``x``. One rule for dicts, Keras's: a
+    dict is the model's inputs, whatever its keys (targets come from a tuple or ``y``).
+
+    >>> split_xyw(({"x": 1, "y": 2}, 3))
+    ({'x': 1, 'y': 2}, 3, None)
+    """
     if isinstance(element, tuple):
         if not 1 <= len(element) <= 3:
             raise ValueError(
                 f"A data tuple must be (x,), (x, y) or (x, y, sample_weight); received a tuple of {len(element)} items."
             )
         return tuple(element) + (None,) * (3 - len(element))  # type: ignore[return-value]
-    if _is_dataset_dict(element):
-        return element["x"], element.get("y"), element.get("sample_weight")
     return element, None, None
+
+
+def host_array(a: Any) -> Any:
+    """A leaf as an array the rest of trainkit reads: NumPy and ``jax.Array`` as they are;
+    anything else (a torch tensor, a ``tf.Tensor``, a list) through NumPy, so no framework
+    type (``torch.dtype``, ``tf.DType``) reaches a step."""
+    if isinstance(a, (np.ndarray, jax.Array)):
+        return a
+    if hasattr(a, "detach") and hasattr(a, "cpu"):  # torch: off the autograd graph and the GPU
+        a = a.detach().cpu()
+    return np.asarray(a)
+
+
+def to_host(tree: PyTree) -> PyTree:
+    """:func:`host_array` on every leaf (``None`` stays ``None``)."""
+    return None if tree is None else jax.tree.map(host_array, tree)
 
 
 def num_rows(tree: PyTree) -> int:
@@ -89,14 +103,6 @@ def _check_lengths(parts: dict[str, PyTree]) -> int:
     if n == 0:
         raise ValueError("The dataset is empty (0 rows); pass at least one example.")
     return n
-
-
-def _kept(tree: PyTree) -> PyTree:
-    """NumPy arrays for host data; a ``jax.Array`` stays where it is (on its device): batches
-    are sliced there and only one batch at a time comes to the host."""
-    if tree is None:
-        return None
-    return jax.tree.map(lambda a: a if isinstance(a, jax.Array) else np.asarray(a), tree)
 
 
 def _take(tree: PyTree, rows: np.ndarray | slice) -> PyTree:
@@ -145,12 +151,40 @@ def shuffled_order(n: int, batch_size: int, shuffle: bool | str, seed: int, epoc
     return rng.permutation(n)
 
 
+def batch_rows(
+    n: int,
+    batch_size: int,
+    shuffle: bool | str,
+    seed: int,
+    epoch: int,
+    start: int = 0,
+    process_index: int = 0,
+    process_count: int = 1,
+) -> Iterator[slice | np.ndarray]:
+    """The rows of this process's part of every global batch from batch ``start`` on, for a
+    random-access source of ``n`` rows: the same for arrays, grain's ``MapDataset``, a Hugging
+    Face or a torch map-style dataset, so each reads the same rows in the same order.
+
+    >>> [r.tolist() for r in batch_rows(10, 4, True, 0, 0, start=1, process_index=1, process_count=2)]
+    [[9, 0], []]
+    """
+    local = batch_size // process_count
+    order = shuffled_order(n, batch_size, shuffle, seed, epoch)
+    mine = slice(process_index * local, (process_index + 1) * local)
+    for lo in range(start * batch_size, n, batch_size):
+        if order is None:  # a slice (a view) of the unshuffled rows
+            yield slice(min(lo + mine.start, n), min(lo + mine.stop, lo + batch_size, n))
+        else:
+            yield order[lo : lo + batch_size][mine]
+
+
 class ArrayDataset:
     """In-memory arrays, batched in a (seeded) shuffled order, last batch padded."""
 
     def __init__(self, x: PyTree, y: PyTree = None, sample_weight: PyTree = None):
+        x, y, sample_weight = to_host(x), to_host(y), to_host(sample_weight)
         self.num_examples = _check_lengths({"x": x, "y": y, "sample_weight": sample_weight})
-        self.x, self.y = _kept(x), _kept(y)
+        self.x, self.y = x, y
         checks.numeric(self.x, "x")
         checks.numeric(self.y, "y")
         self.sample_weight = checks.sample_weights(sample_weight, self.num_examples)
@@ -187,15 +221,10 @@ class ArrayDataset:
         its part of each global batch: rows ``[p * b, (p + 1) * b)`` of the padded global batch,
         ``b = batch_size / process_count``, so the parts of all processes, in process order,
         are exactly the single-process batch."""
-        n = self.num_examples
         local = batch_size // process_count
-        order = shuffled_order(n, batch_size, shuffle, seed, epoch)
-        mine = slice(process_index * local, (process_index + 1) * local)
-        for lo in range(start * batch_size, n, batch_size):
-            if order is None:  # a slice (a view) of the unshuffled rows
-                rows = slice(min(lo + mine.start, n), min(lo + mine.stop, lo + batch_size, n))
-            else:
-                rows = order[lo : lo + batch_size][mine]
+        for rows in batch_rows(
+            self.num_examples, batch_size, shuffle, seed, epoch, start, process_index, process_count
+        ):
             x, y, w = (None if t is None else _take(t, rows) for t in (self.x, self.y, self.sample_weight))
             yield pad_batch(x, y, w, local)
 
@@ -205,22 +234,30 @@ class IterableDataset:
 
     A re-iterable (a list, or an object whose ``__iter__`` returns a fresh iterator) restarts
     every epoch; a one-shot iterator (a generator) is consumed across epochs, so give
-    ``steps_per_epoch`` with it.
+    ``steps_per_epoch`` with it. An iterator with grain's ``get_state()`` / ``set_state()``
+    is checkpointable: :meth:`get_state` is its position after the last batch read, and
+    ``batches(state=...)`` continues from such a position without replaying batches.
+    ``convert`` turns each element into ``x``, ``(x, y)`` or ``(x, y, sample_weight)``
+    (an adapter's rule, such as a torch ``DataLoader``'s lists).
     """
 
-    def __init__(self, iterable: Iterable):
+    def __init__(self, iterable: Iterable, convert: Callable[[Any], Any] | None = None):
         self.iterable = iterable
+        self.convert = convert or (lambda element: element)
         self.one_shot = iter(iterable) is iterable
-        self._iterator = iter(iterable)
+        self._iterator = self._current = iter(iterable)
         self._peeked: list = []
         first = self._peek()
         if first is None:
             raise ValueError("The dataset is empty: its iterable yielded no batch.")
-        x, y, w = split_xyw(first)
+        x, y, w = self._split(first)
         self.batch_size = _check_lengths({"x": x, "y": y, "sample_weight": w})
         checks.numeric(x, "x")
         checks.numeric(y, "y")
         self._first = (x, y, w)
+
+    def _split(self, element: Any) -> tuple[PyTree, PyTree, PyTree]:
+        return tuple(map(to_host, split_xyw(self.convert(element))))  # type: ignore[return-value]
 
     def _peek(self):
         if not self._peeked:
@@ -233,6 +270,19 @@ class IterableDataset:
     @property
     def has_targets(self) -> bool:
         return self._first[1] is not None
+
+    @property
+    def checkpointable(self) -> bool:
+        """Whether the iterator saves and restores its own position (grain's iterators)."""
+        return hasattr(self._current, "get_state") and hasattr(self._current, "set_state")
+
+    def get_state(self) -> Any:
+        """The iterator's position after the last batch read, JSON-serialisable (grain's
+        ``DataLoader`` gives bytes: kept as text); ``None`` when it has none."""
+        if not self.checkpointable:
+            return None
+        state = self._current.get_state()
+        return {"bytes": state.decode("latin-1")} if isinstance(state, bytes) else state
 
     def element_spec(self) -> PyTree:
         return example_spec(self._first[0])
@@ -247,27 +297,36 @@ class IterableDataset:
         except TypeError:
             return None
 
-    def _elements(self) -> Iterator:
+    def _elements(self, start: int, state: Any) -> Iterator:
         # Plain for-loops, not ``yield from``: closing this generator at an epoch's end must
         # not close a one-shot iterator that the next epoch continues.
-        if self._peeked:  # the batch read to learn the shapes
-            yield self._peeked.pop()
-            source = self._iterator
+        if state is not None and self.checkpointable:  # continue where the saved iterator stood
+            if not self.one_shot:
+                self._current = iter(self.iterable)
+            self._peeked.clear()
+            self._current.set_state(state["bytes"].encode("latin-1") if set(state) == {"bytes"} else state)
+            source = self._current
         else:
-            source = self._iterator if self.one_shot else iter(self.iterable)
+            if self._peeked:  # the batch read to learn the shapes comes first
+                self._current = self._iterator
+                source = itertools.chain([self._peeked.pop()], self._iterator)
+            else:
+                self._current = source = self._iterator if self.one_shot else iter(self.iterable)
+            source = itertools.islice(source, start, None)
         for element in source:  # noqa: UP028
             yield element
 
     def batches(
-        self, batch_size: int | None = None, *, start: int = 0, split: bool = False, **_: Any
+        self, batch_size: int | None = None, *, start: int = 0, split: bool = False, state: Any = None, **_: Any
     ) -> Iterator[Batch]:
-        """The iterable's batches, padded to the first batch's size. With several processes,
-        each process's iterable yields that process's part of every global batch. A larger
-        batch than the first is an error in training (it would change what a step averages);
-        with ``split`` (evaluate, predict: per-row results) it is cut into pieces of that size."""
+        """The iterable's batches from batch ``start`` on (or from a saved iterator ``state``),
+        padded to the first batch's size. With several processes, each process's iterable
+        yields that process's part of every global batch. A larger batch than the first is an
+        error in training (it would change what a step averages); with ``split`` (evaluate,
+        predict: per-row results) it is cut into pieces of that size."""
         first_spec = example_spec((self._first[0], self._first[1]))
-        for index, element in enumerate(itertools.islice(self._elements(), start, None), start):
-            x, y, w = split_xyw(element)
+        for index, element in enumerate(self._elements(start, state), start):
+            x, y, w = self._split(element)
             n = _check_lengths({"x": x, "y": y, "sample_weight": w})
             spec = example_spec((x, y))
             if spec != first_spec:
@@ -293,13 +352,19 @@ Dataset = ArrayDataset | IterableDataset
 
 
 def as_dataset(data: Any, y: PyTree = None, sample_weight: PyTree = None) -> Dataset:
-    """Normalises Keras-style inputs: ``(x, y[, w])``, a dataset dict, ``x, y`` or an iterable
-    (a dataset is returned as it is)."""
-    if isinstance(data, (ArrayDataset, IterableDataset)) and y is None and sample_weight is None:
+    """Normalises Keras-style inputs: ``(x, y[, w])``, ``x, y``, an iterable of batches, or a
+    data library's dataset (:func:`trainkit.sources.adapt`); a dataset is returned as it is.
+    A dict is the model's inputs (Keras's rule), whatever its keys."""
+    from trainkit import sources  # the adapters build on this module
+
+    if isinstance(data, sources.DataSource) and y is None and sample_weight is None:
         return data
     if y is not None or sample_weight is not None:
         return ArrayDataset(data, y, sample_weight)
-    if isinstance(data, tuple) or _is_dataset_dict(data):
+    adapted = sources.adapt(data)
+    if adapted is not None:
+        return adapted
+    if isinstance(data, tuple):
         x, y, w = split_xyw(data)
         if not is_array_tree(x):
             raise TypeError(
@@ -312,8 +377,8 @@ def as_dataset(data: Any, y: PyTree = None, sample_weight: PyTree = None) -> Dat
     if isinstance(data, (str, bytes)) or not isinstance(data, Iterable):
         raise TypeError(
             f"Cannot train on data of type {type(data).__name__}. Pass a tuple (x, y) or "
-            "(x, y, sample_weight) of arrays, a dict {'x': ..., 'y': ...}, x and y as two "
-            "arguments, or an iterable of such batches."
+            "(x, y, sample_weight) of arrays, x and y as two arguments, an iterable of such "
+            "batches, or a dataset of grain, torch, Hugging Face or tf.data (see docs/data.md)."
         )
     return IterableDataset(data)
 
@@ -373,9 +438,15 @@ def prepare(
     contradict ``batch_size``."""
     dataset = as_dataset(data, y, sample_weight)
     if needs_targets and not dataset.has_targets:
+        hint = ""
+        if isinstance(dataset, ArrayDataset) and isinstance(dataset.x, dict) and "y" in dataset.x:
+            hint = (
+                " A dict given as x is the model's inputs (Keras's rule), so {'x': ..., 'y': ...} is read as two "
+                "inputs named 'x' and 'y'; pass the data as a tuple (x, y) instead."
+            )
         raise ValueError(
-            "The data has no targets: pass (x, y), {'x': ..., 'y': ...} or x and y as two "
-            "arguments (or override compute_loss for a loss without targets)."
+            "The data has no targets: pass (x, y), (x, y, sample_weight) or x and y as two "
+            f"arguments (or override compute_loss for a loss without targets).{hint}"
         )
     if isinstance(dataset, IterableDataset):
         if batch_size is not None and batch_size != dataset.batch_size:

@@ -261,3 +261,22 @@ def check_same_configuration(config: dict[str, Any]) -> None:
 def _digest(value: Any) -> int:
     text = json.dumps(value, sort_keys=True, default=str).encode()
     return int.from_bytes(hashlib.sha256(text).digest()[:7], "little")
+
+
+def gather_json(value: Any) -> list:
+    """``value`` (JSON-able) of every process, in process order; ``[value]`` on one process.
+    Call it on every process (it is a collective).
+
+    >>> gather_json({"next_index": 4})
+    [{'next_index': 4}]
+    """
+    if jax.process_count() == 1:
+        return [value]
+    from jax.experimental import multihost_utils
+
+    text = np.frombuffer(json.dumps(value).encode(), np.uint8)
+    longest = int(np.max(np.asarray(multihost_utils.process_allgather(np.array([len(text)], np.int64)))))
+    padded = np.zeros(longest, np.uint8)
+    padded[: len(text)] = text
+    rows = np.asarray(multihost_utils.process_allgather(padded))
+    return [json.loads(bytes(row).rstrip(b"\0").decode()) for row in rows]

@@ -34,6 +34,7 @@ import numpy as np
 from trainkit import data as data_lib
 from trainkit import distributed
 from trainkit import metrics as metrics_lib
+from trainkit.prefetch import Prefetcher
 from trainkit.state import abstract
 from trainkit.watchdog import StallWatchdog
 
@@ -135,6 +136,8 @@ class Loop:
     """
 
     max_in_flight: int = 2
+    #: Host batches assembled ahead in a background thread (0: read in the main thread).
+    prefetch: int = 4
 
     def __init__(self, owner: Any):
         self.owner = owner
@@ -145,6 +148,8 @@ class Loop:
         self.preempted = False
         self.start: Position | None = None
         self.batch_spec: PyTree = None  # shapes and shardings of this fit's batches
+        self.data_state: Any = None  # the data iterator's position after the last batch trained
+        self.resume_state: Any = None  # this process's saved iterator position to continue from
 
     # ------------------------------------------------------------------ explicit requests
     def request_stop(self) -> None:
@@ -157,12 +162,27 @@ class Loop:
         self.preempted = True
         self.stop_requested = True
 
-    def resume_at(self, position: Position, saved_batch_size: int | None = None) -> None:
+    def resume_at(
+        self, position: Position, saved_batch_size: int | None = None, data_state: list | None = None
+    ) -> None:
         """Start this ``fit`` at ``position`` instead of ``initial_epoch`` (call it from
         ``on_train_begin``); a batch index written with another batch size is converted by
-        examples seen."""
+        examples seen. ``data_state``: the data iterators' saved positions, one per process
+        (a checkpointable iterator continues from it instead of skipping batches)."""
         self.start = position.rebatched(saved_batch_size, self.batch_size)
         self.position = dataclasses.replace(self.position, step=position.step)
+        self.resume_state = self.data_state = None
+        if data_state is None:
+            return
+        if len(data_state) != jax.process_count() or self.start != position:
+            warnings.warn(
+                f"The data iterator's saved position was written by {len(data_state)} process(es) with batch size "
+                f"{saved_batch_size}; this run has {jax.process_count()} with {self.batch_size}. The iterator restarts "
+                "and skips the batches already trained instead.",
+                stacklevel=3,
+            )
+            return
+        self.resume_state = self.data_state = data_state[jax.process_index()]
 
     def restored(self, step: int) -> None:
         """The state was replaced by one at optimizer step ``step`` (a restore)."""
@@ -199,6 +219,7 @@ class Loop:
         self.stop_requested = self.preempted = False
         self.skipped_in_a_row = 0
         self.batch_size, self.start, self.batch_spec = batch_size, None, None
+        self.data_state = self.resume_state = None
         self.position = Position(initial_epoch, 0, self.position.step)
         train_fn = self.owner.function("train")
         read_ahead = not getattr(dataset, "one_shot", False)
@@ -221,11 +242,13 @@ class Loop:
                     continuing=continuing,
                     shuffle=shuffle,
                     seed=seed,
+                    state=self.resume_state if epoch == start.epoch else None,
                     **process_slice(),
                 )
-                ran, logs = self._train_epoch(
-                    train_fn, batches, callbacks, max_steps, warn_non_finite, read_ahead, first_step
-                )
+                with self._reader(dataset, batches) as reader:
+                    ran, logs = self._train_epoch(
+                        train_fn, reader, callbacks, max_steps, warn_non_finite, read_ahead, first_step
+                    )
                 first_step = None
                 if self.preempted:
                     break
@@ -253,6 +276,13 @@ class Loop:
             raise Preempted(self.position.step)
         return logs
 
+    def _reader(self, dataset: Any, batches: Iterator) -> Prefetcher:
+        """``batches`` read ahead in a background thread, each with the data's checkpointable
+        position after it; a one-shot iterator is read in the main thread, one batch at a time."""
+        one_shot = getattr(dataset, "one_shot", False)
+        state = dataset.get_state if getattr(dataset, "checkpointable", False) else None
+        return Prefetcher(batches, depth=0 if one_shot else self.prefetch, state=state)
+
     def _train_epoch(
         self, train_fn, batches: Iterable, callbacks, max_steps, warn_non_finite, read_ahead, first_step=None
     ) -> tuple[int, dict]:
@@ -263,10 +293,11 @@ class Loop:
         def place(item):
             if item is None:
                 return None
-            batch = owner.strategy.put_batch(item[1])
+            index, (host_batch, data_state) = item
+            batch = owner.strategy.put_batch(host_batch)
             if self.batch_spec is None:
                 self.batch_spec = abstract(batch)
-            return item[0], batch
+            return index, batch, data_state
 
         def read():
             """The next placed batch; an error of the data is kept (noted with where it
@@ -285,14 +316,14 @@ class Loop:
             while upcoming is not None:
                 if isinstance(upcoming, Exception):
                     raise upcoming
-                index, batch = upcoming
+                index, batch, data_state = upcoming
                 record = StepRecord(self.position.step + 1, epoch, index)
                 if batch_begin.active:
                     self.record = record
                     batch_begin(index)
                 owner.state, metrics = train_fn(owner.state, batch)
                 self.watchdog.progress(record.step)
-                self.position = Position(epoch, index + 1, record.step)
+                self.position, self.data_state = Position(epoch, index + 1, record.step), data_state
                 # The host reads and places the next batch while the device runs this one; its
                 # step is dispatched only after this batch's hooks ran. A one-shot iterator is
                 # not read ahead: a stop would lose the batch read.
@@ -351,10 +382,11 @@ class Loop:
 
         def dispatch():
             host_batches = itertools.islice(dataset.batches(batch_size, split=True, **process_slice()), steps)
-            for index, host_batch in enumerate(host_batches):
-                if batch_begin.active:
-                    batch_begin(index)
-                yield index, host_batch, fn(owner.state, owner.strategy.put_batch(host_batch))
+            with self._reader(dataset, host_batches) as reader:
+                for index, (host_batch, _) in enumerate(reader):
+                    if batch_begin.active:
+                        batch_begin(index)
+                    yield index, host_batch, fn(owner.state, owner.strategy.put_batch(host_batch))
 
         return in_order(dispatch(), self.max_in_flight if getattr(callbacks, f"async_{kind}") else 0)
 

@@ -304,6 +304,7 @@ class Trainer:
             seed=self.seed,
             batch_size=self.loop.batch_size,
             grad_accum_steps=self.grad_accum_steps,
+            **({} if self.loop.data_state is None else {"data_state": distributed.gather_json(self.loop.data_state)}),
         )
 
     def save(

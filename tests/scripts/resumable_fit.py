@@ -4,6 +4,8 @@
 
 Writes the final parameters to OUT.npz. ``--sleep`` slows each step (without changing the
 numbers) so a test can interrupt it; ``--width`` makes the model, and so each save, larger.
+``--data grain`` feeds a grain iterator (a shuffled, repeated stream; 13 steps per epoch)
+whose position is saved with each backup, and prints how many rows this run read.
 """
 
 import argparse
@@ -20,6 +22,26 @@ import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
 import trainkit as tk  # noqa: E402
+
+
+class Rows:
+    """Row ``i`` of the data (grain's map step), counting the rows this process read."""
+
+    read = 0
+
+    def __init__(self, x, y):
+        self.x, self.y = x, y
+
+    def __call__(self, i):
+        Rows.read += 1
+        return self.x[i], self.y[i]
+
+
+def grain_stream(x, y):
+    import grain
+
+    pipeline = grain.MapDataset.source(list(range(len(x)))).shuffle(seed=3).repeat(None).map(Rows(x, y))
+    return iter(pipeline.to_iter_dataset(grain.ReadOptions(prefetch_buffer_size=0)).batch(16))  # reads counted exactly
 
 
 class Net(nn.Module):
@@ -40,6 +62,7 @@ def main():
     parser.add_argument("--width", type=int, default=32)
     parser.add_argument("--every", type=int, default=3)
     parser.add_argument("--strategy", choices=["dp", "fsdp"], default="dp")
+    parser.add_argument("--data", choices=["arrays", "grain"], default="arrays")
     args = parser.parse_args()
     rng = np.random.default_rng(0)
     x = rng.normal(size=(200, 5)).astype(np.float32)
@@ -52,16 +75,18 @@ def main():
         seed=1,
     )
     slow = tk.callbacks.LambdaCallback(on_train_batch_begin=lambda batch, logs=None: time.sleep(args.sleep))
+    grain = args.data == "grain"
     trainer.fit(
-        (x, y),
+        grain_stream(x, y) if grain else (x, y),
         epochs=4,
-        batch_size=16,
+        steps_per_epoch=13 if grain else None,
+        batch_size=None if grain else 16,
         verbose=0,
         callbacks=[tk.callbacks.BackupAndRestore(args.backup, save_freq=args.every), slow],
     )
     flat = {jax.tree_util.keystr(p): np.asarray(v) for p, v in jax.tree_util.tree_leaves_with_path(trainer.params)}
     np.savez(args.out, step=int(trainer.state.step), **flat)
-    print(f"finished at step {int(trainer.state.step)}", flush=True)
+    print(f"finished at step {int(trainer.state.step)}; read {Rows.read} rows", flush=True)
 
 
 if __name__ == "__main__":

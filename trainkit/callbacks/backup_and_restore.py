@@ -82,7 +82,9 @@ class BackupAndRestore(Callback):
                 continue
             saved = manifest["position"]
             self.trainer.loop.resume_at(
-                Position(saved["epoch"], saved["batch"], saved["global_step"]), manifest.get("batch_size")
+                Position(saved["epoch"], saved["batch"], saved["global_step"]),
+                manifest.get("batch_size"),
+                data_state=manifest.get("data_state"),
             )
             self.restored_step = saved["global_step"]
             start = self.trainer.loop.start
