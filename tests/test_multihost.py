@@ -42,12 +42,23 @@ def load(path):
         return {k: data[k] for k in data.files}
 
 
+#: Adapters trained on 2 processes; the random-access ones shuffle as arrays do, the iterators are unshuffled.
+ADAPTERS = {"grain-map": "arrays", "hf": "arrays", "torch-map": "arrays"} | dict.fromkeys(
+    ["grain-iter", "torch-loader", "tf"], "arrays-96-in-order"
+)
+LIBRARIES = {"grain-map": "grain", "grain-iter": "grain", "hf": "datasets", "torch-map": "torch"} | {
+    "torch-loader": "torch",
+    "tf": "tensorflow",
+}
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("multihost")
     results = {}
+    data = {1: "arrays,arrays-96-in-order", 2: ",".join(ADAPTERS)}
     for nproc, devices in ((1, 8), (2, 4)):
-        code, output, _ = launch(nproc, devices, root / f"{nproc}x{devices}.npz")
+        code, output, _ = launch(nproc, devices, root / f"{nproc}x{devices}.npz", "--data", data[nproc])
         assert code == 0, output
         results[nproc] = (load(root / f"{nproc}x{devices}.npz"), output)
     return results
@@ -61,6 +72,17 @@ def test_two_processes_give_the_parameters_of_one(runs, strategy):
     for key in keys:
         np.testing.assert_allclose(two[key], one[key], rtol=2e-5, atol=2e-6, err_msg=key)
     assert two[f"{strategy}/predict"].shape == (100, 3)  # every row, in input order
+
+
+@pytest.mark.parametrize("adapter", sorted(ADAPTERS))
+def test_each_data_adapter_on_two_processes_gives_the_parameters_of_arrays_on_one(runs, adapter):
+    pytest.importorskip(LIBRARIES[adapter])
+    one, two = runs[1][0], runs[2][0]
+    keys = [k for k in two if k.startswith(adapter + "/")]
+    assert len(keys) == 4  # the two Dense layers' kernels and biases
+    for key in keys:
+        reference = one[ADAPTERS[adapter] + key[len(adapter) :]]
+        np.testing.assert_allclose(two[key], reference, rtol=2e-5, atol=2e-6, err_msg=key)
 
 
 def test_output_is_prefixed_and_only_process_0_draws_progress(runs):

@@ -5,7 +5,7 @@
 ['CheckpointError', 'DataParallel', 'FSDP', 'Hybrid']
 """
 
-from trainkit import callbacks, debug, losses, metrics, optimizers, plan, strategies
+from trainkit import callbacks, data, debug, losses, metrics, optimizers, plan, sources, strategies
 from trainkit.checkpoint import CheckpointError
 from trainkit.loop import PREEMPTED_EXIT_CODE, Position, Preempted, StepRecord
 from trainkit.precision import Precision
@@ -29,6 +29,8 @@ __all__ = [
     "FSDP",
     "Hybrid",
     "callbacks",
+    "data",
+    "sources",
     "debug",
     "plan",
     "losses",

@@ -12,6 +12,58 @@ import time
 import trainkit as tk  # noqa: E402  (creating the Trainer connects the processes)
 
 
+def training_data(kind, x, y):
+    """``(data, fit options)`` of one adapter, or ``None`` when its library is not installed.
+    Random-access sources are shuffled by trainkit (as arrays are). An iterator pipeline reads
+    the first 96 rows (6 global batches of 16) unshuffled, each process its block of 16 / P rows
+    of every global batch, so global batch ``k`` is the array path's batch ``k``, row for row (the
+    dropout masks too)."""
+    import importlib.util
+
+    import jax
+    import numpy as np
+
+    p, count = jax.process_index(), jax.process_count()
+    library = {"grain": "grain", "hf": "datasets", "torch": "torch", "tf": "tensorflow"}.get(kind.split("-")[0])
+    if library and importlib.util.find_spec(library) is None:
+        return None
+    rows = [(x[i], y[i]) for i in range(len(x))]
+    local = 16 // count
+    mine = np.array([i for i in range(96) if (i % 16) // local == p])
+    if kind == "arrays":
+        return (x, y), {"batch_size": 16}
+    if kind == "arrays-96-in-order":
+        return (x[:96], y[:96]), {"batch_size": 16, "shuffle": False}
+    if kind == "grain-map":
+        import grain
+
+        return grain.MapDataset.source(rows), {"batch_size": 16}
+    if kind == "grain-iter":
+        import grain
+
+        mine_rows = [rows[i] for i in mine]
+        return grain.MapDataset.source(mine_rows).to_iter_dataset().batch(local), {"shuffle": False}
+    if kind == "hf":
+        import datasets
+
+        table = datasets.Dataset.from_dict({"features": x, "label": y})
+        return tk.sources.HuggingFaceSource(table, x="features", y="label"), {"batch_size": 16}
+    if kind == "torch-map":
+        import torch
+
+        return torch.utils.data.TensorDataset(torch.from_numpy(x), torch.from_numpy(y)), {"batch_size": 16}
+    if kind == "torch-loader":
+        import torch
+
+        local_rows = torch.utils.data.TensorDataset(torch.from_numpy(x[mine]), torch.from_numpy(y[mine]))
+        return torch.utils.data.DataLoader(local_rows, batch_size=local), {"shuffle": False}
+    if kind == "tf":
+        import tensorflow as tf
+
+        return tf.data.Dataset.from_tensor_slices((x[mine], y[mine])).batch(local), {"shuffle": False}
+    raise ValueError(f"unknown --data {kind}")
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("out")
@@ -26,6 +78,7 @@ def main():
     parser.add_argument("--save", default="")
     parser.add_argument("--load", default="")
     parser.add_argument("--explicit-init", action="store_true")
+    parser.add_argument("--data", default="", help="adapters to train with (dp only), e.g. grain-map,torch-loader")
     args = parser.parse_args()
     if args.explicit_init:
         tk.distributed.initialize()
@@ -53,7 +106,16 @@ def main():
     y = ((x[:, 0] > 0).astype(np.int32) + (x[:, 1] > 0.5)).astype(np.int32)
     seed = args.seed + (jax.process_index() if args.seed_by_process else 0)
     results = {}
-    for name in args.strategies.split(","):
+    for kind in filter(None, args.data.split(",")):
+        trainer = tk.Trainer(
+            Net(), loss="sparse_categorical_crossentropy", optimizer=optax.adam(0.01), strategy="dp", seed=seed
+        )
+        data = training_data(kind, x, y)
+        if data is not None:
+            trainer.fit(data[0], epochs=2, verbose=0, **data[1])
+            for path, leaf in jax.tree_util.tree_leaves_with_path(trainer.params):
+                results[f"{kind}/{jax.tree_util.keystr(path)}"] = leaf
+    for name in filter(None, args.strategies.split(",")):
         trainer = tk.Trainer(
             Net(),
             loss="sparse_categorical_crossentropy",
