@@ -12,7 +12,7 @@ $(BIN)/python:
 	$(BIN)/python -m pip install --quiet --upgrade pip
 
 $(VENV)/.installed: pyproject.toml | $(BIN)/python
-	$(BIN)/python -m pip install --quiet -e ".[dev,examples]"
+	$(BIN)/python -m pip install --quiet -e ".[dev,examples,data]"
 	touch $@
 
 example: $(VENV)/.installed
@@ -28,6 +28,7 @@ lint: $(VENV)/.installed
 bench: $(VENV)/.installed
 	$(BIN)/python benchmarks/step_overhead.py
 	$(BIN)/python benchmarks/memory.py
+	$(BIN)/python benchmarks/prefetch.py
 
 clean:
 	rm -rf $(VENV)

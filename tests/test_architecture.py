@@ -17,6 +17,8 @@ FORBIDDEN = {  # module (or package prefix) -> trainkit modules it must not impo
     "checkpoint": ("trainer", "loop", "callbacks", "strategies"),
     "strategies": ("trainer", "loop", "callbacks", "checkpoint", "program", "plan", "step", "data"),
     "data": ("trainer", "loop", "callbacks", "strategies", "checkpoint", "program", "plan"),
+    "sources": ("trainer", "loop", "callbacks", "strategies", "checkpoint", "program", "plan"),
+    "prefetch": ("trainer", "loop", "callbacks", "strategies", "checkpoint", "program", "plan", "data"),
     "debug": ("trainer", "loop", "callbacks"),
     **{name: ("trainer", "loop", "callbacks", "strategies", "checkpoint", "program", "plan") for name in PURE},
 }

@@ -120,3 +120,34 @@ def test_a_long_epoch_on_8_devices_never_queues_without_bound():
     )
     history = trainer.fit((x, y), epochs=1, batch_size=8, verbose=0)
     assert int(trainer.state.step) == 300 and history.history["accuracy"][0] > 0.6
+
+
+def test_validation_every_n_steps_for_step_based_training():
+    x, y = make_classification(64)
+    x_val, y_val = make_classification(24, seed=1)
+
+    def stream():
+        while True:
+            for i in range(0, 64, 8):
+                yield x[i : i + 8], y[i : i + 8]
+
+    def trainer():
+        return tk.Trainer(MLP(), loss="sparse_categorical_crossentropy", optimizer=optax.sgd(0.1), seed=4)
+
+    run = trainer()
+    history = run.fit(
+        stream(),
+        epochs=1,
+        steps_per_epoch=1000,
+        max_steps=12,
+        validation_data=(x_val, y_val),
+        validation_interval=5,
+        verbose=0,
+    )
+    assert [v["step"] for v in history.validations] == [5, 10] and int(run.state.step) == 12
+    assert history.history["val_loss"] == [history.validations[-1]["val_loss"]]  # the epoch logs carry the latest
+    reference = trainer()
+    reference.fit(stream(), epochs=1, steps_per_epoch=5, verbose=0)  # the state after step 5
+    assert reference.evaluate(x_val, y_val, batch_size=8) == pytest.approx(history.validations[0]["val_loss"], abs=0)
+    with pytest.raises(ValueError, match="validation_interval=5 needs validation_data"):
+        trainer().fit(stream(), epochs=1, steps_per_epoch=3, validation_interval=5, verbose=0)

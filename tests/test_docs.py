@@ -13,6 +13,7 @@ DOCS = pathlib.Path(__file__).parent.parent / "docs"
     [
         "quickstart.md",
         "outputs.md",
+        "data.md",
         "callbacks.md",
         "strategies.md",
         "precision_and_memory.md",

@@ -59,3 +59,29 @@ def test_two_output_example_logs_keras_keys_and_learns():
     )
     assert accuracy >= 0.9 and even >= 0.85 and auc >= 0.9
     assert "predict returns ['digit', 'even'] with shapes [(360, 10), (360, 1)]" in result.stdout
+
+
+def test_training_from_shards_through_grain_workers_resumes_bit_identical(tmp_path):
+    pytest.importorskip("grain")
+    result = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "examples" / "from_files.py"),
+            "--data-dir",
+            str(tmp_path),
+            "--steps",
+            "60",
+            "--interrupt-at",
+            "25",
+            "--min-accuracy",
+            "0.5",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert sorted(p.name for p in tmp_path.glob("images-*.npy"))[-1] == "images-00007.npy"
+    assert "interrupted: training preempted after step 25" in result.stdout
+    assert "resumed and finished at step 60" in result.stdout
+    assert "bit-identical to an uninterrupted run: True" in result.stdout

@@ -191,3 +191,7 @@ def test_a_loader_error_mid_epoch_is_its_own_error_and_the_state_is_intact(one_s
     reference.fit([(x[i : i + 8], y[i : i + 8]) for i in range(0, 24, 8)], verbose=0)
     for a, b in zip(jax.tree.leaves(trainer.params), jax.tree.leaves(reference.params)):
         np.testing.assert_array_equal(a, b)
+    for run, kind in ((trainer.evaluate, "test"), (trainer.predict, "predict")):
+        with pytest.raises(Corrupt, match="record 24 is corrupt") as raised:
+            run(iter(Loader()) if one_shot else Loader())
+        assert f"trainkit: raised by the data while reading batch 3 for {kind}." in raised.value.__notes__

@@ -137,7 +137,7 @@ class Loop:
 
     max_in_flight: int = 2
     #: Host batches assembled ahead in a background thread (0: read in the main thread).
-    prefetch: int = 4
+    prefetch: int = 8
 
     def __init__(self, owner: Any):
         self.owner = owner
@@ -150,6 +150,8 @@ class Loop:
         self.batch_spec: PyTree = None  # shapes and shardings of this fit's batches
         self.data_state: Any = None  # the data iterator's position after the last batch trained
         self.resume_state: Any = None  # this process's saved iterator position to continue from
+        self.validating_at: int | None = None  # the step of a validation every N steps, while it runs
+        self.validation_logs: dict[str, float] = {}  # the latest one's
 
     # ------------------------------------------------------------------ explicit requests
     def request_stop(self) -> None:
@@ -209,17 +211,22 @@ class Loop:
         warn_non_finite: bool = True,
         first_step: Callable[[dict], None] | None = None,
         continuing: bool = False,
+        validation_interval: int | None = None,
     ) -> dict[str, float]:
         """Trains from ``initial_epoch`` (or where a callback's ``resume_at`` says) to ``epochs``
         and returns the last epoch's logs. Hooks follow Keras 3's ``fit`` order. ``validation``
         is ``(dataset, batch_size, steps)``, evaluated after the epochs ``validation_freq``
         names (an int: every that many epochs; a list: those epochs, counted from 1).
         ``first_step`` receives the host metric totals of this fit's first step; ``continuing``:
-        epochs walk on through the data (Keras's ``steps_per_epoch`` on arrays)."""
+        epochs walk on through the data (Keras's ``steps_per_epoch`` on arrays).
+        ``validation_interval``: validate after every that many optimizer steps instead (on
+        the state of that step), for step-based training; the epoch logs carry the latest."""
         self.stop_requested = self.preempted = False
         self.skipped_in_a_row = 0
         self.batch_size, self.start, self.batch_spec = batch_size, None, None
         self.data_state = self.resume_state = None
+        self.validation_logs = {}
+        self.interval_validation = (validation, validation_interval) if validation_interval else None
         self.position = Position(initial_epoch, 0, self.position.step)
         train_fn = self.owner.function("train")
         read_ahead = not getattr(dataset, "one_shot", False)
@@ -259,7 +266,9 @@ class Loop:
                         stacklevel=3,
                     )
                     break
-                if validation is not None and validates(epoch, validation_freq):
+                if self.interval_validation is not None:
+                    logs.update(self.validation_logs)
+                elif validation is not None and validates(epoch, validation_freq):
                     val_logs = self.evaluate(*validation, callbacks)
                     logs.update({f"val_{k}": v for k, v in val_logs.items()})
                 self.position = Position(epoch + 1, 0, self.position.step)
@@ -324,6 +333,7 @@ class Loop:
                 owner.state, metrics = train_fn(owner.state, batch)
                 self.watchdog.progress(record.step)
                 self.position, self.data_state = Position(epoch, index + 1, record.step), data_state
+                self._validate_every(record.step, callbacks)
                 # The host reads and places the next batch while the device runs this one; its
                 # step is dispatched only after this batch's hooks ran. A one-shot iterator is
                 # not read ahead: a stop would lose the batch read.
@@ -356,6 +366,17 @@ class Loop:
                 batch_end(record.batch, metrics_lib.compute(totals, owner.log_order))
         return ran, ({} if totals is None else metrics_lib.compute(totals, owner.log_order))
 
+    def _validate_every(self, step: int, callbacks) -> None:
+        """``validation_interval``: after every N-th step is dispatched, validate on its state."""
+        if self.interval_validation is None or step % self.interval_validation[1]:
+            return
+        self.validating_at = step
+        try:
+            val_logs = self.evaluate(*self.interval_validation[0], callbacks)
+        finally:
+            self.validating_at = None
+        self.validation_logs = {f"val_{k}": v for k, v in val_logs.items()}
+
     def _count_skipped(self, metrics: dict, record: StepRecord) -> None:
         """Warns once per fit when the loss scale skipped ``SKIPPED_WARNING`` steps in a row (a
         skipped step's metrics count no row): the model is then not training at all."""
@@ -383,7 +404,14 @@ class Loop:
         def dispatch():
             host_batches = itertools.islice(dataset.batches(batch_size, split=True, **process_slice()), steps)
             with self._reader(dataset, host_batches) as reader:
-                for index, (host_batch, _) in enumerate(reader):
+                for index in itertools.count():
+                    try:
+                        host_batch, _ = next(reader)
+                    except StopIteration:
+                        return
+                    except Exception as error:  # the loader's own error, noted with where it happened
+                        error.add_note(f"trainkit: raised by the data while reading batch {index} for {kind}.")
+                        raise
                     if batch_begin.active:
                         batch_begin(index)
                     yield index, host_batch, fn(owner.state, owner.strategy.put_batch(host_batch))

@@ -28,6 +28,7 @@ True
 
 from __future__ import annotations
 
+import collections
 import sys
 from collections.abc import Iterator, Sequence
 from typing import Any, Protocol, runtime_checkable
@@ -81,14 +82,16 @@ def _pick(tree: dict, columns: str | Sequence[str] | None, what: str) -> PyTree:
     return tree[columns] if isinstance(columns, str) else {name: tree[name] for name in names}
 
 
-class _Fetch:
-    """``source[i]`` as a picklable callable (grain's worker processes receive it)."""
+_WORKER_SOURCE: RandomAccessSource | None = None  # the source a worker process reads
 
-    def __init__(self, source: Any):
-        self.source = source
 
-    def __call__(self, index: int) -> Any:
-        return self.source[int(index)]
+def _start_worker(source: RandomAccessSource) -> None:
+    global _WORKER_SOURCE
+    _WORKER_SOURCE = source
+
+
+def _read_in_worker(rows: np.ndarray) -> tuple[PyTree, PyTree, PyTree]:
+    return _WORKER_SOURCE._read(rows)  # type: ignore[union-attr]
 
 
 def _stack(elements: list) -> PyTree:
@@ -106,8 +109,11 @@ class RandomAccessSource:
         x, y, sample_weight: for dict elements (columns), the column (a name: one array) or
             columns (a list: a dict of arrays) of each part. Without them a tuple element is
             ``(x, y[, sample_weight])`` and a dict element is ``x`` (Keras's rule).
-        workers: worker processes reading rows (grain's ``mp_prefetch``; elements keep their
-            order), for decode-heavy sources. 0 reads in trainkit's background thread.
+        workers: worker processes reading whole batches, for decode-heavy sources written in
+            Python (the GIL lets one thread decode at a time). The pool starts with the first
+            batch (the source must be picklable, and a script needs the ``if __name__ ==
+            "__main__":`` guard) and lives as long as the source, across epochs and fits;
+            batches keep their order. 0 (the default) reads in trainkit's background thread.
 
     >>> import numpy as np
     >>> columns = [{"pixels": np.zeros(3), "label": i} for i in range(4)]
@@ -132,6 +138,7 @@ class RandomAccessSource:
         if x is None and (y is not None or sample_weight is not None):
             raise ValueError("Name the input column(s) with x= when naming y= or sample_weight= columns.")
         self.source, self.columns, self.workers = source, (x, y, sample_weight), workers
+        self._pool: Any = None
         self.num_examples = len(source)
         if self.num_examples == 0:
             raise ValueError("The dataset is empty (0 rows); pass at least one example.")
@@ -171,32 +178,44 @@ class RandomAccessSource:
     def steps(self, batch_size: int) -> int:
         return -(-self.num_examples // batch_size)
 
-    def _empty(self) -> tuple[PyTree, PyTree, PyTree]:
+    def _read(self, rows: np.ndarray) -> tuple[PyTree, PyTree, PyTree]:
+        """The rows' ``(x, y, w)``; zero-row arrays for a process whose part of the last batch
+        is empty."""
+        if len(rows):
+            return self._rows(rows)
         return tuple(None if t is None else jax.tree.map(lambda a: a[:0], t) for t in self._first)  # type: ignore
 
-    def _parts(self, batches_rows: list[np.ndarray]) -> Iterator[tuple[PyTree, PyTree, PyTree]]:
-        if not self.workers:
-            for rows in batches_rows:
-                yield self._rows(rows) if len(rows) else self._empty()
-            return
-        import grain
-        from absl import flags
+    def __getstate__(self) -> dict:
+        return {**self.__dict__, "_pool": None}  # what a worker process receives
 
-        if not flags.FLAGS.is_parsed():  # grain's workers read absl flags
-            flags.FLAGS.mark_as_parsed()
-        flat = np.concatenate(batches_rows) if batches_rows else np.zeros(0, np.int64)
-        if not len(flat):
-            yield from (self._empty() for _ in batches_rows)
+    def _worker_pool(self) -> Any:
+        if self._pool is None:
+            import multiprocessing
+            import weakref
+
+            # spawn: JAX's threads make fork unsafe
+            context = multiprocessing.get_context("spawn")
+            self._pool = context.Pool(self.workers, initializer=_start_worker, initargs=(self,))
+            weakref.finalize(self, self._pool.terminate)
+        return self._pool
+
+    def close(self) -> None:
+        """Stops the worker processes (they also stop with the source or the interpreter)."""
+        if self._pool is not None:
+            self._pool.terminate()
+            self._pool = None
+
+    def _parts(self, batches_rows: Iterator[np.ndarray]) -> Iterator[tuple[PyTree, PyTree, PyTree]]:
+        if not self.workers:
+            yield from map(self._read, batches_rows)
             return
-        elements = iter(
-            grain.MapDataset.source(flat.tolist())
-            .map(_Fetch(self.source))
-            .to_iter_dataset()
-            .mp_prefetch(grain.MultiprocessingOptions(num_workers=self.workers))
-        )
-        for rows in batches_rows:
-            part = [next(elements) for _ in range(len(rows))]
-            yield tuple(map(data_lib.to_host, self._split(_stack(part)))) if part else self._empty()
+        pool, pending = self._worker_pool(), collections.deque()
+        for rows in batches_rows:  # at most two batches per worker in flight
+            pending.append(pool.apply_async(_read_in_worker, (rows,)))
+            if len(pending) >= 2 * self.workers:
+                yield pending.popleft().get()
+        while pending:
+            yield pending.popleft().get()
 
     def batches(
         self,
@@ -215,7 +234,7 @@ class RandomAccessSource:
         all_rows = data_lib.batch_rows(
             self.num_examples, batch_size, shuffle, seed, epoch, start, process_index, process_count
         )
-        index_rows = [np.arange(self.num_examples)[r] if isinstance(r, slice) else r for r in all_rows]
+        index_rows = (np.arange(r.start, r.stop) if isinstance(r, slice) else r for r in all_rows)
         for x, y, w in self._parts(index_rows):
             n = len(jax.tree.leaves(x)[0])
             yield data_lib.pad_batch(
@@ -262,6 +281,15 @@ def _listed_batch(batch: Any) -> Any:
     return tuple(batch) if isinstance(batch, list) else batch
 
 
+def _absl_flags_parsed() -> None:
+    """grain's worker processes (``mp_prefetch``) read an absl flag, which raises
+    ``UnparsedFlagAccessError`` outside an absl app: its defaults are taken as parsed."""
+    from absl import flags
+
+    if not flags.FLAGS.is_parsed():
+        flags.FLAGS.mark_as_parsed()
+
+
 def _module(name: str) -> Any:
     """A library already imported by the user (an object of its type implies it), else None."""
     return sys.modules.get(name)
@@ -279,6 +307,7 @@ def adapt(data: Any) -> Any:
         if isinstance(data, grain.MapDataset):
             return RandomAccessSource(data)
         if isinstance(data, (grain.IterDataset, grain.DataLoader, grain.DatasetIterator)):
+            _absl_flags_parsed()
             return data_lib.IterableDataset(data)
     torch = _module("torch")
     if (

@@ -244,7 +244,7 @@ class Trainer:
 
     # ------------------------------------------------------------------ state
     def init(self, sample_batch: Any) -> TrainState:
-        """Builds the state from a sample batch (``x``, ``(x, y)`` or a dataset dict) without
+        """Builds the state from a sample batch (``x``, ``(x, y)`` or a data source) without
         training; under ``"auto"`` the strategy is chosen first. A second call keeps the state."""
         dataset = data_lib.as_dataset(sample_batch)
         if self.state is not None:
@@ -522,6 +522,7 @@ class Trainer:
         validation_data: Any = None,
         validation_split: float = 0.0,
         validation_freq: int | list[int] = 1,
+        validation_interval: int | None = None,
         validation_steps: int | None = None,
         validation_batch_size: int | None = None,
         shuffle: bool = True,
@@ -534,11 +535,20 @@ class Trainer:
         verbose: int = 1,
     ) -> History:
         """Trains for ``epochs`` epochs (or ``max_steps`` optimizer steps) and returns a Keras
-        ``History``. Keras's arguments: ``x`` (arrays, a tuple, a dataset dict or an iterable of
-        batches), ``validation_split`` (the last fraction of the arrays), ``validation_freq``,
-        ``validation_steps``, ``class_weight``. Callbacks run in Keras 3's order: yours, then
-        ``History``, then the progress bar (``verbose``)."""
-        data_lib.check_positive(epochs=epochs, steps_per_epoch=steps_per_epoch, max_steps=max_steps)
+        ``History``. Keras's arguments: ``x`` (arrays, a tuple, an iterable of batches or a data
+        library's dataset: docs/data.md), ``validation_split`` (the last fraction of the arrays),
+        ``validation_freq``, ``validation_steps``, ``class_weight``. Callbacks run in Keras 3's order: yours, then
+        ``History``, then the progress bar (``verbose``). ``validation_interval=N`` (trainkit's,
+        for step-based training with ``max_steps``) validates after every N optimizer steps
+        instead of at epoch ends: ``history.validations`` lists them."""
+        data_lib.check_positive(
+            epochs=epochs, steps_per_epoch=steps_per_epoch, max_steps=max_steps, validation_interval=validation_interval
+        )
+        if validation_interval is not None and validation_data is None and not validation_split:
+            raise ValueError(
+                f"validation_interval={validation_interval} needs validation_data (or validation_split): "
+                "there is nothing to validate on."
+            )
         validates(0, validation_freq)  # a bad validation_freq or shuffle is refused before anything runs
         data_lib.check_shuffle(shuffle)
         dataset = data_lib.as_dataset(x, y, sample_weight)
@@ -562,7 +572,9 @@ class Trainer:
             validation_set = data_lib.as_dataset(validation_data)
             data_lib.check_validation_runs(
                 validation_set,
-                sum(validates(e, validation_freq) for e in range(initial_epoch, epochs)),
+                (max_steps or 2 * validation_interval) // validation_interval
+                if validation_interval
+                else sum(validates(e, validation_freq) for e in range(initial_epoch, epochs)),
                 validation_steps,
             )
             own_size = isinstance(validation_set, data_lib.IterableDataset)  # an iterable's batches are its own
@@ -600,6 +612,7 @@ class Trainer:
             seed=self.seed,
             validation=validation,
             validation_freq=validation_freq,
+            validation_interval=validation_interval,
             warn_non_finite=no_nan_guard,
             first_step=self._check_first_step if self._logits_loss else None,
             continuing=data_lib.continues_across_epochs(dataset, batch_size, steps_per_epoch),

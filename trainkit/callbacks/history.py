@@ -14,14 +14,22 @@ from trainkit.callbacks.base import Callback, Logs
 class History(Callback):
     """Keras-compatible: ``history.history[name]`` lists one value per epoch; ``epoch`` lists
     the epoch indices; ``params`` holds ``epochs``, ``steps`` and ``verbose``. ``fit`` adds it
-    after the user's callbacks (as Keras does), so keys they add to the epoch logs are kept."""
+    after the user's callbacks (as Keras does), so keys they add to the epoch logs are kept.
+    With ``fit(validation_interval=N)``, ``validations`` lists one dict per validation:
+    ``{"step": s, "val_loss": ..., ...}`` (the epoch logs carry the latest one)."""
 
     def __init__(self):
         self.history: dict[str, list[float]] = {}
         self.epoch: list[int] = []
+        self.validations: list[dict] = []
 
     def on_train_begin(self, logs: Logs | None = None) -> None:
-        self.history, self.epoch = {}, []
+        self.history, self.epoch, self.validations = {}, [], []
+
+    def on_test_end(self, logs: Logs | None = None) -> None:
+        step = getattr(getattr(self.trainer, "loop", None), "validating_at", None)
+        if step is not None:  # a validation every N steps, not an epoch-end one
+            self.validations.append({"step": step, **{f"val_{k}": v for k, v in (logs or {}).items()}})
 
     def on_epoch_end(self, epoch: int, logs: Logs | None = None) -> None:
         self.epoch.append(epoch)
