@@ -44,7 +44,7 @@ def mixed_data(n=44, seed=0):
     pixels = rng.normal(size=(n, 6, 6, 1)).astype(np.float32)
     tokens = rng.integers(0, 16, size=(n, 5)).astype(np.int32)
     y = ((pixels.mean(axis=(1, 2, 3)) > 0) + 2 * (tokens[:, 0] > 7)).astype(np.int32)
-    return {"x": {"pixels": pixels, "tokens": tokens}, "y": y}
+    return {"pixels": pixels, "tokens": tokens}, y
 
 
 STRATEGIES = {
@@ -85,7 +85,7 @@ def test_mixed_layers_match_single_device(mixed, name):
     assert e1["loss"] == pytest.approx(e2["loss"], rel=1e-5)
     assert e1["accuracy"] == e2["accuracy"]
     np.testing.assert_allclose(
-        other.predict(data, batch_size=8), single.predict(data, batch_size=8), rtol=1e-4, atol=1e-5
+        other.predict(data[0], batch_size=8), single.predict(data[0], batch_size=8), rtol=1e-4, atol=1e-5
     )
 
 

@@ -705,7 +705,7 @@ class Trainer:
         takes (targets, if present, are ignored), and, as in Keras, a list or tuple of arrays
         is the inputs of a model with several (``predict((x1, x2))``)."""
         if isinstance(x, tuple) and len(x) > 1 and data_lib.is_array_tree(x):
-            x = {"x": x}  # Keras: predict's x is the inputs, whatever their structure
+            x = (x,)  # Keras: predict's x is the inputs, whatever their structure
         data_lib.check_positive(steps=steps)
         dataset, batch_size = self._prepare(x, None, None, batch_size, targets=False)
         params = {"verbose": verbose, "epochs": 1, "steps": dataset.steps(batch_size) if steps is None else steps}
