@@ -252,7 +252,7 @@ class Loop:
                     state=self.resume_state if epoch == start.epoch else None,
                     **process_slice(),
                 )
-                with self._reader(dataset, batches) as reader:
+                with self._reader(dataset, batches, positions=True) as reader:
                     ran, logs = self._train_epoch(
                         train_fn, reader, callbacks, max_steps, warn_non_finite, read_ahead, first_step
                     )
@@ -285,11 +285,12 @@ class Loop:
             raise Preempted(self.position.step)
         return logs
 
-    def _reader(self, dataset: Any, batches: Iterator) -> Prefetcher:
-        """``batches`` read ahead in a background thread, each with the data's checkpointable
-        position after it; a one-shot iterator is read in the main thread, one batch at a time."""
+    def _reader(self, dataset: Any, batches: Iterator, positions: bool = False) -> Prefetcher:
+        """``batches`` read ahead in a background thread (with ``positions``: each with the
+        data's checkpointable position after it); a one-shot iterator is read in the main
+        thread, one batch at a time."""
         one_shot = getattr(dataset, "one_shot", False)
-        state = dataset.get_state if getattr(dataset, "checkpointable", False) else None
+        state = dataset.get_state if positions and getattr(dataset, "checkpointable", False) else None
         return Prefetcher(batches, depth=0 if one_shot else self.prefetch, state=state)
 
     def _train_epoch(
