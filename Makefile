@@ -12,7 +12,7 @@ $(BIN)/python:
 	$(BIN)/python -m pip install --quiet --upgrade pip
 
 $(VENV)/.installed: pyproject.toml | $(BIN)/python
-	$(BIN)/python -m pip install --quiet -e ".[dev,examples,data]"
+	$(BIN)/python -m pip install --quiet -e ".[dev,examples,data,monitoring]"
 	touch $@
 
 example: $(VENV)/.installed

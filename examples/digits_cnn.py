@@ -8,7 +8,8 @@ strategy, prints why it picked one, and ``--plan`` prints the whole table. Keras
 run as in Keras: ``EarlyStopping`` restores the best epoch's weights, ``ReduceLROnPlateau``
 halves the learning rate on a plateau, ``ModelCheckpoint`` keeps the best epoch in
 ``--out``/best (an orbax checkpoint ``trainer.load`` reads) and ``CSVLogger`` writes
-``--out``/log.csv.
+``--out``/log.csv; with the ``monitoring`` extra, ``TensorBoard`` writes ``--out``/tensorboard and
+``history.plot`` draws ``--out``/curves.png.
 
 The 1,797 8x8 digit images ship inside scikit-learn (no download). A fifth is held out; the
 script prints the held-out accuracy and exits non-zero below ``--min-accuracy``.
@@ -17,6 +18,7 @@ script prints the held-out accuracy and exits non-zero below ``--min-accuracy``.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import sys
 import tempfile
@@ -107,6 +109,8 @@ def main(argv=None) -> int:
         tk.callbacks.ModelCheckpoint(os.path.join(out, "best"), monitor="val_accuracy", save_best_only=True),
         tk.callbacks.CSVLogger(os.path.join(out, "log.csv")),
     ]
+    if importlib.util.find_spec("tensorboardX"):  # the monitoring extra: tensorboard --logdir OUT/tensorboard
+        callbacks.append(tk.callbacks.TensorBoard(os.path.join(out, "tensorboard"), histogram_freq=5))
     start = time.perf_counter()
     history = trainer.fit(
         (images[train], labels[train]),
@@ -130,6 +134,9 @@ def main(argv=None) -> int:
     stopper = callbacks[0]
     print(f"best epoch {stopper.best_epoch + 1} (val_accuracy {stopper.best:.4f}) restored and saved in {out}/best")
     print(f"per-epoch log: {out}/log.csv")
+    if importlib.util.find_spec("matplotlib"):
+        history.plot(os.path.join(out, "curves.png"), title=f"digits CNN, {trainer.strategy.describe()}")
+        print(f"training curves: {out}/curves.png")
     if result["accuracy"] < args.min_accuracy:
         print(f"below the expected {args.min_accuracy:.2f}", file=sys.stderr)
         return 1

@@ -18,6 +18,10 @@ FORBIDDEN = {  # module (or package prefix) -> trainkit modules it must not impo
     "strategies": ("trainer", "loop", "callbacks", "checkpoint", "program", "plan", "step", "data"),
     "data": ("trainer", "loop", "callbacks", "strategies", "checkpoint", "program", "plan"),
     "sources": ("trainer", "loop", "callbacks", "strategies", "checkpoint", "program", "plan"),
+    **{
+        name: ("trainer", "loop", "callbacks", "strategies", "checkpoint", "program", "plan", "data")
+        for name in ("loggers", "throughput", "plot")
+    },
     "prefetch": ("trainer", "loop", "callbacks", "strategies", "checkpoint", "program", "plan", "data"),
     "debug": ("trainer", "loop", "callbacks"),
     **{name: ("trainer", "loop", "callbacks", "strategies", "checkpoint", "program", "plan") for name in PURE},

@@ -3,6 +3,7 @@
 import csv
 import io
 import math
+import re
 
 import numpy as np
 import optax
@@ -154,6 +155,8 @@ def test_progress_bar_shows_epochs_rate_and_metrics(xy):
     text = buffer.getvalue()
     assert "Epoch 1/2" in text and "Epoch 2/2" in text and "4/4" in text
     assert "steps/s" in text and "val_accuracy:" in text and "eta" in text
+    steps, examples = re.search(r"([\d.]+) steps/s, ([\d,]+) examples/s", text).groups()
+    assert abs(float(steps) * 16 - float(examples.replace(",", ""))) <= 1  # the batch of 16 rows
 
 
 def test_verbose_zero_prints_nothing(xy, capsys):

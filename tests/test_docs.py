@@ -14,6 +14,7 @@ DOCS = pathlib.Path(__file__).parent.parent / "docs"
         "quickstart.md",
         "outputs.md",
         "data.md",
+        "monitoring.md",
         "callbacks.md",
         "strategies.md",
         "precision_and_memory.md",

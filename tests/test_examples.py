@@ -1,5 +1,6 @@
 """The README's example runs end to end and reaches its accuracy target."""
 
+import importlib.util
 import os
 import pathlib
 import re
@@ -36,6 +37,10 @@ def test_digits_cnn_reaches_95_percent_on_8_fake_devices(tmp_path):
     assert accuracy >= 0.95
     best = float(re.search(r"best epoch \d+ \(val_accuracy (\d\.\d+)\) restored", result.stdout).group(1))
     assert best == pytest.approx(accuracy, abs=1e-6)  # EarlyStopping restored the best epoch's weights
+    if importlib.util.find_spec("matplotlib"):
+        assert (tmp_path / "curves.png").stat().st_size > 10_000
+    if importlib.util.find_spec("tensorboardX"):
+        assert (tmp_path / "tensorboard" / "validation").is_dir()
     rows = (tmp_path / "log.csv").read_text().splitlines()
     assert rows[0].startswith("epoch,accuracy,learning_rate,loss,val_accuracy,val_loss") and len(rows) > 2
     assert (tmp_path / "best").is_dir()

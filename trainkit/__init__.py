@@ -5,7 +5,7 @@
 ['CheckpointError', 'DataParallel', 'FSDP', 'Hybrid']
 """
 
-from trainkit import callbacks, data, debug, losses, metrics, optimizers, plan, sources, strategies
+from trainkit import callbacks, data, debug, loggers, losses, metrics, optimizers, plan, sources, strategies
 from trainkit.checkpoint import CheckpointError
 from trainkit.loop import PREEMPTED_EXIT_CODE, Position, Preempted, StepRecord
 from trainkit.precision import Precision
@@ -31,6 +31,7 @@ __all__ = [
     "callbacks",
     "data",
     "sources",
+    "loggers",
     "debug",
     "plan",
     "losses",

@@ -139,6 +139,20 @@ def lower_train_step(trainer: Any, sample_batch: Any = None) -> jax.stages.Lower
     return function.lower(abstract(trainer.state), batch)
 
 
+def step_flops(trainer: Any) -> float | None:
+    """The floating-point operations of one train step on all devices together, from the
+    lowered (unoptimised) step's cost analysis: the model's own flops, which MFU counts
+    (compiler rewrites and fusions excluded). ``None`` when the backend reports none."""
+    cost = lower_train_step(trainer).cost_analysis()
+    if isinstance(cost, (list, tuple)):  # older jax: one dict per computation
+        cost = cost[0] if cost else None
+    flops = float(cost.get("flops", 0.0)) if cost else 0.0
+    if flops <= 0:
+        return None
+    per_device_program = trainer.strategy.axis_name is not None  # pmap lowers one device's program
+    return flops * (len(trainer.strategy.devices) if per_device_program else 1)
+
+
 def summary_table(trainer: Any) -> Table:
     """Keras's ``model.summary()`` for a trainer: one row per top-level submodule with its
     variables' shapes and counts (parameters, then model state such as batch statistics), and

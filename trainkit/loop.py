@@ -331,7 +331,8 @@ class Loop:
                 if batch_begin.active:
                     self.record = record
                     batch_begin(index)
-                owner.state, metrics = train_fn(owner.state, batch)
+                with jax.profiler.StepTraceAnnotation("train", step_num=record.step):  # steps in a profile
+                    owner.state, metrics = train_fn(owner.state, batch)
                 self.watchdog.progress(record.step)
                 self.position, self.data_state = Position(epoch, index + 1, record.step), data_state
                 self._validate_every(record.step, callbacks)

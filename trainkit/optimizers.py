@@ -36,6 +36,39 @@ def learning_rate(opt_state: PyTree) -> jax.Array | None:
     return None
 
 
+def hyperparameters(opt_state: PyTree) -> dict[str, float]:
+    """The injected scalar hyperparameters (``optax.inject_hyperparams``), as floats."""
+    found: dict[str, float] = {}
+    for node in jax.tree.leaves(opt_state, is_leaf=_is_injected):
+        if _is_injected(node):
+            found.update({k: float(f"{float(v):.7g}") for k, v in node.hyperparams.items() if jax.numpy.ndim(v) == 0})
+    return found
+
+
+def describe(opt_state: PyTree) -> str:
+    """The optimizer's state types, outermost first (``ScaleByAdamState+ScaleByScheduleState``):
+    optax transformations carry no name, their states do.
+
+    >>> describe(optax.adam(1e-3).init({"w": jax.numpy.zeros(2)}))
+    'ScaleByAdamState'
+    """
+    names: list[str] = []
+
+    def visit(node: Any) -> None:
+        name = type(node).__name__
+        if _is_injected(node):
+            names.append(f"inject_hyperparams({describe(node.inner_state)})")
+        elif isinstance(node, tuple) and hasattr(node, "_fields"):
+            if name not in ("EmptyState", "MaskedState") and name not in names:
+                names.append(name)
+        elif isinstance(node, (tuple, list)):
+            for child in node:
+                visit(child)
+
+    visit(opt_state)
+    return "+".join(names) or type(opt_state).__name__
+
+
 def require_learning_rate(opt_state: PyTree) -> jax.Array:
     """:func:`learning_rate`, or a ``ValueError`` saying how to expose it."""
     rate = learning_rate(opt_state)

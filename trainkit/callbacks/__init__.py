@@ -8,6 +8,7 @@ from trainkit.callbacks.history import History
 from trainkit.callbacks.lambda_callback import LambdaCallback
 from trainkit.callbacks.learning_rate import LearningRateScheduler, ReduceLROnPlateau
 from trainkit.callbacks.model_checkpoint import ModelCheckpoint
+from trainkit.callbacks.monitoring import Logging, Profiler, TensorBoard
 from trainkit.callbacks.progress import ProgbarLogger, ProgressBar
 from trainkit.callbacks.swap_ema_weights import SwapEMAWeights
 from trainkit.callbacks.terminate_on_nan import TerminateOnNaN
@@ -28,4 +29,7 @@ __all__ = [
     "ReduceLROnPlateau",
     "LearningRateScheduler",
     "SwapEMAWeights",
+    "TensorBoard",
+    "Logging",
+    "Profiler",
 ]

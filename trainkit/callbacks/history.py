@@ -35,3 +35,10 @@ class History(Callback):
         self.epoch.append(epoch)
         for name, value in (logs or {}).items():
             self.history.setdefault(name, []).append(value)
+
+    def plot(self, path: str, title: str | None = None):
+        """Train and validation curves of the loss and each metric, one panel each, saved as a
+        PNG at ``path`` (needs matplotlib); returns the matplotlib figure."""
+        from trainkit.plot import plot_curves
+
+        return plot_curves(self.history, path, title=title)

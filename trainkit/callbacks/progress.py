@@ -24,8 +24,9 @@ class _Rate(TextColumn):
         super().__init__("")
 
     def render(self, task) -> Text:
-        speed = task.finished_speed or task.speed
-        return Text(f"{speed:.1f} steps/s" if speed else "", style="progress.data.speed")
+        speed, batch = task.finished_speed or task.speed, task.fields.get("batch")
+        text = f"{speed:.1f} steps/s" + (f", {speed * batch:,.0f} examples/s" if batch else "") if speed else ""
+        return Text(text, style="progress.data.speed")
 
 
 class ProgressBar(Callback):
@@ -79,7 +80,8 @@ class ProgressBar(Callback):
             refresh_per_second=8,
         )
         total = self._steps
-        self._task = self._progress.add_task(self._describe(epoch), total=total, metrics="")
+        batch = getattr(getattr(self.trainer, "loop", None), "batch_size", None)
+        self._task = self._progress.add_task(self._describe(epoch), total=total, metrics="", batch=batch)
         self._progress.start()
 
     def on_train_batch_end(self, batch: int, logs: Logs | None = None) -> None:

@@ -1,0 +1,204 @@
+"""Monitoring read back by each backend's own reader: TensorBoard's event accumulator, MLflow's
+client, W&B's offline files, the profiler's trace, and the throughput figures."""
+
+import glob
+import gzip
+import json
+import os
+
+import numpy as np
+import optax
+import pytest
+from conftest import MLP, make_classification
+
+import trainkit as tk
+from trainkit import throughput
+
+X, Y = make_classification(96)
+X_VAL, Y_VAL = make_classification(32, seed=1)
+
+
+def trainer():
+    return tk.Trainer(
+        MLP(),
+        loss="sparse_categorical_crossentropy",
+        optimizer=optax.inject_hyperparams(optax.adam)(learning_rate=1e-2),
+        metrics=["accuracy"],
+        seed=0,
+    )
+
+
+def fit(callbacks, epochs=3):
+    run = trainer()
+    history = run.fit(
+        (X, Y), batch_size=16, epochs=epochs, validation_data=(X_VAL, Y_VAL), callbacks=callbacks, verbose=0
+    )
+    return run, history
+
+
+def scalars(run_dir):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(run_dir), size_guidance={"scalars": 0, "histograms": 0})
+    events.Reload()
+    return events
+
+
+def test_tensorboard_scalars_are_read_back_by_tensorboard_under_keras_runs_and_tags(tmp_path):
+    pytest.importorskip("tensorboardX")
+    pytest.importorskip("tensorboard")
+    board = tk.callbacks.TensorBoard(tmp_path, histogram_freq=1, update_freq=2, write_steps_per_second=True)
+    _, history = fit([board])
+    train, validation = scalars(tmp_path / "train"), scalars(tmp_path / "validation")
+    for run, key in ((train, "loss"), (train, "accuracy"), (validation, "loss"), (validation, "accuracy")):
+        name = key if run is train else f"val_{key}"
+        events = run.Scalars(f"epoch_{key}")
+        assert [e.step for e in events] == [0, 1, 2]
+        np.testing.assert_allclose([e.value for e in events], history.history[name], rtol=1e-6)
+    assert [e.step for e in train.Scalars("batch_loss")] == list(range(2, 19, 2))  # 6 steps per epoch, every 2nd
+    assert [round(e.value, 6) for e in train.Scalars("epoch_learning_rate")] == [0.01] * 3
+    assert all(e.value > 0 for e in train.Scalars("epoch_examples_per_second"))
+    assert len(train.Scalars("epoch_steps_per_second")) == 3
+    assert [e.step for e in validation.Scalars("evaluation_loss_vs_iterations")] == [6, 12, 18]
+    assert set(train.Tags()["histograms"]) >= {"Dense_0/kernel/histogram", "Dense_1/bias/histogram"}
+    assert "epoch_loss" not in validation.Tags()["histograms"]
+
+
+def test_profile_batch_traces_exactly_the_requested_steps(tmp_path):
+    fit([tk.callbacks.TensorBoard(tmp_path, profile_batch=(3, 4))], epochs=1)
+    traces = glob.glob(str(tmp_path / "train" / "plugins" / "profile" / "*" / "perfetto_trace.json.gz"))
+    assert len(traces) == 1, os.listdir(tmp_path)  # in the train run, as Keras writes it
+    assert glob.glob(os.path.join(os.path.dirname(traces[0]), "*.xplane.pb"))  # TensorBoard's profile plugin
+    events = json.load(gzip.open(traces[0]))
+    events = events["traceEvents"] if isinstance(events, dict) else events
+    steps = sorted({int(e["args"]["step_num"]) for e in events if e.get("name") == "train"})
+    assert steps == [3, 4]
+
+
+def test_profiler_memory_profile_and_bad_steps(tmp_path):
+    fit([tk.callbacks.Profiler(tmp_path, steps=(2, 2), memory_profile=True)], epochs=1)
+    assert (tmp_path / "memory.prof").stat().st_size > 0
+    with pytest.raises(ValueError, match=r"steps must be \(first, last\)"):
+        tk.callbacks.Profiler(tmp_path, steps=(5, 2))
+
+
+def test_mlflow_run_is_read_back_by_its_client(tmp_path):
+    mlflow = pytest.importorskip("mlflow")
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    logger = tk.loggers.MLflowLogger(uri, experiment="digits", run_name="first")
+    run, history = fit([tk.callbacks.Logging([logger])])
+    client = mlflow.tracking.MlflowClient(tracking_uri=uri)
+    stored = client.get_run(logger.run_id)
+    assert stored.info.status == "FINISHED"
+    assert stored.data.params["batch_size"] == "16" and stored.data.params["model"] == "MLP"
+    assert stored.data.params["optimizer/learning_rate"] == "0.01"
+    assert int(stored.data.params["parameters"]) == sum(np.size(a) for a in __import__("jax").tree.leaves(run.params))
+    for name in ("loss", "val_loss", "accuracy", "val_accuracy"):
+        values = client.get_metric_history(logger.run_id, name)
+        assert [m.step for m in values] == [6, 12, 18]  # the global step at each epoch end
+        np.testing.assert_allclose([m.value for m in values], history.history[name], rtol=1e-6)
+    assert len(client.get_metric_history(logger.run_id, "examples_per_second")) == 3
+
+
+def wandb_records(path):
+    """The protobuf records of a W&B run file (LevelDB's log format: 32 KiB blocks of
+    ``crc32, length, type`` headers after a 7-byte W&B header), parsed with wandb's own schema."""
+    import struct
+
+    from wandb.proto import wandb_internal_pb2
+
+    raw, position, pending = open(path, "rb").read(), 7, b""
+    assert raw[:4] == b":W&B"
+    while position + 7 <= len(raw):
+        left = 32768 - position % 32768
+        _, length, kind = struct.unpack("<IHB", raw[position : position + 7])
+        if left < 7 or (length == 0 and kind == 0):
+            position += left
+            continue
+        data, position = raw[position + 7 : position + 7 + length], position + 7 + length
+        pending = data if kind in (1, 2) else pending + data
+        if kind in (1, 4):
+            record = wandb_internal_pb2.Record()
+            record.ParseFromString(pending)
+            yield record
+
+
+def test_wandb_offline_run_is_read_back_from_its_file(tmp_path, monkeypatch):
+    pytest.importorskip("wandb")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    logger = tk.loggers.WandbLogger(project="trainkit-test", dir=tmp_path)
+    _, history = fit([tk.callbacks.Logging([logger])], epochs=2)
+    files = glob.glob(str(tmp_path / "wandb" / "offline-run-*" / "run-*.wandb"))
+    assert len(files) == 1
+    records = list(wandb_records(files[0]))
+    rows = [
+        {item.nested_key[0]: json.loads(item.value_json) for item in r.history.item}
+        for r in records
+        if r.WhichOneof("record_type") == "history"
+    ]
+    assert [row["_step"] for row in rows] == [6, 12]
+    for name in ("loss", "val_loss", "accuracy"):
+        np.testing.assert_allclose([row[name] for row in rows], history.history[name], rtol=1e-6)
+    config = next(r.config for r in records if r.WhichOneof("record_type") == "config")
+    assert {"batch_size", "strategy", "optimizer/learning_rate"} <= {u.key for u in config.update}
+
+
+def test_csv_logger_and_a_plugin_logger_see_every_step(tmp_path):
+    seen = []
+
+    class Collect:
+        def log_metrics(self, step, metrics, run="train"):
+            seen.append((step, run, sorted(metrics)))
+
+        def log_hparams(self, config):
+            seen.append(("hparams", config["batch_size"]))
+
+        def close(self):
+            seen.append("closed")
+
+    csv_logger = tk.loggers.CSVMetricsLogger(tmp_path / "metrics.csv")
+    fit([tk.callbacks.Logging([csv_logger, Collect()], update_freq=3)], epochs=2)
+    assert seen[0] == ("hparams", 16) and seen[-1] == "closed"
+    train_steps = [s for s, run, names in seen[1:-1] if run == "train"]
+    assert train_steps == [3, 6, 9, 12]
+    rows = (tmp_path / "metrics.csv").read_text().splitlines()
+    assert rows[0] == "step,run,name,value" and any(r.startswith("12,validation,loss,") for r in rows)
+    assert json.loads((tmp_path / "hparams.json").read_text())["batch_size"] == 16
+    with pytest.raises(TypeError, match="is not a logger"):
+        tk.callbacks.Logging([object()])
+
+
+def test_step_flops_and_mfu():
+    run, _ = fit([], epochs=1)
+    flops = tk.debug.step_flops(run)
+    forward = 2 * 16 * (5 * 16 + 16 * 3)  # MLP 5-16-3 (conftest), batch 16: two matmuls
+    assert 2.5 * forward < flops < 5 * forward  # forward, backward and the update
+    meter = throughput.Meter(examples_per_step=16, flops_per_step=flops, peak_flops=flops * 100)
+    rates = meter.rates(steps=50, seconds=1.0)
+    assert rates["examples_per_second"] == 800 and rates["mfu"] == pytest.approx(0.5)
+    assert throughput.peak_flops("cpu") is None
+    assert throughput.peak_flops("NVIDIA A100-SXM4-80GB", "float32") == 156e12
+    assert throughput.peak_flops("TPU v5 lite", "bfloat16") == 197e12
+
+
+def test_history_plot_and_the_plot_command_draw_one_line_per_series(tmp_path):
+    pytest.importorskip("matplotlib")
+    import matplotlib.image
+
+    from trainkit import plot
+
+    csv_path = tmp_path / "log.csv"
+    board = tmp_path / "board"
+    _, history = fit([tk.callbacks.CSVLogger(csv_path), tk.callbacks.TensorBoard(board)], epochs=3)
+    figure = history.plot(tmp_path / "history.png")
+    lines = {ax.get_title(): len(ax.get_lines()) for ax in figure.axes if ax.get_visible()}
+    assert lines == {"loss": 2, "accuracy": 2}  # train and validation in each panel
+    pixels = matplotlib.image.imread(tmp_path / "history.png")
+    assert pixels.shape[0] > 100 and pixels[..., :3].std() > 0.05  # not blank
+    for source in (csv_path, board):  # a Keras CSV log and a TensorBoard directory give the same curves
+        series = plot.read_series(source)
+        np.testing.assert_allclose(series["val_loss"], history.history["val_loss"], rtol=1e-6)
+        assert plot.main([str(source), "-o", str(tmp_path / "cli.png")]) == 0
+        assert (tmp_path / "cli.png").stat().st_size > 10_000
+    with pytest.raises(ValueError, match="Nothing to plot"):
+        plot.plot_curves({"epoch": [0, 1]}, tmp_path / "empty.png")

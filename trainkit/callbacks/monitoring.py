@@ -1,0 +1,335 @@
+"""Watching a run: ``Logging`` (any :mod:`trainkit.loggers` backend), ``TensorBoard`` (Keras 3's
+callback, written with tensorboardX), and ``Profiler`` (a ``jax.profiler`` trace of chosen
+steps). Only process 0 writes; every hook is ``async_safe`` (nothing waits for the device).
+
+>>> Profiler("/tmp/trace", steps=(3, 5)).steps
+(3, 5)
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from typing import Any
+
+import jax
+import numpy as np
+
+from trainkit import debug, distributed, loggers, optimizers, throughput
+from trainkit.callbacks.base import Callback, Logs
+
+logger = logging.getLogger("trainkit")
+
+
+def run_config(trainer: Any) -> dict[str, Any]:
+    """The run's hyperparameters, logged once per ``fit``: model, parameter count, loss,
+    optimizer (its injected hyperparameters), strategy, precision, batch size, accumulation,
+    seed and the fit's ``epochs`` / ``steps``."""
+    params = getattr(trainer, "params", None)
+    config: dict[str, Any] = {
+        "model": type(getattr(trainer, "model", None)).__name__,
+        "parameters": int(sum(np.size(leaf) for leaf in jax.tree.leaves(params))) if params is not None else 0,
+        "loss": str(getattr(trainer, "loss", "")),
+        "strategy": trainer.strategy.describe() if getattr(trainer, "strategy", None) is not None else "",
+        "precision": str(getattr(getattr(trainer, "precision", None), "compute_dtype", "")),
+        "batch_size": trainer.loop.batch_size,
+        "grad_accum_steps": getattr(trainer, "grad_accum_steps", 1),
+        "seed": getattr(trainer, "seed", 0),
+        "devices": jax.device_count(),
+        "processes": jax.process_count(),
+    }
+    try:
+        state = trainer.state.opt_state
+        config["optimizer"] = optimizers.describe(state)
+        config.update({f"optimizer/{k}": v for k, v in optimizers.hyperparameters(state).items()})
+    except Exception:  # noqa: BLE001 - an optimizer without injected hyperparameters
+        pass
+    return config
+
+
+def _step(trainer: Any) -> int:
+    """The optimizer step of the batch a batch hook is about (the loop may have dispatched
+    later steps already: these hooks are ``async_safe``)."""
+    record = getattr(trainer.loop, "record", None)
+    return record.step if record is not None else trainer.global_step
+
+
+def _split_runs(logs: Logs) -> tuple[dict, dict]:
+    train = {k: v for k, v in logs.items() if not k.startswith("val_")}
+    validation = {k[4:]: v for k, v in logs.items() if k.startswith("val_")}
+    return train, validation
+
+
+class _Rate(Callback):
+    """Examples/s (tokens/s, TFLOP/s, MFU) over the steps since the last reading."""
+
+    async_safe = True
+
+    def __init__(self, tokens_per_example: int | None = None):
+        self.tokens_per_example = tokens_per_example
+        self.meter: throughput.Meter | None = None
+        self._mark: tuple[int, float] | None = None
+
+    def _start_meter(self) -> None:
+        trainer = self.trainer
+        devices = jax.devices()
+        flops = None
+        try:
+            flops = debug.step_flops(trainer)
+        except Exception:  # noqa: BLE001 - a strategy without .lower(): no FLOP figures
+            logger.info("monitoring: the train step's flops are unknown; no TFLOP/s or MFU.", exc_info=True)
+        precision = np.dtype(getattr(trainer.precision, "compute_dtype", np.float32)).name
+        peak = throughput.peak_flops(devices[0].device_kind, precision)
+        self.meter = throughput.Meter(
+            examples_per_step=trainer.loop.batch_size or 0,
+            tokens_per_example=self.tokens_per_example,
+            flops_per_step=flops,
+            peak_flops=None if peak is None else peak * len(devices),
+        )
+
+    def _reading(self) -> dict[str, float]:
+        step, now = _step(self.trainer), time.perf_counter()
+        if self.meter is None or self._mark is None:
+            self._mark = (step, now)
+            return {}
+        rates = self.meter.rates(step - self._mark[0], now - self._mark[1])
+        self._mark = (step, now)
+        return rates
+
+
+class Logging(_Rate):
+    """Sends the logs to ``loggers`` (:class:`trainkit.loggers.Logger` objects): at every epoch
+    end (``update_freq="epoch"``) or every ``update_freq`` optimizer steps, the training
+    metrics under run ``"train"`` and the validation metrics (without ``val_``) under
+    ``"validation"``, at the global step; also the learning rate (when the optimizer injects
+    it) and the throughput (examples/s, tokens/s with ``tokens_per_example``, TFLOP/s, and
+    MFU where the device's peak is known). The run's hyperparameters are logged once.
+
+    >>> import tempfile
+    >>> cb = Logging([loggers.CSVMetricsLogger(tempfile.mkdtemp() + "/metrics.csv")], update_freq=10)
+    >>> cb.update_freq
+    10
+    """
+
+    def __init__(
+        self,
+        loggers_: list[loggers.Logger],
+        update_freq: str | int = "epoch",
+        tokens_per_example: int | None = None,
+        close: bool = True,
+    ):
+        super().__init__(tokens_per_example)
+        for item in loggers_:
+            if not isinstance(item, loggers.Logger):
+                raise TypeError(
+                    f"{type(item).__name__} is not a logger: it needs log_metrics(step, metrics, run), "
+                    "log_hparams(config) and close()."
+                )
+        if update_freq != "epoch" and (isinstance(update_freq, bool) or not isinstance(update_freq, int)):
+            raise ValueError(f"update_freq must be 'epoch' or a positive number of steps; received {update_freq!r}.")
+        self.loggers, self.update_freq, self.close_at_end = list(loggers_), update_freq, close
+
+    def _send(self, step: int, metrics: dict, run: str) -> None:
+        for item in self.loggers:
+            item.log_metrics(step, metrics, run)
+
+    def _extras(self) -> dict[str, float]:
+        extras = self._reading()
+        try:
+            extras["learning_rate"] = self.trainer.learning_rate
+        except Exception:  # noqa: BLE001 - no injected learning rate
+            pass
+        return extras
+
+    def on_train_begin(self, logs: Logs | None = None) -> None:
+        self.meter, self._mark = None, None
+        if distributed.is_main_process():
+            config = run_config(self.trainer)
+            for item in self.loggers:
+                item.log_hparams(config)
+
+    def on_train_batch_end(self, batch: int, logs: Logs | None = None) -> None:
+        step = _step(self.trainer)
+        if self.meter is None:
+            self._start_meter()
+            self._mark = (step, time.perf_counter())
+        if self.update_freq == "epoch" or step % self.update_freq:
+            return
+        if distributed.is_main_process():
+            self._send(step, {**(logs or {}), **self._extras()}, "train")
+
+    def on_epoch_end(self, epoch: int, logs: Logs | None = None) -> None:
+        if not distributed.is_main_process():
+            return
+        train, validation = _split_runs(logs or {})
+        step = self.trainer.global_step
+        if self.update_freq == "epoch":
+            self._send(step, {**train, **self._extras(), "epoch": epoch}, "train")
+        if validation:
+            self._send(step, validation, "validation")
+
+    def on_train_end(self, logs: Logs | None = None) -> None:
+        if self.close_at_end and distributed.is_main_process():
+            for item in self.loggers:
+                item.close()
+
+    def on_exception(self, exception: BaseException) -> None:
+        self.on_train_end()
+
+
+class Profiler(Callback):
+    """A ``jax.profiler`` trace of the optimizer steps ``steps=(first, last)`` (counted from 1,
+    both included), written to ``log_dir`` (``plugins/profile/<run>/``: TensorBoard's profile
+    plugin reads it; ``perfetto_trace.json.gz`` opens in ui.perfetto.dev). Each step is marked
+    ``train`` with its ``step_num``. ``memory_profile=True`` also saves the device memory
+    profile (pprof) at the last traced step. Only process 0 traces."""
+
+    async_safe = False  # the trace must end after the last step ran
+
+    def __init__(self, log_dir: str | os.PathLike, steps: tuple[int, int], memory_profile: bool = False):
+        if (
+            not isinstance(steps, (tuple, list))
+            or len(steps) != 2
+            or not all(isinstance(s, int) and s > 0 for s in steps)
+            or steps[0] > steps[1]
+        ):
+            raise ValueError(f"steps must be (first, last) optimizer steps, 1 <= first <= last; received {steps!r}.")
+        self.log_dir, self.steps, self.memory_profile = os.fspath(log_dir), tuple(steps), memory_profile
+        self.tracing = False
+
+    def on_train_batch_begin(self, batch: int, logs: Logs | None = None) -> None:
+        if self.trainer.global_step + 1 == self.steps[0] and not self.tracing and distributed.is_main_process():
+            jax.profiler.start_trace(self.log_dir, create_perfetto_trace=True)
+            self.tracing = True
+
+    def on_train_batch_end(self, batch: int, logs: Logs | None = None) -> None:
+        if self.tracing and self.trainer.global_step >= self.steps[1]:
+            self._stop()
+
+    def _stop(self) -> None:
+        jax.block_until_ready(self.trainer.state)
+        if self.memory_profile:
+            jax.profiler.save_device_memory_profile(os.path.join(self.log_dir, "memory.prof"))
+        jax.profiler.stop_trace()
+        self.tracing = False
+
+    def on_train_end(self, logs: Logs | None = None) -> None:
+        if self.tracing:
+            self._stop()
+
+    def on_exception(self, exception: BaseException) -> None:
+        self.on_train_end()
+
+
+class TensorBoard(_Rate):
+    """Keras 3's ``TensorBoard`` callback, written with tensorboardX (no TensorFlow needed):
+    ``log_dir/train`` and ``log_dir/validation`` runs with ``epoch_<metric>`` scalars at each
+    epoch (``epoch_learning_rate`` too), ``batch_<metric>`` every ``update_freq`` steps
+    (``"batch"``: every step), ``evaluation_<metric>_vs_iterations`` at each validation,
+    parameter histograms every ``histogram_freq`` epochs, ``epoch_steps_per_second`` with
+    ``write_steps_per_second``, and a profile of ``profile_batch=(first, last)``. trainkit adds
+    ``epoch_examples_per_second`` (and TFLOP/s, MFU where known) and the run's hyperparameters.
+
+    >>> TensorBoard("/tmp/logs", update_freq="batch").update_freq
+    1
+    """
+
+    def __init__(
+        self,
+        log_dir: str | os.PathLike = "logs",
+        histogram_freq: int = 0,
+        write_graph: bool = True,
+        write_images: bool = False,
+        write_steps_per_second: bool = False,
+        update_freq: str | int = "epoch",
+        profile_batch: int | tuple[int, int] = 0,
+        tokens_per_example: int | None = None,
+    ):
+        super().__init__(tokens_per_example)
+        self.log_dir = os.fspath(log_dir)
+        self.histogram_freq, self.write_graph, self.write_images = histogram_freq, write_graph, write_images
+        self.write_steps_per_second = write_steps_per_second
+        self.update_freq = 1 if update_freq == "batch" else update_freq
+        if self.update_freq != "epoch" and (
+            isinstance(self.update_freq, bool) or not isinstance(self.update_freq, int) or self.update_freq < 1
+        ):
+            raise ValueError(f"update_freq must be 'epoch', 'batch' or a positive integer; received {update_freq!r}.")
+        if isinstance(profile_batch, int) and not isinstance(profile_batch, bool):
+            profile_batch = (profile_batch, profile_batch) if profile_batch > 0 else (0, 0)
+        # Keras profiles into the train run's directory: log_dir/train/plugins/profile/<time>/
+        train_dir = os.path.join(self.log_dir, "train")
+        self.profiler = Profiler(train_dir, tuple(profile_batch)) if any(profile_batch) else None
+        self.board: loggers.TensorBoardLogger | None = None
+
+    @property
+    def async_safe(self) -> bool:  # type: ignore[override]
+        return self.profiler is None
+
+    def on_train_begin(self, logs: Logs | None = None) -> None:
+        self.meter, self._mark, self._epoch_mark = None, None, None
+        if self.profiler is not None:
+            self.profiler.set_trainer(self.trainer)
+        if distributed.is_main_process():
+            self.board = loggers.TensorBoardLogger(self.log_dir)
+            self.board.log_hparams(run_config(self.trainer))
+
+    def on_epoch_begin(self, epoch: int, logs: Logs | None = None) -> None:
+        self._epoch_mark = (self.trainer.global_step, time.perf_counter())
+
+    def on_train_batch_begin(self, batch: int, logs: Logs | None = None) -> None:
+        if self.profiler is not None:
+            self.profiler.on_train_batch_begin(batch, logs)
+
+    def on_train_batch_end(self, batch: int, logs: Logs | None = None) -> None:
+        if self.profiler is not None:
+            self.profiler.on_train_batch_end(batch, logs)
+        if self.meter is None:
+            self._start_meter()
+        step = _step(self.trainer)
+        if self.board is not None and self.update_freq != "epoch" and step % self.update_freq == 0:
+            self.board.log_metrics(step, logs or {}, "train", prefix="batch_")
+
+    def on_test_end(self, logs: Logs | None = None) -> None:
+        if self.board is not None and logs:  # Keras's tag, at the optimizer step
+            tagged = {f"evaluation_{name}_vs_iterations": value for name, value in logs.items()}
+            self.board.log_metrics(self.trainer.global_step, tagged, "validation", prefix="")
+
+    def on_epoch_end(self, epoch: int, logs: Logs | None = None) -> None:
+        if self.board is None:
+            return
+        train, validation = _split_runs(logs or {})
+        extras: dict[str, float] = {}
+        try:
+            extras["learning_rate"] = self.trainer.learning_rate
+        except Exception:  # noqa: BLE001 - no injected learning rate
+            pass
+        if self.meter is not None and self._epoch_mark is not None:
+            steps, seconds = self.trainer.global_step - self._epoch_mark[0], time.perf_counter() - self._epoch_mark[1]
+            extras.update(self.meter.rates(steps, seconds))
+            if self.write_steps_per_second and seconds > 0:
+                extras["steps_per_second"] = steps / seconds
+        self.board.log_metrics(epoch, {**train, **extras}, "train", prefix="epoch_")
+        if validation:
+            self.board.log_metrics(epoch, validation, "validation", prefix="epoch_")
+        if self.histogram_freq and epoch % self.histogram_freq == 0:
+            self.board.log_histograms(epoch, _named_leaves(self.trainer.params), "train")
+
+    def on_train_end(self, logs: Logs | None = None) -> None:
+        if self.profiler is not None:
+            self.profiler.on_train_end(logs)
+        if self.board is not None:
+            self.board.close()
+            self.board = None
+
+    def on_exception(self, exception: BaseException) -> None:
+        self.on_train_end()
+
+
+def _named_leaves(params: Any) -> dict[str, np.ndarray]:
+    """``Dense_0/kernel/histogram``-style names (Keras's ``{weight.path}/histogram``)."""
+    named = {}
+    for path, leaf in jax.tree_util.tree_leaves_with_path(params):
+        name = "/".join(str(getattr(p, "key", getattr(p, "idx", p))) for p in path)
+        named[f"{name}/histogram"] = np.asarray(leaf)
+    return named

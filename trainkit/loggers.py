@@ -1,0 +1,173 @@
+"""Experiment loggers: a three-method protocol and its TensorBoard, CSV, MLflow and Weights &
+Biases implementations. ``tk.callbacks.Logging(loggers)`` (or ``tk.callbacks.TensorBoard``)
+feeds them from ``fit``; only process 0 writes.
+
+Another backend is a class with the three methods:
+
+>>> class Printer:
+...     def log_metrics(self, step, metrics, run="train"):
+...         print(run, step, metrics)
+...     def log_hparams(self, config):
+...         pass
+...     def close(self):
+...         pass
+>>> isinstance(Printer(), Logger)
+True
+>>> Printer().log_metrics(3, {"loss": 0.5})
+train 3 {'loss': 0.5}
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+from typing import Any, Protocol, runtime_checkable
+
+import numpy as np
+
+#: The runs a metric belongs to: training, or validation (Keras's TensorBoard subdirectories).
+RUNS = ("train", "validation")
+
+
+@runtime_checkable
+class Logger(Protocol):
+    """What ``tk.callbacks.Logging`` calls: ``log_metrics(step, metrics, run)`` with ``run``
+    ``"train"`` or ``"validation"`` (metric names without the ``val_`` prefix),
+    ``log_hparams(config)`` once per ``fit`` (a flat dict of numbers and strings), ``close()``
+    at the end of ``fit``."""
+
+    def log_metrics(self, step: int, metrics: dict[str, float], run: str = "train") -> None: ...
+
+    def log_hparams(self, config: dict[str, Any]) -> None: ...
+
+    def close(self) -> None: ...
+
+
+def _scalars(metrics: dict[str, Any]) -> dict[str, float]:
+    return {k: float(v) for k, v in metrics.items() if np.ndim(v) == 0 and np.isfinite(float(v))}
+
+
+class TensorBoardLogger:
+    """Event files readable by TensorBoard, written with tensorboardX (no TensorFlow): one
+    writer per run, in ``log_dir/train`` and ``log_dir/validation`` as Keras lays them out;
+    scalars are tagged ``{prefix}{name}`` (Keras: ``epoch_loss``). Histograms via
+    :meth:`log_histograms`, hyperparameters with TensorBoard's HParams plugin."""
+
+    def __init__(self, log_dir: str | os.PathLike, prefix: str = ""):
+        from tensorboardX import SummaryWriter
+
+        self.log_dir, self.prefix = os.fspath(log_dir), prefix
+        self._writer_class = SummaryWriter
+        self._writers: dict[str, Any] = {}
+
+    def writer(self, run: str) -> Any:
+        if run not in self._writers:
+            self._writers[run] = self._writer_class(os.path.join(self.log_dir, run))
+        return self._writers[run]
+
+    def log_metrics(self, step: int, metrics: dict[str, float], run: str = "train", prefix: str | None = None) -> None:
+        writer = self.writer(run)
+        for name, value in _scalars(metrics).items():
+            writer.add_scalar(f"{self.prefix if prefix is None else prefix}{name}", value, global_step=step)
+        writer.flush()
+
+    def log_histograms(self, step: int, arrays: dict[str, np.ndarray], run: str = "train") -> None:
+        writer = self.writer(run)
+        for name, values in arrays.items():
+            writer.add_histogram(name, np.asarray(values, np.float32), global_step=step)
+        writer.flush()
+
+    def log_hparams(self, config: dict[str, Any]) -> None:
+        self.writer("train").add_text("hparams", json.dumps(config, indent=1, default=str), global_step=0)
+        self.writer("train").add_hparams(
+            {k: v for k, v in config.items() if isinstance(v, (int, float, str, bool))}, {}, name="hparams"
+        )
+
+    def close(self) -> None:
+        for writer in self._writers.values():
+            writer.close()
+        self._writers = {}
+
+
+class CSVMetricsLogger:
+    """Long-format CSV, one row per value: ``step,run,name,value`` (any metric at any step),
+    and ``hparams.json`` beside it."""
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = os.fspath(path)
+        self._file: Any = None
+
+    def _rows(self) -> Any:
+        if self._file is None:
+            os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)
+            self._file = open(self.path, "w", newline="")
+            csv.writer(self._file).writerow(["step", "run", "name", "value"])
+        return csv.writer(self._file)
+
+    def log_metrics(self, step: int, metrics: dict[str, float], run: str = "train") -> None:
+        rows = self._rows()
+        for name, value in _scalars(metrics).items():
+            rows.writerow([step, run, name, repr(value)])
+        self._file.flush()
+
+    def log_hparams(self, config: dict[str, Any]) -> None:
+        directory = os.path.dirname(os.path.abspath(self.path))
+        with open(os.path.join(directory, "hparams.json"), "w") as f:
+            json.dump(config, f, indent=1, default=str)
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+
+class MLflowLogger:
+    """An MLflow run (``pip install mlflow``), in ``tracking_uri`` (a ``file:`` directory, a
+    ``sqlite:///runs.db`` database or a server). Validation metrics are named ``val_<name>``,
+    as in the logs; hyperparameters are the run's params."""
+
+    def __init__(self, tracking_uri: str, experiment: str = "trainkit", run_name: str | None = None):
+        import mlflow
+
+        self._client = mlflow.tracking.MlflowClient(tracking_uri=tracking_uri)
+        found = self._client.get_experiment_by_name(experiment)
+        experiment_id = found.experiment_id if found else self._client.create_experiment(experiment)
+        self.run_id = self._client.create_run(experiment_id, run_name=run_name).info.run_id
+
+    def log_metrics(self, step: int, metrics: dict[str, float], run: str = "train") -> None:
+        from mlflow.entities import Metric
+
+        now = int(__import__("time").time() * 1000)
+        prefix = "val_" if run == "validation" else ""
+        batch = [Metric(f"{prefix}{k}", v, now, step) for k, v in _scalars(metrics).items()]
+        if batch:
+            self._client.log_batch(self.run_id, metrics=batch)
+
+    def log_hparams(self, config: dict[str, Any]) -> None:
+        from mlflow.entities import Param
+
+        self._client.log_batch(self.run_id, params=[Param(k, str(v)[:500]) for k, v in config.items()])
+
+    def close(self) -> None:
+        self._client.set_terminated(self.run_id)
+
+
+class WandbLogger:
+    """A Weights & Biases run (``pip install wandb``), offline by default (files under
+    ``dir/wandb``, uploaded later with ``wandb sync``). Validation metrics are ``val_<name>``."""
+
+    def __init__(self, project: str = "trainkit", dir: str | os.PathLike = ".", mode: str = "offline", **init: Any):
+        import wandb
+
+        self.run = wandb.init(project=project, dir=os.fspath(dir), mode=mode, reinit="create_new", **init)
+
+    def log_metrics(self, step: int, metrics: dict[str, float], run: str = "train") -> None:
+        prefix = "val_" if run == "validation" else ""
+        self.run.log({f"{prefix}{k}": v for k, v in _scalars(metrics).items()}, step=step)
+
+    def log_hparams(self, config: dict[str, Any]) -> None:
+        self.run.config.update(config, allow_val_change=True)
+
+    def close(self) -> None:
+        self.run.finish()
