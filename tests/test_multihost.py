@@ -58,9 +58,12 @@ def runs(tmp_path_factory):
     results = {}
     data = {1: "arrays,arrays-96-in-order", 2: ",".join(ADAPTERS)}
     for nproc, devices in ((1, 8), (2, 4)):
-        code, output, _ = launch(nproc, devices, root / f"{nproc}x{devices}.npz", "--data", data[nproc])
+        board = root / f"board{nproc}"
+        code, output, _ = launch(
+            nproc, devices, root / f"{nproc}x{devices}.npz", "--data", data[nproc], "--tensorboard", board
+        )
         assert code == 0, output
-        results[nproc] = (load(root / f"{nproc}x{devices}.npz"), output)
+        results[nproc] = (load(root / f"{nproc}x{devices}.npz"), output, board)
     return results
 
 
@@ -83,6 +86,15 @@ def test_each_data_adapter_on_two_processes_gives_the_parameters_of_arrays_on_on
     for key in keys:
         reference = one[ADAPTERS[adapter] + key[len(adapter) :]]
         np.testing.assert_allclose(two[key], reference, rtol=2e-5, atol=2e-6, err_msg=key)
+
+
+def test_only_process_0_writes_tensorboard_files(runs):
+    pytest.importorskip("tensorboardX")
+    for nproc in (1, 2):
+        board = runs[nproc][2]
+        files = sorted(str(p.parent.relative_to(board)) for p in board.rglob("events.out.tfevents.*"))
+        expected = [f"{s}/train{h}" for s in ("dp", "fsdp", "hybrid") for h in ("", "/hparams")]
+        assert files == expected, files  # one writer per run (and its HParams summary), not one per process
 
 
 def test_output_is_prefixed_and_only_process_0_draws_progress(runs):

@@ -36,12 +36,17 @@ def learning_rate(opt_state: PyTree) -> jax.Array | None:
     return None
 
 
+def injected(opt_state: PyTree) -> list[dict]:
+    """The ``hyperparams`` dicts of every ``optax.inject_hyperparams`` state (device arrays)."""
+    return [node.hyperparams for node in jax.tree.leaves(opt_state, is_leaf=_is_injected) if _is_injected(node)]
+
+
 def hyperparameters(opt_state: PyTree) -> dict[str, float]:
-    """The injected scalar hyperparameters (``optax.inject_hyperparams``), as floats."""
+    """The injected scalar hyperparameters (``optax.inject_hyperparams``), as floats; also
+    from the list :func:`injected` returns (fetched to the host)."""
     found: dict[str, float] = {}
-    for node in jax.tree.leaves(opt_state, is_leaf=_is_injected):
-        if _is_injected(node):
-            found.update({k: float(f"{float(v):.7g}") for k, v in node.hyperparams.items() if jax.numpy.ndim(v) == 0})
+    for hyperparams in opt_state if isinstance(opt_state, list) else injected(opt_state):
+        found.update({k: float(f"{float(v):.7g}") for k, v in hyperparams.items() if jax.numpy.ndim(v) == 0})
     return found
 
 

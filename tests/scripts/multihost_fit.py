@@ -78,6 +78,7 @@ def main():
     parser.add_argument("--save", default="")
     parser.add_argument("--load", default="")
     parser.add_argument("--explicit-init", action="store_true")
+    parser.add_argument("--tensorboard", default="", help="log each strategy's run to DIR/<strategy>")
     parser.add_argument("--data", default="", help="adapters to train with (dp only), e.g. grain-map,torch-loader")
     args = parser.parse_args()
     if args.explicit_init:
@@ -125,6 +126,8 @@ def main():
             seed=seed,
         )
         callbacks = []
+        if args.tensorboard:  # every process passes the callback; only process 0 may write
+            callbacks.append(tk.callbacks.TensorBoard(os.path.join(args.tensorboard, name)))
         if args.rows_by_process and jax.process_index() == 1:  # after the Trainer connected the processes
             x, y = x[:60], y[:60]
         if args.die_at_step:

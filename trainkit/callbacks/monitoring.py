@@ -25,11 +25,12 @@ logger = logging.getLogger("trainkit")
 def run_config(trainer: Any) -> dict[str, Any]:
     """The run's hyperparameters, logged once per ``fit``: model, parameter count, loss,
     optimizer (its injected hyperparameters), strategy, precision, batch size, accumulation,
-    seed and the fit's ``epochs`` / ``steps``."""
-    params = getattr(trainer, "params", None)
+    seed, devices and processes. Reads shapes and replicated scalars only (no gather), so any
+    process may call it alone."""
+    state = getattr(trainer, "state", None)
     config: dict[str, Any] = {
         "model": type(getattr(trainer, "model", None)).__name__,
-        "parameters": int(sum(np.size(leaf) for leaf in jax.tree.leaves(params))) if params is not None else 0,
+        "parameters": int(sum(leaf.size for leaf in jax.tree.leaves(state.params))) if state is not None else 0,
         "loss": str(getattr(trainer, "loss", "")),
         "strategy": trainer.strategy.describe() if getattr(trainer, "strategy", None) is not None else "",
         "precision": str(getattr(getattr(trainer, "precision", None), "compute_dtype", "")),
@@ -40,9 +41,9 @@ def run_config(trainer: Any) -> dict[str, Any]:
         "processes": jax.process_count(),
     }
     try:
-        state = trainer.state.opt_state
-        config["optimizer"] = optimizers.describe(state)
-        config.update({f"optimizer/{k}": v for k, v in optimizers.hyperparameters(state).items()})
+        config["optimizer"] = optimizers.describe(state.opt_state)
+        hyperparameters = optimizers.hyperparameters(distributed.fetch(optimizers.injected(state.opt_state)))
+        config.update({f"optimizer/{k}": v for k, v in hyperparameters.items()})
     except Exception:  # noqa: BLE001 - an optimizer without injected hyperparameters
         pass
     return config
@@ -296,6 +297,9 @@ class TensorBoard(_Rate):
             self.board.log_metrics(self.trainer.global_step, tagged, "validation", prefix="")
 
     def on_epoch_end(self, epoch: int, logs: Logs | None = None) -> None:
+        self.histograms = None
+        if self.histogram_freq and epoch % self.histogram_freq == 0:  # a gather: every process takes part
+            self.histograms = _named_leaves(self.trainer.params)
         if self.board is None:
             return
         train, validation = _split_runs(logs or {})
@@ -312,8 +316,8 @@ class TensorBoard(_Rate):
         self.board.log_metrics(epoch, {**train, **extras}, "train", prefix="epoch_")
         if validation:
             self.board.log_metrics(epoch, validation, "validation", prefix="epoch_")
-        if self.histogram_freq and epoch % self.histogram_freq == 0:
-            self.board.log_histograms(epoch, _named_leaves(self.trainer.params), "train")
+        if self.histograms is not None:
+            self.board.log_histograms(epoch, self.histograms, "train")
 
     def on_train_end(self, logs: Logs | None = None) -> None:
         if self.profiler is not None:
