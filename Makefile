@@ -29,6 +29,7 @@ bench: $(VENV)/.installed
 	$(BIN)/python benchmarks/step_overhead.py
 	$(BIN)/python benchmarks/memory.py
 	$(BIN)/python benchmarks/prefetch.py
+	$(BIN)/python benchmarks/startup.py
 
 clean:
 	rm -rf $(VENV)

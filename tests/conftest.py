@@ -7,6 +7,8 @@ os.environ["XLA_FLAGS"] = " ".join(
     + ["--xla_force_host_platform_device_count=8"]
 )
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# Hermetic runs: no compiled step comes from an earlier run (tests/test_compile.py turns it on).
+os.environ.setdefault("TRAINKIT_COMPILATION_CACHE", "off")
 os.environ["KERAS_BACKEND"] = "jax"  # the Keras side-by-side tests (keras is a dev extra)
 
 import flax.linen as nn  # noqa: E402

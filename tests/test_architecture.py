@@ -20,7 +20,7 @@ FORBIDDEN = {  # module (or package prefix) -> trainkit modules it must not impo
     "sources": ("trainer", "loop", "callbacks", "strategies", "checkpoint", "program", "plan"),
     **{
         name: ("trainer", "loop", "callbacks", "strategies", "checkpoint", "program", "plan", "data")
-        for name in ("loggers", "throughput", "plot")
+        for name in ("loggers", "throughput", "plot", "compile_cache")
     },
     "prefetch": ("trainer", "loop", "callbacks", "strategies", "checkpoint", "program", "plan", "data"),
     "debug": ("trainer", "loop", "callbacks"),

@@ -30,8 +30,8 @@ import numpy as np
 import optax
 
 from trainkit import checkpoint as checkpoint_lib
+from trainkit import compile_cache, debug, distributed, losses, optimizers
 from trainkit import data as data_lib
-from trainkit import debug, distributed, losses, optimizers
 from trainkit import metrics as metrics_lib
 from trainkit import plan as plan_lib
 from trainkit.callbacks import Callback, CallbackList, History, ProgressBar, TerminateOnNaN
@@ -111,6 +111,7 @@ class Trainer:
         jit_compile: bool | str = "auto",
     ):
         distributed.initialize_from_environment()  # a multi-process job: connect first
+        compile_cache.configure()  # compiled steps persist across runs (TRAINKIT_COMPILATION_CACHE)
         self.model = model
         self._adapter = adapt_model(model)
         if not isinstance(optimizer, optax.GradientTransformation):

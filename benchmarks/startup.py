@@ -1,0 +1,115 @@
+"""Start-up: seconds from creating the ``Trainer`` to the end of the first training step, for an
+MLP, a CNN and a small transformer LM, under an explicit strategy and under ``"auto"``, with a
+cold and a warm persistent compilation cache. Each figure is one fresh process (the median of
+``--repeats``); cold runs start from an empty cache directory, warm runs reuse the one the cold
+run filled. Reported as ratios inside each model's row, from one run.
+
+    python benchmarks/startup.py [--repeats 3] [--devices 8]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+CHILD = "--child"
+
+
+def child(model: str, strategy: str, devices: int) -> None:
+    os.environ["JAX_PLATFORMS"] = "cpu"
+    os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import flax.linen as nn
+    import numpy as np
+    import optax
+    from models import TransformerLM
+
+    import trainkit as tk
+
+    class MLP(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            return nn.Dense(10)(nn.relu(nn.Dense(512)(nn.relu(nn.Dense(512)(x)))))
+
+    class CNN(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            x = nn.avg_pool(nn.relu(nn.Conv(32, (3, 3))(x)), (2, 2), strides=(2, 2))
+            x = nn.avg_pool(nn.relu(nn.Conv(64, (3, 3))(x)), (2, 2), strides=(2, 2))
+            return nn.Dense(10)(nn.relu(nn.Dense(256)(x.reshape(x.shape[0], -1))))
+
+    rng = np.random.default_rng(0)
+    if model == "mlp":
+        module, x, y = MLP(), rng.normal(size=(128, 784)).astype(np.float32), rng.integers(0, 10, 128)
+        loss = "sparse_categorical_crossentropy"
+    elif model == "cnn":
+        module, x, y = CNN(), rng.normal(size=(64, 28, 28, 1)).astype(np.float32), rng.integers(0, 10, 64)
+        loss = "sparse_categorical_crossentropy"
+    else:
+        module = TransformerLM(vocab=1024, d_model=128, heads=4, layers=2, mlp=512)
+        tokens = rng.integers(0, 1024, size=(16, 65))
+        x, y, loss = tokens[:, :-1], tokens[:, 1:], "sparse_categorical_crossentropy"
+    created = time.perf_counter()
+    trainer = tk.Trainer(module, loss=loss, optimizer=optax.adam(1e-3), strategy=strategy)
+    first: list[float] = []
+    clock = tk.callbacks.LambdaCallback(
+        on_train_batch_end=lambda batch, logs=None: first.append(time.perf_counter()) if not first else None
+    )
+    trainer.fit((x, y), batch_size=len(x), epochs=1, verbose=0, callbacks=[clock])
+    print(json.dumps({"seconds": first[0] - created, "strategy": trainer.strategy.describe()}))
+
+
+def measure(model: str, strategy: str, devices: int, cache: str) -> dict:
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env.update(TRAINKIT_COMPILATION_CACHE=cache, JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0")
+    out = subprocess.run(
+        [sys.executable, __file__, CHILD, model, strategy, str(devices)],
+        capture_output=True,
+        text=True,
+        env=env,
+        check=True,
+    ).stdout
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--devices", type=int, default=8)
+    args = parser.parse_args()
+    explicit = {"mlp": "dp", "cnn": "dp", "lm": "fsdp"}
+    print(
+        f'| model | explicit strategy, cold (s) | explicit, warm / cold | "auto" picks | "auto" cold / explicit cold '
+        f'| "auto" warm / explicit warm |  ({args.devices} fake CPU devices)'
+    )
+    print("|---|---|---|---|---|---|")
+    for model, strategy in explicit.items():
+        figures: dict[str, list[float]] = {}
+        picked = ""
+        for _ in range(args.repeats):
+            for name in (strategy, "auto"):
+                directory = tempfile.mkdtemp(prefix="trainkit-cache-")
+                cold = measure(model, name, args.devices, directory)
+                warm = measure(model, name, args.devices, directory)
+                figures.setdefault(f"{name}/cold", []).append(cold["seconds"])
+                figures.setdefault(f"{name}/warm", []).append(warm["seconds"])
+                picked = cold["strategy"] if name == "auto" else picked
+        m = {k: statistics.median(v) for k, v in figures.items()}
+        cold, warm = m[f"{strategy}/cold"], m[f"{strategy}/warm"]
+        print(
+            f"| {model} | {cold:.2f} ({strategy}) | **{warm / cold:.2f}** | {picked} "
+            f"| **{m['auto/cold'] / cold:.2f}** | {m['auto/warm'] / warm:.2f} |"
+        )
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 1 and sys.argv[1] == CHILD:
+        child(sys.argv[2], sys.argv[3], int(sys.argv[4]))
+    else:
+        main()

@@ -1,0 +1,93 @@
+"""One compile per fit (counted by JAX's own compile events), and the persistent compilation
+cache: on in a user directory by default, moved or turned off by one setting."""
+
+import os
+import pathlib
+import re
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import optax
+import pytest
+from conftest import MLP, make_classification
+from jax._src import dispatch
+
+import trainkit as tk
+from trainkit import compile_cache
+
+SCRIPT = pathlib.Path(__file__).parent / "scripts" / "startup_fit.py"
+
+
+@pytest.fixture
+def compiles():
+    seen: list[str] = []
+
+    def listener(event, duration=None, **kwargs):
+        if event == dispatch.BACKEND_COMPILE_EVENT:
+            seen.append(kwargs.get("fun_name"))
+
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    yield seen
+    jax.monitoring.unregister_event_duration_listener(listener)
+
+
+@pytest.mark.parametrize("strategy", ["single", "dp", "fsdp"])
+def test_one_compile_per_step_kind_in_a_fit_and_none_in_the_next(compiles, strategy):
+    x, y = make_classification(70)  # batch 16: a ragged last batch of 6 rows every epoch
+    at_epoch = []
+    mark = tk.callbacks.LambdaCallback(on_epoch_begin=lambda epoch, logs=None: at_epoch.append(len(compiles)))
+    trainer = tk.Trainer(MLP(), loss="sparse_categorical_crossentropy", optimizer=optax.adam(1e-2), strategy=strategy)
+    trainer.fit((x, y), batch_size=16, epochs=3, validation_data=(x[:30], y[:30]), callbacks=[mark], verbose=0)
+    first_epoch = at_epoch[1]
+    assert at_epoch[1] == at_epoch[2] == len(compiles), compiles  # none after the first epoch
+    assert 2 <= first_epoch <= 4, compiles  # the state's init, the train and the eval step (+ a placement)
+    before = len(compiles)
+    trainer.fit((x, y), batch_size=16, epochs=2, validation_data=(x[:30], y[:30]), verbose=0)
+    trainer.evaluate((x, y), batch_size=16)
+    assert compiles[before:] == [], compiles[before:]  # the same batch size: nothing new
+
+
+def run_script(cache_setting, tmp_path):
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_NUM_CPU_DEVICES")}
+    env["TRAINKIT_COMPILATION_CACHE"] = cache_setting
+    env["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"  # JAX skips programs compiled in under 1 s
+    env["XDG_CACHE_HOME"] = str(tmp_path / "xdg")
+    result = subprocess.run([sys.executable, str(SCRIPT)], capture_output=True, text=True, env=env, timeout=300)
+    assert result.returncode == 0, result.stdout + result.stderr
+    found = re.search(r"compiles=(\d+) cache_hits=(\d+) first_step=([\d.]+)", result.stdout)
+    return int(found.group(1)), int(found.group(2)), float(found.group(3))
+
+
+def test_a_second_run_loads_its_steps_from_the_cache_directory(tmp_path):
+    directory = tmp_path / "cache"
+    compiled, hits, _ = run_script(str(directory), tmp_path)
+    assert hits == 0 and compiled >= 2 and len(os.listdir(directory)) >= 2
+    compiled_again, hits_again, _ = run_script(str(directory), tmp_path)
+    assert hits_again == compiled_again == compiled  # every compiled program came from disk
+
+
+def test_the_cache_is_on_by_default_in_the_user_cache_directory_and_off_by_one_setting(tmp_path):
+    run_script("", tmp_path / "off")  # "" is off too
+    run_script("off", tmp_path / "off")
+    assert not (tmp_path / "off" / "xdg").exists()
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "TRAINKIT_COMPILATION_CACHE")}
+    env.update(XDG_CACHE_HOME=str(tmp_path / "xdg"), JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0")
+    result = subprocess.run([sys.executable, str(SCRIPT)], capture_output=True, text=True, env=env, timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert len(os.listdir(tmp_path / "xdg" / "trainkit" / "jax")) >= 2
+
+
+def test_a_directory_the_user_gave_jax_is_kept(tmp_path, monkeypatch):
+    monkeypatch.setattr(compile_cache, "_configured", None)
+    previous = jax.config.jax_compilation_cache_dir
+    try:
+        jax.config.update("jax_compilation_cache_dir", str(tmp_path / "mine"))
+        assert compile_cache.configure(str(tmp_path / "other")) == str(tmp_path / "mine")
+        assert jax.config.jax_compilation_cache_dir == str(tmp_path / "mine")
+    finally:
+        jax.config.update("jax_compilation_cache_dir", previous)
+    assert compile_cache.directory_for("OFF") is None
+    assert compile_cache.directory_for(None) == compile_cache.default_directory()
+    assert np.all([compile_cache.directory_for(v) is None for v in ("0", "false", "no", "none", " ")])
