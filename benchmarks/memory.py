@@ -22,7 +22,6 @@ import sys
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 
-import flax.linen as nn  # noqa: E402
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
@@ -30,18 +29,10 @@ from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P
 
 sys.path.insert(0, os.path.dirname(__file__))
-from models import TransformerLM, count_params, token_batches  # noqa: E402
+from models import MLP, TransformerLM, count_params, token_batches  # noqa: E402
 from step_overhead import measure  # noqa: E402
 
 import trainkit as tk  # noqa: E402
-
-
-class MLP(nn.Module):
-    @nn.compact
-    def __call__(self, x):
-        x = nn.relu(nn.Dense(1024)(x))
-        x = nn.relu(nn.Dense(1024)(x))
-        return nn.Dense(10)(x)
 
 
 def mlp_case(steps):

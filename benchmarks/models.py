@@ -1,10 +1,20 @@
-"""Benchmark models shared by the benchmarks: a decoder-only transformer language model."""
+"""Benchmark models shared by the benchmarks: a wide MLP and a decoder-only transformer language model."""
 
 from __future__ import annotations
 
 import flax.linen as nn
 import jax.numpy as jnp
 import numpy as np
+
+
+class MLP(nn.Module):
+    """Two hidden layers of 1024 and 10 logits (the memory and prefetch benchmarks' MLP)."""
+
+    @nn.compact
+    def __call__(self, x):
+        x = nn.relu(nn.Dense(1024)(x))
+        x = nn.relu(nn.Dense(1024)(x))
+        return nn.Dense(10)(x)
 
 
 class Block(nn.Module):

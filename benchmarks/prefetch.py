@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
+import sys
 import time
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -30,22 +31,16 @@ CORES = sorted(os.sched_getaffinity(0))
 DEVICE_CORES, HOST_CORES = set(CORES[:-1]) or set(CORES), {CORES[-1]}
 os.sched_setaffinity(0, DEVICE_CORES)  # XLA's threads, created with the client, stay there
 
-import flax.linen as nn  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from models import MLP  # noqa: E402
 
 import trainkit as tk  # noqa: E402
 
 WARM = 20  # batches before the clock starts
 PREFETCH = tk.loop.Loop.prefetch
-
-
-class MLP(nn.Module):
-    @nn.compact
-    def __call__(self, x):
-        x = nn.relu(nn.Dense(1024)(x))
-        x = nn.relu(nn.Dense(1024)(x))
-        return nn.Dense(10)(x)
 
 
 class Clock(tk.callbacks.Callback):

@@ -152,6 +152,7 @@ class Loop:
         self.resume_state: Any = None  # this process's saved iterator position to continue from
         self.validating_at: int | None = None  # the step of a validation every N steps, while it runs
         self.validation_logs: dict[str, float] = {}  # the latest one's
+        self.interval_validation: tuple[Any, int] | None = None  # (validation, every N steps) of this fit
 
     # ------------------------------------------------------------------ explicit requests
     def request_stop(self) -> None:
