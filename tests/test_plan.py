@@ -76,6 +76,20 @@ def test_a_small_memory_limit_excludes_the_replicated_strategies(plan):
     assert tk.plan.short_name(trainer.strategy) == trainer.last_plan.recommended.name
 
 
+def test_candidates_whose_state_alone_exceeds_the_limit_are_skipped_without_compiling(plan):
+    rows = {r.name: r for r in plan.rows}
+    # a limit FSDP's whole step fits under, but not a replicated copy of the parameters and Adam state
+    limit = int(rows["FSDP(fsdp=8)"].total_bytes * 1.2 / tk.plan.HEADROOM)
+    assert rows["DataParallel(data=8)"].argument_bytes > tk.plan.HEADROOM * limit
+    result = make_trainer().plan(data(), memory_limit=limit, verbose=0)
+    rows = {r.name: r for r in result.rows}
+    for name in ("SingleDevice", "DataParallel(data=8)"):
+        assert rows[name].error.startswith("skipped without compiling: the state alone needs"), rows[name].error
+        assert rows[name].function is None and rows[name].argument_bytes == 0  # never compiled
+    assert rows["FSDP(fsdp=8)"].error is None and rows["FSDP(fsdp=8)"].fits
+    assert result.recommended.name != "DataParallel(data=8)"
+
+
 def test_no_strategy_fits_is_a_clear_error():
     trainer = make_trainer(tk.strategies.Auto(memory_limit=1000, measure=False))
     with pytest.raises(ValueError, match=r"found no strategy.*grad_accum_steps"):

@@ -312,6 +312,17 @@ def make_plan(
     return MemoryPlan(rows, limit, measure is not None)
 
 
+def state_bytes_per_device(abstract_state: Any, shardings: Any) -> int:
+    """The bytes of the state's largest shard set on one device: each leaf's shard shape under
+    its sharding (a lower bound on the step's memory: parameters, optimizer and model state)."""
+
+    def shard_bytes(leaf, sharding) -> int:
+        shape = sharding.shard_shape(leaf.shape) if hasattr(sharding, "shard_shape") else leaf.shape
+        return int(np.prod(shape, dtype=np.int64)) * np.dtype(leaf.dtype).itemsize
+
+    return int(sum(jax.tree.leaves(jax.tree.map(shard_bytes, abstract_state, shardings))))
+
+
 def plan_step(
     host_batch: dict,
     candidates: Sequence[Strategy],
@@ -334,10 +345,17 @@ def plan_step(
     keeps its jitted step as ``row.function``.
     """
     functions = {}
+    limit = int(memory_limit) if memory_limit is not None else device_memory_limit(candidates[0].devices)
 
     def lower(strategy: Strategy):
         check_batch_size(len(host_batch["mask"]), strategy.num_batch_shards, micro_batches=micro_batches)
         shardings = strategy.state_sharding(abstract_state)
+        floor = state_bytes_per_device(abstract_state, shardings)
+        if floor > HEADROOM * limit:  # the state alone cannot fit: not worth a compile
+            raise ValueError(
+                f"skipped without compiling: the state alone needs {_gib(floor)} per device, above "
+                f"{HEADROOM:.0%} of the {_gib(limit)} limit"
+            )
         abstract = jax.tree.map(
             lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract_state, shardings
         )
