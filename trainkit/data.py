@@ -304,7 +304,8 @@ class IterableDataset:
             if not self.one_shot:
                 self._current = iter(self.iterable)
             self._peeked.clear()
-            self._current.set_state(state["bytes"].encode("latin-1") if set(state) == {"bytes"} else state)
+            as_bytes = isinstance(state, dict) and set(state) == {"bytes"}  # see get_state
+            self._current.set_state(state["bytes"].encode("latin-1") if as_bytes else state)
             source = self._current
         else:
             if self._peeked:  # the batch read to learn the shapes comes first

@@ -243,14 +243,8 @@ def check_same_configuration(config: dict[str, Any]) -> None:
     everyone = np.asarray(multihost_utils.process_allgather(digests))
     differing = [k for i, k in enumerate(sorted(config)) if len(set(everyone[:, i].tolist())) > 1]
     if differing:
-        values = np.asarray(
-            multihost_utils.process_allgather(
-                np.frombuffer(
-                    json.dumps({k: config[k] for k in differing}, default=str).encode().ljust(4096)[:4096], np.uint8
-                )
-            )
-        )
-        per_process = [bytes(row).rstrip(b" ").decode(errors="replace") for row in values]
+        values = gather_json({k: config[k] for k in differing})
+        per_process = [json.dumps(value, default=str) for value in values]
         raise ValueError(
             f"The processes were started with different settings for {', '.join(differing)}: "
             + "; ".join(f"process {i}: {v}" for i, v in enumerate(per_process))
@@ -274,7 +268,7 @@ def gather_json(value: Any) -> list:
         return [value]
     from jax.experimental import multihost_utils
 
-    text = np.frombuffer(json.dumps(value).encode(), np.uint8)
+    text = np.frombuffer(json.dumps(value, default=str).encode(), np.uint8)
     longest = int(np.max(np.asarray(multihost_utils.process_allgather(np.array([len(text)], np.int64)))))
     padded = np.zeros(longest, np.uint8)
     padded[: len(text)] = text

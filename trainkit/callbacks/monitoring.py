@@ -89,6 +89,13 @@ class _Rate(Callback):
             peak_flops=None if peak is None else peak * len(devices),
         )
 
+    def _learning_rate(self) -> dict[str, float]:
+        """``{"learning_rate": ...}`` when the optimizer injects it, else ``{}``."""
+        try:
+            return {"learning_rate": self.trainer.learning_rate}
+        except ValueError:  # the optimizer does not expose it (optimizers.require_learning_rate)
+            return {}
+
     def _reading(self) -> dict[str, float]:
         step, now = _step(self.trainer), time.perf_counter()
         if self.meter is None or self._mark is None:
@@ -136,12 +143,7 @@ class Logging(_Rate):
             item.log_metrics(step, metrics, run)
 
     def _extras(self) -> dict[str, float]:
-        extras = self._reading()
-        try:
-            extras["learning_rate"] = self.trainer.learning_rate
-        except Exception:  # noqa: BLE001 - no injected learning rate
-            pass
-        return extras
+        return {**self._reading(), **self._learning_rate()}
 
     def on_train_begin(self, logs: Logs | None = None) -> None:
         self.meter, self._mark = None, None
@@ -303,11 +305,7 @@ class TensorBoard(_Rate):
         if self.board is None:
             return
         train, validation = _split_runs(logs or {})
-        extras: dict[str, float] = {}
-        try:
-            extras["learning_rate"] = self.trainer.learning_rate
-        except Exception:  # noqa: BLE001 - no injected learning rate
-            pass
+        extras = self._learning_rate()
         if self.meter is not None and self._epoch_mark is not None:
             steps, seconds = self.trainer.global_step - self._epoch_mark[0], time.perf_counter() - self._epoch_mark[1]
             extras.update(self.meter.rates(steps, seconds))
