@@ -30,6 +30,7 @@ bench: $(VENV)/.installed
 	$(BIN)/python benchmarks/memory.py
 	$(BIN)/python benchmarks/prefetch.py
 	$(BIN)/python benchmarks/startup.py
+	$(BIN)/python benchmarks/steps_per_execution.py
 
 clean:
 	rm -rf $(VENV)

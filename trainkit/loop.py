@@ -34,6 +34,7 @@ import numpy as np
 from trainkit import data as data_lib
 from trainkit import distributed
 from trainkit import metrics as metrics_lib
+from trainkit.executions import executions, room_until
 from trainkit.prefetch import Prefetcher
 from trainkit.state import abstract
 from trainkit.watchdog import StallWatchdog
@@ -78,11 +79,31 @@ class Position:
 @dataclasses.dataclass(frozen=True)
 class StepRecord:
     """The batch a hook is about: ``step`` is its optimizer step counted from 1 (the number of
-    updates once it is applied), ``epoch`` and ``batch`` where it sits."""
+    updates once it is applied), ``epoch`` and ``batch`` where it sits. With
+    ``steps_per_execution`` a hook is about one execution: ``steps`` batches, trained in one
+    call, that end at ``step`` and ``batch`` (``first_step`` and ``first_batch`` begin it).
+
+    >>> record = StepRecord(step=8, epoch=0, batch=7, steps=4)
+    >>> record.first_step, record.first_batch, record.covers_multiple(6), record.covers_multiple(3)
+    (5, 4, True, True)
+    """
 
     step: int
     epoch: int
     batch: int
+    steps: int = 1
+
+    @property
+    def first_step(self) -> int:
+        return self.step - self.steps + 1
+
+    @property
+    def first_batch(self) -> int:
+        return self.batch - self.steps + 1
+
+    def covers_multiple(self, every: int) -> bool:
+        """Whether one of the steps it covers is a multiple of ``every`` (a periodic action)."""
+        return self.step // every > (self.first_step - 1) // every
 
 
 def in_order(dispatched: Iterator, lag: int) -> Iterator:
@@ -116,9 +137,31 @@ def validates(epoch: int, validation_freq: int | list[int]) -> bool:
     )
 
 
+def batches_at(stacked: PyTree, index: int) -> PyTree:
+    """Entry ``index`` of every leaf stacked on a leading axis (one step's batch or metrics)."""
+    return jax.tree.map(lambda a: a[index], stacked)
+
+
+def per_step(metrics: PyTree, steps: int) -> list[PyTree]:
+    """The metrics of each step of a span: a list (one call per step), or one tree stacked on
+    a leading axis (one call for all).
+
+    >>> [float(m["loss"]) for m in per_step({"loss": np.array([1.0, 2.0])}, 2)]
+    [1.0, 2.0]
+    """
+    if isinstance(metrics, list):
+        return metrics
+    return [batches_at(metrics, i) for i in range(steps)]
+
+
 def host_metrics(metrics: PyTree) -> PyTree:
-    """Device metric totals -> host float64 (gathered across processes when needed)."""
-    return jax.tree.map(np.float64, distributed.fetch(metrics))
+    """Device metric totals -> host float64 (gathered across processes when needed). On one
+    process each leaf is read directly: this runs once per step, where ``jax.device_get``'s
+    overhead would be a fifth of a small model's step."""
+    if jax.process_count() > 1:
+        return jax.tree.map(np.float64, distributed.fetch(metrics))
+    leaves, treedef = jax.tree.flatten(metrics)
+    return treedef.unflatten([np.asarray(leaf, np.float64) for leaf in leaves])
 
 
 def process_slice() -> dict:
@@ -253,7 +296,7 @@ class Loop:
                     state=self.resume_state if epoch == start.epoch else None,
                     **process_slice(),
                 )
-                with self._reader(dataset, batches, positions=True) as reader:
+                with self._train_reader(dataset, batches, max_steps) as reader:
                     ran, logs = self._train_epoch(
                         train_fn, reader, callbacks, max_steps, warn_non_finite, read_ahead, first_step
                     )
@@ -286,29 +329,38 @@ class Loop:
             raise Preempted(self.position.step)
         return logs
 
-    def _reader(self, dataset: Any, batches: Iterator, positions: bool = False) -> Prefetcher:
-        """``batches`` read ahead in a background thread (with ``positions``: each with the
-        data's checkpointable position after it); a one-shot iterator is read in the main
-        thread, one batch at a time."""
-        one_shot = getattr(dataset, "one_shot", False)
-        state = dataset.get_state if positions and getattr(dataset, "checkpointable", False) else None
-        return Prefetcher(batches, depth=0 if one_shot else self.prefetch, state=state)
+    def _reader(self, dataset: Any, batches: Iterator) -> Prefetcher:
+        """``batches`` read ahead in a background thread; a one-shot iterator is read in the
+        main thread, one batch at a time (a batch read ahead would be lost at a stop)."""
+        return Prefetcher(batches, depth=0 if getattr(dataset, "one_shot", False) else self.prefetch)
+
+    def _train_reader(self, dataset: Any, batches: Iterator, max_steps: int | None) -> Prefetcher:
+        """The epoch's executions (:func:`trainkit.executions.executions`: ``(host batch,
+        steps, data position after it)``), assembled ahead like :meth:`_reader`'s batches."""
+        get_state = dataset.get_state if getattr(dataset, "checkpointable", False) else lambda: None
+        pairs = ((batch, get_state()) for batch in batches)
+        every = self.interval_validation[1] if self.interval_validation else None
+        size = getattr(self.owner, "steps_per_execution", 1)
+        return self._reader(dataset, executions(pairs, size, room_until(self.position.step, max_steps, every)))
 
     def _train_epoch(
         self, train_fn, batches: Iterable, callbacks, max_steps, warn_non_finite, read_ahead, first_step=None
     ) -> tuple[int, dict]:
         owner, epoch = self.owner, self.position.epoch
         batch_begin, batch_end = callbacks.on_train_batch_begin, callbacks.on_train_batch_end
-        items = enumerate(batches, start=self.position.batch)
+        items = iter(batches)
+        steps_fn = owner.function("train_steps") if getattr(owner, "steps_per_execution", 1) > 1 else None
 
         def place(item):
+            """A span of host batches on the devices: one stacked batch (``fused``) or a list."""
             if item is None:
                 return None
-            index, (host_batch, data_state) = item
-            batch = owner.strategy.put_batch(host_batch)
-            if self.batch_spec is None:
-                self.batch_spec = abstract(batch)
-            return index, batch, data_state
+            batches, fused, steps, data_state = item[0]
+            strategy = owner.strategy
+            placed = strategy.put_batches(batches) if fused else [strategy.put_batch(b) for b in batches]
+            if self.batch_spec is None:  # one batch's shapes and shardings, for lowering
+                self.batch_spec = abstract(placed[0] if not fused else strategy.put_batch(batches_at(batches, 0)))
+            return placed, fused, steps, data_state
 
         def read():
             """The next placed batch; an error of the data is kept (noted with where it
@@ -327,15 +379,22 @@ class Loop:
             while upcoming is not None:
                 if isinstance(upcoming, Exception):
                     raise upcoming
-                index, batch, data_state = upcoming
-                record = StepRecord(self.position.step + 1, epoch, index)
+                placed, fused, steps, data_state = upcoming
+                record = StepRecord(self.position.step + steps, epoch, self.position.batch + steps - 1, steps)
                 if batch_begin.active:
                     self.record = record
-                    batch_begin(index)
-                with jax.profiler.StepTraceAnnotation("train", step_num=record.step):  # steps in a profile
-                    owner.state, metrics = train_fn(owner.state, batch)
+                    batch_begin(record.first_batch)
+                if fused:
+                    with jax.profiler.StepTraceAnnotation("train", step_num=record.step):  # steps in a profile
+                        owner.state, metrics = steps_fn(owner.state, placed)
+                else:
+                    metrics = []
+                    for step, batch in enumerate(placed, start=record.first_step):
+                        with jax.profiler.StepTraceAnnotation("train", step_num=step):
+                            owner.state, step_metrics = train_fn(owner.state, batch)
+                        metrics.append(step_metrics)
                 self.watchdog.progress(record.step)
-                self.position, self.data_state = Position(epoch, index + 1, record.step), data_state
+                self.position, self.data_state = Position(epoch, record.batch + 1, record.step), data_state
                 self._validate_every(record.step, callbacks)
                 # The host reads and places the next batch while the device runs this one; its
                 # step is dispatched only after this batch's hooks ran. A one-shot iterator is
@@ -350,20 +409,28 @@ class Loop:
         totals, ran = None, 0
         lag = self.max_in_flight if callbacks.async_train else 0
         for record, metrics in in_order(dispatch(), lag):
-            metrics = host_metrics(metrics)
+            host = host_metrics(metrics)  # a list (one call per step) or one tree stacked over the steps
+            steps = per_step(host, record.steps) if isinstance(host, list) or "loss_scale" in host else None
             if first_step is not None and ran == 0:
-                first_step(metrics)
-            if warn_non_finite and not np.isfinite(metrics["loss"].total):
+                first_step(steps[0] if steps is not None else batches_at(host, 0))
+            losses = np.array([m["loss"].total for m in steps]) if steps is not None else host["loss"].total
+            if warn_non_finite and not np.isfinite(losses).all():
                 warn_non_finite = False  # once per epoch
+                late = int(np.argmin(np.isfinite(losses)))  # the first non-finite one
+                loss = batches_at(host["loss"], late) if steps is None else steps[late]["loss"]
                 warnings.warn(
-                    f"The loss is {metrics['loss'].total / metrics['loss'].count} at step {record.step} "
-                    f"(batch {record.batch} of epoch {epoch}); training goes on. Add "
+                    f"The loss is {loss.total / loss.count} at step {record.first_step + late} (batch "
+                    f"{record.first_batch + late} of epoch {epoch}); training goes on. Add "
                     "tk.callbacks.TerminateOnNaN() to stop at the first non-finite loss.",
                     stacklevel=4,
                 )
-            self._count_skipped(metrics, record)
-            totals = metrics_lib.merge(totals, metrics)
-            ran += 1
+            if steps is None:
+                totals = metrics_lib.merge_stacked(totals, host, record.steps)
+            else:
+                for step, step_metrics in enumerate(steps, start=record.first_step):
+                    self._count_skipped(step_metrics, step)
+                    totals = metrics_lib.merge(totals, step_metrics)
+            ran += record.steps
             if batch_end.active:
                 self.record = record
                 batch_end(record.batch, metrics_lib.compute(totals, owner.log_order))
@@ -380,7 +447,7 @@ class Loop:
             self.validating_at = None
         self.validation_logs = {f"val_{k}": v for k, v in val_logs.items()}
 
-    def _count_skipped(self, metrics: dict, record: StepRecord) -> None:
+    def _count_skipped(self, metrics: dict, step: int) -> None:
         """Warns once per fit when the loss scale skipped ``SKIPPED_WARNING`` steps in a row (a
         skipped step's metrics count no row): the model is then not training at all."""
         if "loss_scale" not in metrics:
@@ -389,7 +456,7 @@ class Loop:
         if self.skipped_in_a_row == SKIPPED_WARNING:
             scale = float(metrics["loss_scale"].total / max(float(metrics["loss_scale"].count), 1.0))
             warnings.warn(
-                f"The last {SKIPPED_WARNING} steps (up to step {record.step}) were all skipped: their gradients were "
+                f"The last {SKIPPED_WARNING} steps (up to step {step}) were all skipped: their gradients were "
                 f"not finite at every loss scale down to {scale:g}, so the parameters did not change. The loss or "
                 "the model overflows in fp16: use precision='bf16', lower the learning rate, or look for a NaN "
                 "in the data.",
@@ -398,26 +465,33 @@ class Loop:
 
     # ------------------------------------------------------------------ evaluate / predict
     def _inference(self, kind: str, dataset: Any, batch_size: int, steps: int | None, callbacks) -> Iterator:
-        """``(index, host batch, device result)`` of the ``"eval"`` or ``"predict"`` function per
-        batch, in order, with the batch-begin hooks of ``kind`` (``"test"`` / ``"predict"``)."""
+        """``(first, last, host batches, device results)`` of the ``"eval"`` or ``"predict"``
+        function, per span of ``steps_per_execution`` batches (one call per batch), in order,
+        with the span's batch-begin hook of ``kind`` (``"test"`` / ``"predict"``), as Keras
+        runs them."""
         owner = self.owner
         fn = owner.function("eval" if kind == "test" else "predict")
         batch_begin = getattr(callbacks, f"on_{kind}_batch_begin")
+        size = getattr(owner, "steps_per_execution", 1)
 
         def dispatch():
             host_batches = itertools.islice(dataset.batches(batch_size, split=True, **process_slice()), steps)
             with self._reader(dataset, host_batches) as reader:
-                for index in itertools.count():
+                index = 0
+                while True:
+                    span = []
                     try:
-                        host_batch, _ = next(reader)
-                    except StopIteration:
-                        return
+                        span.extend(host for host, _ in itertools.islice(reader, size))
                     except Exception as error:  # the loader's own error, noted with where it happened
                         error.add_note(f"trainkit: raised by the data while reading batch {index} for {kind}.")
                         raise
+                    if not span:
+                        return
                     if batch_begin.active:
                         batch_begin(index)
-                    yield index, host_batch, fn(owner.state, owner.strategy.put_batch(host_batch))
+                    results = [fn(owner.state, owner.strategy.put_batch(host)) for host in span]
+                    yield index, index + len(span) - 1, span, results
+                    index += len(span)
 
         return in_order(dispatch(), self.max_in_flight if getattr(callbacks, f"async_{kind}") else 0)
 
@@ -425,10 +499,11 @@ class Loop:
         """The loss and metrics over ``dataset`` (exact: masked totals over every real row)."""
         callbacks.on_test_begin()
         totals, order = None, self.owner.log_order
-        for index, _, metrics in self._inference("test", dataset, batch_size, steps, callbacks):
-            totals = metrics_lib.merge(totals, host_metrics(metrics))
+        for _, last, _, results in self._inference("test", dataset, batch_size, steps, callbacks):
+            for metrics in results:
+                totals = metrics_lib.merge(totals, host_metrics(metrics))
             if callbacks.on_test_batch_end.active:
-                callbacks.on_test_batch_end(index, metrics_lib.compute(totals, order))
+                callbacks.on_test_batch_end(last, metrics_lib.compute(totals, order))
         logs = metrics_lib.compute(totals, order)
         callbacks.on_test_end(logs)
         return logs
@@ -438,10 +513,18 @@ class Loop:
         strategy = self.owner.strategy
         callbacks.on_predict_begin()
         parts = []
-        for index, host_batch, outputs in self._inference("predict", dataset, batch_size, steps, callbacks):
-            rows = strategy.real_rows(host_batch["mask"])
-            parts.append(jax.tree.map(lambda a, n=rows: a[:n], strategy.fetch_rows(outputs)))
+        for _, last, host_batches, results in self._inference("predict", dataset, batch_size, steps, callbacks):
+            span = []
+            for host_batch, outputs in zip(host_batches, results):
+                rows = strategy.real_rows(host_batch["mask"])
+                span.append(jax.tree.map(lambda a, n=rows: a[:n], strategy.fetch_rows(outputs)))
+            parts.extend(span)
             if callbacks.on_predict_batch_end.active:
-                callbacks.on_predict_batch_end(index, {"outputs": parts[-1]})
+                callbacks.on_predict_batch_end(last, {"outputs": concatenate(span)})
         callbacks.on_predict_end()
-        return jax.tree.map(lambda *a: np.concatenate(a), *parts)
+        return concatenate(parts)
+
+
+def concatenate(parts: list[PyTree]) -> PyTree:
+    """Row blocks of one structure joined along the rows."""
+    return jax.tree.map(lambda *a: np.concatenate(a), *parts)

@@ -283,5 +283,35 @@ def compute(totals: dict[str, clu.metrics.Metric], order: Sequence[str] = ("loss
 
 
 def merge(a: dict[str, clu.metrics.Metric] | None, b: dict[str, clu.metrics.Metric]):
-    """Merges two dicts of averages (``a`` may be ``None``)."""
-    return b if a is None else {k: a[k].merge(b[k]) for k in b}
+    """Merges two dicts of averages (``a`` may be ``None``); runs once per step on the host,
+    so averages are added directly (clu's ``merge`` checks shapes first, at 5x the cost)."""
+    if a is None:
+        return b
+
+    def one(left, right):
+        if isinstance(left, WeightedAverage) and type(left) is type(right):
+            return type(left)(total=left.total + right.total, count=left.count + right.count)
+        return left.merge(right)
+
+    return {k: one(a[k], b[k]) for k in b}
+
+
+def merge_stacked(totals: dict[str, clu.metrics.Metric] | None, stacked: dict[str, clu.metrics.Metric], steps: int):
+    """Merges the host metrics of ``steps`` steps stacked on a leading axis (one fused call):
+    averages summed over the axis, the last value kept, any other metric merged step by step.
+
+    >>> stacked = {"loss": LossAverage(total=np.array([1.0, 3.0]), count=np.array([2.0, 2.0]))}
+    >>> compute(merge_stacked(None, stacked, 2), ("loss",))
+    {'loss': 1.0}
+    """
+    merged = {}
+    for name, metric in stacked.items():
+        if isinstance(metric, WeightedAverage):
+            merged[name] = type(metric)(total=metric.total.sum(0), count=metric.count.sum(0))
+        elif isinstance(metric, clu.metrics.LastValue):
+            merged[name] = jax.tree.map(lambda a: a[-1], metric)
+        else:
+            for index in range(steps):
+                step = jax.tree.map(lambda a, i=index: a[i], metric)
+                merged[name] = step if index == 0 else merged[name].merge(step)
+    return merge(totals, merged)

@@ -31,7 +31,7 @@ from trainkit import plan as plan_lib
 from trainkit.model import ModelAdapter, starting_variables
 from trainkit.precision import Precision, cast_floating
 from trainkit.state import Batch, TrainState
-from trainkit.step import make_eval_step, make_predict_step, make_train_step
+from trainkit.step import make_eval_step, make_multi_step, make_predict_step, make_train_step
 from trainkit.strategies import Strategy
 
 PyTree = Any
@@ -94,18 +94,24 @@ class Program:
 
     # ------------------------------------------------------------------ compiled steps
     def compile(self, kind: str, strategy: Strategy, abstract_state: PyTree) -> Callable:
-        """The ``"train"``, ``"eval"`` or ``"predict"`` step compiled by ``strategy`` (with
-        ``eager``: the pure step itself, run op by op on one device)."""
+        """The ``"train"``, ``"train_steps"`` (several steps over stacked batches), ``"eval"``
+        or ``"predict"`` step compiled by ``strategy`` (with ``eager``: the pure step itself,
+        run op by op on one device)."""
         axis = strategy.axis_name
         if self.eager:
             return self.step(kind, None)
-        compile_step = {"train": strategy.compile_train, "eval": strategy.compile_eval}.get(
-            kind, strategy.compile_predict
-        )
+        compile_step = {
+            "train": strategy.compile_train,
+            "train_steps": strategy.compile_train_steps,
+            "eval": strategy.compile_eval,
+        }.get(kind, strategy.compile_predict)
         return compile_step(self.step(kind, axis), abstract_state)
 
     def step(self, kind: str, axis: str | None) -> Callable:
-        """The pure ``"train"``, ``"eval"`` or ``"predict"`` step (not compiled)."""
+        """The pure ``"train"``, ``"train_steps"``, ``"eval"`` or ``"predict"`` step (not
+        compiled)."""
+        if kind == "train_steps":
+            return make_multi_step(self.step("train", axis), unrolled=self.eager)
         if kind == "train":
             return make_train_step(
                 self.compute_loss,

@@ -52,7 +52,7 @@ class TrainState:
 def abstract(tree: PyTree) -> PyTree:
     """``jax.ShapeDtypeStruct`` of every array, with its sharding: what lowering needs, nothing
     allocated."""
-    return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), tree)
+    return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=getattr(a, "sharding", None)), tree)
 
 
 def check_tree_matches(what: str, expected: PyTree, received: PyTree) -> None:

@@ -221,3 +221,35 @@ def make_predict_step(apply: Callable[..., tuple[Any, Any]]) -> Callable[[TrainS
         return outputs
 
     return predict_step
+
+
+def make_multi_step(
+    train_step: Callable[[TrainState, Batch], tuple[TrainState, Metrics]], *, unrolled: bool = False
+) -> Callable[[TrainState, Batch], tuple[TrainState, Metrics]]:
+    """``k`` training steps in one call: ``(state, batches) -> (state, metrics)``, where every
+    leaf of ``batches`` stacks ``k`` batches on a new leading axis and every metric comes back
+    stacked the same way (one entry per step). A ``lax.scan`` over the steps: compiled, the
+    ``k`` steps are one dispatch (Keras's ``steps_per_execution``). ``unrolled``: a Python
+    loop instead, for uncompiled (eager) runs.
+
+    >>> import jax.numpy as jnp, optax
+    >>> def compute_loss(params, batch, rng, *, model_state, train):
+    ...     return (batch["x"] * params - batch["y"]) ** 2, (None, model_state)
+    >>> tx = optax.sgd(0.1)
+    >>> state = TrainState.create(params=jnp.zeros(()), opt_state=tx.init(jnp.zeros(())), model_state={}, seed=0)
+    >>> batches = {"x": jnp.ones((3, 2)), "y": jnp.full((3, 2), 2.0), "mask": jnp.ones((3, 2))}
+    >>> state, metrics = make_multi_step(make_train_step(compute_loss, tx, {}))(state, batches)
+    >>> int(state.step), metrics["loss"].total.shape
+    (3, (3,))
+    """
+
+    def multi_step(state: TrainState, batches: Batch) -> tuple[TrainState, Metrics]:
+        if not unrolled:
+            return jax.lax.scan(train_step, state, batches)
+        per_step = []
+        for index in range(len(jax.tree.leaves(batches)[0])):
+            state, metrics = train_step(state, jax.tree.map(lambda a, i=index: a[i], batches))
+            per_step.append(metrics)
+        return state, jax.tree.map(lambda *values: jnp.stack(values), *per_step)
+
+    return multi_step

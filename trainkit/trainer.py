@@ -35,6 +35,7 @@ from trainkit import data as data_lib
 from trainkit import metrics as metrics_lib
 from trainkit import plan as plan_lib
 from trainkit.callbacks import Callback, CallbackList, History, ProgressBar, TerminateOnNaN
+from trainkit.executions import check_steps_per_execution
 from trainkit.loop import Loop, Position, validates
 from trainkit.model import adapt_model
 from trainkit.objective import Objective
@@ -83,6 +84,11 @@ class Trainer:
             compiled step; the update equals the whole batch's.
         log_grad_norm: also log the global gradient norm of every step (``grad_norm``); one
             more pass over the gradients (free when the optimizer clips by global norm).
+        steps_per_execution: train this many batches per compiled call (a ``lax.scan`` over
+            them): one dispatch instead of ``k``, for small models whose step is shorter
+            than Python's dispatch. Results equal ``1``'s to float rounding; the batch hooks
+            run once per call, as in Keras (``trainer.loop.record`` says which steps it
+            covered).
         run_eagerly: run every step op by op, uncompiled, on one device, so that ``print``,
             ``breakpoint()`` and pdb work inside the model and the loss (slow: for debugging).
         jit_compile: Keras's switch: ``False`` is ``run_eagerly=True``; ``True`` and ``"auto"``
@@ -107,6 +113,7 @@ class Trainer:
         remat: Any = None,
         grad_accum_steps: int = 1,
         log_grad_norm: bool = False,
+        steps_per_execution: int = 1,
         run_eagerly: bool = False,
         jit_compile: bool | str = "auto",
     ):
@@ -141,6 +148,7 @@ class Trainer:
         self.precision = get_precision(precision)
         self.grad_accum_steps = int(grad_accum_steps)
         self.log_grad_norm = bool(log_grad_norm)
+        self.steps_per_execution = check_steps_per_execution(steps_per_execution, self.strategy)
         self.remat = remat
         self._apply = self.precision.wrap_apply(wrap_remat(self._adapter, remat))
         self.program = Program(

@@ -66,6 +66,7 @@ class BackupAndRestore(Callback):
     def on_train_begin(self, logs: Logs | None = None) -> None:
         self.checkpointer = Checkpointer(self.backup_dir, max_to_keep=2 if self.double_checkpoint else 1)
         self.restored_step = None
+        self._checked = self.trainer.global_step - 1  # the last step a save was decided for
         steps = sorted(self.checkpointer.steps(), reverse=True)
         for index, step in enumerate(steps):
             try:
@@ -86,7 +87,7 @@ class BackupAndRestore(Callback):
                 manifest.get("batch_size"),
                 data_state=manifest.get("data_state"),
             )
-            self.restored_step = saved["global_step"]
+            self.restored_step = self._checked = saved["global_step"]
             start = self.trainer.loop.start
             logger.warning(
                 "BackupAndRestore: resuming from step %d (epoch %d, batch %d) in %s.",
@@ -109,8 +110,10 @@ class BackupAndRestore(Callback):
 
     def on_train_batch_begin(self, batch: int, logs: Logs | None = None) -> None:
         self.checkpointer.poll()  # a failed background write surfaces at once
-        if self.save_freq.step_due(self.trainer.global_step):  # the live state is at that step
+        step = self.trainer.global_step  # the live state is at that step
+        if self.save_freq.step_due(step, since=self._checked):  # at or after a multiple
             self._save()
+        self._checked = step
 
     def on_epoch_end(self, epoch: int, logs: Logs | None = None) -> None:
         if self.save_freq.per_epoch:

@@ -56,6 +56,15 @@ def _step(trainer: Any) -> int:
     return record.step if record is not None else trainer.global_step
 
 
+def _due(trainer: Any, every: int | str) -> bool:
+    """Whether a batch hook's execution covered a multiple of ``every`` steps (each step with
+    ``steps_per_execution=1``; never for ``"epoch"``)."""
+    if every == "epoch":
+        return False
+    record = getattr(trainer.loop, "record", None)
+    return record.covers_multiple(every) if record is not None else trainer.global_step % every == 0
+
+
 def _split_runs(logs: Logs) -> tuple[dict, dict]:
     train = {k: v for k, v in logs.items() if not k.startswith("val_")}
     validation = {k[4:]: v for k, v in logs.items() if k.startswith("val_")}
@@ -157,7 +166,7 @@ class Logging(_Rate):
         if self.meter is None:
             self._start_meter()
             self._mark = (step, time.perf_counter())
-        if self.update_freq == "epoch" or step % self.update_freq:
+        if not _due(self.trainer, self.update_freq):
             return
         if distributed.is_main_process():
             self._send(step, {**(logs or {}), **self._extras()}, "train")
@@ -202,7 +211,8 @@ class Profiler(Callback):
         self.tracing = False
 
     def on_train_batch_begin(self, batch: int, logs: Logs | None = None) -> None:
-        if self.trainer.global_step + 1 == self.steps[0] and not self.tracing and distributed.is_main_process():
+        record = self.trainer.loop.record  # the steps this batch (or execution) covers
+        if record.first_step <= self.steps[0] <= record.step and not self.tracing and distributed.is_main_process():
             jax.profiler.start_trace(self.log_dir, create_perfetto_trace=True)
             self.tracing = True
 
@@ -290,7 +300,7 @@ class TensorBoard(_Rate):
         if self.meter is None:
             self._start_meter()
         step = _step(self.trainer)
-        if self.board is not None and self.update_freq != "epoch" and step % self.update_freq == 0:
+        if self.board is not None and _due(self.trainer, self.update_freq):
             self.board.log_metrics(step, logs or {}, "train", prefix="batch_")
 
     def on_test_end(self, logs: Logs | None = None) -> None:

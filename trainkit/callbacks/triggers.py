@@ -4,6 +4,8 @@ decides when a step-based save is due.
 >>> every = SaveFrequency(3)
 >>> [every.step_due(s) for s in range(0, 8)]
 [False, False, False, True, False, False, True, False]
+>>> every.step_due(8, since=4), every.step_due(8, since=6)  # executions of several steps
+(True, False)
 >>> SaveFrequency("epoch").per_epoch, SaveFrequency("epoch").step_due(3)
 (True, False)
 """
@@ -30,5 +32,8 @@ class SaveFrequency:
     def per_epoch(self) -> bool:
         return self.value == "epoch"
 
-    def step_due(self, step: int) -> bool:
-        return not self.per_epoch and step > 0 and step % self.value == 0
+    def step_due(self, step: int, since: int | None = None) -> bool:
+        """Whether a multiple of the frequency lies in ``(since, step]`` (default: ``step``
+        itself is one)."""
+        since = step - 1 if since is None else since
+        return not self.per_epoch and step > 0 and step // self.value > since // self.value

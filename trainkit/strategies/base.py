@@ -42,6 +42,10 @@ class Strategy:
     - ``state_sharding(abstract_state)``: a sharding for every leaf of the state.
     - ``put_batch(host_batch)``: a NumPy batch -> device arrays.
     - ``compile_train(step_fn, abstract_state)``: the step, with the state donated.
+    - ``put_batches(host_batches)`` and ``compile_train_steps(steps_fn, abstract_state)``:
+      the same for ``k`` batches stacked on a new leading axis, trained in one call
+      (``steps_per_execution``); only a strategy used with ``steps_per_execution > 1`` needs
+      them.
     - ``compile_eval(fn, abstract_state)``: a function whose outputs are reduced over devices.
     - ``compile_predict(fn, abstract_state)``: a function with one output row per example.
     - ``fetch_rows(tree)``: per-row device outputs -> host NumPy ``(global_batch, ...)``.
@@ -113,6 +117,23 @@ class Strategy:
 
     def compile_train(self, step_fn: Callable, abstract_state: PyTree) -> Callable:
         raise NotImplementedError
+
+    def put_batches(self, host_batches: PyTree) -> PyTree:
+        """``k`` NumPy batches stacked on a new leading axis -> device arrays, each batch split
+        as ``put_batch`` splits it (for ``steps_per_execution``)."""
+        raise NotImplementedError(self._no_steps_per_execution())
+
+    def compile_train_steps(self, steps_fn: Callable, abstract_state: PyTree) -> Callable:
+        """``steps_fn(state, batches)`` (``k`` steps over batches stacked on a leading axis),
+        with the state donated, as ``compile_train`` compiles one step."""
+        raise NotImplementedError(self._no_steps_per_execution())
+
+    def _no_steps_per_execution(self) -> str:
+        return (
+            f"{type(self).__name__} does not implement put_batches and compile_train_steps, which "
+            "steps_per_execution > 1 needs. Implement both (see trainkit.strategies.ShardedStrategy), or use "
+            "steps_per_execution=1."
+        )
 
     def compile_eval(self, eval_fn: Callable, abstract_state: PyTree) -> Callable:
         raise NotImplementedError

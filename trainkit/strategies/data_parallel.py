@@ -53,11 +53,25 @@ class DataParallel(Strategy):
 
     def put_batch(self, host_batch: PyTree) -> PyTree:
         """This process's rows -> ``(devices, rows_per_device, ...)``, split over ``data``."""
-        sharding = NamedSharding(self.mesh, PartitionSpec(self.axis_name))
         local = len(self.mesh.local_devices)  # all of them on one process
-        split = jax.tree.map(lambda a: np.reshape(a, (local, a.shape[0] // local) + a.shape[1:]), host_batch)
+        return self._put(jax.tree.map(lambda a: np.reshape(a, (local, a.shape[0] // local) + a.shape[1:]), host_batch))
+
+    def put_batches(self, host_batches: PyTree) -> PyTree:
+        """``(k, rows, ...)`` stacked batches -> ``(devices, k, rows_per_device, ...)``."""
+        local = len(self.mesh.local_devices)
+
+        def split(a):
+            return np.swapaxes(np.reshape(a, (a.shape[0], local, a.shape[1] // local) + a.shape[2:]), 0, 1)
+
+        return self._put(jax.tree.map(split, host_batches))
+
+    def _put(self, split: PyTree) -> PyTree:
+        """Per-device parts ``(local devices, ...)``: as they are on one process (``pmap``
+        splits NumPy arguments over its devices itself, cheaper than a ``device_put``
+        first); global arrays split over ``data`` on several."""
+        sharding = NamedSharding(self.mesh, PartitionSpec(self.axis_name))
         if jax.process_count() == 1:
-            return jax.device_put(split, sharding)
+            return split
         return jax.tree.map(
             lambda part: jax.make_array_from_process_local_data(sharding, part, (self.mesh.size,) + part.shape[1:]),
             split,
@@ -75,6 +89,9 @@ class DataParallel(Strategy):
 
     def compile_train(self, step_fn: Callable, abstract_state: PyTree) -> Callable:
         return self._pmap(step_fn, out_axes=(None, None), donate=True)
+
+    def compile_train_steps(self, steps_fn: Callable, abstract_state: PyTree) -> Callable:
+        return self._pmap(steps_fn, out_axes=(None, None), donate=True)
 
     def compile_eval(self, eval_fn: Callable, abstract_state: PyTree) -> Callable:
         return self._pmap(eval_fn, out_axes=None, donate=False)  # reduced: same on every device

@@ -12,6 +12,7 @@ a mesh and a ``PartitionSpec`` per leaf.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 from typing import Any
@@ -88,7 +89,7 @@ class ShardedStrategy(Strategy):
     def num_batch_shards(self) -> int:
         return math.prod(self.mesh.shape[a] for a in self.batch_axes)
 
-    @property
+    @functools.cached_property
     def batch_sharding(self) -> NamedSharding:
         return NamedSharding(self.mesh, PartitionSpec(self.batch_axes) if self.batch_axes else PartitionSpec())
 
@@ -108,19 +109,41 @@ class ShardedStrategy(Strategy):
         return jax.tree.map(lambda s: NamedSharding(self.mesh, s), self.state_specs(abstract_state), is_leaf=is_spec)
 
     # ------------------------------------------------------------------ batches and steps
-    def put_batch(self, host_batch: PyTree) -> PyTree:
-        if jax.process_count() > 1:
-            return jax.tree.map(lambda a: jax.make_array_from_process_local_data(self.batch_sharding, a), host_batch)
-        return jax.device_put(host_batch, self.batch_sharding)
+    @functools.cached_property
+    def stacked_batch_sharding(self) -> NamedSharding:
+        """Batches stacked on a leading (step) axis: each split as one batch is."""
+        return NamedSharding(self.mesh, PartitionSpec(None, *self.batch_sharding.spec))
 
-    def compile_train(self, step_fn: Callable, abstract_state: PyTree) -> Callable:
+    @staticmethod
+    def _put(host_batch: PyTree, sharding: NamedSharding) -> PyTree:
+        """On one process the NumPy batch itself: the compiled call places it by its input
+        shardings, in C++, about five times faster than a ``jax.device_put`` first (which
+        matters when a step is shorter than its dispatch). Several processes: each passes its
+        rows of the global array."""
+        if jax.process_count() > 1:
+            return jax.tree.map(lambda a: jax.make_array_from_process_local_data(sharding, a), host_batch)
+        return host_batch
+
+    def put_batch(self, host_batch: PyTree) -> PyTree:
+        return self._put(host_batch, self.batch_sharding)
+
+    def put_batches(self, host_batches: PyTree) -> PyTree:
+        return self._put(host_batches, self.stacked_batch_sharding)
+
+    def _compile_update(self, fn: Callable, abstract_state: PyTree, batch_sharding: NamedSharding) -> Callable:
         shardings = self.state_sharding(abstract_state)
         return jax.jit(
-            step_fn,
-            in_shardings=(shardings, self.batch_sharding),
+            fn,
+            in_shardings=(shardings, batch_sharding),
             out_shardings=(shardings, self.replicated()),
             donate_argnums=(0,),
         )
+
+    def compile_train(self, step_fn: Callable, abstract_state: PyTree) -> Callable:
+        return self._compile_update(step_fn, abstract_state, self.batch_sharding)
+
+    def compile_train_steps(self, steps_fn: Callable, abstract_state: PyTree) -> Callable:
+        return self._compile_update(steps_fn, abstract_state, self.stacked_batch_sharding)
 
     def _compile_inference(self, fn: Callable, abstract_state: PyTree, out_sharding) -> Callable:
         return jax.jit(

@@ -1,0 +1,228 @@
+"""``steps_per_execution=k``: k steps fused in one compiled call (a ``lax.scan``) equal k single
+steps under every strategy, compile at most one extra shape, run the batch hooks once per
+execution as Keras 3 does, and stop, validate and resume where single steps would."""
+
+import jax
+import numpy as np
+import optax
+import pytest
+from conftest import MLP, NoisyMLP, make_classification
+from test_compile import compiles  # noqa: F401 - the compile-counting fixture
+
+import trainkit as tk
+from trainkit.callbacks import Callback
+
+N, BATCH, K = 330, 32, 4  # 11 batches per epoch: two fused executions and a last span of 3 single steps
+
+STRATEGIES = {
+    "single": lambda: "single",
+    "dp": lambda: "dp",
+    "fsdp": lambda: tk.FSDP(min_shard_size=16),
+    "hybrid": lambda: tk.Hybrid(data=2, fsdp=4, min_shard_size=16),
+}
+
+
+@pytest.fixture(scope="module")
+def xy():
+    return make_classification(N)
+
+
+def make(strategy="single", k=1, model=None, **kwargs):
+    return tk.Trainer(
+        model or NoisyMLP(),
+        loss="sparse_categorical_crossentropy",
+        optimizer=optax.adam(1e-2),
+        metrics=["accuracy"],
+        strategy=strategy,
+        steps_per_execution=k,
+        **kwargs,
+    )
+
+
+def assert_same_run(a, b, history_a, history_b, atol=2e-6):
+    for left, right in zip(jax.tree.leaves(a.state), jax.tree.leaves(b.state), strict=True):
+        np.testing.assert_allclose(np.asarray(left), np.asarray(right), rtol=1e-5, atol=atol)
+    assert history_a.history.keys() == history_b.history.keys()
+    for key, values in history_a.history.items():
+        np.testing.assert_allclose(values, history_b.history[key], rtol=1e-5, atol=atol, err_msg=key)
+
+
+@pytest.mark.parametrize("name", list(STRATEGIES))
+def test_k_fused_steps_equal_k_single_steps_under_every_strategy(xy, name):
+    """BatchNorm and Dropout included (the rng is folded per step), ragged last batch included."""
+    x, y = xy
+    runs = []
+    for k in (1, K):
+        trainer = make(STRATEGIES[name](), k)
+        history = trainer.fit((x, y), batch_size=BATCH, epochs=2, validation_data=(x[:64], y[:64]), verbose=0)
+        runs.append((trainer, history))
+    (single, single_history), (fused, fused_history) = runs
+    assert int(fused.state.step) == int(single.state.step) == 22
+    assert_same_run(single, fused, single_history, fused_history)
+
+
+def test_a_fused_run_compiles_two_train_shapes_once_and_nothing_in_later_epochs(xy, compiles):  # noqa: F811
+    x, y = xy
+    at_epoch = []
+    mark = tk.callbacks.LambdaCallback(on_epoch_begin=lambda epoch, logs=None: at_epoch.append(len(compiles)))
+    trainer = make("single", K, model=MLP())
+    trainer.fit((x, y), batch_size=BATCH, epochs=3, validation_data=(x[:64], y[:64]), callbacks=[mark], verbose=0)
+    assert at_epoch[1] == at_epoch[2] == len(compiles), compiles  # none after the first epoch
+    names = [name for name in compiles if "step" in (name or "")]  # each once: k steps, one step (the last
+    # 3 batches of every epoch) and the evaluation
+    assert sorted(names) == ["jit(eval_step)", "jit(multi_step)", "jit(train_step)"], compiles
+
+
+class Spans(Callback):
+    """The loop's record at every batch-end hook: which steps and batches an execution covered."""
+
+    def __init__(self):
+        super().__init__()
+        self.records = []
+
+    def on_train_batch_end(self, batch, logs=None):
+        record = self.trainer.loop.record
+        self.records.append((batch, record.first_batch, record.first_step, record.step))
+
+
+def test_the_record_says_which_steps_each_execution_covered(xy):
+    x, y = xy
+    spans = Spans()
+    make("single", K, model=MLP()).fit((x, y), batch_size=BATCH, epochs=2, verbose=0, callbacks=[spans])
+    first_epoch = [(3, 0, 1, 4), (7, 4, 5, 8), (10, 8, 9, 11)]
+    assert spans.records == first_epoch + [(b, f, s + 11, e + 11) for b, f, s, e in first_epoch]
+
+
+def test_max_steps_and_validation_interval_cut_executions_where_single_steps_stop(xy):
+    x, y = xy
+    runs = []
+    for k in (1, K):
+        trainer = make("single", k, model=MLP())
+        history = trainer.fit(
+            (x, y),
+            batch_size=BATCH,
+            epochs=2,
+            max_steps=15,
+            validation_data=(x[:64], y[:64]),
+            validation_interval=6,
+            verbose=0,
+        )
+        runs.append((trainer, history))
+    (single, single_history), (fused, fused_history) = runs
+    assert int(fused.state.step) == 15
+    assert [v["step"] for v in fused_history.validations] == [v["step"] for v in single_history.validations] == [6, 12]
+    for left, right in zip(single_history.validations, fused_history.validations, strict=True):
+        assert left.keys() == right.keys()
+        np.testing.assert_allclose([left[k] for k in left], [right[k] for k in left], rtol=1e-5, atol=2e-6)
+    assert_same_run(single, fused, single_history, fused_history)
+
+
+class PreemptAt(Callback):
+    def __init__(self, step):
+        super().__init__()
+        self.step = step
+
+    def on_train_batch_end(self, batch, logs=None):
+        if self.trainer.global_step >= self.step:
+            self.trainer.loop.preempt()
+
+
+def test_a_fused_run_preempted_mid_epoch_resumes_with_single_steps_to_the_same_result(xy, tmp_path):
+    x, y = xy
+    fit = {"batch_size": BATCH, "epochs": 2, "verbose": 0, "shuffle": True}
+    reference = make("single", 1, model=MLP())
+    reference.fit((x, y), **fit)
+    backup = tk.callbacks.BackupAndRestore(tmp_path / "backup", save_freq=5)
+    with pytest.raises(tk.Preempted) as raised:
+        make("single", K, model=MLP()).fit((x, y), callbacks=[backup, PreemptAt(16)], **fit)
+    assert raised.value.step == 19  # the execution of steps 16-19 ends in epoch 1 at batch 7
+    resumed = make("dp", 1, model=MLP())
+    resumed.fit((x, y), callbacks=[tk.callbacks.BackupAndRestore(tmp_path / "backup")], **fit)
+    assert int(resumed.state.step) == 22
+    for left, right in zip(jax.tree.leaves(reference.state), jax.tree.leaves(resumed.state), strict=True):
+        np.testing.assert_allclose(np.asarray(left), np.asarray(right), rtol=1e-5, atol=2e-6)
+
+
+def test_periodic_saves_fire_at_the_execution_that_reaches_their_step(xy, tmp_path):
+    x, y = xy
+    saved = []
+
+    class Spy(tk.callbacks.BackupAndRestore):
+        def _save(self, wait=False):
+            saved.append(self.trainer.global_step)
+            super()._save(wait)
+
+    backup = Spy(tmp_path / "backup", save_freq=5, delete_checkpoint=False)
+    make("single", K, model=MLP()).fit((x, y), batch_size=BATCH, epochs=2, verbose=0, callbacks=[backup])
+    # executions begin after steps 0, 4, 8, 11 (3 single steps follow), 15, 19: a save is due at the first
+    # one at or after a multiple of 5 (step 20 is passed by the last execution, after which no batch begins)
+    assert saved == [8, 11, 15]
+
+
+def test_bad_steps_per_execution_and_a_strategy_that_cannot_fuse_are_refused_at_construction():
+    for bad in (0, -2, 1.5, True, "4"):
+        with pytest.raises(ValueError, match="steps_per_execution must be a positive integer"):
+            make("single", bad)
+
+    class OwnStrategy(tk.Strategy):
+        pass
+
+    with pytest.raises(TypeError, match="OwnStrategy does not implement put_batches and compile_train_steps"):
+        make(OwnStrategy(), 4)
+
+
+def test_run_eagerly_runs_the_k_steps_one_by_one_to_the_same_result(xy):
+    x, y = xy
+    compiled, eager = make("single", K, model=MLP()), make("single", K, model=MLP(), run_eagerly=True)
+    histories = [t.fit((x[:160], y[:160]), batch_size=BATCH, epochs=1, verbose=0) for t in (compiled, eager)]
+    assert_same_run(compiled, eager, *histories, atol=1e-5)
+
+
+def test_hooks_indices_logs_and_weights_match_keras_steps_per_execution():
+    """Keras 3 (JAX backend) compiled with ``steps_per_execution=2`` against trainkit with the same:
+    every hook (fit, validation, evaluate, predict) with Keras's begin / end indices, and the
+    same losses and weights (a linear regression, 3 batches per epoch, the last one ragged)."""
+    keras = pytest.importorskip("keras")
+    import flax.linen as nn
+    from test_keras_semantics import BATCH as KERAS_BATCH
+    from test_keras_semantics import N as KERAS_N
+    from test_keras_semantics import Recorder, flat, keras_model, twins
+
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(KERAS_N, 4)).astype("float32")
+    y = (x @ np.array([[1.0], [-2.0], [0.5], [0.0]], "float32") + 0.1).astype("float32")
+    model = keras_model()
+    model.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse", steps_per_execution=2)
+    kernel, bias = model.get_weights()
+    trainer = tk.Trainer(
+        nn.Dense(1),
+        loss="mse",
+        optimizer=optax.sgd(0.05),
+        strategy="single",
+        params={"kernel": kernel, "bias": bias},
+        steps_per_execution=2,
+    )
+    recorders = dict(zip(("keras", "tk"), twins(Recorder)))
+    fit = {"epochs": 2, "batch_size": KERAS_BATCH, "shuffle": False, "verbose": 0, "validation_data": (x, y)}
+    keras_history = model.fit(x, y, callbacks=[recorders["keras"]], **fit)
+    tk_history = trainer.fit((x, y), callbacks=[recorders["tk"]], **fit)
+    model.evaluate(x, y, batch_size=KERAS_BATCH, callbacks=[recorders["keras"]], verbose=0)
+    trainer.evaluate((x, y), batch_size=KERAS_BATCH, callbacks=[recorders["tk"]])
+    keras_predictions = model.predict(x, batch_size=KERAS_BATCH, callbacks=[recorders["keras"]], verbose=0)
+    tk_predictions = trainer.predict(x, batch_size=KERAS_BATCH, callbacks=[recorders["tk"]])
+    # The one deliberate difference: Keras 3 ends an epoch's shorter last execution at index
+    # begin + k - 1 (3 here, a batch that does not exist); trainkit names the last batch trained.
+    last = -(-KERAS_N // KERAS_BATCH) - 1
+    keras_events = [
+        (name, min(index, last) if name.endswith("batch_end") else index, logs)
+        for name, index, logs in recorders["keras"].events
+    ]
+    assert ("train_batch_end", last + 1, ("loss",)) in recorders["keras"].events
+    assert recorders["tk"].events == keras_events
+    batch_ends = [index for name, index, _ in recorders["tk"].events if name == "train_batch_end"]
+    assert batch_ends == [1, 2, 1, 2]  # two executions per epoch: batches 0-1, then batch 2
+    for key in ("loss", "val_loss"):
+        np.testing.assert_allclose(tk_history.history[key], keras_history.history[key], rtol=1e-5)
+    for left, right in zip(flat(trainer.get_weights()), flat(model.get_weights()), strict=True):
+        np.testing.assert_allclose(left, right.reshape(left.shape), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(tk_predictions, keras_predictions, rtol=1e-5, atol=1e-6)

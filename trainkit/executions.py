@@ -1,0 +1,102 @@
+"""Executions: an epoch's host batches grouped into the spans that the batch hooks see.
+
+With ``steps_per_execution=k`` the loop trains ``k`` batches per compiled call: their host
+arrays are stacked on a new leading axis (``np.stack``) in the prefetch thread. Batches that
+cannot fill a whole call (the end of the data, or a cut) are trained one by one with the
+single-step function, so a fit compiles at most two train shapes (``k`` steps and one step),
+and the batch hooks still run once for them all, as Keras's last, shorter execution does. A
+call is cut short where training must stop between two steps whatever the callbacks do: at
+``max_steps`` and at every ``validation_interval`` step.
+
+>>> import numpy as np
+>>> pairs = (({"x": np.full(2, i)}, f"after {i}") for i in range(5))
+>>> [(fused, n, state) for _, fused, n, state in executions(pairs, 2, lambda i: 99)]
+[(True, 2, 'after 1'), (True, 2, 'after 3'), (False, 1, 'after 4')]
+>>> [(fused, n) for _, fused, n, _ in executions(((b, None) for b in range(8)), 3, lambda i: 5 - i % 5)]
+[(True, 3), (False, 2), (True, 3)]
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import jax
+import numpy as np
+
+from trainkit.strategies.base import Strategy
+
+PyTree = Any
+
+
+def check_steps_per_execution(steps: Any, strategy: Any = None) -> int:
+    """``steps`` as an int, or a ``ValueError`` (not a positive integer) or ``TypeError`` (a
+    ``strategy`` without ``put_batches`` / ``compile_train_steps``) saying what to pass.
+
+    >>> check_steps_per_execution(32)
+    32
+    """
+    if isinstance(steps, bool) or not isinstance(steps, (int, np.integer)) or steps < 1:
+        raise ValueError(f"steps_per_execution must be a positive integer; received {steps!r}.")
+    if steps > 1 and strategy is not None:
+        if type(strategy).put_batches is Strategy.put_batches or (
+            type(strategy).compile_train_steps is Strategy.compile_train_steps
+        ):
+            raise TypeError(strategy._no_steps_per_execution())
+    return int(steps)
+
+
+def stack(batches: list[PyTree]) -> PyTree:
+    """Host batches of one structure stacked on a new leading axis."""
+    return jax.tree.map(lambda *arrays: np.stack(arrays), *batches)
+
+
+def executions(
+    pairs: Iterator[tuple[PyTree, Any]], size: int, room: Callable[[int], int]
+) -> Iterator[tuple[Any, bool, int, Any]]:
+    """``(batches, fused, steps, state)`` per span of ``steps`` batches: ``fused``, the batches
+    stacked into one (``steps == size``, one call); otherwise a list of ``steps <= size``
+    batches, trained one call each. ``pairs`` yields each host batch with the data's position
+    after it; ``state`` is the position after the span's last batch. ``room(i)``: how many
+    steps may run, uncut, from the ``i``-th batch read here on. An error of the data is raised
+    after the span of the batches read before it."""
+    read = 0
+    while True:
+        want = max(1, min(size, room(read)))
+        group: list = []
+        try:
+            group.extend(itertools.islice(pairs, want))
+        except Exception:
+            if group:
+                yield [batch for batch, _ in group], False, len(group), group[-1][1]
+            raise
+        if not group:
+            return
+        read += len(group)
+        batches = [batch for batch, _ in group]
+        if len(group) == size > 1:
+            yield stack(batches), True, size, group[-1][1]
+        else:
+            yield batches, False, len(group), group[-1][1]
+
+
+def room_until(step: int, max_steps: int | None, every: int | None) -> Callable[[int], int]:
+    """``room`` for :func:`executions`: from ``step`` optimizer steps done, the steps left
+    before ``max_steps`` and before the next multiple of ``every`` (validation).
+
+    >>> room = room_until(4, max_steps=10, every=6)
+    >>> [room(i) for i in range(6)]
+    [2, 1, 4, 3, 2, 1]
+    """
+
+    def room(read: int) -> int:
+        done = step + read
+        left = [np.iinfo(np.int64).max]
+        if max_steps is not None:
+            left.append(max_steps - done)
+        if every:
+            left.append(every - done % every)
+        return int(min(left))
+
+    return room
