@@ -131,9 +131,18 @@ def main(argv=None) -> int:
     held_out = ((held_out_x.astype(np.float32) / 16.0)[..., None], held_out_y)
     print(f"wrote {rows} training rows as 8 shards in {root}")
 
+    # One explicit strategy for all three runs: "auto" times its candidates, and on a busy
+    # machine the resumed run may pick another one: exact, but not bit-identical.
+    strategy = "dp" if len(jax.devices()) > 1 else "single"
+
     def trainer():
         return tk.Trainer(
-            CNN(), loss="sparse_categorical_crossentropy", optimizer=optax.adam(3e-3), metrics=["accuracy"], seed=0
+            CNN(),
+            loss="sparse_categorical_crossentropy",
+            optimizer=optax.adam(3e-3),
+            metrics=["accuracy"],
+            seed=0,
+            strategy=strategy,
         )
 
     def train(backup: str, interrupt_at: int | None = None):

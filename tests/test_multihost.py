@@ -200,6 +200,21 @@ def test_auto_picks_one_strategy_for_all_processes(tmp_path):
     assert code == 0, output
     assert "[0] strategy='auto' picked" in output and "[1] strategy='auto'" not in output
     assert "[1] process 1 of 2 done" in output
+    # every candidate compiled on 2 processes, DataParallel's pmap too (lowered with the real state)
+    rows = re.search(r"plan rows: (.*)", output).group(1)
+    assert rows.count("=compiled") == 4 and "DataParallel(data=8)=compiled" in rows, rows
+
+
+def test_fused_steps_on_two_processes_give_the_parameters_of_single_steps_on_one(runs, tmp_path):
+    """steps_per_execution=4 (one fused execution and 3 single steps per epoch), each process
+    passing its rows of the stacked batches, under pmap and under jit."""
+    code, output, _ = launch(2, 4, tmp_path / "fused.npz", "--strategies", "dp,hybrid", "--steps-per-execution", 4)
+    assert code == 0, output
+    fused, one = load(tmp_path / "fused.npz"), runs[1][0]
+    keys = [k for k in one if k.split("/")[0] in ("dp", "hybrid") and k.split("/")[1] != "predict"]
+    assert len(keys) >= 12
+    for key in keys:
+        np.testing.assert_allclose(fused[key], one[key], rtol=2e-5, atol=2e-6, err_msg=key)
 
 
 def test_initialize_after_the_backend_started_says_to_call_it_first():

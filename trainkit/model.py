@@ -14,7 +14,9 @@ This is the only file that knows Flax exists. Everything else sees a
 
 from __future__ import annotations
 
+import functools
 import inspect
+from collections.abc import Callable
 from typing import Any, Protocol
 
 import jax
@@ -74,13 +76,22 @@ class LinenModel:
         kwargs.update(_train_kwarg(self._parameters, train))
         return self.module.apply(variables, *args, **kwargs, **apply_kwargs)
 
-    def init(self, rng: jax.Array, x: PyTree) -> tuple[PyTree, PyTree]:
+    def _boxed_init(self, rng: jax.Array, x: PyTree) -> dict:
         params_rng, dropout_rng = jax.random.split(rng)
         args, kwargs = _split_inputs(x, self._parameters)
         kwargs.update(_train_kwarg(self._parameters, False))
-        variables = dict(self.module.init({"params": params_rng, "dropout": dropout_rng}, *args, **kwargs))
+        return dict(self.module.init({"params": params_rng, "dropout": dropout_rng}, *args, **kwargs))
+
+    def init(self, rng: jax.Array, x: PyTree) -> tuple[PyTree, PyTree]:
+        variables = nn.meta.unbox(self._boxed_init(rng, x))  # partitioning names: see param_axes
         params = variables.pop("params", {})
         return params, variables
+
+    def param_axes(self, x: PyTree) -> dict[str, tuple]:
+        """``{"Dense_0/kernel": ("embed", "mlp")}``: the names of the parameters created with
+        ``nn.with_logical_partitioning`` or ``nn.with_partitioning`` (traced, not run)."""
+        boxed = jax.eval_shape(self._boxed_init, jax.random.PRNGKey(0), x)
+        return _annotations(boxed.get("params", {}), lambda leaf: isinstance(leaf, nn.meta.AxisMetadata))
 
     def apply(self, params, model_state, x, *, rng, train):
         variables = {"params": params, **model_state}
@@ -108,6 +119,12 @@ class NNXModel:
         del rng, x  # an NNX module is initialised when it is constructed
         return nnx.to_pure_dict(self._params), nnx.to_pure_dict(self._rest)
 
+    def param_axes(self, x: PyTree) -> dict[str, tuple]:
+        """The names of the parameters created with ``sharding_names`` metadata (for example
+        ``nnx.with_partitioning(init, ("embed", "mlp"))``)."""
+        del x
+        return _annotations(self._params, lambda leaf: isinstance(leaf, nnx.Variable))
+
     def merge(self, params: PyTree, model_state: PyTree) -> nnx.Module:
         """A module holding ``params`` and ``model_state`` (copies of the templates)."""
         copy = lambda tree: jax.tree.map(lambda v: v, tree)  # noqa: E731
@@ -127,6 +144,44 @@ class NNXModel:
         out = module(*args, **kwargs)
         *_, rest = nnx.split(module, nnx.Param, nnx.RngState, ...)
         return out, (nnx.to_pure_dict(rest) if train else model_state)
+
+
+def _names(leaf: Any) -> tuple | None:
+    """A variable's partitioning names: a linen box's ``names``, an NNX variable's
+    ``out_sharding`` / ``sharding_names`` / ``sharding`` metadata."""
+    names = getattr(leaf, "names", None)
+    if names is None and isinstance(leaf, nnx.Variable):
+        metadata = leaf.get_metadata()
+        names = next((metadata[k] for k in ("out_sharding", "sharding_names", "sharding") if metadata.get(k)), None)
+    return None if names is None else tuple(names)
+
+
+def _annotations(params: PyTree, is_variable) -> dict[str, tuple]:
+    found = {}
+    for path, leaf in jax.tree_util.tree_flatten_with_path(params, is_leaf=is_variable)[0]:
+        names = _names(leaf)
+        if names is not None:
+            keys = [str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in path]
+            found["/".join(keys)] = names
+    return found
+
+
+def param_axes(adapter: ModelAdapter, x: PyTree) -> dict[str, tuple]:
+    """The model's parameter annotations ``{path: names}`` (empty for an adapter without any)."""
+    read = getattr(adapter, "param_axes", None)
+    return read(x) if read is not None else {}
+
+
+def under_logical_rules(fn: Callable, mesh: jax.sharding.Mesh, rules: list) -> Callable:
+    """``fn`` traced with ``mesh`` set (``jax.set_mesh``) and Flax's logical axis ``rules``
+    active, so ``nn.with_logical_constraint`` on activations constrains them on this mesh."""
+
+    @functools.wraps(fn)
+    def traced(*args, **kwargs):
+        with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
+            return fn(*args, **kwargs)
+
+    return traced
 
 
 def adapt_model(model: Any) -> ModelAdapter:

@@ -14,6 +14,7 @@ picks the fastest strategy whose total fits the device memory with headroom.
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import math
 import os
@@ -282,18 +283,25 @@ def make_plan(
     row then carries the message and the candidate is not chosen.
     ``measure(strategy, compiled)`` returns seconds per step, for the candidates that fit.
     """
-    rows = []
-    for strategy in candidates:
-        row = PlanRow(strategy, short_name(strategy))
-        try:
-            lowered = lower(strategy)
-            if not hasattr(lowered, "compile"):
-                raise TypeError(f"{type(strategy).__name__}.compile_train's result cannot be lowered")
-            analyse(row, lowered.compile())
-        except Exception as error:  # noqa: BLE001 - a candidate that cannot compile is a row, not a crash
-            message = str(error).split(". ")[0]
-            row.error = message if isinstance(error, (ValueError, TypeError)) else f"{type(error).__name__}: {message}"
-        rows.append(row)
+    rows = [PlanRow(strategy, short_name(strategy)) for strategy in candidates]
+    compiling = {}
+    # XLA compiles without the GIL: each candidate compiles in a thread while the next one is
+    # traced and lowered (tracing is Python, so it stays on this thread).
+    with concurrent.futures.ThreadPoolExecutor(max(1, min(len(rows), os.cpu_count() or 1))) as pool:
+        for row in rows:
+            try:
+                lowered = lower(row.strategy)
+                if not hasattr(lowered, "compile"):
+                    raise TypeError(f"{type(row.strategy).__name__}.compile_train's result cannot be lowered")
+                compiling[id(row)] = pool.submit(lowered.compile)
+            except Exception as error:  # noqa: BLE001 - a candidate that cannot compile is a row, not a crash
+                row.error = _failure(error)
+        for row in rows:
+            if id(row) in compiling:
+                try:
+                    analyse(row, compiling[id(row)].result())
+                except Exception as error:  # noqa: BLE001
+                    row.error = _failure(error)
     limit = int(memory_limit) if memory_limit is not None else device_memory_limit(candidates[0].devices)
     for row in rows:
         row.fits = row.error is None and row.total_bytes <= HEADROOM * limit
@@ -310,6 +318,12 @@ def make_plan(
             best = int(multihost_utils.broadcast_one_to_all(np.int32(best)))
         rows[best].recommended = True
     return MemoryPlan(rows, limit, measure is not None)
+
+
+def _failure(error: Exception) -> str:
+    """A plan row's error: the first sentence, with the type unless it is a usage error."""
+    message = str(error).split(". ")[0]
+    return message if isinstance(error, (ValueError, TypeError)) else f"{type(error).__name__}: {message}"
 
 
 def state_bytes_per_device(abstract_state: Any, shardings: Any) -> int:
@@ -360,14 +374,21 @@ def plan_step(
             lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract_state, shardings
         )
         function = functions[id(strategy)] = compile_step(strategy, abstract)
+        if strategy.axis_name is not None and jax.process_count() > 1:
+            # pmap turns each argument into a global array before lowering, which an abstract
+            # one cannot become: lower it with the real state (its size passed the check above)
+            abstract = strategy.put_state(the_host_state(strategy))
         return function.lower(abstract, strategy.put_batch(strategy.local_rows(host_batch)))
 
-    host_state = []  # built once (sharded, by the first candidate measured), then copied
+    host_state = []  # built once (sharded, by the first candidate that needs it), then copied
 
-    def run(strategy: Strategy, compiled) -> float:
+    def the_host_state(strategy: Strategy):
         if not host_state:
             host_state.append(distributed.fetch(create_state(strategy)))
-        state = strategy.put_state(host_state[0])
+        return host_state[0]
+
+    def run(strategy: Strategy, compiled) -> float:
+        state = strategy.put_state(the_host_state(strategy))
         return time_steps(compiled, state, strategy.put_batch(strategy.local_rows(host_batch)), steps, trains)
 
     result = make_plan(candidates, lower, memory_limit=memory_limit, measure=run if measure else None)

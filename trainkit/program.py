@@ -28,7 +28,7 @@ import numpy as np
 import optax
 
 from trainkit import plan as plan_lib
-from trainkit.model import ModelAdapter, starting_variables
+from trainkit.model import ModelAdapter, param_axes, starting_variables, under_logical_rules
 from trainkit.precision import Precision, cast_floating
 from trainkit.state import Batch, TrainState
 from trainkit.step import make_eval_step, make_multi_step, make_predict_step, make_train_step
@@ -74,6 +74,7 @@ class Program:
         self.grad_accum_steps, self.log_grad_norm, self.seed = grad_accum_steps, log_grad_norm, seed
         self.variables = variables
         self.eager = eager
+        self._param_axes: dict | None = None  # the model's partitioning annotations, once read
 
     # ------------------------------------------------------------------ the initial state
     def init_state(self, variables: PyTree, first_row: PyTree) -> TrainState:
@@ -90,7 +91,16 @@ class Program:
 
     def create_state(self, strategy: Strategy, first_row: PyTree) -> TrainState:
         """The state built directly in ``strategy``'s shardings."""
+        self.annotate(strategy, first_row)
         return strategy.create_state(self.init_state, self.starting_variables(first_row), first_row)
+
+    def annotate(self, strategy: Strategy, first_row: PyTree) -> None:
+        """Gives a strategy that maps logical axis names (``rules=[("embed", "fsdp"), ...]``)
+        the model's parameter annotations, before it places anything."""
+        if getattr(strategy, "logical_rules", None):
+            if self._param_axes is None:
+                self._param_axes = param_axes(self.adapter, first_row)
+            strategy.annotate(self._param_axes)
 
     # ------------------------------------------------------------------ compiled steps
     def compile(self, kind: str, strategy: Strategy, abstract_state: PyTree) -> Callable:
@@ -105,7 +115,10 @@ class Program:
             "train_steps": strategy.compile_train_steps,
             "eval": strategy.compile_eval,
         }.get(kind, strategy.compile_predict)
-        return compile_step(self.step(kind, axis), abstract_state)
+        step = self.step(kind, axis)
+        if getattr(strategy, "logical_rules", None):  # nn.with_logical_constraint in the model
+            step = under_logical_rules(step, strategy.mesh, strategy.logical_rules)
+        return compile_step(step, abstract_state)
 
     def step(self, kind: str, axis: str | None) -> Callable:
         """The pure ``"train"``, ``"train_steps"``, ``"eval"`` or ``"predict"`` step (not
@@ -139,9 +152,12 @@ class Program:
         kind = "train" if trains else "predict"
         first_row = jax.tree.map(lambda a: np.asarray(a[:1]), host_batch["x"])
         variables = self.starting_variables(first_row)
+        candidates = candidates if candidates is not None else plan_lib.default_candidates()
+        for strategy in candidates:
+            self.annotate(strategy, first_row)
         return plan_lib.plan_step(
             host_batch,
-            candidates if candidates is not None else plan_lib.default_candidates(),
+            candidates,
             abstract_state=self.abstract_state(first_row, variables),
             compile_step=lambda strategy, abstract: self.compile(kind, strategy, abstract),
             create_state=lambda strategy: strategy.create_state(self.init_state, variables, first_row),

@@ -79,6 +79,7 @@ def main():
     parser.add_argument("--load", default="")
     parser.add_argument("--explicit-init", action="store_true")
     parser.add_argument("--tensorboard", default="", help="log each strategy's run to DIR/<strategy>")
+    parser.add_argument("--steps-per-execution", type=int, default=1)
     parser.add_argument("--data", default="", help="adapters to train with (dp only), e.g. grain-map,torch-loader")
     args = parser.parse_args()
     if args.explicit_init:
@@ -124,6 +125,7 @@ def main():
             metrics=["accuracy"],
             strategy=strategies[name](),
             seed=seed,
+            steps_per_execution=args.steps_per_execution,
         )
         callbacks = []
         if args.tensorboard:  # every process passes the callback; only process 0 may write
@@ -159,6 +161,9 @@ def main():
         else:
             history = trainer.fit((x, y), batch_size=16, epochs=2 if args.save else 3, verbose=1, callbacks=callbacks)
             results[f"{name}/loss"] = np.asarray(history.history["loss"])
+        if name == "auto" and jax.process_index() == 0:
+            rows = "; ".join(f"{r.name}={r.error or 'compiled'}" for r in trainer.last_plan.rows)
+            print(f"plan rows: {rows}", flush=True)
         if args.gather_on_0_only:
             if jax.process_index() == 0:
                 trainer.params  # noqa: B018 - the mistake under test

@@ -2,9 +2,12 @@
 
 A leaf is named by its path with ``/`` between keys (``params/Dense_0/kernel``,
 ``opt_state/0/mu/Dense_0/kernel``), so a rule written for a parameter also places the optimizer
-moments of that parameter. Rules come first (``re.search`` on the name; two rules matching one
-leaf is an error, as in Keras ``LayoutMap``); otherwise the largest dimension divisible by the
-``fsdp`` axis is sharded over it, and leaves under ``min_shard_size`` elements stay replicated.
+moments of that parameter. Regex rules come first (``re.search`` on the name; two rules matching
+one leaf is an error, as in Keras ``LayoutMap``); then the model's own annotations (Flax's
+``nn.with_logical_partitioning`` names, given as ``{parameter path: names}``), mapped to mesh
+axes by the logical rules ``(logical name, mesh axis)``, which a parameter's optimizer moments
+follow too; otherwise the largest dimension divisible by the ``fsdp`` axis is sharded over it,
+and leaves under ``min_shard_size`` elements stay replicated.
 
 >>> import jax, jax.numpy as jnp
 >>> tree = {"Dense_0": {"kernel": jax.ShapeDtypeStruct((16, 512), jnp.float32),
@@ -12,6 +15,9 @@ leaf is an error, as in Keras ``LayoutMap``); otherwise the largest dimension di
 >>> specs = partition_specs(tree, {"fsdp": 8}, fsdp_axis="fsdp", min_shard_size=1024)
 >>> tuple(specs["Dense_0"]["kernel"]), tuple(specs["Dense_0"]["bias"])
 ((None, 'fsdp'), ())
+>>> regex, logical = split_rules([("embed", "fsdp"), ("mlp", None)], ("fsdp",))
+>>> logical_spec(("embed", "mlp"), logical, ("fsdp",), "params/Dense_0/kernel")
+PartitionSpec('fsdp', None)
 """
 
 from __future__ import annotations
@@ -41,14 +47,91 @@ def leaf_name(path: Sequence[Any]) -> str:
     return "/".join(parts)
 
 
+LogicalRule = tuple[str, str | tuple[str, ...] | None]
+
+
+def _is_mesh_axes(value: Any) -> bool:
+    """A logical rule's right side: a mesh axis name, a tuple of them, or ``None``."""
+    return (
+        value is None or isinstance(value, str) or (isinstance(value, tuple) and all(isinstance(v, str) for v in value))
+    )
+
+
+def split_rules(
+    rules: Sequence[Any], axis_names: Sequence[str]
+) -> tuple[list[tuple[re.Pattern, PartitionSpec]], list[LogicalRule]]:
+    """``rules`` checked and split into regex rules ``(regex, PartitionSpec)`` and logical
+    rules ``(logical name, mesh axis | tuple of axes | None)`` (Flax's ``logical_axis_rules``,
+    in order of precedence)."""
+    regex, logical = [], []
+    for rule in rules:
+        if isinstance(rule, (tuple, list)) and len(rule) == 2 and isinstance(rule[0], str) and _is_mesh_axes(rule[1]):
+            name, axes = rule
+            for axis in (axes,) if isinstance(axes, str) else axes or ():
+                if axis not in axis_names:
+                    raise ValueError(
+                        f"The logical rule ({name!r}, {axes!r}) maps to the mesh axis {axis!r}, but this strategy's "
+                        f"mesh has the axes {tuple(axis_names)}. Use one of those names, or None to replicate."
+                    )
+            logical.append((name, axes))
+        else:
+            regex.append(rule)
+    return check_rules(regex, axis_names), logical
+
+
+def logical_spec(
+    names: Sequence[str | None], logical: Sequence[LogicalRule], axis_names: Sequence[str], parameter: str
+) -> PartitionSpec:
+    """Flax's ``logical_to_mesh_axes``: each named dimension takes the first rule for its name
+    whose mesh axes this array does not use yet (``None`` when every such rule's axes are
+    taken). A name no rule mentions may be a mesh axis itself (``nn.with_partitioning``);
+    otherwise it is an error naming ``parameter``."""
+    result: list[Any] = [None] * len(names)
+    used: set[str] = set()
+    for dim, name in enumerate(names):
+        if name is None:
+            continue
+        candidates = [axes for rule_name, axes in logical if rule_name == name]
+        if not candidates:
+            if name not in axis_names:
+                known = sorted({rule_name for rule_name, _ in logical})
+                raise ValueError(
+                    f"{parameter} is annotated {tuple(names)}, but no logical rule maps {name!r} (the rules map "
+                    f"{known}) and the mesh has no axis of that name {tuple(axis_names)}. Add ({name!r}, <mesh "
+                    f"axis>) to the strategy's rules, or ({name!r}, None) to replicate that dimension."
+                )
+            candidates = [name]
+        for axes in candidates:
+            wanted = set((axes,) if isinstance(axes, str) else axes or ())
+            if not wanted & used:
+                result[dim] = axes
+                used |= wanted
+                break
+    return PartitionSpec(*result)
+
+
+def annotated_spec(
+    name: str, shape: Sequence[int], annotations: Mapping[str, PartitionSpec]
+) -> tuple[str, PartitionSpec] | None:
+    """The annotated parameter ``name`` ends with (at a ``/``; the longest such path), for a
+    parameter or one of its optimizer moments, and its spec; ``None`` when there is none."""
+    best = None
+    for path, spec in annotations.items():
+        if (name == path or name.endswith("/" + path)) and (best is None or len(path) > len(best[0])):
+            best = (path, spec)
+    if best is None or len(best[1]) > len(shape):
+        return None
+    return best
+
+
 def check_rules(rules: Sequence[Rule], axis_names: Sequence[str]) -> list[tuple[re.Pattern, PartitionSpec]]:
     """Validates ``[(regex, PartitionSpec), ...]`` against the mesh's axis names."""
     checked = []
     for rule in rules:
         if not (isinstance(rule, (tuple, list)) and len(rule) == 2):
             raise ValueError(
-                f"Each rule is (regex, PartitionSpec); received {rule!r}. Example: "
-                "rules=[(r'Dense_0/kernel', PartitionSpec(None, 'model'))]."
+                f"Each rule is (regex, PartitionSpec) or (logical axis name, mesh axis); received {rule!r}. "
+                "Examples: rules=[(r'Dense_0/kernel', PartitionSpec(None, 'model'))], rules=[('mlp', 'model')]."
             )
         pattern, spec = rule
         if not isinstance(spec, PartitionSpec):
@@ -115,8 +198,11 @@ def leaf_spec(
     fsdp_axis: str | None,
     min_shard_size: int,
     rules: Sequence[tuple[re.Pattern, PartitionSpec]] = (),
+    annotations: Mapping[str, PartitionSpec] | None = None,
 ) -> PartitionSpec:
-    """The ``PartitionSpec`` of one leaf named ``name`` (see the module docstring)."""
+    """The ``PartitionSpec`` of one leaf named ``name`` (see the module docstring);
+    ``annotations``: ``{parameter path: PartitionSpec}`` from the model's annotations."""
+    annotations = annotations or {}
     matches = [(p, s) for p, s in rules if p.search(name)]
     if len(matches) > 1:
         raise ValueError(
@@ -125,17 +211,22 @@ def leaf_spec(
             + ". Each leaf may match one rule; make the patterns more specific."
         )
     default = default_spec(shape, fsdp_axis, axis_sizes.get(fsdp_axis, 1) if fsdp_axis else 1, min_shard_size)
-    if not matches:
-        return default
-    pattern, spec = matches[0]
+    if matches:
+        pattern, spec = matches[0]
+        what = f"The rule ({pattern.pattern!r}, {spec})"
+        change = "Change the rule's PartitionSpec, or the layer's size."
+    else:
+        found = annotated_spec(name, shape, annotations)
+        if found is None:
+            return default
+        path, spec = found
+        what = f"The annotation of {path}, placed as {spec} by the logical rules,"
+        change = "Change the logical rules (or map that name to None), or the layer's size."
     problem = _fits(spec, shape, axis_sizes)
     if problem is None:
         return spec
     if name.startswith("params/") or name == "params":
-        raise ValueError(
-            f"The rule ({pattern.pattern!r}, {spec}) cannot place {name} of shape {tuple(shape)}: "
-            f"{problem}. Change the rule's PartitionSpec, or the layer's size."
-        )
+        raise ValueError(f"{what} cannot place {name} of shape {tuple(shape)}: {problem}. {change}")
     return default  # e.g. a factored optimizer statistic of another shape than its parameter
 
 
@@ -146,6 +237,7 @@ def partition_specs(
     fsdp_axis: str | None,
     min_shard_size: int = 2**10,
     rules: Sequence[tuple[re.Pattern, PartitionSpec]] = (),
+    annotations: Mapping[str, PartitionSpec] | None = None,
 ) -> PyTree:
     """A ``PartitionSpec`` for every array leaf of ``tree`` (arrays or ``ShapeDtypeStruct``s)."""
 
@@ -157,6 +249,7 @@ def partition_specs(
             fsdp_axis=fsdp_axis,
             min_shard_size=min_shard_size,
             rules=rules,
+            annotations=annotations,
         )
 
     return jax.tree_util.tree_map_with_path(spec, tree)

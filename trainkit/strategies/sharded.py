@@ -48,7 +48,8 @@ class ShardedStrategy(Strategy):
             raise ValueError(f"min_shard_size must be a positive integer; received {min_shard_size!r}.")
         self.min_shard_size = int(min_shard_size)
         self.rules = list(rules)
-        self._rules = _sharding.check_rules(self.rules, tuple(self._axis_sizes))
+        self._rules, self.logical_rules = _sharding.split_rules(self.rules, tuple(self._axis_sizes))
+        self.param_axes: dict[str, tuple] = {}  # the model's annotations, set by the Trainer (see annotate)
         self._mesh: Mesh | None = None
 
     # ------------------------------------------------------------------ mesh
@@ -94,6 +95,24 @@ class ShardedStrategy(Strategy):
         return NamedSharding(self.mesh, PartitionSpec(self.batch_axes) if self.batch_axes else PartitionSpec())
 
     # ------------------------------------------------------------------ state
+    def annotate(self, param_axes: dict[str, tuple]) -> None:
+        """The model's parameter annotations, ``{"Block_0/Dense_0/kernel": ("embed", "mlp")}``
+        (Flax's ``nn.with_logical_partitioning`` / ``nn.with_partitioning`` names). They
+        place their parameters (and the optimizer moments of those) when this strategy has
+        logical rules; the Trainer calls this before anything is placed."""
+        self.param_axes = dict(param_axes)
+
+    def annotation_specs(self) -> dict[str, PartitionSpec]:
+        """``{parameter path: PartitionSpec}`` of the annotated parameters under the logical
+        rules (empty without logical rules: annotations are then not used)."""
+        if not self.logical_rules:
+            return {}
+        axis_names = tuple(self._axis_sizes)
+        return {
+            path: _sharding.logical_spec(names, self.logical_rules, axis_names, f"params/{path}")
+            for path, names in self.param_axes.items()
+        }
+
     def state_specs(self, abstract_state: PyTree) -> PyTree:
         """A ``PartitionSpec`` per leaf (errors name the leaf and the rule)."""
         return _sharding.partition_specs(
@@ -102,6 +121,7 @@ class ShardedStrategy(Strategy):
             fsdp_axis=self.fsdp_axis,
             min_shard_size=self.min_shard_size,
             rules=self._rules,
+            annotations=self.annotation_specs(),
         )
 
     def state_sharding(self, abstract_state: PyTree) -> PyTree:
