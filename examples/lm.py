@@ -25,10 +25,9 @@ import sys
 import sysconfig
 import time
 
-if __name__ == "__main__" and "--devices" in sys.argv:  # fake CPU devices, before JAX starts
-    count = sys.argv[sys.argv.index("--devices") + 1]
+if __name__ == "__main__":  # fake CPU devices (8 unless --devices says), set before JAX starts
+    count = sys.argv[sys.argv.index("--devices") + 1] if "--devices" in sys.argv else "8"
     os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={count}"
-    os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import flax.linen as nn  # noqa: E402
 import jax  # noqa: E402
@@ -40,9 +39,22 @@ import trainkit as tk  # noqa: E402
 from trainkit import throughput  # noqa: E402
 
 #: Logical axis name -> mesh axis, per strategy (names a rule leaves out are an error).
+#: Under FSDP the batch and the ``embed`` dimension of every weight share the ``fsdp`` axis (the
+#: batch rule comes first: an activation's ``embed`` then stays whole); under tensor parallelism
+#: heads, MLP units and the vocabulary split over ``model``, the batch over ``data``.
 RULES = {
-    "fsdp": [("embed", "fsdp"), ("vocab", None), ("heads", None), ("kv", None), ("mlp", None)],
-    "tp": [("batch", "data"), ("heads", "model"), ("mlp", "model"), ("vocab", "model"), ("embed", None), ("kv", None)],
+    "fsdp": [
+        ("batch", "fsdp"),
+        ("embed", "fsdp"),
+        *[(name, None) for name in ("length", "vocab", "heads", "kv", "mlp")],
+    ],
+    "tp": [
+        ("batch", "data"),
+        ("heads", "model"),
+        ("mlp", "model"),
+        ("vocab", "model"),
+        *[(name, None) for name in ("length", "embed", "kv")],
+    ],
 }
 
 
@@ -60,25 +72,20 @@ class Attention(nn.Module):
 
     @nn.compact
     def __call__(self, x):
-        init = nn.initializers.lecun_normal()
-
-        def project(name):
-            return nn.DenseGeneral(
-                (self.heads, self.head_dim),
-                kernel_init=logical(init, "embed", "heads", "kv"),
-                use_bias=False,
-                name=name,
-            )(x)
-
-        q, k, v = project("query"), project("key"), project("value")
+        init = nn.initializers.variance_scaling(1.0, "fan_in", "normal", in_axis=0, out_axis=(1, 2))
+        shape = (x.shape[-1], self.heads, self.head_dim)
+        q, k, v = (
+            jnp.einsum("bld,dhk->blhk", x, self.param(name, logical(init, "embed", "heads", "kv"), shape))
+            for name in ("query", "key", "value")
+        )
         length = x.shape[1]
         mask = jnp.tril(jnp.ones((length, length), bool))
-        scores = jnp.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(self.head_dim)
+        scores = jnp.einsum("bqhk,bshk->bhqs", q, k) / math.sqrt(self.head_dim)
         weights = jax.nn.softmax(jnp.where(mask, scores, jnp.finfo(scores.dtype).min), axis=-1)
-        out = jnp.einsum("bhqk,bkhd->bqhd", weights.astype(v.dtype), v)
-        return nn.DenseGeneral(
-            x.shape[-1], axis=(-2, -1), kernel_init=logical(init, "heads", "kv", "embed"), use_bias=False, name="out"
-        )(out)
+        out = jnp.einsum("bhqs,bshk->bqhk", weights.astype(v.dtype), v)
+        out_init = nn.initializers.variance_scaling(1.0, "fan_in", "normal", in_axis=(0, 1), out_axis=2)
+        kernel = self.param("out", logical(out_init, "heads", "kv", "embed"), (self.heads, self.head_dim, x.shape[-1]))
+        return jnp.einsum("blhk,hkd->bld", out, kernel)
 
 
 class Block(nn.Module):

@@ -20,6 +20,7 @@ DOCS = pathlib.Path(__file__).parent.parent / "docs"
         "precision_and_memory.md",
         "checkpointing.md",
         "troubleshooting.md",
+        "large_models.md",
     ],
 )
 def test_guide_code_runs(page):

@@ -90,3 +90,19 @@ def test_training_from_shards_through_grain_workers_resumes_bit_identical(tmp_pa
     assert "interrupted: training preempted after step 25" in result.stdout
     assert "resumed and finished at step 60" in result.stdout
     assert "bit-identical to an uninterrupted run: True" in result.stdout
+
+
+@pytest.mark.parametrize("strategy", ["tp", "fsdp"])
+def test_the_language_model_example_trains_in_a_short_mode(strategy):
+    """examples/lm.py for a few steps (its full-mode figure is in docs/large_models.md): the
+    held-out bits per byte fall below the 8 of a uniform guess, and it reports tokens/s."""
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    command = [sys.executable, str(ROOT / "examples" / "lm.py"), "--strategy", strategy, "--steps", "40"]
+    command += ["--layers", "2", "--d-model", "64", "--length", "64", "--corpus-bytes", "200000", "--verbose", "0"]
+    result = subprocess.run(command, capture_output=True, text=True, env=env, timeout=300)
+    assert result.returncode == 0, result.stdout + result.stderr
+    bits = float(re.search(r"held-out loss (\d+\.\d+) bits per byte after 40 steps", result.stdout).group(1))
+    assert bits < 5.5, result.stdout
+    assert re.search(r"[\d,]+ tokens/s", result.stdout)
+    expected = "mesh data=2, model=4" if strategy == "tp" else "mesh fsdp=8"
+    assert expected in result.stdout, result.stdout

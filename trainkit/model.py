@@ -173,12 +173,13 @@ def param_axes(adapter: ModelAdapter, x: PyTree) -> dict[str, tuple]:
 
 
 def under_logical_rules(fn: Callable, mesh: jax.sharding.Mesh, rules: list) -> Callable:
-    """``fn`` traced with ``mesh`` set (``jax.set_mesh``) and Flax's logical axis ``rules``
+    """``fn`` traced with ``mesh`` as the abstract mesh (``jax.sharding.use_abstract_mesh``:
+    ``jax.set_mesh`` may not be entered under ``jit``) and Flax's logical axis ``rules``
     active, so ``nn.with_logical_constraint`` on activations constrains them on this mesh."""
 
     @functools.wraps(fn)
     def traced(*args, **kwargs):
-        with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
+        with jax.sharding.use_abstract_mesh(mesh.abstract_mesh), nn.logical_axis_rules(rules):
             return fn(*args, **kwargs)
 
     return traced

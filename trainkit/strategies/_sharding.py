@@ -16,8 +16,8 @@ and leaves under ``min_shard_size`` elements stay replicated.
 >>> tuple(specs["Dense_0"]["kernel"]), tuple(specs["Dense_0"]["bias"])
 ((None, 'fsdp'), ())
 >>> regex, logical = split_rules([("embed", "fsdp"), ("mlp", None)], ("fsdp",))
->>> logical_spec(("embed", "mlp"), logical, ("fsdp",), "params/Dense_0/kernel")
-PartitionSpec('fsdp', None)
+>>> tuple(logical_spec(("embed", "mlp"), logical, ("fsdp",), "params/Dense_0/kernel"))
+('fsdp', None)
 """
 
 from __future__ import annotations
@@ -82,31 +82,37 @@ def split_rules(
 def logical_spec(
     names: Sequence[str | None], logical: Sequence[LogicalRule], axis_names: Sequence[str], parameter: str
 ) -> PartitionSpec:
-    """Flax's ``logical_to_mesh_axes``: each named dimension takes the first rule for its name
-    whose mesh axes this array does not use yet (``None`` when every such rule's axes are
-    taken). A name no rule mentions may be a mesh axis itself (``nn.with_partitioning``);
-    otherwise it is an error naming ``parameter``."""
-    result: list[Any] = [None] * len(names)
+    """Flax's ``logical_to_mesh_axes``: the rules in order, each giving its mesh axes to the
+    dimension of its name when that dimension has none yet and this array does not use those
+    axes already (a dimension whose rules were all blocked stays ``None``). A name no rule
+    mentions may be a mesh axis itself (``nn.with_partitioning``); otherwise it is an error
+    naming ``parameter``."""
+    unassigned = object()
+    result: list[Any] = [unassigned if isinstance(name, str) else None for name in names]
     used: set[str] = set()
-    for dim, name in enumerate(names):
-        if name is None:
+    for rule_name, axes in logical:
+        if rule_name not in names:
             continue
-        candidates = [axes for rule_name, axes in logical if rule_name == name]
-        if not candidates:
-            if name not in axis_names:
-                known = sorted({rule_name for rule_name, _ in logical})
-                raise ValueError(
-                    f"{parameter} is annotated {tuple(names)}, but no logical rule maps {name!r} (the rules map "
-                    f"{known}) and the mesh has no axis of that name {tuple(axis_names)}. Add ({name!r}, <mesh "
-                    f"axis>) to the strategy's rules, or ({name!r}, None) to replicate that dimension."
-                )
-            candidates = [name]
-        for axes in candidates:
-            wanted = set((axes,) if isinstance(axes, str) else axes or ())
-            if not wanted & used:
-                result[dim] = axes
-                used |= wanted
-                break
+        position = list(names).index(rule_name)
+        wanted = set((axes,) if isinstance(axes, str) else axes or ())
+        if result[position] is unassigned and not wanted & used:
+            result[position] = axes
+            used |= wanted
+    mentioned = {rule_name for rule_name, _ in logical}
+    for position, name in enumerate(names):
+        if result[position] is not unassigned:
+            continue
+        if name in mentioned:
+            result[position] = None  # every rule for it was blocked by an axis already in use
+        elif name in axis_names and name not in used:
+            result[position] = name
+            used.add(name)
+        else:
+            raise ValueError(
+                f"{parameter} is annotated {tuple(names)}, but no logical rule maps {name!r} (the rules map "
+                f"{sorted(mentioned)}) and the mesh has no free axis of that name {tuple(axis_names)}. Add "
+                f"({name!r}, <mesh axis>) to the strategy's rules, or ({name!r}, None) to replicate that dimension."
+            )
     return PartitionSpec(*result)
 
 
