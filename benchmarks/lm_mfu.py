@@ -14,9 +14,7 @@ from __future__ import annotations
 import argparse
 import os
 import pathlib
-import statistics
 import sys
-import time
 
 import flax.linen as nn
 import jax
@@ -29,6 +27,9 @@ from lm import ByteLM  # noqa: E402
 
 import trainkit as tk  # noqa: E402
 from trainkit import throughput  # noqa: E402
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+from timing import measure  # noqa: E402
 
 
 def batches(count: int, batch_size: int, length: int, seed: int = 0):
@@ -110,12 +111,7 @@ def main():
         "hand-written jit": hand_written_run(model, x, y, args.batch_size, args.precision),
         "trainkit": trainkit_fit,
     }
-    seconds = {name: [] for name in contenders}
-    for _ in range(args.repeats):
-        for name, run in contenders.items():
-            start = time.perf_counter()
-            run()
-            seconds[name].append((time.perf_counter() - start) / args.steps)
+    rates = measure(contenders, args.steps, args.repeats)
     device = jax.devices()[0]
     flops = tk.debug.step_flops(trainer)
     peak = throughput.peak_flops(device.device_kind, args.precision)
@@ -125,9 +121,9 @@ def main():
         f"length={args.length} batch={args.batch_size} {args.precision}; {trainer.count_params():,} parameters; "
         f"{args.steps} steps x {args.repeats} alternating repeats (medians)"
     )
-    base = statistics.median(seconds["hand-written jit"])
-    for name, values in seconds.items():
-        step = statistics.median(values)
+    base = 1 / rates["hand-written jit"]
+    for name, rate in rates.items():
+        step = 1 / rate
         mfu = "" if peak is None or flops is None else f"  MFU {flops / step / peak:.1%}"
         print(f"{name:18} {step * 1e3:8.1f} ms/step  {tokens / step:12,.0f} tokens/s  {base / step:.3f}x{mfu}")
 

@@ -17,8 +17,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
-import time
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
@@ -30,6 +28,7 @@ import numpy as np  # noqa: E402
 import optax  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P
+from timing import measure  # noqa: E402
 
 import trainkit as tk  # noqa: E402
 
@@ -173,18 +172,6 @@ def keras_fit(case, x, y, batch_size, devices):
     return lambda: model.fit(
         x, y, batch_size=batch_size, epochs=steps // chunk, steps_per_epoch=chunk, verbose=0, shuffle=True
     )
-
-
-def measure(contenders, steps, repeats):
-    for run in contenders.values():  # compile and warm up
-        run()
-    rates = {name: [] for name in contenders}
-    for _ in range(repeats):
-        for name, run in contenders.items():  # alternate
-            start = time.perf_counter()
-            run()
-            rates[name].append(steps / (time.perf_counter() - start))
-    return {name: statistics.median(r) for name, r in rates.items()}
 
 
 def main():

@@ -15,8 +15,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
-import time
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("KERAS_BACKEND", "jax")
@@ -25,6 +23,7 @@ import flax.linen as nn  # noqa: E402
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
+from timing import measure  # noqa: E402
 
 import trainkit as tk  # noqa: E402
 
@@ -109,18 +108,6 @@ def hand_written(x, y, k: int):
         box["state"], box["epoch"] = state, box["epoch"] + 1
 
     return run
-
-
-def measure(contenders: dict, steps: int, repeats: int) -> dict[str, float]:
-    for run in contenders.values():  # compile and warm up
-        run()
-    rates: dict[str, list[float]] = {name: [] for name in contenders}
-    for _ in range(repeats):
-        for name, run in contenders.items():  # alternate
-            start = time.perf_counter()
-            run()
-            rates[name].append(steps / (time.perf_counter() - start))
-    return {name: statistics.median(r) for name, r in rates.items()}
 
 
 def main():

@@ -1,5 +1,5 @@
 """Flax partitioning annotations: parameters created with ``nn.with_logical_partitioning`` (and
-``nn.with_partitioning``, and NNX ``sharding_names``) are placed by the strategy's logical rules,
+``nn.with_partitioning``, and NNX ``out_sharding`` metadata) are placed by the strategy's logical rules,
 their optimizer moments follow them, unannotated leaves keep the default, activations
 constrained with ``nn.with_logical_constraint`` work under the trainer's mesh, and the results
 equal ``SingleDevice``'s."""
@@ -141,7 +141,7 @@ def test_without_logical_rules_annotations_are_not_used(tokens):
     assert spec_of(specs(trainer), "params/Block_0/Dense_0/kernel") == (None, "fsdp")  # 32 x 64: the largest
 
 
-def test_nnx_sharding_names_place_parameters_too():
+def test_nnx_out_sharding_metadata_places_parameters_too():
     import flax
     from flax import nnx
 
@@ -151,7 +151,7 @@ def test_nnx_sharding_names_place_parameters_too():
 
         class Net(nnx.Module):
             def __init__(self, rngs):
-                self.up = nnx.Linear(16, 64, kernel_metadata={"sharding_names": ("embed", "mlp")}, rngs=rngs)
+                self.up = nnx.Linear(16, 64, kernel_metadata={"out_sharding": ("embed", "mlp")}, rngs=rngs)
                 self.down = nnx.Linear(64, 4, rngs=rngs)
 
             def __call__(self, x):

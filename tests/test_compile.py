@@ -91,3 +91,19 @@ def test_a_directory_the_user_gave_jax_is_kept(tmp_path, monkeypatch):
     assert compile_cache.directory_for("OFF") is None
     assert compile_cache.directory_for(None) == compile_cache.default_directory()
     assert np.all([compile_cache.directory_for(v) is None for v in ("0", "false", "no", "none", " ")])
+
+
+def test_auto_trains_with_the_plans_executable_and_initial_state_compiling_neither_again(compiles):
+    x, y = make_classification(64)
+    trainer = tk.Trainer(MLP(), loss="sparse_categorical_crossentropy", optimizer=optax.adam(1e-2))
+    trainer.fit((x, y), batch_size=16, epochs=1, verbose=0)
+    picked = type(trainer.strategy).__name__
+    assert compiles.count("jit(init_state)") == 1, compiles  # the plan's, reused by the trainer
+    trains = [name for name in compiles if name != "jit(init_state)"]  # pmap's step is named jit(_fun)
+    assert len(trains) == len(trainer.last_plan.rows), (picked, compiles)  # one per candidate, none again
+    single = tk.Trainer(MLP(), loss="sparse_categorical_crossentropy", optimizer=optax.adam(1e-2), strategy="single")
+    single.init((x, y))
+    fresh = tk.Trainer(MLP(), loss="sparse_categorical_crossentropy", optimizer=optax.adam(1e-2))
+    fresh.init((x, y))
+    for a, b in zip(jax.tree.leaves(jax.device_get(single.state)), jax.tree.leaves(jax.device_get(fresh.state))):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))  # the planned state is the state at step 0

@@ -120,8 +120,8 @@ class NNXModel:
         return nnx.to_pure_dict(self._params), nnx.to_pure_dict(self._rest)
 
     def param_axes(self, x: PyTree) -> dict[str, tuple]:
-        """The names of the parameters created with ``sharding_names`` metadata (for example
-        ``nnx.with_partitioning(init, ("embed", "mlp"))``)."""
+        """The names of the parameters created with ``out_sharding`` metadata (Flax 0.12's name;
+        ``sharding_names`` and ``sharding`` are read too), e.g. ``kernel_metadata=...``."""
         del x
         return _annotations(self._params, lambda leaf: isinstance(leaf, nnx.Variable))
 

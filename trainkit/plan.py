@@ -178,6 +178,7 @@ class MemoryPlan:
 
     def __init__(self, rows: list[PlanRow], memory_limit: int, measured: bool):
         self.rows, self.memory_limit, self.measured = rows, memory_limit, measured
+        self.initial_state: Any = None  # host copy of the state at step 0, when measuring built one
 
     @property
     def recommended(self) -> PlanRow | None:
@@ -394,6 +395,7 @@ def plan_step(
     result = make_plan(candidates, lower, memory_limit=memory_limit, measure=run if measure else None)
     for row in result.rows:
         row.function = functions.get(id(row.strategy))
+    result.initial_state = host_state[0] if host_state else None
     return result
 
 

@@ -260,7 +260,14 @@ class Trainer:
             data_lib.check_same_inputs(self.input_spec, dataset.element_spec())
             return self.state
         self._choose_strategy(dataset, data_lib.num_rows(dataset.first(2**62)[0]))
-        self.state = self.program.create_state(self.strategy, jax.tree.map(np.asarray, dataset.first()[0]))
+        first_row = jax.tree.map(np.asarray, dataset.first()[0])
+        planned = self.last_plan.initial_state if self.last_plan is not None else None
+        if planned is not None:  # "auto" measured its candidates from this very state: no second init compile
+            self.program.annotate(self.strategy, first_row)
+            self.state = self.strategy.put_state(planned)
+            self.last_plan.initial_state = None  # host memory back
+        else:
+            self.state = self.program.create_state(self.strategy, first_row)
         self.input_spec = dataset.element_spec()
         self.loop.restored(int(self.state.step))
         return self.state
@@ -486,6 +493,7 @@ class Trainer:
                 "batch_size": batch_size,
                 "seed": self.seed,
                 "grad_accum_steps": self.grad_accum_steps,
+                "steps_per_execution": self.steps_per_execution,  # different calls would hang a collective
                 "strategy": (self.strategy or self._auto).describe(),
                 "precision": str(self.precision.compute_dtype),
                 "inputs": str(dataset.element_spec()),
