@@ -335,8 +335,9 @@ class Loop:
         return Prefetcher(batches, depth=0 if getattr(dataset, "one_shot", False) else self.prefetch)
 
     def _train_reader(self, dataset: Any, batches: Iterator, max_steps: int | None) -> Prefetcher:
-        """The epoch's executions (:func:`trainkit.executions.executions`: ``(host batch,
-        steps, data position after it)``), assembled ahead like :meth:`_reader`'s batches."""
+        """The epoch's spans (:func:`trainkit.executions.executions`: ``(batches, fused,
+        steps, data position after them)``), assembled ahead like :meth:`_reader`'s batches; the
+        data position is read in the same thread, right after each batch."""
         get_state = dataset.get_state if getattr(dataset, "checkpointable", False) else lambda: None
         pairs = ((batch, get_state()) for batch in batches)
         every = self.interval_validation[1] if self.interval_validation else None
