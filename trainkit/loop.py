@@ -3,8 +3,9 @@ preemption. It runs compiled functions it is given and never compiles, places or
 
 What the loop needs from its owner (the :class:`trainkit.Trainer`) is small: a ``state``
 attribute it reads and replaces, ``function(kind)`` for the compiled ``"train"``, ``"eval"``
-and ``"predict"`` steps, ``strategy`` (``put_batch``, ``fetch_rows``, ``real_rows``) and
-``log_order``. Callbacks see the loop as ``self.trainer.loop``: its ``position``, the
+and ``"predict"`` steps (and ``"train_steps"``, ``k`` steps in one call, when its
+``steps_per_execution`` is ``k > 1``), ``strategy`` (``put_batch``, ``put_batches``,
+``fetch_rows``, ``real_rows``) and ``log_order``. Callbacks see the loop as ``self.trainer.loop``: its ``position``, the
 :class:`StepRecord` of the batch a hook is about (``record``), and explicit calls:
 ``resume_at(position)``, ``request_stop()``, ``preempt()``.
 
