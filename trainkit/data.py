@@ -105,8 +105,14 @@ def _check_lengths(parts: dict[str, PyTree]) -> int:
     return n
 
 
+def _map(fn, tree: PyTree) -> PyTree:
+    """``jax.tree.map`` with a shortcut for one array, the common case: per batch, the tree
+    walk would cost more than the copy of a small batch."""
+    return fn(tree) if isinstance(tree, np.ndarray) else jax.tree.map(fn, tree)
+
+
 def _take(tree: PyTree, rows: np.ndarray | slice) -> PyTree:
-    return jax.tree.map(lambda a: np.asarray(a[rows]), tree)
+    return _map(lambda a: np.asarray(a[rows]), tree)
 
 
 def pad_batch(x, y, w, batch_size: int) -> Batch:
@@ -118,9 +124,9 @@ def pad_batch(x, y, w, batch_size: int) -> Batch:
         a = np.asarray(a)
         return a if pad == 0 else np.concatenate([a, np.zeros((pad,) + a.shape[1:], a.dtype)])
 
-    batch: Batch = {"x": jax.tree.map(padded, x)}
+    batch: Batch = {"x": _map(padded, x)}
     if y is not None:
-        batch["y"] = jax.tree.map(padded, y)
+        batch["y"] = _map(padded, y)
     if w is not None:
         batch["sample_weight"] = padded(np.asarray(w, np.float32))
     mask = np.zeros(batch_size, np.float32)
