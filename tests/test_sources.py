@@ -200,7 +200,7 @@ def test_prefetch_reads_ahead_in_a_thread_and_raises_errors_in_order():
 
     got = []
     with Prefetcher(batches(), depth=2) as items, pytest.raises(OSError, match="disk gone"):
-        for item, _ in items:
+        for item in items:
             got.append(item)
     assert got == [0, 1, 2] and set(read_by) == {"trainkit-prefetch"}
     slow = Prefetcher(iter(lambda: time.sleep(0.01) or 1, None), depth=2)

@@ -357,7 +357,7 @@ class Loop:
             """A span of host batches on the devices: one stacked batch (``fused``) or a list."""
             if item is None:
                 return None
-            batches, fused, steps, data_state = item[0]
+            batches, fused, steps, data_state = item
             strategy = owner.strategy
             placed = strategy.put_batches(batches) if fused else [strategy.put_batch(b) for b in batches]
             if self.batch_spec is None:  # one batch's shapes and shardings, for lowering
@@ -483,7 +483,7 @@ class Loop:
                 while True:
                     span = []
                     try:
-                        span.extend(host for host, _ in itertools.islice(reader, size))
+                        span.extend(itertools.islice(reader, size))
                     except Exception as error:  # the loader's own error, noted with where it happened
                         error.add_note(f"trainkit: raised by the data while reading batch {index} for {kind}.")
                         raise

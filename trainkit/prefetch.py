@@ -1,20 +1,21 @@
 """Background prefetch: host batches assembled ahead, off the main thread, in a bounded queue.
 
 The data's reading, decoding, padding and checks run in one background thread while the main
-thread dispatches steps; a loader whose time per batch jitters is smoothed by the queue. Each
-item comes with the source's checkpointable position read right after it (``state``), so a
-checkpoint written while later batches wait in the queue still names the batch trained last.
+thread dispatches steps; a loader whose time per batch jitters is smoothed by the queue. (The
+loop's training reader yields each batch with the source's checkpointable position read in
+this same thread right after it, so a checkpoint written while later batches wait in the
+queue still names the batch trained last.)
 
->>> with Prefetcher(iter(range(3)), depth=2, state=lambda: "s") as items:
+>>> with Prefetcher(iter(range(3)), depth=2) as items:
 ...     list(items)
-[(0, 's'), (1, 's'), (2, 's')]
+[0, 1, 2]
 """
 
 from __future__ import annotations
 
 import queue
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 _END = object()
@@ -26,14 +27,13 @@ class _Raised:
 
 
 class Prefetcher:
-    """Iterates ``iterator`` in a daemon thread, ``depth`` items ahead; yields
-    ``(item, state())`` pairs (``state`` is ``None`` when no callable is given). ``depth=0``
-    reads in the caller's thread, item by item (for one-shot iterators, whose items read
-    ahead would be lost at a stop). An error of the iterator is raised by ``next`` in order,
-    after the items before it. ``close()`` (or leaving the ``with`` block) stops the thread."""
+    """Iterates ``iterator`` in a daemon thread, ``depth`` items ahead. ``depth=0`` reads in
+    the caller's thread, item by item (for one-shot iterators, whose items read ahead would be
+    lost at a stop). An error of the iterator is raised by ``next`` in order, after the items
+    before it. ``close()`` (or leaving the ``with`` block) stops the thread."""
 
-    def __init__(self, iterator: Iterator, depth: int = 4, state: Callable[[], Any] | None = None):
-        self.iterator, self.depth, self.state = iterator, depth, state
+    def __init__(self, iterator: Iterator, depth: int = 4):
+        self.iterator, self.depth = iterator, depth
         self._stop = threading.Event()
         self._queue: queue.Queue = queue.Queue(maxsize=max(depth, 1))
         self._thread: threading.Thread | None = None
@@ -51,17 +51,16 @@ class Prefetcher:
         return False
 
     def _read(self) -> Any:
-        item = next(self.iterator)
-        return item, (self.state() if self.state is not None else None)
+        return next(self.iterator)
 
     def _fill(self) -> None:
         try:
             while not self._stop.is_set():
                 try:
-                    pair = self._read()
+                    item = self._read()
                 except StopIteration:
                     break
-                if not self._put(pair):
+                if not self._put(item):
                     return
             self._put(_END)
         except BaseException as error:  # noqa: BLE001 - handed to the consumer, raised there
@@ -70,7 +69,7 @@ class Prefetcher:
     def __iter__(self) -> Prefetcher:
         return self
 
-    def __next__(self) -> tuple[Any, Any]:
+    def __next__(self) -> Any:
         if self._thread is None:
             return self._read()
         item = self._queue.get()
