@@ -36,7 +36,7 @@ import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
 import trainkit as tk  # noqa: E402
-from trainkit import throughput  # noqa: E402
+from trainkit.monitoring import throughput  # noqa: E402
 
 #: Logical axis name -> mesh axis, per strategy (names a rule leaves out are an error).
 #: Under FSDP the batch and the ``embed`` dimension of every weight share the ``fsdp`` axis (the

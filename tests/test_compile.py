@@ -15,7 +15,7 @@ from conftest import MLP, make_classification
 from jax._src import dispatch
 
 import trainkit as tk
-from trainkit import compile_cache
+from trainkit.distributed import compile_cache
 
 SCRIPT = pathlib.Path(__file__).parent / "scripts" / "startup_fit.py"
 

@@ -10,8 +10,8 @@ from conftest import MLP, NoisyMLP, make_classification, tree_allclose
 from flax import nnx
 
 import trainkit as tk
-from trainkit.state import TrainState
-from trainkit.step import _step_rng
+from trainkit.core.state import TrainState
+from trainkit.core.step import _step_rng
 
 
 def test_dropout_keys_differ_per_step_and_per_device():

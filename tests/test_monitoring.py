@@ -12,7 +12,7 @@ import pytest
 from conftest import MLP, make_classification
 
 import trainkit as tk
-from trainkit import throughput
+from trainkit.monitoring import throughput
 
 X, Y = make_classification(96)
 X_VAL, Y_VAL = make_classification(32, seed=1)
@@ -185,7 +185,7 @@ def test_history_plot_and_the_plot_command_draw_one_line_per_series(tmp_path):
     pytest.importorskip("matplotlib")
     import matplotlib.image
 
-    from trainkit import plot
+    from trainkit.monitoring import plot
 
     csv_path = tmp_path / "log.csv"
     board = tmp_path / "board"

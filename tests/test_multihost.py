@@ -122,7 +122,7 @@ def test_an_exception_in_one_process_ends_all_fast_naming_it(tmp_path):
 
 def test_without_the_launcher_the_survivor_exits_with_an_error(tmp_path):
     sys.path.insert(0, str(ROOT))
-    from trainkit.launch import build_env, free_port
+    from trainkit.distributed.launch import build_env, free_port
 
     port = free_port()
     processes = [
@@ -167,8 +167,8 @@ def test_a_process_stalled_in_python_ends_the_run_naming_it(tmp_path, monkeypatc
     code, output, seconds = launch(2, 4, tmp_path / "out.npz", "--strategies", "dp", "--stall-at-step", 3)
     assert code != 0
     assert re.search(
-        r"\[launch\] process 0 exited with code 1 \(trainkit.watchdog.StallError: process 1 has made no progress "
-        r"for \d+ s \(last at step \d\)",
+        r"\[launch\] process 0 exited with code 1 \(trainkit.distributed.watchdog.StallError: process 1 has made no "
+        r"progress for \d+ s \(last at step \d\)",
         output,
     ), output
     assert seconds < 90, output  # not the 300 s sleep
@@ -318,7 +318,7 @@ def test_launch_environments_users_arrive_with(env, expected):
 
 
 def test_a_torchrun_environment_connects_the_processes(tmp_path):
-    from trainkit.launch import build_env, free_port
+    from trainkit.distributed.launch import build_env, free_port
 
     port = free_port()
     processes = []

@@ -11,7 +11,7 @@ import pytest
 from conftest import Wide
 
 import trainkit as tk
-from trainkit.plan import collective_traffic
+from trainkit.program.plan import collective_traffic
 
 
 def make_trainer(strategy="dp", **kwargs):

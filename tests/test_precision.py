@@ -10,7 +10,7 @@ from conftest import MLP, make_classification
 from sklearn.datasets import load_digits
 
 import trainkit as tk
-from trainkit.step import make_train_step
+from trainkit.core.step import make_train_step
 
 
 class SmallCNN(nn.Module):
@@ -144,7 +144,7 @@ def test_bf16_params_when_asked():
 
 
 def test_loss_scale_objects_share_one_interface():
-    from trainkit.precision import DynamicLossScale, NoLossScale, StaticLossScale
+    from trainkit.core.precision import DynamicLossScale, NoLossScale, StaticLossScale
 
     grads = {"w": jnp.array([1.0, jnp.inf])}
     new, old = {"w": jnp.ones(2)}, {"w": jnp.zeros(2)}

@@ -9,8 +9,8 @@ import pytest
 from conftest import MLP, make_classification, tree_allclose
 
 import trainkit as tk
-from trainkit.prefetch import Prefetcher
-from trainkit.sources import DataSource, HuggingFaceSource, RandomAccessSource
+from trainkit.data.prefetch import Prefetcher
+from trainkit.data.sources import DataSource, HuggingFaceSource, RandomAccessSource
 
 X, Y = make_classification(72)
 BATCH = 16

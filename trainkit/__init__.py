@@ -5,11 +5,16 @@
 ['CheckpointError', 'DataParallel', 'FSDP', 'Hybrid']
 """
 
-from trainkit import callbacks, data, debug, loggers, losses, metrics, optimizers, plan, sources, strategies
+from trainkit import callbacks, data, strategies
 from trainkit.checkpoint import CheckpointError
+from trainkit.core import optimizers
+from trainkit.core.precision import Precision
+from trainkit.core.state import TrainState
+from trainkit.data import sources
 from trainkit.loop import PREEMPTED_EXIT_CODE, Position, Preempted, StepRecord
-from trainkit.precision import Precision
-from trainkit.state import TrainState
+from trainkit.monitoring import debug, loggers
+from trainkit.objective import losses, metrics
+from trainkit.program import plan
 from trainkit.strategies import FSDP, DataParallel, Hybrid, SingleDevice, Strategy
 from trainkit.trainer import Trainer
 from trainkit.version import __version__

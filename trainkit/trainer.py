@@ -1,7 +1,7 @@
 """``Trainer``: Keras-style ``fit`` / ``evaluate`` / ``predict`` for a Flax module and optax.
 
 A facade: it keeps the model, loss, optimizer, strategy, state and compiled steps, and hands
-iteration to :class:`trainkit.loop.Loop`, planning to :mod:`trainkit.plan`, bytes on disk to
+iteration to :class:`trainkit.loop.Loop`, planning to :mod:`trainkit.program.plan`, bytes on disk to
 :mod:`trainkit.checkpoint` and devices to the strategy.
 
 >>> import numpy as np, optax, flax.linen as nn
@@ -30,20 +30,23 @@ import numpy as np
 import optax
 
 from trainkit import checkpoint as checkpoint_lib
-from trainkit import compile_cache, debug, distributed, losses, optimizers
 from trainkit import data as data_lib
-from trainkit import metrics as metrics_lib
-from trainkit import plan as plan_lib
+from trainkit import distributed
 from trainkit.callbacks import Callback, CallbackList, History, ProgressBar, TerminateOnNaN
-from trainkit.executions import check_steps_per_execution
+from trainkit.core import optimizers
+from trainkit.core.model import adapt_model
+from trainkit.core.precision import NoLossScale, Precision, get_precision
+from trainkit.core.remat import wrap_remat
+from trainkit.core.state import Batch, TrainState, abstract, check_tree_matches
+from trainkit.distributed import compile_cache
 from trainkit.loop import Loop, Position, validates
-from trainkit.model import adapt_model
-from trainkit.objective import Objective
-from trainkit.precision import NoLossScale, Precision, get_precision
-from trainkit.program import Program
-from trainkit.remat import wrap_remat
-from trainkit.state import Batch, TrainState, abstract, check_tree_matches
+from trainkit.monitoring import debug
+from trainkit.objective import Objective, losses
+from trainkit.objective import metrics as metrics_lib
+from trainkit.program import plan as plan_lib
+from trainkit.program.program import Program
 from trainkit.strategies import Auto, SingleDevice, Strategy, resolve_strategy
+from trainkit.strategies.base import check_steps_per_execution
 
 PyTree = Any
 logger = logging.getLogger("trainkit")
@@ -401,12 +404,18 @@ class Trainer:
     def lowered_text(self, sample_batch: Any = None) -> str:
         """The train step as StableHLO text, before compiler optimisation. ``sample_batch``
         defaults to the last ``fit``'s batch shape."""
-        return debug.lower_train_step(self, sample_batch).as_text()
+        return debug.lower_train_step(self, self._placed_sample(sample_batch)).as_text()
 
     def compiled_text(self, sample_batch: Any = None) -> str:
         """The train step as optimised HLO after partitioning: the collectives the compiler
         inserted (``all-gather``, ``reduce-scatter``, ``all-reduce``) are visible here."""
-        return debug.lower_train_step(self, sample_batch).compile().as_text()
+        return debug.lower_train_step(self, self._placed_sample(sample_batch)).compile().as_text()
+
+    def _placed_sample(self, sample_batch: Any) -> Any:
+        if sample_batch is None or self.state is None:
+            return None
+        x, y, w = data_lib.split_xyw(sample_batch)
+        return self.strategy.put_batch(data_lib.pad_batch(x, y, w, data_lib.num_rows(x)))
 
     # ------------------------------------------------------------------ planning
     def plan(

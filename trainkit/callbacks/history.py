@@ -39,6 +39,6 @@ class History(Callback):
     def plot(self, path: str, title: str | None = None):
         """Train and validation curves of the loss and each metric, one panel each, saved as a
         PNG at ``path`` (needs matplotlib); returns the matplotlib figure."""
-        from trainkit.plot import plot_curves
+        from trainkit.monitoring.plot import plot_curves
 
         return plot_curves(self.history, path, title=title)

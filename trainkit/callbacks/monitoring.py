@@ -1,4 +1,4 @@
-"""Watching a run: ``Logging`` (any :mod:`trainkit.loggers` backend), ``TensorBoard`` (Keras 3's
+"""Watching a run: ``Logging`` (any :mod:`trainkit.monitoring.loggers` backend), ``TensorBoard`` (Keras 3's
 callback, written with tensorboardX), and ``Profiler`` (a ``jax.profiler`` trace of chosen
 steps). Only process 0 writes; every hook is ``async_safe`` (nothing waits for the device).
 
@@ -16,8 +16,10 @@ from typing import Any
 import jax
 import numpy as np
 
-from trainkit import debug, distributed, loggers, optimizers, throughput
+from trainkit import distributed
 from trainkit.callbacks.base import Callback, Logs
+from trainkit.core import optimizers
+from trainkit.monitoring import debug, loggers, throughput
 
 logger = logging.getLogger("trainkit")
 
@@ -116,7 +118,7 @@ class _Rate(Callback):
 
 
 class Logging(_Rate):
-    """Sends the logs to ``loggers`` (:class:`trainkit.loggers.Logger` objects): at every epoch
+    """Sends the logs to ``loggers`` (:class:`trainkit.monitoring.loggers.Logger` objects): at every epoch
     end (``update_freq="epoch"``) or every ``update_freq`` optimizer steps, the training
     metrics under run ``"train"`` and the validation metrics (without ``val_``) under
     ``"validation"``, at the global step; also the learning rate (when the optimizer injects

@@ -6,8 +6,8 @@ True
 
 from __future__ import annotations
 
-from trainkit import optimizers
 from trainkit.callbacks.base import Callback, Logs
+from trainkit.core import optimizers
 
 
 class SwapEMAWeights(Callback):

@@ -30,21 +30,10 @@ from typing import Any
 import jax
 from jax.sharding import PartitionSpec
 
+from trainkit.core.tree import leaf_name
+
 PyTree = Any
 Rule = tuple[str, PartitionSpec]
-
-
-def leaf_name(path: Sequence[Any]) -> str:
-    """``params/Dense_0/kernel`` for a key path of dict keys, attributes and indices."""
-    parts = []
-    for key in path:
-        for attr in ("key", "name", "idx"):
-            if hasattr(key, attr):
-                parts.append(str(getattr(key, attr)))
-                break
-        else:
-            parts.append(str(key))
-    return "/".join(parts)
 
 
 LogicalRule = tuple[str, str | tuple[str, ...] | None]

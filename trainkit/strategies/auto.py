@@ -2,7 +2,7 @@
 
 ``strategy="auto"`` (the Trainer's default) means ``Auto()``: on one device it is
 ``SingleDevice``; on several, the Trainer compiles the real train step under every candidate
-(:func:`trainkit.plan.default_candidates`) and keeps the fastest one whose per-device memory
+(:func:`trainkit.program.plan.default_candidates`) and keeps the fastest one whose per-device memory
 fits, logging what it picked and why (see :meth:`trainkit.Trainer.plan`).
 
 >>> auto = Auto(memory_limit=2**30, measure=False)

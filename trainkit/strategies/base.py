@@ -147,3 +147,20 @@ class Strategy:
 
     def describe(self) -> str:
         return f"{type(self).__name__}({len(self.devices)} devices)"
+
+
+def check_steps_per_execution(steps: Any, strategy: Any = None) -> int:
+    """``steps`` as an int, or a ``ValueError`` (not a positive integer) or ``TypeError`` (a
+    ``strategy`` without ``put_batches`` / ``compile_train_steps``) saying what to pass.
+
+    >>> check_steps_per_execution(32)
+    32
+    """
+    if isinstance(steps, bool) or not isinstance(steps, (int, np.integer)) or steps < 1:
+        raise ValueError(f"steps_per_execution must be a positive integer; received {steps!r}.")
+    if steps > 1 and strategy is not None:
+        if type(strategy).put_batches is Strategy.put_batches or (
+            type(strategy).compile_train_steps is Strategy.compile_train_steps
+        ):
+            raise TypeError(strategy._no_steps_per_execution())
+    return int(steps)

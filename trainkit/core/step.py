@@ -32,9 +32,9 @@ import jax.numpy as jnp
 import optax
 from clu.metrics import LastValue
 
-from trainkit.metrics import LossAverage, MetricFn, WeightedAverage, batch_state
-from trainkit.optimizers import learning_rate
-from trainkit.state import Batch, TrainState
+from trainkit.core.optimizers import learning_rate
+from trainkit.core.state import Batch, TrainState
+from trainkit.core.totals import LossAverage, MetricFn, WeightedAverage, batch_state
 
 LossFn = Callable[..., tuple[jax.Array, tuple[Any, Any]]]
 Metrics = dict[str, WeightedAverage]
@@ -124,7 +124,7 @@ def make_train_step(
     With ``grad_accum_steps=k`` the (per-device) batch is split into ``k`` micro-batches
     that run one after another inside the step (a ``lax.scan``): peak activation memory falls
     by about ``k`` while the update equals the update on the whole batch. ``state.loss_scale``
-    (a :mod:`trainkit.precision` loss scale) scales the loss before differentiation, unscales
+    (a :mod:`trainkit.core.precision` loss scale) scales the loss before differentiation, unscales
     the gradients and decides whether the update is applied: with a static or dynamic scale, a
     step with non-finite gradients leaves the state unchanged (but for ``step``, the scale and
     the rng) and its metrics count nothing.

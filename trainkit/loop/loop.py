@@ -34,11 +34,11 @@ import numpy as np
 
 from trainkit import data as data_lib
 from trainkit import distributed
-from trainkit import metrics as metrics_lib
-from trainkit.executions import executions, room_until
-from trainkit.prefetch import Prefetcher
-from trainkit.state import abstract
-from trainkit.watchdog import StallWatchdog
+from trainkit.core import totals as metrics_lib
+from trainkit.core.state import abstract
+from trainkit.data.prefetch import Prefetcher
+from trainkit.data.spans import executions, room_until
+from trainkit.distributed.watchdog import StallWatchdog
 
 PyTree = Any
 
@@ -336,7 +336,7 @@ class Loop:
         return Prefetcher(batches, depth=0 if getattr(dataset, "one_shot", False) else self.prefetch)
 
     def _train_reader(self, dataset: Any, batches: Iterator, max_steps: int | None) -> Prefetcher:
-        """The epoch's spans (:func:`trainkit.executions.executions`: ``(batches, fused,
+        """The epoch's spans (:func:`trainkit.data.spans.executions`: ``(batches, fused,
         steps, data position after them)``), assembled ahead like :meth:`_reader`'s batches; the
         data position is read in the same thread, right after each batch."""
         get_state = dataset.get_state if getattr(dataset, "checkpointable", False) else lambda: None

@@ -22,6 +22,7 @@ without its weight) and ``<output>_<metric>``.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -29,8 +30,10 @@ from typing import Any
 import jax
 import numpy as np
 
-from trainkit import checks, crossentropy, losses
-from trainkit import metrics as metrics_lib
+from trainkit.core import checks
+from trainkit.core.totals import BatchMetric
+from trainkit.objective import crossentropy, losses
+from trainkit.objective import metrics as metrics_lib
 
 PyTree = Any
 
@@ -269,16 +272,8 @@ class Objective:
             return lambda fn: fn
 
         def select(fn):
-            def on_output(predictions, targets):
-                y = None if targets is None else _pick(targets, out.key, "targets")
-                return fn(_pick(predictions, out.key, "model's outputs"), y)
-
-            on_output.__name__ = getattr(fn, "__name__", "metric")
-            if hasattr(fn, "batch_state"):  # a stateful metric keeps its state, on this output
-                on_output.batch_state = lambda p, t, **kw: fn.batch_state(
-                    _pick(p, out.key, "model's outputs"), None if t is None else _pick(t, out.key, "targets"), **kw
-                )
-            return on_output
+            pick = functools.partial(_pick_output, out.key)
+            return _StatefulOnOutput(fn, pick) if isinstance(fn, BatchMetric) else _OnOutput(fn, pick)
 
         return select
 
@@ -329,3 +324,26 @@ class Objective:
         name = probe.split("/", 1)[1]
         out = next(o for o in self.outputs if o.name == name)
         return out.loss_name + (f" (output {out.name!r})" if out.name else "")
+
+
+def _pick_output(key: Any, predictions: PyTree, targets: PyTree) -> tuple[PyTree, PyTree]:
+    """One output's predictions and targets from the whole structures."""
+    return _pick(predictions, key, "model's outputs"), None if targets is None else _pick(targets, key, "targets")
+
+
+class _OnOutput:
+    """A metric of one output, called on the whole structures."""
+
+    def __init__(self, fn: Callable, pick: Callable):
+        self.fn, self.pick = fn, pick
+        self.__name__ = getattr(fn, "__name__", "metric")  # a user's callable
+
+    def __call__(self, predictions, targets):
+        return self.fn(*self.pick(predictions, targets))
+
+
+class _StatefulOnOutput(_OnOutput, BatchMetric):
+    """A stateful metric of one output: it keeps its state, on this output."""
+
+    def batch_state(self, predictions, targets, **options):
+        return self.fn.batch_state(*self.pick(predictions, targets), **options)

@@ -6,7 +6,7 @@ Orbax writes each step into a temporary directory and renames it when complete, 
 killed mid-save leaves no half-written checkpoint that could be chosen later.
 
 >>> import tempfile, jax.numpy as jnp
->>> from trainkit.state import TrainState
+>>> from trainkit.core.state import TrainState
 >>> state = TrainState.create(params={"w": jnp.ones(3)}, opt_state=(), model_state={}, seed=0)
 >>> checkpoints = Checkpointer(tempfile.mkdtemp())
 >>> checkpoints.save(0, state, {"position": {"epoch": 0, "batch": 0}}, wait=True)
@@ -34,9 +34,10 @@ from typing import Any
 
 import flax.serialization
 import jax
-import numpy as np
 import orbax.checkpoint as ocp
 
+from trainkit.core import state as state_lib
+from trainkit.core import tree
 from trainkit.version import __version__
 
 PyTree = Any
@@ -82,28 +83,6 @@ WEIGHTS = ("params", "model_state")
 
 class CheckpointError(RuntimeError):
     """A checkpoint could not be written or does not fit the model being restored."""
-
-
-def tree_signature(tree: PyTree) -> dict[str, list]:
-    """``{path: [shape, dtype]}`` for every array leaf (for manifests and comparisons)."""
-    return {
-        jax.tree_util.keystr(path): [list(np.shape(leaf)), str(np.dtype(leaf.dtype))]
-        for path, leaf in jax.tree_util.tree_leaves_with_path(tree)
-        if hasattr(leaf, "dtype")
-    }
-
-
-def compare_signatures(what: str, saved: dict, current: dict) -> list[str]:
-    """Human-readable differences between two :func:`tree_signature` results."""
-    problems = [f"{what}{k}: in the checkpoint, not in the model" for k in saved if k not in current]
-    problems += [f"{what}{k}: in the model, not in the checkpoint" for k in current if k not in saved]
-    problems += [
-        f"{what}{k}: checkpoint shape {tuple(saved[k][0])} {saved[k][1]}, model shape "
-        f"{tuple(current[k][0])} {current[k][1]}"
-        for k in saved
-        if k in current and saved[k] != current[k]
-    ]
-    return problems
 
 
 def check_writable(directory: str) -> None:
@@ -372,10 +351,11 @@ class Checkpointer:
             raise CheckpointError(
                 f"The manifest of step {step} in {self.directory!r} is unreadable ({type(error).__name__}: {error})."
             ) from error
-        problems = []
+        problems, parts = [], flax.serialization.to_state_dict(target)
         for part in ("params", "opt_state", "model_state"):
             if part in manifest.get("tree", {}):
-                problems += compare_signatures(f"{part}", manifest["tree"][part], tree_signature(getattr(target, part)))
+                current = tree.signature(parts[part])
+                problems += tree.difference(part, manifest["tree"][part], current, names=("checkpoint", "model"))
         if problems:
             raise CheckpointError(
                 f"The checkpoint at step {step} in {self.directory!r} does not match this "
@@ -387,9 +367,7 @@ class Checkpointer:
         target_dict = flax.serialization.to_state_dict(target)
         if manifest.get("contents") == "weights":
             target_dict = {part: target_dict[part] for part in WEIGHTS}
-        abstract = jax.tree.map(
-            lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=getattr(a, "sharding", None)), target_dict
-        )
+        abstract = state_lib.abstract(target_dict)
         try:
             restored = self._manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract)))[
                 "state"
@@ -470,6 +448,7 @@ def build_manifest(state: PyTree, strategy: Any, position: Any, **settings: Any)
     """What a checkpoint records besides the arrays: versions, the strategy and mesh, the data
     ``position`` (``epoch``, ``batch``, ``step``), ``settings`` (precision, seed, batch size...)
     and the shape and dtype of every leaf of the parameters, optimizer state and model state."""
+    parts = flax.serialization.to_state_dict(state)
     return {
         "trainkit_version": __version__,
         "jax_version": jax.__version__,
@@ -480,7 +459,7 @@ def build_manifest(state: PyTree, strategy: Any, position: Any, **settings: Any)
         "process_count": jax.process_count(),
         **settings,
         "position": {"epoch": position.epoch, "batch": position.batch, "global_step": position.step},
-        "tree": {part: tree_signature(getattr(state, part)) for part in ("params", "opt_state", "model_state")},
+        "tree": {part: tree.signature(parts[part]) for part in ("params", "opt_state", "model_state")},
     }
 
 

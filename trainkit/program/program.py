@@ -3,9 +3,10 @@
 compiled plan of a batch under candidate strategies.
 
 >>> import jax, numpy as np, optax, flax.linen as nn
->>> from trainkit import losses, model
+>>> from trainkit.core import model
+>>> from trainkit.objective import losses
 >>> from trainkit.objective import Objective
->>> from trainkit.precision import get_precision
+>>> from trainkit.core.precision import get_precision
 >>> from trainkit.strategies import SingleDevice
 >>> adapter = model.adapt_model(nn.Dense(2))
 >>> def compute_loss(params, batch, rng, *, model_state, train):
@@ -27,11 +28,11 @@ import jax
 import numpy as np
 import optax
 
-from trainkit import plan as plan_lib
-from trainkit.model import ModelAdapter, param_axes, starting_variables, under_logical_rules
-from trainkit.precision import Precision, cast_floating
-from trainkit.state import Batch, TrainState
-from trainkit.step import make_eval_step, make_multi_step, make_predict_step, make_train_step
+from trainkit.core.model import ModelAdapter, param_axes, starting_variables, under_logical_rules
+from trainkit.core.precision import Precision, cast_floating
+from trainkit.core.state import Batch, TrainState
+from trainkit.core.step import make_eval_step, make_multi_step, make_predict_step, make_train_step
+from trainkit.program import plan as plan_lib
 from trainkit.strategies import Strategy
 
 PyTree = Any
@@ -147,7 +148,7 @@ class Program:
     def plan(
         self, host_batch: Batch, candidates: Sequence[Strategy] | None, *, trains: bool, **options
     ) -> plan_lib.MemoryPlan:
-        """:func:`trainkit.plan.plan_step` of the train step (or, when ``trains`` is false, the
+        """:func:`trainkit.program.plan.plan_step` of the train step (or, when ``trains`` is false, the
         predict step) on a padded global batch."""
         kind = "train" if trains else "predict"
         first_row = jax.tree.map(lambda a: np.asarray(a[:1]), host_batch["x"])

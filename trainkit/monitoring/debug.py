@@ -18,9 +18,8 @@ import numpy as np
 from rich.console import Console
 from rich.table import Table
 
-from trainkit import data as data_lib
-from trainkit.state import abstract
-from trainkit.strategies._sharding import leaf_name
+from trainkit.core.state import abstract
+from trainkit.core.tree import leaf_name
 
 PyTree = Any
 
@@ -120,21 +119,19 @@ def visualize_leaf(trainer_or_state: Any, path: str, part: str = "params") -> No
     jax.debug.visualize_array_sharding(leaf)
 
 
-def lower_train_step(trainer: Any, sample_batch: Any = None) -> jax.stages.Lowered:
-    """The trainer's compiled train step lowered for ``sample_batch`` (any form ``fit`` takes),
-    or for the shapes of the last ``fit``'s batches; ``.as_text()`` is its StableHLO,
-    ``.compile().as_text()`` the partitioned HLO with the collectives the compiler inserted."""
+def lower_train_step(trainer: Any, batch: Any = None) -> jax.stages.Lowered:
+    """The trainer's compiled train step lowered for ``batch`` (a batch placed by the strategy,
+    or its abstract shapes), by default the shapes of the last ``fit``'s batches; ``.as_text()``
+    is its StableHLO, ``.compile().as_text()`` the partitioned HLO with the collectives the
+    compiler inserted."""
     if trainer.state is None:
         raise RuntimeError("The trainer has no state yet: call fit(...) or init(sample_batch) first.")
-    if sample_batch is not None:
-        x, y, w = data_lib.split_xyw(sample_batch)
-        batch = trainer.strategy.put_batch(data_lib.pad_batch(x, y, w, data_lib.num_rows(x)))
-    elif trainer.loop.batch_spec is not None:
+    if batch is None:
         batch = trainer.loop.batch_spec
-    else:
+    if batch is None:
         raise ValueError("Pass a sample batch, e.g. trainer.lowered_text((x[:32], y[:32])), or call fit first.")
     function = trainer.function("train")
-    if not hasattr(function, "lower"):
+    if not hasattr(function, "lower"):  # a jax.jit or jax.pmap function
         raise TypeError(f"{type(trainer.strategy).__name__}.compile_train returned a function without .lower().")
     return function.lower(abstract(trainer.state), batch)
 

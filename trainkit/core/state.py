@@ -15,9 +15,10 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
-from trainkit.precision import NoLossScale
+from trainkit.core import tree
+from trainkit.core.precision import NoLossScale
+from trainkit.core.tree import PyTree
 
-PyTree = Any
 Batch = dict[str, Any]
 
 
@@ -32,7 +33,7 @@ class TrainState:
         model_state: non-parameter Flax collections such as ``batch_stats``.
         rng: a raw ``uint32[2]`` PRNG key; each step folds in its step number.
         loss_scale: the loss-scale state of the precision policy
-            (:class:`trainkit.precision.NoLossScale` unless fp16).
+            (:class:`trainkit.core.precision.NoLossScale` unless fp16).
     """
 
     step: jax.Array
@@ -52,7 +53,11 @@ class TrainState:
 def abstract(tree: PyTree) -> PyTree:
     """``jax.ShapeDtypeStruct`` of every array, with its sharding: what lowering needs, nothing
     allocated."""
-    return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=getattr(a, "sharding", None)), tree)
+    return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=_sharding_of(a)), tree)
+
+
+def _sharding_of(leaf: Any) -> Any:
+    return leaf.sharding if isinstance(leaf, (jax.Array, jax.ShapeDtypeStruct)) else None
 
 
 def check_tree_matches(what: str, expected: PyTree, received: PyTree) -> None:
@@ -60,16 +65,10 @@ def check_tree_matches(what: str, expected: PyTree, received: PyTree) -> None:
 
     >>> check_tree_matches("params=", {"w": jnp.zeros(2)}, {"w": jnp.zeros(3)})
     Traceback (most recent call last):
-    ValueError: params= does not match the model's variables: ['w']: expected shape (2,), received (3,). ...
+    ValueError: params= does not match the model's variables: ['w']: model's variables shape (2,), ...
     """
-
-    def shapes(tree):
-        return {jax.tree_util.keystr(p): tuple(jnp.shape(v)) for p, v in jax.tree_util.tree_leaves_with_path(tree)}
-
-    exp, got = shapes(expected), shapes(received)
-    problems = [f"missing {k} {v}" for k, v in exp.items() if k not in got]
-    problems += [f"unexpected {k} {v}" for k, v in got.items() if k not in exp]
-    problems += [f"{k}: expected shape {v}, received {got[k]}" for k, v in exp.items() if k in got and got[k] != v]
+    names = ("model's variables", "variables given")
+    problems = tree.difference("", tree.signature(expected), tree.signature(received), names=names, dtypes=False)
     if problems:
         raise ValueError(
             f"{what} does not match the model's variables: "

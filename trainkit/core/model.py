@@ -24,7 +24,7 @@ import numpy as np
 from flax import linen as nn
 from flax import nnx
 
-from trainkit.state import check_tree_matches
+from trainkit.core.state import check_tree_matches
 
 PyTree = Any
 

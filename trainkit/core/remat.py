@@ -36,7 +36,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from trainkit.model import LinenModel, ModelAdapter
+from trainkit.core.model import LinenModel, ModelAdapter
 
 POLICIES: dict[str, Callable | None] = {
     "full": None,  # save nothing

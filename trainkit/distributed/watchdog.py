@@ -112,7 +112,8 @@ class StallWatchdog:
             for index, step, idle in stalled
         )
         print(
-            f"trainkit.watchdog.StallError: {names}, while process {jax.process_index()} reached step {self._step}: "
+            f"trainkit.distributed.watchdog.StallError: {names}, while process {jax.process_index()} reached step "
+            f"{self._step}: "
             "it hangs outside the compiled step (Python code, a callback, I/O). Ending the run. "
             "Find where with `py-spy dump --pid <pid>` next time; TRAINKIT_STALL_TIMEOUT sets the wait.",
             file=sys.stderr,

@@ -21,8 +21,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from trainkit import crossentropy
-from trainkit.crossentropy import (  # noqa: F401  (Keras's loss classes, as tk.losses.*)
+from trainkit.objective import crossentropy
+from trainkit.objective.crossentropy import (  # noqa: F401  (Keras's loss classes, as tk.losses.*)
     BinaryCrossentropy,
     BinaryFocalCrossentropy,
     CategoricalCrossentropy,

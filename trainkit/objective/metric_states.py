@@ -2,7 +2,7 @@
 thresholds), root mean squared error and R^2, computed as Keras 3 computes them.
 
 Each batch gives a *state* of a few sums (a ``clu.metrics.Metric``). States are summed across
-devices and batches like the averages of :mod:`trainkit.metrics`, with padded rows at weight
+devices and batches like the averages of :mod:`trainkit.objective.metrics`, with padded rows at weight
 0, and the value is computed once from the totals: exact on any device count and any split of
 the data into batches.
 
@@ -26,6 +26,8 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from trainkit.core.totals import BatchMetric
 
 EPSILON = 1e-7
 
@@ -116,12 +118,10 @@ class R2Sums(Sums):
         return jnp.mean(jnp.where(jnp.isinf(scores), 0.0, scores))
 
 
-class StatefulMetric:
+class StatefulMetric(BatchMetric):
     """Base class: a metric whose batch state is not a per-row mean. Subclasses set ``__name__``
     and implement :meth:`batch_state`; ``from_logits`` says whether outputs are logits (``None``:
     follow the output's loss, as trainkit decides for names)."""
-
-    weighted = False
 
     def __init__(self, name: str, from_logits: bool | None = None):
         self.__name__ = name

@@ -1,0 +1,18 @@
+"""Checkpoints: bytes on disk: orbax checkpoints of the whole state with a JSON manifest,
+written in the background, restored into any strategy (imports ``core``, ``distributed``).
+
+>>> from trainkit.checkpoint import CheckpointError
+>>> issubclass(CheckpointError, RuntimeError)
+True
+"""
+
+from trainkit.checkpoint.checkpointer import (
+    Checkpointer,
+    CheckpointError,
+    all_finite,
+    build_manifest,
+    check_writable,
+    explain_restore,
+)
+
+__all__ = ["CheckpointError", "Checkpointer", "all_finite", "build_manifest", "check_writable", "explain_restore"]

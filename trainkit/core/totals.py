@@ -1,0 +1,141 @@
+"""Metric totals: the exact masked reduction of per-batch metrics, on the device and the host.
+
+Inside a step each metric becomes a :class:`WeightedAverage` (a ``clu.metrics.Average`` whose
+count is the sum of the row weights, so padded rows with weight 0 never count), or the state a
+:class:`BatchMetric` builds itself. Totals and counts are summed across devices and steps and
+divided once at the end: the result does not depend on the device count or on how the data was
+split into batches.
+
+>>> import numpy as np
+>>> a = WeightedAverage.from_values(np.array([1.0, 3.0, 100.0]), np.array([1.0, 1.0, 0.0]))
+>>> float(a.merge(WeightedAverage.from_values(np.array([5.0]), np.array([1.0]))).compute())
+3.0
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import clu.metrics
+import flax.struct
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+MetricFn = Callable[[Any, Any], jax.Array]
+
+
+@flax.struct.dataclass
+class WeightedAverage(clu.metrics.Average):
+    """``clu.metrics.Average`` with real-valued row weights (sample weights times the mask)."""
+
+    @classmethod
+    def empty(cls) -> WeightedAverage:
+        return cls(total=jnp.array(0, jnp.float32), count=jnp.array(0, jnp.float32))
+
+    @classmethod
+    def from_values(cls, values: jax.Array, weights: jax.Array) -> WeightedAverage:
+        """``total = sum(values * weights)`` (rows of weight 0 are dropped even if not finite)."""
+        xp = jnp if isinstance(values, jax.Array) else np
+        weighted = xp.where(weights > 0, values * weights, 0)
+        return cls(total=weighted.sum(), count=weights.sum())
+
+
+class Weighted:
+    """A metric that the sample weights apply to (Keras's ``weighted_metrics=``); metrics given
+    as ``metrics=`` count every real row once, whatever its sample weight."""
+
+    def __init__(self, fn: MetricFn):
+        self.fn = fn
+        self.__name__ = getattr(fn, "__name__", type(fn).__name__)
+
+    def __call__(self, predictions, targets):
+        return self.fn(predictions, targets)
+
+
+@flax.struct.dataclass
+class LossAverage(WeightedAverage):
+    """A loss: ``sum(loss * sample_weight)`` over the real rows, divided by the number of real
+    rows (Keras's ``sum_over_batch_size``); NaN when no row counted."""
+
+
+class BatchMetric:
+    """Base class of a metric that builds its own batch state (a ``clu.metrics.Metric``) instead
+    of a per-row mean: ``batch_state(predictions, targets, *, mask, weights)``, where ``mask``
+    says which rows count (the sample weights for a :class:`Weighted` metric)."""
+
+    def batch_state(self, predictions, targets, *, mask, weights) -> clu.metrics.Metric:
+        raise NotImplementedError
+
+
+def batch_state(fn: MetricFn, predictions, targets, *, mask, weights) -> clu.metrics.Metric:
+    """One batch's state of the metric ``fn``: a :class:`WeightedAverage` of its per-row values
+    (rows counted by ``weights`` for a :class:`Weighted` metric, else once each), or the state a
+    :class:`BatchMetric` builds itself."""
+    weighted = isinstance(fn, Weighted)
+    inner, counted = (fn.fn, weights) if weighted else (fn, mask)
+    if isinstance(inner, BatchMetric):
+        return inner.batch_state(predictions, targets, mask=counted, weights=weights)
+    values = jnp.asarray(fn(predictions, targets), jnp.float32)
+    rows = mask.shape[0]
+    values = jnp.broadcast_to(values, (rows,)) if values.ndim == 0 else values.reshape(rows, -1).mean(axis=1)
+    return WeightedAverage.from_values(values, counted)
+
+
+def compute(totals: dict[str, clu.metrics.Metric], order: Sequence[str] = ("loss",)) -> dict[str, float]:
+    """Python floats ``total / count`` for each metric (a ``WeightedAverage`` or a
+    ``clu.metrics.LastValue``), the names in ``order`` first (pytrees sort dict keys; logs keep
+    the user's order); names starting with ``_`` are trainkit's own probes, not logged. Where
+    nothing was counted, a metric is 0.0 (Keras's ``divide_no_nan``, e.g. all sample weights
+    zero) and the loss is NaN (a skipped fp16 step is not an observation).
+
+    >>> compute({"loss": WeightedAverage.empty(), "mae": WeightedAverage.empty()})
+    {'loss': nan, 'mae': 0.0}
+    """
+    names = [n for n in order if n in totals] + [n for n in totals if n not in order and not n.startswith("_")]
+
+    def value(name):
+        metric = totals[name]
+        if not isinstance(metric, (WeightedAverage, clu.metrics.LastValue)):
+            return float(metric.compute())  # a stateful metric's totals
+        if float(metric.count):
+            return float(metric.total / metric.count)
+        return float("nan") if name == "loss" or isinstance(metric, LossAverage) else 0.0
+
+    return {name: value(name) for name in names}
+
+
+def merge(a: dict[str, clu.metrics.Metric] | None, b: dict[str, clu.metrics.Metric]):
+    """Merges two dicts of averages (``a`` may be ``None``); runs once per step on the host,
+    so averages are added directly (clu's ``merge`` checks shapes first, at 5x the cost)."""
+    if a is None:
+        return b
+
+    def one(left, right):
+        if isinstance(left, WeightedAverage) and type(left) is type(right):
+            return type(left)(total=left.total + right.total, count=left.count + right.count)
+        return left.merge(right)
+
+    return {k: one(a[k], b[k]) for k in b}
+
+
+def merge_stacked(totals: dict[str, clu.metrics.Metric] | None, stacked: dict[str, clu.metrics.Metric], steps: int):
+    """Merges the host metrics of ``steps`` steps stacked on a leading axis (one fused call):
+    averages summed over the axis, the last value kept, any other metric merged step by step.
+
+    >>> stacked = {"loss": LossAverage(total=np.array([1.0, 3.0]), count=np.array([2.0, 2.0]))}
+    >>> compute(merge_stacked(None, stacked, 2), ("loss",))
+    {'loss': 1.0}
+    """
+    merged = {}
+    for name, metric in stacked.items():
+        if isinstance(metric, WeightedAverage):
+            merged[name] = type(metric)(total=metric.total.sum(0), count=metric.count.sum(0))
+        elif isinstance(metric, clu.metrics.LastValue):
+            merged[name] = jax.tree.map(lambda a: a[-1], metric)
+        else:
+            for index in range(steps):
+                step = jax.tree.map(lambda a, i=index: a[i], metric)
+                merged[name] = step if index == 0 else merged[name].merge(step)
+    return merge(totals, merged)

@@ -1,0 +1,65 @@
+"""Tree helpers, one of each: the ``PyTree`` alias, the spelling of a leaf's path, a tree's
+signature (shape and dtype per leaf) and the difference of two signatures.
+
+>>> import numpy as np
+>>> params = {"Dense_0": {"kernel": np.zeros((3, 2), np.float32)}}
+>>> [leaf_name(path) for path, _ in jax.tree_util.tree_leaves_with_path(params)]
+['Dense_0/kernel']
+>>> difference("params", signature(params), signature({"Dense_0": {"kernel": np.zeros((4, 2), np.float32)}}))
+["params['Dense_0']['kernel']: expected shape (3, 2) float32, received shape (4, 2) float32"]
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import numpy as np
+
+PyTree = Any
+
+
+def leaf_name(path: Sequence[Any]) -> str:
+    """``params/Dense_0/kernel`` for a key path of dict keys, attributes and indices."""
+    return "/".join(str(_key(entry)) for entry in path)
+
+
+def _key(entry: Any) -> Any:
+    if isinstance(entry, jax.tree_util.DictKey):
+        return entry.key
+    if isinstance(entry, jax.tree_util.GetAttrKey):
+        return entry.name
+    if isinstance(entry, (jax.tree_util.SequenceKey, jax.tree_util.FlattenedIndexKey)):
+        return entry.idx
+    return entry
+
+
+def signature(tree: PyTree) -> dict[str, list]:
+    """``{path: [shape, dtype]}`` for every array leaf (``jax.tree_util.keystr`` paths, as
+    checkpoint manifests record them)."""
+    return {
+        jax.tree_util.keystr(path): [list(np.shape(leaf)), str(np.dtype(leaf.dtype))]
+        for path, leaf in jax.tree_util.tree_leaves_with_path(tree)
+        if isinstance(leaf, (np.ndarray, np.generic, jax.Array, jax.ShapeDtypeStruct))
+    }
+
+
+def difference(
+    what: str, expected: dict, received: dict, *, names: tuple[str, str] = ("expected", "received"), dtypes: bool = True
+) -> list[str]:
+    """Human-readable differences between two :func:`signature` results: leaves only one side
+    has, and leaves whose shapes (and, with ``dtypes``, dtypes) differ."""
+    first, second = names
+    problems = [f"{what}{k}: in the {first}, not in the {second}" for k in expected if k not in received]
+    problems += [f"{what}{k}: in the {second}, not in the {first}" for k in received if k not in expected]
+    for k in expected:
+        if k not in received:
+            continue
+        (shape, dtype), (other_shape, other_dtype) = expected[k], received[k]
+        if shape != other_shape or (dtypes and dtype != other_dtype):
+            kinds = (f" {dtype}", f" {other_dtype}") if dtypes else ("", "")
+            problems.append(
+                f"{what}{k}: {first} shape {tuple(shape)}{kinds[0]}, {second} shape {tuple(other_shape)}{kinds[1]}"
+            )
+    return problems

@@ -1,0 +1,63 @@
+"""Data: every input of ``fit`` / ``evaluate`` / ``predict`` turned into one source of
+fixed-shape, masked NumPy batches, read ahead in the background (imports ``core`` only).
+
+>>> import numpy as np, trainkit as tk
+>>> data = tk.data.as_dataset((np.arange(10.0)[:, None], np.arange(10)))
+>>> [int(b["mask"].sum()) for b in data.batches(4, shuffle=False)]
+[4, 4, 2]
+"""
+
+from trainkit.data import sources
+from trainkit.data.arrays import ArrayDataset, split_validation, with_class_weight
+from trainkit.data.batching import (
+    Batch,
+    batch_rows,
+    check_batch_size,
+    check_positive,
+    check_same_inputs,
+    check_shuffle,
+    example_spec,
+    host_array,
+    is_array_tree,
+    num_rows,
+    pad_batch,
+    split_xyw,
+    to_host,
+)
+from trainkit.data.epochs import continues_across_epochs, epoch_batches, epoch_steps
+from trainkit.data.iterable import IterableDataset
+from trainkit.data.prepare import Dataset, as_dataset, check_validation_runs, prepare, sample_batch
+from trainkit.data.random_access import HuggingFaceSource, RandomAccessSource
+from trainkit.data.source import DataSource
+
+__all__ = [
+    "ArrayDataset",
+    "Batch",
+    "DataSource",
+    "Dataset",
+    "HuggingFaceSource",
+    "IterableDataset",
+    "RandomAccessSource",
+    "as_dataset",
+    "batch_rows",
+    "check_batch_size",
+    "check_positive",
+    "check_same_inputs",
+    "check_shuffle",
+    "check_validation_runs",
+    "continues_across_epochs",
+    "epoch_batches",
+    "epoch_steps",
+    "example_spec",
+    "host_array",
+    "is_array_tree",
+    "num_rows",
+    "pad_batch",
+    "prepare",
+    "sample_batch",
+    "sources",
+    "split_validation",
+    "split_xyw",
+    "to_host",
+    "with_class_weight",
+]

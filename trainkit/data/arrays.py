@@ -1,0 +1,129 @@
+"""``ArrayDataset``: in-memory arrays as a random-access source; Keras's ``validation_split`` and
+``class_weight``, which only arrays support.
+
+>>> import numpy as np
+>>> data = ArrayDataset(np.arange(10.0)[:, None], np.arange(10))
+>>> [int(b["mask"].sum()) for b in data.batches(4, shuffle=False)]
+[4, 4, 2]
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import jax
+import numpy as np
+
+from trainkit.core import checks
+from trainkit.data.batching import Batch, PyTree, batch_rows, check_lengths, example_spec, pad_batch, take, to_host
+from trainkit.data.source import DataSource
+
+
+class ArrayDataset:
+    """In-memory arrays, batched in a (seeded) shuffled order, last batch padded."""
+
+    def __init__(self, x: PyTree, y: PyTree = None, sample_weight: PyTree = None):
+        x, y, sample_weight = to_host(x), to_host(y), to_host(sample_weight)
+        self.num_examples = check_lengths({"x": x, "y": y, "sample_weight": sample_weight})
+        self.x, self.y = x, y
+        checks.numeric(self.x, "x")
+        checks.numeric(self.y, "y")
+        self.sample_weight = checks.sample_weights(sample_weight, self.num_examples)
+
+    @property
+    def has_targets(self) -> bool:
+        return self.y is not None
+
+    def element_spec(self) -> PyTree:
+        return example_spec(self.x)
+
+    def first(self, rows: int = 1) -> tuple[PyTree, PyTree, PyTree]:
+        sl = slice(0, rows)
+        return take(self.x, sl), None if self.y is None else take(self.y, sl), None
+
+    def steps(self, batch_size: int) -> int:
+        return -(-self.num_examples // batch_size)
+
+    def batches(
+        self,
+        batch_size: int,
+        *,
+        shuffle: bool = False,
+        seed: int = 0,
+        epoch: int = 0,
+        start: int = 0,
+        process_index: int = 0,
+        process_count: int = 1,
+        **_: Any,
+    ) -> Iterator[Batch]:
+        """Batches of ``batch_size`` rows from batch index ``start`` on.
+
+        With several processes, every process computes the same (seeded) order and yields only
+        its part of each global batch: rows ``[p * b, (p + 1) * b)`` of the padded global batch,
+        ``b = batch_size / process_count``, so the parts of all processes, in process order,
+        are exactly the single-process batch."""
+        local = batch_size // process_count
+        for rows in batch_rows(
+            self.num_examples, batch_size, shuffle, seed, epoch, start, process_index, process_count
+        ):
+            x, y, w = (None if t is None else take(t, rows) for t in (self.x, self.y, self.sample_weight))
+            yield pad_batch(x, y, w, local)
+
+
+def _arrays_only(dataset: DataSource, what: str) -> ArrayDataset:
+    if not isinstance(dataset, ArrayDataset):
+        raise ValueError(
+            f"{what} is only supported for arrays (x, y[, sample_weight]); received an iterable of batches. "
+            "Split or weight the data before batching it, or pass validation_data / per-row sample weights."
+        )
+    return dataset
+
+
+def split_validation(dataset: DataSource, validation_split: float) -> tuple[ArrayDataset, ArrayDataset]:
+    """Keras's ``validation_split``: the last ``validation_split`` fraction of the rows (before
+    any shuffling) becomes the validation set."""
+    dataset = _arrays_only(dataset, "validation_split")
+    if not 0.0 < validation_split < 1.0:
+        raise ValueError(f"validation_split must be between 0 and 1; received {validation_split!r}.")
+    n = dataset.num_examples
+    split_at = int(np.floor(n * (1.0 - validation_split)))
+    if split_at in (0, n):
+        raise ValueError(
+            f"Training data contains {n} samples, which is not sufficient to split it into a validation and "
+            f"training set as specified by `validation_split={validation_split}`. Either provide more data, or a "
+            "different value for the `validation_split` argument."
+        )
+    part = lambda tree, rows: None if tree is None else jax.tree.map(lambda a: a[rows], tree)  # noqa: E731
+    train, val = slice(0, split_at), slice(split_at, n)
+    return (
+        ArrayDataset(part(dataset.x, train), part(dataset.y, train), part(dataset.sample_weight, train)),
+        ArrayDataset(part(dataset.x, val), part(dataset.y, val), part(dataset.sample_weight, val)),
+    )
+
+
+def with_class_weight(dataset: DataSource, class_weight: dict) -> ArrayDataset:
+    """Keras's ``class_weight``: every row weighted by its class (integer labels, ``(B, 1)``
+    labels or one-hot targets), 1.0 for classes not in the dict."""
+    dataset = _arrays_only(dataset, "class_weight")
+    if not hasattr(class_weight, "items"):
+        raise ValueError(f"class_weight must be a dict of class index -> weight; received {class_weight!r}.")
+    if dataset.sample_weight is not None:
+        raise ValueError(
+            "You cannot use `class_weight` and `sample_weight` at the same time: fold the class "
+            "weights into sample_weight."
+        )
+    if dataset.y is None or len(jax.tree.leaves(dataset.y)) != 1:
+        raise ValueError("class_weight needs one array of targets; for several outputs pass sample_weight.")
+    try:
+        weights = {int(k): float(v) for k, v in class_weight.items()}
+    except (TypeError, ValueError):
+        raise ValueError(
+            f"class_weight keys must be class indices (integers); received {list(class_weight)}."
+        ) from None
+    y = np.asarray(jax.tree.leaves(dataset.y)[0])
+    if y.ndim > 1:
+        y = np.argmax(y, axis=-1) if y.shape[-1] != 1 else y[..., 0]
+    classes = np.round(y).astype(np.int64).reshape(len(y))
+    sample_weight = np.array([weights.get(int(c), 1.0) for c in classes], np.float32)
+    return ArrayDataset(dataset.x, dataset.y, sample_weight)

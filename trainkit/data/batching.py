@@ -1,0 +1,238 @@
+"""Batching: the rules of Keras's ``x`` / ``y`` / ``sample_weight``, rows, padding and masks.
+
+Every batch has the same static shape. The last partial batch is padded with zero rows whose
+``mask`` is 0, so no sample is dropped, none counts twice and nothing recompiles.
+
+>>> import numpy as np
+>>> batch = pad_batch(np.ones((3, 2)), np.arange(3), None, 4)
+>>> batch["x"].shape, batch["mask"].tolist()
+((4, 2), [1.0, 1.0, 1.0, 0.0])
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import jax
+import numpy as np
+
+PyTree = Any
+Batch = dict[str, Any]
+
+
+def _is_array(obj: Any) -> bool:
+    return isinstance(obj, (np.ndarray, jax.Array)) or (hasattr(obj, "__array__") and hasattr(obj, "shape"))
+
+
+def is_array_tree(obj: Any) -> bool:
+    """An array, a non-empty dict of array trees, or a non-empty list / tuple of arrays or dicts
+    (Keras's multi-input ``x``; a list of tuples is an iterable of ``(x, y)`` batches)."""
+    if _is_array(obj):
+        return True
+    if isinstance(obj, dict) and obj:
+        return all(is_array_tree(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)) and obj:
+        return all(_is_array(v) or isinstance(v, dict) and is_array_tree(v) for v in obj)
+    return False
+
+
+def split_xyw(element: Any) -> tuple[PyTree, PyTree, PyTree]:
+    """``(x, y, sample_weight)`` from a tuple, or bare ``x``. One rule for dicts, Keras's: a
+    dict is the model's inputs, whatever its keys (targets come from a tuple or ``y``).
+
+    >>> split_xyw(({"x": 1, "y": 2}, 3))
+    ({'x': 1, 'y': 2}, 3, None)
+    """
+    if isinstance(element, tuple):
+        if not 1 <= len(element) <= 3:
+            raise ValueError(
+                f"A data tuple must be (x,), (x, y) or (x, y, sample_weight); received a tuple of {len(element)} items."
+            )
+        return tuple(element) + (None,) * (3 - len(element))  # type: ignore[return-value]
+    return element, None, None
+
+
+def host_array(a: Any) -> Any:
+    """A leaf as an array the rest of trainkit reads: NumPy and ``jax.Array`` as they are;
+    anything else (a torch tensor, a ``tf.Tensor``, a list) through NumPy, so no framework
+    type (``torch.dtype``, ``tf.DType``) reaches a step."""
+    if isinstance(a, (np.ndarray, jax.Array)):
+        return a
+    if hasattr(a, "detach") and hasattr(a, "cpu"):  # torch: off the autograd graph and the GPU
+        a = a.detach().cpu()
+    return np.asarray(a)
+
+
+def to_host(tree: PyTree) -> PyTree:
+    """:func:`host_array` on every leaf (``None`` stays ``None``)."""
+    return None if tree is None else jax.tree.map(host_array, tree)
+
+
+def num_rows(tree: PyTree) -> int:
+    return int(jax.tree.leaves(tree)[0].shape[0])
+
+
+def example_spec(x: PyTree) -> PyTree:
+    """Per-example shapes and dtypes of a batch of inputs (leading axis dropped)."""
+    return jax.tree.map(lambda a: (tuple(a.shape[1:]), np.dtype(a.dtype).name), x)
+
+
+def check_lengths(parts: dict[str, PyTree]) -> int:
+    lengths = {}
+    for part, tree in parts.items():
+        if tree is None:
+            continue
+        for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
+            if np.ndim(leaf) == 0:
+                raise ValueError(
+                    f"{part}{jax.tree_util.keystr(path)} is a scalar; every input needs a leading "
+                    "batch axis (one row per example)."
+                )
+            lengths[f"{part}{jax.tree_util.keystr(path)}"] = int(np.shape(leaf)[0])
+    if len(set(lengths.values())) > 1:
+        detail = ", ".join(f"{k}: {v} rows" for k, v in lengths.items())
+        raise ValueError(
+            f"Inputs have different numbers of rows ({detail}). x, y and sample_weight must "
+            "have one row per example; check that they come from the same split."
+        )
+    n = next(iter(lengths.values()))
+    if n == 0:
+        raise ValueError("The dataset is empty (0 rows); pass at least one example.")
+    return n
+
+
+def _map(fn, tree: PyTree) -> PyTree:
+    """``jax.tree.map`` with a shortcut for one array, the common case: per batch, the tree
+    walk would cost more than the copy of a small batch."""
+    return fn(tree) if isinstance(tree, np.ndarray) else jax.tree.map(fn, tree)
+
+
+def take(tree: PyTree, rows: np.ndarray | slice) -> PyTree:
+    return _map(lambda a: np.asarray(a[rows]), tree)
+
+
+def pad_batch(x, y, w, batch_size: int) -> Batch:
+    """A batch dict padded with zero rows to ``batch_size`` and a float ``mask`` of real rows."""
+    n = num_rows(x)
+    pad = batch_size - n
+
+    def padded(a):
+        a = np.asarray(a)
+        return a if pad == 0 else np.concatenate([a, np.zeros((pad,) + a.shape[1:], a.dtype)])
+
+    batch: Batch = {"x": _map(padded, x)}
+    if y is not None:
+        batch["y"] = _map(padded, y)
+    if w is not None:
+        batch["sample_weight"] = padded(np.asarray(w, np.float32))
+    mask = np.zeros(batch_size, np.float32)
+    mask[:n] = 1.0
+    batch["mask"] = mask
+    return batch
+
+
+def check_shuffle(shuffle: Any) -> None:
+    if shuffle not in (True, False, "batch") or isinstance(shuffle, (int, float)) and not isinstance(shuffle, bool):
+        raise ValueError(f"shuffle must be True, False or 'batch' (Keras's values); received {shuffle!r}.")
+
+
+def shuffled_order(n: int, batch_size: int, shuffle: bool | str, seed: int, epoch: int) -> np.ndarray | None:
+    """The epoch's row order: ``None`` (unshuffled), a permutation (``shuffle=True``), or, with
+    Keras's ``shuffle="batch"``, the rows of each batch permuted among themselves (the batches
+    keep their rows and their order).
+
+    >>> shuffled_order(6, 4, "batch", 0, 0).tolist()
+    [3, 2, 1, 0, 4, 5]
+    """
+    check_shuffle(shuffle)
+    if not shuffle:
+        return None
+    rng = np.random.default_rng([seed, epoch])
+    if shuffle == "batch":
+        return np.lexsort((rng.random(n), np.arange(n) // batch_size))
+    return rng.permutation(n)
+
+
+def batch_rows(
+    n: int,
+    batch_size: int,
+    shuffle: bool | str,
+    seed: int,
+    epoch: int,
+    start: int = 0,
+    process_index: int = 0,
+    process_count: int = 1,
+) -> Iterator[slice | np.ndarray]:
+    """The rows of this process's part of every global batch from batch ``start`` on, for a
+    random-access source of ``n`` rows: the same for arrays, grain's ``MapDataset``, a Hugging
+    Face or a torch map-style dataset, so each reads the same rows in the same order.
+
+    >>> [r.tolist() for r in batch_rows(10, 4, True, 0, 0, start=1, process_index=1, process_count=2)]
+    [[9, 0], []]
+    """
+    local = batch_size // process_count
+    order = shuffled_order(n, batch_size, shuffle, seed, epoch)
+    mine = slice(process_index * local, (process_index + 1) * local)
+    for lo in range(start * batch_size, n, batch_size):
+        if order is None:  # a slice (a view) of the unshuffled rows
+            yield slice(min(lo + mine.start, n), min(lo + mine.stop, lo + batch_size, n))
+        else:
+            yield order[lo : lo + batch_size][mine]
+
+
+def check_batch_size(batch_size: int, shards: int, *, micro_batches: int = 1, what: str = "batch_size") -> None:
+    """Raises if ``batch_size`` cannot be split evenly into ``shards`` device parts (each split
+    again into ``micro_batches`` for gradient accumulation)."""
+    if isinstance(batch_size, bool) or not isinstance(batch_size, (int, np.integer)) or batch_size <= 0:
+        raise ValueError(f"{what}={batch_size!r}: it must be a positive integer.")
+    parts = shards * micro_batches
+    if batch_size % parts:
+        lower = batch_size - batch_size % parts
+        upper = lower + parts
+        nearest = f"{lower} or {upper}" if lower > 0 else f"{upper}"
+        into = f"{shards} devices" + (
+            f" x {micro_batches} micro-batches (grad_accum_steps)" if micro_batches > 1 else ""
+        )
+        raise ValueError(
+            f"{what}={batch_size} cannot be split evenly across {into} "
+            f"({batch_size} / {parts} is not an integer). Use a multiple of {parts}: the "
+            f"nearest valid sizes are {nearest}."
+        )
+
+
+def check_same_inputs(expected: PyTree, received: PyTree) -> None:
+    """Raises when ``received`` per-example input shapes differ from those the model was
+    initialised with (both from :func:`example_spec`)."""
+    is_spec = lambda s: isinstance(s, tuple) and len(s) == 2 and isinstance(s[1], str)  # noqa: E731
+    exp = dict(jax.tree_util.tree_leaves_with_path(expected, is_leaf=is_spec))
+    got = dict(jax.tree_util.tree_leaves_with_path(received, is_leaf=is_spec))
+    name = lambda path: "x" + jax.tree_util.keystr(path)  # noqa: E731
+    missing = sorted(set(map(name, exp)) - set(map(name, got)))
+    unexpected = sorted(set(map(name, got)) - set(map(name, exp)))
+    if missing or unexpected:
+        raise ValueError(
+            f"The inputs lack {missing or 'nothing'} and have unexpected entries "
+            f"{unexpected or 'none'}: the model was initialised with entries "
+            f"{sorted(map(name, exp))}. Pass inputs with the same structure."
+        )
+    for path, (shape, _) in exp.items():
+        other = got[path][0]
+        if tuple(other) != tuple(shape):
+            raise ValueError(
+                f"{name(path)} has per-example shape {tuple(other)} (batch shape "
+                f"(batch, {', '.join(map(str, other))})), but the model was initialised with "
+                f"per-example shape {tuple(shape)}. Reshape the data to (batch, "
+                f"{', '.join(map(str, shape))}), or build a new Trainer for the new shape."
+            )
+
+
+def check_positive(**values: int | None) -> None:
+    """Raises naming the first argument that is neither ``None`` (where allowed) nor a positive
+    integer: ``epochs`` must be given, the others may be ``None``."""
+    for name, value in values.items():
+        if value is None and name != "epochs":
+            continue
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+            allowed = "a positive integer" if name == "epochs" else "a positive integer or None"
+            raise ValueError(f"{name} must be {allowed}; received {name}={value!r}.")

@@ -1,0 +1,73 @@
+"""Epochs: how many batches an epoch has and which batches it reads (Keras's
+``steps_per_epoch``, a pass continued across epochs, an exact position to resume at).
+
+>>> import numpy as np
+>>> from trainkit.data.arrays import ArrayDataset
+>>> epoch_steps(ArrayDataset(np.zeros((10, 1))), 4, None, epochs=1)
+3
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterator
+from typing import Any
+
+from trainkit.data.batching import Batch
+from trainkit.data.source import DataSource
+
+
+def epoch_steps(dataset: DataSource, batch_size: int, steps_per_epoch: int | None, epochs: int) -> int | None:
+    """Batches per epoch: the data's, capped by ``steps_per_epoch``; ``None`` when unknown (an
+    iterable without ``len``), which a one-shot iterator allows only for one epoch."""
+    steps = dataset.steps(batch_size)
+    if steps_per_epoch is not None:
+        steps = steps_per_epoch if steps is None else min(steps, steps_per_epoch)
+    if steps is None and getattr(dataset, "one_shot", False) and epochs > 1:
+        raise ValueError(
+            "A one-shot iterator (such as a generator) cannot be restarted, so with "
+            "epochs > 1 pass steps_per_epoch=N to say where an epoch ends."
+        )
+    return steps
+
+
+def continues_across_epochs(dataset: DataSource, batch_size: int, steps_per_epoch: int | None) -> bool:
+    """Keras's rule: with ``steps_per_epoch`` below the batches of one pass (arrays, or a
+    re-iterable with a length), the next epoch continues the pass (see :func:`epoch_batches`)."""
+    if steps_per_epoch is None or getattr(dataset, "one_shot", False):
+        return False
+    per_pass = dataset.steps(batch_size)
+    return per_pass is not None and steps_per_epoch < per_pass
+
+
+def epoch_batches(
+    dataset: DataSource,
+    batch_size: int,
+    epoch: int,
+    first: int,
+    steps: int | None,
+    *,
+    continuing: bool = False,
+    **options: Any,
+) -> Iterator[Batch]:
+    """The batches of epoch ``epoch`` from batch ``first`` on, at most ``steps`` per epoch.
+
+    ``continuing`` (Keras's ``steps_per_epoch`` smaller than the data): an epoch
+    walks on through the pass the previous epoch left, and ends early where that pass ends;
+    the next epoch starts a new pass, shuffled by its own index. Epoch ``e`` is thus the
+    ``e % E``-th slice of ``steps`` batches of pass ``e // E`` (``E`` epochs per pass), so any
+    position ``(epoch, batch)`` maps to one batch (exact resume).
+
+    >>> import numpy as np
+    >>> from trainkit.data.arrays import ArrayDataset
+    >>> data = ArrayDataset(np.arange(10.0)[:, None], np.arange(10))
+    >>> [[b["y"][0].item() for b in epoch_batches(data, 2, e, 0, 4, continuing=True)] for e in range(3)]
+    [[0, 2, 4, 6], [8], [0, 2, 4, 6]]
+    """
+    if not continuing:
+        limit = None if steps is None else max(steps - first, 0)
+        return itertools.islice(dataset.batches(batch_size, epoch=epoch, start=first, **options), limit)
+    per_pass = dataset.steps(batch_size)
+    passes, part = divmod(epoch, -(-per_pass // steps))
+    start, end = part * steps + first, min((part + 1) * steps, per_pass)
+    return itertools.islice(dataset.batches(batch_size, epoch=passes, start=start, **options), max(end - start, 0))

@@ -1,0 +1,221 @@
+"""Start a multi-process run on this machine: ``python -m trainkit.launch --nproc 2 script.py``.
+
+Each process gets ``JAX_COORDINATOR_ADDRESS`` (loopback), ``JAX_NUM_PROCESSES`` and
+``JAX_PROCESS_ID`` (and with ``--devices-per-proc K`` that many fake CPU devices), so the
+unchanged script connects through ``tk.distributed.initialize``. Output lines are prefixed with
+the process index. If a process fails, the launcher says which, ends the others and exits with
+its code; for a cluster, see docs/multihost.md.
+
+    python -m trainkit.launch --nproc 2 --devices-per-proc 4 examples/digits_cnn.py --epochs 3
+
+>>> build_env({"PATH": "/bin"}, process_id=1, nproc=2, port=1234, devices_per_proc=4)["JAX_PROCESS_ID"]
+'1'
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Sequence
+
+#: Seconds the other processes get to exit after SIGTERM before they are killed.
+GRACE_SECONDS = 5.0
+#: Seconds the launcher waits after a first failure for the others, to tell cause from effect.
+SETTLE_SECONDS = 10.0
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def build_env(base: dict, *, process_id: int, nproc: int, port: int, devices_per_proc: int | None) -> dict:
+    env = dict(base)
+    env.update(
+        JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}",
+        JAX_NUM_PROCESSES=str(nproc),
+        JAX_PROCESS_ID=str(process_id),
+        PYTHONUNBUFFERED="1",
+    )
+    if devices_per_proc:
+        env["JAX_PLATFORMS"] = "cpu"
+        env["JAX_NUM_CPU_DEVICES"] = str(devices_per_proc)
+        flags = [f for f in env.get("XLA_FLAGS", "").split() if "device_count" not in f]
+        env["XLA_FLAGS"] = " ".join(flags + [f"--xla_force_host_platform_device_count={devices_per_proc}"])
+    return env
+
+
+def _relay(index: int, stream, lock: threading.Lock, errors: dict) -> None:
+    for line in iter(stream.readline, ""):
+        if _ERROR_LINE.match(line):  # a traceback's last line; the first one is the root cause of a chain
+            errors.setdefault(index, (time.monotonic(), line.strip()))
+        with lock:
+            sys.stdout.write(f"[{index}] {line}" if line.endswith("\n") else f"[{index}] {line}\n")
+            sys.stdout.flush()
+    stream.close()
+
+
+# Errors a process gets because a peer died, not why the job failed.
+_SECONDARY = re.compile(r"Gloo|Connection reset|Coordination|heartbeat|Barrier|DEADLINE_EXCEEDED|UNAVAILABLE", re.I)
+
+
+def _secondary(process, error) -> bool:
+    """A failure caused by a peer's death: a torn-down collective, or (without a Python error
+    of its own) the coordination service's abort."""
+    if error is not None:
+        return bool(_SECONDARY.search(error[1]))
+    return process.returncode == -signal.SIGABRT
+
+
+_ERROR_LINE = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception|Interrupt|Exit)\b.*:")
+
+
+def _describe(code: int) -> str:
+    if code < 0:
+        try:
+            return f"was killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"was killed by signal {-code}"
+    return f"exited with code {code}"
+
+
+def _die_with_parent() -> None:
+    """In the child, before exec: SIGTERM when the launcher dies, even by SIGKILL (Linux)."""
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):  # not Linux: the launcher's own handlers still forward
+        pass
+
+
+def launch(command: Sequence[str], nproc: int, devices_per_proc: int | None = None, port: int | None = None) -> int:
+    """Runs ``command`` as ``nproc`` processes; returns 0, or the first failing process's code.
+    SIGTERM and SIGINT sent to the launcher are forwarded to every process (which then end
+    within ``GRACE_SECONDS``), and the processes die with the launcher."""
+    if nproc < 1:
+        raise ValueError(f"--nproc must be at least 1; received {nproc}.")
+    port = port or free_port()
+    lock = threading.Lock()
+    processes, relays, errors = [], [], {}
+    received: list[int] = []
+    previous = {}
+    if threading.current_thread() is threading.main_thread():
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            previous[signum] = signal.signal(signum, lambda number, frame: received.append(number))
+    try:
+        for index in range(nproc):
+            env = build_env(os.environ, process_id=index, nproc=nproc, port=port, devices_per_proc=devices_per_proc)
+            process = subprocess.Popen(
+                list(command),
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+                bufsize=1,
+                preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None,
+            )
+            processes.append(process)
+            relay = threading.Thread(target=_relay, args=(index, process.stdout, lock, errors), daemon=True)
+            relay.start()
+            relays.append(relay)
+        failed = _watch(processes, received, errors, relays)
+        if failed is not None:
+            index, code = failed
+            if index >= 0:
+                relays[index].join(timeout=2)  # its last lines, with the error
+            with lock:
+                if index < 0:
+                    who = f"received {signal.Signals(-code).name}, forwarded to every process"
+                else:
+                    error = f" ({errors[index][1]})" if index in errors else ""
+                    who = f"process {index} {_describe(code)}{error}"
+                print(f"[launch] {who}; ending the other processes", flush=True)
+            _end(processes, signal.Signals(-code) if index < 0 else signal.SIGTERM)
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+        for process in processes:  # never leave a child behind
+            if process.poll() is None:
+                process.kill()
+    for relay in relays:
+        relay.join(timeout=5)
+    if failed is None:
+        return 0
+    index, code = failed
+    return 128 - code if index < 0 or code < 0 else code
+
+
+def _watch(processes, received: list[int], errors: dict, relays) -> tuple[int, int] | None:
+    """``(index, code)`` of the process that failed first, ``(-1, -signum)`` for a signal the
+    launcher received, or ``None`` when every process exited with 0. A peer that fails
+    *because* another died (a collective's connection reset) prints its error after the first
+    one did, with a torn-down collective (or the coordination service's abort): the launcher
+    waits up to ``SETTLE_SECONDS`` for a failure of its own and blames it, else the first."""
+    exited: dict[int, float] = {}
+
+    def note(index, process):
+        process.wait()
+        when = time.monotonic()
+        relays[index].join(timeout=2)  # its last lines (the error) read before it is judged
+        exited[index] = when
+
+    for index, process in enumerate(processes):
+        threading.Thread(target=note, args=(index, process), daemon=True).start()
+    while len(exited) < len(processes):
+        if received:
+            return -1, -received[0]
+        if any(processes[i].returncode != 0 for i in list(exited)):
+            deadline = time.monotonic() + SETTLE_SECONDS
+            while len(exited) < len(processes) and time.monotonic() < deadline:
+                if any(not _secondary(processes[i], errors.get(i)) for i in list(exited) if processes[i].returncode):
+                    break  # a failure of its own: the cause, not a consequence
+                time.sleep(0.05)
+            time.sleep(0.2)  # processes failing together: let their error lines arrive
+            break
+        time.sleep(0.05)
+    failures = [i for i in list(exited) if processes[i].returncode != 0]
+    if not failures:
+        return None
+    first = min(
+        failures,
+        key=lambda i: (_secondary(processes[i], errors.get(i)), min(errors.get(i, (exited[i],))[0], exited[i])),
+    )
+    return first, processes[first].returncode
+
+
+def _end(processes, signum: signal.Signals = signal.SIGTERM) -> None:
+    for process in processes:
+        if process.poll() is None:
+            process.send_signal(signum)
+    deadline = time.monotonic() + GRACE_SECONDS
+    for process in processes:
+        try:
+            process.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m trainkit.launch", description=__doc__.splitlines()[0])
+    parser.add_argument("--nproc", type=int, required=True, help="processes to start")
+    parser.add_argument(
+        "--devices-per-proc", type=int, default=None, help="fake this many CPU devices in each process (CPU only)"
+    )
+    parser.add_argument("--port", type=int, default=None, help="coordinator port (default: a free one)")
+    parser.add_argument("script", help="the Python script every process runs")
+    parser.add_argument("args", nargs=argparse.REMAINDER, help="the script's arguments")
+    args = parser.parse_args(argv)
+    return launch([sys.executable, args.script, *args.args], args.nproc, args.devices_per_proc, args.port)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,11 @@
+"""Objective: what a model is trained and judged on: losses, metrics, metric states and the
+multi-output objective (imports ``core``).
+
+>>> from trainkit.objective import Objective
+>>> Objective("mse", ["mae"]).log_order
+('loss', 'mae')
+"""
+
+from trainkit.objective.objective import Objective
+
+__all__ = ["Objective"]
