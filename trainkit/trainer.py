@@ -257,23 +257,28 @@ class Trainer:
     # ------------------------------------------------------------------ state
     def init(self, sample_batch: Any) -> TrainState:
         """Builds the state from a sample batch (``x``, ``(x, y)`` or a data source) without
-        training; under ``"auto"`` the strategy is chosen first. A second call keeps the state."""
-        dataset = data_lib.as_dataset(sample_batch)
-        if self.state is not None:
-            data_lib.check_same_inputs(self.input_spec, dataset.element_spec())
-            return self.state
-        self._choose_strategy(dataset, data_lib.num_rows(dataset.first(2**62)[0]))
-        first_row = jax.tree.map(np.asarray, dataset.first()[0])
+        training; under ``"auto"`` the strategy is chosen first. A second call keeps the state.
+        A source is read no further than its first batch."""
+        prepared = data_lib.prepare(sample_batch, default_batch_size=None)
+        if self.state is None:
+            self._choose_strategy(prepared)
+            self._create_state(prepared)
+        data_lib.check_same_inputs(self.input_spec, prepared.spec)
+        return self.state
+
+    def _create_state(self, prepared: data_lib.Prepared) -> None:
+        """The state at step 0, placed by the strategy, the model initialised on the first real
+        batch's inputs (as training will call it)."""
+        first_x = data_lib.to_host(prepared.first_x)
         planned = self.last_plan.initial_state if self.last_plan is not None else None
         if planned is not None:  # "auto" measured its candidates from this very state: no second init compile
-            self.program.annotate(self.strategy, first_row)
+            self.program.annotate(self.strategy, first_x)
             self.state = self.strategy.put_state(planned)
             self.last_plan.initial_state = None  # host memory back
         else:
-            self.state = self.program.create_state(self.strategy, first_row)
-        self.input_spec = dataset.element_spec()
+            self.state = self.program.create_state(self.strategy, first_x)
+        self.input_spec = prepared.spec
         self.loop.restored(int(self.state.step))
-        return self.state
 
     def _require_state(self) -> TrainState:
         if self.state is None:
@@ -435,37 +440,32 @@ class Trainer:
         batch in any form ``fit`` takes; ``batch_size`` (default: its rows) the global batch
         to plan for. A batch without targets plans the predict step instead. ``verbose=1``
         prints the table; the recommended row is what ``strategy="auto"`` picks."""
-        dataset = data_lib.as_dataset(sample_batch)  # a dataset stays as it is
-        if batch_size is None:
-            batch_size = data_lib.num_rows(dataset.first(2**62)[0])
-        trains = dataset.has_targets or self._custom_loss
-        if dataset.has_targets:
-            self.objective.build(dataset.first()[1])
-        result = self.program.plan(
-            data_lib.sample_batch(dataset, batch_size),
-            candidates,
-            trains=trains,
-            measure=measure,
-            memory_limit=memory_limit,
-            steps=steps,
+        prepared = data_lib.prepare(sample_batch, batch_size=batch_size, default_batch_size=None)
+        return self._plan(
+            prepared, candidates, measure=measure, memory_limit=memory_limit, steps=steps, verbose=verbose
         )
+
+    def _plan(self, prepared: data_lib.Prepared, candidates, *, verbose: int = 0, **options) -> plan_lib.MemoryPlan:
+        trains = prepared.has_targets or self._custom_loss
+        if prepared.has_targets:
+            self.objective.build(prepared.first_y)
+        result = self.program.plan(prepared.sample_batch(), candidates, trains=trains, **options)
         if verbose:
             result.print()
         return result
 
-    def _choose_strategy(self, dataset, batch_size: int, announce: bool = False) -> None:
+    def _choose_strategy(self, prepared: data_lib.Prepared, announce: bool = False) -> None:
         """Under ``"auto"``: the strategy the compiled plan recommends, before anything else is
         compiled or placed (also for ``evaluate`` and ``predict`` before ``fit``)."""
         if self.strategy is not None:
             return
         auto = self._auto
-        result = self.plan(
-            dataset,
-            batch_size=batch_size,
-            candidates=auto.candidates,
+        result = self._plan(
+            prepared,
+            auto.candidates,
             measure=auto.measure,
             memory_limit=auto.memory_limit,
-            verbose=0,
+            steps=plan_lib.MEASURE_STEPS,
         )
         best = result.recommended
         if best is None:
@@ -475,7 +475,7 @@ class Trainer:
                 f"strategy=tk.strategies.Auto(memory_limit=...) or a strategy.\n{result}"
             )
         self.strategy, self.last_plan = best.strategy, result
-        if best.function is not None and (dataset.has_targets or self._custom_loss):
+        if best.function is not None and (prepared.has_targets or self._custom_loss):
             self._compiled["train"] = best.function  # compiled during the plan: not compiled again
         logger.info("strategy='auto' %s", result.reason())
         if announce and distributed.is_main_process():
@@ -493,10 +493,11 @@ class Trainer:
         training: bool = False,
         announce: bool = False,
         config: dict | None = None,
-    ):
-        dataset, batch_size = data_lib.prepare(
-            data, y, sample_weight, batch_size, needs_targets=targets and not self._custom_loss
-        )
+    ) -> data_lib.Prepared:
+        """The input resolved once, checked across processes, the objective built and checked on
+        it, the strategy chosen and the state created from it."""
+        prepared = data_lib.prepare(data, y, sample_weight, batch_size, needs_targets=targets and not self._custom_loss)
+        source, batch_size = prepared.source, prepared.batch_size
         distributed.check_same_configuration(
             {  # before anything that needs the processes to agree
                 "batch_size": batch_size,
@@ -505,36 +506,35 @@ class Trainer:
                 "steps_per_execution": self.steps_per_execution,  # different calls would hang a collective
                 "strategy": (self.strategy or self._auto).describe(),
                 "precision": str(self.precision.compute_dtype),
-                "inputs": str(dataset.element_spec()),
-                "rows": getattr(dataset, "num_examples", None),  # different counts would hang a collective
-                "batches": dataset.steps(batch_size),
+                "inputs": str(prepared.spec),
+                "rows": prepared.rows,  # different counts would hang a collective
+                "batches": source.steps(batch_size),
                 **(config or {}),
             }
         )
         if self.state is not None:
-            data_lib.check_same_inputs(self.input_spec, dataset.element_spec())
-        if targets and dataset.has_targets:
-            self.objective.build(dataset.first()[1])
+            data_lib.check_same_inputs(self.input_spec, prepared.spec)
+        if targets and prepared.has_targets:
+            self.objective.build(prepared.first_y)
             if self.objective.has_loss and not self._custom_loss:
-                every = dataset.y if isinstance(dataset, data_lib.ArrayDataset) else dataset.first()[1]
-                self.objective.check_targets(every, self._output_spec(dataset.first()[0]))
+                every = source.y if isinstance(source, data_lib.ArrayDataset) else prepared.first_y
+                self.objective.check_targets(every, self._output_spec(prepared.first_x))
+        micro_batches = self.grad_accum_steps if training else 1
         if self.strategy is None:
-            data_lib.check_batch_size(batch_size, 1, micro_batches=self.grad_accum_steps if training else 1)
-            self._choose_strategy(dataset, batch_size, announce)
-        data_lib.check_batch_size(
-            batch_size, self.strategy.num_batch_shards, micro_batches=self.grad_accum_steps if training else 1
-        )
+            data_lib.check_batch_size(batch_size, 1, micro_batches=micro_batches)
+            self._choose_strategy(prepared, announce)
+        data_lib.check_batch_size(batch_size, self.strategy.num_batch_shards, micro_batches=micro_batches)
         if self.state is None:
-            self.init(dataset.first()[0])
-        return dataset, batch_size
+            self._create_state(prepared)
+        return prepared
 
     def _output_spec(self, first_x: PyTree) -> PyTree:
-        """The shapes of the model's outputs for one row (traced, never run; cached)."""
+        """The shapes of the model's outputs for the first batch (traced, never run; cached)."""
         if self._outputs is None:
-            first_row = jax.tree.map(lambda a: np.asarray(a[:1]), first_x)
-            state = abstract(self.state) if self.state is not None else self.program.abstract_state(first_row)
+            first_x = data_lib.to_host(first_x)
+            state = abstract(self.state) if self.state is not None else self.program.abstract_state(first_x)
             self._outputs = jax.eval_shape(
-                lambda s, x: self.apply(s.params, s.model_state, x, rng=s.rng, train=False)[0], state, first_row
+                lambda s, x: self.apply(s.params, s.model_state, x, rng=s.rng, train=False)[0], state, first_x
             )
         return self._outputs
 
@@ -589,7 +589,7 @@ class Trainer:
             "max_steps": max_steps,
             "initial_epoch": initial_epoch,
         }
-        dataset, batch_size = self._prepare(
+        dataset, batch_size, *_ = self._prepare(
             dataset, None, None, batch_size, targets=True, training=True, announce=bool(verbose), config=loop_config
         )
         validation = None
@@ -611,7 +611,7 @@ class Trainer:
                     None,
                     validation_batch_size or (None if own_size else batch_size),
                     targets=True,
-                ),
+                )[:2],
                 validation_steps,
             )
         steps = data_lib.epoch_steps(dataset, batch_size, steps_per_epoch, epochs)
@@ -662,7 +662,7 @@ class Trainer:
         ``return_dict=True`` the dict ``{"loss": ..., "accuracy": ...}``. ``verbose`` is accepted
         for Keras compatibility; evaluation prints nothing."""
         data_lib.check_positive(steps=steps)
-        dataset, batch_size = self._prepare(x, y, sample_weight, batch_size, targets=True)
+        dataset, batch_size, *_ = self._prepare(x, y, sample_weight, batch_size, targets=True)
         params = {"verbose": verbose, "epochs": 1, "steps": dataset.steps(batch_size) if steps is None else steps}
         logs = self.loop.evaluate(dataset, batch_size, steps, CallbackList(callbacks, trainer=self, params=params))
         return self._keras_result(logs, return_dict)
@@ -733,6 +733,6 @@ class Trainer:
         if isinstance(x, tuple) and len(x) > 1 and data_lib.is_array_tree(x):
             x = (x,)  # Keras: predict's x is the inputs, whatever their structure
         data_lib.check_positive(steps=steps)
-        dataset, batch_size = self._prepare(x, None, None, batch_size, targets=False)
+        dataset, batch_size, *_ = self._prepare(x, None, None, batch_size, targets=False)
         params = {"verbose": verbose, "epochs": 1, "steps": dataset.steps(batch_size) if steps is None else steps}
         return self.loop.predict(dataset, batch_size, steps, CallbackList(callbacks, trainer=self, params=params))

@@ -26,9 +26,9 @@ from trainkit.data.batching import (
 )
 from trainkit.data.epochs import continues_across_epochs, epoch_batches, epoch_steps
 from trainkit.data.iterable import IterableDataset
-from trainkit.data.prepare import Dataset, as_dataset, check_validation_runs, prepare, sample_batch
+from trainkit.data.prepare import Dataset, Prepared, as_dataset, check_validation_runs, prepare, sample_batch
 from trainkit.data.random_access import HuggingFaceSource, RandomAccessSource
-from trainkit.data.source import DataSource
+from trainkit.data.source import DataSource, Source, UserSource
 
 __all__ = [
     "ArrayDataset",
@@ -37,6 +37,9 @@ __all__ = [
     "Dataset",
     "HuggingFaceSource",
     "IterableDataset",
+    "Prepared",
+    "Source",
+    "UserSource",
     "RandomAccessSource",
     "as_dataset",
     "batch_rows",

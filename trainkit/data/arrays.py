@@ -17,10 +17,10 @@ import numpy as np
 
 from trainkit.core import checks
 from trainkit.data.batching import Batch, PyTree, batch_rows, check_lengths, example_spec, pad_batch, take, to_host
-from trainkit.data.source import DataSource
+from trainkit.data.source import DataSource, Source
 
 
-class ArrayDataset:
+class ArrayDataset(Source):
     """In-memory arrays, batched in a (seeded) shuffled order, last batch padded."""
 
     def __init__(self, x: PyTree, y: PyTree = None, sample_weight: PyTree = None):

@@ -23,7 +23,7 @@ def epoch_steps(dataset: DataSource, batch_size: int, steps_per_epoch: int | Non
     steps = dataset.steps(batch_size)
     if steps_per_epoch is not None:
         steps = steps_per_epoch if steps is None else min(steps, steps_per_epoch)
-    if steps is None and getattr(dataset, "one_shot", False) and epochs > 1:
+    if steps is None and dataset.one_shot and epochs > 1:
         raise ValueError(
             "A one-shot iterator (such as a generator) cannot be restarted, so with "
             "epochs > 1 pass steps_per_epoch=N to say where an epoch ends."
@@ -34,7 +34,7 @@ def epoch_steps(dataset: DataSource, batch_size: int, steps_per_epoch: int | Non
 def continues_across_epochs(dataset: DataSource, batch_size: int, steps_per_epoch: int | None) -> bool:
     """Keras's rule: with ``steps_per_epoch`` below the batches of one pass (arrays, or a
     re-iterable with a length), the next epoch continues the pass (see :func:`epoch_batches`)."""
-    if steps_per_epoch is None or getattr(dataset, "one_shot", False):
+    if steps_per_epoch is None or dataset.one_shot:
         return False
     per_pass = dataset.steps(batch_size)
     return per_pass is not None and steps_per_epoch < per_pass

@@ -14,9 +14,10 @@ from typing import Any
 
 from trainkit.core import checks
 from trainkit.data.batching import Batch, PyTree, check_lengths, example_spec, pad_batch, split_xyw, take, to_host
+from trainkit.data.source import Source
 
 
-class IterableDataset:
+class IterableDataset(Source):
     """Any iterable of batches; its first batch fixes the static batch size.
 
     A re-iterable (a list, or an object whose ``__iter__`` returns a fresh iterator) restarts

@@ -20,6 +20,7 @@ import numpy as np
 
 from trainkit.core import checks
 from trainkit.data.batching import batch_rows, example_spec, host_array, pad_batch, split_xyw, to_host
+from trainkit.data.source import Source
 
 PyTree = Any
 Batch = dict[str, Any]
@@ -56,7 +57,7 @@ def _stack(elements: list) -> PyTree:
     return jax.tree.map(lambda *leaves: np.stack([host_array(a) for a in leaves]), *elements)
 
 
-class RandomAccessSource:
+class RandomAccessSource(Source):
     """Any collection with ``len()`` and ``[index]`` whose elements are examples: ``(x, y)``
     or ``(x, y, sample_weight)`` tuples, a bare ``x``, or dicts of columns. Batched, shuffled
     and split across processes exactly as arrays are (:func:`trainkit.data.batch_rows`).
@@ -79,8 +80,6 @@ class RandomAccessSource:
     >>> batch["x"].shape, batch["y"].tolist()
     ((4, 3), [0, 1, 2, 3])
     """
-
-    one_shot = False
 
     def __init__(
         self,

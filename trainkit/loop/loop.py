@@ -297,6 +297,8 @@ class Loop:
                     state=self.resume_state if epoch == start.epoch else None,
                     **process_slice(),
                 )
+                if max_steps is not None:  # nothing read past the last step
+                    batches = itertools.islice(batches, max(max_steps - self.position.step, 0))
                 with self._train_reader(dataset, batches, max_steps) as reader:
                     ran, logs = self._train_epoch(
                         train_fn, reader, callbacks, max_steps, warn_non_finite, read_ahead, first_step

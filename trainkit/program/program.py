@@ -25,7 +25,6 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
-import numpy as np
 import optax
 
 from trainkit.core.model import ModelAdapter, param_axes, starting_variables, under_logical_rules
@@ -151,7 +150,7 @@ class Program:
         """:func:`trainkit.program.plan.plan_step` of the train step (or, when ``trains`` is false, the
         predict step) on a padded global batch."""
         kind = "train" if trains else "predict"
-        first_row = jax.tree.map(lambda a: np.asarray(a[:1]), host_batch["x"])
+        first_row = host_batch["x"]  # the model is initialised on a real batch, as it trains
         variables = self.starting_variables(first_row)
         candidates = candidates if candidates is not None else plan_lib.default_candidates()
         for strategy in candidates:
