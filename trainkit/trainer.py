@@ -250,9 +250,17 @@ class Trainer:
 
     @learning_rate.setter
     def learning_rate(self, value: float) -> None:
+        opt_state = self._require_state().opt_state
+        self.update_state(opt_state=optimizers.set_learning_rate(opt_state, value))
+
+    def update_state(self, **fields: PyTree) -> TrainState:
+        """The one way to write the live state (callbacks such as ``SwapEMAWeights`` and the
+        learning-rate setter use it): the given fields (``params``, ``opt_state``, ...), host or
+        device values, placed in the shardings of the fields they replace. The loop reads the
+        state before every step, so the change applies from the next step on."""
         state = self._require_state()
-        opt_state = optimizers.set_learning_rate(state.opt_state, value)
-        self.state = state.replace(opt_state=self.strategy.put_like(opt_state, state.opt_state))
+        self.state = self.strategy.put_like(state.replace(**fields), state)  # unchanged arrays stay as they are
+        return self.state
 
     # ------------------------------------------------------------------ state
     def init(self, sample_batch: Any) -> TrainState:
@@ -314,8 +322,7 @@ class Trainer:
         variables = dict(variables)
         params = variables.pop("params")
         check_tree_matches("set_weights", (state.params, state.model_state), (params, variables))
-        params, model_state = self.strategy.put_like((params, variables), (state.params, state.model_state))
-        self.state = state.replace(params=params, model_state=model_state)
+        self.update_state(params=params, model_state=variables)
 
     # ------------------------------------------------------------------ checkpoints
     def manifest(self) -> dict:

@@ -31,14 +31,12 @@ class SwapEMAWeights(Callback):
                 "SwapEMAWeights needs a moving average of the parameters in the optimizer state: pass "
                 "optimizer=tk.optimizers.with_ema(optax.adam(1e-3)) (Keras's use_ema=True)."
             )
-        params = trainer.strategy.put_like(ema, state.params)
-        ema = trainer.strategy.put_like(state.params, ema)
-        trainer.state = state.replace(params=params, opt_state=optimizers.replace_ema(state.opt_state, ema))
+        trainer.update_state(params=ema, opt_state=optimizers.replace_ema(state.opt_state, state.params))
 
     def _finalize(self) -> None:
         """The average follows the (swapped-in) parameters: the model keeps the EMA weights."""
         state = self.trainer.state
-        self.trainer.state = state.replace(opt_state=optimizers.replace_ema(state.opt_state, state.params))
+        self.trainer.update_state(opt_state=optimizers.replace_ema(state.opt_state, state.params))
 
     def on_train_begin(self, logs: Logs | None = None) -> None:
         if optimizers.ema_params(self.trainer.state.opt_state) is None:

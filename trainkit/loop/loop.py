@@ -274,7 +274,7 @@ class Loop:
         self.interval_validation = (validation, validation_interval) if validation_interval else None
         self.position = Position(initial_epoch, 0, self.position.step)
         train_fn = self.owner.function("train")
-        read_ahead = not getattr(dataset, "one_shot", False)
+        read_ahead = not dataset.one_shot
         logs: dict[str, float] = {}
         self.watchdog = StallWatchdog()
         try:
@@ -335,16 +335,16 @@ class Loop:
     def _reader(self, dataset: Any, batches: Iterator) -> Prefetcher:
         """``batches`` read ahead in a background thread; a one-shot iterator is read in the
         main thread, one batch at a time (a batch read ahead would be lost at a stop)."""
-        return Prefetcher(batches, depth=0 if getattr(dataset, "one_shot", False) else self.prefetch)
+        return Prefetcher(batches, depth=0 if dataset.one_shot else self.prefetch)
 
     def _train_reader(self, dataset: Any, batches: Iterator, max_steps: int | None) -> Prefetcher:
         """The epoch's spans (:func:`trainkit.data.spans.executions`: ``(batches, fused,
         steps, data position after them)``), assembled ahead like :meth:`_reader`'s batches; the
         data position is read in the same thread, right after each batch."""
-        get_state = dataset.get_state if getattr(dataset, "checkpointable", False) else lambda: None
+        get_state = dataset.get_state if dataset.checkpointable else lambda: None
         pairs = ((batch, get_state()) for batch in batches)
         every = self.interval_validation[1] if self.interval_validation else None
-        size = getattr(self.owner, "steps_per_execution", 1)
+        size = self.owner.steps_per_execution
         return self._reader(dataset, executions(pairs, size, room_until(self.position.step, max_steps, every)))
 
     def _train_epoch(
@@ -353,7 +353,7 @@ class Loop:
         owner, epoch = self.owner, self.position.epoch
         batch_begin, batch_end = callbacks.on_train_batch_begin, callbacks.on_train_batch_end
         items = iter(batches)
-        steps_fn = owner.function("train_steps") if getattr(owner, "steps_per_execution", 1) > 1 else None
+        steps_fn = owner.function("train_steps") if owner.steps_per_execution > 1 else None
 
         def place(item):
             """A span of host batches on the devices: one stacked batch (``fused``) or a list."""
@@ -476,7 +476,7 @@ class Loop:
         owner = self.owner
         fn = owner.function("eval" if kind == "test" else "predict")
         batch_begin = getattr(callbacks, f"on_{kind}_batch_begin")
-        size = getattr(owner, "steps_per_execution", 1)
+        size = owner.steps_per_execution
 
         def dispatch():
             host_batches = itertools.islice(dataset.batches(batch_size, split=True, **process_slice()), steps)
