@@ -277,7 +277,7 @@ class Trainer:
     def _create_state(self, prepared: data_lib.Prepared) -> None:
         """The state at step 0, placed by the strategy, the model initialised on the first real
         batch's inputs (as training will call it)."""
-        first_x = data_lib.to_host(prepared.first_x)
+        first_x = prepared.first_x
         planned = self.last_plan.initial_state if self.last_plan is not None else None
         if planned is not None:  # "auto" measured its candidates from this very state: no second init compile
             self.program.annotate(self.strategy, first_x)
@@ -538,7 +538,6 @@ class Trainer:
     def _output_spec(self, first_x: PyTree) -> PyTree:
         """The shapes of the model's outputs for the first batch (traced, never run; cached)."""
         if self._outputs is None:
-            first_x = data_lib.to_host(first_x)
             state = abstract(self.state) if self.state is not None else self.program.abstract_state(first_x)
             self._outputs = jax.eval_shape(
                 lambda s, x: self.apply(s.params, s.model_state, x, rng=s.rng, train=False)[0], state, first_x

@@ -26,7 +26,7 @@ from trainkit.data.batching import (
 )
 from trainkit.data.epochs import continues_across_epochs, epoch_batches, epoch_steps
 from trainkit.data.iterable import IterableDataset
-from trainkit.data.prepare import Dataset, Prepared, as_dataset, check_validation_runs, prepare, sample_batch
+from trainkit.data.prepare import Prepared, as_dataset, check_validation_runs, prepare
 from trainkit.data.random_access import HuggingFaceSource, RandomAccessSource
 from trainkit.data.source import DataSource, Source, UserSource
 
@@ -34,7 +34,6 @@ __all__ = [
     "ArrayDataset",
     "Batch",
     "DataSource",
-    "Dataset",
     "HuggingFaceSource",
     "IterableDataset",
     "Prepared",
@@ -57,7 +56,6 @@ __all__ = [
     "num_rows",
     "pad_batch",
     "prepare",
-    "sample_batch",
     "sources",
     "split_validation",
     "split_xyw",

@@ -20,7 +20,6 @@ from trainkit.data.batching import Batch, PyTree, check_batch_size, is_array_tre
 from trainkit.data.iterable import IterableDataset
 from trainkit.data.source import DataSource, Source, UserSource
 
-Dataset = Source
 #: Keras's batch size when none is given.
 DEFAULT_BATCH_SIZE = 32
 
@@ -147,12 +146,6 @@ def prepare(
             batch_size = source.num_examples if isinstance(source, ArrayDataset) else DEFAULT_BATCH_SIZE
     first = source.first(batch_size // jax.process_count() if own is not None else batch_size)
     return Prepared(source, int(batch_size), first, source.element_spec(), source.num_examples)
-
-
-def sample_batch(dataset: Source, batch_size: int) -> Batch:
-    """The dataset's first ``batch_size`` rows as one padded global batch (for planning)."""
-    x, y, w = dataset.first(batch_size)
-    return pad_batch(x, y, w, batch_size)
 
 
 def check_validation_runs(dataset: Source, runs: int, validation_steps: int | None) -> None:
