@@ -59,7 +59,7 @@ def main():
         batch = trainer.strategy.put_batch(
             {"x": x[: args.batch], "y": y[: args.batch], "mask": jax.numpy.ones(args.batch)}
         )
-        compiled = trainer._function("train").lower(state, batch).compile()
+        compiled = trainer.function("train").lower(state, batch).compile()
         memory[name] = compiled.memory_analysis()
         trainers[name] = trainer
     params = count_params(trainers["none"].params)

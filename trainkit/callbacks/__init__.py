@@ -1,7 +1,8 @@
 """Callbacks with Keras 3's names, arguments and hook order, plus trainkit's own."""
 
 from trainkit.callbacks.backup_and_restore import BackupAndRestore
-from trainkit.callbacks.base import Callback, CallbackList, MonitorCallback
+from trainkit.callbacks.base import Callback, MonitorCallback
+from trainkit.callbacks.callback_list import CallbackList
 from trainkit.callbacks.csv_logger import CSVLogger
 from trainkit.callbacks.early_stopping import EarlyStopping
 from trainkit.callbacks.history import History

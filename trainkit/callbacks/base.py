@@ -1,4 +1,4 @@
-"""``Callback``: Keras 3's hooks, arguments and attributes; ``CallbackList`` dispatches them.
+"""``Callback``: Keras 3's hooks, arguments and attributes.
 
 Code written for Keras 3 callbacks runs unchanged: every hook takes ``logs``; ``self.model``
 (the :class:`trainkit.Trainer`, also ``self.trainer``) has ``stop_training``, ``get_weights``,
@@ -8,21 +8,15 @@ the batch a hook is about, ``resume_at`` / ``request_stop`` / ``preempt``) and
 ``on_exception(error)``, called instead of ``on_train_end`` when ``fit`` raises.
 
 >>> class CountEpochs(Callback):
-...     def __init__(self):
-...         self.epochs = 0
 ...     def on_epoch_end(self, epoch, logs=None):
-...         self.epochs += 1
->>> callbacks = CallbackList([CountEpochs()], trainer=None)
->>> callbacks.on_epoch_end(0, {"loss": 1.0}); callbacks.callbacks[0].epochs
-1
->>> callbacks.async_train   # no batch-level hook: the loop may run ahead
-True
+...         print(epoch, logs)
+>>> overrides(CountEpochs(), "on_epoch_end"), overrides(CountEpochs(), "on_train_end")
+(True, False)
 """
 
 from __future__ import annotations
 
 import warnings
-from collections.abc import Iterable
 from typing import Any
 
 Logs = dict[str, Any]
@@ -70,6 +64,8 @@ class Callback:
     trainer: Any = None
     params: dict | None = None
     async_safe: bool = False
+    #: Stops training at the first non-finite loss (``TerminateOnNaN``).
+    stops_on_non_finite: bool = False
 
     @property
     def model(self) -> Any:
@@ -123,75 +119,6 @@ def overrides(callback: Callback, hook: str) -> bool:
     """Whether ``callback`` implements ``hook`` itself (a method or an instance attribute)."""
     fn = getattr(callback, hook)
     return getattr(fn, "__func__", fn) is not getattr(Callback, hook)
-
-
-def _keras_logs(logs: Logs | None) -> Logs:
-    """A fresh dict with sorted keys, as Keras's ``pythonify_logs`` passes: every callback of one
-    hook call sees the same dict, so one may add a key (e.g. ``learning_rate``) for the next."""
-    return dict(sorted((logs or {}).items()))
-
-
-class CallbackList:
-    """Calls each hook on the callbacks that implement it, in list order, with Keras's arguments.
-
-    ``async_train`` / ``async_test`` / ``async_predict``: whether every callback implementing a
-    batch-end hook of that kind is ``async_safe`` (then the loop may run ahead of the hooks).
-    Each dispatcher has ``active``: ``False`` when no callback implements the hook, so the
-    loop skips building its arguments.
-    """
-
-    def __init__(self, callbacks: Iterable[Callback], trainer: Any, params: dict | None = None):
-        self.callbacks = list(callbacks)
-        for callback in self.callbacks:
-            if not isinstance(callback, Callback):
-                raise TypeError(
-                    f"Callbacks must subclass trainkit.callbacks.Callback; received {type(callback).__name__}. "
-                    "A Keras callback's code runs unchanged once its class derives from tk.callbacks.Callback."
-                )
-            callback.set_model(trainer)
-            if params is not None:
-                callback.set_params(params)
-        for kind, hooks in _BATCH_END.items():
-            blocking = [
-                c for c in self.callbacks if not getattr(c, "async_safe", False) and any(overrides(c, h) for h in hooks)
-            ]
-            setattr(self, f"async_{kind}", not blocking)
-        for hook in HOOKS:
-            alias = _ALIASES.get(hook)
-            bound = [
-                getattr(c, hook)
-                for c in self.callbacks
-                if overrides(c, hook) or (alias is not None and overrides(c, alias))
-            ]
-            setattr(self, hook, self._dispatcher(hook, bound))
-
-    @staticmethod
-    def _dispatcher(hook: str, bound: list):
-        if hook == "on_exception":
-
-            def call(exception):
-                for fn in bound:
-                    try:
-                        fn(exception)
-                    except Exception as error:  # noqa: BLE001 - the original error matters more
-                        warnings.warn(f"{hook} of {fn} raised {error!r} while handling {exception!r}", stacklevel=2)
-        elif hook.endswith(
-            ("_train_begin", "_test_begin", "_predict_begin", "_train_end", "_test_end", "_predict_end")
-        ):
-
-            def call(logs=None):
-                logs = _keras_logs(logs)
-                for fn in bound:
-                    fn(logs)
-        else:
-
-            def call(index, logs=None):
-                logs = _keras_logs(logs)
-                for fn in bound:
-                    fn(index, logs)
-
-        call.active = bool(bound)  # type: ignore[attr-defined]
-        return call
 
 
 def resolve_mode(monitor: str, mode: str) -> str:

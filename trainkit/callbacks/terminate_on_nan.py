@@ -22,6 +22,8 @@ class TerminateOnNaN(Callback):
     optimizer step (counting from 1).
     """
 
+    stops_on_non_finite = True
+
     def __init__(self, raise_error: bool = False):
         self.raise_error = raise_error
         self.stopped_step: int | None = None

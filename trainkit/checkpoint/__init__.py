@@ -14,5 +14,15 @@ from trainkit.checkpoint.checkpointer import (
     check_writable,
     explain_restore,
 )
+from trainkit.checkpoint.files import restore, save
 
-__all__ = ["CheckpointError", "Checkpointer", "all_finite", "build_manifest", "check_writable", "explain_restore"]
+__all__ = [
+    "CheckpointError",
+    "Checkpointer",
+    "all_finite",
+    "build_manifest",
+    "check_writable",
+    "explain_restore",
+    "restore",
+    "save",
+]

@@ -463,9 +463,9 @@ def build_manifest(state: PyTree, strategy: Any, position: Any, **settings: Any)
     }
 
 
-def explain_restore(manifest: dict, strategy: str, devices: int, batch_size: int | None, batch: int) -> None:
+def explain_restore(manifest: dict, strategy: str, devices: int, batch_size: int | None) -> None:
     """Logs what a restore into another strategy, device count or batch size means for the
-    run's exactness (``batch``: the batch index the run continues at)."""
+    run's exactness (a batch index is converted by examples seen)."""
     if manifest.get("device_count") != devices or manifest.get("strategy") != strategy:
         logger.warning(
             "Restored step %s written by %s on %s devices into %s on %s devices: the state is "
@@ -478,6 +478,7 @@ def explain_restore(manifest: dict, strategy: str, devices: int, batch_size: int
             devices,
         )
     if batch_size is not None and manifest.get("batch_size") not in (None, batch_size):
+        batch = manifest["position"]["batch"] * manifest["batch_size"] // batch_size
         logger.warning(
             "The checkpoint was written with batch_size=%s, this run uses %s: the data "
             "position is converted by examples seen (batch %s -> %s), and the batches, and "

@@ -73,6 +73,17 @@ def num_rows(tree: PyTree) -> int:
     return int(jax.tree.leaves(tree)[0].shape[0])
 
 
+def one_batch_size(data: Any, shards: int) -> int:
+    """A batch size that holds all rows of ``data`` (``x`` or an ``(x, y[, w])`` tuple) in one
+    batch that ``shards`` devices can split (padded), for Keras's ``*_on_batch``.
+
+    >>> one_batch_size((np.zeros((5, 2)), np.zeros(5)), 4)
+    8
+    """
+    rows = num_rows(split_xyw(data)[0])
+    return -(-rows // shards) * shards
+
+
 def example_spec(x: PyTree) -> PyTree:
     """Per-example shapes and dtypes of a batch of inputs (leading axis dropped)."""
     return jax.tree.map(lambda a: (tuple(a.shape[1:]), np.dtype(a.dtype).name), x)

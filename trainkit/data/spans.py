@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import numpy as np
@@ -28,15 +28,24 @@ import numpy as np
 PyTree = Any
 
 
+class Span(NamedTuple):
+    """Batches the hooks see as one execution: ``batches`` stacked into one tree (``fused``,
+    trained in one call) or a list trained one call each; ``steps`` of them; ``data_state``: the
+    data's position after the last one."""
+
+    batches: Any
+    fused: bool
+    steps: int
+    data_state: Any
+
+
 def stack(batches: list[PyTree]) -> PyTree:
     """Host batches of one structure stacked on a new leading axis."""
     return jax.tree.map(lambda *arrays: np.stack(arrays), *batches)
 
 
-def executions(
-    pairs: Iterator[tuple[PyTree, Any]], size: int, room: Callable[[int], int]
-) -> Iterator[tuple[Any, bool, int, Any]]:
-    """``(batches, fused, steps, state)`` per span of ``steps`` batches: ``fused``, the batches
+def executions(pairs: Iterator[tuple[PyTree, Any]], size: int, room: Callable[[int], int]) -> Iterator[Span]:
+    """A :class:`Span` per span of ``steps`` batches: ``fused``, the batches
     stacked into one (``steps == size``, one call); otherwise a list of ``steps <= size``
     batches, trained one call each. ``pairs`` yields each host batch with the data's position
     after it; ``state`` is the position after the span's last batch. ``room(i)``: how many
@@ -50,16 +59,16 @@ def executions(
             group.extend(itertools.islice(pairs, want))
         except Exception:
             if group:
-                yield [batch for batch, _ in group], False, len(group), group[-1][1]
+                yield Span([batch for batch, _ in group], False, len(group), group[-1][1])
             raise
         if not group:
             return
         read += len(group)
         batches = [batch for batch, _ in group]
         if len(group) == size > 1:
-            yield stack(batches), True, size, group[-1][1]
+            yield Span(stack(batches), True, size, group[-1][1])
         else:
-            yield batches, False, len(group), group[-1][1]
+            yield Span(batches, False, len(group), group[-1][1])
 
 
 def room_until(step: int, max_steps: int | None, every: int | None) -> Callable[[int], int]:

@@ -6,6 +6,18 @@ preemption (imports ``core``, ``data``, ``distributed``; ``strategies`` for type
 Position(epoch=1, batch=2, step=10)
 """
 
-from trainkit.loop.loop import PREEMPTED_EXIT_CODE, SKIPPED_WARNING, Loop, Position, Preempted, StepRecord, validates
+from trainkit.loop.loop import PREEMPTED_EXIT_CODE, SKIPPED_WARNING, Loop, Position, Preempted, StepRecord
+from trainkit.loop.session import FitConfig, Session, Validation, validates
 
-__all__ = ["PREEMPTED_EXIT_CODE", "SKIPPED_WARNING", "Loop", "Position", "Preempted", "StepRecord", "validates"]
+__all__ = [
+    "PREEMPTED_EXIT_CODE",
+    "SKIPPED_WARNING",
+    "FitConfig",
+    "Loop",
+    "Position",
+    "Preempted",
+    "Session",
+    "StepRecord",
+    "Validation",
+    "validates",
+]

@@ -1,9 +1,9 @@
 """The loop: epochs and steps, the position, the steps in flight, callback dispatch, resume and
 preemption. It runs compiled functions it is given and never compiles, places or saves anything.
 
-What the loop needs from its owner (the :class:`trainkit.Trainer`) is small: a ``state``
-attribute it reads and replaces, ``function(kind)`` for the compiled ``"train"``, ``"eval"``
-and ``"predict"`` steps (and ``"train_steps"``, ``k`` steps in one call, when its
+What the loop needs is a typed :class:`~trainkit.loop.session.Session`: the ``state`` it
+reads and replaces, ``function(kind)`` for the compiled ``"train"``, ``"eval"`` and
+``"predict"`` steps (and ``"train_steps"``, ``k`` steps in one call, when its
 ``steps_per_execution`` is ``k > 1``), ``strategy`` (``put_batch``, ``put_batches``,
 ``fetch_rows``, ``real_rows``) and ``log_order``. Callbacks see the loop as ``self.trainer.loop``: its ``position``, the
 :class:`StepRecord` of the batch a hook is about (``record``), and explicit calls:
@@ -11,7 +11,7 @@ and ``"predict"`` steps (and ``"train_steps"``, ``k`` steps in one call, when it
 
 >>> import numpy as np
 >>> from trainkit.callbacks import CallbackList
->>> loop = Loop(owner=None)
+>>> loop = Loop(session=None)
 >>> loop.position, loop.stop_requested
 (Position(epoch=0, batch=0, step=0), False)
 >>> loop.resume_at(Position(epoch=2, batch=3, step=11)); loop.start
@@ -26,7 +26,7 @@ import collections
 import dataclasses
 import itertools
 import warnings
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import jax
@@ -39,6 +39,7 @@ from trainkit.core.state import abstract
 from trainkit.data.prefetch import Prefetcher
 from trainkit.data.spans import executions, room_until
 from trainkit.distributed.watchdog import StallWatchdog
+from trainkit.loop.session import FitConfig, Session, Validation
 
 PyTree = Any
 
@@ -122,22 +123,6 @@ def in_order(dispatched: Iterator, lag: int) -> Iterator:
 SKIPPED_WARNING = 25  # steps skipped in a row by the loss scale before fit warns
 
 
-def validates(epoch: int, validation_freq: int | list[int]) -> bool:
-    """Keras's ``validation_freq``: whether epoch ``epoch`` (from 0) ends with validation.
-
-    >>> [validates(e, 2) for e in range(4)], [validates(e, [1, 4]) for e in range(4)]
-    ([False, True, False, True], [True, False, False, True])
-    """
-    if isinstance(validation_freq, int) and not isinstance(validation_freq, bool) and validation_freq >= 1:
-        return (epoch + 1) % validation_freq == 0
-    if isinstance(validation_freq, (list, tuple)):
-        return epoch + 1 in validation_freq
-    raise ValueError(
-        "validation_freq must be a positive integer or a list of epochs (counted from 1); "
-        f"received {validation_freq!r}."
-    )
-
-
 def batches_at(stacked: PyTree, index: int) -> PyTree:
     """Entry ``index`` of every leaf stacked on a leading axis (one step's batch or metrics)."""
     return jax.tree.map(lambda a: a[index], stacked)
@@ -171,7 +156,7 @@ def process_slice() -> dict:
 
 
 class Loop:
-    """Runs ``fit``, ``evaluate`` and ``predict`` for its ``owner``; see the module docstring.
+    """Runs ``fit``, ``evaluate`` and ``predict`` of a session; see the module docstring.
 
     ``max_in_flight`` bounds the steps dispatched ahead of the oldest one whose metrics were
     not read yet, when every batch-level callback is ``async_safe`` (otherwise each batch's
@@ -183,8 +168,8 @@ class Loop:
     #: Host batches assembled ahead in a background thread (0: read in the main thread).
     prefetch: int = 8
 
-    def __init__(self, owner: Any):
-        self.owner = owner
+    def __init__(self, session: Session):
+        self.session = session
         self.position = Position()
         self.record: StepRecord | None = None
         self.batch_size: int | None = None
@@ -196,7 +181,7 @@ class Loop:
         self.resume_state: Any = None  # this process's saved iterator position to continue from
         self.validating_at: int | None = None  # the step of a validation every N steps, while it runs
         self.validation_logs: dict[str, float] = {}  # the latest one's
-        self.interval_validation: tuple[Any, int] | None = None  # (validation, every N steps) of this fit
+        self.interval_validation: tuple[Validation, int] | None = None  # (validation, every N steps) of this fit
 
     # ------------------------------------------------------------------ explicit requests
     def request_stop(self) -> None:
@@ -239,41 +224,22 @@ class Loop:
         return self.stop_requested or (max_steps is not None and self.position.step >= max_steps)
 
     # ------------------------------------------------------------------ fit
-    def fit(
-        self,
-        dataset: Any,
-        batch_size: int,
-        callbacks: Any,
-        *,
-        epochs: int,
-        initial_epoch: int = 0,
-        steps: int | None = None,
-        max_steps: int | None = None,
-        shuffle: bool = True,
-        seed: int = 0,
-        validation: tuple[Any, int, int | None] | None = None,
-        validation_freq: int | list[int] = 1,
-        warn_non_finite: bool = True,
-        first_step: Callable[[dict], None] | None = None,
-        continuing: bool = False,
-        validation_interval: int | None = None,
-    ) -> dict[str, float]:
-        """Trains from ``initial_epoch`` (or where a callback's ``resume_at`` says) to ``epochs``
-        and returns the last epoch's logs. Hooks follow Keras 3's ``fit`` order. ``validation``
-        is ``(dataset, batch_size, steps)``, evaluated after the epochs ``validation_freq``
-        names (an int: every that many epochs; a list: those epochs, counted from 1).
-        ``first_step`` receives the host metric totals of this fit's first step; ``continuing``:
-        epochs walk on through the data (Keras's ``steps_per_epoch`` on arrays).
-        ``validation_interval``: validate after every that many optimizer steps instead (on
-        the state of that step), for step-based training; the epoch logs carry the latest."""
+    def fit(self, dataset: data_lib.Source, batch_size: int, callbacks: Any, config: FitConfig) -> dict[str, float]:
+        """Trains from ``config.initial_epoch`` (or where a callback's ``resume_at`` says) to
+        ``config.epochs`` and returns the last epoch's logs. Hooks follow Keras 3's ``fit``
+        order. With ``config.validation_interval`` the validation runs after every that many
+        optimizer steps (on the state of that step) and the epoch logs carry the latest."""
+        epochs, steps, max_steps = config.epochs, config.steps, config.max_steps
+        validation, warn_non_finite, first_step = config.validation, config.warn_non_finite, config.first_step
+        validation_interval = config.validation_interval
         self.stop_requested = self.preempted = False
         self.skipped_in_a_row = 0
         self.batch_size, self.start, self.batch_spec = batch_size, None, None
         self.data_state = self.resume_state = None
         self.validation_logs = {}
         self.interval_validation = (validation, validation_interval) if validation_interval else None
-        self.position = Position(initial_epoch, 0, self.position.step)
-        train_fn = self.owner.function("train")
+        self.position = Position(config.initial_epoch, 0, self.position.step)
+        train_fn = self.session.function("train")
         read_ahead = not dataset.one_shot
         logs: dict[str, float] = {}
         self.watchdog = StallWatchdog()
@@ -291,9 +257,9 @@ class Loop:
                     epoch,
                     first,
                     steps,
-                    continuing=continuing,
-                    shuffle=shuffle,
-                    seed=seed,
+                    continuing=config.continuing,
+                    shuffle=config.shuffle,
+                    seed=config.seed,
                     state=self.resume_state if epoch == start.epoch else None,
                     **process_slice(),
                 )
@@ -315,7 +281,7 @@ class Loop:
                     break
                 if self.interval_validation is not None:
                     logs.update(self.validation_logs)
-                elif validation is not None and validates(epoch, validation_freq):
+                elif validation is not None and config.validates(epoch):
                     val_logs = self.evaluate(*validation, callbacks)
                     logs.update({f"val_{k}": v for k, v in val_logs.items()})
                 self.position = Position(epoch + 1, 0, self.position.step)
@@ -332,39 +298,38 @@ class Loop:
             raise Preempted(self.position.step)
         return logs
 
-    def _reader(self, dataset: Any, batches: Iterator) -> Prefetcher:
+    def _reader(self, dataset: data_lib.Source, batches: Iterator) -> Prefetcher:
         """``batches`` read ahead in a background thread; a one-shot iterator is read in the
         main thread, one batch at a time (a batch read ahead would be lost at a stop)."""
         return Prefetcher(batches, depth=0 if dataset.one_shot else self.prefetch)
 
-    def _train_reader(self, dataset: Any, batches: Iterator, max_steps: int | None) -> Prefetcher:
-        """The epoch's spans (:func:`trainkit.data.spans.executions`: ``(batches, fused,
-        steps, data position after them)``), assembled ahead like :meth:`_reader`'s batches; the
-        data position is read in the same thread, right after each batch."""
+    def _train_reader(self, dataset: data_lib.Source, batches: Iterator, max_steps: int | None) -> Prefetcher:
+        """The epoch's :class:`~trainkit.data.spans.Span` s, assembled ahead like :meth:`_reader`'s
+        batches; the data position is read in the same thread, right after each batch."""
         get_state = dataset.get_state if dataset.checkpointable else lambda: None
         pairs = ((batch, get_state()) for batch in batches)
         every = self.interval_validation[1] if self.interval_validation else None
-        size = self.owner.steps_per_execution
+        size = self.session.steps_per_execution
         return self._reader(dataset, executions(pairs, size, room_until(self.position.step, max_steps, every)))
 
     def _train_epoch(
         self, train_fn, batches: Iterable, callbacks, max_steps, warn_non_finite, read_ahead, first_step=None
     ) -> tuple[int, dict]:
-        owner, epoch = self.owner, self.position.epoch
+        session, epoch = self.session, self.position.epoch
         batch_begin, batch_end = callbacks.on_train_batch_begin, callbacks.on_train_batch_end
         items = iter(batches)
-        steps_fn = owner.function("train_steps") if owner.steps_per_execution > 1 else None
+        steps_fn = session.function("train_steps") if session.steps_per_execution > 1 else None
 
         def place(item):
             """A span of host batches on the devices: one stacked batch (``fused``) or a list."""
             if item is None:
                 return None
-            batches, fused, steps, data_state = item
-            strategy = owner.strategy
-            placed = strategy.put_batches(batches) if fused else [strategy.put_batch(b) for b in batches]
+            strategy, batches = session.strategy, item.batches
+            placed = strategy.put_batches(batches) if item.fused else [strategy.put_batch(b) for b in batches]
             if self.batch_spec is None:  # one batch's shapes and shardings, for lowering
-                self.batch_spec = abstract(placed[0] if not fused else strategy.put_batch(batches_at(batches, 0)))
-            return placed, fused, steps, data_state
+                first = strategy.put_batch(batches_at(batches, 0)) if item.fused else placed[0]
+                self.batch_spec = abstract(first)
+            return item._replace(batches=placed)
 
         def read():
             """The next placed batch; an error of the data is kept (noted with where it
@@ -383,19 +348,19 @@ class Loop:
             while upcoming is not None:
                 if isinstance(upcoming, Exception):
                     raise upcoming
-                placed, fused, steps, data_state = upcoming
+                placed, fused, steps, data_state = upcoming  # a Span of placed batches
                 record = StepRecord(self.position.step + steps, epoch, self.position.batch + steps - 1, steps)
                 if batch_begin.active:
                     self.record = record
                     batch_begin(record.first_batch)
                 if fused:
                     with jax.profiler.StepTraceAnnotation("train", step_num=record.step):  # steps in a profile
-                        owner.state, metrics = steps_fn(owner.state, placed)
+                        session.state, metrics = steps_fn(session.state, placed)
                 else:
                     metrics = []
                     for step, batch in enumerate(placed, start=record.first_step):
                         with jax.profiler.StepTraceAnnotation("train", step_num=step):
-                            owner.state, step_metrics = train_fn(owner.state, batch)
+                            session.state, step_metrics = train_fn(session.state, batch)
                         metrics.append(step_metrics)
                 self.watchdog.progress(record.step)
                 self.position, self.data_state = Position(epoch, record.batch + 1, record.step), data_state
@@ -437,8 +402,8 @@ class Loop:
             ran += record.steps
             if batch_end.active:
                 self.record = record
-                batch_end(record.batch, metrics_lib.compute(totals, owner.log_order))
-        return ran, ({} if totals is None else metrics_lib.compute(totals, owner.log_order))
+                batch_end(record.batch, metrics_lib.compute(totals, session.log_order))
+        return ran, ({} if totals is None else metrics_lib.compute(totals, session.log_order))
 
     def _validate_every(self, step: int, callbacks) -> None:
         """``validation_interval``: after every N-th step is dispatched, validate on its state."""
@@ -473,10 +438,10 @@ class Loop:
         function, per span of ``steps_per_execution`` batches (one call per batch), in order,
         with the span's batch-begin hook of ``kind`` (``"test"`` / ``"predict"``), as Keras
         runs them."""
-        owner = self.owner
-        fn = owner.function("eval" if kind == "test" else "predict")
+        session = self.session
+        fn = session.function("eval" if kind == "test" else "predict")
         batch_begin = getattr(callbacks, f"on_{kind}_batch_begin")
-        size = owner.steps_per_execution
+        size = session.steps_per_execution
 
         def dispatch():
             host_batches = itertools.islice(dataset.batches(batch_size, split=True, **process_slice()), steps)
@@ -493,7 +458,7 @@ class Loop:
                         return
                     if batch_begin.active:
                         batch_begin(index)
-                    results = [fn(owner.state, owner.strategy.put_batch(host)) for host in span]
+                    results = [fn(session.state, session.strategy.put_batch(host)) for host in span]
                     yield index, index + len(span) - 1, span, results
                     index += len(span)
 
@@ -502,7 +467,7 @@ class Loop:
     def evaluate(self, dataset: Any, batch_size: int, steps: int | None, callbacks) -> dict[str, float]:
         """The loss and metrics over ``dataset`` (exact: masked totals over every real row)."""
         callbacks.on_test_begin()
-        totals, order = None, self.owner.log_order
+        totals, order = None, self.session.log_order
         for _, last, _, results in self._inference("test", dataset, batch_size, steps, callbacks):
             for metrics in results:
                 totals = metrics_lib.merge(totals, host_metrics(metrics))
@@ -514,7 +479,7 @@ class Loop:
 
     def predict(self, dataset: Any, batch_size: int, steps: int | None, callbacks) -> PyTree:
         """The model's outputs, one row per real input row (padding removed)."""
-        strategy = self.owner.strategy
+        strategy = self.session.strategy
         callbacks.on_predict_begin()
         parts = []
         for _, last, host_batches, results in self._inference("predict", dataset, batch_size, steps, callbacks):

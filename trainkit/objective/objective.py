@@ -319,6 +319,20 @@ class Objective:
             elif out.loss in losses.ELEMENTWISE_LOSSES or isinstance(out.loss, crossentropy.Loss):
                 checks.same_shape(target.shape[1:], shape, out.loss_name, f"The targets {where}")
 
+    def keras_result(self, logs: dict[str, float], return_dict: bool = False) -> float | list[float] | dict[str, float]:
+        """Keras's return value of ``evaluate``: the dict, or the loss alone, or ``[loss,
+        *metrics]`` in the compiled order.
+
+        >>> objective = Objective("mse", ["mae"])
+        >>> objective.keras_result({"mae": 2.0, "loss": 1.0}), objective.keras_result({"loss": 1.0})
+        ([1.0, 2.0], 1.0)
+        """
+        if return_dict:
+            return logs
+        order = self.log_order
+        values = [logs[k] for k in order if k in logs] + [v for k, v in sorted(logs.items()) if k not in order]
+        return values[0] if len(values) == 1 else values
+
     def loss_named(self, probe: str) -> str:
         """The loss name of the output a ``_probabilities/<output>`` probe watches."""
         name = probe.split("/", 1)[1]

@@ -173,12 +173,16 @@ def analyse(row: PlanRow, compiled) -> PlanRow:
     return row
 
 
+@dataclasses.dataclass(frozen=True, repr=False)
 class MemoryPlan:
-    """The rows of :func:`make_plan`; ``recommended`` is the strategy ``"auto"`` picks."""
+    """The rows of :func:`make_plan`; ``recommended`` is the strategy ``"auto"`` picks.
+    ``initial_state``: the host copy of the state at step 0 when measuring built one (the
+    trainer starts from it instead of initialising again)."""
 
-    def __init__(self, rows: list[PlanRow], memory_limit: int, measured: bool):
-        self.rows, self.memory_limit, self.measured = rows, memory_limit, measured
-        self.initial_state: Any = None  # host copy of the state at step 0, when measuring built one
+    rows: list[PlanRow]
+    memory_limit: int
+    measured: bool
+    initial_state: Any = None
 
     @property
     def recommended(self) -> PlanRow | None:
@@ -272,12 +276,13 @@ def default_candidates(devices: Sequence[jax.Device] | None = None) -> list[Stra
 
 def make_plan(
     candidates: Sequence[Strategy],
-    lower: Callable[[Strategy], Any],
+    lower: Callable[[Strategy], tuple[Any, Callable | None]],
     *,
     memory_limit: int | None = None,
     measure: Callable[[Strategy, Any], float] | None = None,
 ) -> MemoryPlan:
-    """Compiles ``lower(strategy)`` (a ``jax.stages.Lowered``) for each candidate and picks one.
+    """Compiles ``lower(strategy)`` (a ``jax.stages.Lowered`` and the jitted step it came from,
+    kept as the row's ``function``) for each candidate and picks one.
 
     ``lower`` may raise for a candidate that cannot run this configuration (a batch it cannot
     split, or ``jax.pmap``'s lowering of abstract arguments, which fails across processes); the
@@ -291,7 +296,7 @@ def make_plan(
     with concurrent.futures.ThreadPoolExecutor(max(1, min(len(rows), os.cpu_count() or 1))) as pool:
         for row in rows:
             try:
-                lowered = lower(row.strategy)
+                lowered, row.function = lower(row.strategy)
                 if not hasattr(lowered, "compile"):
                     raise TypeError(f"{type(row.strategy).__name__}.compile_train's result cannot be lowered")
                 compiling[id(row)] = pool.submit(lowered.compile)
@@ -359,7 +364,6 @@ def plan_step(
     one state with ``create_state`` and copies it into each candidate's shardings. Each row
     keeps its jitted step as ``row.function``.
     """
-    functions = {}
     limit = int(memory_limit) if memory_limit is not None else device_memory_limit(candidates[0].devices)
 
     def lower(strategy: Strategy):
@@ -374,12 +378,12 @@ def plan_step(
         abstract = jax.tree.map(
             lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract_state, shardings
         )
-        function = functions[id(strategy)] = compile_step(strategy, abstract)
+        function = compile_step(strategy, abstract)
         if strategy.axis_name is not None and jax.process_count() > 1:
             # pmap turns each argument into a global array before lowering, which an abstract
             # one cannot become: lower it with the real state (its size passed the check above)
             abstract = strategy.put_state(the_host_state(strategy))
-        return function.lower(abstract, strategy.put_batch(strategy.local_rows(host_batch)))
+        return function.lower(abstract, strategy.put_batch(strategy.local_rows(host_batch))), function
 
     host_state = []  # built once (sharded, by the first candidate that needs it), then copied
 
@@ -393,10 +397,7 @@ def plan_step(
         return time_steps(compiled, state, strategy.put_batch(strategy.local_rows(host_batch)), steps, trains)
 
     result = make_plan(candidates, lower, memory_limit=memory_limit, measure=run if measure else None)
-    for row in result.rows:
-        row.function = functions.get(id(row.strategy))
-    result.initial_state = host_state[0] if host_state else None
-    return result
+    return dataclasses.replace(result, initial_state=host_state[0] if host_state else None)
 
 
 def time_steps(step: Callable, state, batch, steps: int = MEASURE_STEPS, trains: bool = True) -> float:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import jax
 
 from trainkit.strategies.auto import Auto
-from trainkit.strategies.base import Strategy, make_mesh
+from trainkit.strategies.base import Strategy, check_steps_per_execution, make_mesh
 from trainkit.strategies.data_parallel import DataParallel
 from trainkit.strategies.fsdp import FSDP
 from trainkit.strategies.hybrid import Hybrid
@@ -20,6 +20,7 @@ __all__ = [
     "FSDP",
     "Hybrid",
     "make_mesh",
+    "check_steps_per_execution",
     "resolve_strategy",
 ]
 

@@ -1,0 +1,115 @@
+"""``CallbackList``: calls each hook on the callbacks that implement it, with Keras's
+arguments, after adding the default callbacks as Keras's ``CallbackList`` does (``History``,
+then the progress bar).
+
+>>> from trainkit.callbacks.base import Callback
+>>> class CountEpochs(Callback):
+...     def __init__(self):
+...         self.epochs = 0
+...     def on_epoch_end(self, epoch, logs=None):
+...         self.epochs += 1
+>>> callbacks = CallbackList([CountEpochs()], trainer=None, add_history=True)
+>>> callbacks.on_epoch_end(0, {"loss": 1.0}); callbacks.callbacks[0].epochs, callbacks.history.history
+(1, {'loss': [1.0]})
+>>> callbacks.async_train   # no batch-level hook: the loop may run ahead
+True
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Iterable
+from typing import Any
+
+from trainkit.callbacks.base import _ALIASES, _BATCH_END, HOOKS, Callback, Logs, overrides
+from trainkit.callbacks.history import History
+from trainkit.callbacks.progress import ProgressBar
+
+
+def _keras_logs(logs: Logs | None) -> Logs:
+    """A fresh dict with sorted keys, as Keras's ``pythonify_logs`` passes: every callback of one
+    hook call sees the same dict, so one may add a key (e.g. ``learning_rate``) for the next."""
+    return dict(sorted((logs or {}).items()))
+
+
+class CallbackList:
+    """Calls each hook on the callbacks that implement it, in list order, with Keras's arguments.
+
+    ``async_train`` / ``async_test`` / ``async_predict``: whether every callback implementing a
+    batch-end hook of that kind is ``async_safe`` (then the loop may run ahead of the hooks).
+    Each dispatcher has ``active``: ``False`` when no callback implements the hook, so the
+    loop skips building its arguments.
+    """
+
+    def __init__(
+        self,
+        callbacks: Iterable[Callback],
+        trainer: Any,
+        params: dict | None = None,
+        *,
+        add_history: bool = False,
+        add_progress_bar: bool = False,
+    ):
+        self.callbacks = list(callbacks)
+        self.history: History | None = None
+        if add_history:  # Keras's order: the user's callbacks, History, then the progress bar
+            self.history = next((c for c in self.callbacks if isinstance(c, History)), None)
+            if self.history is None:
+                self.history = History()
+                self.callbacks.append(self.history)
+        if add_progress_bar and not any(isinstance(c, ProgressBar) for c in self.callbacks):
+            self.callbacks.append(ProgressBar((params or {}).get("verbose", 1)))
+        for callback in self.callbacks:
+            if not isinstance(callback, Callback):
+                raise TypeError(
+                    f"Callbacks must subclass trainkit.callbacks.Callback; received {type(callback).__name__}. "
+                    "A Keras callback's code runs unchanged once its class derives from tk.callbacks.Callback."
+                )
+            callback.set_model(trainer)
+            if params is not None:
+                callback.set_params(params)
+        for kind, hooks in _BATCH_END.items():
+            blocking = [c for c in self.callbacks if not c.async_safe and any(overrides(c, h) for h in hooks)]
+            setattr(self, f"async_{kind}", not blocking)
+        for hook in HOOKS:
+            alias = _ALIASES.get(hook)
+            bound = [
+                getattr(c, hook)
+                for c in self.callbacks
+                if overrides(c, hook) or (alias is not None and overrides(c, alias))
+            ]
+            setattr(self, hook, self._dispatcher(hook, bound))
+
+    @property
+    def stops_on_non_finite(self) -> bool:
+        """Whether a callback stops training at a non-finite loss (``TerminateOnNaN``): the
+        loop's own warning is then not needed."""
+        return any(c.stops_on_non_finite for c in self.callbacks)
+
+    @staticmethod
+    def _dispatcher(hook: str, bound: list):
+        if hook == "on_exception":
+
+            def call(exception):
+                for fn in bound:
+                    try:
+                        fn(exception)
+                    except Exception as error:  # noqa: BLE001 - the original error matters more
+                        warnings.warn(f"{hook} of {fn} raised {error!r} while handling {exception!r}", stacklevel=2)
+        elif hook.endswith(
+            ("_train_begin", "_test_begin", "_predict_begin", "_train_end", "_test_end", "_predict_end")
+        ):
+
+            def call(logs=None):
+                logs = _keras_logs(logs)
+                for fn in bound:
+                    fn(logs)
+        else:
+
+            def call(index, logs=None):
+                logs = _keras_logs(logs)
+                for fn in bound:
+                    fn(index, logs)
+
+        call.active = bool(bound)  # type: ignore[attr-defined]
+        return call

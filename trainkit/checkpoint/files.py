@@ -1,0 +1,65 @@
+"""One checkpoint written or read in the foreground: what ``Trainer.save`` and ``Trainer.load``
+do, on a directory or an open :class:`~trainkit.checkpoint.Checkpointer`.
+
+>>> import tempfile, jax.numpy as jnp
+>>> from trainkit.core.state import TrainState
+>>> state = TrainState.create(params={"w": jnp.ones(2)}, opt_state=(), model_state={}, seed=0)
+>>> directory = tempfile.mkdtemp()
+>>> save(directory, 0, state, {"position": {"epoch": 0, "batch": 0, "global_step": 0}})
+>>> restored, manifest = restore(directory, state)
+>>> restored.params["w"].tolist(), manifest["position"]["global_step"]
+([1.0, 1.0], 0)
+"""
+
+from __future__ import annotations
+
+import os
+
+from trainkit.checkpoint.checkpointer import Checkpointer, CheckpointError, all_finite
+from trainkit.core.tree import PyTree
+
+
+def save(
+    filepath: str | os.PathLike,
+    step: int,
+    state: PyTree,
+    manifest: dict,
+    *,
+    max_to_keep: int | None = None,
+    weights_only: bool = False,
+    overwrite: bool = True,
+    allow_non_finite: bool = False,
+) -> None:
+    """Writes ``state`` (or only its variables) and ``manifest`` at ``step`` and waits until it
+    is on disk; refuses an existing step unless ``overwrite`` and non-finite parameters unless
+    ``allow_non_finite``, writing nothing then."""
+    checkpointer = Checkpointer(filepath, max_to_keep=max_to_keep, enable_async=False)
+    try:
+        if not overwrite and step in checkpointer.steps():
+            raise CheckpointError(
+                f"{checkpointer.directory!r} already holds step {step}; pass overwrite=True to replace it."
+            )
+        if not allow_non_finite and not all_finite(state.params):
+            raise CheckpointError(
+                f"The parameters at step {step} are not all finite (NaN or inf); nothing was written to "
+                f"{checkpointer.directory!r}. Pass allow_non_finite=True to save them anyway (for debugging)."
+            )
+        checkpointer.save(
+            step, state, manifest, wait=True, weights_only=weights_only, overwrite=True, allow_non_finite=True
+        )
+    finally:
+        checkpointer.close()
+
+
+def restore(
+    directory: str | os.PathLike | Checkpointer, target: PyTree, step: int | None = None
+) -> tuple[PyTree, dict]:
+    """The checkpoint's state (the latest, or ``step``) in the shardings of ``target``, and its
+    manifest; a directory is opened read-only and closed again."""
+    own = not isinstance(directory, Checkpointer)
+    checkpointer = Checkpointer(directory, read_only=True) if own else directory
+    try:
+        return checkpointer.restore(target, step)
+    finally:
+        if own:
+            checkpointer.close()

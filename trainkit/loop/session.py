@@ -1,0 +1,127 @@
+"""What the loop runs: the typed ``Session`` it is given and the frozen ``FitConfig`` of one
+``fit`` (Keras's arguments, checked before anything runs).
+
+>>> config = FitConfig.checked(epochs=3, validation_freq=2)
+>>> config.epochs, config.validates(1), config.validates(2)
+(3, True, False)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any, NamedTuple, Protocol
+
+from trainkit import data as data_lib
+from trainkit.core.state import TrainState
+from trainkit.strategies import Strategy
+
+
+class Session(Protocol):
+    """The loop's view of a trainer's setup (:class:`trainkit.program.setup.Setup` is one): the
+    live ``state``, which the loop replaces after every step and callbacks read; the
+    ``strategy`` that places batches and fetches outputs; the compiled steps by kind
+    (``"train"``, ``"train_steps"``, ``"eval"``, ``"predict"``); the order of the logged
+    metrics; the batches per compiled training call."""
+
+    state: TrainState | None
+    strategy: Strategy | None
+    steps_per_execution: int
+
+    @property
+    def log_order(self) -> tuple[str, ...]: ...
+
+    def function(self, kind: str) -> Callable: ...
+
+
+class Validation(NamedTuple):
+    """The validation data of a ``fit``: its source, global batch size and Keras's
+    ``validation_steps``."""
+
+    source: data_lib.Source
+    batch_size: int
+    steps: int | None = None
+
+
+def validates(epoch: int, validation_freq: int | list[int]) -> bool:
+    """Keras's ``validation_freq``: whether epoch ``epoch`` (from 0) ends with validation.
+
+    >>> [validates(e, 2) for e in range(4)], [validates(e, [1, 4]) for e in range(4)]
+    ([False, True, False, True], [True, False, False, True])
+    """
+    if isinstance(validation_freq, int) and not isinstance(validation_freq, bool) and validation_freq >= 1:
+        return (epoch + 1) % validation_freq == 0
+    if isinstance(validation_freq, (list, tuple)):
+        return epoch + 1 in validation_freq
+    raise ValueError(
+        "validation_freq must be a positive integer or a list of epochs (counted from 1); "
+        f"received {validation_freq!r}."
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class FitConfig:
+    """The settings of one ``fit``.
+
+    ``steps``: batches per epoch (``None``: until the data ends); ``validation`` is evaluated
+    after the epochs ``validation_freq`` names, or with ``validation_interval`` after every that
+    many optimizer steps; ``first_step`` receives the host metric totals of the first step;
+    ``continuing``: epochs walk on through the data (Keras's ``steps_per_epoch`` on arrays);
+    ``warn_non_finite``: warn once per epoch when the loss is not finite.
+    """
+
+    epochs: int = 1
+    initial_epoch: int = 0
+    steps: int | None = None
+    steps_per_epoch: int | None = None
+    max_steps: int | None = None
+    shuffle: bool | str = True
+    seed: int = 0
+    validation: Validation | None = None
+    validation_freq: int | list[int] = 1
+    validation_interval: int | None = None
+    validation_steps: int | None = None
+    warn_non_finite: bool = True
+    first_step: Callable[[dict], None] | None = None
+    continuing: bool = False
+
+    @classmethod
+    def checked(cls, *, has_validation: bool = False, **settings: Any) -> FitConfig:
+        """A config from ``fit``'s arguments, each refused with a clear error before anything
+        runs (``has_validation``: validation data was given)."""
+        config = cls(**settings)
+        data_lib.check_positive(
+            epochs=config.epochs,
+            steps_per_epoch=config.steps_per_epoch,
+            max_steps=config.max_steps,
+            validation_interval=config.validation_interval,
+        )
+        if has_validation:
+            data_lib.check_positive(validation_steps=config.validation_steps)
+        if config.validation_interval is not None and not has_validation:
+            raise ValueError(
+                f"validation_interval={config.validation_interval} needs validation_data (or validation_split): "
+                "there is nothing to validate on."
+            )
+        validates(0, config.validation_freq)
+        data_lib.check_shuffle(config.shuffle)
+        return config
+
+    def validates(self, epoch: int) -> bool:
+        return validates(epoch, self.validation_freq)
+
+    def validation_runs(self) -> int:
+        """How many times this fit validates (for a one-shot iterator as validation data)."""
+        if self.validation_interval:
+            return (self.max_steps or 2 * self.validation_interval) // self.validation_interval
+        return sum(self.validates(e) for e in range(self.initial_epoch, self.epochs))
+
+    def loop_settings(self) -> dict:
+        """What every process must agree on (checked across processes)."""
+        return {
+            "epochs": self.epochs,
+            "shuffle": self.shuffle,
+            "steps_per_epoch": self.steps_per_epoch,
+            "max_steps": self.max_steps,
+            "initial_epoch": self.initial_epoch,
+        }

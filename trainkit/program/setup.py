@@ -1,0 +1,297 @@
+"""``Setup``: everything a trainer sets up before its first step, from the input resolved once.
+
+It owns the strategy (chosen by the compiled plan under ``"auto"``), the live ``TrainState``,
+the compiled steps and the checks made before compiling: the same configuration on every
+process, the objective built and its targets checked on the first batch, a batch size the
+devices can split. It is the session the loop runs (``state``, ``strategy``,
+``function(kind)``, ``log_order``, ``steps_per_execution``).
+
+>>> import numpy as np, optax, flax.linen as nn
+>>> from trainkit.core.model import adapt_model
+>>> from trainkit.core.precision import get_precision
+>>> from trainkit.objective import Objective
+>>> from trainkit.program.program import Program
+>>> adapter, objective = adapt_model(nn.Dense(2)), Objective("mse")
+>>> def compute_loss(params, batch, rng, *, model_state, train):
+...     out, model_state = adapter.apply(params, model_state, batch["x"], rng=rng, train=train)
+...     return objective.loss(out, batch["y"]), (out, model_state)
+>>> program = Program(adapter=adapter, compute_loss=compute_loss, apply=adapter.apply, optimizer=optax.sgd(0.1),
+...                   objective=objective, precision=get_precision("fp32"))
+>>> setup = Setup(program, "single", steps_per_execution=1)
+>>> prepared = setup.prepare((np.ones((8, 3), np.float32), np.ones((8, 2), np.float32)), batch_size=4, targets=True)
+>>> setup.state.params["kernel"].shape, prepared.batch_size
+((3, 2), 4)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import numpy as np
+import optax
+
+from trainkit import data as data_lib
+from trainkit import distributed
+from trainkit.core.state import TrainState, abstract
+from trainkit.core.tree import PyTree
+from trainkit.program import plan as plan_lib
+from trainkit.program.program import Program
+from trainkit.strategies import Auto, SingleDevice, Strategy, check_steps_per_execution, resolve_strategy
+
+logger = logging.getLogger("trainkit")
+
+
+def check_trainer_arguments(optimizer: Any, grad_accum_steps: Any, jit_compile: Any) -> None:
+    """Refuses the ``Trainer`` arguments that cannot work, saying what to pass."""
+    if not isinstance(optimizer, optax.GradientTransformation):
+        raise TypeError(
+            f"optimizer must be an optax.GradientTransformation such as optax.adam(1e-3); "
+            f"received {type(optimizer).__name__}."
+        )
+    if not isinstance(grad_accum_steps, (int, np.integer)) or grad_accum_steps < 1:
+        raise ValueError(f"grad_accum_steps must be a positive integer; received {grad_accum_steps!r}.")
+    if jit_compile not in (True, False, "auto"):
+        raise ValueError(f"jit_compile must be True, False or 'auto'; received {jit_compile!r}.")
+
+
+class Setup:
+    """The strategy, the state and the compiled steps of one trainer (see the module docstring).
+
+    Args:
+        program: the pure functions of the setup.
+        strategy: a strategy, a name, ``"auto"`` or an :class:`~trainkit.strategies.Auto`.
+        steps_per_execution: batches per compiled training call.
+        custom_loss: the trainer overrides ``compute_loss`` (targets are then optional).
+        on_restore: called with the optimizer step of every new state (the loop's position).
+    """
+
+    def __init__(
+        self,
+        program: Program,
+        strategy: str | Strategy | Auto,
+        *,
+        steps_per_execution: int = 1,
+        custom_loss: bool = False,
+        on_restore: Callable[[int], None] = lambda step: None,
+    ):
+        self.program, self.objective, self.custom_loss = program, program.objective, custom_loss
+        chosen = resolve_strategy("single" if program.eager and strategy == "auto" else strategy)
+        if program.eager and not isinstance(chosen, SingleDevice):
+            raise ValueError(
+                f"run_eagerly=True runs each step op by op on one device, but the strategy is {chosen.describe()}, "
+                "which compiles the step across devices. Pass strategy='single' (or leave strategy='auto') to debug."
+            )
+        self.auto = chosen if isinstance(chosen, Auto) else None
+        self.strategy: Strategy | None = None if self.auto else chosen  # "auto": set by the plan
+        self.steps_per_execution = check_steps_per_execution(steps_per_execution, self.strategy)
+        self.on_restore = on_restore
+        self.state: TrainState | None = None
+        self.input_spec: PyTree = None
+        self.last_plan: plan_lib.MemoryPlan | None = None  # the plan strategy="auto" chose from
+        self._compiled: dict[str, Any] = {}
+        self._outputs: PyTree = None  # the model's output shapes, once traced
+        self._warned_probabilities = False
+
+    @property
+    def log_order(self) -> tuple[str, ...]:
+        return self.objective.log_order
+
+    def require_state(self) -> TrainState:
+        if self.state is None:
+            raise RuntimeError("The trainer has no state yet: call fit(...) or init(sample_batch) first.")
+        return self.state
+
+    def replace_state(self, state: TrainState) -> None:
+        """A restored state becomes the live one (the loop's step follows it)."""
+        self.state = state
+        self.on_restore(int(state.step))
+
+    # ------------------------------------------------------------------ the input
+    def prepare(
+        self,
+        data: Any,
+        y: PyTree = None,
+        sample_weight: PyTree = None,
+        batch_size: int | None = None,
+        *,
+        targets: bool,
+        training: bool = False,
+        announce: bool = False,
+        config: dict | None = None,
+    ) -> data_lib.Prepared:
+        """The input resolved once, checked across processes, the objective built and checked on
+        it, the strategy chosen and the state created from it."""
+        prepared = data_lib.prepare(data, y, sample_weight, batch_size, needs_targets=targets and not self.custom_loss)
+        program, batch_size = self.program, prepared.batch_size
+        distributed.check_same_configuration(
+            {  # before anything that needs the processes to agree
+                "batch_size": batch_size,
+                "seed": program.seed,
+                "grad_accum_steps": program.grad_accum_steps,
+                "steps_per_execution": self.steps_per_execution,  # different calls would hang a collective
+                "strategy": (self.strategy or self.auto).describe(),
+                "precision": str(program.precision.compute_dtype),
+                "inputs": str(prepared.spec),
+                "rows": prepared.rows,  # different counts would hang a collective
+                "batches": prepared.source.steps(batch_size),
+                **(config or {}),
+            }
+        )
+        if self.state is not None:
+            data_lib.check_same_inputs(self.input_spec, prepared.spec)
+        if targets and prepared.has_targets:
+            self.objective.build(prepared.first_y)
+            if self.objective.has_loss and not self.custom_loss:
+                source = prepared.source
+                every = source.y if isinstance(source, data_lib.ArrayDataset) else prepared.first_y
+                self.objective.check_targets(every, self.output_spec(prepared.first_x))
+        micro_batches = program.grad_accum_steps if training else 1
+        if self.strategy is None:
+            data_lib.check_batch_size(batch_size, 1, micro_batches=micro_batches)
+            self.choose_strategy(prepared, announce)
+        data_lib.check_batch_size(batch_size, self.strategy.num_batch_shards, micro_batches=micro_batches)
+        if self.state is None:
+            self.create_state(prepared)
+        return prepared
+
+    def prepare_fit(
+        self,
+        data: Any,
+        y: PyTree,
+        sample_weight: PyTree,
+        batch_size: int | None,
+        *,
+        settings: dict,
+        announce: bool = False,
+        validation_data: Any = None,
+        validation_split: float = 0.0,
+        validation_batch_size: int | None = None,
+        validation_steps: int | None = None,
+        validation_runs: int = 1,
+        class_weight: dict | None = None,
+    ) -> tuple[data_lib.Prepared, data_lib.Prepared | None]:
+        """``fit``'s training and validation data prepared, with Keras's ``validation_split``
+        and ``class_weight`` applied (``settings``: the loop's, checked across processes;
+        ``announce``: print the strategy ``"auto"`` picks). The
+        validation data come in batches of ``validation_batch_size``, else the training batch
+        size (an iterable's batches are its own), and are read ``validation_runs`` times."""
+        source = data_lib.as_dataset(data, y, sample_weight)
+        if validation_split and validation_data is None:
+            source, validation_data = data_lib.split_validation(source, validation_split)
+        if class_weight is not None:
+            source = data_lib.with_class_weight(source, class_weight)
+        options = {"targets": True, "training": True, "announce": announce, "config": settings}
+        prepared = self.prepare(source, batch_size=batch_size, **options)
+        if validation_data is None:
+            return prepared, None
+        validation = data_lib.as_dataset(validation_data)
+        data_lib.check_validation_runs(validation, validation_runs, validation_steps)
+        own_size = isinstance(validation, data_lib.IterableDataset)
+        size = validation_batch_size or (None if own_size else prepared.batch_size)
+        return prepared, self.prepare(validation, batch_size=size, targets=True)
+
+    def placed_sample(self, sample_batch: Any) -> PyTree:
+        """A sample batch (any form ``fit`` takes) placed by the strategy, for lowering; ``None``
+        for ``None`` or before the state exists."""
+        if sample_batch is None or self.state is None:
+            return None
+        return self.strategy.put_batch(data_lib.prepare(sample_batch, default_batch_size=None).sample_batch())
+
+    def init(self, sample_batch: Any) -> TrainState:
+        """The state for a sample batch (see :meth:`trainkit.Trainer.init`)."""
+        prepared = data_lib.prepare(sample_batch, default_batch_size=None)
+        if self.state is None:
+            self.choose_strategy(prepared)
+            self.create_state(prepared)
+        data_lib.check_same_inputs(self.input_spec, prepared.spec)
+        return self.state
+
+    def create_state(self, prepared: data_lib.Prepared) -> None:
+        """The state at step 0, placed by the strategy, the model initialised on the first real
+        batch's inputs (as training will call it)."""
+        plan = self.last_plan
+        if plan is not None and plan.initial_state is not None:
+            # "auto" measured its candidates from this very state: no second init compile
+            self.state = self.strategy.put_state(plan.initial_state)
+            self.last_plan = dataclasses.replace(plan, initial_state=None)  # host memory back
+        else:
+            self.state = self.program.create_state(self.strategy, prepared.first_x)
+        self.input_spec = prepared.spec
+        self.on_restore(int(self.state.step))
+
+    def output_spec(self, first_x: PyTree) -> PyTree:
+        """The shapes of the model's outputs for the first batch (traced, never run; cached)."""
+        if self._outputs is None:
+            apply = self.program.apply
+            state = abstract(self.state) if self.state is not None else self.program.abstract_state(first_x)
+            self._outputs = jax.eval_shape(
+                lambda s, x: apply(s.params, s.model_state, x, rng=s.rng, train=False)[0], state, first_x
+            )
+        return self._outputs
+
+    # ------------------------------------------------------------------ the plan and "auto"
+    def plan(self, prepared: data_lib.Prepared, candidates, *, verbose: int = 0, **options) -> plan_lib.MemoryPlan:
+        """:meth:`trainkit.Trainer.plan` of a prepared input."""
+        trains = prepared.has_targets or self.custom_loss
+        if prepared.has_targets:
+            self.objective.build(prepared.first_y)
+        result = self.program.plan(prepared.sample_batch(), candidates, trains=trains, **options)
+        if verbose:
+            result.print()
+        return result
+
+    def choose_strategy(self, prepared: data_lib.Prepared, announce: bool = False) -> None:
+        """Under ``"auto"``: the strategy the compiled plan recommends, before anything else is
+        compiled or placed (also for ``evaluate`` and ``predict`` before ``fit``)."""
+        if self.strategy is not None:
+            return
+        auto = self.auto
+        result = self.plan(prepared, auto.candidates, measure=auto.measure, memory_limit=auto.memory_limit)
+        best = result.recommended
+        if best is None:
+            raise ValueError(
+                f"strategy='auto' found no strategy that runs this model and batch: {result.reason()}. "
+                "Lower the batch size, pass remat='full' or grad_accum_steps=k, or pass "
+                f"strategy=tk.strategies.Auto(memory_limit=...) or a strategy.\n{result}"
+            )
+        self.strategy, self.last_plan = best.strategy, result
+        if best.function is not None and (prepared.has_targets or self.custom_loss):
+            self._compiled["train"] = best.function  # compiled during the plan: not compiled again
+        logger.info("strategy='auto' %s", result.reason())
+        if announce and distributed.is_main_process():
+            print(f"strategy='auto' {result.reason()}")
+
+    # ------------------------------------------------------------------ compiled steps
+    def function(self, kind: str) -> Callable:
+        """The compiled ``"train"``, ``"train_steps"``, ``"eval"`` or ``"predict"`` step
+        (compiled once)."""
+        if kind not in self._compiled:
+            self._compiled[kind] = self.program.compile(kind, self.strategy, abstract(self.require_state()))
+        return self._compiled[kind]
+
+    def check_first_step(self, metrics: dict) -> None:
+        """Warns once when a loss that takes logits received outputs that look like
+        probabilities (a model ported from Keras with a final softmax or sigmoid)."""
+        for probe_name in self.objective.probes:
+            probe = metrics.get(probe_name)
+            if probe is None or self._warned_probabilities or not probe.count or probe.total < probe.count:
+                continue
+            self._warned_probabilities = True
+            warnings.warn(
+                f"The model's outputs look like probabilities (every row non-negative and summing to 1, or in [0, 1] "
+                f"for one output), but the loss {self.objective.loss_named(probe_name)!r} takes logits: trainkit's "
+                "cross-entropies by name are Keras's with from_logits=True, so this trains on another loss than "
+                "Keras would. Remove the final softmax / sigmoid, or pass a loss object that reads probabilities, "
+                "such as tk.losses.SparseCategoricalCrossentropy() (Keras's default from_logits=False).",
+                stacklevel=4,
+            )
+
+    @property
+    def checks_first_step(self) -> bool:
+        """Whether the first step's probes are worth reading (a logits loss by name)."""
+        return not self.custom_loss and bool(self.objective.probes)
