@@ -30,7 +30,7 @@ ALLOWED = {
 EVERYTHING = {"trainer", "__init__"}
 FACADE_LIMIT = 447  # lines of trainer.py (target: 350)
 TOP_LEVEL_LIMIT = 6  # .py files directly in trainkit/, __init__ included
-PROBE_LIMIT = 80  # getattr / hasattr calls in the package (target: 40, each for a third-party object)
+PROBE_LIMIT = 40  # getattr / hasattr calls, each on a third-party object (a user's callable, a JAX or torch type)
 
 
 def modules():

@@ -19,6 +19,7 @@ import numpy as np
 from trainkit import distributed
 from trainkit.callbacks.base import Callback, Logs
 from trainkit.core import optimizers
+from trainkit.core.tree import leaf_name
 from trainkit.monitoring import debug, loggers, throughput
 
 logger = logging.getLogger("trainkit")
@@ -29,16 +30,16 @@ def run_config(trainer: Any) -> dict[str, Any]:
     optimizer (its injected hyperparameters), strategy, precision, batch size, accumulation,
     seed, devices and processes. Reads shapes and replicated scalars only (no gather), so any
     process may call it alone."""
-    state = getattr(trainer, "state", None)
+    state = trainer.state
     config: dict[str, Any] = {
-        "model": type(getattr(trainer, "model", None)).__name__,
+        "model": type(trainer.model).__name__,
         "parameters": int(sum(leaf.size for leaf in jax.tree.leaves(state.params))) if state is not None else 0,
-        "loss": str(getattr(trainer, "loss", "")),
-        "strategy": trainer.strategy.describe() if getattr(trainer, "strategy", None) is not None else "",
-        "precision": str(getattr(getattr(trainer, "precision", None), "compute_dtype", "")),
+        "loss": str(trainer.loss),
+        "strategy": trainer.strategy.describe() if trainer.strategy is not None else "",
+        "precision": str(trainer.precision.compute_dtype),
         "batch_size": trainer.loop.batch_size,
-        "grad_accum_steps": getattr(trainer, "grad_accum_steps", 1),
-        "seed": getattr(trainer, "seed", 0),
+        "grad_accum_steps": trainer.grad_accum_steps,
+        "seed": trainer.seed,
         "devices": jax.device_count(),
         "processes": jax.process_count(),
     }
@@ -54,7 +55,7 @@ def run_config(trainer: Any) -> dict[str, Any]:
 def _step(trainer: Any) -> int:
     """The optimizer step of the batch a batch hook is about (the loop may have dispatched
     later steps already: these hooks are ``async_safe``)."""
-    record = getattr(trainer.loop, "record", None)
+    record = trainer.loop.record
     return record.step if record is not None else trainer.global_step
 
 
@@ -63,7 +64,7 @@ def _due(trainer: Any, every: int | str) -> bool:
     ``steps_per_execution=1``; never for ``"epoch"``)."""
     if every == "epoch":
         return False
-    record = getattr(trainer.loop, "record", None)
+    record = trainer.loop.record
     return record.covers_multiple(every) if record is not None else trainer.global_step % every == 0
 
 
@@ -91,7 +92,7 @@ class _Rate(Callback):
             flops = debug.step_flops(trainer)
         except Exception:  # noqa: BLE001 - a strategy without .lower(): no FLOP figures
             logger.info("monitoring: the train step's flops are unknown; no TFLOP/s or MFU.", exc_info=True)
-        precision = np.dtype(getattr(trainer.precision, "compute_dtype", np.float32)).name
+        precision = np.dtype(trainer.precision.compute_dtype).name
         peak = throughput.peak_flops(devices[0].device_kind, precision)
         self.meter = throughput.Meter(
             examples_per_step=trainer.loop.batch_size or 0,
@@ -344,6 +345,5 @@ def _named_leaves(params: Any) -> dict[str, np.ndarray]:
     """``Dense_0/kernel/histogram``-style names (Keras's ``{weight.path}/histogram``)."""
     named = {}
     for path, leaf in jax.tree_util.tree_leaves_with_path(params):
-        name = "/".join(str(getattr(p, "key", getattr(p, "idx", p))) for p in path)
-        named[f"{name}/histogram"] = np.asarray(leaf)
+        named[f"{leaf_name(path)}/histogram"] = np.asarray(leaf)
     return named

@@ -80,7 +80,7 @@ class ProgressBar(Callback):
             refresh_per_second=8,
         )
         total = self._steps
-        batch = getattr(getattr(self.trainer, "loop", None), "batch_size", None)
+        batch = self.trainer.loop.batch_size if self.trainer is not None else None
         self._task = self._progress.add_task(self._describe(epoch), total=total, metrics="", batch=batch)
         self._progress.start()
 

@@ -25,6 +25,7 @@ from flax import linen as nn
 from flax import nnx
 
 from trainkit.core.state import check_tree_matches
+from trainkit.core.tree import leaf_name
 
 PyTree = Any
 
@@ -41,6 +42,10 @@ class ModelAdapter(Protocol):
     def apply(
         self, params: PyTree, model_state: PyTree, x: PyTree, *, rng: jax.Array, train: bool
     ) -> tuple[PyTree, PyTree]: ...
+
+    def param_axes(self, x: PyTree) -> dict[str, tuple]:
+        """The parameters' partitioning annotations ``{path: names}`` (empty without any)."""
+        ...
 
 
 def _call_parameters(fn) -> dict[str, inspect.Parameter]:
@@ -161,15 +166,13 @@ def _annotations(params: PyTree, is_variable) -> dict[str, tuple]:
     for path, leaf in jax.tree_util.tree_flatten_with_path(params, is_leaf=is_variable)[0]:
         names = _names(leaf)
         if names is not None:
-            keys = [str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in path]
-            found["/".join(keys)] = names
+            found[leaf_name(path)] = names
     return found
 
 
 def param_axes(adapter: ModelAdapter, x: PyTree) -> dict[str, tuple]:
     """The model's parameter annotations ``{path: names}`` (empty for an adapter without any)."""
-    read = getattr(adapter, "param_axes", None)
-    return read(x) if read is not None else {}
+    return adapter.param_axes(x)
 
 
 def under_logical_rules(fn: Callable, mesh: jax.sharding.Mesh, rules: list) -> Callable:

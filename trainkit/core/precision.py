@@ -110,8 +110,11 @@ def all_finite(tree: PyTree) -> jax.Array:
     return jnp.stack(leaves).all() if leaves else jnp.array(True)
 
 
+_ARRAYS = (jax.Array, np.ndarray, np.generic, jax.ShapeDtypeStruct)  # leaves with a dtype (tracers are jax.Arrays)
+
+
 def _floating(x) -> bool:
-    return hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jnp.floating)
+    return isinstance(x, _ARRAYS) and jnp.issubdtype(x.dtype, jnp.floating)
 
 
 def cast_floating(tree: PyTree, dtype) -> PyTree:
@@ -140,8 +143,13 @@ class Precision:
     growth_interval: int = 2000
 
     def __post_init__(self):
-        for field in ("param_dtype", "compute_dtype", "output_dtype"):
-            dtype = np.dtype(getattr(self, field))
+        dtypes = {
+            "param_dtype": self.param_dtype,
+            "compute_dtype": self.compute_dtype,
+            "output_dtype": self.output_dtype,
+        }
+        for field, value in dtypes.items():
+            dtype = np.dtype(value)
             if not jnp.issubdtype(dtype, jnp.floating):
                 raise ValueError(f"Precision.{field} must be a floating dtype; received {dtype}.")
             object.__setattr__(self, field, dtype)
@@ -181,7 +189,9 @@ class Precision:
             )
             # model state (batch statistics) keeps its stored dtypes from step to step
             new_model_state = jax.tree.map(
-                lambda new, old: new.astype(old.dtype) if hasattr(old, "dtype") else new, new_model_state, model_state
+                lambda new, old: new.astype(old.dtype) if isinstance(old, _ARRAYS) else new,
+                new_model_state,
+                model_state,
             )
             return cast_floating(outputs, self.output_dtype), new_model_state
 

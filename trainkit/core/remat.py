@@ -75,7 +75,11 @@ def resolve_remat(remat: Any) -> RematSpec | None:
     )
 
 
-_inside = threading.local()
+class _Inside(threading.local):
+    active = False  # inside a rematerialised submodule, on this thread
+
+
+_inside = _Inside()
 
 
 def _is_dynamic(value: Any) -> bool:
@@ -128,7 +132,7 @@ def _interceptor(spec: RematSpec):
             selected = len(module.scope.path) == 1  # a direct submodule of the model
         else:
             selected = type(module).__name__ in spec.modules
-        if context.method_name != "__call__" or not selected or getattr(_inside, "active", False):
+        if context.method_name != "__call__" or not selected or _inside.active:
             return next_fun(*args, **kwargs)
         names = list(kwargs)
         values = list(args) + [kwargs[n] for n in names]

@@ -9,7 +9,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import jax
@@ -106,7 +106,7 @@ def with_class_weight(dataset: DataSource, class_weight: dict) -> ArrayDataset:
     """Keras's ``class_weight``: every row weighted by its class (integer labels, ``(B, 1)``
     labels or one-hot targets), 1.0 for classes not in the dict."""
     dataset = _arrays_only(dataset, "class_weight")
-    if not hasattr(class_weight, "items"):
+    if not isinstance(class_weight, Mapping):
         raise ValueError(f"class_weight must be a dict of class index -> weight; received {class_weight!r}.")
     if dataset.sample_weight is not None:
         raise ValueError(

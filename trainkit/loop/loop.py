@@ -440,7 +440,7 @@ class Loop:
         runs them."""
         session = self.session
         fn = session.function("eval" if kind == "test" else "predict")
-        batch_begin = getattr(callbacks, f"on_{kind}_batch_begin")
+        batch_begin = callbacks.on_test_batch_begin if kind == "test" else callbacks.on_predict_batch_begin
         size = session.steps_per_execution
 
         def dispatch():
@@ -462,7 +462,8 @@ class Loop:
                     yield index, index + len(span) - 1, span, results
                     index += len(span)
 
-        return in_order(dispatch(), self.max_in_flight if getattr(callbacks, f"async_{kind}") else 0)
+        runs_ahead = callbacks.async_test if kind == "test" else callbacks.async_predict
+        return in_order(dispatch(), self.max_in_flight if runs_ahead else 0)
 
     def evaluate(self, dataset: Any, batch_size: int, steps: int | None, callbacks) -> dict[str, float]:
         """The loss and metrics over ``dataset`` (exact: masked totals over every real row)."""

@@ -13,12 +13,14 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+import flax.serialization
 import jax
 import numpy as np
+from jax.sharding import NamedSharding
 from rich.console import Console
 from rich.table import Table
 
-from trainkit.core.state import abstract
+from trainkit.core.state import TrainState, abstract
 from trainkit.core.tree import leaf_name
 
 PyTree = Any
@@ -36,17 +38,22 @@ class LeafPlacement:
     total_bytes: int
 
 
-def _state(trainer_or_state: Any) -> PyTree:
-    state = getattr(trainer_or_state, "state", trainer_or_state)
+def _state(trainer_or_state: Any) -> TrainState:
+    state = trainer_or_state if isinstance(trainer_or_state, TrainState) else trainer_or_state.state
     if state is None:
         raise RuntimeError("The trainer has no state yet: call fit(...) or init(sample_batch) first.")
     return state
 
 
+def _part(state: TrainState, part: str) -> PyTree:
+    """``state.<part>`` (``"params"``, ``"opt_state"``, ``"model_state"``), or the whole state for ``""``."""
+    return flax.serialization.to_state_dict(state)[part] if part else state
+
+
 def _spec_text(sharding) -> str:
-    spec = getattr(sharding, "spec", None)
-    if spec is None:
+    if not isinstance(sharding, NamedSharding):
         return type(sharding).__name__
+    spec = sharding.spec
     return (
         "P("
         + ",".join(str(entry) if not isinstance(entry, tuple) else "(" + ",".join(entry) + ")" for entry in spec)
@@ -57,8 +64,7 @@ def _spec_text(sharding) -> str:
 def sharding_rows(trainer_or_state: Any, part: str = "params") -> list[LeafPlacement]:
     """A :class:`LeafPlacement` per leaf of ``state.<part>`` (``"params"``, ``"opt_state"``,
     ``"model_state"``, or ``""`` for the whole state)."""
-    state = _state(trainer_or_state)
-    tree = getattr(state, part) if part else state
+    tree = _part(_state(trainer_or_state), part)
     rows = []
     for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
         if not isinstance(leaf, jax.Array):
@@ -81,7 +87,7 @@ def describe_sharding(trainer_or_state: Any, part: str = "params", *, console: C
     """Prints (and returns) a table of each leaf's path, shape, dtype, ``PartitionSpec`` and
     bytes per device, with the totals; ``part`` as in :func:`sharding_rows`."""
     rows = sharding_rows(trainer_or_state, part)
-    strategy = getattr(trainer_or_state, "strategy", None)
+    strategy = None if isinstance(trainer_or_state, TrainState) else trainer_or_state.strategy
     title = f"{part or 'state'} on {strategy.describe()}" if strategy is not None else (part or "state")
     table = Table(title=title)
     for column in ("path", "shape", "dtype", "spec", "bytes/dev", "%"):
@@ -102,8 +108,7 @@ def visualize_leaf(trainer_or_state: Any, path: str, part: str = "params") -> No
     """Draws the placement of one 1-D or 2-D leaf over the devices with
     ``jax.debug.visualize_array_sharding``; ``path`` as printed by :func:`describe_sharding`
     (``"params/Dense_0/kernel"``)."""
-    state = _state(trainer_or_state)
-    tree = getattr(state, part) if part else state
+    tree = _part(_state(trainer_or_state), part)
     leaves = {
         (part + "/" if part else "") + leaf_name(p): leaf for p, leaf in jax.tree_util.tree_leaves_with_path(tree)
     }
@@ -155,7 +160,7 @@ def summary_table(trainer: Any) -> Table:
     variables' shapes and counts (parameters, then model state such as batch statistics), and
     the totals in the caption."""
     state = _state(trainer)
-    table = Table(title=f"{type(getattr(trainer, 'model', None)).__name__} (trainkit)")
+    table = Table(title=f"{type(trainer.model).__name__} (trainkit)")
     for column in ("layer", "variables", "shapes", "params"):
         table.add_column(column, justify="right" if column == "params" else "left", no_wrap=column == "layer")
     totals = {}

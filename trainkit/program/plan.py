@@ -243,7 +243,8 @@ class MemoryPlan:
         return console.export_text()
 
     def __repr__(self) -> str:
-        return f"MemoryPlan({[r.name for r in self.rows]}, recommended={getattr(self.recommended, 'name', None)})"
+        best = self.recommended
+        return f"MemoryPlan({[r.name for r in self.rows]}, recommended={None if best is None else best.name})"
 
 
 def _mib(n: float) -> str:
@@ -337,7 +338,7 @@ def state_bytes_per_device(abstract_state: Any, shardings: Any) -> int:
     its sharding (a lower bound on the step's memory: parameters, optimizer and model state)."""
 
     def shard_bytes(leaf, sharding) -> int:
-        shape = sharding.shard_shape(leaf.shape) if hasattr(sharding, "shard_shape") else leaf.shape
+        shape = sharding.shard_shape(leaf.shape) if isinstance(sharding, jax.sharding.Sharding) else leaf.shape
         return int(np.prod(shape, dtype=np.int64)) * np.dtype(leaf.dtype).itemsize
 
     return int(sum(jax.tree.leaves(jax.tree.map(shard_bytes, abstract_state, shardings))))

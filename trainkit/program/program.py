@@ -97,7 +97,7 @@ class Program:
     def annotate(self, strategy: Strategy, first_row: PyTree) -> None:
         """Gives a strategy that maps logical axis names (``rules=[("embed", "fsdp"), ...]``)
         the model's parameter annotations, before it places anything."""
-        if getattr(strategy, "logical_rules", None):
+        if strategy.logical_rules:
             if self._param_axes is None:
                 self._param_axes = param_axes(self.adapter, first_row)
             strategy.annotate(self._param_axes)
@@ -116,7 +116,7 @@ class Program:
             "eval": strategy.compile_eval,
         }.get(kind, strategy.compile_predict)
         step = self.step(kind, axis)
-        if getattr(strategy, "logical_rules", None):  # nn.with_logical_constraint in the model
+        if strategy.logical_rules:  # nn.with_logical_constraint in the model
             step = under_logical_rules(step, strategy.mesh, strategy.logical_rules)
         return compile_step(step, abstract_state)
 

@@ -28,6 +28,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
+import numpy as np
 from jax.sharding import PartitionSpec
 
 from trainkit.core.tree import leaf_name
@@ -239,7 +240,7 @@ def partition_specs(
     def spec(path, leaf):
         return leaf_spec(
             leaf_name(path),
-            tuple(getattr(leaf, "shape", ())),
+            tuple(np.shape(leaf)),
             axis_sizes,
             fsdp_axis=fsdp_axis,
             min_shard_size=min_shard_size,

@@ -24,10 +24,7 @@ PyTree = Any
 def make_mesh(devices: Sequence[jax.Device], shape: Sequence[int], names: Sequence[str]) -> Mesh:
     """A mesh with explicitly ``Auto`` axis types, whatever the JAX version's default."""
     array = np.asarray(devices, dtype=object).reshape(tuple(shape))
-    axis_type = getattr(jax.sharding, "AxisType", None)
-    if axis_type is None:  # pragma: no cover - very old JAX
-        return Mesh(array, tuple(names))
-    return Mesh(array, tuple(names), axis_types=(axis_type.Auto,) * len(names))
+    return Mesh(array, tuple(names), axis_types=(jax.sharding.AxisType.Auto,) * len(names))
 
 
 class Strategy:
@@ -57,6 +54,9 @@ class Strategy:
     """
 
     axis_name: str | None = None
+    #: Flax logical axis name -> mesh axes, for parameters annotated with
+    #: ``nn.with_logical_partitioning`` and for ``nn.with_logical_constraint`` (none by default).
+    logical_rules: tuple = ()
 
     @property
     def mesh(self) -> Mesh:

@@ -106,7 +106,7 @@ class DataParallel(Strategy):
             tree = jax.tree.map(
                 lambda a: (
                     multihost_utils.process_allgather(np.asarray(a), tiled=True)
-                    if getattr(a, "is_fully_addressable", True)
+                    if not isinstance(a, jax.Array) or a.is_fully_addressable
                     else a
                 ),
                 tree,
