@@ -178,3 +178,12 @@ def test_the_plan_of_a_tensor_parallel_lm_shows_per_device_bytes_and_collective_
     assert single.error is None and tensor.error is None, (single.error, tensor.error)
     assert tensor.argument_bytes < single.argument_bytes  # the parameters split over model
     assert tensor.collective_bytes > 0 and single.collective_bytes == 0
+
+
+def test_the_strategy_given_is_configured_by_copy_not_changed(tokens):
+    given = tk.Hybrid(data=2, model=4, rules=RULES["tp"])
+    trainer = make(given)
+    trainer.init(tokens)
+    assert given.param_axes == {}, "the user's strategy object was mutated"
+    assert trainer.strategy is not given and trainer.strategy.param_axes
+    assert spec_of(specs(trainer), "params/Block_1/Dense_0/kernel") == (None, "model")

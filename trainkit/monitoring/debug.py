@@ -137,7 +137,9 @@ def lower_train_step(trainer: Any, batch: Any = None) -> jax.stages.Lowered:
         raise ValueError("Pass a sample batch, e.g. trainer.lowered_text((x[:32], y[:32])), or call fit first.")
     function = trainer.function("train")
     if not hasattr(function, "lower"):  # a jax.jit or jax.pmap function
-        raise TypeError(f"{type(trainer.strategy).__name__}.compile_train returned a function without .lower().")
+        raise TypeError(
+            f"{type(trainer.strategy).__name__}.compile('train', ...) returned a function without .lower()."
+        )
     return function.lower(abstract(trainer.state), batch)
 
 

@@ -299,7 +299,7 @@ def make_plan(
             try:
                 lowered, row.function = lower(row.strategy)
                 if not hasattr(lowered, "compile"):
-                    raise TypeError(f"{type(row.strategy).__name__}.compile_train's result cannot be lowered")
+                    raise TypeError(f"{type(row.strategy).__name__}.compile('train', ...)'s result cannot be lowered")
                 compiling[id(row)] = pool.submit(lowered.compile)
             except Exception as error:  # noqa: BLE001 - a candidate that cannot compile is a row, not a crash
                 row.error = _failure(error)

@@ -90,35 +90,30 @@ class Program:
         return starting_variables(self.adapter, self.variables, first_row)
 
     def create_state(self, strategy: Strategy, first_row: PyTree) -> TrainState:
-        """The state built directly in ``strategy``'s shardings."""
-        self.annotate(strategy, first_row)
+        """The state built directly in ``strategy``'s shardings (an annotated strategy: see
+        :meth:`annotated`)."""
         return strategy.create_state(self.init_state, self.starting_variables(first_row), first_row)
 
-    def annotate(self, strategy: Strategy, first_row: PyTree) -> None:
-        """Gives a strategy that maps logical axis names (``rules=[("embed", "fsdp"), ...]``)
-        the model's parameter annotations, before it places anything."""
-        if strategy.logical_rules:
-            if self._param_axes is None:
-                self._param_axes = param_axes(self.adapter, first_row)
-            strategy.annotate(self._param_axes)
+    def annotated(self, strategy: Strategy, first_row: PyTree) -> Strategy:
+        """``strategy`` configured with the model's parameter annotations when it maps logical
+        axis names (``rules=[("embed", "fsdp"), ...]``), before it places anything; else itself."""
+        if not strategy.logical_rules:
+            return strategy
+        if self._param_axes is None:
+            self._param_axes = param_axes(self.adapter, first_row)
+        return strategy.with_annotations(self._param_axes)
 
     # ------------------------------------------------------------------ compiled steps
     def compile(self, kind: str, strategy: Strategy, abstract_state: PyTree) -> Callable:
         """The ``"train"``, ``"train_steps"`` (several steps over stacked batches), ``"eval"``
         or ``"predict"`` step compiled by ``strategy`` (with ``eager``: the pure step itself,
         run op by op on one device)."""
-        axis = strategy.axis_name
         if self.eager:
             return self.step(kind, None)
-        compile_step = {
-            "train": strategy.compile_train,
-            "train_steps": strategy.compile_train_steps,
-            "eval": strategy.compile_eval,
-        }.get(kind, strategy.compile_predict)
-        step = self.step(kind, axis)
+        step = self.step(kind, strategy.axis_name)
         if strategy.logical_rules:  # nn.with_logical_constraint in the model
             step = under_logical_rules(step, strategy.mesh, strategy.logical_rules)
-        return compile_step(step, abstract_state)
+        return strategy.compile(kind, step, abstract_state)
 
     def step(self, kind: str, axis: str | None) -> Callable:
         """The pure ``"train"``, ``"train_steps"``, ``"eval"`` or ``"predict"`` step (not
@@ -153,8 +148,7 @@ class Program:
         first_row = host_batch["x"]  # the model is initialised on a real batch, as it trains
         variables = self.starting_variables(first_row)
         candidates = candidates if candidates is not None else plan_lib.default_candidates()
-        for strategy in candidates:
-            self.annotate(strategy, first_row)
+        candidates = [self.annotated(strategy, first_row) for strategy in candidates]
         return plan_lib.plan_step(
             host_batch,
             candidates,

@@ -220,6 +220,7 @@ class Setup:
             self.state = self.strategy.put_state(plan.initial_state)
             self.last_plan = dataclasses.replace(plan, initial_state=None)  # host memory back
         else:
+            self.strategy = self.program.annotated(self.strategy, prepared.first_x)
             self.state = self.program.create_state(self.strategy, prepared.first_x)
         self.input_spec = prepared.spec
         self.on_restore(int(self.state.step))

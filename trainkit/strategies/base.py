@@ -38,19 +38,20 @@ class Strategy:
     - ``num_batch_shards``: how many equal parts a global batch is split into.
     - ``state_sharding(abstract_state)``: a sharding for every leaf of the state.
     - ``put_batch(host_batch)``: a NumPy batch -> device arrays.
-    - ``compile_train(step_fn, abstract_state)``: the step, with the state donated.
-    - ``put_batches(host_batches)`` and ``compile_train_steps(steps_fn, abstract_state)``:
-      the same for ``k`` batches stacked on a new leading axis, trained in one call
-      (``steps_per_execution``); only a strategy used with ``steps_per_execution > 1`` needs
-      them.
-    - ``compile_eval(fn, abstract_state)``: a function whose outputs are reduced over devices.
-    - ``compile_predict(fn, abstract_state)``: a function with one output row per example.
+    - ``compile(kind, fn, abstract_state)``: the one compile entry point, for ``"train"``
+      (the state donated), ``"train_steps"`` (``k`` batches stacked on a new leading axis,
+      trained in one call: ``steps_per_execution``, with ``put_batches(host_batches)``),
+      ``"eval"`` (outputs reduced over devices) and ``"predict"`` (one output row per
+      example). By default it calls the hooks ``compile_train``, ``compile_train_steps``,
+      ``compile_eval`` and ``compile_predict``; override either.
     - ``fetch_rows(tree)``: per-row device outputs -> host NumPy ``(global_batch, ...)``.
 
-    Shared, rarely overridden: ``create_state`` (the state built directly in its shardings),
-    ``put_state``, ``put_like`` (host values into the shardings of live arrays),
-    ``local_rows`` (this process's rows of a global batch) and ``real_rows`` (the real rows of
-    the global batch, from this process's mask).
+    Configured at construction; ``with_annotations(param_axes)`` returns a new strategy that
+    places annotated parameters by its ``logical_rules``. Shared, rarely overridden:
+    ``create_state`` (the state built directly in its shardings), ``put_state``, ``put_like``
+    (host values into the shardings of live arrays), ``local_rows`` (this process's rows of a
+    global batch) and ``real_rows`` (the real rows of the global batch, from this process's
+    mask).
     """
 
     axis_name: str | None = None
@@ -112,8 +113,32 @@ class Strategy:
 
         return int(np.asarray(multihost_utils.process_allgather(np.asarray(local))).sum())
 
+    def with_annotations(self, param_axes: dict[str, tuple]) -> Strategy:
+        """This strategy configured with the model's parameter annotations
+        (``{"Block_0/Dense_0/kernel": ("embed", "mlp")}``), which a strategy with
+        ``logical_rules`` places by; a new strategy, this one unchanged. The default has no
+        logical rules and returns itself."""
+        return self
+
+    @property
+    def fuses_steps(self) -> bool:
+        """Whether it can train ``k`` stacked batches in one call (``steps_per_execution``):
+        it implements ``put_batches`` and compiles ``"train_steps"``."""
+        own = type(self)
+        return own.put_batches is not Strategy.put_batches and (
+            own.compile_train_steps is not Strategy.compile_train_steps or own.compile is not Strategy.compile
+        )
+
     def put_batch(self, host_batch: PyTree) -> PyTree:
         raise NotImplementedError
+
+    def compile(self, kind: str, fn: Callable, abstract_state: PyTree) -> Callable:
+        """The one compile entry point: ``fn`` compiled for ``kind`` (``"train"``: the state
+        donated; ``"train_steps"``: the same over ``k`` stacked batches; ``"eval"``: outputs
+        reduced over devices; ``"predict"``: one output row per example). The default calls
+        the ``compile_<kind>`` hook below, which a custom strategy may override instead."""
+        hooks = {"train": self.compile_train, "train_steps": self.compile_train_steps, "eval": self.compile_eval}
+        return hooks.get(kind, self.compile_predict)(fn, abstract_state)
 
     def compile_train(self, step_fn: Callable, abstract_state: PyTree) -> Callable:
         raise NotImplementedError
@@ -158,9 +183,6 @@ def check_steps_per_execution(steps: Any, strategy: Any = None) -> int:
     """
     if isinstance(steps, bool) or not isinstance(steps, (int, np.integer)) or steps < 1:
         raise ValueError(f"steps_per_execution must be a positive integer; received {steps!r}.")
-    if steps > 1 and strategy is not None:
-        if type(strategy).put_batches is Strategy.put_batches or (
-            type(strategy).compile_train_steps is Strategy.compile_train_steps
-        ):
-            raise TypeError(strategy._no_steps_per_execution())
+    if steps > 1 and strategy is not None and not strategy.fuses_steps:
+        raise TypeError(strategy._no_steps_per_execution())
     return int(steps)

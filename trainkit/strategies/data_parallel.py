@@ -77,27 +77,23 @@ class DataParallel(Strategy):
             split,
         )
 
-    def _pmap(self, fn: Callable, out_axes, donate: bool) -> Callable:
+    fuses_steps = True
+
+    def compile(self, kind: str, fn: Callable, abstract_state: PyTree) -> Callable:
+        """``jax.pmap`` over ``data`` with the state as a replicated argument (``in_axes=None``):
+        training steps donate it and return it replicated with their metrics; eval outputs are
+        reduced (the same on every device); predict outputs stay per device, one row per
+        example."""
+        trains = kind in ("train", "train_steps")
+        out_axes = (None, None) if trains else None if kind == "eval" else 0
         return jax.pmap(
             fn,
             axis_name=self.axis_name,
             in_axes=(None, 0),
             out_axes=out_axes,
             devices=self.devices,
-            donate_argnums=(0,) if donate else (),
+            donate_argnums=(0,) if trains else (),
         )
-
-    def compile_train(self, step_fn: Callable, abstract_state: PyTree) -> Callable:
-        return self._pmap(step_fn, out_axes=(None, None), donate=True)
-
-    def compile_train_steps(self, steps_fn: Callable, abstract_state: PyTree) -> Callable:
-        return self._pmap(steps_fn, out_axes=(None, None), donate=True)
-
-    def compile_eval(self, eval_fn: Callable, abstract_state: PyTree) -> Callable:
-        return self._pmap(eval_fn, out_axes=None, donate=False)  # reduced: same on every device
-
-    def compile_predict(self, predict_fn: Callable, abstract_state: PyTree) -> Callable:
-        return self._pmap(predict_fn, out_axes=0, donate=False)  # per row: stacked per device
 
     def fetch_rows(self, tree: PyTree) -> PyTree:
         if jax.process_count() > 1:  # pmap's per-device outputs come back as this process's part

@@ -12,6 +12,7 @@ a mesh and a ``PartitionSpec`` per leaf.
 
 from __future__ import annotations
 
+import copy
 import functools
 import math
 from collections.abc import Callable
@@ -49,7 +50,7 @@ class ShardedStrategy(Strategy):
         self.min_shard_size = int(min_shard_size)
         self.rules = list(rules)
         self._rules, self.logical_rules = _sharding.split_rules(self.rules, tuple(self._axis_sizes))
-        self.param_axes: dict[str, tuple] = {}  # the model's annotations, set by the Trainer (see annotate)
+        self.param_axes: dict[str, tuple] = {}  # the model's annotations (see with_annotations)
         self._mesh: Mesh | None = None
 
     # ------------------------------------------------------------------ mesh
@@ -95,12 +96,16 @@ class ShardedStrategy(Strategy):
         return NamedSharding(self.mesh, PartitionSpec(self.batch_axes) if self.batch_axes else PartitionSpec())
 
     # ------------------------------------------------------------------ state
-    def annotate(self, param_axes: dict[str, tuple]) -> None:
-        """The model's parameter annotations, ``{"Block_0/Dense_0/kernel": ("embed", "mlp")}``
-        (Flax's ``nn.with_logical_partitioning`` / ``nn.with_partitioning`` names). They
-        place their parameters (and the optimizer moments of those) when this strategy has
-        logical rules; the Trainer calls this before anything is placed."""
-        self.param_axes = dict(param_axes)
+    def with_annotations(self, param_axes: dict[str, tuple]) -> ShardedStrategy:
+        """A copy placing the model's annotated parameters (Flax's
+        ``nn.with_logical_partitioning`` / ``nn.with_partitioning`` names), and the optimizer
+        moments of those, by its logical rules; this strategy is left as it is. Without
+        logical rules the annotations are not used and it returns itself."""
+        if not self.logical_rules:
+            return self
+        annotated = copy.copy(self)
+        annotated.param_axes = dict(param_axes)
+        return annotated
 
     def annotation_specs(self) -> dict[str, PartitionSpec]:
         """``{parameter path: PartitionSpec}`` of the annotated parameters under the logical
@@ -150,31 +155,20 @@ class ShardedStrategy(Strategy):
     def put_batches(self, host_batches: PyTree) -> PyTree:
         return self._put(host_batches, self.stacked_batch_sharding)
 
-    def _compile_update(self, fn: Callable, abstract_state: PyTree, batch_sharding: NamedSharding) -> Callable:
-        shardings = self.state_sharding(abstract_state)
-        return jax.jit(
-            fn,
-            in_shardings=(shardings, batch_sharding),
-            out_shardings=(shardings, self.replicated()),
-            donate_argnums=(0,),
-        )
+    fuses_steps = True
 
-    def compile_train(self, step_fn: Callable, abstract_state: PyTree) -> Callable:
-        return self._compile_update(step_fn, abstract_state, self.batch_sharding)
-
-    def compile_train_steps(self, steps_fn: Callable, abstract_state: PyTree) -> Callable:
-        return self._compile_update(steps_fn, abstract_state, self.stacked_batch_sharding)
-
-    def _compile_inference(self, fn: Callable, abstract_state: PyTree, out_sharding) -> Callable:
-        return jax.jit(
-            fn, in_shardings=(self.state_sharding(abstract_state), self.batch_sharding), out_shardings=out_sharding
-        )
-
-    def compile_eval(self, eval_fn: Callable, abstract_state: PyTree) -> Callable:
-        return self._compile_inference(eval_fn, abstract_state, self.replicated())
-
-    def compile_predict(self, predict_fn: Callable, abstract_state: PyTree) -> Callable:
-        return self._compile_inference(predict_fn, abstract_state, self.batch_sharding)
+    def compile(self, kind: str, fn: Callable, abstract_state: PyTree) -> Callable:
+        """``jax.jit`` with the state's shardings pinned: training steps donate the state and
+        return replicated metrics; eval reduces to replicated outputs; predict keeps the rows
+        split as the batch is."""
+        state = self.state_sharding(abstract_state)
+        batch = self.stacked_batch_sharding if kind == "train_steps" else self.batch_sharding
+        if kind in ("train", "train_steps"):
+            return jax.jit(
+                fn, in_shardings=(state, batch), out_shardings=(state, self.replicated()), donate_argnums=(0,)
+            )
+        outputs = self.replicated() if kind == "eval" else self.batch_sharding
+        return jax.jit(fn, in_shardings=(state, batch), out_shardings=outputs)
 
     def fetch_rows(self, tree: PyTree) -> PyTree:
         return jax.tree.map(np.asarray, distributed.fetch(tree))
