@@ -16,7 +16,7 @@ ALLOWED = {
     "objective": {"core"},
     "data": {"core"},
     "strategies": {"core", "distributed"},
-    "program": {"core", "objective", "data", "strategies", "distributed"},
+    "program": {"core", "objective", "data", "strategies", "distributed", "loop"},  # loop: FitConfig, a type
     "loop": {"core", "data", "distributed", "strategies"},
     "checkpoint": {"core", "distributed"},
     "monitoring": {"core", "loop", "distributed"},
@@ -28,7 +28,7 @@ ALLOWED = {
 }
 #: modules that may import every package: the facade and the public namespace
 EVERYTHING = {"trainer", "__init__"}
-FACADE_LIMIT = 447  # lines of trainer.py (target: 350)
+FACADE_LIMIT = 423  # lines of trainer.py (target: 350)
 TOP_LEVEL_LIMIT = 6  # .py files directly in trainkit/, __init__ included
 PROBE_LIMIT = 40  # getattr / hasattr calls, each on a third-party object (a user's callable, a JAX or torch type)
 

@@ -34,15 +34,14 @@ from trainkit import checkpoint as checkpoint_lib
 from trainkit import data as data_lib
 from trainkit import distributed
 from trainkit.callbacks import Callback, CallbackList, History
-from trainkit.core import optimizers
 from trainkit.core.model import adapt_model
-from trainkit.core.precision import NoLossScale, Precision, get_precision
+from trainkit.core.precision import Precision, get_precision
 from trainkit.core.remat import wrap_remat
-from trainkit.core.state import Batch, TrainState, check_tree_matches
+from trainkit.core.state import Batch, TrainState
 from trainkit.core.totals import MetricFn
 from trainkit.core.tree import PyTree
 from trainkit.distributed import compile_cache
-from trainkit.loop import FitConfig, Loop, Validation
+from trainkit.loop import FitConfig, Loop
 from trainkit.monitoring import debug
 from trainkit.objective import Objective, losses
 from trainkit.program import plan as plan_lib
@@ -162,11 +161,7 @@ class Trainer:
     # ------------------------------------------------------------------ what the setup owns
     @property
     def state(self) -> TrainState | None:
-        return self.setup.state  # the live TrainState (None before fit or init)
-
-    @state.setter
-    def state(self, state: TrainState) -> None:
-        self.setup.state = state
+        return self.setup.state  # the live TrainState (None before fit or init); written by update_state
 
     @property
     def strategy(self) -> Strategy | None:
@@ -208,18 +203,16 @@ class Trainer:
     @property
     def learning_rate(self) -> float:
         """The optimizer's learning rate (needs ``optax.inject_hyperparams``); settable."""
-        return float(distributed.fetch(optimizers.require_learning_rate(self.setup.require_state().opt_state)))
+        return self.setup.learning_rate
 
     @learning_rate.setter
     def learning_rate(self, value: float) -> None:
-        self.update_state(opt_state=optimizers.set_learning_rate(self.setup.require_state().opt_state, value))
+        self.setup.learning_rate = value
 
     def update_state(self, **fields: PyTree) -> TrainState:
         """The one way to write the live state (``SwapEMAWeights``, ``learning_rate``,
         ``set_weights``): fields placed in the shardings of those they replace."""
-        state = self.setup.require_state()
-        self.state = self.strategy.put_like(state.replace(**fields), state)  # unchanged arrays stay as they are
-        return self.state
+        return self.setup.update_state(**fields)
 
     # ------------------------------------------------------------------ state and weights
     def init(self, sample_batch: Any) -> TrainState:
@@ -233,8 +226,7 @@ class Trainer:
 
     def count_params(self) -> int:
         """The number of scalars in all variables (parameters and model state), as Keras counts."""
-        state = self.setup.require_state()
-        return int(sum(np.prod(leaf.shape) for leaf in jax.tree.leaves((state.params, state.model_state))))
+        return self.setup.count_params()
 
     def summary(self, console: Any = None) -> None:
         """Prints Keras's ``summary()``: each layer's variables, shapes and parameter counts."""
@@ -242,26 +234,19 @@ class Trainer:
 
     def get_weights(self) -> PyTree:
         """Host copies of all variables: ``{"params": ..., **model_state}``."""
-        state = self.setup.require_state()
-        host = distributed.fetch({"params": state.params, "model_state": state.model_state})
-        return {"params": host["params"], **host["model_state"]}
+        return self.setup.weights()
 
     def set_weights(self, variables: PyTree) -> None:
         """Puts variables from :meth:`get_weights` back into the live state (same shapes)."""
-        state, variables = self.setup.require_state(), dict(variables)
-        params = variables.pop("params")
-        check_tree_matches("set_weights", (state.params, state.model_state), (params, variables))
-        self.update_state(params=params, model_state=variables)
+        self.setup.set_weights(variables)
 
     # ------------------------------------------------------------------ checkpoints
     def manifest(self) -> dict:
         """What a checkpoint records besides the arrays (JSON; see docs/checkpointing.md)."""
         loop, state = self.loop, self.setup.require_state()
         data_state = {} if loop.data_state is None else {"data_state": distributed.gather_json(loop.data_state)}
-        settings = {"precision": str(self.precision.compute_dtype), "seed": self.seed, "batch_size": loop.batch_size}
-        return checkpoint_lib.build_manifest(
-            state, self.strategy, loop.position, grad_accum_steps=self.grad_accum_steps, **settings, **data_state
-        )
+        settings = {**self.setup.settings(), "batch_size": loop.batch_size, **data_state}
+        return checkpoint_lib.build_manifest(state, self.strategy, loop.position, **settings)
 
     def save(
         self,
@@ -290,7 +275,7 @@ class Trainer:
                 "so that the model's shapes are known."
             )
         state, manifest = checkpoint_lib.restore(directory, self.state, step)
-        self.setup.replace_state(state) if manifest.get("contents") != "weights" else setattr(self, "state", state)
+        self.setup.replace_state(state, moves_position=manifest.get("contents") != "weights")
         strategy = self.strategy
         checkpoint_lib.explain_restore(manifest, type(strategy).__name__, len(strategy.devices), self.loop.batch_size)
         return manifest
@@ -359,32 +344,23 @@ class Trainer:
             **{"max_steps": max_steps, "shuffle": shuffle, "seed": self.seed, "validation_freq": validation_freq},
             **{"validation_interval": validation_interval, "validation_steps": validation_steps},
         )
-        prepared, validation = self.setup.prepare_fit(
+        prepared, config = self.setup.prepare_fit(
+            config,
             x,
             y,
             sample_weight,
             batch_size,
-            settings=config.loop_settings(),
-            announce=bool(verbose),
             **{"validation_data": validation_data, "validation_split": validation_split},
-            **{"validation_batch_size": validation_batch_size, "validation_steps": validation_steps},
-            **{"validation_runs": config.validation_runs(), "class_weight": class_weight},
+            **{"validation_batch_size": validation_batch_size, "class_weight": class_weight, "announce": bool(verbose)},
         )
         dataset, batch_size = prepared.source, prepared.batch_size
-        steps = data_lib.epoch_steps(dataset, batch_size, steps_per_epoch, epochs)
         progress = bool(verbose) and distributed.is_main_process()
-        params = {"verbose": verbose, "epochs": epochs, "steps": steps}
+        params = {"verbose": verbose, "epochs": epochs, "steps": config.steps}
         callback_list = CallbackList(callbacks, self, params, add_history=True, add_progress_bar=progress)
         self.history = callback_list.history
-        logger.info("fit: %s, batch_size=%d, %s steps/epoch", self.strategy.describe(), batch_size, steps)
-        config = dataclasses.replace(
-            config,
-            steps=steps,
-            validation=None if validation is None else Validation(*validation[:2], validation_steps),
-            warn_non_finite=isinstance(self.state.loss_scale, NoLossScale) and not callback_list.stops_on_non_finite,
-            first_step=self.setup.check_first_step if self.setup.checks_first_step else None,
-            continuing=data_lib.continues_across_epochs(dataset, batch_size, steps_per_epoch),
-        )
+        if callback_list.stops_on_non_finite:  # TerminateOnNaN watches the loss: no warning of the loop's
+            config = dataclasses.replace(config, warn_non_finite=False)
+        logger.info("fit: %s, batch_size=%d, %s steps/epoch", self.strategy.describe(), batch_size, config.steps)
         self.loop.fit(dataset, batch_size, callback_list, config)
         return self.history
 

@@ -37,8 +37,11 @@ import optax
 
 from trainkit import data as data_lib
 from trainkit import distributed
-from trainkit.core.state import TrainState, abstract
+from trainkit.core import optimizers
+from trainkit.core.precision import NoLossScale
+from trainkit.core.state import TrainState, abstract, check_tree_matches
 from trainkit.core.tree import PyTree
+from trainkit.loop.session import FitConfig, Validation
 from trainkit.program import plan as plan_lib
 from trainkit.program.program import Program
 from trainkit.strategies import Auto, SingleDevice, Strategy, check_steps_per_execution, resolve_strategy
@@ -106,10 +109,54 @@ class Setup:
             raise RuntimeError("The trainer has no state yet: call fit(...) or init(sample_batch) first.")
         return self.state
 
-    def replace_state(self, state: TrainState) -> None:
-        """A restored state becomes the live one (the loop's step follows it)."""
+    def update_state(self, **fields: PyTree) -> TrainState:
+        """The one way to write the live state: fields (host or device values) placed in the
+        shardings of those they replace; unchanged arrays stay as they are."""
+        state = self.require_state()
+        self.state = self.strategy.put_like(state.replace(**fields), state)
+        return self.state
+
+    @property
+    def learning_rate(self) -> float:
+        return float(distributed.fetch(optimizers.require_learning_rate(self.require_state().opt_state)))
+
+    @learning_rate.setter
+    def learning_rate(self, value: float) -> None:
+        self.update_state(opt_state=optimizers.set_learning_rate(self.require_state().opt_state, value))
+
+    def weights(self) -> PyTree:
+        """Host copies of all variables: ``{"params": ..., **model_state}`` (Keras's ``get_weights``)."""
+        state = self.require_state()
+        host = distributed.fetch({"params": state.params, "model_state": state.model_state})
+        return {"params": host["params"], **host["model_state"]}
+
+    def set_weights(self, variables: PyTree) -> None:
+        """Variables from :meth:`weights` put back into the live state (same shapes)."""
+        state, variables = self.require_state(), dict(variables)
+        params = variables.pop("params")
+        check_tree_matches("set_weights", (state.params, state.model_state), (params, variables))
+        self.update_state(params=params, model_state=variables)
+
+    def count_params(self) -> int:
+        """The scalars in all variables (parameters and model state), as Keras counts."""
+        state = self.require_state()
+        return int(sum(np.prod(leaf.shape) for leaf in jax.tree.leaves((state.params, state.model_state))))
+
+    def settings(self) -> dict:
+        """The settings a checkpoint's manifest records besides the position."""
+        program = self.program
+        return {
+            "precision": str(program.precision.compute_dtype),
+            "seed": program.seed,
+            "grad_accum_steps": program.grad_accum_steps,
+        }
+
+    def replace_state(self, state: TrainState, moves_position: bool = True) -> None:
+        """A restored state becomes the live one; the loop's step follows it unless only the
+        variables were restored (``moves_position=False``)."""
         self.state = state
-        self.on_restore(int(state.step))
+        if moves_position:
+            self.on_restore(int(state.step))
 
     # ------------------------------------------------------------------ the input
     def prepare(
@@ -161,39 +208,48 @@ class Setup:
 
     def prepare_fit(
         self,
+        config: FitConfig,
         data: Any,
         y: PyTree,
         sample_weight: PyTree,
         batch_size: int | None,
         *,
-        settings: dict,
-        announce: bool = False,
         validation_data: Any = None,
         validation_split: float = 0.0,
         validation_batch_size: int | None = None,
-        validation_steps: int | None = None,
-        validation_runs: int = 1,
         class_weight: dict | None = None,
-    ) -> tuple[data_lib.Prepared, data_lib.Prepared | None]:
-        """``fit``'s training and validation data prepared, with Keras's ``validation_split``
-        and ``class_weight`` applied (``settings``: the loop's, checked across processes;
-        ``announce``: print the strategy ``"auto"`` picks). The
-        validation data come in batches of ``validation_batch_size``, else the training batch
-        size (an iterable's batches are its own), and are read ``validation_runs`` times."""
+        announce: bool = False,
+    ) -> tuple[data_lib.Prepared, FitConfig]:
+        """``fit``'s training data prepared (Keras's ``validation_split`` and ``class_weight``
+        applied), and ``config`` completed: the epoch's steps, the validation data (in batches
+        of ``validation_batch_size``, else the training batch size; an iterable's batches are
+        its own), the non-finite warning, the first-step check. ``announce``: print the
+        strategy ``"auto"`` picks."""
         source = data_lib.as_dataset(data, y, sample_weight)
         if validation_split and validation_data is None:
             source, validation_data = data_lib.split_validation(source, validation_split)
         if class_weight is not None:
             source = data_lib.with_class_weight(source, class_weight)
-        options = {"targets": True, "training": True, "announce": announce, "config": settings}
+        options = {"targets": True, "training": True, "announce": announce, "config": config.loop_settings()}
         prepared = self.prepare(source, batch_size=batch_size, **options)
-        if validation_data is None:
-            return prepared, None
-        validation = data_lib.as_dataset(validation_data)
-        data_lib.check_validation_runs(validation, validation_runs, validation_steps)
-        own_size = isinstance(validation, data_lib.IterableDataset)
-        size = validation_batch_size or (None if own_size else prepared.batch_size)
-        return prepared, self.prepare(validation, batch_size=size, targets=True)
+        source, batch_size = prepared.source, prepared.batch_size
+        validation = None
+        if validation_data is not None:
+            checked = data_lib.as_dataset(validation_data)
+            data_lib.check_validation_runs(checked, config.validation_runs(), config.validation_steps)
+            own_size = isinstance(checked, data_lib.IterableDataset)  # an iterable's batches are its own
+            checked = self.prepare(
+                checked, batch_size=validation_batch_size or (None if own_size else batch_size), targets=True
+            )
+            validation = Validation(checked.source, checked.batch_size, config.validation_steps)
+        return prepared, dataclasses.replace(
+            config,
+            steps=data_lib.epoch_steps(source, batch_size, config.steps_per_epoch, config.epochs),
+            validation=validation,
+            warn_non_finite=config.warn_non_finite and isinstance(self.state.loss_scale, NoLossScale),
+            first_step=self.check_first_step if self.checks_first_step else None,
+            continuing=data_lib.continues_across_epochs(source, batch_size, config.steps_per_epoch),
+        )
 
     def placed_sample(self, sample_batch: Any) -> PyTree:
         """A sample batch (any form ``fit`` takes) placed by the strategy, for lowering; ``None``
