@@ -1,8 +1,5 @@
-"""``Trainer``: Keras-style ``fit`` / ``evaluate`` / ``predict`` for a Flax module and optax.
-
-A facade: Keras's signatures in, delegation out. Iteration belongs to
-:class:`trainkit.loop.Loop`; the strategy, the state and the compiled steps to
-:class:`trainkit.program.setup.Setup`; bytes on disk to :mod:`trainkit.checkpoint`.
+"""``Trainer``: Keras's ``fit`` / ``evaluate`` / ``predict`` in, delegation out (to
+:class:`trainkit.loop.Loop`, :class:`trainkit.program.setup.Setup` and :mod:`trainkit.checkpoint`).
 
 >>> import numpy as np, optax, flax.linen as nn
 >>> x = np.random.default_rng(0).normal(size=(64, 3)).astype("float32")
@@ -11,22 +8,17 @@ A facade: Keras's signatures in, delegation out. Iteration belongs to
 ...                   optimizer=optax.adam(0.1), metrics=["accuracy"], strategy="single")
 >>> history = trainer.fit((x, y), epochs=3, batch_size=16, verbose=0)
 >>> loss, accuracy = trainer.evaluate((x, y))   # as Keras; return_dict=True gives a dict
->>> len(history.history["loss"]), accuracy > 0.8
-(3, True)
->>> trainer.predict(x[:5]).shape
-(5, 2)
+>>> len(history.history["loss"]), accuracy > 0.8, trainer.predict(x[:5]).shape
+(3, True, (5, 2))
 """
 
 from __future__ import annotations
 
-import dataclasses
-import logging
 import os
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import jax
-import numpy as np
 import optax
 from rich.console import Console
 
@@ -34,13 +26,12 @@ from trainkit import checkpoint as checkpoint_lib
 from trainkit import data as data_lib
 from trainkit import distributed
 from trainkit.callbacks import Callback, CallbackList, History
+from trainkit.core.delegation import Delegated
 from trainkit.core.model import adapt_model
 from trainkit.core.precision import Precision, get_precision
-from trainkit.core.remat import wrap_remat
 from trainkit.core.state import Batch, TrainState
 from trainkit.core.totals import MetricFn
 from trainkit.core.tree import PyTree
-from trainkit.distributed import compile_cache
 from trainkit.loop import FitConfig, Loop
 from trainkit.monitoring import debug
 from trainkit.objective import Objective, losses
@@ -49,34 +40,27 @@ from trainkit.program.program import Program
 from trainkit.program.setup import Setup, check_trainer_arguments
 from trainkit.strategies import Auto, Strategy
 
-logger = logging.getLogger("trainkit")
-
 
 class Trainer:
     """Trains a Flax module with a loss and an optax optimizer on any strategy.
 
     Args:
-        model: a ``flax.linen.Module`` or ``flax.nnx.Module`` (its ``train`` / ``training`` /
-            ``deterministic`` argument is set by the Trainer).
+        model: a ``flax.linen.Module`` or ``flax.nnx.Module`` (``train`` / ``deterministic`` set for you).
         loss: a Keras name (cross-entropies by name take logits), a loss object
             (``tk.losses.BinaryCrossentropy(from_logits=False)``, or a Keras one) or a callable
             ``loss(predictions, targets)``; several outputs: one, a list or a dict by output.
         optimizer: any ``optax.GradientTransformation``.
-        metrics: Keras names, metric objects (``tk.metrics.AUC()``) or callables, counted once
-            per real row; several outputs: a dict ``{output: [metrics]}`` or a list.
+        metrics: Keras names, metric objects (``tk.metrics.AUC()``) or callables; by output: a dict.
         weighted_metrics: metrics that sample weights and ``class_weight`` apply to.
         loss_weights: a float, or one weight per output: the loss is ``sum(w * output_loss)``.
-        strategy: a :class:`trainkit.Strategy`, a name, ``"auto"`` (the default: picked from
-            the compiled plan at the first data) or a :class:`trainkit.strategies.Auto`.
+        strategy: a :class:`trainkit.Strategy`, a name, or ``"auto"`` (picked by the compiled plan).
         seed: seeds initialisation, dropout and the shuffle order.
         params: variables to start from (fine-tuning).
         precision: ``"fp32"``, ``"bf16"``, ``"fp16"`` (loss scaling) or a ``tk.Precision``.
-        remat: ``None``, ``"full"``, ``"dots"``, ``"dots_no_batch"``, a ``jax.checkpoint``
-            policy, or Flax submodule class names to rematerialise.
+        remat: ``"full"``, ``"dots"``, ``"dots_no_batch"``, a ``jax.checkpoint`` policy, or class names.
         grad_accum_steps: micro-batches per global batch in one compiled step.
         log_grad_norm: also log the global gradient norm (``grad_norm``).
-        steps_per_execution: batches per compiled call (a ``lax.scan``); batch hooks run once
-            per call, as in Keras (``trainer.loop.record`` says which steps it covered).
+        steps_per_execution: batches per compiled call (a ``lax.scan``); batch hooks once per call.
         run_eagerly: every step op by op on one device (``print`` and pdb work; slow).
         jit_compile: Keras's switch: ``False`` is ``run_eagerly=True``.
 
@@ -105,19 +89,16 @@ class Trainer:
         jit_compile: bool | str = "auto",
     ):
         distributed.initialize_from_environment()  # a multi-process job: connect first
-        compile_cache.configure()  # compiled steps persist across runs (TRAINKIT_COMPILATION_CACHE)
-        check_trainer_arguments(optimizer, grad_accum_steps, jit_compile)
-        if loss is None and not self._custom_loss:
-            raise ValueError("Pass loss=..., or subclass Trainer and override compute_loss.")
+        custom_loss = type(self).compute_loss is not Trainer.compute_loss
+        check_trainer_arguments(optimizer, grad_accum_steps, jit_compile, has_loss=loss is not None or custom_loss)
         self.model, self.loss, self.optimizer, self.remat, self.seed = model, loss, optimizer, remat, int(seed)
         self.objective = Objective(loss, metrics, weighted_metrics, loss_weights)
         self.run_eagerly = bool(run_eagerly) or jit_compile is False
         self.precision = get_precision(precision)
         self.grad_accum_steps, self.log_grad_norm = int(grad_accum_steps), bool(log_grad_norm)
-        adapter = adapt_model(model)
-        self._apply = self.precision.wrap_apply(wrap_remat(adapter, remat))
         self.program = Program(
-            adapter=adapter,
+            adapter=adapt_model(model),
+            remat=remat,
             compute_loss=self.compute_loss,
             apply=self.apply,
             optimizer=optimizer,
@@ -134,16 +115,15 @@ class Trainer:
             self.program,
             strategy,
             steps_per_execution=steps_per_execution,
-            custom_loss=self._custom_loss,
+            custom_loss=custom_loss,
             on_restore=self.loop.restored,
         )
         self.history: History | None = None
 
-    # ------------------------------------------------------------------ override points
     def apply(self, params: PyTree, model_state: PyTree, x: PyTree, *, rng: jax.Array, train: bool):
         """Runs the model: ``(outputs, new_model_state)`` under the precision policy and remat
         setting. Pure; usable inside ``compute_loss``."""
-        return self._apply(params, model_state, x, rng=rng, train=train)
+        return self.program.run_model(params, model_state, x, rng=rng, train=train)
 
     def compute_loss(
         self, params: PyTree, batch: Batch, rng: jax.Array, *, model_state: PyTree, train: bool
@@ -154,40 +134,12 @@ class Trainer:
         predictions, model_state = self.apply(params, model_state, batch["x"], rng=rng, train=train)
         return self.objective.loss(predictions, batch["y"]), (predictions, model_state)
 
-    @property
-    def _custom_loss(self) -> bool:
-        return type(self).compute_loss is not Trainer.compute_loss
+    state = Delegated[TrainState | None]("setup.state", "The live TrainState (None before fit or init).")
+    strategy = Delegated[Strategy | None]("setup.strategy", 'The strategy (under "auto": None until planned).')
+    last_plan = Delegated[plan_lib.MemoryPlan | None]("setup.last_plan", 'The plan strategy="auto" chose from.')
+    steps_per_execution = Delegated[int]("setup.steps_per_execution", "Batches per compiled training call.")
+    global_step = Delegated[int]("loop.position.step", "Optimizer steps applied (dispatched) so far.")
 
-    # ------------------------------------------------------------------ what the setup owns
-    @property
-    def state(self) -> TrainState | None:
-        return self.setup.state  # the live TrainState (None before fit or init); written by update_state
-
-    @property
-    def strategy(self) -> Strategy | None:
-        return self.setup.strategy  # under "auto": None until the plan picked one
-
-    @property
-    def last_plan(self) -> plan_lib.MemoryPlan | None:
-        return self.setup.last_plan  # the plan strategy="auto" chose from
-
-    @property
-    def input_spec(self) -> PyTree:
-        return self.setup.input_spec
-
-    @property
-    def steps_per_execution(self) -> int:
-        return self.setup.steps_per_execution
-
-    @property
-    def metric_fns(self) -> dict[str, MetricFn]:
-        return self.objective.metric_fns  # by their names in the logs
-
-    @property
-    def log_order(self) -> tuple[str, ...]:
-        return self.objective.log_order
-
-    # ------------------------------------------------------------------ what callbacks use
     @property
     def stop_training(self) -> bool:
         return self.loop.stop_requested  # Keras's flag: True in a callback stops before the next batch
@@ -195,10 +147,6 @@ class Trainer:
     @stop_training.setter
     def stop_training(self, value: bool) -> None:
         self.loop.request_stop() if value else setattr(self.loop, "stop_requested", False)
-
-    @property
-    def global_step(self) -> int:
-        return self.loop.position.step  # optimizer steps applied (dispatched) so far
 
     @property
     def learning_rate(self) -> float:
@@ -214,15 +162,12 @@ class Trainer:
         ``set_weights``): fields placed in the shardings of those they replace."""
         return self.setup.update_state(**fields)
 
-    # ------------------------------------------------------------------ state and weights
     def init(self, sample_batch: Any) -> TrainState:
         """The state from a sample batch (any form ``fit`` takes; a source is read no further
         than its first batch), the strategy chosen first under ``"auto"``; kept by a second call."""
         return self.setup.init(sample_batch)
 
-    @property
-    def params(self) -> PyTree:  # host NumPy copies
-        return jax.tree.map(np.asarray, distributed.fetch(self.setup.require_state().params))
+    params = Delegated[PyTree]("setup.host_params", "Host NumPy copies of the parameters.")
 
     def count_params(self) -> int:
         """The number of scalars in all variables (parameters and model state), as Keras counts."""
@@ -240,12 +185,10 @@ class Trainer:
         """Puts variables from :meth:`get_weights` back into the live state (same shapes)."""
         self.setup.set_weights(variables)
 
-    # ------------------------------------------------------------------ checkpoints
     def manifest(self) -> dict:
         """What a checkpoint records besides the arrays (JSON; see docs/checkpointing.md)."""
         loop, state = self.loop, self.setup.require_state()
-        data_state = {} if loop.data_state is None else {"data_state": distributed.gather_json(loop.data_state)}
-        settings = {**self.setup.settings(), "batch_size": loop.batch_size, **data_state}
+        settings = {**self.setup.settings(), "batch_size": loop.batch_size, "data_state": loop.data_state}
         return checkpoint_lib.build_manifest(state, self.strategy, loop.position, **settings)
 
     def save(
@@ -269,18 +212,11 @@ class Trainer:
         """Restores the latest checkpoint (or ``step``) into this trainer's strategy, from any
         strategy or device count, or only the variables of a ``save_weights_only`` one; call
         ``init(sample_batch)`` first. Returns the manifest."""
-        if self.state is None:
-            raise RuntimeError(
-                "load() restores into the trainer's state: call init(sample_batch) (or fit) first, "
-                "so that the model's shapes are known."
-            )
-        state, manifest = checkpoint_lib.restore(directory, self.state, step)
+        state, manifest = checkpoint_lib.restore(directory, self.setup.require_state(), step)
         self.setup.replace_state(state, moves_position=manifest.get("contents") != "weights")
-        strategy = self.strategy
-        checkpoint_lib.explain_restore(manifest, type(strategy).__name__, len(strategy.devices), self.loop.batch_size)
+        checkpoint_lib.explain_restore(manifest, self.strategy, self.loop.batch_size)
         return manifest
 
-    # ------------------------------------------------------------------ compiled steps and the plan
     def function(self, kind: str) -> Callable:
         """The compiled ``"train"``, ``"eval"`` or ``"predict"`` step (compiled once)."""
         return self.setup.function(kind)
@@ -312,7 +248,6 @@ class Trainer:
         options = {"measure": measure, "memory_limit": memory_limit, "steps": steps}
         return self.setup.plan(prepared, candidates, verbose=verbose, **options)
 
-    # ------------------------------------------------------------------ fit / evaluate / predict
     def fit(
         self,
         x: Any = None,
@@ -353,16 +288,16 @@ class Trainer:
             **{"validation_data": validation_data, "validation_split": validation_split},
             **{"validation_batch_size": validation_batch_size, "class_weight": class_weight, "announce": bool(verbose)},
         )
-        dataset, batch_size = prepared.source, prepared.batch_size
-        progress = bool(verbose) and distributed.is_main_process()
-        params = {"verbose": verbose, "epochs": epochs, "steps": config.steps}
-        callback_list = CallbackList(callbacks, self, params, add_history=True, add_progress_bar=progress)
+        callback_list = self._callbacks(callbacks, verbose, config.steps, epochs, fit=True)
         self.history = callback_list.history
-        if callback_list.stops_on_non_finite:  # TerminateOnNaN watches the loss: no warning of the loop's
-            config = dataclasses.replace(config, warn_non_finite=False)
-        logger.info("fit: %s, batch_size=%d, %s steps/epoch", self.strategy.describe(), batch_size, config.steps)
-        self.loop.fit(dataset, batch_size, callback_list, config)
+        self.loop.fit(prepared.source, prepared.batch_size, callback_list, config)
         return self.history
+
+    def _callbacks(self, callbacks: Iterable[Callback], verbose: int, steps, epochs=1, fit=False) -> CallbackList:
+        """Keras's callback list: fit adds ``History`` and, verbose on the main process, the bar."""
+        progress = fit and bool(verbose) and distributed.is_main_process()
+        params = {"verbose": verbose, "epochs": epochs, "steps": steps}
+        return CallbackList(callbacks, self, params, add_history=fit, add_progress_bar=progress)
 
     def evaluate(
         self,
@@ -378,31 +313,26 @@ class Trainer:
     ) -> float | list[float] | dict[str, float]:
         """The loss and metrics over the whole dataset, exact on any device count; as Keras, the
         loss alone or ``[loss, *metrics]``, or with ``return_dict`` the dict (prints nothing)."""
-        data_lib.check_positive(steps=steps)
-        dataset, batch_size, *_ = self.setup.prepare(x, y, sample_weight, batch_size, targets=True)
-        params = {"verbose": verbose, "epochs": 1, "steps": dataset.steps(batch_size) if steps is None else steps}
-        logs = self.loop.evaluate(dataset, batch_size, steps, CallbackList(callbacks, self, params))
+        dataset, batch_size, total = self.setup.prepare_run(x, y, sample_weight, batch_size, steps, targets=True)
+        logs = self.loop.evaluate(dataset, batch_size, steps, self._callbacks(callbacks, verbose, total))
         return self.objective.keras_result(logs, return_dict)
-
-    def _one_batch_size(self, x: Any) -> int:
-        return data_lib.one_batch_size(x, self.strategy.num_batch_shards if self.strategy is not None else 1)
 
     def train_on_batch(self, x: Any, y=None, sample_weight=None, class_weight=None, return_dict=False) -> Any:
         """One optimizer step on exactly these rows (Keras's ``train_on_batch``), padded to a
         size the devices can split; returns that batch's loss and metrics like :meth:`evaluate`."""
-        size = self._one_batch_size(x)
+        size = self.setup.one_batch_size(x)
         options = {"sample_weight": sample_weight, "class_weight": class_weight, "shuffle": False, "verbose": 0}
         self.fit(x, y, batch_size=size, epochs=1, **options)
         return self.objective.keras_result({k: v[-1] for k, v in self.history.history.items()}, return_dict)
 
     def test_on_batch(self, x: Any, y: PyTree = None, sample_weight: PyTree = None, return_dict: bool = False) -> Any:
         """The loss and metrics of exactly these rows (Keras's ``test_on_batch``)."""
-        size = self._one_batch_size(x)
+        size = self.setup.one_batch_size(x)
         return self.evaluate(x, y, sample_weight=sample_weight, batch_size=size, return_dict=return_dict)
 
     def predict_on_batch(self, x: Any) -> PyTree:
         """The outputs of exactly these rows (Keras's ``predict_on_batch``)."""
-        return self.predict(x, batch_size=self._one_batch_size(x))
+        return self.predict(x, batch_size=self.setup.one_batch_size(x))
 
     def predict(
         self,
@@ -415,9 +345,5 @@ class Trainer:
     ) -> PyTree:
         """Outputs with exactly one row per input row (an array, or a pytree for several
         outputs); ``x`` as ``fit`` takes it (targets ignored), a tuple of arrays the inputs."""
-        if isinstance(x, tuple) and len(x) > 1 and data_lib.is_array_tree(x):
-            x = (x,)  # Keras: predict's x is the inputs, whatever their structure
-        data_lib.check_positive(steps=steps)
-        dataset, batch_size, *_ = self.setup.prepare(x, None, None, batch_size, targets=False)
-        params = {"verbose": verbose, "epochs": 1, "steps": dataset.steps(batch_size) if steps is None else steps}
-        return self.loop.predict(dataset, batch_size, steps, CallbackList(callbacks, self, params))
+        dataset, batch_size, total = self.setup.prepare_run(x, None, None, batch_size, steps, targets=False)
+        return self.loop.predict(dataset, batch_size, steps, self._callbacks(callbacks, verbose, total))

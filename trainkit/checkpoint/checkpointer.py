@@ -36,6 +36,7 @@ import flax.serialization
 import jax
 import orbax.checkpoint as ocp
 
+from trainkit import distributed
 from trainkit.core import state as state_lib
 from trainkit.core import tree
 from trainkit.version import __version__
@@ -444,11 +445,14 @@ def _unlock(handle) -> None:
             handle.close()
 
 
-def build_manifest(state: PyTree, strategy: Any, position: Any, **settings: Any) -> dict:
+def build_manifest(state: PyTree, strategy: Any, position: Any, data_state: Any = None, **settings: Any) -> dict:
     """What a checkpoint records besides the arrays: versions, the strategy and mesh, the data
-    ``position`` (``epoch``, ``batch``, ``step``), ``settings`` (precision, seed, batch size...)
-    and the shape and dtype of every leaf of the parameters, optimizer state and model state."""
+    ``position`` (``epoch``, ``batch``, ``step``) and ``data_state`` (every process's, gathered),
+    ``settings`` (precision, seed, batch size...) and the shape and dtype of every leaf of the
+    parameters, optimizer state and model state."""
     parts = flax.serialization.to_state_dict(state)
+    if data_state is not None:
+        settings["data_state"] = distributed.gather_json(data_state)
     return {
         "trainkit_version": __version__,
         "jax_version": jax.__version__,
@@ -463,9 +467,10 @@ def build_manifest(state: PyTree, strategy: Any, position: Any, **settings: Any)
     }
 
 
-def explain_restore(manifest: dict, strategy: str, devices: int, batch_size: int | None) -> None:
-    """Logs what a restore into another strategy, device count or batch size means for the
-    run's exactness (a batch index is converted by examples seen)."""
+def explain_restore(manifest: dict, into: Any, batch_size: int | None) -> None:
+    """Logs what a restore into another strategy (``into``), device count or batch size means
+    for the run's exactness (a batch index is converted by examples seen)."""
+    strategy, devices = type(into).__name__, len(into.devices)
     if manifest.get("device_count") != devices or manifest.get("strategy") != strategy:
         logger.warning(
             "Restored step %s written by %s on %s devices into %s on %s devices: the state is "

@@ -25,6 +25,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import itertools
+import logging
 import warnings
 from collections.abc import Iterable, Iterator
 from typing import Any
@@ -40,6 +41,8 @@ from trainkit.data.prefetch import Prefetcher
 from trainkit.data.spans import executions, room_until
 from trainkit.distributed.watchdog import StallWatchdog
 from trainkit.loop.session import FitConfig, Session, Validation
+
+logger = logging.getLogger("trainkit")
 
 PyTree = Any
 
@@ -230,7 +233,9 @@ class Loop:
         order. With ``config.validation_interval`` the validation runs after every that many
         optimizer steps (on the state of that step) and the epoch logs carry the latest."""
         epochs, steps, max_steps = config.epochs, config.steps, config.max_steps
-        validation, warn_non_finite, first_step = config.validation, config.warn_non_finite, config.first_step
+        validation, first_step = config.validation, config.first_step
+        # TerminateOnNaN watches the loss itself: no warning of the loop's then
+        warn_non_finite = config.warn_non_finite and not callbacks.stops_on_non_finite
         validation_interval = config.validation_interval
         self.stop_requested = self.preempted = False
         self.skipped_in_a_row = 0
@@ -240,6 +245,7 @@ class Loop:
         self.interval_validation = (validation, validation_interval) if validation_interval else None
         self.position = Position(config.initial_epoch, 0, self.position.step)
         train_fn = self.session.function("train")
+        logger.info("fit: %s, batch_size=%d, %s steps/epoch", self.session.strategy.describe(), batch_size, steps)
         read_ahead = not dataset.one_shot
         logs: dict[str, float] = {}
         self.watchdog = StallWatchdog()

@@ -29,6 +29,7 @@ import optax
 
 from trainkit.core.model import ModelAdapter, param_axes, starting_variables, under_logical_rules
 from trainkit.core.precision import Precision, cast_floating
+from trainkit.core.remat import wrap_remat
 from trainkit.core.state import Batch, TrainState
 from trainkit.core.step import make_eval_step, make_multi_step, make_predict_step, make_train_step
 from trainkit.program import plan as plan_lib
@@ -44,7 +45,10 @@ class Program:
         adapter: the model as ``(init, apply)``.
         compute_loss: ``(params, batch, rng, *, model_state, train) -> (row_loss, (outputs,
             model_state))``.
-        apply: the model call under the precision and remat policies.
+        apply: the model call ``compute_loss`` and the predict step use (a trainer's
+            ``apply``; default: :attr:`run_model`).
+        remat: the rematerialisation setting (``trainkit.core.remat``); :attr:`run_model` is the
+            adapter's call under it and the precision policy.
         optimizer, precision, grad_accum_steps, log_grad_norm, seed: as the
             :class:`trainkit.Trainer` arguments.
         objective: a :class:`trainkit.objective.Objective`; its ``metric_fns`` (and its
@@ -59,7 +63,8 @@ class Program:
         *,
         adapter: ModelAdapter,
         compute_loss: Callable,
-        apply: Callable,
+        apply: Callable | None = None,
+        remat: Any = None,
         optimizer: optax.GradientTransformation,
         objective: Any,
         precision: Precision,
@@ -69,7 +74,8 @@ class Program:
         variables: PyTree = None,
         eager: bool = False,
     ):
-        self.adapter, self.compute_loss, self.apply = adapter, compute_loss, apply
+        self.run_model = precision.wrap_apply(wrap_remat(adapter, remat))
+        self.adapter, self.compute_loss, self.apply = adapter, compute_loss, apply or self.run_model
         self.optimizer, self.objective, self.precision = optimizer, objective, precision
         self.grad_accum_steps, self.log_grad_norm, self.seed = grad_accum_steps, log_grad_norm, seed
         self.variables = variables

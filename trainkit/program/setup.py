@@ -41,6 +41,7 @@ from trainkit.core import optimizers
 from trainkit.core.precision import NoLossScale
 from trainkit.core.state import TrainState, abstract, check_tree_matches
 from trainkit.core.tree import PyTree
+from trainkit.distributed import compile_cache
 from trainkit.loop.session import FitConfig, Validation
 from trainkit.program import plan as plan_lib
 from trainkit.program.program import Program
@@ -49,8 +50,10 @@ from trainkit.strategies import Auto, SingleDevice, Strategy, check_steps_per_ex
 logger = logging.getLogger("trainkit")
 
 
-def check_trainer_arguments(optimizer: Any, grad_accum_steps: Any, jit_compile: Any) -> None:
+def check_trainer_arguments(optimizer: Any, grad_accum_steps: Any, jit_compile: Any, *, has_loss: bool) -> None:
     """Refuses the ``Trainer`` arguments that cannot work, saying what to pass."""
+    if not has_loss:
+        raise ValueError("Pass loss=..., or subclass Trainer and override compute_loss.")
     if not isinstance(optimizer, optax.GradientTransformation):
         raise TypeError(
             f"optimizer must be an optax.GradientTransformation such as optax.adam(1e-3); "
@@ -82,6 +85,7 @@ class Setup:
         custom_loss: bool = False,
         on_restore: Callable[[int], None] = lambda step: None,
     ):
+        compile_cache.configure()  # compiled steps persist across runs (TRAINKIT_COMPILATION_CACHE)
         self.program, self.objective, self.custom_loss = program, program.objective, custom_loss
         chosen = resolve_strategy("single" if program.eager and strategy == "auto" else strategy)
         if program.eager and not isinstance(chosen, SingleDevice):
@@ -123,6 +127,11 @@ class Setup:
     @learning_rate.setter
     def learning_rate(self, value: float) -> None:
         self.update_state(opt_state=optimizers.set_learning_rate(self.require_state().opt_state, value))
+
+    @property
+    def host_params(self) -> PyTree:
+        """Host NumPy copies of the parameters."""
+        return jax.tree.map(np.asarray, distributed.fetch(self.require_state().params))
 
     def weights(self) -> PyTree:
         """Host copies of all variables: ``{"params": ..., **model_state}`` (Keras's ``get_weights``)."""
@@ -205,6 +214,22 @@ class Setup:
         if self.state is None:
             self.create_state(prepared)
         return prepared
+
+    def one_batch_size(self, data: Any) -> int:
+        """A batch size holding all rows of ``data`` that the devices can split (``*_on_batch``)."""
+        return data_lib.one_batch_size(data, self.strategy.num_batch_shards if self.strategy is not None else 1)
+
+    def prepare_run(
+        self, data: Any, y: PyTree, sample_weight: PyTree, batch_size: int | None, steps: int | None, *, targets: bool
+    ) -> tuple[data_lib.Source, int, int]:
+        """``evaluate``'s input (``targets``) or ``predict``'s prepared: its source, batch size
+        and the number of steps the run takes."""
+        data_lib.check_positive(steps=steps)
+        if not targets and isinstance(data, tuple) and len(data) > 1 and data_lib.is_array_tree(data):
+            data = (data,)  # Keras: predict's x is the inputs, whatever their structure
+        prepared = self.prepare(data, y, sample_weight, batch_size, targets=targets)
+        source, batch_size = prepared.source, prepared.batch_size
+        return source, batch_size, source.steps(batch_size) if steps is None else steps
 
     def prepare_fit(
         self,
