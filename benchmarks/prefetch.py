@@ -7,7 +7,9 @@ Loaders, each a Python iterable of the same NumPy batches, whose time per batch 
 the measured step time ``t``: constant (a sleep of 0.5 t and 0.9 t: I/O), jittery (a sleep
 drawn uniformly from 0 to 1.8 t, 0.9 t on average), and CPU-heavy (Python code holding the GIL
 for 0.5 t or 0.9 t per batch), read in trainkit's thread or by a worker process
-(``RandomAccessSource(workers=1)``).
+(``RandomAccessSource(workers=1)``), and the jittery loader as a one-shot generator (read
+ahead by its source, with what a stop leaves handed back; "no prefetch" reads it in the main
+thread, as trainkit did before).
 
 An accelerator computes without the host's cores; to model that on a CPU, the step's threads
 (XLA's pool, created at start) are pinned to all cores but the last, the "device", and the host
@@ -38,6 +40,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from models import MLP  # noqa: E402
 
 import trainkit as tk  # noqa: E402
+from trainkit.data import iterable  # noqa: E402
 
 WARM = 20  # batches before the clock starts
 PREFETCH = tk.loop.Loop.prefetch
@@ -107,11 +110,31 @@ class DecodedRows:
         return self.x[i], self.y[i]
 
 
+class OneShot:
+    """A one-shot generator over a :class:`Loader` (``iter(loader)``): trainkit reads it ahead
+    in a thread and hands back what a stop leaves; ``prefetch=0`` in :func:`run` reads it in
+    the main thread instead, one batch at a time (trainkit before the read-ahead)."""
+
+    def __init__(self, loader: Loader):
+        self.loader = loader
+
+
 def run(trainer, data, prefetch, **options):
     trainer.loop.prefetch = prefetch
     clock = Clock()
     started = time.perf_counter()
-    trainer.fit(data, epochs=1, shuffle=False, verbose=0, callbacks=[clock], **options)
+    if isinstance(data, OneShot):
+        generator = iter(data.loader)
+        if not prefetch:  # no backlog kept with the generator: read in the main thread
+            previous = iterable.backlog_of
+            iterable.backlog_of = lambda iterator: iterable.Backlog()
+        try:
+            trainer.fit(generator, epochs=1, shuffle=False, verbose=0, callbacks=[clock], **options)
+        finally:
+            if not prefetch:
+                iterable.backlog_of = previous
+    else:
+        trainer.fit(data, epochs=1, shuffle=False, verbose=0, callbacks=[clock], **options)
     return clock.rate, time.perf_counter() - started
 
 
@@ -138,6 +161,7 @@ def main():
         "constant 0.5 t (sleep)": lambda: Loader(x, y, args.batch, lambda r, i: 0.5 * step),
         "constant 0.9 t (sleep)": lambda: Loader(x, y, args.batch, lambda r, i: 0.9 * step),
         "jitter 0-1.8 t (sleep, mean 0.9 t)": lambda: Loader(x, y, args.batch, Jitter(1.8 * step)),
+        "jitter 0-1.8 t, a one-shot generator": lambda: OneShot(Loader(x, y, args.batch, Jitter(1.8 * step))),
         "CPU-heavy 0.5 t (Python, GIL held), in the thread": lambda: Loader(
             x, y, args.batch, lambda r, i: 0.5 * step, cpu=True
         ),

@@ -20,6 +20,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import jax  # noqa: E402
+import numpy as np  # noqa: E402
 import optax  # noqa: E402
 from models import TransformerLM, count_params, token_batches  # noqa: E402
 
@@ -56,10 +57,9 @@ def main():
             grad_accum_steps=accumulation,
         )
         state = trainer.init(x[: args.batch])
-        batch = trainer.strategy.put_batch(
-            {"x": x[: args.batch], "y": y[: args.batch], "mask": jax.numpy.ones(args.batch)}
-        )
-        compiled = trainer.function("train").lower(state, batch).compile()
+        host = {"x": x[: args.batch], "y": y[: args.batch], "mask": np.ones(args.batch, np.float32)}
+        totals = trainer.setup.empty_totals("train", host)  # the metric totals the step carries
+        compiled = trainer.function("train").lower(state, totals, trainer.strategy.put_batch(host)).compile()
         memory[name] = compiled.memory_analysis()
         trainers[name] = trainer
     params = count_params(trainers["none"].params)

@@ -10,12 +10,18 @@ trainkit runs with its defaults (the same work as the hand-written loop); two mo
 callback that is not ``async_safe`` (the loop then waits for every batch before dispatching the
 next, so that ``on_train_batch_end(i)`` sees the state after batch ``i``, as in Keras).
 
-    python benchmarks/step_overhead.py [--repeats 5] [--steps 60]
+The dispatch-bound rows (an MLP 32-64-10, batch 32, one device, where the host loop is the
+cost) compare ``steps_per_execution=1`` (``verbose=0`` and the progress bar) with a
+hand-written jit loop that keeps its loss total on the device, ``steps_per_execution=32``
+with a hand-written ``lax.scan`` of 32 steps, and Keras 3's ``fit``.
+
+    python benchmarks/step_overhead.py [--repeats 5] [--steps 60] [--dispatch-steps 2048] [--skip-models]
 """
 
 from __future__ import annotations
 
 import argparse
+import io
 import os
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -26,8 +32,10 @@ import flax.linen as nn  # noqa: E402
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
+import steps_per_execution as spe  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P
+from rich.console import Console  # noqa: E402
 from timing import measure  # noqa: E402
 
 import trainkit as tk  # noqa: E402
@@ -178,6 +186,8 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--dispatch-steps", type=int, default=2048, help="steps of the dispatch-bound rows (0: none)")
+    parser.add_argument("--skip-models", action="store_true", help="only the dispatch-bound rows")
     args = parser.parse_args()
     devices = jax.devices()
     print(
@@ -186,7 +196,7 @@ def main():
     )
     header = f"{'model':5} {'devices':>7} {'contender':28} {'steps/s':>9} {'vs hand-written':>16}"
     print(header + "\n" + "-" * len(header))
-    for case, (model_cls, shape, batch_size) in CASES.items():
+    for case, (model_cls, shape, batch_size) in ({} if args.skip_models else CASES).items():
         x, y = dataset(shape, batch_size, args.steps)
         for n in (1, 8):
             devs = devices[:n]
@@ -207,6 +217,41 @@ def main():
             for name, rate in rates.items():
                 print(f"{case:5} {n:>7} {name:28} {rate:9.1f} {rate / base:16.3f}")
     print("\nratios are against the hand-written pmap loop on 8 devices, the jit loop on 1.")
+    if args.dispatch_steps:
+        dispatch_bound(args.dispatch_steps, args.repeats)
+
+
+def quiet_bar() -> tk.callbacks.ProgressBar:
+    """``verbose=1``'s progress bar, drawn into a terminal-like buffer instead of the screen."""
+    return tk.callbacks.ProgressBar(verbose=1, console=Console(file=io.StringIO(), force_terminal=True, width=120))
+
+
+def dispatch_bound(steps: int, repeats: int, k: int = 32) -> None:
+    """A model whose step is shorter than a Python dispatch (MLP 32-64-10, batch 32, one
+    device): the host loop is the cost. Against a hand-written jit loop that keeps its loss
+    total on the device, and a hand-written ``lax.scan`` of ``k`` steps per call."""
+    x, y = spe.dataset(steps)
+    contenders = {
+        "hand-written jit": spe.hand_written(x, y, 1),
+        "trainkit k=1, verbose=0": spe.trainkit_fit(x, y, 1),
+        "trainkit k=1, verbose=1": spe.trainkit_fit(x, y, 1, callbacks=[quiet_bar()]),
+        f"hand-written scan k={k}": spe.hand_written(x, y, k),
+        f"trainkit k={k}": spe.trainkit_fit(x, y, k),
+        "trainkit k='auto'": spe.trainkit_fit(x, y, "auto"),
+    }
+    keras_run = spe.keras_fit(x, y, 1)
+    if keras_run is not None:
+        contenders["keras fit k=1"] = keras_run
+    rates = measure(contenders, steps, repeats)
+    print(f"\ndispatch-bound MLP {spe.FEATURES}-{spe.HIDDEN}-{spe.CLASSES}, batch {spe.BATCH}, 1 device, {steps} steps")
+    header = f"{'contender':28} {'steps/s':>9} {'vs hand-written':>16}"
+    print(header + "\n" + "-" * len(header))
+    for name, rate in rates.items():
+        base = rates[f"hand-written scan k={k}"] if f"k={k}" in name or "auto" in name else rates["hand-written jit"]
+        print(f"{name:28} {rate:9.0f} {rate / base:16.3f}")
+    print(f"(k={k} and k='auto' rows against the hand-written scan, the others against the hand-written jit loop)")
+    auto, fixed = rates["trainkit k='auto'"], rates[f"trainkit k={k}"]
+    print(f"k='auto' / trainkit k={k}: {auto / fixed:.3f}")
 
 
 if __name__ == "__main__":

@@ -42,7 +42,7 @@ def dataset(steps: int, seed: int = 0):
     return rng.normal(size=(n, FEATURES)).astype(np.float32), rng.integers(0, CLASSES, n).astype(np.int32)
 
 
-def trainkit_fit(x, y, k: int):
+def trainkit_fit(x, y, k, callbacks=()):
     trainer = tk.Trainer(
         MLP(),
         loss="sparse_categorical_crossentropy",
@@ -50,7 +50,7 @@ def trainkit_fit(x, y, k: int):
         strategy="single",
         steps_per_execution=k,
     )
-    return lambda: trainer.fit((x, y), batch_size=BATCH, epochs=1, verbose=0)
+    return lambda: trainer.fit((x, y), batch_size=BATCH, epochs=1, verbose=0, callbacks=list(callbacks))
 
 
 def keras_fit(x, y, k: int):
@@ -71,12 +71,13 @@ def keras_fit(x, y, k: int):
 
 def hand_written(x, y, k: int):
     """A plain optax loop over shuffled batches: one jitted step per call (``k == 1``) or a
-    jitted ``lax.scan`` over ``k`` stacked batches; the state donated, 2 calls in flight."""
+    jitted ``lax.scan`` over ``k`` stacked batches; the state donated, the epoch's loss total
+    kept on the device in the step (read once, at the end), at most 2 calls in flight."""
     model, tx = MLP(), optax.adam(1e-3)
     params = model.init(jax.random.PRNGKey(0), x[:1])["params"]
 
-    def step(state, batch):
-        params, opt_state = state
+    def step(carry, batch):
+        (params, opt_state), total = carry
         xb, yb = batch
 
         def loss_fn(params):
@@ -85,27 +86,28 @@ def hand_written(x, y, k: int):
 
         loss, grads = jax.value_and_grad(loss_fn)(params)
         updates, opt_state = tx.update(grads, opt_state, params)
-        return (optax.apply_updates(params, updates), opt_state), loss
+        return ((optax.apply_updates(params, updates), opt_state), total + loss), None
 
     if k == 1:
-        call = jax.jit(step, donate_argnums=(0,))
+        call = jax.jit(lambda state, total, batch: step((state, total), batch)[0], donate_argnums=(0,))
     else:
-        call = jax.jit(lambda state, batches: jax.lax.scan(step, state, batches), donate_argnums=(0,))
+        call = jax.jit(
+            lambda state, total, batches: jax.lax.scan(step, (state, total), batches)[0], donate_argnums=(0,)
+        )
     box = {"state": (params, tx.init(params)), "epoch": 0}
 
     def run():
-        state, pending = box["state"], []
+        carry, pending = (box["state"], np.float32(0)), []
         order = np.random.default_rng([0, box["epoch"]]).permutation(len(x)).reshape(-1, BATCH)
         for group in range(0, len(order), k):
             rows = order[group : group + k]
             batch = (x[rows], y[rows]) if k > 1 else (x[rows[0]], y[rows[0]])
-            state, loss = call(state, batch)
-            pending.append(loss)
+            carry = call(*carry, batch)  # the state donated, the total kept
+            pending.append(carry[1])
             if len(pending) > 2:
-                np.asarray(pending.pop(0))
-        for loss in pending:
-            np.asarray(loss)
-        box["state"], box["epoch"] = state, box["epoch"] + 1
+                pending.pop(0).block_until_ready()
+        np.asarray(carry[1])  # the epoch's loss total, read once
+        box["state"], box["epoch"] = carry[0], box["epoch"] + 1
 
     return run
 

@@ -226,3 +226,35 @@ def test_hooks_indices_logs_and_weights_match_keras_steps_per_execution():
     for left, right in zip(flat(trainer.get_weights()), flat(model.get_weights()), strict=True):
         np.testing.assert_allclose(left, right.reshape(left.shape), rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(tk_predictions, keras_predictions, rtol=1e-5, atol=1e-6)
+
+
+class AsyncSpans(Spans):
+    async_safe = True  # a batch hook that puts no cap on the steps per call
+
+
+def test_auto_times_the_first_steps_then_fuses_what_it_picked_to_the_same_result(xy, monkeypatch):
+    """``steps_per_execution="auto"``: PROBES timed single steps, then the tuner's pick (forced
+    to K here; timings are the benchmark's business) for the rest of the run and later fits."""
+    from trainkit.loop import tuning
+
+    picked = []
+    monkeypatch.setattr(tuning.StepsTuner, "decide", lambda self, host, device: picked.append((host, device)) or K)
+    x, y = xy
+    auto, single = make("single", "auto"), make("single", 1)
+    spans = AsyncSpans()
+    auto_history = auto.fit((x, y), batch_size=BATCH, epochs=2, callbacks=[spans], verbose=0)
+    single_history = single.fit((x, y), batch_size=BATCH, epochs=2, verbose=0)
+    assert len(picked) == 1 and all(host > 0 and device > 0 for host, device in picked)
+    assert auto.steps_per_execution == K
+    sizes = [last - first + 1 for _, _, first, last in spans.records]  # steps per call
+    assert sizes[: tuning.PROBES + 1] == [1] * (tuning.PROBES + 1) and sizes.count(K) >= 3, sizes  # timed, then fused
+    assert_same_run(single, auto, single_history, auto_history)
+
+
+def test_auto_keeps_one_step_per_call_for_a_callback_that_needs_every_batch(xy):
+    x, y = xy
+    auto = make("single", "auto")
+    auto.fit((x, y), batch_size=BATCH, epochs=1, callbacks=[tk.callbacks.TerminateOnNaN()], verbose=0)
+    assert auto.steps_per_execution == 1
+    with pytest.raises(ValueError, match="steps_per_execution must be a positive integer"):
+        make("single", "fast")

@@ -60,7 +60,7 @@ class Trainer:
         remat: ``"full"``, ``"dots"``, ``"dots_no_batch"``, a ``jax.checkpoint`` policy, or class names.
         grad_accum_steps: micro-batches per global batch in one compiled step.
         log_grad_norm: also log the global gradient norm (``grad_norm``).
-        steps_per_execution: batches per compiled call (a ``lax.scan``); batch hooks once per call.
+        steps_per_execution: batches per compiled call (a ``lax.scan``; hooks once per call) or ``"auto"``.
         run_eagerly: every step op by op on one device (``print`` and pdb work; slow).
         jit_compile: Keras's switch: ``False`` is ``run_eagerly=True``.
 
@@ -84,7 +84,7 @@ class Trainer:
         remat: Any = None,
         grad_accum_steps: int = 1,
         log_grad_norm: bool = False,
-        steps_per_execution: int = 1,
+        steps_per_execution: int | str = 1,
         run_eagerly: bool = False,
         jit_compile: bool | str = "auto",
     ):

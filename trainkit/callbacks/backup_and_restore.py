@@ -108,6 +108,9 @@ class BackupAndRestore(Callback):
         trainer = self.trainer
         self.checkpointer.save(trainer.global_step, trainer.state, trainer.manifest(), wait=wait)
 
+    def execution_cap(self) -> int | None:
+        return None if self.save_freq.per_epoch else self.save_freq.value
+
     def on_train_batch_begin(self, batch: int, logs: Logs | None = None) -> None:
         self.checkpointer.poll()  # a failed background write surfaces at once
         step = self.trainer.global_step  # the live state is at that step

@@ -66,6 +66,24 @@ class Callback:
     async_safe: bool = False
     #: Stops training at the first non-finite loss (``TerminateOnNaN``).
     stops_on_non_finite: bool = False
+    #: Profiles steps: the loop then marks each one (``jax.profiler.StepTraceAnnotation``).
+    annotates_steps: bool = False
+
+    def execution_cap(self) -> int | None:
+        """The most steps one compiled call may cover for this callback's batch hooks to mean
+        what they say, under ``steps_per_execution="auto"`` (``None``: any). By default 1 for
+        a callback whose train-batch hooks are not ``async_safe`` (it expects a call per
+        batch, as Keras makes them); periodic callbacks give their period."""
+        hooks = ("on_train_batch_begin", "on_train_batch_end", "on_batch_begin", "on_batch_end")
+        return 1 if not self.async_safe and any(overrides(self, h) for h in hooks) else None
+
+    def reads_batch_logs(self) -> bool:
+        """Whether the coming batch-end hook reads its ``logs`` (by default it does, as in
+        Keras). The metrics stay on the device until a callback reads them, so a callback that
+        reads them only now and then (the progress bar, on a clock; a logger every
+        ``update_freq`` steps) says so, and between those calls gets an empty dict and costs
+        no device-to-host read."""
+        return True
 
     @property
     def model(self) -> Any:

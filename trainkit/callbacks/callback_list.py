@@ -74,11 +74,22 @@ class CallbackList:
         for hook in HOOKS:
             alias = _ALIASES.get(hook)
             bound = [
-                getattr(c, hook)
+                (c, getattr(c, hook))
                 for c in self.callbacks
                 if overrides(c, hook) or (alias is not None and overrides(c, alias))
             ]
             setattr(self, hook, self._dispatcher(hook, bound))
+
+    @property
+    def execution_cap(self) -> int | None:
+        """The most steps one compiled call may cover for every callback (``None``: any)."""
+        caps = [cap for cap in (c.execution_cap() for c in self.callbacks) if cap is not None]
+        return min(caps, default=None)
+
+    @property
+    def annotates_steps(self) -> bool:
+        """Whether a callback profiles steps (the loop then marks each one)."""
+        return any(c.annotates_steps for c in self.callbacks)
 
     @property
     def stops_on_non_finite(self) -> bool:
@@ -91,7 +102,7 @@ class CallbackList:
         if hook == "on_exception":
 
             def call(exception):
-                for fn in bound:
+                for _, fn in bound:
                     try:
                         fn(exception)
                     except Exception as error:  # noqa: BLE001 - the original error matters more
@@ -102,13 +113,23 @@ class CallbackList:
 
             def call(logs=None):
                 logs = _keras_logs(logs)
-                for fn in bound:
+                for _, fn in bound:
                     fn(logs)
+        elif hook.endswith("_batch_end"):
+
+            def call(index, logs=None):
+                """``logs`` may be a function that computes them (reading the device): it is
+                called only for the callbacks that read this hook's logs."""
+                shared = None if callable(logs) else _keras_logs(logs)
+                for callback, fn in bound:
+                    if shared is None and callback.reads_batch_logs():
+                        shared = _keras_logs(logs())
+                    fn(index, {} if shared is None else shared)
         else:
 
             def call(index, logs=None):
                 logs = _keras_logs(logs)
-                for fn in bound:
+                for _, fn in bound:
                     fn(index, logs)
 
         call.active = bool(bound)  # type: ignore[attr-defined]

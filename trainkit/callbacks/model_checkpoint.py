@@ -96,6 +96,12 @@ class ModelCheckpoint(MonitorCallback):
         for checkpointer in self._open.values():  # a failed background write surfaces at once
             checkpointer.poll()
 
+    def reads_batch_logs(self) -> bool:
+        return self.save_freq != "epoch"
+
+    def execution_cap(self) -> int | None:
+        return None if self.save_freq == "epoch" else self.save_freq
+
     def on_train_batch_end(self, batch: int, logs: Logs | None = None) -> None:
         if self._should_save_on_batch(batch):
             self._save_model(self._current_epoch, batch, logs)

@@ -164,6 +164,12 @@ class Logging(_Rate):
             for item in self.loggers:
                 item.log_hparams(config)
 
+    def reads_batch_logs(self) -> bool:
+        return _due(self.trainer, self.update_freq)
+
+    def execution_cap(self) -> int | None:
+        return None if self.update_freq == "epoch" else self.update_freq
+
     def on_train_batch_end(self, batch: int, logs: Logs | None = None) -> None:
         step = _step(self.trainer)
         if self.meter is None:
@@ -201,6 +207,10 @@ class Profiler(Callback):
     profile (pprof) at the last traced step. Only process 0 traces."""
 
     async_safe = False  # the trace must end after the last step ran
+    annotates_steps = True
+
+    def reads_batch_logs(self) -> bool:
+        return False
 
     def __init__(self, log_dir: str | os.PathLike, steps: tuple[int, int], memory_profile: bool = False):
         if (
@@ -281,6 +291,18 @@ class TensorBoard(_Rate):
     @property
     def async_safe(self) -> bool:  # type: ignore[override]
         return self.profiler is None
+
+    @property
+    def annotates_steps(self) -> bool:  # type: ignore[override]
+        return self.profiler is not None
+
+    def reads_batch_logs(self) -> bool:
+        return self.board is not None and _due(self.trainer, self.update_freq)
+
+    def execution_cap(self) -> int | None:
+        if self.profiler is not None:
+            return 1
+        return None if self.update_freq == "epoch" else self.update_freq
 
     def on_train_begin(self, logs: Logs | None = None) -> None:
         self.meter, self._mark, self._epoch_mark = None, None, None

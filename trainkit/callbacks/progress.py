@@ -7,12 +7,17 @@
 
 from __future__ import annotations
 
+import time
+
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Column
 from rich.text import Text
 
 from trainkit.callbacks.base import Callback, Logs
+
+#: Seconds between two redraws of the live bar (rich's ``Live`` refreshes at about the same rate).
+REFRESH_SECONDS = 0.1
 
 
 def format_logs(logs: Logs | None) -> str:
@@ -24,8 +29,9 @@ class _Rate(TextColumn):
         super().__init__("")
 
     def render(self, task) -> Text:
-        speed, batch = task.finished_speed or task.speed, task.fields.get("batch")
+        speed, batch, k = task.finished_speed or task.speed, task.fields.get("batch"), task.fields.get("k")
         text = f"{speed:.1f} steps/s" + (f", {speed * batch:,.0f} examples/s" if batch else "") if speed else ""
+        text += f" ({k} steps per call)" if text and k and k > 1 else ""
         return Text(text, style="progress.data.speed")
 
 
@@ -48,6 +54,7 @@ class ProgressBar(Callback):
         self._task = None
         self._epochs: int | None = None
         self._steps: int | None = None
+        self._seen, self._next_draw = 0, 0.0  # batches done this epoch; when the bar redraws next
 
     def set_params(self, params: dict | None) -> None:
         super().set_params(params)
@@ -82,16 +89,28 @@ class ProgressBar(Callback):
         total = self._steps
         batch = self.trainer.loop.batch_size if self.trainer is not None else None
         self._task = self._progress.add_task(self._describe(epoch), total=total, metrics="", batch=batch)
+        self._seen, self._next_draw = 0, 0.0  # the first batch draws at once
         self._progress.start()
 
+    def reads_batch_logs(self) -> bool:
+        return self._progress is not None and time.monotonic() >= self._next_draw
+
     def on_train_batch_end(self, batch: int, logs: Logs | None = None) -> None:
-        if self._progress is not None:
-            self._progress.update(self._task, completed=batch + 1, metrics=format_logs(logs))
+        """Redraws at most every ``REFRESH_SECONDS`` (the logs are read from the device only
+        then); in between it only counts the batch."""
+        self._seen = batch + 1
+        if self._progress is None or not logs:
+            return
+        now = time.monotonic()
+        if now < self._next_draw:
+            return
+        self._next_draw = now + REFRESH_SECONDS
+        k = self.trainer.steps_per_execution if self.trainer is not None else None  # "auto" picks it
+        self._progress.update(self._task, completed=self._seen, metrics=format_logs(logs), k=k)
 
     def on_epoch_end(self, epoch: int, logs: Logs | None = None) -> None:
         if self._progress is not None:
-            task = self._progress.tasks[-1]
-            self._progress.update(self._task, total=task.completed, metrics="")
+            self._progress.update(self._task, completed=self._seen, total=self._seen, metrics="")
             self._progress.stop()
             self._progress = None
             self.console.print(f"  {format_logs(logs)}", highlight=False, soft_wrap=True)

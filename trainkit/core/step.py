@@ -1,4 +1,5 @@
-"""The pure step functions: ``(state, batch) -> (state, metrics)``, testable without a Trainer.
+"""The pure step functions: ``(state, batch) -> (state, metrics)``, testable without a Trainer,
+and :func:`with_totals`, which merges the metrics into the epoch's device-side totals.
 
 A *loss function* here has the signature of :meth:`trainkit.Trainer.compute_loss`::
 
@@ -34,7 +35,7 @@ from clu.metrics import LastValue
 
 from trainkit.core.optimizers import learning_rate
 from trainkit.core.state import Batch, TrainState
-from trainkit.core.totals import LossAverage, MetricFn, WeightedAverage, batch_state
+from trainkit.core.totals import EpochTotals, LossAverage, MetricFn, WeightedAverage, batch_state
 
 LossFn = Callable[..., tuple[jax.Array, tuple[Any, Any]]]
 Metrics = dict[str, WeightedAverage]
@@ -223,14 +224,47 @@ def make_predict_step(apply: Callable[..., tuple[Any, Any]]) -> Callable[[TrainS
     return predict_step
 
 
+def with_totals(step: Callable, *, trains: bool = True) -> Callable:
+    """A train step ``(state, batch) -> (state, metrics)`` as ``(state, totals, batch) ->
+    (state, totals)``, or (``trains=False``) an eval step ``(state, batch) -> metrics`` as
+    ``(state, totals, batch) -> totals``: the metrics merged into the epoch's
+    :class:`~trainkit.core.totals.EpochTotals` inside the compiled step, so the host reads
+    them only when something needs the logs.
+
+    >>> import jax.numpy as jnp, optax
+    >>> def compute_loss(params, batch, rng, *, model_state, train):
+    ...     return (batch["x"] * params - batch["y"]) ** 2, (None, model_state)
+    >>> tx = optax.sgd(0.1)
+    >>> state = TrainState.create(params=jnp.zeros(()), opt_state=tx.init(jnp.zeros(())), model_state={}, seed=0)
+    >>> batch = {"x": jnp.ones((2,)), "y": jnp.full((2,), 2.0), "mask": jnp.ones((2,))}
+    >>> step = make_train_step(compute_loss, tx, {})
+    >>> totals = EpochTotals.empty(jax.eval_shape(step, state, batch)[1])
+    >>> state, totals = with_totals(step)(state, totals, batch)
+    >>> int(totals.steps), float(totals.metrics["loss"].compute())
+    (1, 4.0)
+    """
+    if not trains:
+
+        def eval_step(state: TrainState, totals: EpochTotals, batch: Batch) -> EpochTotals:
+            return totals.add(step(state, batch))
+
+        return eval_step
+
+    def train_step(state: TrainState, totals: EpochTotals, batch: Batch) -> tuple[TrainState, EpochTotals]:
+        state, metrics = step(state, batch)
+        return state, totals.add(metrics)
+
+    return train_step
+
+
 def make_multi_step(
-    train_step: Callable[[TrainState, Batch], tuple[TrainState, Metrics]], *, unrolled: bool = False
-) -> Callable[[TrainState, Batch], tuple[TrainState, Metrics]]:
-    """``k`` training steps in one call: ``(state, batches) -> (state, metrics)``, where every
-    leaf of ``batches`` stacks ``k`` batches on a new leading axis and every metric comes back
-    stacked the same way (one entry per step). A ``lax.scan`` over the steps: compiled, the
-    ``k`` steps are one dispatch (Keras's ``steps_per_execution``). ``unrolled``: a Python
-    loop instead, for uncompiled (eager) runs.
+    train_step: Callable[[TrainState, EpochTotals, Batch], tuple[TrainState, EpochTotals]], *, unrolled: bool = False
+) -> Callable[[TrainState, EpochTotals, Batch], tuple[TrainState, EpochTotals]]:
+    """``k`` training steps in one call: ``(state, totals, batches) -> (state, totals)``, where
+    every leaf of ``batches`` stacks ``k`` batches on a new leading axis and ``train_step`` is a
+    step of :func:`with_totals`. A ``lax.scan`` over the steps: compiled, the ``k`` steps are
+    one dispatch (Keras's ``steps_per_execution``). ``unrolled``: a Python loop instead, for
+    uncompiled (eager) runs.
 
     >>> import jax.numpy as jnp, optax
     >>> def compute_loss(params, batch, rng, *, model_state, train):
@@ -238,18 +272,24 @@ def make_multi_step(
     >>> tx = optax.sgd(0.1)
     >>> state = TrainState.create(params=jnp.zeros(()), opt_state=tx.init(jnp.zeros(())), model_state={}, seed=0)
     >>> batches = {"x": jnp.ones((3, 2)), "y": jnp.full((3, 2), 2.0), "mask": jnp.ones((3, 2))}
-    >>> state, metrics = make_multi_step(make_train_step(compute_loss, tx, {}))(state, batches)
-    >>> int(state.step), metrics["loss"].total.shape
-    (3, (3,))
+    >>> step = make_train_step(compute_loss, tx, {})
+    >>> totals = EpochTotals.empty(jax.eval_shape(step, state, batches_at(batches, 0))[1])
+    >>> state, totals = make_multi_step(with_totals(step))(state, totals, batches)
+    >>> int(state.step), int(totals.steps)
+    (3, 3)
     """
 
-    def multi_step(state: TrainState, batches: Batch) -> tuple[TrainState, Metrics]:
+    def multi_step(state: TrainState, totals: EpochTotals, batches: Batch) -> tuple[TrainState, EpochTotals]:
         if not unrolled:
-            return jax.lax.scan(train_step, state, batches)
-        per_step = []
+            (state, totals), _ = jax.lax.scan(lambda carry, b: (train_step(*carry, b), None), (state, totals), batches)
+            return state, totals
         for index in range(len(jax.tree.leaves(batches)[0])):
-            state, metrics = train_step(state, jax.tree.map(lambda a, i=index: a[i], batches))
-            per_step.append(metrics)
-        return state, jax.tree.map(lambda *values: jnp.stack(values), *per_step)
+            state, totals = train_step(state, totals, batches_at(batches, index))
+        return state, totals
 
     return multi_step
+
+
+def batches_at(stacked: Any, index: int) -> Any:
+    """Entry ``index`` of every leaf stacked on a leading axis (one step's batch)."""
+    return jax.tree.map(lambda a: a[index], stacked)

@@ -139,3 +139,74 @@ def merge_stacked(totals: dict[str, clu.metrics.Metric] | None, stacked: dict[st
                 step = jax.tree.map(lambda a, i=index: a[i], metric)
                 merged[name] = step if index == 0 else merged[name].merge(step)
     return merge(totals, merged)
+
+
+#: Steps in a row that counted no row (fp16 skipped them) before the loop warns.
+SKIPPED_WARNING = 25
+
+
+@flax.struct.dataclass
+class EpochTotals:
+    """The metric totals of the steps so far in an epoch (or an evaluation), kept on the device:
+    the compiled step merges each step's metrics into it, and the host reads it only when
+    something needs the logs. It also watches, without a host read per step, for what the
+    loop warns about: the first non-finite loss and runs of skipped (fp16) steps.
+
+    Indices count the steps merged, from 1; 0 means "none".
+
+    >>> import numpy as np
+    >>> carry = EpochTotals.empty({"loss": LossAverage(total=np.float32(0), count=np.float32(0))})
+    >>> for total in (2.0, np.nan, 4.0):
+    ...     carry = carry.add({"loss": LossAverage(total=jnp.float32(total), count=jnp.float32(2))})
+    >>> int(carry.steps), int(carry.first_non_finite), float(carry.first_non_finite_loss)
+    (3, 2, nan)
+    """
+
+    metrics: dict
+    steps: jax.Array  # steps merged
+    first_non_finite: jax.Array  # the first step whose loss was not finite
+    first_non_finite_loss: jax.Array  # its loss
+    # under a loss scale only (``None`` otherwise: no leaves, nothing computed per step)
+    skipped_run: jax.Array | None = None  # steps in a row, up to the last one merged, that counted no row
+    skipped_alarm: jax.Array | None = None  # the step at which such a run first reached SKIPPED_WARNING
+    skipped_scale: jax.Array | None = None  # the loss scale at that step
+
+    @classmethod
+    def empty(cls, metrics_spec: Any) -> EpochTotals:
+        """Host zeros for metrics shaped as ``metrics_spec`` (one step's metrics or their
+        ``jax.eval_shape``)."""
+        zeros = jax.tree.map(lambda s: np.zeros(s.shape, s.dtype), metrics_spec)
+        counter = np.int32(0)
+        skipped = (counter, counter, np.float32(0)) if "loss_scale" in metrics_spec else (None, None, None)
+        return cls(zeros, counter, counter, np.float32(0), *skipped)
+
+    def continuing(self, skipped_run: int) -> EpochTotals:
+        """These totals with a run of skipped steps carried over from the last epoch."""
+        return self if self.skipped_run is None else self.replace(skipped_run=np.int32(skipped_run))
+
+    def add(self, metrics: dict) -> EpochTotals:
+        """This carry with one more step's metrics merged (pure and traceable: it runs inside
+        the compiled step). A metric's first step replaces the zeros, so a merge needs no
+        identity element (``LastValue``, a maximum)."""
+        index = self.steps + 1
+        merged = merge(self.metrics, metrics)
+        started = self.steps > 0
+        merged = jax.tree.map(lambda m, b: jnp.where(started, m, b), merged, metrics)
+        loss = metrics["loss"]
+        value = loss.total / jnp.maximum(loss.count, 1.0)
+        new_bad = (self.first_non_finite == 0) & ~jnp.isfinite(loss.total)
+        run, alarm, scale = self.skipped_run, self.skipped_alarm, self.skipped_scale
+        if "loss_scale" in metrics:  # a loss scale skips steps with non-finite gradients
+            run = jnp.where(loss.count == 0, run + 1, 0)
+            raised = (alarm == 0) & (run == SKIPPED_WARNING)
+            alarm = jnp.where(raised, index, alarm)
+            scale = jnp.where(raised, metrics["loss_scale"].compute().astype(jnp.float32), scale)
+        return EpochTotals(
+            merged,
+            index,
+            jnp.where(new_bad, index, self.first_non_finite),
+            jnp.where(new_bad, value, self.first_non_finite_loss).astype(jnp.float32),
+            run,
+            alarm,
+            scale,
+        )

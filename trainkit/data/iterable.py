@@ -8,13 +8,42 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
+import weakref
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 from trainkit.core import checks
 from trainkit.data.batching import Batch, PyTree, check_lengths, example_spec, pad_batch, split_xyw, take, to_host
+from trainkit.data.prefetch import ReadAhead
 from trainkit.data.source import Source
+
+#: Elements of a one-shot iterator read ahead in a background thread.
+READ_AHEAD = 8
+
+
+@dataclasses.dataclass
+class Backlog:
+    """What was read from an iterator and not trained on (``elements``, in order), and the
+    thread reading it ahead (``reader``). ``shared``: kept with the iterator itself."""
+
+    elements: list = dataclasses.field(default_factory=list)
+    reader: ReadAhead | None = None
+    shared: bool = False
+
+
+_BACKLOGS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def backlog_of(iterator: Iterator) -> Backlog:
+    """The backlog kept with a one-shot ``iterator`` (a generator), so that every dataset
+    wrapping it serves what an earlier one read ahead; an iterator that takes no weak
+    reference gets a backlog of its own, and is then not read ahead."""
+    try:
+        return _BACKLOGS.setdefault(iterator, Backlog(shared=True))
+    except TypeError:
+        return Backlog()
 
 
 class IterableDataset(Source):
@@ -34,7 +63,10 @@ class IterableDataset(Source):
         self.convert = convert or (lambda element: element)
         self.one_shot = iter(iterable) is iterable
         self._iterator = self._current = iter(iterable)
-        self._peeked: list = []
+        # elements read but not trained on, served first: a one-shot iterator's are kept with
+        # it, so a later fit on the same generator serves them too
+        self._backlog = backlog_of(self._iterator) if self.one_shot else Backlog()
+        self._peeked = self._backlog.elements
         first = self._peek()
         if first is None:
             raise ValueError("The dataset is empty: its iterable yielded no batch.")
@@ -48,6 +80,7 @@ class IterableDataset(Source):
         return tuple(map(to_host, split_xyw(self.convert(element))))  # type: ignore[return-value]
 
     def _peek(self):
+        self._join_read_ahead()
         if not self._peeked:
             try:
                 self._peeked.append(next(self._iterator))
@@ -95,15 +128,43 @@ class IterableDataset(Source):
             as_bytes = isinstance(state, dict) and set(state) == {"bytes"}  # see get_state
             self._current.set_state(state["bytes"].encode("latin-1") if as_bytes else state)
             source = self._current
+        elif self.one_shot:
+            # Read ahead in a thread; what it read and nobody trained on is handed back to
+            # _peeked when this generator closes (an epoch's end, a stop), served first next time.
+            self._current = self._iterator
+            self._join_read_ahead()  # one reader of the iterator at a time
+            if self._backlog.shared and not self.checkpointable:  # a checkpointable one's position is read per batch
+                reader = self._backlog.reader = ReadAhead(self._iterator, READ_AHEAD, self._peeked)
+                source = itertools.islice(itertools.chain(self._served(), reader), start, None)
+                try:
+                    for element in source:  # noqa: UP028
+                        yield element
+                finally:
+                    reader.stop()
+                return
+            source = itertools.islice(itertools.chain(self._served(), self._iterator), start, None)
         else:
             if self._peeked:  # the batch read to learn the shapes comes first
                 self._current = self._iterator
                 source = itertools.chain([self._peeked.pop()], self._iterator)
             else:
-                self._current = source = self._iterator if self.one_shot else iter(self.iterable)
+                self._current = source = iter(self.iterable)
             source = itertools.islice(source, start, None)
         for element in source:  # noqa: UP028
             yield element
+
+    def _join_read_ahead(self) -> None:
+        """The previous read-ahead stopped, with what it was reading handed back."""
+        reader, self._backlog.reader = self._backlog.reader, None
+        if reader is not None:
+            reader.stop()
+            reader.join()
+
+    def _served(self) -> Iterator:
+        """The elements read before and not trained on (the shape peek, a stop's read-ahead),
+        in order."""
+        while self._peeked:
+            yield self._peeked.pop(0)
 
     def batches(
         self, batch_size: int | None = None, *, start: int = 0, split: bool = False, state: Any = None, **_: Any

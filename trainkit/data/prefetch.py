@@ -98,3 +98,85 @@ class Prefetcher:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+
+class ReadAhead:
+    """Reads a one-shot ``iterator`` (a user's generator) ``depth`` elements ahead in a daemon
+    thread, and hands back what it read but nobody took: :meth:`stop` appends the queued
+    elements, and the element being read, to ``handed_back`` in order (the caller serves them
+    first the next time it iterates), so a stop loses nothing and a jittery loader's waits
+    overlap the training. :meth:`join` waits until the element being read is handed back.
+
+    >>> handed_back = []
+    >>> reader = ReadAhead(iter(range(10)), depth=3, handed_back=handed_back)
+    >>> next(reader), next(reader)
+    (0, 1)
+    >>> reader.stop(); reader.join(); handed_back[:2]
+    [2, 3]
+    """
+
+    def __init__(self, iterator: Iterator, depth: int, handed_back: list):
+        self.iterator, self.handed_back = iterator, handed_back
+        self._stopped = False
+        self._lock = threading.Lock()  # the queue and the hand-back change together
+        self._slots = threading.Semaphore(max(depth, 1))
+        self._queue: queue.Queue = queue.Queue()
+        self._thread = threading.Thread(target=self._fill, name="trainkit-read-ahead", daemon=True)
+        self._thread.start()
+
+    def _fill(self) -> None:
+        try:
+            self._read_all()
+        finally:
+            self.iterator = None  # the iterator's backlog may outlive this reader, not keep it alive
+
+    def _read_all(self) -> None:
+        while True:
+            while not self._slots.acquire(timeout=0.05):
+                if self._stopped:
+                    return
+            try:
+                item = next(self.iterator)
+            except StopIteration:
+                item = _END
+            except BaseException as error:  # noqa: BLE001 - raised by the consumer, in order
+                item = _Raised(error)
+            with self._lock:
+                if self._stopped:  # read after the stop: handed back after the queued ones
+                    if item is not _END and not isinstance(item, _Raised):
+                        self.handed_back.append(item)
+                    return
+                self._queue.put(item)
+            if item is _END or isinstance(item, _Raised):
+                return
+
+    def __iter__(self) -> ReadAhead:
+        return self
+
+    def __next__(self) -> Any:
+        item = self._queue.get()
+        self._slots.release()
+        if item is _END:
+            self._queue.put(_END)
+            raise StopIteration
+        if isinstance(item, _Raised):
+            self._queue.put(_END)
+            raise item.error
+        return item
+
+    def stop(self) -> None:
+        """No more reads; the queued elements are handed back (the one being read follows)."""
+        with self._lock:
+            if self._stopped:
+                return
+            self._stopped = True
+            while True:
+                try:
+                    item = self._queue.get_nowait()
+                except queue.Empty:
+                    break
+                if item is not _END and not isinstance(item, _Raised):
+                    self.handed_back.append(item)
+
+    def join(self) -> None:
+        self._thread.join()

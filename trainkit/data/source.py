@@ -47,11 +47,17 @@ class Source:
     - ``checkpointable`` / ``get_state()``: the reader's position after the last batch read,
       JSON-serialisable, saved by ``BackupAndRestore`` and passed back as ``batches(state=...)``.
     - ``num_examples``: the rows of one pass when known without reading them, else ``None``.
+    - ``assembles_quickly(batch_size)``: a batch costs less to assemble in the loop's thread
+      than to hand over from a background thread (small in-memory arrays), so the loop reads
+      it there.
     """
 
     one_shot: bool = False
     checkpointable: bool = False
     num_examples: int | None = None
+
+    def assembles_quickly(self, batch_size: int) -> bool:
+        return False
 
     @property
     def has_targets(self) -> bool:

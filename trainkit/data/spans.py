@@ -44,16 +44,20 @@ def stack(batches: list[PyTree]) -> PyTree:
     return jax.tree.map(lambda *arrays: np.stack(arrays), *batches)
 
 
-def executions(pairs: Iterator[tuple[PyTree, Any]], size: int, room: Callable[[int], int]) -> Iterator[Span]:
+def executions(
+    pairs: Iterator[tuple[PyTree, Any]], size: int | Callable[[], int], room: Callable[[int], int]
+) -> Iterator[Span]:
     """A :class:`Span` per span of ``steps`` batches: ``fused``, the batches
     stacked into one (``steps == size``, one call); otherwise a list of ``steps <= size``
-    batches, trained one call each. ``pairs`` yields each host batch with the data's position
+    batches, trained one call each (``size``: an int, or a function read before each span).
+    ``pairs`` yields each host batch with the data's position
     after it; ``state`` is the position after the span's last batch. ``room(i)``: how many
     steps may run, uncut, from the ``i``-th batch read here on. An error of the data is raised
     after the span of the batches read before it."""
-    read = 0
+    read, current = 0, size if callable(size) else (lambda: size)
     while True:
-        want = max(1, min(size, room(read)))
+        size = current()  # steps_per_execution="auto" may change it between spans
+        want = 1 if size == 1 else max(1, min(size, room(read)))  # one batch per call: nothing to cut
         group: list = []
         try:
             group.extend(itertools.islice(pairs, want))

@@ -9,6 +9,7 @@ the stall watchdog and the compilation cache (imports nothing else of trainkit).
 from trainkit.distributed.processes import (
     GATHER_TIMEOUT,
     HEARTBEAT_TIMEOUT,
+    broadcast_int,
     check_same_configuration,
     environment_settings,
     fetch,
@@ -25,6 +26,7 @@ from trainkit.distributed.processes import (
 __all__ = [
     "GATHER_TIMEOUT",
     "HEARTBEAT_TIMEOUT",
+    "broadcast_int",
     "check_same_configuration",
     "environment_settings",
     "fetch",

@@ -61,3 +61,8 @@ def configure(setting: str | None = None) -> str | None:
     jax.config.update("jax_compilation_cache_dir", directory)
     _configured = directory
     return directory
+
+
+def active_directory() -> str | None:
+    """The compilation cache directory in use (trainkit's or the user's own), ``None`` when off."""
+    return jax.config.jax_compilation_cache_dir or None

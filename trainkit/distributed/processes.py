@@ -261,6 +261,19 @@ def _digest(value: Any) -> int:
     return int.from_bytes(hashlib.sha256(text).digest()[:7], "little")
 
 
+def broadcast_int(value: int) -> int:
+    """Process 0's ``value`` on every process (a collective); ``value`` itself on one.
+
+    >>> broadcast_int(7)
+    7
+    """
+    if jax.process_count() == 1:
+        return int(value)
+    from jax.experimental import multihost_utils
+
+    return int(multihost_utils.broadcast_one_to_all(np.int32(value)))
+
+
 def gather_json(value: Any) -> list:
     """``value`` (JSON-able) of every process, in process order; ``[value]`` on one process.
     Call it on every process (it is a collective).

@@ -23,12 +23,14 @@ Position(epoch=2, batch=3, step=11)
 from __future__ import annotations
 
 import collections
-import dataclasses
+import contextlib
 import itertools
 import logging
+import statistics
+import time
 import warnings
 from collections.abc import Iterable, Iterator
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import numpy as np
@@ -37,11 +39,15 @@ from trainkit import data as data_lib
 from trainkit import distributed
 from trainkit.core import totals as metrics_lib
 from trainkit.core.state import abstract
+from trainkit.core.step import batches_at
+from trainkit.core.totals import SKIPPED_WARNING, EpochTotals
 from trainkit.data.prefetch import Prefetcher
 from trainkit.data.spans import executions, room_until
 from trainkit.distributed.watchdog import StallWatchdog
 from trainkit.loop.session import FitConfig, Session, Validation
+from trainkit.loop.tuning import StepsTuner
 
+_NO_TRACE = contextlib.nullcontext()  # no profiler annotation: nothing built per step
 logger = logging.getLogger("trainkit")
 
 PyTree = Any
@@ -64,8 +70,7 @@ class Preempted(SystemExit):
         return f"training preempted after step {self.step}; run the same command again to resume"
 
 
-@dataclasses.dataclass(frozen=True)
-class Position:
+class Position(NamedTuple):
     """Where training stands: the next batch to train (``epoch``, ``batch`` inside it) and the
     optimizer steps applied so far (``step``)."""
 
@@ -78,11 +83,10 @@ class Position:
         ``saved_batch_size`` (unchanged when either is unknown)."""
         if not saved_batch_size or not batch_size or saved_batch_size == batch_size:
             return self
-        return dataclasses.replace(self, batch=self.batch * saved_batch_size // batch_size)
+        return self._replace(batch=self.batch * saved_batch_size // batch_size)
 
 
-@dataclasses.dataclass(frozen=True)
-class StepRecord:
+class StepRecord(NamedTuple):
     """The batch a hook is about: ``step`` is its optimizer step counted from 1 (the number of
     updates once it is applied), ``epoch`` and ``batch`` where it sits. With
     ``steps_per_execution`` a hook is about one execution: ``steps`` batches, trained in one
@@ -123,30 +127,10 @@ def in_order(dispatched: Iterator, lag: int) -> Iterator:
     yield from pending
 
 
-SKIPPED_WARNING = 25  # steps skipped in a row by the loss scale before fit warns
-
-
-def batches_at(stacked: PyTree, index: int) -> PyTree:
-    """Entry ``index`` of every leaf stacked on a leading axis (one step's batch or metrics)."""
-    return jax.tree.map(lambda a: a[index], stacked)
-
-
-def per_step(metrics: PyTree, steps: int) -> list[PyTree]:
-    """The metrics of each step of a span: a list (one call per step), or one tree stacked on
-    a leading axis (one call for all).
-
-    >>> [float(m["loss"]) for m in per_step({"loss": np.array([1.0, 2.0])}, 2)]
-    [1.0, 2.0]
-    """
-    if isinstance(metrics, list):
-        return metrics
-    return [batches_at(metrics, i) for i in range(steps)]
-
-
 def host_metrics(metrics: PyTree) -> PyTree:
     """Device metric totals -> host float64 (gathered across processes when needed). On one
-    process each leaf is read directly: this runs once per step, where ``jax.device_get``'s
-    overhead would be a fifth of a small model's step."""
+    process each leaf is read directly, where ``jax.device_get``'s overhead would be a fifth of
+    a small model's step."""
     if jax.process_count() > 1:
         return jax.tree.map(np.float64, distributed.fetch(metrics))
     leaves, treedef = jax.tree.flatten(metrics)
@@ -168,6 +152,9 @@ class Loop:
     """
 
     max_in_flight: int = 2
+    #: Mark every step for a profile (``jax.profiler.StepTraceAnnotation``); on by itself while a
+    #: callback that profiles (``tk.callbacks.Profiler``) runs. Set it under your own trace.
+    annotate_steps: bool = False
     #: Host batches assembled ahead in a background thread (0: read in the main thread).
     prefetch: int = 8
 
@@ -205,7 +192,7 @@ class Loop:
         examples seen. ``data_state``: the data iterators' saved positions, one per process
         (a checkpointable iterator continues from it instead of skipping batches)."""
         self.start = position.rebatched(saved_batch_size, self.batch_size)
-        self.position = dataclasses.replace(self.position, step=position.step)
+        self.position = self.position._replace(step=position.step)
         self.resume_state = self.data_state = None
         if data_state is None:
             return
@@ -221,7 +208,7 @@ class Loop:
 
     def restored(self, step: int) -> None:
         """The state was replaced by one at optimizer step ``step`` (a restore)."""
-        self.position = dataclasses.replace(self.position, step=int(step))
+        self.position = self.position._replace(step=int(step))
 
     def _done(self, max_steps: int | None) -> bool:
         return self.stop_requested or (max_steps is not None and self.position.step >= max_steps)
@@ -233,6 +220,7 @@ class Loop:
         order. With ``config.validation_interval`` the validation runs after every that many
         optimizer steps (on the state of that step) and the epoch logs carry the latest."""
         epochs, steps, max_steps = config.epochs, config.steps, config.max_steps
+        self.epoch_steps = steps
         validation, first_step = config.validation, config.first_step
         # TerminateOnNaN watches the loss itself: no warning of the loop's then
         warn_non_finite = config.warn_non_finite and not callbacks.stops_on_non_finite
@@ -304,10 +292,13 @@ class Loop:
             raise Preempted(self.position.step)
         return logs
 
-    def _reader(self, dataset: data_lib.Source, batches: Iterator) -> Prefetcher:
-        """``batches`` read ahead in a background thread; a one-shot iterator is read in the
-        main thread, one batch at a time (a batch read ahead would be lost at a stop)."""
-        return Prefetcher(batches, depth=0 if dataset.one_shot else self.prefetch)
+    def _reader(self, dataset: data_lib.Source, batches: Iterator, batch_size: int) -> Prefetcher:
+        """``batches`` assembled ahead in a background thread; in this thread, one batch at a
+        time, when that is quicker (small in-memory batches) and for a one-shot iterator (a
+        batch assembled ahead would be lost at a stop; its source reads its elements ahead
+        itself and hands back what a stop leaves)."""
+        here = dataset.one_shot or dataset.assembles_quickly(batch_size)
+        return Prefetcher(batches, depth=0 if here else self.prefetch)
 
     def _train_reader(self, dataset: data_lib.Source, batches: Iterator, max_steps: int | None) -> Prefetcher:
         """The epoch's :class:`~trainkit.data.spans.Span` s, assembled ahead like :meth:`_reader`'s
@@ -315,26 +306,36 @@ class Loop:
         get_state = dataset.get_state if dataset.checkpointable else lambda: None
         pairs = ((batch, get_state()) for batch in batches)
         every = self.interval_validation[1] if self.interval_validation else None
-        size = self.session.steps_per_execution
-        return self._reader(dataset, executions(pairs, size, room_until(self.position.step, max_steps, every)))
+        size = lambda: self.session.steps_per_execution  # noqa: E731 - "auto" may change it mid-epoch
+        spans = executions(pairs, size, room_until(self.position.step, max_steps, every))
+        return self._reader(dataset, spans, self.batch_size)
 
     def _train_epoch(
         self, train_fn, batches: Iterable, callbacks, max_steps, warn_non_finite, read_ahead, first_step=None
     ) -> tuple[int, dict]:
+        """One epoch's steps. Each compiled call merges its metrics into the epoch's totals on
+        the device (:class:`~trainkit.core.totals.EpochTotals`); the host reads them at the end,
+        after the first step when ``first_step`` checks it, and for a batch-end hook only when a
+        callback reads its logs then (the progress bar: on a clock)."""
         session, epoch = self.session, self.position.epoch
-        batch_begin, batch_end = callbacks.on_train_batch_begin, callbacks.on_train_batch_end
+        batch_begin, batch_end, order = callbacks.on_train_batch_begin, callbacks.on_train_batch_end, session.log_order
+        annotate = self.annotate_steps or callbacks.annotates_steps
         items = iter(batches)
-        steps_fn = session.function("train_steps") if session.steps_per_execution > 1 else None
+        tuner = self._tuner(callbacks, max_steps)
+        start_step, start_batch = self.position.step, self.position.batch
+        totals, first_host = None, None  # the epoch's totals on the device, shaped by its first batch
 
         def place(item):
             """A span of host batches on the devices: one stacked batch (``fused``) or a list."""
+            nonlocal first_host
             if item is None:
                 return None
             strategy, batches = session.strategy, item.batches
             placed = strategy.put_batches(batches) if item.fused else [strategy.put_batch(b) for b in batches]
+            if first_host is None:  # the first span's first host batch shapes the epoch's totals
+                first_host = batches_at(batches, 0) if item.fused else batches[0]
             if self.batch_spec is None:  # one batch's shapes and shardings, for lowering
-                first = strategy.put_batch(batches_at(batches, 0)) if item.fused else placed[0]
-                self.batch_spec = abstract(first)
+                self.batch_spec = abstract(strategy.put_batch(batches_at(batches, 0)) if item.fused else placed[0])
             return item._replace(batches=placed)
 
         def read():
@@ -350,66 +351,119 @@ class Loop:
                 return error
 
         def dispatch():
+            nonlocal totals
             upcoming = read()
             while upcoming is not None:
                 if isinstance(upcoming, Exception):
                     raise upcoming
                 placed, fused, steps, data_state = upcoming  # a Span of placed batches
-                record = StepRecord(self.position.step + steps, epoch, self.position.batch + steps - 1, steps)
+                if totals is None:
+                    empty = session.empty_totals("train", first_host)
+                    totals = session.strategy.put_replicated(empty.continuing(self.skipped_in_a_row))
+                done = self.position.step
+                record = StepRecord(done + steps, epoch, self.position.batch + steps - 1, steps)
                 if batch_begin.active:
                     self.record = record
                     batch_begin(record.first_batch)
                 if fused:
-                    with jax.profiler.StepTraceAnnotation("train", step_num=record.step):  # steps in a profile
-                        session.state, metrics = steps_fn(session.state, placed)
+                    steps_fn = session.function("train_steps")
+                    with jax.profiler.StepTraceAnnotation("train", step_num=record.step) if annotate else _NO_TRACE:
+                        session.state, totals = steps_fn(session.state, totals, placed)
+                elif tuner is not None and tuner.steps is None:
+                    for batch in placed:
+                        totals = self._timed_step(train_fn, totals, batch, tuner)
                 else:
-                    metrics = []
-                    for step, batch in enumerate(placed, start=record.first_step):
-                        with jax.profiler.StepTraceAnnotation("train", step_num=step):
-                            session.state, step_metrics = train_fn(session.state, batch)
-                        metrics.append(step_metrics)
+                    for number, batch in enumerate(placed, start=done + 1):
+                        with jax.profiler.StepTraceAnnotation("train", step_num=number) if annotate else _NO_TRACE:
+                            session.state, totals = train_fn(session.state, totals, batch)
                 self.watchdog.progress(record.step)
                 self.position, self.data_state = Position(epoch, record.batch + 1, record.step), data_state
-                self._validate_every(record.step, callbacks)
+                if self.interval_validation is not None:
+                    self._validate_every(record.step, callbacks)
                 # The host reads and places the next batch while the device runs this one; its
                 # step is dispatched only after this batch's hooks ran. A one-shot iterator is
                 # not read ahead: a stop would lose the batch read.
                 upcoming = read() if read_ahead else None
-                yield record, metrics
+                yield record, totals
                 if self._done(max_steps):
                     return
                 if not read_ahead:
                     upcoming = read()
 
-        totals, ran = None, 0
+        ran, last = 0, None
         lag = self.max_in_flight if callbacks.async_train else 0
-        for record, metrics in in_order(dispatch(), lag):
-            host = host_metrics(metrics)  # a list (one call per step) or one tree stacked over the steps
-            steps = per_step(host, record.steps) if isinstance(host, list) or "loss_scale" in host else None
-            if first_step is not None and ran == 0:
-                first_step(steps[0] if steps is not None else batches_at(host, 0))
-            losses = np.array([m["loss"].total for m in steps]) if steps is not None else host["loss"].total
-            if warn_non_finite and not np.isfinite(losses).all():
-                warn_non_finite = False  # once per epoch
-                late = int(np.argmin(np.isfinite(losses)))  # the first non-finite one
-                loss = batches_at(host["loss"], late) if steps is None else steps[late]["loss"]
-                warnings.warn(
-                    f"The loss is {loss.total / loss.count} at step {record.first_step + late} (batch "
-                    f"{record.first_batch + late} of epoch {epoch}); training goes on. Add "
-                    "tk.callbacks.TerminateOnNaN() to stop at the first non-finite loss.",
-                    stacklevel=4,
-                )
-            if steps is None:
-                totals = metrics_lib.merge_stacked(totals, host, record.steps)
-            else:
-                for step, step_metrics in enumerate(steps, start=record.first_step):
-                    self._count_skipped(step_metrics, step)
-                    totals = metrics_lib.merge(totals, step_metrics)
-            ran += record.steps
+        for record, carry in in_order(dispatch(), lag):
+            carry.steps.block_until_ready()  # at most `lag` executions queued behind this one
+            ran, last = ran + record.steps, carry
+            if first_step is not None:  # the first step of the fit: its probes
+                first_step(host_metrics(carry.metrics))
+                first_step = None
             if batch_end.active:
                 self.record = record
-                batch_end(record.batch, metrics_lib.compute(totals, session.log_order))
-        return ran, ({} if totals is None else metrics_lib.compute(totals, session.log_order))
+                batch_end(record.batch, lambda carry=carry: metrics_lib.compute(host_metrics(carry.metrics), order))
+        if last is None:
+            return 0, {}
+        host = host_metrics(last)
+        self._watch(host, start_step, start_batch, epoch, warn_non_finite)
+        return ran, metrics_lib.compute(host.metrics, order)
+
+    def _tuner(self, callbacks, max_steps: int | None) -> StepsTuner | None:
+        """Under ``steps_per_execution="auto"`` (not decided yet), a tuner capped by the epoch,
+        the validation interval, ``max_steps`` and the callbacks' periods."""
+        session = self.session
+        if not session.tunes_steps or not session.strategy.fuses_steps:
+            return None
+        caps = [self.epoch_steps, callbacks.execution_cap, max_steps]
+        caps += [self.interval_validation[1]] if self.interval_validation else []
+        self._last_ready = None
+        return StepsTuner(min((c for c in caps if c is not None), default=None))
+
+    def _timed_step(self, train_fn, totals, batch, tuner: StepsTuner):
+        """One step run synchronously and timed for the tuner (the first call of a fit is not
+        timed: it may compile); once it decided, the session trains that many steps per call."""
+        session = self.session
+        session.state, totals = train_fn(session.state, totals, batch)
+        back = time.perf_counter()
+        totals.steps.block_until_ready()
+        ready = time.perf_counter()
+        if self._last_ready is not None:
+            tuner.record(host=back - self._last_ready, device=ready - back)
+        self._last_ready = ready
+        if tuner.steps is not None:
+            steps = distributed.broadcast_int(tuner.steps)  # timings differ per process: process 0 decides
+            session.steps_per_execution, session.tunes_steps = steps, False
+            logger.info(
+                "steps_per_execution='auto' picked %d: %.0f us of host time per call, %.0f us of device time per step",
+                steps,
+                1e6 * statistics.median(tuner.hosts),
+                1e6 * statistics.median(tuner.devices),
+            )
+        return totals
+
+    def _watch(self, totals: EpochTotals, start_step: int, start_batch: int, epoch: int, warn_non_finite: bool) -> None:
+        """The epoch's warnings, from its totals: the first non-finite loss (unless a callback
+        stops at it), and (once per run) ``SKIPPED_WARNING`` steps in a row skipped by the
+        fp16 loss scale: the model is then not training at all."""
+        bad = int(totals.first_non_finite)
+        if warn_non_finite and bad:
+            warnings.warn(
+                f"The loss is {float(totals.first_non_finite_loss)} at step {start_step + bad} (batch "
+                f"{start_batch + bad - 1} of epoch {epoch}); training goes on. Add "
+                "tk.callbacks.TerminateOnNaN() to stop at the first non-finite loss.",
+                stacklevel=4,
+            )
+        if totals.skipped_run is None:  # no loss scale: no step is skipped
+            return
+        self.skipped_in_a_row = int(totals.skipped_run)
+        alarm = int(totals.skipped_alarm)
+        if alarm:
+            warnings.warn(
+                f"The last {SKIPPED_WARNING} steps (up to step {start_step + alarm}) were all skipped: their "
+                f"gradients were not finite at every loss scale down to {float(totals.skipped_scale):g}, so the "
+                "parameters did not change. The loss or the model overflows in fp16: use precision='bf16', lower "
+                "the learning rate, or look for a NaN in the data.",
+                stacklevel=4,
+            )
 
     def _validate_every(self, step: int, callbacks) -> None:
         """``validation_interval``: after every N-th step is dispatched, validate on its state."""
@@ -422,28 +476,13 @@ class Loop:
             self.validating_at = None
         self.validation_logs = {f"val_{k}": v for k, v in val_logs.items()}
 
-    def _count_skipped(self, metrics: dict, step: int) -> None:
-        """Warns once per fit when the loss scale skipped ``SKIPPED_WARNING`` steps in a row (a
-        skipped step's metrics count no row): the model is then not training at all."""
-        if "loss_scale" not in metrics:
-            return
-        self.skipped_in_a_row = self.skipped_in_a_row + 1 if float(metrics["loss"].count) == 0 else 0
-        if self.skipped_in_a_row == SKIPPED_WARNING:
-            scale = float(metrics["loss_scale"].total / max(float(metrics["loss_scale"].count), 1.0))
-            warnings.warn(
-                f"The last {SKIPPED_WARNING} steps (up to step {step}) were all skipped: their gradients were "
-                f"not finite at every loss scale down to {scale:g}, so the parameters did not change. The loss or "
-                "the model overflows in fp16: use precision='bf16', lower the learning rate, or look for a NaN "
-                "in the data.",
-                stacklevel=5,
-            )
-
     # ------------------------------------------------------------------ evaluate / predict
     def _inference(self, kind: str, dataset: Any, batch_size: int, steps: int | None, callbacks) -> Iterator:
-        """``(first, last, host batches, device results)`` of the ``"eval"`` or ``"predict"``
-        function, per span of ``steps_per_execution`` batches (one call per batch), in order,
-        with the span's batch-begin hook of ``kind`` (``"test"`` / ``"predict"``), as Keras
-        runs them."""
+        """``(first, last, host batches, results)`` per span of ``steps_per_execution`` batches
+        (one call per batch), in order, with the span's batch-begin hook of ``kind``
+        (``"test"`` / ``"predict"``), as Keras runs them. ``results``: for ``"test"`` the totals
+        after the span (the eval step merges each batch's metrics into them on the device),
+        for ``"predict"`` each batch's outputs."""
         session = self.session
         fn = session.function("eval" if kind == "test" else "predict")
         batch_begin = callbacks.on_test_batch_begin if kind == "test" else callbacks.on_predict_batch_begin
@@ -451,7 +490,8 @@ class Loop:
 
         def dispatch():
             host_batches = itertools.islice(dataset.batches(batch_size, split=True, **process_slice()), steps)
-            with self._reader(dataset, host_batches) as reader:
+            totals = None
+            with self._reader(dataset, host_batches, batch_size) as reader:
                 index = 0
                 while True:
                     span = []
@@ -464,7 +504,15 @@ class Loop:
                         return
                     if batch_begin.active:
                         batch_begin(index)
-                    results = [fn(session.state, session.strategy.put_batch(host)) for host in span]
+                    strategy, state = session.strategy, session.state
+                    if kind == "predict":
+                        results = [fn(state, strategy.put_batch(host)) for host in span]
+                    else:
+                        if totals is None:
+                            totals = strategy.put_replicated(session.empty_totals("eval", span[0]))
+                        for host in span:
+                            totals = fn(state, totals, strategy.put_batch(host))
+                        results = totals
                     yield index, index + len(span) - 1, span, results
                     index += len(span)
 
@@ -474,13 +522,12 @@ class Loop:
     def evaluate(self, dataset: Any, batch_size: int, steps: int | None, callbacks) -> dict[str, float]:
         """The loss and metrics over ``dataset`` (exact: masked totals over every real row)."""
         callbacks.on_test_begin()
-        totals, order = None, self.session.log_order
-        for _, last, _, results in self._inference("test", dataset, batch_size, steps, callbacks):
-            for metrics in results:
-                totals = metrics_lib.merge(totals, host_metrics(metrics))
-            if callbacks.on_test_batch_end.active:
-                callbacks.on_test_batch_end(last, metrics_lib.compute(totals, order))
-        logs = metrics_lib.compute(totals, order)
+        order, totals, batch_end = self.session.log_order, None, callbacks.on_test_batch_end
+        for _, last, _, totals in self._inference("test", dataset, batch_size, steps, callbacks):
+            totals.steps.block_until_ready()  # a bounded queue of dispatched batches
+            if batch_end.active:
+                batch_end(last, lambda totals=totals: metrics_lib.compute(host_metrics(totals.metrics), order))
+        logs = {} if totals is None else metrics_lib.compute(host_metrics(totals.metrics), order)
         callbacks.on_test_end(logs)
         return logs
 

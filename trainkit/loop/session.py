@@ -14,6 +14,7 @@ from typing import Any, NamedTuple, Protocol
 
 from trainkit import data as data_lib
 from trainkit.core.state import TrainState
+from trainkit.core.totals import EpochTotals
 from trainkit.strategies import Strategy
 
 
@@ -21,17 +22,21 @@ class Session(Protocol):
     """The loop's view of a trainer's setup (:class:`trainkit.program.setup.Setup` is one): the
     live ``state``, which the loop replaces after every step and callbacks read; the
     ``strategy`` that places batches and fetches outputs; the compiled steps by kind
-    (``"train"``, ``"train_steps"``, ``"eval"``, ``"predict"``); the order of the logged
-    metrics; the batches per compiled training call."""
+    (``"train"``, ``"train_steps"``, ``"eval"``, ``"predict"``) and the host zeros of the
+    metric totals the training and eval steps carry; the order of the logged metrics; the
+    batches per compiled training call."""
 
     state: TrainState | None
     strategy: Strategy | None
     steps_per_execution: int
+    tunes_steps: bool  # steps_per_execution="auto" not decided yet: the loop times the first steps
 
     @property
     def log_order(self) -> tuple[str, ...]: ...
 
     def function(self, kind: str) -> Callable: ...
+
+    def empty_totals(self, kind: str, host_batch: Any = None) -> EpochTotals: ...
 
 
 class Validation(NamedTuple):

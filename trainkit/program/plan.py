@@ -38,6 +38,8 @@ MEASURE_STEPS = 3
 #: Fraction of the device memory a plan may use: the rest is headroom for the runtime,
 #: fragmentation and the arrays the host keeps (prefetched batches, metrics).
 HEADROOM = 0.9
+#: How much faster a more complex candidate must be for "auto" to pick it over a simpler one.
+CLEAR_MARGIN = 0.15
 
 _COLLECTIVE = re.compile(
     r"=\s*(?P<type>\S.*?)\s+(?P<op>all-reduce|all-gather|reduce-scatter|all-to-all|collective-permute)"
@@ -200,6 +202,8 @@ class MemoryPlan:
             if runner_up is None
             else (f"; next {runner_up.name} at {runner_up.seconds / best.seconds:.2f}x its step time")
         )
+        if runner_up is not None and runner_up.seconds < best.seconds:
+            versus += f" (within the {CLEAR_MARGIN:.0%} margin: the simpler strategy is kept)"
         return (
             f"picked {best.name}: {kind} {best.seconds * 1e3:.3g} ms/step, {_gib(best.total_bytes)} "
             f"of {_gib(self.memory_limit)} per device{versus}"
@@ -318,13 +322,27 @@ def make_plan(
                 row.measured_seconds = measure(row.strategy, row.compiled)
     fitting = [r for r in rows if r.fits]
     if fitting:
-        best = rows.index(min(fitting, key=lambda r: r.seconds))
+        best = rows.index(pick(fitting))
         if jax.process_count() > 1:  # timings differ per process: all follow process 0's pick
             from jax.experimental import multihost_utils
 
             best = int(multihost_utils.broadcast_one_to_all(np.int32(best)))
         rows[best].recommended = True
     return MemoryPlan(rows, limit, measure is not None)
+
+
+def pick(fitting: Sequence[PlanRow]) -> PlanRow:
+    """The row ``"auto"`` picks among those that fit, listed simplest first (SingleDevice,
+    DataParallel, FSDP, Hybrid): the first one within ``CLEAR_MARGIN`` of the fastest. A more
+    complex strategy must be clearly faster; step times closer than that are within the noise
+    of a busy machine, and picking by noise would make two runs of one script differ.
+
+    >>> rows = [PlanRow(None, n, measured_seconds=t) for n, t in (("single", 1.0), ("dp", 0.9), ("fsdp", 0.5))]
+    >>> pick(rows).name, pick(rows[:2]).name
+    ('fsdp', 'single')
+    """
+    fastest = min(row.seconds for row in fitting)
+    return next(row for row in fitting if row.seconds <= fastest * (1 + CLEAR_MARGIN))
 
 
 def _failure(error: Exception) -> str:
@@ -353,14 +371,16 @@ def plan_step(
     create_state: Callable[[Strategy], Any],
     micro_batches: int = 1,
     trains: bool = True,
+    totals: Any = None,
     measure: bool = False,
     memory_limit: int | None = None,
     steps: int = MEASURE_STEPS,
 ) -> MemoryPlan:
     """Lowers and compiles a step on ``host_batch`` (a padded global batch) under each candidate.
 
-    ``compile_step(strategy, abstract_state)`` returns the jitted step (``(state, batch) ->
-    (state, metrics)`` when ``trains``, else ``(state, batch) -> outputs``); the abstract state
+    ``compile_step(strategy, abstract_state)`` returns the jitted step (``(state, totals,
+    batch) -> (state, totals)`` when ``trains``, with ``totals`` the host zeros of the metric
+    totals it carries, else ``(state, batch) -> outputs``); the abstract state
     carries each candidate's shardings, so nothing is allocated unless ``measure``, which builds
     one state with ``create_state`` and copies it into each candidate's shardings. Each row
     keeps its jitted step as ``row.function``.
@@ -380,11 +400,16 @@ def plan_step(
             lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract_state, shardings
         )
         function = compile_step(strategy, abstract)
+        placed = jax.tree.map(
+            lambda a: jax.ShapeDtypeStruct(np.shape(a), a.dtype, sharding=strategy.replicated()), totals
+        )
         if strategy.axis_name is not None and jax.process_count() > 1:
             # pmap turns each argument into a global array before lowering, which an abstract
             # one cannot become: lower it with the real state (its size passed the check above)
             abstract = strategy.put_state(the_host_state(strategy))
-        return function.lower(abstract, strategy.put_batch(strategy.local_rows(host_batch))), function
+            placed = None if totals is None else strategy.put_replicated(totals)
+        arguments = (abstract, placed) if trains else (abstract,)  # the totals as training places them
+        return function.lower(*arguments, strategy.put_batch(strategy.local_rows(host_batch))), function
 
     host_state = []  # built once (sharded, by the first candidate that needs it), then copied
 
@@ -395,20 +420,22 @@ def plan_step(
 
     def run(strategy: Strategy, compiled) -> float:
         state = strategy.put_state(the_host_state(strategy))
-        return time_steps(compiled, state, strategy.put_batch(strategy.local_rows(host_batch)), steps, trains)
+        batch = strategy.put_batch(strategy.local_rows(host_batch))
+        return time_steps(compiled, state, batch, steps, strategy.put_replicated(totals) if trains else None)
 
     result = make_plan(candidates, lower, memory_limit=memory_limit, measure=run if measure else None)
     return dataclasses.replace(result, initial_state=host_state[0] if host_state else None)
 
 
-def time_steps(step: Callable, state, batch, steps: int = MEASURE_STEPS, trains: bool = True) -> float:
-    """The fastest of ``steps`` calls of ``step(state, batch)`` after one warm-up (the minimum:
-    other processes on the machine only ever add time); a training step's state is threaded."""
+def time_steps(step: Callable, state, batch, steps: int = MEASURE_STEPS, totals: Any = None) -> float:
+    """The fastest of ``steps`` calls of ``step(state, batch)`` (a training step with
+    ``totals``: ``step(state, totals, batch)``, its state threaded) after one warm-up (the
+    minimum: other processes on the machine only ever add time)."""
 
     def call(state):
-        out = step(state, batch)
+        out = step(state, batch) if totals is None else step(state, totals, batch)
         jax.block_until_ready(out)
-        return out[0] if trains else state
+        return state if totals is None else out[0]
 
     state = call(state)
     times = []

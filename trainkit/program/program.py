@@ -25,13 +25,15 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
+import numpy as np
 import optax
 
 from trainkit.core.model import ModelAdapter, param_axes, starting_variables, under_logical_rules
 from trainkit.core.precision import Precision, cast_floating
 from trainkit.core.remat import wrap_remat
 from trainkit.core.state import Batch, TrainState
-from trainkit.core.step import make_eval_step, make_multi_step, make_predict_step, make_train_step
+from trainkit.core.step import make_eval_step, make_multi_step, make_predict_step, make_train_step, with_totals
+from trainkit.core.totals import EpochTotals
 from trainkit.program import plan as plan_lib
 from trainkit.strategies import Strategy
 
@@ -74,7 +76,7 @@ class Program:
         variables: PyTree = None,
         eager: bool = False,
     ):
-        self.run_model = precision.wrap_apply(wrap_remat(adapter, remat))
+        self.run_model, self.remat = precision.wrap_apply(wrap_remat(adapter, remat)), remat
         self.adapter, self.compute_loss, self.apply = adapter, compute_loss, apply or self.run_model
         self.optimizer, self.objective, self.precision = optimizer, objective, precision
         self.grad_accum_steps, self.log_grad_norm, self.seed = grad_accum_steps, log_grad_norm, seed
@@ -122,22 +124,46 @@ class Program:
         return strategy.compile(kind, step, abstract_state)
 
     def step(self, kind: str, axis: str | None) -> Callable:
-        """The pure ``"train"``, ``"train_steps"``, ``"eval"`` or ``"predict"`` step (not
-        compiled)."""
+        """The pure step a strategy compiles (not compiled): ``"train"`` ``(state, totals,
+        batch) -> (state, totals)``, ``"train_steps"`` the same over stacked batches, ``"eval"``
+        ``(state, totals, batch) -> totals`` (``totals``: the epoch's
+        :class:`~trainkit.core.totals.EpochTotals`), ``"predict"`` ``(state, batch) -> outputs``."""
         if kind == "train_steps":
             return make_multi_step(self.step("train", axis), unrolled=self.eager)
-        if kind == "train":
-            return make_train_step(
-                self.compute_loss,
-                self.optimizer,
-                {**self.objective.metric_fns, **self.objective.probes},
-                axis,
-                grad_accum_steps=self.grad_accum_steps,
-                log_grad_norm=self.log_grad_norm,
-            )
+        if kind == "predict":
+            return make_predict_step(self.apply)
+        return with_totals(self.metrics_step(kind, axis), trains=kind == "train")
+
+    def metrics_step(self, kind: str, axis: str | None) -> Callable:
+        """The ``"train"`` step ``(state, batch) -> (state, metrics)`` or the ``"eval"`` step
+        ``(state, batch) -> metrics``, before their metrics are merged into the totals."""
         if kind == "eval":
             return make_eval_step(self.compute_loss, self.objective.metric_fns, axis)
-        return make_predict_step(self.apply)
+        return make_train_step(
+            self.compute_loss,
+            self.optimizer,
+            {**self.objective.metric_fns, **self.objective.probes},
+            axis,
+            grad_accum_steps=self.grad_accum_steps,
+            log_grad_norm=self.log_grad_norm,
+        )
+
+    def empty_totals(
+        self, kind: str, abstract_state: PyTree, host_batch: Batch, axis: str | None = None
+    ) -> EpochTotals:
+        """Host zeros of the totals the ``kind`` step (``"train"``, ``"train_steps"`` or
+        ``"eval"``) carries, shaped by tracing its metrics on one host batch; under a named
+        device ``axis`` (which the model may use too: ``BatchNorm(axis_name=...)``) traced as
+        one device of it."""
+        kind = "eval" if kind == "eval" else "train"
+        step = self.metrics_step(kind, axis)
+        if axis is not None:
+            one = jax.tree.map(lambda a: jax.ShapeDtypeStruct((1, *np.shape(a)), a.dtype), host_batch)
+            outputs = jax.eval_shape(jax.vmap(step, in_axes=(None, 0), axis_name=axis), abstract_state, one)
+            outputs = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape[1:], s.dtype), outputs)
+        else:
+            outputs = jax.eval_shape(step, abstract_state, host_batch)
+        return EpochTotals.empty(outputs if kind == "eval" else outputs[1])
 
     def abstract_state(self, first_row: PyTree, variables: PyTree = None) -> PyTree:
         """The shapes and dtypes of the state at step 0 (traced, nothing computed), from
@@ -155,10 +181,12 @@ class Program:
         variables = self.starting_variables(first_row)
         candidates = candidates if candidates is not None else plan_lib.default_candidates()
         candidates = [self.annotated(strategy, first_row) for strategy in candidates]
+        abstract_state = self.abstract_state(first_row, variables)
         return plan_lib.plan_step(
             host_batch,
             candidates,
-            abstract_state=self.abstract_state(first_row, variables),
+            abstract_state=abstract_state,
+            totals=self.empty_totals(kind, abstract_state, host_batch) if trains else None,
             compile_step=lambda strategy, abstract: self.compile(kind, strategy, abstract),
             create_state=lambda strategy: strategy.create_state(self.init_state, variables, first_row),
             micro_batches=self.grad_accum_steps if trains else 1,

@@ -37,15 +37,18 @@ import optax
 
 from trainkit import data as data_lib
 from trainkit import distributed
-from trainkit.core import optimizers
+from trainkit.core import optimizers, tree
 from trainkit.core.precision import NoLossScale
 from trainkit.core.state import TrainState, abstract, check_tree_matches
+from trainkit.core.totals import EpochTotals
 from trainkit.core.tree import PyTree
 from trainkit.distributed import compile_cache
 from trainkit.loop.session import FitConfig, Validation
 from trainkit.program import plan as plan_lib
+from trainkit.program import remembered as remembered_lib
 from trainkit.program.program import Program
 from trainkit.strategies import Auto, SingleDevice, Strategy, check_steps_per_execution, resolve_strategy
+from trainkit.version import __version__
 
 logger = logging.getLogger("trainkit")
 
@@ -71,7 +74,7 @@ class Setup:
     Args:
         program: the pure functions of the setup.
         strategy: a strategy, a name, ``"auto"`` or an :class:`~trainkit.strategies.Auto`.
-        steps_per_execution: batches per compiled training call.
+        steps_per_execution: batches per compiled training call, or ``"auto"``.
         custom_loss: the trainer overrides ``compute_loss`` (targets are then optional).
         on_restore: called with the optimizer step of every new state (the loop's position).
     """
@@ -81,7 +84,7 @@ class Setup:
         program: Program,
         strategy: str | Strategy | Auto,
         *,
-        steps_per_execution: int = 1,
+        steps_per_execution: int | str = 1,
         custom_loss: bool = False,
         on_restore: Callable[[int], None] = lambda step: None,
     ):
@@ -95,12 +98,17 @@ class Setup:
             )
         self.auto = chosen if isinstance(chosen, Auto) else None
         self.strategy: Strategy | None = None if self.auto else chosen  # "auto": set by the plan
+        # "auto": 1 until the loop timed the first steps and picked (see trainkit.loop.tuning)
+        self.tunes_steps = steps_per_execution == "auto" and not program.eager
+        if steps_per_execution == "auto":
+            steps_per_execution = 1
         self.steps_per_execution = check_steps_per_execution(steps_per_execution, self.strategy)
         self.on_restore = on_restore
         self.state: TrainState | None = None
         self.input_spec: PyTree = None
         self.last_plan: plan_lib.MemoryPlan | None = None  # the plan strategy="auto" chose from
         self._compiled: dict[str, Any] = {}
+        self._totals: dict[str, EpochTotals] = {}  # host zeros of the totals each kind of step carries
         self._outputs: PyTree = None  # the model's output shapes, once traced
         self._warned_probabilities = False
 
@@ -189,7 +197,7 @@ class Setup:
                 "batch_size": batch_size,
                 "seed": program.seed,
                 "grad_accum_steps": program.grad_accum_steps,
-                "steps_per_execution": self.steps_per_execution,  # different calls would hang a collective
+                "steps_per_execution": "auto" if self.tunes_steps else self.steps_per_execution,  # or collectives hang
                 "strategy": (self.strategy or self.auto).describe(),
                 "precision": str(program.precision.compute_dtype),
                 "inputs": str(prepared.spec),
@@ -281,7 +289,9 @@ class Setup:
         for ``None`` or before the state exists."""
         if sample_batch is None or self.state is None:
             return None
-        return self.strategy.put_batch(data_lib.prepare(sample_batch, default_batch_size=None).sample_batch())
+        host_batch = data_lib.prepare(sample_batch, default_batch_size=None).sample_batch()
+        self.empty_totals("train", host_batch)  # shaped before anything lowers the train step
+        return self.strategy.put_batch(host_batch)
 
     def init(self, sample_batch: Any) -> TrainState:
         """The state for a sample batch (see :meth:`trainkit.Trainer.init`)."""
@@ -333,6 +343,13 @@ class Setup:
         if self.strategy is not None:
             return
         auto = self.auto
+        key, remembered = self.remembered_pick(prepared)
+        if remembered is not None:
+            self.strategy = remembered
+            logger.info("strategy='auto' picked %s, as an earlier run of this setup did", remembered.describe())
+            if announce and distributed.is_main_process():
+                print(f"strategy='auto' picked {plan_lib.short_name(remembered)}, as an earlier run of this setup did")
+            return
         result = self.plan(prepared, auto.candidates, measure=auto.measure, memory_limit=auto.memory_limit)
         best = result.recommended
         if best is None:
@@ -342,11 +359,36 @@ class Setup:
                 f"strategy=tk.strategies.Auto(memory_limit=...) or a strategy.\n{result}"
             )
         self.strategy, self.last_plan = best.strategy, result
+        remembered_lib.remember(compile_cache.active_directory(), key, best.name, result.reason())
         if best.function is not None and (prepared.has_targets or self.custom_loss):
             self._compiled["train"] = best.function  # compiled during the plan: not compiled again
         logger.info("strategy='auto' %s", result.reason())
         if announce and distributed.is_main_process():
             print(f"strategy='auto' {result.reason()}")
+
+    def remembered_pick(self, prepared: data_lib.Prepared) -> tuple[str, Strategy | None]:
+        """The key of this setup's ``"auto"`` decision and the candidate an earlier run picked
+        for it (``None``: none remembered, or not by every process alike)."""
+        program, auto = self.program, self.auto
+        candidates = auto.candidates if auto.candidates is not None else plan_lib.default_candidates()
+        devices = candidates[0].devices
+        facts = {
+            "state": tree.signature(program.abstract_state(prepared.first_x)),
+            "batch": [prepared.batch_size, str(prepared.spec), prepared.has_targets or self.custom_loss],
+            "settings": self.settings(),
+            "remat": repr(program.remat),
+            "log_grad_norm": program.log_grad_norm,
+            "devices": [len(devices), devices[0].platform, devices[0].device_kind, jax.process_count()],
+            "candidates": [plan_lib.short_name(c) for c in candidates],
+            "auto": [auto.measure, auto.memory_limit],
+            "versions": [jax.__version__, __version__],
+        }
+        key = remembered_lib.decision_key(facts)
+        decision = remembered_lib.recall(compile_cache.active_directory(), key)
+        name = None if decision is None else decision["strategy"]
+        if len(set(map(str, distributed.gather_json(name)))) > 1:  # the processes must agree, or all plan
+            name = None
+        return key, next((c for c in candidates if plan_lib.short_name(c) == name), None)
 
     # ------------------------------------------------------------------ compiled steps
     def function(self, kind: str) -> Callable:
@@ -355,6 +397,17 @@ class Setup:
         if kind not in self._compiled:
             self._compiled[kind] = self.program.compile(kind, self.strategy, abstract(self.require_state()))
         return self._compiled[kind]
+
+    def empty_totals(self, kind: str, host_batch: PyTree = None) -> EpochTotals:
+        """Host zeros of the metric totals the ``kind`` step carries (``"train"``,
+        ``"train_steps"`` or ``"eval"``), shaped once by tracing its metrics on a host batch."""
+        key = "eval" if kind == "eval" else "train"
+        if key not in self._totals:
+            if host_batch is None:
+                raise ValueError("Pass a sample batch, e.g. trainer.lowered_text((x[:32], y[:32])), or call fit first.")
+            state, axis = abstract(self.require_state()), self.strategy.axis_name
+            self._totals[key] = self.program.empty_totals(key, state, host_batch, axis)
+        return self._totals[key]
 
     def check_first_step(self, metrics: dict) -> None:
         """Warns once when a loss that takes logits received outputs that look like

@@ -39,11 +39,14 @@ class Strategy:
     - ``state_sharding(abstract_state)``: a sharding for every leaf of the state.
     - ``put_batch(host_batch)``: a NumPy batch -> device arrays.
     - ``compile(kind, fn, abstract_state)``: the one compile entry point, for ``"train"``
-      (the state donated), ``"train_steps"`` (``k`` batches stacked on a new leading axis,
-      trained in one call: ``steps_per_execution``, with ``put_batches(host_batches)``),
-      ``"eval"`` (outputs reduced over devices) and ``"predict"`` (one output row per
-      example). By default it calls the hooks ``compile_train``, ``compile_train_steps``,
-      ``compile_eval`` and ``compile_predict``; override either.
+      (``fn(state, totals, batch) -> (state, totals)``, the state donated), ``"train_steps"``
+      (the same over ``k`` batches stacked on a new leading axis, trained in one call:
+      ``steps_per_execution``, with ``put_batches(host_batches)``), ``"eval"``
+      (``fn(state, totals, batch) -> totals``) and ``"predict"`` (``fn(state, batch)``, one
+      output row per example). ``totals`` is the epoch's metric totals
+      (:class:`trainkit.core.totals.EpochTotals`, small, replicated, not donated). By default
+      it calls the hooks ``compile_train``, ``compile_train_steps``, ``compile_eval`` and
+      ``compile_predict``; override either.
     - ``fetch_rows(tree)``: per-row device outputs -> host NumPy ``(global_batch, ...)``.
 
     Configured at construction; ``with_annotations(param_axes)`` returns a new strategy that
@@ -87,6 +90,10 @@ class Strategy:
     def put_state(self, state: PyTree) -> PyTree:
         """Places a (host or device) state into this strategy's shardings."""
         return jax.device_put(state, self.state_sharding(state))
+
+    def put_replicated(self, tree: PyTree) -> PyTree:
+        """Host values on every device of the mesh (the metric totals a step carries)."""
+        return jax.device_put(tree, self.replicated())
 
     def put_like(self, tree: PyTree, like: PyTree) -> PyTree:
         """Host (or device) values placed in the shardings of the live arrays ``like``."""
@@ -149,8 +156,8 @@ class Strategy:
         raise NotImplementedError(self._no_steps_per_execution())
 
     def compile_train_steps(self, steps_fn: Callable, abstract_state: PyTree) -> Callable:
-        """``steps_fn(state, batches)`` (``k`` steps over batches stacked on a leading axis),
-        with the state donated, as ``compile_train`` compiles one step."""
+        """``steps_fn(state, totals, batches)`` (``k`` steps over batches stacked on a leading
+        axis), with the state donated, as ``compile_train`` compiles one step."""
         raise NotImplementedError(self._no_steps_per_execution())
 
     def _no_steps_per_execution(self) -> str:
@@ -164,8 +171,10 @@ class Strategy:
         raise NotImplementedError
 
     def compile_predict(self, predict_fn: Callable, abstract_state: PyTree) -> Callable:
-        """Like ``compile_eval`` for a function whose outputs have one row per example."""
-        return self.compile_eval(predict_fn, abstract_state)
+        """``predict_fn(state, batch)``, whose outputs have one row per example. The default
+        compiles it through ``compile_eval`` (with an empty ``totals`` argument)."""
+        compiled = self.compile_eval(lambda state, totals, batch: predict_fn(state, batch), abstract_state)
+        return lambda state, batch: compiled(state, (), batch)
 
     def fetch_rows(self, tree: PyTree) -> PyTree:
         return jax.tree.map(np.asarray, jax.device_get(tree))
@@ -182,7 +191,7 @@ def check_steps_per_execution(steps: Any, strategy: Any = None) -> int:
     32
     """
     if isinstance(steps, bool) or not isinstance(steps, (int, np.integer)) or steps < 1:
-        raise ValueError(f"steps_per_execution must be a positive integer; received {steps!r}.")
+        raise ValueError(f"steps_per_execution must be a positive integer or 'auto'; received {steps!r}.")
     if steps > 1 and strategy is not None and not strategy.fuses_steps:
         raise TypeError(strategy._no_steps_per_execution())
     return int(steps)

@@ -80,16 +80,16 @@ class DataParallel(Strategy):
     fuses_steps = True
 
     def compile(self, kind: str, fn: Callable, abstract_state: PyTree) -> Callable:
-        """``jax.pmap`` over ``data`` with the state as a replicated argument (``in_axes=None``):
-        training steps donate it and return it replicated with their metrics; eval outputs are
-        reduced (the same on every device); predict outputs stay per device, one row per
-        example."""
+        """``jax.pmap`` over ``data`` with the state and the totals as replicated arguments
+        (``in_axes=None``): training steps donate the state and return both replicated; eval
+        returns the totals (reduced, the same on every device); predict outputs stay per
+        device, one row per example."""
         trains = kind in ("train", "train_steps")
         out_axes = (None, None) if trains else None if kind == "eval" else 0
         return jax.pmap(
             fn,
             axis_name=self.axis_name,
-            in_axes=(None, 0),
+            in_axes=(None, 0) if kind == "predict" else (None, None, 0),  # (state, [totals,] batch)
             out_axes=out_axes,
             devices=self.devices,
             donate_argnums=(0,) if trains else (),

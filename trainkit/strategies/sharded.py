@@ -159,16 +159,15 @@ class ShardedStrategy(Strategy):
 
     def compile(self, kind: str, fn: Callable, abstract_state: PyTree) -> Callable:
         """``jax.jit`` with the state's shardings pinned: training steps donate the state and
-        return replicated metrics; eval reduces to replicated outputs; predict keeps the rows
-        split as the batch is."""
-        state = self.state_sharding(abstract_state)
+        carry the replicated totals; eval carries them too; predict keeps the rows split as
+        the batch is."""
+        state, totals = self.state_sharding(abstract_state), self.replicated()
         batch = self.stacked_batch_sharding if kind == "train_steps" else self.batch_sharding
         if kind in ("train", "train_steps"):
-            return jax.jit(
-                fn, in_shardings=(state, batch), out_shardings=(state, self.replicated()), donate_argnums=(0,)
-            )
-        outputs = self.replicated() if kind == "eval" else self.batch_sharding
-        return jax.jit(fn, in_shardings=(state, batch), out_shardings=outputs)
+            return jax.jit(fn, in_shardings=(state, totals, batch), out_shardings=(state, totals), donate_argnums=(0,))
+        if kind == "eval":
+            return jax.jit(fn, in_shardings=(state, totals, batch), out_shardings=totals)
+        return jax.jit(fn, in_shardings=(state, batch), out_shardings=self.batch_sharding)
 
     def fetch_rows(self, tree: PyTree) -> PyTree:
         return jax.tree.map(np.asarray, distributed.fetch(tree))

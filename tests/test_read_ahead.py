@@ -1,0 +1,75 @@
+"""A one-shot generator is read ahead in a background thread, and what a stop leaves unread
+by training is handed back to the same iterator: the next ``fit`` on it starts there."""
+
+import time
+
+import numpy as np
+import optax
+import pytest
+from conftest import MLP, make_classification, tree_allclose
+
+import trainkit as tk
+from trainkit.data.prefetch import ReadAhead
+
+ROWS = 8
+
+
+def numbered(batches, seen):
+    for index, batch in enumerate(batches):
+        seen.append(index)
+        yield batch
+
+
+class StopAfter(tk.callbacks.Callback):
+    """Stops after batch ``last``, once the read-ahead had time to run past it."""
+
+    def __init__(self, last):
+        self.last = last
+
+    def on_train_batch_end(self, batch, logs=None):
+        if batch == self.last:
+            time.sleep(0.2)
+            self.model.stop_training = True
+
+
+def make_trainer():
+    return tk.Trainer(MLP(), loss="sparse_categorical_crossentropy", optimizer=optax.adam(0.05), strategy="single")
+
+
+def test_a_stop_loses_no_batch_of_a_generator_read_ahead():
+    x, y = make_classification(6 * ROWS)
+    batches = [(x[i : i + ROWS], y[i : i + ROWS]) for i in range(0, len(x), ROWS)]
+    seen = []
+    generator = numbered(batches, seen)
+    trainer = make_trainer()
+    trainer.fit(generator, steps_per_epoch=6, callbacks=[StopAfter(2)], shuffle=False, verbose=0)
+    assert trainer.global_step == 3
+    assert len(seen) > 3  # the thread read past the stop: those batches were handed back
+    trainer.fit(generator, steps_per_epoch=3, shuffle=False, verbose=0)
+
+    reference = make_trainer()  # the same six batches, three and three
+    reference.fit(iter(batches[:3]), steps_per_epoch=3, shuffle=False, verbose=0)
+    reference.fit(iter(batches[3:]), steps_per_epoch=3, shuffle=False, verbose=0)
+    assert trainer.global_step == reference.global_step == 6
+    tree_allclose(trainer.params, reference.params, rtol=0, atol=0)
+
+
+def test_epochs_over_one_generator_train_every_batch_once_in_order():
+    x, y = make_classification(8 * ROWS)
+    batches = [(x[i : i + ROWS], y[i : i + ROWS]) for i in range(0, len(x), ROWS)]
+    trainer, reference = make_trainer(), make_trainer()
+    trainer.fit(numbered(batches, []), steps_per_epoch=2, epochs=4, shuffle=False, verbose=0)
+    reference.fit(batches, epochs=1, shuffle=False, verbose=0)  # a list: the same 8 batches in order
+    tree_allclose(trainer.params, reference.params, rtol=0, atol=0)
+
+
+def test_a_loader_error_is_raised_in_order_after_the_batches_before_it():
+    def broken():
+        yield np.ones((4, 3), np.float32)
+        yield np.ones((4, 3), np.float32)
+        raise OSError("disk gone")
+
+    reader = ReadAhead(broken(), depth=4, handed_back=[])
+    assert next(reader).shape == next(reader).shape == (4, 3)
+    with pytest.raises(OSError, match="disk gone"):
+        next(reader)

@@ -1,0 +1,65 @@
+"""``"auto"``'s pick remembered across runs, next to the compilation cache.
+
+A decision is stored under a key of everything that decides it (the model's state shapes, the
+batch, the step's settings, the devices, the candidates, the versions), so the next run of the
+same script picks the same strategy at once, without compiling or timing the candidates: runs
+repeat, and a warm start costs what an explicit strategy costs. Off with the compilation cache
+(``TRAINKIT_COMPILATION_CACHE=off``); delete the file (its path is logged) to plan again.
+
+>>> import tempfile
+>>> folder = tempfile.mkdtemp()
+>>> key = decision_key({"model": "MLP", "batch": 32})
+>>> remember(folder, key, "FSDP(fsdp=8)", "picked FSDP(fsdp=8): measured 1 ms/step")
+>>> recall(folder, key)["strategy"]
+'FSDP(fsdp=8)'
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import tempfile
+
+logger = logging.getLogger("trainkit")
+
+SUBDIRECTORY = "trainkit-auto"
+
+
+def decision_key(facts: dict) -> str:
+    """A stable hash of the facts a decision depends on (JSON, keys sorted)."""
+    return hashlib.sha256(json.dumps(facts, sort_keys=True, default=str).encode()).hexdigest()[:32]
+
+
+def path_for(directory: str, key: str) -> str:
+    return os.path.join(directory, SUBDIRECTORY, f"{key}.json")
+
+
+def recall(directory: str | None, key: str) -> dict | None:
+    """The decision stored under ``key`` (``{"strategy": short name, "reason": ...}``), or
+    ``None``: none stored, no directory, or an unreadable file (then planned again)."""
+    if directory is None:
+        return None
+    try:
+        with open(path_for(directory, key)) as file:
+            decision = json.load(file)
+    except (OSError, ValueError):
+        return None
+    return decision if isinstance(decision, dict) and isinstance(decision.get("strategy"), str) else None
+
+
+def remember(directory: str | None, key: str, strategy: str, reason: str) -> None:
+    """Stores a decision atomically (a half-written file is never read); a directory that
+    cannot be written only costs the next run a plan."""
+    if directory is None:
+        return
+    path = path_for(directory, key)
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        handle, temporary = tempfile.mkstemp(dir=os.path.dirname(path), suffix=".tmp")
+        with os.fdopen(handle, "w") as file:
+            json.dump({"strategy": strategy, "reason": reason}, file)
+        os.replace(temporary, path)
+    except OSError as error:
+        logger.warning("strategy='auto' could not remember its pick in %s (%s); the next run plans again", path, error)
