@@ -84,7 +84,9 @@ def test_early_stopping_patience_and_restore_best_weights(xy):
             logs["val_metric"] = next(values)
             snapshots[epoch] = self.trainer.get_weights()
 
-    stopper = EarlyStopping(monitor="val_metric", patience=2, restore_best_weights=True)
+    stopper = EarlyStopping(
+        monitor="val_metric", mode="min", patience=2, restore_best_weights=True
+    )  # Keras needs the mode too
     trainer = make_trainer()
     history = trainer.fit((x, y), epochs=6, batch_size=16, callbacks=[FakeMetric(), stopper], verbose=0)
     assert history.epoch == [0, 1, 2, 3] and stopper.stopped_epoch == 3 and stopper.best_epoch == 1

@@ -140,7 +140,9 @@ class FakeValidation(Callback):
 def test_model_checkpoint_keeps_the_best_k(tmp_path):
     x, y = make_classification(32)
     values = [0.9, 0.5, 0.7, 0.4, 0.45, 0.3]  # improvements at epochs 0, 1, 3, 5
-    checkpoint = ModelCheckpoint(tmp_path / "best", monitor="val_metric", save_best_only=True, max_to_keep=2)
+    checkpoint = ModelCheckpoint(
+        tmp_path / "best", monitor="val_metric", mode="min", save_best_only=True, max_to_keep=2
+    )
     trainer = make()
     trainer.fit((x, y), batch_size=16, epochs=6, verbose=0, callbacks=[FakeValidation(values), checkpoint])
     # a fixed path keeps the newest max_to_keep saves; with save_best_only those are the best

@@ -53,6 +53,23 @@ def test_sparse_labels_outside_the_classes_are_named(data, bad):
         classifier().fit(x, data[1], validation_data=(x, y), verbose=0)
 
 
+@pytest.mark.parametrize("dtype", ["int32", "bool"])
+def test_one_hot_labels_for_a_sparse_loss_are_named_one_hot(data, dtype):
+    x, y = data
+    one_hot = np.eye(3, dtype=dtype)[y]
+    trainer = classifier()
+    with pytest.raises(
+        ValueError, match=r"The labels y look one-hot \(per-example shape \(3,\).*categorical_crossentropy.*argmax"
+    ):
+        trainer.fit(x, one_hot, verbose=0)
+    sequences = tk.Trainer(
+        nn.Dense(3), loss="sparse_categorical_crossentropy", optimizer=optax.sgd(0.1), strategy="single"
+    )
+    tokens = np.eye(4, dtype="int32")[np.arange(N) % 4]  # (N, 4) class ids of 4 positions: not one-hot here
+    sequences.fit(np.repeat(x[:, None, :], 4, axis=1), tokens, epochs=1, verbose=0)
+    classifier(loss="categorical_crossentropy").fit(x, one_hot.astype("float32"), epochs=1, verbose=0)  # the fix
+
+
 def test_targets_the_loss_cannot_compare_are_refused(data):
     x, y = data
     with pytest.raises(
@@ -139,3 +156,39 @@ def test_device_arrays_stay_on_their_device_and_train_as_host_arrays(data):
     ]
     for key in histories[0]:
         np.testing.assert_allclose(histories[1][key], histories[0][key], rtol=1e-6, err_msg=key)
+
+
+class ConvOverRows(nn.Module):
+    """A Conv and a pooling: given (N, H, W) without the channel axis, Flax convolves over N."""
+
+    @nn.compact
+    def __call__(self, x):
+        x = nn.avg_pool(nn.relu(nn.Conv(4, (3, 3))(x)), (2, 2), strides=(2, 2))
+        return nn.Dense(3)(x.reshape(x.shape[0], -1))
+
+
+class NeedsImages(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        return nn.Dense(3)(x.reshape(x.shape[0], 8, 8, 1).mean(axis=(1, 2)))
+
+
+def test_a_model_that_loses_the_batch_axis_or_fails_on_the_inputs_is_named_with_them():
+    rng = np.random.default_rng(0)
+    images, labels = rng.normal(size=(32, 8, 8)).astype("float32"), rng.integers(0, 3, 32).astype("int32")
+    trainer = tk.Trainer(ConvOverRows(), loss="sparse_categorical_crossentropy", optimizer=optax.sgd(0.1))
+    with pytest.raises(
+        ValueError,
+        match=r"outputs of shape \(8, 3\) for a batch of 16 rows \(inputs float32\[16, 8, 8\]\).*x\[\.\.\., None\]",
+    ):
+        trainer.fit(images, labels, batch_size=16, verbose=0)
+    assert trainer.state is None  # refused before anything was built
+    tk.Trainer(ConvOverRows(), loss="sparse_categorical_crossentropy", optimizer=optax.sgd(0.1)).fit(
+        images[..., None], labels, batch_size=16, epochs=1, verbose=0
+    )  # the fix
+    failing = tk.Trainer(NeedsImages(), loss="sparse_categorical_crossentropy", optimizer=optax.sgd(0.1))
+    with pytest.raises(
+        ValueError, match=r"raised TypeError when called on the first batch, whose inputs are float32\[16, 5\]"
+    ) as raised:
+        failing.fit(rng.normal(size=(32, 5)).astype("float32"), labels, batch_size=16, verbose=0)
+    assert isinstance(raised.value.__cause__, TypeError)  # the model's own error, kept as the cause

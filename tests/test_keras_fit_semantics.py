@@ -109,6 +109,42 @@ def test_keyword_arguments_as_keras_spells_them(data):
     assert trainer.predict(x=x).shape == (N, 3) and len(history.epoch) == 1
 
 
+def test_positional_arguments_in_keras_order(data):
+    """``fit(x, y, 16, 2, 0)`` as Keras reads it; Keras's parameters are a prefix of ours."""
+    import inspect
+
+    for ours, theirs in ((tk.Trainer.fit, keras.Model.fit), (tk.Trainer.evaluate, keras.Model.evaluate)):
+        keras_names = [p for p in inspect.signature(theirs).parameters if p not in ("self", "kwargs")]
+        assert list(inspect.signature(ours).parameters)[1 : len(keras_names) + 1] == keras_names
+    keras_names = list(inspect.signature(keras.Model.predict).parameters)[1:]
+    assert list(inspect.signature(tk.Trainer.predict).parameters)[1 : len(keras_names) + 1] == keras_names
+    x, y = data
+    model, trainer = twins()
+    ours = trainer.fit(x, y, BATCH, 2, 0, None, 0.0, None, False).history
+    theirs = model.fit(x, y, BATCH, 2, 0, None, 0.0, None, False).history
+    assert_histories_match(ours, theirs)
+    assert trainer.evaluate(x, y, BATCH, 0) == pytest.approx(model.evaluate(x, y, BATCH, 0), rel=2e-5)
+    np.testing.assert_allclose(trainer.predict(x, BATCH, 0), model.predict(x, BATCH, 0), rtol=1e-5, atol=1e-6)
+
+
+def test_zero_epochs_train_nothing_and_return_an_empty_history_as_keras(data):
+    x, y = data
+    model, trainer = twins()
+    events = []
+
+    def note(name):
+        return lambda *args, **kwargs: events.append(name)
+
+    hooks = {f"on_{name}": note(name) for name in ("train_begin", "train_end", "epoch_begin")}
+    theirs = model.fit(x, y, epochs=0, verbose=0, callbacks=[keras.callbacks.LambdaCallback(**hooks)])
+    keras_events, events[:] = list(events), []
+    before = trainer.get_weights() if trainer.state is not None else None
+    ours = trainer.fit(x, y, epochs=0, verbose=0, callbacks=[tk.callbacks.LambdaCallback(**hooks)])
+    assert ours.history == theirs.history == {} and ours.epoch == theirs.epoch == []
+    assert events == keras_events == ["train_begin", "train_end"]
+    assert before is None and trainer.global_step == 0
+
+
 def test_count_params_counts_what_keras_counts(data):
     model, trainer = twins()
     trainer.init(data[0])
@@ -129,6 +165,15 @@ def test_keras_refusals(data, tmp_path):
         trainer.fit([(x[:16], y[:16])], validation_split=0.5, verbose=0)
     with pytest.raises(ValueError, match="validation_freq must be a positive integer"):
         trainer.fit(x, y, validation_freq=0, verbose=0)
+    for keras_callback in (
+        keras.callbacks.EarlyStopping(monitor="loss", patience=2),
+        keras.callbacks.CSVLogger(str(tmp_path / "log.csv")),
+        keras.callbacks.TerminateOnNaN(),
+        keras.callbacks.ReduceLROnPlateau(),
+    ):
+        name = type(keras_callback).__name__
+        with pytest.raises(TypeError, match=rf"keras.callbacks.{name}, a Keras callback.*tk.callbacks.{name}\(...\)"):
+            trainer.fit(x, y, callbacks=[keras_callback], verbose=0)
     assert trainer.state is None  # all refused before anything was built
 
 
@@ -206,7 +251,7 @@ def test_keras_loss_objects_and_keras_order_functions_match_keras(data):
 
 
 def test_stateful_keras_metric_objects_are_refused_with_the_way_out():
-    with pytest.raises(TypeError, match="stateful Keras metric object.*keras_order"):
+    with pytest.raises(TypeError, match=r"stateful Keras metric object.*named \(y_true, y_pred\)"):
         tk.Trainer(nn.Dense(3), loss="mse", optimizer=optax.sgd(0.1), metrics=[keras.metrics.MeanAbsoluteError()])
 
 
@@ -428,3 +473,64 @@ def test_steps_per_epoch_walks_on_through_a_re_iterable_as_keras(data):
     ours = trainer.fit(Batches(x, y, BATCH), epochs=3, steps_per_epoch=3, verbose=0).history
     assert_histories_match(ours, theirs)
     assert trainer.global_step == int(model.optimizer.iterations) == 3 + 1 + 3
+
+
+def test_early_stopping_on_a_metric_of_unknown_direction_raises_as_keras(data):
+    x, y = data
+    model, trainer = twins()
+
+    def keras_score(y_true, y_pred):  # a metric of your own: only its author knows its direction
+        return y_pred[:, 0]
+
+    def my_score(predictions, targets):  # the same, in trainkit's (optax's) argument order
+        return predictions[:, 0]
+
+    keras_score.__name__ = "my_score"
+    for monitor in ("unknown", "my_score"):
+        with pytest.raises(ValueError, match="maximized or minimized"):
+            model.compile(loss=model.loss, optimizer=keras.optimizers.SGD(0.1), metrics=[keras_score])
+            model.fit(x, y, epochs=1, verbose=0, callbacks=[keras.callbacks.EarlyStopping(monitor=monitor)])
+        trainer = tk.Trainer(
+            nn.Dense(3), loss="sparse_categorical_crossentropy", optimizer=optax.sgd(0.1), metrics=[my_score]
+        )
+        with pytest.raises(ValueError, match=rf"monitor='{monitor}' with mode='auto'.*maximized or minimized"):
+            trainer.fit(x, y, epochs=1, verbose=0, callbacks=[tk.callbacks.EarlyStopping(monitor=monitor)])
+    stopper = tk.callbacks.EarlyStopping(monitor="mae", patience=0)  # a known metric says its direction
+    trainer = tk.Trainer(nn.Dense(1), loss="mse", optimizer=optax.sgd(0.1), metrics=["mae"])
+    trainer.fit(x, y[:, None].astype("float32"), epochs=2, verbose=0, callbacks=[stopper])
+    assert stopper.mode == "min"
+    assert tk.callbacks.EarlyStopping(monitor="val_mae", mode="max").mode == "max"  # your word is kept
+
+
+def test_functions_named_keras_s_way_get_keras_s_order(data):
+    """An asymmetric metric and loss written for Keras, ``fn(y_true, y_pred)``: the same values
+    as Keras; a function with other names keeps optax's order."""
+    x, y = data
+    targets = y[:, None].astype("float32")
+
+    def signed_error(y_true, y_pred):  # asymmetric: a swap flips its sign
+        return keras.ops.mean(y_pred - y_true, axis=-1)
+
+    def keras_mse(y_true, y_pred):
+        return keras.ops.mean((y_pred - y_true) ** 2 + 0.1 * (y_pred - y_true), axis=-1)
+
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+    model.compile(optimizer=keras.optimizers.SGD(0.05), loss=keras_mse, metrics=[signed_error])
+    kernel, bias = model.get_weights()
+    theirs = model.fit(x, targets, epochs=2, batch_size=BATCH, shuffle=False, verbose=0).history
+    trainer = tk.Trainer(
+        nn.Dense(1),
+        loss=keras_mse,
+        optimizer=optax.sgd(0.05),
+        metrics=[signed_error],
+        strategy="single",
+        params={"kernel": kernel, "bias": bias},
+    )
+    ours = trainer.fit(x, targets, epochs=2, batch_size=BATCH, shuffle=False, verbose=0).history
+    assert_histories_match(ours, theirs)
+
+    def optax_order(predictions, targets):  # any other names: (predictions, targets)
+        return (predictions - targets).mean(axis=-1)
+
+    assert tk.losses.in_keras_order(optax_order) is optax_order

@@ -252,27 +252,28 @@ class Trainer:
         self,
         x: Any = None,
         y: PyTree = None,
-        *,
-        epochs: int = 1,
         batch_size: int | None = None,
-        validation_data: Any = None,
+        epochs: int = 1,
+        verbose: int | str = 1,
+        callbacks: Iterable[Callback] | None = None,
         validation_split: float = 0.0,
-        validation_freq: int | list[int] = 1,
-        validation_interval: int | None = None,
+        validation_data: Any = None,
+        shuffle: bool | str = True,
+        class_weight: dict | None = None,
+        sample_weight: PyTree = None,
+        initial_epoch: int = 0,
+        steps_per_epoch: int | None = None,
         validation_steps: int | None = None,
         validation_batch_size: int | None = None,
-        shuffle: bool = True,
-        sample_weight: PyTree = None,
-        class_weight: dict | None = None,
-        steps_per_epoch: int | None = None,
+        validation_freq: int | list[int] = 1,
+        *,
+        validation_interval: int | None = None,
         max_steps: int | None = None,
-        initial_epoch: int = 0,
-        callbacks: Iterable[Callback] = (),
-        verbose: int = 1,
     ) -> History:
         """Trains for ``epochs`` epochs (or ``max_steps`` steps) with Keras's arguments (``x``:
         docs/data.md) and returns a Keras ``History``; callbacks run in Keras 3's order (yours,
         ``History``, the progress bar). ``validation_interval=N`` validates every N steps."""
+        callbacks = CallbackList.checked(callbacks)  # before anything is built
         config = FitConfig.checked(
             has_validation=validation_data is not None or bool(validation_split),
             **{"epochs": epochs, "initial_epoch": initial_epoch, "steps_per_epoch": steps_per_epoch},
@@ -293,22 +294,21 @@ class Trainer:
         self.loop.fit(prepared.source, prepared.batch_size, callback_list, config)
         return self.history
 
-    def _callbacks(self, callbacks: Iterable[Callback], verbose: int, steps, epochs=1, fit=False) -> CallbackList:
+    def _callbacks(self, callbacks: Iterable[Callback] | None, verbose, steps, epochs=1, fit=False) -> CallbackList:
         """Keras's callback list: fit adds ``History`` and, verbose on the main process, the bar."""
         progress = fit and bool(verbose) and distributed.is_main_process()
         params = {"verbose": verbose, "epochs": epochs, "steps": steps}
-        return CallbackList(callbacks, self, params, add_history=fit, add_progress_bar=progress)
+        return CallbackList(callbacks or (), self, params, add_history=fit, add_progress_bar=progress)
 
     def evaluate(
         self,
         x: Any = None,
         y: PyTree = None,
-        *,
         batch_size: int | None = None,
+        verbose: int | str = 0,
         sample_weight: PyTree = None,
         steps: int | None = None,
-        callbacks: Iterable[Callback] = (),
-        verbose: int = 0,
+        callbacks: Iterable[Callback] | None = None,
         return_dict: bool = False,
     ) -> float | list[float] | dict[str, float]:
         """The loss and metrics over the whole dataset, exact on any device count; as Keras, the
@@ -337,11 +337,10 @@ class Trainer:
     def predict(
         self,
         x: Any = None,
-        *,
         batch_size: int | None = None,
+        verbose: int | str = 0,
         steps: int | None = None,
-        callbacks: Iterable[Callback] = (),
-        verbose: int = 0,
+        callbacks: Iterable[Callback] | None = None,
     ) -> PyTree:
         """Outputs with exactly one row per input row (an array, or a pytree for several
         outputs); ``x`` as ``fit`` takes it (targets ignored), a tuple of arrays the inputs."""

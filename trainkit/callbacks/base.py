@@ -140,7 +140,8 @@ def overrides(callback: Callback, hook: str) -> bool:
 
 
 def resolve_mode(monitor: str, mode: str) -> str:
-    """``"min"`` or ``"max"``; ``"auto"`` means max for accuracy-like names, else min.
+    """``"min"`` or ``"max"``; ``"auto"``: min for a loss, max for accuracy-like names, and for
+    any other name still ``"auto"``, decided from the trainer's metrics at the first value.
 
     Keras warns on an unknown ``mode`` and falls back to ``"auto"``; trainkit raises, since a
     misspelt mode would silently watch the wrong direction."""
@@ -149,7 +150,9 @@ def resolve_mode(monitor: str, mode: str) -> str:
     if mode != "auto":
         return mode
     name = monitor.removeprefix("val_")
-    return "max" if any(k in name for k in ("acc", "auc", "precision", "recall", "f1")) else "min"
+    if "loss" in name:
+        return "min"
+    return "max" if any(k in name for k in ("acc", "auc", "precision", "recall", "f1")) else "auto"
 
 
 class MonitorCallback(Callback):
@@ -166,14 +169,33 @@ class MonitorCallback(Callback):
         self.min_delta = abs(min_delta)
 
     def _is_improvement(self, value: float, reference: float | None) -> bool:
+        if self.mode == "auto":
+            self.mode = self._auto_mode()
         if reference is None:
             return True
         if self.mode == "min":
             return value + self.min_delta < reference
         return value - self.min_delta > reference
 
+    def _auto_mode(self) -> str:
+        """``mode="auto"`` for a name that does not say its direction: the trainer's metric of
+        that name knows it (``mae``: min); a metric of your own, or an unknown name, raises as
+        in Keras, since guessing would silently watch the wrong direction."""
+        name = self.monitor.removeprefix("val_")
+        directions = self.trainer.objective.directions if self.trainer is not None else {}
+        if directions.get(name) is not None:
+            return directions[name]
+        what = "a metric of your own" if name in directions else f"not among the metrics ({', '.join(directions)})"
+        raise ValueError(
+            f"{type(self).__name__} received monitor={self.monitor!r} with mode='auto', but {name!r} is {what}, "
+            "so whether it should be maximized or minimized is not known. Pass mode='max' to keep the highest "
+            "value, or mode='min' to keep the lowest."
+        )
+
     def get_monitor_value(self, logs: Logs | None) -> float | None:
         """The monitored value, or ``None`` with a warning naming the logged quantities."""
+        if self.mode == "auto":
+            self.mode = self._auto_mode()
         logs = logs or {}
         if self.monitor not in logs:
             warnings.warn(

@@ -32,6 +32,33 @@ def _keras_logs(logs: Logs | None) -> Logs:
     return dict(sorted((logs or {}).items()))
 
 
+def _trainkit_callback_named(name: str) -> type | None:
+    """trainkit's callback class of that name (``EarlyStopping``), if it has one."""
+    pending = [Callback]
+    while pending:
+        cls = pending.pop()
+        if cls.__name__ == name and cls.__module__.startswith("trainkit."):
+            return cls
+        pending.extend(cls.__subclasses__())
+    return None
+
+
+def _not_a_callback(callback: Any) -> str:
+    """Why ``callback`` is refused and what to pass: for a Keras callback trainkit has, its class."""
+    cls = type(callback)
+    ours = _trainkit_callback_named(cls.__name__) if cls.__module__.startswith("keras") else None
+    if ours is not None:
+        return (
+            f"callbacks received keras.callbacks.{cls.__name__}, a Keras callback, which drives a Keras model. "
+            f"Pass tk.callbacks.{ours.__name__}(...) with the same arguments instead (trainkit's, with Keras's "
+            "behaviour and hook order)."
+        )
+    return (
+        f"Callbacks must subclass trainkit.callbacks.Callback; received {cls.__name__}. "
+        "A Keras callback's code runs unchanged once its class derives from tk.callbacks.Callback."
+    )
+
+
 class CallbackList:
     """Calls each hook on the callbacks that implement it, in list order, with Keras's arguments.
 
@@ -50,7 +77,7 @@ class CallbackList:
         add_history: bool = False,
         add_progress_bar: bool = False,
     ):
-        self.callbacks = list(callbacks)
+        self.callbacks = self.checked(callbacks)
         self.history: History | None = None
         if add_history:  # Keras's order: the user's callbacks, History, then the progress bar
             self.history = next((c for c in self.callbacks if isinstance(c, History)), None)
@@ -60,11 +87,6 @@ class CallbackList:
         if add_progress_bar and not any(isinstance(c, ProgressBar) for c in self.callbacks):
             self.callbacks.append(ProgressBar((params or {}).get("verbose", 1)))
         for callback in self.callbacks:
-            if not isinstance(callback, Callback):
-                raise TypeError(
-                    f"Callbacks must subclass trainkit.callbacks.Callback; received {type(callback).__name__}. "
-                    "A Keras callback's code runs unchanged once its class derives from tk.callbacks.Callback."
-                )
             callback.set_model(trainer)
             if params is not None:
                 callback.set_params(params)
@@ -79,6 +101,16 @@ class CallbackList:
                 if overrides(c, hook) or (alias is not None and overrides(c, alias))
             ]
             setattr(self, hook, self._dispatcher(hook, bound))
+
+    @staticmethod
+    def checked(callbacks: Iterable[Callback] | None) -> list[Callback]:
+        """``callbacks`` as a list, each a trainkit callback, or a ``TypeError`` saying what to
+        pass (before anything is built)."""
+        callbacks = list(callbacks or ())
+        for callback in callbacks:
+            if not isinstance(callback, Callback):
+                raise TypeError(_not_a_callback(callback))
+        return callbacks
 
     @property
     def execution_cap(self) -> int | None:

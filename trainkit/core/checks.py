@@ -78,6 +78,23 @@ def sparse_labels(labels: np.ndarray, classes: int, where: str) -> None:
         )
 
 
+def not_one_hot(labels: np.ndarray, loss_name: str, where: str) -> None:
+    """Raises when labels for a sparse (class-id) loss are one-hot rows (integers or bools,
+    0 and 1 with a single 1 per row): they would be read as several class ids per example.
+
+    >>> not_one_hot(np.array([0, 2, 1]), "sparse_categorical_crossentropy", "The labels y")
+    """
+    if labels.ndim < 2 or labels.shape[-1] < 2 or not (labels.dtype == bool or np.issubdtype(labels.dtype, np.integer)):
+        return
+    rows = labels.reshape(-1, labels.shape[-1]).astype(np.int64)
+    if rows.size and np.isin(rows, (0, 1)).all() and (rows.sum(axis=-1) == 1).all():
+        raise ValueError(
+            f"{where} look one-hot (per-example shape {labels.shape[1:]}, a single 1 in each row of "
+            f"{labels.shape[-1]}), but the loss {loss_name!r} takes one integer class id per example. Use "
+            "loss='categorical_crossentropy' for one-hot labels, or pass the class ids: y.argmax(axis=-1)."
+        )
+
+
 def same_shape(targets_shape: tuple, outputs_shape: tuple, loss_name: str, where: str) -> None:
     """Per-example shapes of an element-wise loss's targets and outputs must match (``(B,)``
     against ``(B, 1)`` is accepted)."""

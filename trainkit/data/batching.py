@@ -245,12 +245,38 @@ def check_same_inputs(expected: PyTree, received: PyTree) -> None:
             )
 
 
+def describe_shapes(tree: PyTree) -> str:
+    """``float32[16, 8, 8]``, or a dict / list of such, for messages about inputs.
+
+    >>> describe_shapes({"image": np.zeros((2, 8, 8), np.float32), "id": np.zeros(2, np.int32)})
+    '{id: int32[2], image: float32[2, 8, 8]}'
+    """
+    described = jax.tree.map(lambda a: f"{np.dtype(a.dtype).name}[{', '.join(map(str, np.shape(a)))}]", tree)
+    return described if isinstance(described, str) else str(described).replace("'", "")
+
+
+def check_rows_kept(inputs: PyTree, outputs: PyTree) -> None:
+    """The model's outputs (traced shapes) must have one row per input row: a model that
+    returns another number reads the leading axis as something else than the batch (a Conv
+    given images without their channel axis convolves over the batch)."""
+    rows = num_rows(inputs)
+    wrong = [leaf.shape for leaf in jax.tree.leaves(outputs) if not leaf.shape or leaf.shape[0] != rows]
+    if wrong:
+        raise ValueError(
+            f"The model returned outputs of shape {wrong[0]} for a batch of {rows} rows (inputs "
+            f"{describe_shapes(inputs)}): every output needs one row per example, so the model does not treat "
+            "the leading axis as the batch. A Conv given images without their channel axis ((N, H, W)) works "
+            "across the batch: pass x[..., None]; a model that pools or flattens over the batch axis must keep it."
+        )
+
+
 def check_positive(**values: int | None) -> None:
     """Raises naming the first argument that is neither ``None`` (where allowed) nor a positive
-    integer: ``epochs`` must be given, the others may be ``None``."""
+    integer: ``epochs`` must be given (0 allowed, as in Keras), the others may be ``None``."""
     for name, value in values.items():
         if value is None and name != "epochs":
             continue
-        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
-            allowed = "a positive integer" if name == "epochs" else "a positive integer or None"
+        least = 0 if name == "epochs" else 1  # Keras's fit(epochs=0) trains nothing and returns
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < least:
+            allowed = "a non-negative integer" if name == "epochs" else "a positive integer or None"
             raise ValueError(f"{name} must be {allowed}; received {name}={value!r}.")

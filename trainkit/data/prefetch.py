@@ -26,6 +26,17 @@ class _Raised:
         self.error = error
 
 
+def _delivered(item: Any, items: queue.Queue) -> Any:
+    """A queued item as the consumer gets it: the end (``StopIteration``, and every later call
+    ends too), the reader's error raised in order, or the item."""
+    if item is _END or isinstance(item, _Raised):
+        items.put(_END)
+        if item is _END:
+            raise StopIteration
+        raise item.error
+    return item
+
+
 class Prefetcher:
     """Iterates ``iterator`` in a daemon thread, ``depth`` items ahead. ``depth=0`` reads in
     the caller's thread, item by item (for one-shot iterators, whose items read ahead would be
@@ -72,14 +83,7 @@ class Prefetcher:
     def __next__(self) -> Any:
         if self._thread is None:
             return self._read()
-        item = self._queue.get()
-        if item is _END:
-            self._queue.put(_END)  # later calls end too
-            raise StopIteration
-        if isinstance(item, _Raised):
-            self._queue.put(_END)
-            raise item.error
-        return item
+        return _delivered(self._queue.get(), self._queue)
 
     def close(self) -> None:
         """Stops the thread (it finishes the read in progress) and drops queued items."""
@@ -156,13 +160,7 @@ class ReadAhead:
     def __next__(self) -> Any:
         item = self._queue.get()
         self._slots.release()
-        if item is _END:
-            self._queue.put(_END)
-            raise StopIteration
-        if isinstance(item, _Raised):
-            self._queue.put(_END)
-            raise item.error
-        return item
+        return _delivered(item, self._queue)
 
     def stop(self) -> None:
         """No more reads; the queued elements are handed back (the one being read follows)."""

@@ -14,6 +14,7 @@ JAX backend) or a function wrapped in :func:`keras_order`.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 from typing import Any
 
@@ -217,6 +218,23 @@ def keras_order(fn: Callable) -> LossFn:
     return swapped
 
 
+def in_keras_order(fn: Callable) -> Callable:
+    """``fn`` called the way its parameters are named: ``fn(y_true, y_pred)`` (Keras's names)
+    gets the targets first (through :func:`keras_order`); any other callable keeps trainkit's
+    (optax's) order ``(predictions, targets)``.
+
+    >>> import jax.numpy as jnp
+    >>> signed = in_keras_order(lambda y_true, y_pred: y_pred - y_true)  # written for Keras
+    >>> float(signed(jnp.array(3.0), jnp.array(1.0)))  # predictions 3, targets 1
+    2.0
+    """
+    try:
+        names = [p.name for p in inspect.signature(fn).parameters.values()][:2]
+    except (TypeError, ValueError):  # a builtin without a signature
+        return fn
+    return keras_order(fn) if names == ["y_true", "y_pred"] else fn
+
+
 def is_keras_object(obj: Any) -> bool:
     """A Keras loss (or metric) object, called ``call(y_true, y_pred)``."""
     return type(obj).__module__.startswith("keras") and hasattr(obj, "call")
@@ -238,12 +256,12 @@ def _from_keras_loss(loss: Any) -> LossFn:
 
 
 def get_loss(loss: str | LossFn) -> LossFn:
-    """A loss function from a name, a callable ``(predictions, targets)``, or a Keras loss
-    object; unknown names list the known ones."""
+    """A loss function from a name, a callable ``(predictions, targets)`` (or ``(y_true,
+    y_pred)``, called Keras's way), or a Keras loss object; unknown names list the known ones."""
     if is_keras_object(loss):
         return _from_keras_loss(loss)
     if callable(loss):
-        return loss
+        return in_keras_order(loss)
     if isinstance(loss, str) and loss in LOSSES:
         return LOSSES[loss]
     raise ValueError(

@@ -135,6 +135,22 @@ def known_names() -> list[str]:
     return sorted({*METRICS, *SPACE_METRICS})
 
 
+#: Known metrics that improve upwards (Keras's ``_direction = "up"``); every other known one down.
+RISING = ("acc", "auc", "AUC", "precision", "recall", "r2_score", "cosine_similarity")
+
+
+def direction(name: str) -> str | None:
+    """``"max"`` or ``"min"`` for a metric known by this name, ``None`` for a user's own (whose
+    direction only its author knows, as in Keras).
+
+    >>> direction("val_accuracy".removeprefix("val_")), direction("mae"), direction("my_score")
+    ('max', 'min', None)
+    """
+    if name not in METRICS and name not in SPACE_METRICS:
+        return None
+    return "max" if any(part in name for part in RISING) else "min"
+
+
 def get_metrics(metrics: Sequence[str | MetricFn] | None, *, logits: bool = True) -> dict[str, MetricFn]:
     """Named per-example metric functions (or :mod:`trainkit.objective.metric_states` objects) for an
     output of logits (``logits=True``) or probabilities; unknown names list the known ones."""
@@ -143,8 +159,8 @@ def get_metrics(metrics: Sequence[str | MetricFn] | None, *, logits: bool = True
         if type(metric).__module__.startswith("keras") and hasattr(metric, "update_state"):
             raise TypeError(
                 f"{type(metric).__name__} is a stateful Keras metric object, which cannot run inside trainkit's "
-                "compiled step. Pass its name (e.g. 'accuracy'), or a function of (predictions, targets); a "
-                "function written for Keras's (y_true, y_pred) order goes through tk.losses.keras_order(fn)."
+                "compiled step. Pass its name (e.g. 'accuracy'), or a function of (predictions, targets), or one "
+                "whose parameters are named (y_true, y_pred), which is called Keras's way."
             )
         if isinstance(metric, str):
             if metric in SPACE_METRICS:
@@ -159,7 +175,7 @@ def get_metrics(metrics: Sequence[str | MetricFn] | None, *, logits: bool = True
         elif isinstance(metric, metric_states.StatefulMetric):
             name, fn = metric.__name__, metric.with_space(logits)
         elif callable(metric):
-            fn = metric
+            fn = losses.in_keras_order(metric)  # fn(y_true, y_pred) is called Keras's way
             name = getattr(metric, "__name__", None) or type(metric).__name__
             if isinstance(metric, functools.partial):
                 name = getattr(metric.func, "__name__", "metric")

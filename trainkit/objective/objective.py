@@ -241,13 +241,16 @@ class Objective:
         several = len(self.outputs) > 1
         prefix = lambda out, name: f"{out.name}_{name}" if several else name  # noqa: E731
         fns: dict[str, Callable] = {}
+        self.directions: dict[str, str | None] = {"loss": "min"}
         for out in self.outputs:
             select = self._selector(out)
             for name, fn in metrics_lib.get_metrics(metrics[out.name], logits=out.logits).items():
                 fns[prefix(out, name)] = select(fn)
+                self.directions[prefix(out, name)] = metrics_lib.direction(name)
             for name, fn in metrics_lib.get_metrics(weighted[out.name], logits=out.logits).items():
                 key = prefix(out, name)
-                fns[prefix(out, f"weighted_{name}") if key in fns else key] = metrics_lib.Weighted(select(fn))
+                key = prefix(out, f"weighted_{name}") if key in fns else key
+                fns[key], self.directions[key] = metrics_lib.Weighted(select(fn)), metrics_lib.direction(name)
         terms: dict[str, Callable] = {}
         if sum(out.loss is not None for out in self.outputs) > 1:
             loss = self.spec[0]  # Keras logs the outputs' losses in the order of a loss dict
@@ -258,6 +261,7 @@ class Objective:
                         self._selector(out)(losses.per_example(out.loss)), f"{out.name}_loss"
                     )
         self.metric_fns = {**terms, **fns}
+        self.directions.update(dict.fromkeys(terms, "min"))
         self.log_order = ("loss", *terms, *(sorted(fns) if several else fns))
         self.probes = {
             f"_probabilities/{out.name}": self._selector(out)(lambda p, t: losses.looks_like_probabilities(p))
@@ -308,10 +312,12 @@ class Objective:
                 continue
             target = np.asarray(_pick(targets, out.key, "targets"))
             where = part + (f"[{out.key!r}]" if out.key is not None else "")
+            shape = None if outputs is None else tuple(_pick(outputs, out.key, "model's outputs").shape[1:])
+            if losses.is_sparse(out.loss) and shape in (None, target.shape[1:]):  # class ids have one axis less
+                checks.not_one_hot(target, out.loss_name, f"The labels {where}")
             losses.check_targets(out.loss, target)
-            if outputs is None:
+            if shape is None:
                 continue
-            shape = tuple(_pick(outputs, out.key, "model's outputs").shape[1:])
             if losses.is_sparse(out.loss):
                 labels = target[..., 0] if target.ndim == len(shape) + 1 and target.shape[-1] == 1 else target
                 checks.same_shape(labels.shape[1:], shape[:-1], out.loss_name, f"The labels {where}")

@@ -208,6 +208,7 @@ class Setup:
         )
         if self.state is not None:
             data_lib.check_same_inputs(self.input_spec, prepared.spec)
+        self.output_spec(prepared.first_x)  # the model traced on the first batch, before anything compiles
         if targets and prepared.has_targets:
             self.objective.build(prepared.first_y)
             if self.objective.has_loss and not self.custom_loss:
@@ -317,13 +318,27 @@ class Setup:
         self.on_restore(int(self.state.step))
 
     def output_spec(self, first_x: PyTree) -> PyTree:
-        """The shapes of the model's outputs for the first batch (traced, never run; cached)."""
+        """The shapes of the model's outputs for the first batch (traced, never run; cached).
+        An error while tracing the model is raised again with the inputs it was given, and
+        outputs without one row per input row are refused (the model mixes the batch axis)."""
         if self._outputs is None:
             apply = self.program.apply
-            state = abstract(self.state) if self.state is not None else self.program.abstract_state(first_x)
-            self._outputs = jax.eval_shape(
-                lambda s, x: apply(s.params, s.model_state, x, rng=s.rng, train=False)[0], state, first_x
-            )
+            try:
+                state = abstract(self.state) if self.state is not None else self.program.abstract_state(first_x)
+                outputs = jax.eval_shape(
+                    lambda s, x: apply(s.params, s.model_state, x, rng=s.rng, train=False)[0], state, first_x
+                )
+            except Exception as error:  # noqa: BLE001 - the model's own error, raised again with its inputs
+                raise ValueError(
+                    f"The model raised {type(error).__name__} when called on the first batch, whose inputs are "
+                    f"{data_lib.describe_shapes(first_x)}: {error}\nCheck the input shape the model expects: a "
+                    "missing channel axis (images of shape (N, H, W) for a Conv: pass x[..., None]), or "
+                    "channels-first data (torch's (N, C, H, W): Flax's Conv takes (N, H, W, C), "
+                    "x.transpose(0, 2, 3, 1))."
+                ) from error
+            if not self.custom_loss:  # a compute_loss of your own may use outputs that are not per row
+                data_lib.check_rows_kept(first_x, outputs)
+            self._outputs = outputs
         return self._outputs
 
     # ------------------------------------------------------------------ the plan and "auto"
