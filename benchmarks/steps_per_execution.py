@@ -59,6 +59,7 @@ def keras_fit(x, y, k: int):
     except ImportError:
         return None
     keras.utils.set_random_seed(0)
+    keras.distribution.set_distribution(None)  # one device (an earlier benchmark may have set DataParallel)
     layers = keras.layers
     model = keras.Sequential([keras.Input((FEATURES,)), layers.Dense(HIDDEN, activation="relu"), layers.Dense(CLASSES)])
     model.compile(
