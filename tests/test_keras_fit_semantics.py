@@ -211,21 +211,69 @@ class SoftmaxHead(nn.Module):
         return nn.softmax(nn.Dense(3)(x))
 
 
-def test_a_logits_loss_fed_probabilities_warns_once(data):
+@pytest.mark.parametrize(
+    "loss, head, reading",
+    [
+        ("sparse_categorical_crossentropy", "softmax", "SparseCategoricalCrossentropy"),
+        ("categorical_crossentropy", "softmax", "CategoricalCrossentropy"),
+        ("binary_crossentropy", "sigmoid", "BinaryCrossentropy"),
+    ],
+)
+def test_probabilities_into_a_logits_loss_stop_fit_before_any_update(data, loss, head, reading):
+    """A Keras port keeps its final softmax and Keras's string loss: trainkit's names take logits,
+    so that would train on another loss. It stops before the first update, naming the loss that
+    reads probabilities; that loss then trains as Keras does."""
     x, y = data
-    trainer = tk.Trainer(
-        SoftmaxHead(), loss="sparse_categorical_crossentropy", optimizer=optax.sgd(0.1), strategy="single"
-    )
-    with pytest.warns(UserWarning, match="outputs look like probabilities.*from_logits=True"):
-        trainer.fit(x, y, epochs=2, batch_size=BATCH, verbose=0)
-    import warnings as warnings_module
+    targets = {"sparse_categorical_crossentropy": y, "categorical_crossentropy": np.eye(3, dtype="float32")[y]}
+    targets = targets.get(loss, (y > 0).astype("float32")[:, None])
+    units = 1 if head == "sigmoid" else 3
 
-    with warnings_module.catch_warnings():
-        warnings_module.simplefilter("error")  # once per trainer
-        trainer.fit(x, y, epochs=1, batch_size=BATCH, verbose=0)
-        tk.Trainer(
-            nn.Dense(3), loss="sparse_categorical_crossentropy", optimizer=optax.sgd(0.1), strategy="single"
-        ).fit(x, y, batch_size=BATCH, verbose=0)  # logits: no warning
+    class Head(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            out = nn.Dense(units)(x)
+            return nn.sigmoid(out) if head == "sigmoid" else nn.softmax(out)
+
+    trainer = tk.Trainer(Head(), loss=loss, optimizer=optax.sgd(0.1), strategy="single")
+    with pytest.raises(
+        ValueError, match=rf"look like probabilities.*loss '{loss}' takes logits.*tk.losses.{reading}\(\)"
+    ):
+        trainer.fit(x, targets, epochs=1, batch_size=BATCH, verbose=0)
+    assert trainer.global_step == 0  # nothing trained on the wrong loss
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(units, activation=head)])
+    model.compile(optimizer=keras.optimizers.SGD(0.1), loss=loss)
+    kernel, bias = model.get_weights()
+    theirs = model.fit(x, targets, epochs=2, batch_size=BATCH, shuffle=False, verbose=0).history
+    fixed = tk.Trainer(
+        Head(),
+        loss=getattr(tk.losses, reading)(),
+        optimizer=optax.sgd(0.1),
+        strategy="single",
+        params={"Dense_0": {"kernel": kernel, "bias": bias}},
+    )
+    ours = fixed.fit(x, targets, epochs=2, batch_size=BATCH, shuffle=False, verbose=0).history
+    np.testing.assert_allclose(ours["loss"], theirs["loss"], rtol=2e-5)
+    tk.Trainer(nn.Dense(units), loss=loss, optimizer=optax.sgd(0.1), strategy="single").fit(
+        x, targets, batch_size=BATCH, verbose=0
+    )  # logits: trains
+
+
+def test_a_model_that_mixes_rows_is_stopped_before_training_unless_it_says_so():
+    class MeanOverBatch(nn.Module):  # every row's output depends on the whole batch
+        @nn.compact
+        def __call__(self, x):
+            return nn.Dense(3)(x - x.mean(axis=0, keepdims=True))
+
+    rng = np.random.default_rng(0)
+    x, y = rng.normal(size=(32, 4)).astype("float32"), rng.integers(0, 3, 32).astype("int32")
+    trainer = tk.Trainer(MeanOverBatch(), loss="sparse_categorical_crossentropy", optimizer=optax.sgd(0.1))
+    with pytest.raises(ValueError, match=r"mixes the rows of a batch.*inputs float32\[16, 4\].*mixes_rows=True"):
+        trainer.fit(x, y, batch_size=16, verbose=0)
+    assert trainer.global_step == 0
+    tk.Trainer(MeanOverBatch(), loss="sparse_categorical_crossentropy", optimizer=optax.sgd(0.1), mixes_rows=True).fit(
+        x, y, batch_size=16, epochs=1, verbose=0
+    )  # the opt-out
 
 
 def test_keras_loss_objects_and_keras_order_functions_match_keras(data):

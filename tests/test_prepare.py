@@ -114,7 +114,10 @@ class PairsOfRows(nn.Module):
 
 def test_the_model_is_initialised_on_a_real_batch():
     x, y = make_classification(64)
-    trainer = tk.Trainer(PairsOfRows(), loss="sparse_categorical_crossentropy", optimizer=optax.adam(0.01))
+    # it mixes rows on purpose (pairs), which trainkit checks unless told
+    trainer = tk.Trainer(
+        PairsOfRows(), loss="sparse_categorical_crossentropy", optimizer=optax.adam(0.01), mixes_rows=True
+    )
     history = trainer.fit(x, y, batch_size=16, epochs=1, verbose=0, shuffle=False)
     assert np.isfinite(history.history["loss"][0])
     assert trainer.params["Dense_0"]["kernel"].shape == (10, 6)

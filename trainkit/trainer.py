@@ -61,8 +61,8 @@ class Trainer:
         grad_accum_steps: micro-batches per global batch in one compiled step.
         log_grad_norm: also log the global gradient norm (``grad_norm``).
         steps_per_execution: batches per compiled call (a ``lax.scan``; hooks once per call) or ``"auto"``.
-        run_eagerly: every step op by op on one device (``print`` and pdb work; slow).
-        jit_compile: Keras's switch: ``False`` is ``run_eagerly=True``.
+        run_eagerly: every step op by op on one device (``print`` and pdb work); ``jit_compile=False`` too.
+        mixes_rows: the model mixes a batch's rows on purpose (else checked before training).
 
     Override :meth:`compute_loss` for a loss that is not ``loss(predictions, y)``. See
     docs/quickstart.md, docs/outputs.md and docs/precision_and_memory.md for each argument.
@@ -87,6 +87,7 @@ class Trainer:
         steps_per_execution: int | str = 1,
         run_eagerly: bool = False,
         jit_compile: bool | str = "auto",
+        mixes_rows: bool = False,
     ):
         distributed.initialize_from_environment()  # a multi-process job: connect first
         custom_loss = type(self).compute_loss is not Trainer.compute_loss
@@ -116,6 +117,7 @@ class Trainer:
             strategy,
             steps_per_execution=steps_per_execution,
             custom_loss=custom_loss,
+            mixes_rows=mixes_rows,
             on_restore=self.loop.restored,
         )
         self.history: History | None = None

@@ -25,6 +25,7 @@ from trainkit.data.batching import (
     one_batch_size,
     pad_batch,
     split_xyw,
+    take,
     to_host,
 )
 from trainkit.data.epochs import continues_across_epochs, epoch_batches, epoch_steps
@@ -65,6 +66,7 @@ __all__ = [
     "sources",
     "split_validation",
     "split_xyw",
+    "take",
     "to_host",
     "with_class_weight",
 ]

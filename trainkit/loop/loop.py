@@ -221,7 +221,7 @@ class Loop:
         optimizer steps (on the state of that step) and the epoch logs carry the latest."""
         epochs, steps, max_steps = config.epochs, config.steps, config.max_steps
         self.epoch_steps = steps
-        validation, first_step = config.validation, config.first_step
+        validation = config.validation
         # TerminateOnNaN watches the loss itself: no warning of the loop's then
         warn_non_finite = config.warn_non_finite and not callbacks.stops_on_non_finite
         validation_interval = config.validation_interval
@@ -260,10 +260,7 @@ class Loop:
                 if max_steps is not None:  # nothing read past the last step
                     batches = itertools.islice(batches, max(max_steps - self.position.step, 0))
                 with self._train_reader(dataset, batches, max_steps) as reader:
-                    ran, logs = self._train_epoch(
-                        train_fn, reader, callbacks, max_steps, warn_non_finite, read_ahead, first_step
-                    )
-                first_step = None
+                    ran, logs = self._train_epoch(train_fn, reader, callbacks, max_steps, warn_non_finite, read_ahead)
                 if self.preempted:
                     break
                 if ran == 0 and first == 0:
@@ -311,11 +308,11 @@ class Loop:
         return self._reader(dataset, spans, self.batch_size)
 
     def _train_epoch(
-        self, train_fn, batches: Iterable, callbacks, max_steps, warn_non_finite, read_ahead, first_step=None
+        self, train_fn, batches: Iterable, callbacks, max_steps, warn_non_finite, read_ahead
     ) -> tuple[int, dict]:
         """One epoch's steps. Each compiled call merges its metrics into the epoch's totals on
         the device (:class:`~trainkit.core.totals.EpochTotals`); the host reads them at the end,
-        after the first step when ``first_step`` checks it, and for a batch-end hook only when a
+        and for a batch-end hook only when a
         callback reads its logs then (the progress bar: on a clock)."""
         session, epoch = self.session, self.position.epoch
         batch_begin, batch_end, order = callbacks.on_train_batch_begin, callbacks.on_train_batch_end, session.log_order
@@ -395,9 +392,6 @@ class Loop:
         for record, carry in in_order(dispatch(), lag):
             carry.steps.block_until_ready()  # at most `lag` executions queued behind this one
             ran, last = ran + record.steps, carry
-            if first_step is not None:  # the first step of the fit: its probes
-                first_step(host_metrics(carry.metrics))
-                first_step = None
             if batch_end.active:
                 self.record = record
                 batch_end(record.batch, lambda carry=carry: metrics_lib.compute(host_metrics(carry.metrics), order))

@@ -70,8 +70,7 @@ class FitConfig:
 
     ``steps``: batches per epoch (``None``: until the data ends); ``validation`` is evaluated
     after the epochs ``validation_freq`` names, or with ``validation_interval`` after every that
-    many optimizer steps; ``first_step`` receives the host metric totals of the first step;
-    ``continuing``: epochs walk on through the data (Keras's ``steps_per_epoch`` on arrays);
+    many optimizer steps; ``continuing``: epochs walk on through the data (Keras's ``steps_per_epoch`` on arrays);
     ``warn_non_finite``: warn once per epoch when the loss is not finite.
     """
 
@@ -87,7 +86,6 @@ class FitConfig:
     validation_interval: int | None = None
     validation_steps: int | None = None
     warn_non_finite: bool = True
-    first_step: Callable[[dict], None] | None = None
     continuing: bool = False
 
     @classmethod

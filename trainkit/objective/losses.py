@@ -4,7 +4,8 @@ A loss is ``loss(predictions, targets)`` in optax's argument order, returning pe
 values (shape ``(batch, ...)``) or a scalar mean. Built-in names expect *logits* for the
 cross-entropies, as Flax models usually output them. Keras's order ``fn(y_true, y_pred)`` is
 taken from a Keras loss object (``keras.losses.SparseCategoricalCrossentropy(from_logits=False)``,
-JAX backend) or a function wrapped in :func:`keras_order`.
+JAX backend), a function whose parameters are named ``y_true, y_pred``, or one wrapped in
+:func:`keras_order`.
 
 >>> import jax.numpy as jnp
 >>> loss = get_loss("mse")
@@ -20,6 +21,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 from trainkit.objective import crossentropy
@@ -291,6 +293,16 @@ def per_example(loss: LossFn) -> LossFn:
     return values
 
 
+def reading_probabilities(loss: LossFn) -> str:
+    """The loss object that reads probabilities in place of a logits ``loss`` (Keras's
+    ``from_logits=False``), as a user writes it."""
+    if loss in (sparse_categorical_crossentropy, optax.softmax_cross_entropy_with_integer_labels):
+        return "tk.losses.SparseCategoricalCrossentropy()"
+    if loss in (binary_crossentropy, optax.sigmoid_binary_cross_entropy, binary_focal_crossentropy):
+        return "tk.losses.BinaryCrossentropy()"
+    return "tk.losses.CategoricalCrossentropy()"
+
+
 def looks_like_probabilities(outputs: jax.Array, targets: Any = None) -> jax.Array:
     """1.0 for each row whose outputs look like probabilities rather than logits: non-negative
     and summing to 1 (several classes), or inside ``[0, 1]`` (one output). Only the first
@@ -299,15 +311,16 @@ def looks_like_probabilities(outputs: jax.Array, targets: Any = None) -> jax.Arr
     >>> looks_like_probabilities(jnp.array([[0.2, 0.8], [2.0, -1.0]])).tolist()
     [1.0, 0.0]
     """
-    outputs = jnp.asarray(outputs)
+    xp = np if isinstance(outputs, np.ndarray) else jnp  # host values: NumPy, no device op
+    outputs = xp.asarray(outputs)
     if outputs.ndim == 1:
         outputs = outputs[:, None]
-    first = outputs.reshape(outputs.shape[0], -1, outputs.shape[-1])[:, 0, :].astype(jnp.float32)
+    first = outputs.reshape(outputs.shape[0], -1, outputs.shape[-1])[:, 0, :].astype(xp.float32)
     if first.shape[-1] == 1:
         flags = (first >= 0) & (first <= 1)
     else:
-        flags = (first >= 0) & (jnp.abs(first.sum(axis=-1, keepdims=True) - 1) < 1e-3)
-    return jnp.all(flags, axis=1).astype(jnp.float32)
+        flags = (first >= 0) & (xp.abs(first.sum(axis=-1, keepdims=True) - 1) < 1e-3)
+    return xp.all(flags, axis=1).astype(xp.float32)
 
 
 def is_sparse(loss: Any) -> bool:

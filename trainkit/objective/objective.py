@@ -263,11 +263,6 @@ class Objective:
         self.metric_fns = {**terms, **fns}
         self.directions.update(dict.fromkeys(terms, "min"))
         self.log_order = ("loss", *terms, *(sorted(fns) if several else fns))
-        self.probes = {
-            f"_probabilities/{out.name}": self._selector(out)(lambda p, t: losses.looks_like_probabilities(p))
-            for out in self.outputs
-            if out.loss in losses.LOGITS_LOSSES
-        }
 
     @staticmethod
     def _selector(out: Output):
@@ -339,11 +334,28 @@ class Objective:
         values = [logs[k] for k in order if k in logs] + [v for k, v in sorted(logs.items()) if k not in order]
         return values[0] if len(values) == 1 else values
 
-    def loss_named(self, probe: str) -> str:
-        """The loss name of the output a ``_probabilities/<output>`` probe watches."""
-        name = probe.split("/", 1)[1]
-        out = next(o for o in self.outputs if o.name == name)
-        return out.loss_name + (f" (output {out.name!r})" if out.name else "")
+    @property
+    def takes_logits(self) -> bool:
+        """Whether an output's loss takes logits by definition (a cross-entropy by name, optax's)."""
+        return any(out.loss in losses.LOGITS_LOSSES for out in self.outputs)
+
+    def probability_outputs(self, predictions: PyTree) -> list[tuple[str, str]]:
+        """``(loss, the loss object that reads probabilities)`` for each output whose loss takes
+        logits but whose ``predictions`` (host values) all look like probabilities.
+
+        >>> import numpy as np
+        >>> Objective("sparse_categorical_crossentropy").probability_outputs(np.array([[0.3, 0.7], [0.5, 0.5]]))
+        [("'sparse_categorical_crossentropy'", 'tk.losses.SparseCategoricalCrossentropy()')]
+        """
+        found = []
+        for out in self.outputs:
+            if out.loss not in losses.LOGITS_LOSSES:
+                continue
+            flags = np.asarray(losses.looks_like_probabilities(_pick(predictions, out.key, "model's outputs")))
+            if flags.size and flags.all():
+                name = repr(out.loss_name) + (f" (output {out.name!r})" if out.name else "")
+                found.append((name, losses.reading_probabilities(out.loss)))
+        return found
 
 
 def _pick_output(key: Any, predictions: PyTree, targets: PyTree) -> tuple[PyTree, PyTree]:

@@ -53,9 +53,8 @@ class Program:
             adapter's call under it and the precision policy.
         optimizer, precision, grad_accum_steps, log_grad_norm, seed: as the
             :class:`trainkit.Trainer` arguments.
-        objective: a :class:`trainkit.objective.Objective`; its ``metric_fns`` (and its
-            ``probes``, per-row checks the train step also averages under ``_`` names, which
-            the Trainer reads after the first step) are read when a step is compiled.
+        objective: a :class:`trainkit.objective.Objective`; its ``metric_fns`` are read when a
+            step is compiled.
         variables: variables to start from (fine-tuning), or ``None``.
         eager: no compilation: :meth:`compile` returns the pure step (Keras's ``run_eagerly``).
     """
@@ -142,7 +141,7 @@ class Program:
         return make_train_step(
             self.compute_loss,
             self.optimizer,
-            {**self.objective.metric_fns, **self.objective.probes},
+            self.objective.metric_fns,
             axis,
             grad_accum_steps=self.grad_accum_steps,
             log_grad_norm=self.log_grad_norm,

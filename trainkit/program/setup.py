@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -52,6 +51,9 @@ from trainkit.version import __version__
 
 logger = logging.getLogger("trainkit")
 
+#: Rows of the first batch that :meth:`Setup.check_outputs` runs the model on.
+CHECKED_ROWS = 32
+
 
 def check_trainer_arguments(optimizer: Any, grad_accum_steps: Any, jit_compile: Any, *, has_loss: bool) -> None:
     """Refuses the ``Trainer`` arguments that cannot work, saying what to pass."""
@@ -68,6 +70,13 @@ def check_trainer_arguments(optimizer: Any, grad_accum_steps: Any, jit_compile: 
         raise ValueError(f"jit_compile must be True, False or 'auto'; received {jit_compile!r}.")
 
 
+def _same_rows(rows: np.ndarray, first: np.ndarray) -> bool:
+    """Every row of ``rows`` equals ``first`` to the precision of their dtype (non-finite alike)."""
+    low = np.dtype(rows.dtype).itemsize < 4  # bf16 / fp16 outputs
+    rows, first = rows.astype(np.float64), first.astype(np.float64)
+    return bool(np.allclose(rows, first, rtol=1e-2 if low else 1e-4, atol=1e-2 if low else 1e-5, equal_nan=True))
+
+
 class Setup:
     """The strategy, the state and the compiled steps of one trainer (see the module docstring).
 
@@ -76,6 +85,7 @@ class Setup:
         strategy: a strategy, a name, ``"auto"`` or an :class:`~trainkit.strategies.Auto`.
         steps_per_execution: batches per compiled training call, or ``"auto"``.
         custom_loss: the trainer overrides ``compute_loss`` (targets are then optional).
+        mixes_rows: the model mixes the rows of a batch on purpose (see :meth:`check_outputs`).
         on_restore: called with the optimizer step of every new state (the loop's position).
     """
 
@@ -86,10 +96,12 @@ class Setup:
         *,
         steps_per_execution: int | str = 1,
         custom_loss: bool = False,
+        mixes_rows: bool = False,
         on_restore: Callable[[int], None] = lambda step: None,
     ):
         compile_cache.configure()  # compiled steps persist across runs (TRAINKIT_COMPILATION_CACHE)
         self.program, self.objective, self.custom_loss = program, program.objective, custom_loss
+        self.mixes_rows = mixes_rows  # the model mixes a batch's rows on purpose: not checked
         chosen = resolve_strategy("single" if program.eager and strategy == "auto" else strategy)
         if program.eager and not isinstance(chosen, SingleDevice):
             raise ValueError(
@@ -222,7 +234,46 @@ class Setup:
         data_lib.check_batch_size(batch_size, self.strategy.num_batch_shards, micro_batches=micro_batches)
         if self.state is None:
             self.create_state(prepared)
+            self.check_outputs(prepared.first_x)
         return prepared
+
+    def check_outputs(self, first_x: PyTree) -> None:
+        """Before the first update, on up to ``CHECKED_ROWS`` rows of the first batch in eval
+        mode (one compiled forward pass, called twice): that the model treats the leading axis
+        as the batch (the first row gets the same outputs among copies of itself), and that a loss taking
+        logits does not receive probabilities (a model ported from Keras with its final
+        softmax or sigmoid, which would train on another loss)."""
+        if self.custom_loss or jax.process_count() > 1:
+            return
+        rows = min(CHECKED_ROWS, data_lib.num_rows(first_x))
+        x = data_lib.take(first_x, slice(0, rows))
+        apply = self.program.apply
+
+        def checked_forward(state, x):  # eval mode, as predict runs the model
+            return apply(state.params, state.model_state, x, rng=state.rng, train=False)[0]
+
+        forward = jax.jit(checked_forward)
+        outputs = jax.tree.map(np.asarray, forward(self.state, x))
+        if rows > 1 and not self.mixes_rows:  # the first row alone (repeated) must get its own outputs
+            alone = jax.tree.map(np.asarray, forward(self.state, data_lib.take(x, np.zeros(rows, np.int64))))
+            pairs = zip(*map(jax.tree.leaves, (outputs, alone)))
+            if not all(_same_rows(b, a[:1]) for a, b in pairs):
+                raise ValueError(
+                    f"The model mixes the rows of a batch: the first row of the first batch (inputs "
+                    f"{data_lib.describe_shapes(x)}) gets other outputs in a batch of copies of itself than among "
+                    "the other rows. Flax layers read the leading axis as the batch only when the input has the "
+                    "rank they expect: a Conv given images without their channel axis ((N, H, W) instead of "
+                    "(N, H, W, C)) convolves over the batch. Fix the input shape (x[..., None]), or, for a "
+                    "model that mixes rows on purpose, pass Trainer(mixes_rows=True)."
+                )
+        for loss, reading in self.objective.probability_outputs(outputs):
+            raise ValueError(
+                f"The model's outputs look like probabilities (each of the first {rows} rows non-negative and "
+                f"summing to 1, or in [0, 1] for one output), but the loss {loss} takes logits: trainkit's "
+                "cross-entropies by name are Keras's with from_logits=True, so this would train on another loss "
+                f"than Keras does. Pass loss={reading} (Keras's default, from_logits=False), or remove the "
+                "model's final softmax / sigmoid."
+            )
 
     def one_batch_size(self, data: Any) -> int:
         """A batch size holding all rows of ``data`` that the devices can split (``*_on_batch``)."""
@@ -281,7 +332,6 @@ class Setup:
             steps=data_lib.epoch_steps(source, batch_size, config.steps_per_epoch, config.epochs),
             validation=validation,
             warn_non_finite=config.warn_non_finite and isinstance(self.state.loss_scale, NoLossScale),
-            first_step=self.check_first_step if self.checks_first_step else None,
             continuing=data_lib.continues_across_epochs(source, batch_size, config.steps_per_epoch),
         )
 
@@ -423,25 +473,3 @@ class Setup:
             state, axis = abstract(self.require_state()), self.strategy.axis_name
             self._totals[key] = self.program.empty_totals(key, state, host_batch, axis)
         return self._totals[key]
-
-    def check_first_step(self, metrics: dict) -> None:
-        """Warns once when a loss that takes logits received outputs that look like
-        probabilities (a model ported from Keras with a final softmax or sigmoid)."""
-        for probe_name in self.objective.probes:
-            probe = metrics.get(probe_name)
-            if probe is None or self._warned_probabilities or not probe.count or probe.total < probe.count:
-                continue
-            self._warned_probabilities = True
-            warnings.warn(
-                f"The model's outputs look like probabilities (every row non-negative and summing to 1, or in [0, 1] "
-                f"for one output), but the loss {self.objective.loss_named(probe_name)!r} takes logits: trainkit's "
-                "cross-entropies by name are Keras's with from_logits=True, so this trains on another loss than "
-                "Keras would. Remove the final softmax / sigmoid, or pass a loss object that reads probabilities, "
-                "such as tk.losses.SparseCategoricalCrossentropy() (Keras's default from_logits=False).",
-                stacklevel=4,
-            )
-
-    @property
-    def checks_first_step(self) -> bool:
-        """Whether the first step's probes are worth reading (a logits loss by name)."""
-        return not self.custom_loss and bool(self.objective.probes)
