@@ -376,6 +376,7 @@ METRIC_NAMES = {  # name: targets
     "mape": "positive",
     "msle": "positive",
     "cosine_similarity": "positive",
+    "log_cosh_error": "positive",
     "hinge": "binary",
     "squared_hinge": "binary",
     "categorical_hinge": "one_hot",
@@ -582,3 +583,33 @@ def test_functions_named_keras_s_way_get_keras_s_order(data):
         return (predictions - targets).mean(axis=-1)
 
     assert tk.losses.in_keras_order(optax_order) is optax_order
+
+
+def test_verbose_2_prints_keras_s_epoch_lines(data, capsys):
+    """``fit(verbose=2)``: Keras's ``Epoch 1/2`` then ``4/4 - 0s - 3ms/step - loss: ...`` per
+    epoch, with the same counts and keys (the times differ)."""
+    import io
+    import re
+
+    from rich.console import Console
+
+    x, y = data
+    model, trainer = twins()
+    model.fit(x, y, epochs=2, batch_size=BATCH, verbose=2, validation_data=(x, y))
+    theirs = [line for line in capsys.readouterr().out.splitlines() if line.strip()]
+    buffer = io.StringIO()
+    bar = tk.callbacks.ProgressBar(verbose=2, console=Console(file=buffer, width=300))
+    trainer.fit(x, y, epochs=2, batch_size=BATCH, verbose=2, validation_data=(x, y), callbacks=[bar])
+    ours = [line for line in buffer.getvalue().splitlines() if line.strip()]
+
+    def shape(line):  # times and values out; counts, order and keys kept
+        return re.sub(
+            r"\d+(ms|us|s)/step",
+            "T/step",
+            re.sub(r" - \d+s - ", " - Ts - ", re.sub(r": -?[\d.]+(e[-+]\d+)?", ": v", line)),
+        )
+
+    assert [shape(line) for line in ours] == [shape(line) for line in theirs], (ours, theirs)
+    assert ours[0] == "Epoch 1/2" and re.fullmatch(
+        r"4/4 - \d+s - \d+(ms|us|s)/step - accuracy: [\d.]+ - loss: .*", ours[1]
+    )

@@ -256,6 +256,7 @@ METRIC_CASES = {  # every metric name: (targets, softmax outputs, Keras's name f
     ),
     "log_cosh": ("normal", False, "log_cosh_error"),
     "logcosh": ("normal", False, "log_cosh_error"),
+    "log_cosh_error": ("normal", False, None),  # Keras 3's own name
     **dict.fromkeys(
         ["msle", "mean_squared_logarithmic_error", "poisson", "kl_divergence"], ("probabilities", True, None)
     ),

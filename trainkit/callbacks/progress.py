@@ -55,6 +55,7 @@ class ProgressBar(Callback):
         self._epochs: int | None = None
         self._steps: int | None = None
         self._seen, self._next_draw = 0, 0.0  # batches done this epoch; when the bar redraws next
+        self._started, self._after_first = 0.0, None  # the epoch's start; (batches, time) after its first
 
     def set_params(self, params: dict | None) -> None:
         super().set_params(params)
@@ -71,6 +72,10 @@ class ProgressBar(Callback):
         return f"Epoch {epoch + 1}/{self._epochs}" if self._epochs else f"Epoch {epoch + 1}"
 
     def on_epoch_begin(self, epoch: int, logs: Logs | None = None) -> None:
+        self._seen, self._started, self._after_first = 0, time.monotonic(), None
+        if self.verbose == 2 and self.console is not None:  # Keras's two lines: this one, then the epoch's
+            if self._epochs is None or self._epochs > 1:
+                self.console.print(self._describe(epoch), highlight=False)
         if self.verbose != 1:
             return
         # One live bar per epoch: when it stops, its last frame stays above the next epoch's.
@@ -99,6 +104,8 @@ class ProgressBar(Callback):
         """Redraws at most every ``REFRESH_SECONDS`` (the logs are read from the device only
         then); in between it only counts the batch."""
         self._seen = batch + 1
+        if self._after_first is None:  # Keras's time per step leaves the first (compiling) step out
+            self._after_first = (self._seen, time.monotonic())
         if self._progress is None or not logs:
             return
         now = time.monotonic()
@@ -115,7 +122,25 @@ class ProgressBar(Callback):
             self._progress = None
             self.console.print(f"  {format_logs(logs)}", highlight=False, soft_wrap=True)
         elif self.verbose == 2 and self.console is not None:
-            self.console.print(f"{self._describe(epoch)}  {format_logs(logs)}", highlight=False, soft_wrap=True)
+            self.console.print(self._keras_line(logs), highlight=False, soft_wrap=True)
+
+    def _keras_line(self, logs: Logs | None) -> str:
+        """Keras's ``verbose=2`` epoch line: ``11/11 - 4s - 395ms/step - loss: 0.6931 - ...``."""
+        now, seen = time.monotonic(), self._seen
+        target = self._steps or seen
+        first_seen, first_at = self._after_first or (0, self._started)
+        per_step = (now - first_at) / (seen - first_seen) if seen > first_seen else (now - self._started) / max(seen, 1)
+        if per_step >= 1 or per_step == 0:
+            pace = f"{per_step:.0f}s/step"
+        elif per_step >= 1e-3:
+            pace = f"{per_step * 1e3:.0f}ms/step"
+        else:
+            pace = f"{per_step * 1e6:.0f}us/step"
+        digits = len(str(target))
+        line = f"{seen:{digits}d}/{target} - {now - self._started:.0f}s - {pace}"
+        for key, value in (logs or {}).items():
+            line += f" - {key}: {value:.4f}" if value > 1e-3 else f" - {key}: {value:.4e}"  # as Keras
+        return line
 
     def on_train_end(self, logs: Logs | None = None) -> None:
         if self._progress is not None:  # stopped mid-epoch

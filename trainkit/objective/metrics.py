@@ -109,6 +109,7 @@ METRICS: dict[str, MetricFn] = {
     "cosine_similarity": cosine_similarity,
     "log_cosh": losses.log_cosh,
     "logcosh": losses.log_cosh,
+    "log_cosh_error": losses.log_cosh,  # Keras 3's metric name (keras.metrics.LogCoshError)
     "hinge": losses.hinge,
     "squared_hinge": losses.squared_hinge,
     "categorical_hinge": losses.categorical_hinge,
