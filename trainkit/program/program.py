@@ -133,6 +133,11 @@ class Program:
             return make_predict_step(self.apply)
         return with_totals(self.metrics_step(kind, axis), trains=kind == "train")
 
+    def outputs(self, state: TrainState, x: PyTree) -> PyTree:
+        """The model's outputs for inputs ``x`` in inference mode, as the predict step computes
+        them (pure: trace it with ``jax.eval_shape`` or compile it with ``jax.jit``)."""
+        return make_predict_step(self.apply)(state, {"x": x})
+
     def metrics_step(self, kind: str, axis: str | None) -> Callable:
         """The ``"train"`` step ``(state, batch) -> (state, metrics)`` or the ``"eval"`` step
         ``(state, batch) -> metrics``, before their metrics are merged into the totals."""

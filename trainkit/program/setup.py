@@ -247,12 +247,7 @@ class Setup:
             return
         rows = min(CHECKED_ROWS, data_lib.num_rows(first_x))
         x = data_lib.take(first_x, slice(0, rows))
-        apply = self.program.apply
-
-        def checked_forward(state, x):  # eval mode, as predict runs the model
-            return apply(state.params, state.model_state, x, rng=state.rng, train=False)[0]
-
-        forward = jax.jit(checked_forward)
+        forward = jax.jit(self.program.outputs)
         outputs = jax.tree.map(np.asarray, forward(self.state, x))
         if rows > 1 and not self.mixes_rows:  # the first row alone (repeated) must get its own outputs
             alone = jax.tree.map(np.asarray, forward(self.state, data_lib.take(x, np.zeros(rows, np.int64))))
@@ -372,12 +367,9 @@ class Setup:
         An error while tracing the model is raised again with the inputs it was given, and
         outputs without one row per input row are refused (the model mixes the batch axis)."""
         if self._outputs is None:
-            apply = self.program.apply
             try:
                 state = abstract(self.state) if self.state is not None else self.program.abstract_state(first_x)
-                outputs = jax.eval_shape(
-                    lambda s, x: apply(s.params, s.model_state, x, rng=s.rng, train=False)[0], state, first_x
-                )
+                outputs = jax.eval_shape(self.program.outputs, state, first_x)
             except Exception as error:  # noqa: BLE001 - the model's own error, raised again with its inputs
                 raise ValueError(
                     f"The model raised {type(error).__name__} when called on the first batch, whose inputs are "
