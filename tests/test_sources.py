@@ -115,6 +115,17 @@ def test_grain_iter_dataset_and_data_loader(strategy, arrays_in_order):
     tree_allclose(train(loader, strategy), arrays_in_order)
 
 
+def test_a_batched_grain_map_dataset_is_read_as_its_batches(strategy, arrays_in_order):
+    """``MapDataset.batch(n)``, as Keras takes grain: its elements are batches, not examples
+    (read as examples, every row of a batch was one example of a larger batch)."""
+    grain = pytest.importorskip("grain")
+    batched = grain.MapDataset.source(examples()).batch(BATCH).map(lambda batch: batch)  # map keeps batches
+    assert tk.data.as_dataset(batched).batch_size == BATCH
+    tree_allclose(train(batched, strategy), arrays_in_order)
+    with pytest.raises(ValueError, match="iterable's batches set the batch size"):
+        train(batched, strategy, batch_size=8)
+
+
 def test_grain_iterator_position_is_saved_and_restored_without_replaying(tmp_path):
     """A fit stopped mid-epoch and resumed with BackupAndRestore ends where an uninterrupted
     one does; the resumed iterator starts at its saved position (DataLoader's bytes state)."""

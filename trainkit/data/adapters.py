@@ -46,6 +46,18 @@ def _absl_flags_parsed() -> None:
         flags.FLAGS.mark_as_parsed()
 
 
+def _yields_batches(dataset: Any) -> bool:
+    """Whether a grain ``MapDataset``'s elements are batches: a ``.batch(...)`` somewhere in its
+    lineage (grain names that step ``BatchMapDataset``; later maps and shuffles keep batches)."""
+    pending = [dataset]
+    while pending:
+        node = pending.pop()
+        if type(node).__name__ == "BatchMapDataset":
+            return True
+        pending.extend(node.parents)
+    return False
+
+
 def _module(name: str) -> Any:
     """A library already imported by the user (an object of its type implies it), else None."""
     return sys.modules.get(name)
@@ -61,7 +73,8 @@ def adapt(data: Any) -> Any:
     grain = _module("grain")
     if grain is not None:
         if isinstance(data, grain.MapDataset):
-            return RandomAccessSource(data)
+            # batched (Keras's way of taking grain): its elements are the batches, in its order
+            return IterableDataset(data) if _yields_batches(data) else RandomAccessSource(data)
         if isinstance(data, (grain.IterDataset, grain.DataLoader, grain.DatasetIterator)):
             _absl_flags_parsed()
             return IterableDataset(data)
