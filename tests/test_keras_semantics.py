@@ -467,6 +467,48 @@ def test_backup_and_restore_resumes_where_keras_resumes(data, tmp_path):
     assert not (tmp_path / "t").exists() and not (tmp_path / "k").exists()  # deleted on completion
 
 
+def overwrite_every_file(paths):
+    for path in paths:
+        path.write_bytes(b"3")
+
+
+@pytest.mark.parametrize("double_checkpoint", [True, False])
+def test_a_corrupt_newest_backup_falls_back_to_the_previous_one_as_in_keras(data, tmp_path, double_checkpoint):
+    """double_checkpoint=True: every file of the newest backup overwritten, both resume from
+    the one before (the end of epoch 0); without a previous backup, both refuse to resume."""
+    x, y = data
+    model = keras_model()
+    trainer = trainkit_twin(model)
+    fit = {"epochs": 4, "batch_size": BATCH, "shuffle": False, "verbose": 0}
+    interrupts = dict(zip(("keras", "tk"), twins(Interrupt, 2, 1)))
+    backup = {"double_checkpoint": double_checkpoint}
+    keras_backup = keras.callbacks.BackupAndRestore(str(tmp_path / "k"), **backup)
+    with pytest.raises(RuntimeError, match="interrupted"):
+        model.fit(x, y, callbacks=[keras_backup, interrupts["keras"]], **fit)
+    tk_backup = tk.callbacks.BackupAndRestore(tmp_path / "t", **backup)
+    with pytest.raises(RuntimeError, match="interrupted"):
+        trainer.fit((x, y), callbacks=[tk_backup, interrupts["tk"]], **fit)
+    overwrite_every_file([p for p in (tmp_path / "k").iterdir() if not p.name.endswith(".bkp")])
+    newest = max((p for p in (tmp_path / "t").iterdir() if p.name.isdigit()), key=lambda p: int(p.name))
+    overwrite_every_file([p for p in newest.rglob("*") if p.is_file()])
+    model, trainer = keras_model(), trainkit_twin(keras_model())
+    keras_backup = keras.callbacks.BackupAndRestore(str(tmp_path / "k"), **backup)
+    tk_backup = tk.callbacks.BackupAndRestore(tmp_path / "t", **backup)
+    if not double_checkpoint:
+        with pytest.raises(Exception):  # noqa: B017 - h5py's OSError
+            model.fit(x, y, callbacks=[keras_backup], **fit)
+        with pytest.raises(tk.CheckpointError, match=r"every backup .* is corrupt .*Delete the directory"):
+            with pytest.warns(UserWarning, match="moved to"):
+                trainer.fit((x, y), callbacks=[tk_backup], **fit)
+        return
+    keras_history = model.fit(x, y, callbacks=[keras_backup], **fit)
+    with pytest.warns(UserWarning, match=f"step {newest.name} .* is corrupt .*moved to {newest.name}.unreadable"):
+        tk_history = trainer.fit((x, y), callbacks=[tk_backup], **fit)
+    assert tk_history.epoch == keras_history.epoch == [1, 2, 3]
+    for a, b in zip(flat(trainer.get_weights()), flat(model.get_weights())):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize("backup_dir", ["", None])
 def test_backup_and_restore_needs_a_directory(backup_dir):
     with pytest.raises(ValueError, match="Empty `backup_dir` argument passed"):

@@ -68,6 +68,12 @@ class BackupAndRestore(Callback):
         self.restored_step = None
         self._checked = self.trainer.global_step - 1  # the last step a save was decided for
         steps = sorted(self.checkpointer.steps(), reverse=True)
+        if not steps and self.checkpointer.set_aside():
+            raise CheckpointError(
+                f"BackupAndRestore: every backup in {self.backup_dir!r} is corrupt "
+                f"({self.checkpointer.set_aside()}), so there is nothing to resume from. Delete the directory "
+                "to start afresh (double_checkpoint=True keeps a previous backup to fall back to)."
+            )
         for index, step in enumerate(steps):
             try:
                 manifest = self.trainer.load(self.checkpointer, step)

@@ -143,6 +143,7 @@ class Checkpointer:
         else:
             check_writable(self.directory)
             self._lock = _lock_directory(self.directory)
+        _set_aside_unreadable_steps(self.directory, read_only)
         options = ocp.CheckpointManagerOptions(
             max_to_keep=max_to_keep,
             best_fn=best_fn,
@@ -265,6 +266,10 @@ class Checkpointer:
     # ----------------------------------------------------------------- reading
     def steps(self) -> list[int]:
         return list(self._manager.all_steps())
+
+    def set_aside(self) -> list[str]:
+        """The corrupt steps moved aside when a writer opened the directory (``<step>.unreadable``)."""
+        return sorted(name for name in os.listdir(self.directory) if name.endswith(SET_ASIDE))
 
     @property
     def last_saved(self) -> int | None:
@@ -411,6 +416,53 @@ _all_finite_jit = jax.jit(
 def all_finite(tree: PyTree) -> bool:
     """Whether every floating leaf of ``tree`` is finite (one reduction on the devices)."""
     return bool(_all_finite_jit(tree))
+
+
+#: Orbax's per-step record (its commit time), read for every step when a manager opens.
+STEP_RECORD = "_CHECKPOINT_METADATA"
+#: The suffix of a corrupt step directory moved aside.
+SET_ASIDE = ".unreadable"
+
+
+def unreadable_steps(directory: str) -> list[str]:
+    """The step directories of ``directory`` whose orbax step record is not a JSON object
+    (overwritten or truncated files): orbax cannot even open the directory while they are there."""
+    found = []
+    for name in sorted(os.listdir(directory)) if os.path.isdir(directory) else ():
+        record = os.path.join(directory, name, STEP_RECORD)
+        if not name.isdigit() or not os.path.exists(record):
+            continue
+        try:
+            with open(record) as f:
+                readable = isinstance(json.load(f), dict)
+        except (OSError, ValueError):
+            readable = False
+        if not readable:
+            found.append(name)
+    return found
+
+
+def _set_aside_unreadable_steps(directory: str, read_only: bool) -> None:
+    """Renames each unreadable step directory to ``<step>.unreadable`` (kept, not deleted;
+    orbax ignores the name) with a warning, so that the other steps open; a reader, which
+    changes nothing, raises naming them instead."""
+    bad = unreadable_steps(directory)
+    if not bad:
+        return
+    if read_only:
+        raise CheckpointError(
+            f"The checkpoint step(s) {bad} in {directory!r} are corrupt (their {STEP_RECORD} is not JSON), "
+            "and orbax cannot open the directory while they are there. Move or delete them to read the other steps."
+        )
+    for name in bad:
+        if distributed.is_main_process():
+            os.replace(os.path.join(directory, name), os.path.join(directory, name + SET_ASIDE))
+        warnings.warn(
+            f"Checkpoint step {name} in {directory!r} is corrupt (its {STEP_RECORD} is not JSON); it was moved "
+            f"to {name + SET_ASIDE}, and the other steps are used.",
+            stacklevel=4,
+        )
+    distributed.broadcast_int(len(bad))  # every process opens the directory after the renames
 
 
 def _lock_directory(directory: str):
