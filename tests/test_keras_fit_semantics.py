@@ -217,6 +217,7 @@ class SoftmaxHead(nn.Module):
         ("sparse_categorical_crossentropy", "softmax", "SparseCategoricalCrossentropy"),
         ("categorical_crossentropy", "softmax", "CategoricalCrossentropy"),
         ("binary_crossentropy", "sigmoid", "BinaryCrossentropy"),
+        ("crossentropy", "sigmoid", "BinaryCrossentropy"),  # Keras's pick from the shapes: binary
     ],
 )
 def test_probabilities_into_a_logits_loss_stop_fit_before_any_update(data, loss, head, reading):
@@ -338,6 +339,8 @@ LOSS_NAMES = {  # name: (targets, softmax outputs)
 
 
 CROSS_ENTROPY_NAMES = {  # compared with Keras (from_logits=True) in test_keras_outputs.py
+    "crossentropy",
+    "ce",
     "sparse_categorical_crossentropy",
     "categorical_crossentropy",
     "binary_crossentropy",

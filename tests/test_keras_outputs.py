@@ -101,6 +101,27 @@ def test_cross_entropy_names_take_logits_on_8_devices(x, name):
     )
 
 
+@pytest.mark.parametrize(
+    ("kind", "units", "activation"),
+    [("sparse", 3, "softmax"), ("sparse_n_by_1", 3, "softmax"), ("one_hot", 3, "softmax"), ("binary", 1, "sigmoid")],
+)
+@pytest.mark.parametrize("name", ["crossentropy", "ce"])
+def test_crossentropy_picks_the_loss_keras_picks_from_the_shapes(x, kind, units, activation, name):
+    """Keras's loss="crossentropy" reads probabilities (its model ends in softmax / sigmoid);
+    trainkit's reads logits (the same model without it): the same loss values mean the same pick."""
+    rng = np.random.default_rng(4)
+    y = targets("sparse", rng)[:, None] if kind == "sparse_n_by_1" else targets(kind, rng, units)
+    model, params = keras_dense(units, activation)
+    model.compile(loss=name)
+    trainer = tk.Trainer(Head(units), loss=name, optimizer=optax.sgd(0.1), strategy=tk.DataParallel(), params=params)
+    assert trainer.evaluate(x, y, batch_size=BATCH) == pytest.approx(
+        model.evaluate(x, y, batch_size=BATCH, verbose=0), rel=1e-5
+    )
+    if kind == "sparse":  # the checks see the picked loss: labels out of range are refused before compiling
+        with pytest.raises(ValueError, match="class"):
+            trainer.evaluate(x, y + 3, batch_size=BATCH)
+
+
 def test_a_loss_object_reading_probabilities_trains_as_keras(x):
     y = targets("sparse", np.random.default_rng(4))
     model, params = keras_dense(3, "softmax")

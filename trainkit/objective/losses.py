@@ -74,6 +74,27 @@ def binary_crossentropy(logits: jax.Array, labels: jax.Array) -> jax.Array:
     return _mean_over_features(optax.sigmoid_binary_cross_entropy(logits, labels))
 
 
+def pick_crossentropy(target_shape: tuple, output_shape: tuple) -> LossFn:
+    """Keras's ``"crossentropy"`` rule (``compile_utils.is_binary_or_sparse_categorical``), on
+    shapes with the batch axis: one output is binary; targets of lower rank, or with one
+    feature against several outputs, are class ids; otherwise one-hot.
+
+    >>> pick_crossentropy((8,), (8, 10)).__name__, pick_crossentropy((8, 10), (8, 10)).__name__
+    ('sparse_categorical_crossentropy', 'categorical_crossentropy')
+    """
+    if len(output_shape) < 2 or output_shape[-1] == 1:
+        return binary_crossentropy
+    if len(target_shape) < len(output_shape) or target_shape[-1] == 1:
+        return sparse_categorical_crossentropy
+    return categorical_crossentropy
+
+
+def crossentropy_by_shapes(logits: jax.Array, targets: jax.Array) -> jax.Array:
+    """Keras's ``loss="crossentropy"`` (or ``"ce"``) on logits: the binary, sparse or categorical
+    cross-entropy that the shapes call for (:func:`pick_crossentropy`), chosen when tracing."""
+    return pick_crossentropy(targets.shape, logits.shape)(logits, targets)
+
+
 def mean_squared_error(predictions: jax.Array, targets: jax.Array) -> jax.Array:
     """Squared error averaged over features."""
     return _mean_over_features(jnp.square(predictions - _match_targets(predictions, targets)))
@@ -161,6 +182,8 @@ binary_focal_crossentropy = crossentropy.named("binary_focal_crossentropy", from
 categorical_focal_crossentropy = crossentropy.named("categorical_focal_crossentropy", from_logits=True)
 
 LOSSES: dict[str, LossFn] = {
+    "crossentropy": crossentropy_by_shapes,
+    "ce": crossentropy_by_shapes,
     "sparse_categorical_crossentropy": sparse_categorical_crossentropy,
     "categorical_crossentropy": categorical_crossentropy,
     "binary_crossentropy": binary_crossentropy,
@@ -195,6 +218,7 @@ LOGITS_LOSSES = (
     sparse_categorical_crossentropy,
     categorical_crossentropy,
     binary_crossentropy,
+    crossentropy_by_shapes,
     optax.softmax_cross_entropy_with_integer_labels,
     optax.softmax_cross_entropy,
     optax.sigmoid_binary_cross_entropy,
@@ -293,9 +317,19 @@ def per_example(loss: LossFn) -> LossFn:
     return values
 
 
-def reading_probabilities(loss: LossFn) -> str:
+def concrete(loss: LossFn, target_shape: tuple, output_shape: tuple) -> LossFn:
+    """``loss`` itself, or for ``"crossentropy"`` the one it picks for these shapes (with the
+    batch axis), so that checks see the loss that will run."""
+    return pick_crossentropy(target_shape, output_shape) if loss is crossentropy_by_shapes else loss
+
+
+def reading_probabilities(loss: LossFn, outputs: Any = None) -> str:
     """The loss object that reads probabilities in place of a logits ``loss`` (Keras's
-    ``from_logits=False``), as a user writes it."""
+    ``from_logits=False``), as a user writes it; ``"crossentropy"`` by the ``outputs``' shape."""
+    if loss is crossentropy_by_shapes:
+        if outputs is not None and pick_crossentropy((), np.shape(outputs)) is binary_crossentropy:
+            return "tk.losses.BinaryCrossentropy()"
+        return "tk.losses.SparseCategoricalCrossentropy() (class ids) or CategoricalCrossentropy() (one-hot)"
     if loss in (sparse_categorical_crossentropy, optax.softmax_cross_entropy_with_integer_labels):
         return "tk.losses.SparseCategoricalCrossentropy()"
     if loss in (binary_crossentropy, optax.sigmoid_binary_cross_entropy, binary_focal_crossentropy):
@@ -329,7 +363,7 @@ def is_sparse(loss: Any) -> bool:
 
 
 # Named losses that compare targets and outputs element by element (same per-example shape).
-ELEMENTWISE_LOSSES = tuple(fn for name, fn in LOSSES.items() if fn not in SPARSE_LOSSES)
+ELEMENTWISE_LOSSES = tuple(fn for fn in LOSSES.values() if fn not in SPARSE_LOSSES and fn is not crossentropy_by_shapes)
 
 
 def check_targets(loss: LossFn, targets: Any) -> None:

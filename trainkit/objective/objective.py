@@ -308,16 +308,17 @@ class Objective:
             target = np.asarray(_pick(targets, out.key, "targets"))
             where = part + (f"[{out.key!r}]" if out.key is not None else "")
             shape = None if outputs is None else tuple(_pick(outputs, out.key, "model's outputs").shape[1:])
-            if losses.is_sparse(out.loss) and shape in (None, target.shape[1:]):  # class ids have one axis less
+            loss = out.loss if shape is None else losses.concrete(out.loss, target.shape, target.shape[:1] + shape)
+            if losses.is_sparse(loss) and shape in (None, target.shape[1:]):  # class ids have one axis less
                 checks.not_one_hot(target, out.loss_name, f"The labels {where}")
-            losses.check_targets(out.loss, target)
+            losses.check_targets(loss, target)
             if shape is None:
                 continue
-            if losses.is_sparse(out.loss):
+            if losses.is_sparse(loss):
                 labels = target[..., 0] if target.ndim == len(shape) + 1 and target.shape[-1] == 1 else target
                 checks.same_shape(labels.shape[1:], shape[:-1], out.loss_name, f"The labels {where}")
                 checks.sparse_labels(labels, shape[-1], where)
-            elif out.loss in losses.ELEMENTWISE_LOSSES or isinstance(out.loss, crossentropy.Loss):
+            elif loss in losses.ELEMENTWISE_LOSSES or isinstance(loss, crossentropy.Loss):
                 checks.same_shape(target.shape[1:], shape, out.loss_name, f"The targets {where}")
 
     def keras_result(self, logs: dict[str, float], return_dict: bool = False) -> float | list[float] | dict[str, float]:
@@ -351,10 +352,11 @@ class Objective:
         for out in self.outputs:
             if out.loss not in losses.LOGITS_LOSSES:
                 continue
-            flags = np.asarray(losses.looks_like_probabilities(_pick(predictions, out.key, "model's outputs")))
+            outputs = _pick(predictions, out.key, "model's outputs")
+            flags = np.asarray(losses.looks_like_probabilities(outputs))
             if flags.size and flags.all():
                 name = repr(out.loss_name) + (f" (output {out.name!r})" if out.name else "")
-                found.append((name, losses.reading_probabilities(out.loss)))
+                found.append((name, losses.reading_probabilities(out.loss, outputs)))
         return found
 
 
