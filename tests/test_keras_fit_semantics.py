@@ -459,24 +459,83 @@ def test_on_batch_methods_match_keras(data, strategy):
     assert trainer.global_step == int(model.optimizer.iterations) == 2
 
 
-def test_summary_counts_what_keras_counts(data):
-    import io
+class PortedCNN(nn.Module):
+    """Keras's Sequential below, ported: pooling and flattening are functions in Flax, not modules."""
 
-    from conftest import NoisyMLP
+    @nn.compact
+    def __call__(self, x, train=False):
+        x = nn.relu(nn.Conv(4, (3, 3), padding="VALID")(x))
+        x = nn.max_pool(x, (2, 2), (2, 2)).reshape((x.shape[0], -1))
+        x = nn.BatchNorm(use_running_average=not train, momentum=0.99, epsilon=1e-3)(x)
+        return nn.Dense(10)(nn.Dropout(0.5, deterministic=not train)(x))
+
+
+def keras_lines(model):
+    lines = []
+    model.summary(print_fn=lambda line, line_break=False: lines.append(line))
+    return "\n".join(lines)
+
+
+def test_summary_shows_every_module_shape_and_count_as_keras(data):
+    import io
+    import re
+
     from rich.console import Console
 
-    model, trainer = twins()
-    trainer.init(data[0])
+    from trainkit.monitoring.summary import summary_rows
+
+    rng = np.random.default_rng(0)
+    x, y = rng.normal(size=(32, 8, 8, 1)).astype("float32"), rng.integers(0, 10, 32).astype("int32")
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential(
+        [
+            keras.Input((8, 8, 1)),
+            keras.layers.Conv2D(4, 3, activation="relu"),
+            keras.layers.MaxPooling2D(),
+            keras.layers.Flatten(),
+            keras.layers.BatchNormalization(),
+            keras.layers.Dropout(0.5),
+            keras.layers.Dense(10),
+        ]
+    )
+    model.compile(optimizer="adam", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    trainer = tk.Trainer(PortedCNN(), loss="sparse_categorical_crossentropy", optimizer=optax.adam(1e-3))
     buffer = io.StringIO()
-    trainer.summary(console=Console(file=buffer, width=150))
-    assert "Dense" in buffer.getvalue() and f"Total params: {model.count_params():,}" in buffer.getvalue()
-    noisy = tk.Trainer(NoisyMLP(), loss="sparse_categorical_crossentropy", optimizer=optax.sgd(0.1), strategy="single")
-    noisy.init(np.zeros((2, 5), np.float32))
+    trainer.summary((x, y), console=Console(file=buffer, width=150))  # before fit: the sample initialises
+    model.fit(x, y, epochs=1, verbose=0)  # Keras builds its optimizer (and counts it) at the first step
+    ours, theirs = buffer.getvalue(), keras_lines(model)
+    keras_rows = {
+        type(layer).__name__: (str(tuple(layer.output.shape)), layer.count_params())
+        for layer in model.layers
+        if not isinstance(layer, keras.layers.MaxPooling2D | keras.layers.Flatten)
+    }
+    flax_names = {"Conv": "Conv2D", "BatchNorm": "BatchNormalization", "Dropout": "Dropout", "Dense": "Dense"}
+    rows = summary_rows(trainer, trainer.setup.summary_inputs(None)[0])
+    assert {flax_names[r.kind]: (r.output_shape, r.params) for r in rows} == keras_rows  # Dropout too: 0 params
+    for name in ("Trainable params", "Non-trainable params"):
+        assert re.search(rf"{name}: .*\)", ours).group() == re.search(rf"{name}: .*\)", theirs).group()
+    count = lambda text: int(re.search(r"Optimizer params: ([\d,]+)", text).group(1).replace(",", ""))  # noqa: E731
+    assert abs(count(ours) - count(theirs)) <= 2  # Adam's moments; optax keeps one step count, Keras two scalars
+    flops = re.search(r"Train step FLOPs: ([\d,]+) per batch of 32", ours).group(1)
+    assert int(flops.replace(",", "")) == tk.monitoring.debug.step_flops(trainer, trainer.setup.placed_sample((x, y)))
+    trainer.fit(x, y, epochs=1, verbose=0)
+    assert f"Total params: {trainer.count_params() + count(ours):,}" in trainer_text(trainer)
+
+
+def trainer_text(trainer):
+    import io
+
+    from rich.console import Console
+
     buffer = io.StringIO()
-    noisy.summary(console=Console(file=buffer, width=150))
-    text = buffer.getvalue()
-    assert "batch_stats/BatchNorm_0 (state)" in text and "non-trainable 32" in text  # mean and var of 16 features
-    assert f"Total params: {noisy.count_params():,}" in text
+    trainer.summary(console=Console(file=buffer, width=150))  # after fit: no sample needed
+    return buffer.getvalue()
+
+
+def test_summary_before_any_shapes_says_what_to_pass():
+    trainer = tk.Trainer(nn.Dense(2), loss="mse", optimizer=optax.sgd(0.1))
+    with pytest.raises(RuntimeError, match=r"pass a sample batch, trainer.summary\(\(x\[:32\], y\[:32\]\)\)"):
+        trainer.summary()
 
 
 def test_steps_per_epoch_walks_on_through_the_data_as_keras(data):

@@ -34,6 +34,7 @@ from trainkit.core.totals import MetricFn
 from trainkit.core.tree import PyTree
 from trainkit.loop import FitConfig, Loop
 from trainkit.monitoring import debug
+from trainkit.monitoring import summary as summary_lib
 from trainkit.objective import Objective, losses
 from trainkit.program import plan as plan_lib
 from trainkit.program.program import Program
@@ -160,8 +161,7 @@ class Trainer:
         self.setup.learning_rate = value
 
     def update_state(self, **fields: PyTree) -> TrainState:
-        """The one way to write the live state (``SwapEMAWeights``, ``learning_rate``,
-        ``set_weights``): fields placed in the shardings of those they replace."""
+        """The one way to write the live state: fields placed in the shardings of those they replace."""
         return self.setup.update_state(**fields)
 
     def init(self, sample_batch: Any) -> TrainState:
@@ -175,9 +175,9 @@ class Trainer:
         """The number of scalars in all variables (parameters and model state), as Keras counts."""
         return self.setup.count_params()
 
-    def summary(self, console: Any = None) -> None:
-        """Prints Keras's ``summary()``: each layer's variables, shapes and parameter counts."""
-        (console or Console()).print(debug.summary_table(self))
+    def summary(self, sample: Any = None, console: Any = None) -> None:
+        """Keras's ``summary()``: modules, output shapes, parameters, step FLOPs; a ``sample`` initialises first."""
+        (console or Console()).print(summary_lib.summary_view(self, *self.setup.summary_inputs(sample)))
 
     def get_weights(self) -> PyTree:
         """Host copies of all variables: ``{"params": ..., **model_state}``."""

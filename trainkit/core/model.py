@@ -17,7 +17,7 @@ from __future__ import annotations
 import functools
 import inspect
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import jax
 import numpy as np
@@ -34,6 +34,19 @@ PyTree = Any
 _TRAIN_FLAGS = {"train": True, "training": True, "is_training": True, "deterministic": False}
 
 
+class ModuleCall(NamedTuple):
+    """One module of a model's forward pass: its path of attribute names (``()``: the model),
+    its class name, and its output's shapes (``jax.ShapeDtypeStruct``s; ``None`` unknown)."""
+
+    path: tuple
+    kind: str
+    output: PyTree
+
+
+def _shapes(tree: PyTree) -> PyTree:
+    return jax.tree.map(lambda a: jax.ShapeDtypeStruct(np.shape(a), a.dtype), tree)
+
+
 class ModelAdapter(Protocol):
     """What the rest of trainkit needs from a model."""
 
@@ -45,6 +58,11 @@ class ModelAdapter(Protocol):
 
     def param_axes(self, x: PyTree) -> dict[str, tuple]:
         """The parameters' partitioning annotations ``{path: names}`` (empty without any)."""
+        ...
+
+    def module_calls(self, params: PyTree, model_state: PyTree, x: PyTree) -> list[ModuleCall]:
+        """Every module of an eval-mode forward pass on ``x`` (traced, nothing computed), in
+        the order they are entered, each once."""
         ...
 
 
@@ -98,6 +116,26 @@ class LinenModel:
         boxed = jax.eval_shape(self._boxed_init, jax.random.PRNGKey(0), x)
         return _annotations(boxed.get("params", {}), lambda leaf: isinstance(leaf, nn.meta.AxisMetadata))
 
+    def module_calls(self, params: PyTree, model_state: PyTree, x: PyTree) -> list[ModuleCall]:
+        """Every module called (parameter-free ones too), recorded by ``nn.intercept_methods``."""
+        calls: dict[tuple, ModuleCall | None] = {}
+
+        def record(call, args, kwargs, context):
+            path = tuple(context.module.path)
+            if context.method_name != "__call__" or path in calls:
+                return call(*args, **kwargs)
+            calls[path] = None  # entered: parents before their children
+            out = call(*args, **kwargs)
+            calls[path] = ModuleCall(path, type(context.module).__name__, _shapes(out))
+            return out
+
+        def forward(params, model_state, x):
+            with nn.intercept_methods(record):
+                return self.apply(params, model_state, x, rng=jax.random.PRNGKey(0), train=False)[0]
+
+        jax.eval_shape(forward, params, model_state, x)
+        return [call for call in calls.values() if call is not None]
+
     def apply(self, params, model_state, x, *, rng, train):
         variables = {"params": params, **model_state}
         if train and model_state:
@@ -129,6 +167,18 @@ class NNXModel:
         ``sharding_names`` and ``sharding`` are read too), e.g. ``kernel_metadata=...``."""
         del x
         return _annotations(self._params, lambda leaf: isinstance(leaf, nnx.Variable))
+
+    def module_calls(self, params: PyTree, model_state: PyTree, x: PyTree) -> list[ModuleCall]:
+        """Every submodule an attribute holds, by path; NNX records no calls, so only the
+        model's own output shape is known."""
+        output = jax.eval_shape(
+            lambda p, s, x: self.apply(p, s, x, rng=jax.random.PRNGKey(0), train=False)[0], params, model_state, x
+        )
+        found = sorted(
+            ((tuple(path), type(module).__name__) for path, module in nnx.iter_modules(self.module)),
+            key=lambda item: tuple(map(str, item[0])),
+        )
+        return [ModuleCall(path, kind, output if path == () else None) for path, kind in found]
 
     def merge(self, params: PyTree, model_state: PyTree) -> nnx.Module:
         """A module holding ``params`` and ``model_state`` (copies of the templates)."""

@@ -11,6 +11,7 @@ from trainkit.data import sources
 from trainkit.data.arrays import ArrayDataset, split_validation, with_class_weight
 from trainkit.data.batching import (
     Batch,
+    abstract_inputs,
     batch_rows,
     check_batch_size,
     check_positive,
@@ -44,6 +45,7 @@ __all__ = [
     "Source",
     "UserSource",
     "RandomAccessSource",
+    "abstract_inputs",
     "as_dataset",
     "batch_rows",
     "check_batch_size",

@@ -219,12 +219,26 @@ def check_batch_size(batch_size: int, shards: int, *, micro_batches: int = 1, wh
         )
 
 
+def _is_spec(leaf: Any) -> bool:
+    """A leaf of :func:`example_spec`: ``(shape, dtype name)``."""
+    return isinstance(leaf, tuple) and len(leaf) == 2 and isinstance(leaf[1], str)
+
+
+def abstract_inputs(spec: PyTree, rows: int) -> PyTree:
+    """Inputs of ``rows`` examples with the per-example shapes of ``spec`` (:func:`example_spec`),
+    as ``jax.ShapeDtypeStruct``s for tracing.
+
+    >>> abstract_inputs(example_spec(np.zeros((8, 3), np.float32)), 2)
+    ShapeDtypeStruct(shape=(2, 3), dtype=float32)
+    """
+    return jax.tree.map(lambda s: jax.ShapeDtypeStruct((rows, *s[0]), s[1]), spec, is_leaf=_is_spec)
+
+
 def check_same_inputs(expected: PyTree, received: PyTree) -> None:
     """Raises when ``received`` per-example input shapes differ from those the model was
     initialised with (both from :func:`example_spec`)."""
-    is_spec = lambda s: isinstance(s, tuple) and len(s) == 2 and isinstance(s[1], str)  # noqa: E731
-    exp = dict(jax.tree_util.tree_leaves_with_path(expected, is_leaf=is_spec))
-    got = dict(jax.tree_util.tree_leaves_with_path(received, is_leaf=is_spec))
+    exp = dict(jax.tree_util.tree_leaves_with_path(expected, is_leaf=_is_spec))
+    got = dict(jax.tree_util.tree_leaves_with_path(received, is_leaf=_is_spec))
     name = lambda path: "x" + jax.tree_util.keystr(path)  # noqa: E731
     missing = sorted(set(map(name, exp)) - set(map(name, got)))
     unexpected = sorted(set(map(name, got)) - set(map(name, exp)))

@@ -143,11 +143,12 @@ def lower_train_step(trainer: Any, batch: Any = None) -> jax.stages.Lowered:
     return function.lower(abstract(trainer.state), trainer.setup.empty_totals("train"), batch)
 
 
-def step_flops(trainer: Any) -> float | None:
+def step_flops(trainer: Any, batch: Any = None) -> float | None:
     """The floating-point operations of one train step on all devices together, from the
     lowered (unoptimised) step's cost analysis: the model's own flops, which MFU counts
-    (compiler rewrites and fusions excluded). ``None`` when the backend reports none."""
-    cost = lower_train_step(trainer).cost_analysis()
+    (compiler rewrites and fusions excluded), on ``batch`` (as :func:`lower_train_step`).
+    ``None`` when the backend reports none."""
+    cost = lower_train_step(trainer, batch).cost_analysis()
     if isinstance(cost, (list, tuple)):  # older jax: one dict per computation
         cost = cost[0] if cost else None
     flops = float(cost.get("flops", 0.0)) if cost else 0.0
@@ -155,37 +156,3 @@ def step_flops(trainer: Any) -> float | None:
         return None
     per_device_program = trainer.strategy.axis_name is not None  # pmap lowers one device's program
     return flops * (len(trainer.strategy.devices) if per_device_program else 1)
-
-
-def summary_table(trainer: Any) -> Table:
-    """Keras's ``model.summary()`` for a trainer: one row per top-level submodule with its
-    variables' shapes and counts (parameters, then model state such as batch statistics), and
-    the totals in the caption."""
-    state = _state(trainer)
-    table = Table(title=f"{type(trainer.model).__name__} (trainkit)")
-    for column in ("layer", "variables", "shapes", "params"):
-        table.add_column(column, justify="right" if column == "params" else "left", no_wrap=column == "layer")
-    totals = {}
-    for kind, tree in (("params", state.params), ("state", state.model_state)):
-        groups: dict[str, list] = {}
-        for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
-            name = leaf_name(path)  # params: layer/variable; model state: collection/layer/variable
-            if kind == "params":
-                layer, _, variable = name.partition("/")
-            else:
-                layer, _, variable = name.rpartition("/")
-            groups.setdefault(layer or "(top)", []).append((variable or name, tuple(leaf.shape)))
-        for layer, leaves in groups.items():
-            count = sum(int(np.prod(shape)) for _, shape in leaves)
-            table.add_row(
-                layer + ("" if kind == "params" else " (state)"),
-                ", ".join(n for n, _ in leaves),
-                ", ".join(str(s) for _, s in leaves),
-                f"{count:,}",
-            )
-        totals[kind] = sum(int(np.prod(leaf.shape)) for leaf in jax.tree.leaves(tree))
-    table.caption = (
-        f"Total params: {totals['params'] + totals['state']:,}  (trainable {totals['params']:,}, "
-        f"non-trainable {totals['state']:,})"
-    )
-    return table

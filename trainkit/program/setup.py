@@ -53,6 +53,8 @@ logger = logging.getLogger("trainkit")
 
 #: Rows of the first batch that :meth:`Setup.check_outputs` runs the model on.
 CHECKED_ROWS = 32
+#: The examples ``summary`` traces the model with (a leading axis of this size is the batch).
+SUMMARY_ROWS = 2
 
 
 def check_trainer_arguments(optimizer: Any, grad_accum_steps: Any, jit_compile: Any, *, has_loss: bool) -> None:
@@ -338,6 +340,19 @@ class Setup:
         host_batch = data_lib.prepare(sample_batch, default_batch_size=None).sample_batch()
         self.empty_totals("train", host_batch)  # shaped before anything lowers the train step
         return self.strategy.put_batch(host_batch)
+
+    def summary_inputs(self, sample_batch: Any) -> tuple[PyTree, PyTree]:
+        """What ``summary`` traces: abstract inputs of ``SUMMARY_ROWS`` examples, and the sample
+        placed for lowering the train step when it has targets (else ``None``); a sample
+        initialises the state first, ``None`` uses the state's own input shapes."""
+        if sample_batch is not None:
+            self.init(sample_batch)
+        if self.state is None:
+            return None, None
+        step_batch = None
+        if sample_batch is not None and data_lib.prepare(sample_batch, default_batch_size=None).source.has_targets:
+            step_batch = self.placed_sample(sample_batch)
+        return data_lib.abstract_inputs(self.input_spec, SUMMARY_ROWS), step_batch
 
     def init(self, sample_batch: Any) -> TrainState:
         """The state for a sample batch (see :meth:`trainkit.Trainer.init`)."""
