@@ -156,9 +156,23 @@ def test_progress_bar_shows_epochs_rate_and_metrics(xy):
     )
     text = buffer.getvalue()
     assert "Epoch 1/2" in text and "Epoch 2/2" in text and "4/4" in text
-    assert "steps/s" in text and "val_accuracy:" in text and "eta" in text
+    assert "steps/s" in text and "val_accuracy:" in text
+    assert "eta" not in text  # a log that is not a terminal gets each epoch's last frame: no "eta 0:00:00"
     steps, examples = re.search(r"([\d.]+) steps/s, ([\d,]+) examples/s", text).groups()
     assert abs(float(steps) * 16 - float(examples.replace(",", ""))) <= 1  # the batch of 16 rows
+
+
+def test_the_remaining_time_shows_while_an_epoch_runs_only():
+    from rich.progress import Progress
+
+    from trainkit.callbacks.progress import _Remaining
+
+    progress = Progress()
+    task = progress.add_task("Epoch 1/1", total=10)
+    progress.update(task, completed=3)
+    assert _Remaining().render(progress.tasks[0]).plain.startswith("eta ")
+    progress.update(task, completed=10)
+    assert _Remaining().render(progress.tasks[0]).plain == ""
 
 
 def test_verbose_zero_prints_nothing(xy, capsys):

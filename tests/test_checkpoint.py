@@ -230,7 +230,7 @@ def test_backup_and_restore_converts_the_position_for_another_batch_size(tmp_pat
             callbacks=[BackupAndRestore(tmp_path / "backup", save_freq=2), Interrupt()],
         )
     resumed = make()
-    with caplog.at_level(logging.WARNING, logger="trainkit"):
+    with caplog.at_level(logging.INFO, logger="trainkit"):
         resumed.fit(
             (x, y), batch_size=16, epochs=2, verbose=0, callbacks=[BackupAndRestore(tmp_path / "backup", save_freq=2)]
         )

@@ -9,6 +9,7 @@ whose position is saved with each backup, and prints how many rows this run read
 """
 
 import argparse
+import logging
 import os
 import sys
 import time
@@ -22,6 +23,9 @@ import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
 import trainkit as tk  # noqa: E402
+
+logging.basicConfig(format="%(name)s: %(message)s")
+logging.getLogger("trainkit").setLevel(logging.INFO)  # the resume message is INFO
 
 
 class Rows:

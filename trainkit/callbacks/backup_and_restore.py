@@ -95,7 +95,7 @@ class BackupAndRestore(Callback):
             )
             self.restored_step = self._checked = saved["global_step"]
             start = self.trainer.loop.start
-            logger.warning(
+            logger.info(  # routine, as Keras (silent) resumes; logging.getLogger("trainkit") at INFO shows it
                 "BackupAndRestore: resuming from step %d (epoch %d, batch %d) in %s.",
                 self.restored_step,
                 start.epoch,

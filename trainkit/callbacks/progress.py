@@ -35,6 +35,14 @@ class _Rate(TextColumn):
         return Text(text, style="progress.data.speed")
 
 
+class _Remaining(TimeRemainingColumn):
+    """``eta 0:00:03`` while the epoch runs; nothing once it is done (the last frame, all a log
+    file that is not a terminal receives, then reads as Keras's: steps, elapsed time, speed)."""
+
+    def render(self, task) -> Text:
+        return Text("") if task.finished else Text.assemble("eta ", super().render(task))
+
+
 class ProgressBar(Callback):
     """Shown by ``fit`` when ``verbose=1`` (the default). ``verbose=2`` prints one line per
     epoch instead of a live bar; ``verbose=0`` prints nothing. ``ProgbarLogger`` is its Keras
@@ -84,8 +92,7 @@ class ProgressBar(Callback):
             BarColumn(bar_width=20),
             MofNCompleteColumn(table_column=Column(no_wrap=True)),
             TimeElapsedColumn(),
-            TextColumn("eta"),
-            TimeRemainingColumn(),
+            _Remaining(),
             _Rate(),
             TextColumn("{task.fields[metrics]}", markup=False, table_column=Column(no_wrap=True, overflow="ellipsis")),
             console=self.console,
