@@ -153,14 +153,18 @@ def main(argv=None) -> int:
             )
         )
         epoch = -(-rows // args.batch_size)
-        run.fit(
-            pipeline(root, args.batch_size, args.workers),
-            epochs=-(-args.steps // epoch),
-            steps_per_epoch=epoch,
-            max_steps=args.steps,
-            verbose=0,
-            callbacks=[tk.callbacks.BackupAndRestore(backup, save_freq=20), stop],
-        )
+        batches = pipeline(root, args.batch_size, args.workers)
+        try:
+            run.fit(
+                batches,
+                epochs=-(-args.steps // epoch),
+                steps_per_epoch=epoch,
+                max_steps=args.steps,
+                verbose=0,
+                callbacks=[tk.callbacks.BackupAndRestore(backup, save_freq=20), stop],
+            )
+        finally:  # the pipeline is ours: stop its workers and free the batches they had prefetched
+            batches.close()
         return run
 
     backup = os.path.join(root, "backup")

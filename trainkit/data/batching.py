@@ -124,14 +124,19 @@ def take(tree: PyTree, rows: np.ndarray | slice) -> PyTree:
     return _map(lambda a: np.asarray(a[rows]), tree)
 
 
-def pad_batch(x, y, w, batch_size: int) -> Batch:
-    """A batch dict padded with zero rows to ``batch_size`` and a float ``mask`` of real rows."""
+def pad_batch(x, y, w, batch_size: int, *, copy: bool = False) -> Batch:
+    """A batch dict padded with zero rows to ``batch_size`` and a float ``mask`` of real rows;
+    ``copy``: arrays of its own even when nothing is padded (a pipeline's batch may live in the
+    pipeline's buffers, such as grain's shared memory, which it frees or reuses after handing
+    it over, while JAX on CPU may read a host array in place)."""
     n = num_rows(x)
     pad = batch_size - n
 
     def padded(a):
+        if pad == 0:
+            return np.array(a) if copy else np.asarray(a)
         a = np.asarray(a)
-        return a if pad == 0 else np.concatenate([a, np.zeros((pad,) + a.shape[1:], a.dtype)])
+        return np.concatenate([a, np.zeros((pad,) + a.shape[1:], a.dtype)])
 
     batch: Batch = {"x": _map(padded, x)}
     if y is not None:

@@ -14,6 +14,9 @@ import weakref
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
+import jax
+import numpy as np
+
 from trainkit.core import checks
 from trainkit.data.batching import Batch, PyTree, check_lengths, example_spec, pad_batch, split_xyw, take, to_host
 from trainkit.data.prefetch import ReadAhead
@@ -70,7 +73,9 @@ class IterableDataset(Source):
         first = self._peek()
         if first is None:
             raise ValueError("The dataset is empty: its iterable yielded no batch.")
-        x, y, w = self._split(first)
+        # copies: the first batch is kept as long as the dataset, and a pipeline's batch may be a view
+        # of its buffers (grain's worker processes hand over shared memory, freed when unreferenced)
+        x, y, w = (None if part is None else jax.tree.map(np.array, part) for part in self._split(first))
         self.batch_size = check_lengths({"x": x, "y": y, "sample_weight": w})
         checks.numeric(x, "x")
         checks.numeric(y, "y")
@@ -195,4 +200,4 @@ class IterableDataset(Source):
             for lo in range(0, n, self.batch_size):
                 part = slice(lo, lo + self.batch_size)
                 x_, y_, w_ = (None if t is None else take(t, part) for t in (x, y, w))
-                yield pad_batch(x_, y_, w_, self.batch_size)
+                yield pad_batch(x_, y_, w_, self.batch_size, copy=True)  # out of the pipeline's buffers
