@@ -21,6 +21,7 @@ DOCS = pathlib.Path(__file__).parent.parent / "docs"
         "checkpointing.md",
         "troubleshooting.md",
         "large_models.md",
+        "porting_from_keras.md",
     ],
 )
 def test_guide_code_runs(page):
