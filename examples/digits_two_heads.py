@@ -18,12 +18,14 @@ import sys
 
 
 def parse_args(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
     parser.add_argument("--devices", type=int, default=0, help="fake this many CPU devices (0: the real ones)")
-    parser.add_argument("--strategy", default="dp", choices=["single", "dp", "fsdp"])
-    parser.add_argument("--epochs", type=int, default=20)
-    parser.add_argument("--min-accuracy", type=float, default=0.9)
-    parser.add_argument("--verbose", type=int, default=0)
+    parser.add_argument("--strategy", default="dp", choices=["single", "dp", "fsdp"], help="the devices' strategy")
+    parser.add_argument("--epochs", type=int, default=20, help="epochs to train")
+    parser.add_argument("--min-accuracy", type=float, default=0.9, help="exit non-zero below this accuracy")
+    parser.add_argument("--verbose", type=int, default=0, help="0, 1 or 2, as Keras's fit")
     return parser.parse_args(argv)
 
 

@@ -27,14 +27,16 @@ import tempfile
 
 
 def parse_args(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
     parser.add_argument("--data-dir", default=None, help="where the shards are written (default: a temp dir)")
     parser.add_argument("--workers", type=int, default=2, help="grain worker processes (0: read in trainkit's thread)")
-    parser.add_argument("--steps", type=int, default=400)
-    parser.add_argument("--interrupt-at", type=int, default=120)
-    parser.add_argument("--batch-size", type=int, default=64)
+    parser.add_argument("--steps", type=int, default=400, help="optimizer steps in all")
+    parser.add_argument("--interrupt-at", type=int, default=120, help="the step the first run is preempted at")
+    parser.add_argument("--batch-size", type=int, default=64, help="global batch")
     parser.add_argument("--no-check-exact", dest="check_exact", action="store_false")
-    parser.add_argument("--min-accuracy", type=float, default=0.9)
+    parser.add_argument("--min-accuracy", type=float, default=0.9, help="exit non-zero below this held-out accuracy")
     return parser.parse_args(argv)
 
 

@@ -10,7 +10,7 @@ line of it changing. The corpus is the ``.py`` files of the running interpreter'
 library, read as bytes (vocabulary 256); the last 10% is held out. The report: held-out loss in
 bits per byte, tokens per second and, where the device's peak is known, MFU.
 
-    python examples/lm.py                          # 8 fake CPU devices, strategy auto
+    python examples/lm.py                          # 8 fake CPU devices, FSDP (the default), 600 steps
     python examples/lm.py --strategy tp --steps 300
     python examples/lm.py --strategy single --precision bf16 --remat full --grad-accum-steps 2
 """
@@ -165,19 +165,21 @@ def strategy_for(name: str):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
     parser.add_argument("--strategy", default="fsdp", help="fsdp, tp (data x model), dp, single or auto")
-    parser.add_argument("--steps", type=int, default=600)
-    parser.add_argument("--batch-size", type=int, default=32)
-    parser.add_argument("--length", type=int, default=128)
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--d-model", type=int, default=128)
-    parser.add_argument("--corpus-bytes", type=int, default=2_000_000)
-    parser.add_argument("--precision", default="fp32")
-    parser.add_argument("--remat", default=None)
-    parser.add_argument("--grad-accum-steps", type=int, default=1)
+    parser.add_argument("--steps", type=int, default=600, help="optimizer steps")
+    parser.add_argument("--batch-size", type=int, default=32, help="global batch, in sequences")
+    parser.add_argument("--length", type=int, default=128, help="bytes (tokens) per sequence")
+    parser.add_argument("--layers", type=int, default=4, help="transformer blocks")
+    parser.add_argument("--d-model", type=int, default=128, help="model width")
+    parser.add_argument("--corpus-bytes", type=int, default=2_000_000, help="bytes of standard-library sources read")
+    parser.add_argument("--precision", default="fp32", help="fp32, bf16 or fp16 (mixed)")
+    parser.add_argument("--remat", default=None, help="full, dots, dots_no_batch, or module class names")
+    parser.add_argument("--grad-accum-steps", type=int, default=1, help="micro-batches per optimizer step")
     parser.add_argument("--devices", type=int, default=8, help="fake CPU devices (set before JAX starts)")
-    parser.add_argument("--verbose", type=int, default=1)
+    parser.add_argument("--verbose", type=int, default=1, help="0, 1 or 2, as Keras's fit")
     args = parser.parse_args(argv)
 
     corpus = stdlib_bytes(args.corpus_bytes)
