@@ -86,3 +86,12 @@ def tmpfs(tmp_path):
         pytest.skip(f"cannot mount a tmpfs here: {result.stderr.decode().strip()}")
     yield mount
     subprocess.run(["umount", str(mount)], check=False)
+
+
+def saved_steps(directory):
+    """The checkpoint steps in ``directory``, read by a checkpointer that is closed again (an
+    open one leaves orbax's threads and the directory lock to the garbage collector)."""
+    from trainkit.checkpoint import Checkpointer
+
+    with Checkpointer(directory, read_only=True) as checkpoints:
+        return checkpoints.steps()

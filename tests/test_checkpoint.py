@@ -8,11 +8,10 @@ import jax
 import numpy as np
 import optax
 import pytest
-from conftest import MLP, NoisyMLP, make_classification, tree_allclose
+from conftest import MLP, NoisyMLP, make_classification, saved_steps, tree_allclose
 
 import trainkit as tk
 from trainkit.callbacks import BackupAndRestore, Callback, ModelCheckpoint
-from trainkit.checkpoint import Checkpointer
 
 
 def make(strategy="single", model=None, optimizer=None, **kwargs):
@@ -146,7 +145,7 @@ def test_model_checkpoint_keeps_the_best_k(tmp_path):
     trainer = make()
     trainer.fit((x, y), batch_size=16, epochs=6, verbose=0, callbacks=[FakeValidation(values), checkpoint])
     # a fixed path keeps the newest max_to_keep saves; with save_best_only those are the best
-    assert Checkpointer(tmp_path / "best").steps() == [8, 12]  # epochs 3 and 5 (2 steps per epoch)
+    assert saved_steps(tmp_path / "best") == [8, 12]  # epochs 3 and 5 (2 steps per epoch)
 
 
 def test_model_checkpoint_keeps_the_latest_and_saves_every_n_steps(tmp_path):
@@ -154,7 +153,7 @@ def test_model_checkpoint_keeps_the_latest_and_saves_every_n_steps(tmp_path):
     checkpoint = ModelCheckpoint(tmp_path / "latest", max_to_keep=3, save_freq=3)
     trainer = make()
     trainer.fit((x, y), batch_size=16, epochs=3, verbose=0, callbacks=[checkpoint])
-    assert Checkpointer(tmp_path / "latest").steps() == [6, 9, 12]
+    assert saved_steps(tmp_path / "latest") == [6, 9, 12]
 
 
 def test_a_non_finite_loss_is_never_checkpointed(tmp_path):
@@ -165,7 +164,7 @@ def test_a_non_finite_loss_is_never_checkpointed(tmp_path):
     trainer = make()
     with pytest.warns(UserWarning, match="not saving step 2 to .*: the loss is nan"):
         trainer.fit((x, y), batch_size=16, epochs=1, shuffle=False, verbose=0, callbacks=[checkpoint])
-    assert Checkpointer(tmp_path / "nan").steps() == []
+    assert saved_steps(tmp_path / "nan") == []
 
 
 def test_unwritable_directory_is_reported_before_training(tmp_path):
@@ -245,7 +244,7 @@ def test_a_fixed_model_checkpoint_path_is_replaced_only_when_saving(tmp_path):
     path = tmp_path / "model"
     first = make()
     first.fit((x, y), batch_size=16, epochs=2, verbose=0, callbacks=[ModelCheckpoint(path, monitor="loss")])
-    assert Checkpointer(path).steps() == [8]
+    assert saved_steps(path) == [8]
 
     class FailAtOnce(Callback):
         def on_train_batch_begin(self, batch, logs=None):
@@ -253,10 +252,10 @@ def test_a_fixed_model_checkpoint_path_is_replaced_only_when_saving(tmp_path):
 
     with pytest.raises(RuntimeError, match="stop"):  # opening the path deletes nothing
         make().fit((x, y), batch_size=16, verbose=0, callbacks=[ModelCheckpoint(path, monitor="loss"), FailAtOnce()])
-    assert Checkpointer(path).steps() == [8]
+    assert saved_steps(path) == [8]
     second = make()
     second.fit((x, y), batch_size=16, epochs=1, verbose=0, callbacks=[ModelCheckpoint(path, monitor="loss")])
-    assert Checkpointer(path).steps() == [4]  # the newer-by-step file of the first run was replaced
+    assert saved_steps(path) == [4]  # the newer-by-step file of the first run was replaced
     reader = make()
     reader.init(x)
     reader.load(path)

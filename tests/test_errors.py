@@ -58,8 +58,8 @@ def test_float_labels_for_sparse_loss(loss):
 
 
 def test_unknown_loss_lists_known_names():
-    with pytest.raises(ValueError, match=r"Unknown loss 'crossentropy'.*sparse_categorical_crossentropy"):
-        tk.Trainer(MLP(), loss="crossentropy", optimizer=optax.sgd(0.1), strategy="dp")
+    with pytest.raises(ValueError, match=r"Unknown loss 'cross_entropy'.*sparse_categorical_crossentropy"):
+        tk.Trainer(MLP(), loss="cross_entropy", optimizer=optax.sgd(0.1), strategy="dp")
 
 
 def test_unknown_metric_lists_known_names():

@@ -157,7 +157,8 @@ def test_grain_iterator_position_is_saved_and_restored_without_replaying(tmp_pat
         trainer().fit(
             loader(), epochs=1, verbose=0, callbacks=[tk.callbacks.BackupAndRestore(backup, save_freq=1), Stop()]
         )
-    manifest = tk.checkpoint.Checkpointer(backup, read_only=True).manifest()
+    with tk.checkpoint.Checkpointer(backup, read_only=True) as checkpoints:
+        manifest = checkpoints.manifest()
     assert manifest["position"]["batch"] == 2 and set(manifest["data_state"][0]) == {"bytes"}
     resumed = trainer()
     seen = []

@@ -25,7 +25,9 @@ import json
 import logging
 import os
 import socket
+import sys
 import threading
+import time
 import uuid
 import warnings
 import weakref
@@ -379,6 +381,7 @@ class Checkpointer:
                 "state"
             ]
         except Exception as error:  # noqa: BLE001 - tensorstore DATA_LOSS, KeyError, ValueError...
+            _let_late_reads_finish()
             raise CheckpointError(
                 f"The arrays of step {step} in {os.path.join(self.directory, str(step), 'state')!r} are corrupt or "
                 f"incomplete ({type(error).__name__}: {str(error)[:300]})."
@@ -387,7 +390,15 @@ class Checkpointer:
             restored = {**flax.serialization.to_state_dict(target), **restored}
         return flax.serialization.from_state_dict(target, restored), manifest
 
+    def __enter__(self) -> Checkpointer:
+        return self
+
+    def __exit__(self, *exc_info: Any) -> None:
+        self.close()
+
     def close(self) -> None:
+        """Finishes the writes started (a writer) and releases orbax's manager and the lock;
+        ``with Checkpointer(...) as checkpoints:`` closes on leaving the block."""
         try:
             if not self.read_only:
                 self.wait()
@@ -416,6 +427,29 @@ _all_finite_jit = jax.jit(
 def all_finite(tree: PyTree) -> bool:
     """Whether every floating leaf of ``tree`` is finite (one reduction on the devices)."""
     return bool(_all_finite_jit(tree))
+
+
+#: Seconds a failed restore waits for the reads it left running (see :func:`_let_late_reads_finish`).
+LATE_READS_SECONDS = 0.5
+
+
+def _let_late_reads_finish() -> None:
+    """When one array of an orbax restore fails to read, orbax's event loop closes while
+    tensorstore still completes the other reads; each completion then reports to the closed
+    loop, a ``RuntimeError('Event loop is closed')`` printed as an ignored exception, noise
+    about a failure already raised. Waits for them with exactly that error silenced."""
+    previous = sys.unraisablehook
+
+    def hook(unraisable: Any) -> None:
+        error = unraisable.exc_value
+        if not (isinstance(error, RuntimeError) and str(error) == "Event loop is closed"):
+            previous(unraisable)
+
+    sys.unraisablehook = hook
+    try:
+        time.sleep(LATE_READS_SECONDS)
+    finally:
+        sys.unraisablehook = previous
 
 
 #: Orbax's per-step record (its commit time), read for every step when a manager opens.
