@@ -10,7 +10,11 @@ import sys
 import time
 
 import numpy as np
+import optax
 import pytest
+from conftest import MLP, make_classification
+
+import trainkit as tk
 
 SCRIPT = pathlib.Path(__file__).parent / "scripts" / "resumable_fit.py"
 PREEMPTED_EXIT_CODE = 143
@@ -146,3 +150,60 @@ def test_sigterm_finishes_the_step_writes_a_backup_and_exits_143(tmp_path, refer
     output = finish(backup, tmp_path / "out.npz")
     assert f"resuming from step {written}" in output
     assert_bit_identical(params(tmp_path / "out.npz"), reference)
+
+
+class SlowRows:
+    """A picklable random-access source that takes its time per row (a decoder)."""
+
+    def __init__(self, n):
+        self.x, self.y = make_classification(n)
+
+    def __len__(self):
+        return len(self.x)
+
+    def __getitem__(self, i):
+        time.sleep(0.002)
+        return self.x[i], self.y[i]
+
+
+def test_a_killed_data_worker_ends_the_epoch_with_an_error_naming_it(tmp_path):
+    """SIGKILL (the OOM killer) to one of two worker processes at batch 5: fit raises within
+    seconds naming the worker and the signal, instead of waiting forever for its batch."""
+    import multiprocessing
+
+    source = tk.sources.RandomAccessSource(SlowRows(640), workers=2)
+
+    class KillAWorker(tk.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            if batch == 5:
+                victim = multiprocessing.active_children()[0]
+                os.kill(victim.pid, signal.SIGKILL)
+                self.killed, self.step = victim.pid, self.model.global_step
+
+    killer = KillAWorker()
+    trainer = tk.Trainer(MLP(), loss="sparse_categorical_crossentropy", optimizer=optax.sgd(0.1), strategy="single")
+    started = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"data worker process .* died \(pid \d+ killed by SIGKILL") as raised:
+        trainer.fit(source, batch_size=16, epochs=1, verbose=0, callbacks=[killer])
+    assert time.monotonic() - started < 60
+    assert f"pid {killer.killed} killed by SIGKILL" in str(raised.value)
+    assert trainer.global_step >= killer.step  # the steps trained stay; nothing after the lost batch
+    trainer.fit(source, batch_size=16, epochs=1, verbose=0)  # new workers: the source reads again
+    assert trainer.global_step >= killer.step + 40
+    source.close()
+
+
+def test_workers_need_a_picklable_source():
+    class Local:  # a class inside a function cannot be pickled
+        def __len__(self):
+            return 4
+
+        def __getitem__(self, i):
+            return np.zeros(3, np.float32), 0
+
+    source = tk.sources.RandomAccessSource(Local(), workers=2)
+    trainer = tk.Trainer(MLP(), loss="sparse_categorical_crossentropy", optimizer=optax.sgd(0.1), strategy="single")
+    with pytest.raises(
+        ValueError, match=r"workers=2\) sends the source to each worker process, but it cannot be pickled"
+    ):
+        trainer.fit(source, batch_size=2, epochs=1, verbose=0)

@@ -53,6 +53,28 @@ def _read_in_worker(rows: np.ndarray) -> tuple[PyTree, PyTree, PyTree]:
     return _WORKER_SOURCE._read(rows)  # type: ignore[union-attr]
 
 
+def _stop_pool(pool: Any) -> None:
+    """Stops an executor's worker processes without waiting for the batches they are reading."""
+    processes = list((pool._processes or {}).values())  # CPython's ProcessPoolExecutor keeps them there
+    pool.shutdown(wait=False, cancel_futures=True)
+    for process in processes:
+        if process.is_alive():
+            process.terminate()
+
+
+def _dead_workers(pool: Any) -> str:
+    """Which worker processes of a broken executor ended, and how (``pid 123 killed by SIGKILL``)."""
+    import signal
+
+    ended = []
+    for process in list((pool._processes or {}).values()):
+        code = process.exitcode
+        if code is not None and code != 0:
+            how = f"killed by {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
+            ended.append(f"pid {process.pid} {how}")
+    return ", ".join(ended) or "it ended without an exit status"
+
+
 def _stack(elements: list) -> PyTree:
     return jax.tree.map(lambda *leaves: np.stack([host_array(a) for a in leaves]), *elements)
 
@@ -147,32 +169,63 @@ class RandomAccessSource(Source):
 
     def _worker_pool(self) -> Any:
         if self._pool is None:
+            import concurrent.futures
             import multiprocessing
+            import pickle
             import weakref
 
-            # spawn: JAX's threads make fork unsafe
-            context = multiprocessing.get_context("spawn")
-            self._pool = context.Pool(self.workers, initializer=_start_worker, initargs=(self,))
-            weakref.finalize(self, self._pool.terminate)
+            try:
+                pickle.dumps(self)
+            except Exception as error:  # noqa: BLE001 - pickle raises many kinds
+                raise ValueError(
+                    f"RandomAccessSource(workers={self.workers}) sends the source to each worker process, but it "
+                    f"cannot be pickled ({type(error).__name__}: {error}). Make it picklable (module-level classes "
+                    "and functions, no open files or locks; reopen them in __getstate__/__setstate__), or pass "
+                    "workers=0 to read it in trainkit's thread."
+                ) from error
+            # spawn: JAX's threads make fork unsafe. An executor, not a Pool: a worker that dies
+            # (the OOM killer) breaks its futures at once, where a Pool's task waits forever.
+            self._pool = concurrent.futures.ProcessPoolExecutor(
+                self.workers,
+                mp_context=multiprocessing.get_context("spawn"),
+                initializer=_start_worker,
+                initargs=(self,),
+            )
+            weakref.finalize(self, _stop_pool, self._pool)
         return self._pool
 
     def close(self) -> None:
         """Stops the worker processes (they also stop with the source or the interpreter)."""
         if self._pool is not None:
-            self._pool.terminate()
+            _stop_pool(self._pool)
             self._pool = None
 
     def _parts(self, batches_rows: Iterator[np.ndarray]) -> Iterator[tuple[PyTree, PyTree, PyTree]]:
         if not self.workers:
             yield from map(self._read, batches_rows)
             return
+        import concurrent.futures.process
+
         pool, pending = self._worker_pool(), collections.deque()
-        for rows in batches_rows:  # at most two batches per worker in flight
-            pending.append(pool.apply_async(_read_in_worker, (rows,)))
-            if len(pending) >= 2 * self.workers:
-                yield pending.popleft().get()
-        while pending:
-            yield pending.popleft().get()
+        try:
+            for rows in batches_rows:  # at most two batches per worker in flight
+                pending.append(pool.submit(_read_in_worker, rows))
+                if len(pending) >= 2 * self.workers:
+                    yield pending.popleft().result()
+            while pending:
+                yield pending.popleft().result()
+        except concurrent.futures.process.BrokenProcessPool as error:
+            dead = _dead_workers(pool)
+            self.close()  # a later epoch or fit starts new workers
+            raise RuntimeError(
+                f"A data worker process of RandomAccessSource(workers={self.workers}) died ({dead}), so the "
+                "batches it was reading are lost; the training state is that of the last step trained. "
+                "A worker killed by SIGKILL is usually the out-of-memory killer: use fewer workers or smaller "
+                "batches, then fit again (BackupAndRestore resumes where this run stopped)."
+            ) from error
+        finally:
+            for future in pending:
+                future.cancel()
 
     def batches(
         self,
