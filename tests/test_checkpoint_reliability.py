@@ -2,6 +2,7 @@
 one writer per directory, no non-finite parameters saved, corrupt checkpoints skipped with a
 reason, one save in flight."""
 
+import json
 import os
 import pathlib
 import subprocess
@@ -184,3 +185,84 @@ def test_a_write_still_in_flight_when_the_process_exits_is_completed(tmp_path):
     else:
         assert (tmp_path / "ck" / "7" / "commit_success.txt").exists(), result.stderr
         assert saved_steps(tmp_path / "ck") == [7]
+
+
+def test_backup_and_restore_refuses_a_weights_only_checkpoint(data, tmp_path):
+    """Resuming from weights alone restarted the optimizer and its schedule while the loop went
+    on at the saved step (global_step 48, state.step 16): refused, naming the way out."""
+    x, y = data
+    make().fit(
+        x,
+        y,
+        batch_size=16,
+        epochs=2,
+        verbose=0,
+        callbacks=[ModelCheckpoint(tmp_path / "ck", monitor="loss", save_weights_only=True)],
+    )
+    trainer = make()
+    with pytest.raises(CheckpointError, match=r"holds a save_weights_only checkpoint .*directory of its own"):
+        trainer.fit(x, y, batch_size=16, epochs=2, verbose=0, callbacks=[BackupAndRestore(tmp_path / "ck")])
+    assert trainer.global_step == 0
+
+
+def edit_manifest(step_dir: pathlib.Path, edit) -> None:
+    path = step_dir / "meta" / "metadata"
+    manifest = json.loads(path.read_text())
+    edit(manifest)
+    path.write_text(json.dumps(manifest))
+
+
+@pytest.mark.parametrize(
+    "edit, field",
+    [
+        (lambda m: m["position"].update(global_step="abc"), r"position.global_step = 'abc'"),
+        (lambda m: m["position"].update(epoch=-1), r"position.epoch = -1"),
+        (lambda m: m.pop("position"), r"has no position"),
+        (lambda m: m["position"].update(global_step=3), r"hold the state of step 4, but its manifest says step 3"),
+    ],
+)
+def test_a_tampered_manifest_is_a_checkpoint_error_naming_the_field(data, tmp_path, edit, field):
+    x, y = data
+    interrupted = make()
+    with pytest.raises(RuntimeError, match="stop"):
+        interrupted.fit(
+            x,
+            y,
+            batch_size=16,
+            epochs=3,
+            verbose=0,
+            callbacks=[BackupAndRestore(tmp_path / "backup"), tk.callbacks.LambdaCallback(on_epoch_end=stop_at(1))],
+        )
+    edit_manifest(tmp_path / "backup" / "4", edit)
+    resumed = make()
+    with pytest.raises(CheckpointError, match=field):
+        resumed.fit(x, y, batch_size=16, epochs=3, verbose=0, callbacks=[BackupAndRestore(tmp_path / "backup")])
+    assert resumed.global_step == 0  # nothing trained on a guessed position
+
+
+def stop_at(epoch):
+    def stop(current, logs=None):
+        if current == epoch:
+            raise RuntimeError("stop")
+
+    return stop
+
+
+@pytest.mark.parametrize(
+    "other, path",
+    [
+        ({"optimizer": optax.adamw(1e-2)}, r"opt_state.2: the model has a subtree, the checkpoint nothing"),
+        ({"precision": "fp16"}, r"loss_scale: the model has a subtree, the checkpoint an array"),
+    ],
+)
+def test_a_checkpoint_of_another_optimizer_or_precision_says_what_differs(data, tmp_path, other, path):
+    """Not "corrupt or incomplete": the checkpoint is valid, the state's structure differs."""
+    x, y = data
+    settings = {"loss": "sparse_categorical_crossentropy", "optimizer": optax.adam(1e-2), "strategy": "single"}
+    trainer = tk.Trainer(nn.Dense(2), **settings)
+    trainer.fit(x, y, batch_size=16, epochs=1, verbose=0)
+    trainer.save(tmp_path / "ck")
+    restored = tk.Trainer(nn.Dense(2), **{**settings, **other})
+    restored.init(x)
+    with pytest.raises(CheckpointError, match=rf"does not match this model and optimizer.*{path}.*same optimizer"):
+        restored.load(tmp_path / "ck")

@@ -16,7 +16,7 @@ import threading
 from trainkit import distributed
 from trainkit.callbacks.base import Callback, Logs
 from trainkit.callbacks.triggers import SaveFrequency
-from trainkit.checkpoint import Checkpointer, CheckpointError
+from trainkit.checkpoint import Checkpointer, CheckpointError, checked_position
 from trainkit.loop import Position
 
 logger = logging.getLogger("trainkit")
@@ -75,6 +75,7 @@ class BackupAndRestore(Callback):
                 "to start afresh (double_checkpoint=True keeps a previous backup to fall back to)."
             )
         for index, step in enumerate(steps):
+            self._check_backup(step)
             try:
                 manifest = self.trainer.load(self.checkpointer, step)
             except CheckpointError:
@@ -87,7 +88,7 @@ class BackupAndRestore(Callback):
                     exc_info=True,
                 )
                 continue
-            saved = manifest["position"]
+            saved = checked_position(manifest, f"the backup of step {step} in {self.backup_dir!r}")
             self.trainer.loop.resume_at(
                 Position(saved["epoch"], saved["batch"], saved["global_step"]),
                 manifest.get("batch_size"),
@@ -105,6 +106,22 @@ class BackupAndRestore(Callback):
             break
         if threading.current_thread() is threading.main_thread():
             self._previous_handler = signal.signal(signal.SIGTERM, self._on_sigterm)
+
+    def _check_backup(self, step: int) -> None:
+        """Before anything is loaded: a backup holds the whole state (resuming from weights
+        alone would restart the optimizer and its schedule while the loop continues at the
+        saved step) and a valid position."""
+        try:
+            manifest = self.checkpointer.manifest(step)
+        except Exception:  # noqa: BLE001 - unreadable: trainer.load reports it (and falls back)
+            return
+        if manifest.get("contents") == "weights":
+            raise CheckpointError(
+                f"BackupAndRestore: {self.backup_dir!r} holds a save_weights_only checkpoint (step {step}), without "
+                "the optimizer state, the step count and the data position a resume needs. Give BackupAndRestore a "
+                "directory of its own (and ModelCheckpoint another), or load the weights with trainer.load(...)."
+            )
+        checked_position(manifest, f"the backup of step {step} in {self.backup_dir!r}")
 
     def _on_sigterm(self, signum, frame) -> None:
         logger.warning("BackupAndRestore: SIGTERM received; finishing the current step, then writing a backup.")

@@ -12,6 +12,7 @@ from trainkit.checkpoint.checkpointer import (
     all_finite,
     build_manifest,
     check_writable,
+    checked_position,
     explain_restore,
 )
 from trainkit.checkpoint.files import restore, save
@@ -22,6 +23,7 @@ __all__ = [
     "all_finite",
     "build_manifest",
     "check_writable",
+    "checked_position",
     "explain_restore",
     "restore",
     "save",

@@ -9,11 +9,11 @@ killed mid-save leaves no half-written checkpoint that could be chosen later.
 >>> from trainkit.core.state import TrainState
 >>> state = TrainState.create(params={"w": jnp.ones(3)}, opt_state=(), model_state={}, seed=0)
 >>> checkpoints = Checkpointer(tempfile.mkdtemp())
->>> checkpoints.save(0, state, {"position": {"epoch": 0, "batch": 0}}, wait=True)
+>>> checkpoints.save(0, state, {"position": {"epoch": 0, "batch": 0, "global_step": 0}}, wait=True)
 True
 >>> restored, manifest = checkpoints.restore(state)
->>> restored.params["w"].tolist(), manifest["position"]
-([1.0, 1.0, 1.0], {'epoch': 0, 'batch': 0})
+>>> restored.params["w"].tolist(), manifest["position"]["global_step"]
+([1.0, 1.0, 1.0], 0)
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ import fcntl
 import json
 import logging
 import os
+import re
 import socket
 import sys
 import threading
@@ -86,6 +87,56 @@ WEIGHTS = ("params", "model_state")
 
 class CheckpointError(RuntimeError):
     """A checkpoint could not be written or does not fit the model being restored."""
+
+
+def _node_kind(text: str) -> str:
+    """orbax's description of one side of a structure mismatch, in words."""
+    text = text.strip()
+    if text == "MISSING":
+        return "nothing"
+    if "ValueMetadataEntry" in text or "ArrayMetadata" in text:
+        return "an array"
+    return "a subtree" if text.startswith("{") or "dict" in text else text
+
+
+def _structure_mismatch(message: str) -> list[str]:
+    """The paths of orbax's "tree structures do not match" error, as ``path: the model has X,
+    the checkpoint Y`` (orbax's Source is the item restored into, its Target what is on disk).
+
+    >>> _structure_mismatch("do not match:" + chr(10) + "opt_state.2:" + chr(10) + " - Source: {}" + chr(10)
+    ...                     + " - Target: MISSING" + chr(10) + "If this mismatch ...")
+    ['opt_state.2: the model has a subtree, the checkpoint nothing']
+    """
+    if "do not match:" not in message:
+        return []
+    body = message.split("do not match:", 1)[1].split("If this mismatch", 1)[0]
+    found = re.findall(r"^(\S[^\n]*):\n\s*- Source: ([^\n]*)\n\s*- Target: ([^\n]*)", body.strip(), re.M)
+    return [
+        f"{path}: the model has {_node_kind(mine)}, the checkpoint {_node_kind(disk)}" for path, mine, disk in found
+    ]
+
+
+def checked_position(manifest: dict, where: str) -> dict:
+    """The manifest's ``position``: ``epoch``, ``batch`` and ``global_step``, integers >= 0;
+    else a :class:`CheckpointError` naming the field (a hand-edited or foreign manifest).
+
+    >>> checked_position({"position": {"epoch": 1, "batch": 0, "global_step": 8}}, "ck/8")["global_step"]
+    8
+    """
+    position = manifest.get("position")
+    if not isinstance(position, dict):
+        raise CheckpointError(
+            f"The manifest of {where} has no position (received {position!r}): it was edited or written by "
+            "something else than trainkit. Resume from an untouched checkpoint."
+        )
+    for field in ("epoch", "batch", "global_step"):
+        value = position.get(field)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise CheckpointError(
+                f"The manifest of {where} has position.{field} = {value!r}; it must be an integer >= 0. The "
+                "manifest was edited or written by something else than trainkit: resume from an untouched checkpoint."
+            )
+    return position
 
 
 def check_writable(directory: str) -> None:
@@ -381,6 +432,15 @@ class Checkpointer:
                 "state"
             ]
         except Exception as error:  # noqa: BLE001 - tensorstore DATA_LOSS, KeyError, ValueError...
+            mismatch = _structure_mismatch(str(error))
+            if mismatch:  # a valid checkpoint of another optimizer or precision policy
+                raise CheckpointError(
+                    f"The checkpoint at step {step} in {self.directory!r} does not match this model and optimizer: "
+                    f"the state's structure differs ({'; '.join(mismatch[:12])}). The optimizer (adam against "
+                    "adamw, a chain of another length) or the precision policy (fp16 keeps a loss scale) is not the "
+                    "one that wrote it: restore with the same optimizer and precision, or save_weights_only "
+                    "checkpoints to move weights between them."
+                ) from error
             _let_late_reads_finish()
             raise CheckpointError(
                 f"The arrays of step {step} in {os.path.join(self.directory, str(step), 'state')!r} are corrupt or "
@@ -388,6 +448,14 @@ class Checkpointer:
             ) from error
         if manifest.get("contents") == "weights":
             restored = {**flax.serialization.to_state_dict(target), **restored}
+        elif "position" in manifest:  # a whole state: its step is the manifest's
+            where = f"step {step} in {self.directory!r}"
+            written = checked_position(manifest, where)["global_step"]
+            if int(restored["step"]) != written:
+                raise CheckpointError(
+                    f"The arrays of {where} hold the state of step {int(restored['step'])}, but its manifest says "
+                    f"step {written}: the directory mixes files of different saves. Resume from another step."
+                )
         return flax.serialization.from_state_dict(target, restored), manifest
 
     def __enter__(self) -> Checkpointer:
