@@ -266,3 +266,17 @@ def test_a_checkpoint_of_another_optimizer_or_precision_says_what_differs(data, 
     restored.init(x)
     with pytest.raises(CheckpointError, match=rf"does not match this model and optimizer.*{path}.*same optimizer"):
         restored.load(tmp_path / "ck")
+
+
+def test_a_symlinked_backup_dir_is_emptied_when_the_run_completes(data, tmp_path):
+    """rmtree refuses a link (and its failure was ignored), so the next, independent fit
+    "resumed" the finished run; now what the link points to is emptied."""
+    x, y = data
+    (tmp_path / "real").mkdir()
+    link = tmp_path / "backup"
+    link.symlink_to(tmp_path / "real")
+    make().fit(x, y, batch_size=16, epochs=2, verbose=0, callbacks=[BackupAndRestore(link)])
+    assert link.is_symlink() and not any(p.name.isdigit() for p in (tmp_path / "real").iterdir())
+    fresh = make()
+    fresh.fit(x, y, batch_size=16, epochs=2, verbose=0, callbacks=[BackupAndRestore(link)])
+    assert fresh.global_step == 4  # all of its own steps: nothing "resumed"

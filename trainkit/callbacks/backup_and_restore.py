@@ -9,14 +9,13 @@ from __future__ import annotations
 
 import logging
 import os
-import shutil
 import signal
 import threading
 
 from trainkit import distributed
 from trainkit.callbacks.base import Callback, Logs
 from trainkit.callbacks.triggers import SaveFrequency
-from trainkit.checkpoint import Checkpointer, CheckpointError, checked_position
+from trainkit.checkpoint import Checkpointer, CheckpointError, checked_position, remove_checkpoints
 from trainkit.loop import Position
 
 logger = logging.getLogger("trainkit")
@@ -161,7 +160,7 @@ class BackupAndRestore(Callback):
             return
         self.checkpointer.close()
         if self.delete_checkpoint and distributed.is_main_process():
-            shutil.rmtree(self.backup_dir, ignore_errors=True)
+            remove_checkpoints(self.backup_dir)
 
     def on_exception(self, exception: BaseException) -> None:
         self._restore_handler()

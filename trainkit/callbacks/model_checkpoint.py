@@ -12,13 +12,12 @@ from __future__ import annotations
 import logging
 import math
 import os
-import shutil
 import warnings
 
 from trainkit import distributed
 from trainkit.callbacks.base import Logs, MonitorCallback
 from trainkit.callbacks.triggers import SaveFrequency
-from trainkit.checkpoint import Checkpointer, check_writable
+from trainkit.checkpoint import Checkpointer, check_writable, remove_checkpoints
 
 logger = logging.getLogger("trainkit")
 
@@ -202,7 +201,7 @@ class ModelCheckpoint(MonitorCallback):
                 if oldest in self._open:
                     self._open.pop(oldest).close()
                 if distributed.is_main_process():
-                    shutil.rmtree(oldest, ignore_errors=True)
+                    remove_checkpoints(oldest)
 
     def wait(self) -> None:
         """Blocks until every checkpoint started so far is on disk."""

@@ -15,7 +15,7 @@ from trainkit.checkpoint.checkpointer import (
     checked_position,
     explain_restore,
 )
-from trainkit.checkpoint.files import restore, save
+from trainkit.checkpoint.files import remove_checkpoints, restore, save
 
 __all__ = [
     "CheckpointError",
@@ -25,6 +25,7 @@ __all__ = [
     "check_writable",
     "checked_position",
     "explain_restore",
+    "remove_checkpoints",
     "restore",
     "save",
 ]

@@ -14,6 +14,9 @@ do, on a directory or an open :class:`~trainkit.checkpoint.Checkpointer`.
 from __future__ import annotations
 
 import os
+import shutil
+import sys
+import warnings
 
 from trainkit.checkpoint.checkpointer import Checkpointer, CheckpointError, all_finite
 from trainkit.core.tree import PyTree
@@ -63,3 +66,42 @@ def restore(
     finally:
         if own:
             checkpointer.close()
+
+
+def remove_checkpoints(directory: str | os.PathLike) -> None:
+    """Deletes a checkpoint directory; through a symbolic link, what the link points to is
+    emptied and the link kept (``rmtree`` refuses links, which left a finished run's backup to be
+    "resumed" by the next one). A file that cannot be deleted is warned about, naming it.
+
+    >>> import tempfile, pathlib
+    >>> target = pathlib.Path(tempfile.mkdtemp()); (target / "7").mkdir()
+    >>> link = target.parent / (target.name + "-link"); link.symlink_to(target)
+    >>> remove_checkpoints(link); link.is_symlink(), list(target.iterdir())
+    (True, [])
+    """
+    failures: list[str] = []
+
+    def failed(function, path, error) -> None:
+        failures.append(f"{path} ({error[1] if isinstance(error, tuple) else error})")
+
+    on_error = {"onexc" if sys.version_info >= (3, 12) else "onerror": failed}  # onerror is deprecated in 3.12
+    path = os.fspath(directory)
+    if os.path.islink(path):
+        target = os.path.realpath(path)
+        for name in os.listdir(target) if os.path.isdir(target) else ():
+            entry = os.path.join(target, name)
+            if os.path.isdir(entry) and not os.path.islink(entry):
+                shutil.rmtree(entry, **on_error)
+            else:
+                try:
+                    os.remove(entry)
+                except OSError as error:
+                    failures.append(f"{entry} ({error})")
+    elif os.path.exists(path):
+        shutil.rmtree(path, **on_error)
+    if failures:
+        warnings.warn(
+            f"Could not delete all of {path!r}: {'; '.join(failures[:5])}. A later run given this directory would find "
+            "these files: delete them by hand.",
+            stacklevel=2,
+        )
