@@ -280,3 +280,21 @@ def test_a_symlinked_backup_dir_is_emptied_when_the_run_completes(data, tmp_path
     fresh = make()
     fresh.fit(x, y, batch_size=16, epochs=2, verbose=0, callbacks=[BackupAndRestore(link)])
     assert fresh.global_step == 4  # all of its own steps: nothing "resumed"
+
+
+@pytest.mark.parametrize("name", ["sweep[lr=0.01]", "run[1]", "a**b"])
+def test_a_path_with_glob_characters_saves_and_loads(data, tmp_path, name):
+    """orbax reads [ ] and ** as a glob pattern: such a checkpoint was written in part and
+    never found again. It is now read and written through a link without them."""
+    x, y = data
+    trainer = make()
+    trainer.fit(x, y, batch_size=16, epochs=1, verbose=0)
+    trainer.save(tmp_path / name / "ck")
+    restored = make()
+    restored.init(x)
+    assert restored.load(tmp_path / name / "ck")["position"]["global_step"] == 2
+    tree_equal = jax.tree.map(np.array_equal, restored.params, trainer.params)
+    assert all(jax.tree.leaves(tree_equal))
+    backup = tmp_path / name / "backup"
+    make().fit(x, y, batch_size=16, epochs=1, verbose=0, callbacks=[BackupAndRestore(backup)])
+    assert not backup.exists()  # completed: deleted

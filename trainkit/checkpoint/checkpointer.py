@@ -189,7 +189,7 @@ class Checkpointer:
     ):
         self.directory = os.path.abspath(os.fspath(directory))
         self.read_only = read_only
-        self._lock = None
+        self._lock = self._alias = None
         if read_only:
             if not os.path.isdir(self.directory):
                 raise CheckpointError(f"No checkpoint directory {self.directory!r}.")
@@ -209,8 +209,10 @@ class Checkpointer:
             **({"save_interval_steps": 0} if read_only else {}),
         )
         try:
-            self._manager = ocp.CheckpointManager(self.directory, options=options)
+            self._alias = _glob_free_alias(self.directory)
+            self._manager = ocp.CheckpointManager(self._alias or self.directory, options=options)
         except BaseException:
+            _remove_alias(self._alias)
             _unlock(self._lock)
             raise
         self._last_saved: int | None = None
@@ -474,8 +476,9 @@ class Checkpointer:
             try:
                 self._manager.close()
             finally:
+                _remove_alias(self._alias)
                 _unlock(self._lock)
-                self._lock = None
+                self._lock = self._alias = None
 
 
 _all_finite_jit = jax.jit(
@@ -565,6 +568,36 @@ def _set_aside_unreadable_steps(directory: str, read_only: bool) -> None:
             stacklevel=4,
         )
     distributed.broadcast_int(len(bad))  # every process opens the directory after the renames
+
+
+#: Characters orbax's path handling reads as a glob pattern (``[1]``, ``**``): a checkpoint under
+#: such a path was written in part and never found again.
+GLOB_CHARACTERS = "[]*"
+
+
+def _glob_free_alias(directory: str) -> str | None:
+    """For a ``directory`` whose path has glob characters (``sweep[lr=0.01]``), a symbolic link
+    to it under a temporary directory without them, through which orbax reads and writes the
+    real files; ``None`` for an ordinary path."""
+    if not any(c in directory for c in GLOB_CHARACTERS):
+        return None
+    import tempfile
+
+    holder = tempfile.mkdtemp(prefix="trainkit-checkpoint-")
+    if any(c in holder for c in GLOB_CHARACTERS):
+        raise CheckpointError(
+            f"{directory!r} has one of {GLOB_CHARACTERS!r}, which orbax reads as a glob pattern, and the temporary "
+            f"directory {holder!r} does too; rename the checkpoint directory."
+        )
+    alias = os.path.join(holder, "checkpoints")
+    os.symlink(directory, alias)
+    return alias
+
+
+def _remove_alias(alias: str | None) -> None:
+    if alias is not None:
+        os.remove(alias)
+        os.rmdir(os.path.dirname(alias))
 
 
 def _lock_directory(directory: str):
