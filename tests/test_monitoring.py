@@ -5,11 +5,12 @@ import glob
 import gzip
 import json
 import os
+import time
 
 import numpy as np
 import optax
 import pytest
-from conftest import MLP, make_classification
+from conftest import MLP, make_classification, saved_steps
 
 import trainkit as tk
 from trainkit.monitoring import throughput
@@ -202,3 +203,63 @@ def test_history_plot_and_the_plot_command_draw_one_line_per_series(tmp_path):
         assert (tmp_path / "cli.png").stat().st_size > 10_000
     with pytest.raises(ValueError, match="Nothing to plot"):
         plot.plot_curves({"epoch": [0, 1]}, tmp_path / "empty.png")
+
+
+class FlakyLogger:
+    """Raises ConnectionError from the ``fail_at``-th log_metrics call on (all of them: ``always``)."""
+
+    def __init__(self, fail_at=2, always=False):
+        self.calls, self.fail_at, self.always, self.closed = 0, fail_at, always, False
+
+    def log_metrics(self, step, metrics, run="train"):
+        self.calls += 1
+        if self.always or self.calls == self.fail_at:
+            raise ConnectionError("the server went away")
+
+    def log_hparams(self, config):
+        pass
+
+    def close(self):
+        self.closed = True
+
+
+def test_a_failing_logger_is_warned_about_and_the_other_callbacks_go_on(tmp_path):
+    """Logging([...]) before ModelCheckpoint, CSVLogger and BackupAndRestore: a ConnectionError at
+    the end of epoch 2 aborted fit with the backup left at step 16 of 32."""
+    x, y = make_classification(64)
+    flaky = FlakyLogger(fail_at=2)
+    backup = tmp_path / "backup"
+    callbacks = [
+        tk.callbacks.Logging([flaky]),
+        tk.callbacks.ModelCheckpoint(tmp_path / "ck", monitor="loss"),
+        tk.callbacks.CSVLogger(tmp_path / "log.csv"),
+        tk.callbacks.BackupAndRestore(backup, delete_checkpoint=False),
+    ]
+    trainer = tk.Trainer(MLP(), loss="sparse_categorical_crossentropy", optimizer=optax.sgd(0.1), strategy="single")
+    with pytest.warns(UserWarning, match=r"Logging: FlakyLogger.log_metrics failed \(ConnectionError: the server"):
+        trainer.fit(x, y, batch_size=16, epochs=4, verbose=0, callbacks=callbacks)
+    assert trainer.global_step == 16 and flaky.calls == 4 and flaky.closed  # kept: one failure
+    assert len((tmp_path / "log.csv").read_text().splitlines()) == 1 + 4
+    assert saved_steps(backup) == [16] and saved_steps(tmp_path / "ck") == [16]
+
+
+def test_a_logger_failing_again_and_again_is_dropped(tmp_path):
+    x, y = make_classification(64)
+    broken = FlakyLogger(always=True)
+    trainer = tk.Trainer(MLP(), loss="sparse_categorical_crossentropy", optimizer=optax.sgd(0.1), strategy="single")
+    with pytest.warns(UserWarning, match=r"without this logger \(3 failures in a row\)"):
+        trainer.fit(x, y, batch_size=16, epochs=5, verbose=0, callbacks=[tk.callbacks.Logging([broken])])
+    assert broken.calls == 3 and not broken.closed and trainer.global_step == 20
+
+
+def test_mlflow_waits_are_bounded():
+    pytest.importorskip("mlflow")
+    import socket
+
+    with socket.socket() as free:  # a port nothing listens on: mlflow retries for minutes
+        free.bind(("127.0.0.1", 0))
+        port = free.getsockname()[1]
+    started = time.monotonic()
+    with pytest.raises(TimeoutError, match=rf"MLflow at 'http://127.0.0.1:{port}' \(starting the run\) did not finish"):
+        tk.loggers.MLflowLogger(f"http://127.0.0.1:{port}", timeout=2)
+    assert time.monotonic() - started < 10

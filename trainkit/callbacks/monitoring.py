@@ -11,6 +11,8 @@ from __future__ import annotations
 import logging
 import os
 import time
+import warnings
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -118,6 +120,10 @@ class _Rate(Callback):
         return rates
 
 
+#: Consecutive failures after which ``Logging`` drops a logger for the rest of the run.
+MAX_FAILURES = 3
+
+
 class Logging(_Rate):
     """Sends the logs to ``loggers`` (:class:`trainkit.monitoring.loggers.Logger` objects): at every epoch
     end (``update_freq="epoch"``) or every ``update_freq`` optimizer steps, the training
@@ -149,10 +155,30 @@ class Logging(_Rate):
         if update_freq != "epoch" and (isinstance(update_freq, bool) or not isinstance(update_freq, int)):
             raise ValueError(f"update_freq must be 'epoch' or a positive number of steps; received {update_freq!r}.")
         self.loggers, self.update_freq, self.close_at_end = list(loggers_), update_freq, close
+        self._failures: dict[int, int] = {}  # consecutive failures per logger
+
+    def _call(self, item: loggers.Logger, method: Callable, *args: Any) -> None:
+        """One logger call, as a side effect: an error is warned about (naming the logger) and
+        training and the other callbacks go on; a logger failing ``MAX_FAILURES`` times in a row
+        is dropped for the rest of the run."""
+        try:
+            method(*args)
+        except Exception as error:  # noqa: BLE001 - a logger's backend raises anything
+            failures = self._failures[id(item)] = self._failures.get(id(item), 0) + 1
+            dropped = failures >= MAX_FAILURES
+            if dropped:
+                self.loggers = [other for other in self.loggers if other is not item]
+            warnings.warn(
+                f"Logging: {type(item).__name__}.{method.__name__} failed ({type(error).__name__}: {error}); "
+                + ("training goes on" + (f", without this logger ({failures} failures in a row)." if dropped else ".")),
+                stacklevel=2,
+            )
+        else:
+            self._failures[id(item)] = 0
 
     def _send(self, step: int, metrics: dict, run: str) -> None:
-        for item in self.loggers:
-            item.log_metrics(step, metrics, run)
+        for item in list(self.loggers):
+            self._call(item, item.log_metrics, step, metrics, run)
 
     def _extras(self) -> dict[str, float]:
         return {**self._reading(), **self._learning_rate()}
@@ -161,8 +187,8 @@ class Logging(_Rate):
         self.meter, self._mark = None, None
         if distributed.is_main_process():
             config = run_config(self.trainer)
-            for item in self.loggers:
-                item.log_hparams(config)
+            for item in list(self.loggers):
+                self._call(item, item.log_hparams, config)
 
     def reads_batch_logs(self) -> bool:
         return _due(self.trainer, self.update_freq)
@@ -192,8 +218,8 @@ class Logging(_Rate):
 
     def on_train_end(self, logs: Logs | None = None) -> None:
         if self.close_at_end and distributed.is_main_process():
-            for item in self.loggers:
-                item.close()
+            for item in list(self.loggers):
+                self._call(item, item.close)
 
     def on_exception(self, exception: BaseException) -> None:
         self.on_train_end()

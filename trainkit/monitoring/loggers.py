@@ -122,18 +122,58 @@ class CSVMetricsLogger:
             self._file = None
 
 
+def bounded(call: Any, seconds: float, what: str) -> Any:
+    """``call()``, or a ``TimeoutError`` naming ``what`` when it has not returned within
+    ``seconds`` (it goes on in a daemon thread: a client waiting on a server cannot be stopped).
+
+    >>> bounded(lambda: 4, 1.0, "a sum")
+    4
+    """
+    import threading
+
+    result: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            result["value"] = call()
+        except BaseException as error:  # noqa: BLE001 - re-raised in the caller's thread
+            result["error"] = error
+
+    thread = threading.Thread(target=run, name="trainkit-bounded", daemon=True)
+    thread.start()
+    thread.join(seconds)
+    if thread.is_alive():
+        raise TimeoutError(f"{what} did not finish within {seconds:g} s.")
+    if "error" in result:
+        raise result["error"]
+    return result["value"]
+
+
 class MLflowLogger:
-    """An MLflow run (``pip install mlflow``), in ``tracking_uri`` (a ``file:`` directory, a
-    ``sqlite:///runs.db`` database or a server). Validation metrics are named ``val_<name>``,
-    as in the logs; hyperparameters are the run's params."""
+    """An MLflow run (``pip install mlflow``), in ``tracking_uri`` (a ``sqlite:///runs.db``
+    database or a server; mlflow 3 no longer takes a ``file:`` directory for runs). Validation
+    metrics are named ``val_<name>``, as in the logs; hyperparameters are the run's params.
+    Every call to MLflow waits at most ``timeout`` seconds (its own retries to an unreachable
+    server take minutes): the constructor raises then, and ``tk.callbacks.Logging`` warns and
+    goes on without the run."""
 
-    def __init__(self, tracking_uri: str, experiment: str = "trainkit", run_name: str | None = None):
-        import mlflow
+    def __init__(
+        self, tracking_uri: str, experiment: str = "trainkit", run_name: str | None = None, timeout: float = 30.0
+    ):
+        self.tracking_uri, self.timeout = tracking_uri, float(timeout)
 
-        self._client = mlflow.tracking.MlflowClient(tracking_uri=tracking_uri)
-        found = self._client.get_experiment_by_name(experiment)
-        experiment_id = found.experiment_id if found else self._client.create_experiment(experiment)
-        self.run_id = self._client.create_run(experiment_id, run_name=run_name).info.run_id
+        def start() -> tuple[Any, str]:
+            import mlflow
+
+            client = mlflow.tracking.MlflowClient(tracking_uri=tracking_uri)
+            found = client.get_experiment_by_name(experiment)
+            experiment_id = found.experiment_id if found else client.create_experiment(experiment)
+            return client, client.create_run(experiment_id, run_name=run_name).info.run_id
+
+        self._client, self.run_id = self._bounded(start, "starting the run")
+
+    def _bounded(self, call: Any, what: str) -> Any:
+        return bounded(call, self.timeout, f"MLflow at {self.tracking_uri!r} ({what})")
 
     def log_metrics(self, step: int, metrics: dict[str, float], run: str = "train") -> None:
         from mlflow.entities import Metric
@@ -142,15 +182,16 @@ class MLflowLogger:
         prefix = "val_" if run == "validation" else ""
         batch = [Metric(f"{prefix}{k}", v, now, step) for k, v in _scalars(metrics).items()]
         if batch:
-            self._client.log_batch(self.run_id, metrics=batch)
+            self._bounded(lambda: self._client.log_batch(self.run_id, metrics=batch), "logging metrics")
 
     def log_hparams(self, config: dict[str, Any]) -> None:
         from mlflow.entities import Param
 
-        self._client.log_batch(self.run_id, params=[Param(k, str(v)[:500]) for k, v in config.items()])
+        params = [Param(k, str(v)[:500]) for k, v in config.items()]
+        self._bounded(lambda: self._client.log_batch(self.run_id, params=params), "logging params")
 
     def close(self) -> None:
-        self._client.set_terminated(self.run_id)
+        self._bounded(lambda: self._client.set_terminated(self.run_id), "ending the run")
 
 
 class WandbLogger:
