@@ -108,3 +108,45 @@ def test_auto_trains_with_the_plans_executable_and_initial_state_compiling_neith
     fresh.init((x, y))
     for a, b in zip(jax.tree.leaves(jax.device_get(single.state)), jax.tree.leaves(jax.device_get(fresh.state))):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))  # the planned state is the state at step 0
+
+
+def startup_run(tmp_path, **env_settings):
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_NUM_CPU_DEVICES")}
+    env.update(
+        {"JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0", "XDG_CACHE_HOME": str(tmp_path / "xdg"), **env_settings}
+    )
+    if "TRAINKIT_COMPILATION_CACHE" not in env_settings:
+        env.pop("TRAINKIT_COMPILATION_CACHE", None)
+    return subprocess.run([sys.executable, str(SCRIPT)], capture_output=True, text=True, env=env, timeout=300)
+
+
+@pytest.mark.parametrize("where", ["a file", "under a file", "read-only"])
+def test_an_unusable_cache_directory_warns_once_and_training_goes_on(tmp_path, where):
+    (tmp_path / "file").write_text("not a directory")
+    settings = {
+        "a file": {"TRAINKIT_COMPILATION_CACHE": str(tmp_path / "file")},
+        "under a file": {"TRAINKIT_COMPILATION_CACHE": str(tmp_path / "file" / "cache")},
+        "read-only": {"XDG_CACHE_HOME": "/proc/self"},  # the default place, where nobody may create a directory
+    }[where]
+    result = startup_run(tmp_path, **settings)
+    assert result.returncode == 0, result.stderr
+    assert result.stderr.count("compilation cache directory") == 1, result.stderr
+    assert "training goes on without the cache" in result.stderr and "TRAINKIT_COMPILATION_CACHE" in result.stderr
+    assert re.search(r"compiles=[1-9]", result.stdout)
+
+
+def test_a_truncated_cache_entry_is_replaced_instead_of_failing_every_run(tmp_path):
+    directory = tmp_path / "cache"
+    first = startup_run(tmp_path, TRAINKIT_COMPILATION_CACHE=str(directory))
+    assert first.returncode == 0, first.stderr
+    entries = sorted(directory.glob("*-cache"))
+    assert entries
+    entries[0].write_bytes(b"")  # a full disk: empty, and truncated
+    for entry in entries[1:]:
+        entry.write_bytes(entry.read_bytes()[: entry.stat().st_size // 2])
+    second = startup_run(tmp_path, TRAINKIT_COMPILATION_CACHE=str(directory))
+    assert second.returncode == 0 and "Error reading persistent compilation cache" not in second.stderr, second.stderr
+    third = startup_run(tmp_path, TRAINKIT_COMPILATION_CACHE=str(directory))
+    assert "Error reading persistent compilation cache" not in third.stderr, third.stderr
+    compiled, hits = map(int, re.search(r"compiles=(\d+) cache_hits=(\d+)", third.stdout).groups())
+    assert hits == compiled > 0  # rewritten by the second run, read back whole by the third

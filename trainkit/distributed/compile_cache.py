@@ -5,7 +5,9 @@ One setting, the environment variable ``TRAINKIT_COMPILATION_CACHE``: unset, the
 ``$XDG_CACHE_HOME/trainkit/jax`` (``~/.cache/trainkit/jax``); ``off`` (or ``0``, ``false``)
 turns it off; any other value is the directory to use. ``configure(...)`` does the same from
 code. A cache directory the user already gave JAX (``jax_compilation_cache_dir``) is left as
-it is.
+it is. A directory that cannot be used (read-only, or a file) turns the cache off with one
+warning, and an entry a full disk left truncated is deleted before JAX reads it (JAX never
+replaces an existing entry, so every later run would warn and compile again).
 
 >>> directory_for("off") is None
 True
@@ -16,12 +18,18 @@ True
 from __future__ import annotations
 
 import os
+import tempfile
+import time
+import warnings
 
 import jax
 
 ENVIRONMENT = "TRAINKIT_COMPILATION_CACHE"
 OFF = ("off", "0", "false", "no", "none")
 _configured: str | None = None
+_refused: set[str] = set()  # unusable directories already warned about
+#: A file in the cache directory whose time says when its entries were last read back whole.
+VERIFIED = "trainkit-verified"
 
 
 def default_directory() -> str:
@@ -57,10 +65,72 @@ def configure(setting: str | None = None) -> str | None:
             jax.config.update("jax_compilation_cache_dir", None)
         _configured = None
         return None
-    os.makedirs(directory, exist_ok=True)
+    problem = _unusable(directory)
+    if problem is not None:
+        if directory not in _refused:
+            _refused.add(directory)
+            warnings.warn(
+                f"The compilation cache directory {directory!r} cannot be used ({problem}); training goes on "
+                f"without the cache (every run compiles). Point {ENVIRONMENT} at a writable directory, or set it "
+                "to 'off' to silence this.",
+                stacklevel=3,
+            )
+        return None
+    drop_broken_entries(directory)
     jax.config.update("jax_compilation_cache_dir", directory)
     _configured = directory
     return directory
+
+
+def _unusable(directory: str) -> str | None:
+    """Why ``directory`` cannot hold the cache (it cannot be created, or a file cannot be
+    written in it), or ``None``."""
+    try:
+        os.makedirs(directory, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=directory, prefix=".trainkit-probe-"):
+            pass
+    except OSError as error:
+        return f"{type(error).__name__}: {error.strerror or error}"
+    return None
+
+
+def drop_broken_entries(directory: str) -> list[str]:
+    """Deletes the cache entries written since the last check that do not read back whole
+    (empty, or truncated: a full disk leaves them), so that JAX compiles and writes them
+    again; returns their names. Each entry is read once, by the first process after it was
+    written.
+
+    >>> drop_broken_entries(tempfile.mkdtemp())
+    []
+    """
+    from jax._src import compilation_cache  # JAX's own decompression, whichever it uses here
+
+    marker = os.path.join(directory, VERIFIED)
+    since = os.path.getmtime(marker) if os.path.exists(marker) else 0.0
+    started, broken = time.time(), []
+    for entry in os.scandir(directory):
+        if not entry.name.endswith("-cache") or not entry.is_file() or entry.stat().st_mtime < since:
+            continue
+        try:
+            with open(entry.path, "rb") as f:
+                data = f.read()
+            if not data:
+                raise ValueError("empty")
+            compilation_cache.decompress_executable(data)
+        except Exception:  # noqa: BLE001 - zlib.error, zstd errors, ValueError, OSError
+            broken.append(entry.name)
+            for path in (entry.path, entry.path[: -len("-cache")] + "-atime"):
+                try:
+                    os.remove(path)
+                except OSError:
+                    pass  # gone already, or another process's to delete
+    try:
+        with open(marker, "a"):
+            pass
+        os.utime(marker, (started, started))
+    except OSError:
+        pass  # checked again next time
+    return broken
 
 
 def active_directory() -> str | None:
