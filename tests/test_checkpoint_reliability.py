@@ -5,6 +5,7 @@ reason, one save in flight."""
 import json
 import os
 import pathlib
+import re
 import subprocess
 import sys
 import textwrap
@@ -298,3 +299,48 @@ def test_a_path_with_glob_characters_saves_and_loads(data, tmp_path, name):
     backup = tmp_path / name / "backup"
     make().fit(x, y, batch_size=16, epochs=1, verbose=0, callbacks=[BackupAndRestore(backup)])
     assert not backup.exists()  # completed: deleted
+
+
+@pytest.mark.parametrize(
+    "template, message",
+    [
+        ("ck-{}", r"positional field \{\}"),
+        ("ck-{0}", r"positional field \{0\}"),
+        ("ck-{epoch", r"is not a valid template"),
+        ("ck-}", r"is not a valid template"),
+    ],
+)
+def test_a_checkpoint_template_that_cannot_format_fails_before_the_first_step(data, tmp_path, template, message):
+    x, y = data
+    trainer = make()
+    checkpoint = ModelCheckpoint(str(tmp_path / template), monitor="val_loss")
+    with pytest.raises(ValueError, match=message):
+        trainer.fit(x, y, batch_size=16, epochs=2, verbose=0, validation_data=(x, y), callbacks=[checkpoint])
+    assert trainer.global_step == 0
+
+
+def test_a_misspelt_template_name_is_warned_about_before_the_first_step(data, tmp_path):
+    """Keras formats whatever the logs hold at the save (a callback may add a name), so an
+    unknown name stays a KeyError at the first save, as in Keras, and is warned about first."""
+    import warnings
+
+    x, y = data
+    checkpoint = ModelCheckpoint(str(tmp_path / "ck-{epoch:02d}-{val_acc:.2f}"), monitor="val_loss")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        warned_by_step = []
+        count = tk.callbacks.LambdaCallback(
+            on_train_batch_begin=lambda b, logs=None: warned_by_step.append(len(caught))
+        )
+        with pytest.raises(KeyError, match="val_acc"):
+            make().fit(x, y, batch_size=16, epochs=2, verbose=0, validation_data=(x, y), callbacks=[checkpoint, count])
+    texts = [str(w.message) for w in caught]
+    assert any(re.search(r"names \{val_acc\}, which fit does not log: the logs hold \[.*'val_loss'", t) for t in texts)
+    assert warned_by_step[0] >= 1  # before the first step
+
+
+def test_a_template_of_logged_names_formats(data, tmp_path):
+    x, y = data
+    checkpoint = ModelCheckpoint(str(tmp_path / "ck-{epoch:02d}-{val_loss:.2f}-{loss:.2f}"), monitor="val_loss")
+    make().fit(x, y, batch_size=16, epochs=2, verbose=0, validation_data=(x, y), callbacks=[checkpoint])
+    assert len(list(tmp_path.glob("ck-0*"))) == 2

@@ -74,7 +74,7 @@ class ModelCheckpoint(MonitorCallback):
             raise ValueError(f"max_to_keep must be a positive integer or None; received {max_to_keep!r}.")
         self.max_to_keep = max_to_keep
         self.async_safe = save_freq == "epoch"
-        self._templated = "{" in self.filepath
+        self._templated = "{" in self.filepath or "}" in self.filepath
         self._batches_seen_since_last_saving = 0
         self._last_batch_seen: int | None = None
         self._current_epoch = 0
@@ -84,9 +84,38 @@ class ModelCheckpoint(MonitorCallback):
     # ------------------------------------------------------------------ Keras's decisions
     def on_train_begin(self, logs: Logs | None = None) -> None:
         if self._templated:  # fails now, not after an epoch, when the directory is unusable
+            self._check_template()
             check_writable(os.path.dirname(self.filepath.split("{", 1)[0]) or ".")
         else:
             self._checkpointer(self.filepath)
+
+    def _check_template(self) -> None:
+        """The filepath's fields, before the first step: positional fields and broken braces can
+        never format (an error); a name the logs will not hold (the loop's ``logged_names``, ``epoch``,
+        ``batch``, the ``learning_rate`` Keras's learning-rate callbacks add) is warned about, as
+        a callback may still add it (Keras formats whatever the logs hold at the save)."""
+        import string
+
+        logged = self.trainer.loop.logged_names if self.trainer is not None else None
+        known = {"epoch", "batch", "learning_rate", *(logged or ())}
+        try:
+            fields = [field for _, field, _, _ in string.Formatter().parse(self.filepath) if field is not None]
+        except ValueError as error:
+            raise ValueError(f'ModelCheckpoint filepath "{self.filepath}" is not a valid template: {error}.') from None
+        for field in fields:
+            name = field.split(".")[0].split("[")[0]
+            if not name or name.isdigit():
+                raise ValueError(
+                    f'ModelCheckpoint filepath "{self.filepath}" has a positional field {{{field}}}: name what it '
+                    "holds, {epoch}, {batch} or a logged metric such as {val_loss:.2f}."
+                )
+            if logged is not None and name not in known:  # a callback may still add it, as in Keras
+                warnings.warn(
+                    f'ModelCheckpoint filepath "{self.filepath}" names {{{name}}}, which fit does not log: the logs '
+                    f"hold {sorted(known)} (validation metrics need validation_data). Unless a callback before this "
+                    "one adds it to the logs, the first save will fail with a KeyError: fix the name now.",
+                    stacklevel=3,
+                )
 
     def on_epoch_begin(self, epoch: int, logs: Logs | None = None) -> None:
         self._current_epoch = epoch

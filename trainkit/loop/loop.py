@@ -172,6 +172,7 @@ class Loop:
         self.validating_at: int | None = None  # the step of a validation every N steps, while it runs
         self.validation_logs: dict[str, float] = {}  # the latest one's
         self.interval_validation: tuple[Validation, int] | None = None  # (validation, every N steps) of this fit
+        self.logged_names: tuple[str, ...] | None = None  # what this fit's epoch logs hold (set before on_train_begin)
 
     # ------------------------------------------------------------------ explicit requests
     def request_stop(self) -> None:
@@ -222,6 +223,8 @@ class Loop:
         epochs, steps, max_steps = config.epochs, config.steps, config.max_steps
         self.epoch_steps = steps
         validation = config.validation
+        names = list(self.session.log_order)  # what the epoch logs will hold (Keras 2's params["metrics"])
+        self.logged_names = tuple(names + ([f"val_{name}" for name in names] if validation else []))
         # TerminateOnNaN watches the loss itself: no warning of the loop's then
         warn_non_finite = config.warn_non_finite and not callbacks.stops_on_non_finite
         validation_interval = config.validation_interval
