@@ -179,3 +179,21 @@ def test_verbose_zero_prints_nothing(xy, capsys):
     x, y = xy
     make_trainer().fit((x, y), epochs=1, batch_size=16, verbose=0)
     assert capsys.readouterr().out == ""
+
+
+def test_terminate_on_nan_names_the_first_bad_batch_of_an_execution(xy):
+    """steps_per_execution=4: the hook comes after batch 7 (step 8), the loss went bad at batch 5."""
+    x, y = xy
+    x_big, y_big = np.concatenate([x] * 3), np.concatenate([y] * 3)  # 8 batches of 16 or more
+    x_big[5 * 16 + 3] = np.inf  # batch 5 (step 6)
+    stopper = TerminateOnNaN()
+    trainer = tk.Trainer(
+        MLP(),
+        loss="sparse_categorical_crossentropy",
+        optimizer=optax.sgd(0.1),
+        strategy="single",
+        steps_per_execution=4,
+    )
+    with pytest.warns(UserWarning, match=r"loss became nan at batch 5 of epoch 0 \(step 6,"):
+        trainer.fit((x_big, y_big), epochs=2, batch_size=16, shuffle=False, callbacks=[stopper], verbose=0)
+    assert stopper.stopped_step == 6 and trainer.global_step == 8  # the execution's steps ran, no more

@@ -36,8 +36,11 @@ class TerminateOnNaN(Callback):
         if loss is None or math.isfinite(loss) or self.stopped_step is not None:
             return
         record = self.trainer.loop.record
-        self.stopped_step = record.step
-        where = f"batch {batch} of epoch {record.epoch} (step {record.step}, counting from 1)"
+        step = record.step
+        if record.steps > 1:  # one hook for several steps: name the first that went wrong
+            step, batch, loss = self.trainer.loop.first_non_finite() or (step, batch, loss)
+        self.stopped_step = step
+        where = f"batch {batch} of epoch {record.epoch} (step {step}, counting from 1)"
         if self.raise_error:
             raise RuntimeError(f"NaN or Inf loss encountered at {where}. Loss value: {loss}. Terminating training.")
         warnings.warn(f"TerminateOnNaN: the loss became {loss} at {where}; stopping training.", stacklevel=2)

@@ -173,6 +173,7 @@ class Loop:
         self.validation_logs: dict[str, float] = {}  # the latest one's
         self.interval_validation: tuple[Validation, int] | None = None  # (validation, every N steps) of this fit
         self.logged_names: tuple[str, ...] | None = None  # what this fit's epoch logs hold (set before on_train_begin)
+        self._carry: tuple[EpochTotals, int, int] | None = None  # the last hook's totals, epoch start step, batch
 
     # ------------------------------------------------------------------ explicit requests
     def request_stop(self) -> None:
@@ -396,7 +397,7 @@ class Loop:
             carry.steps.block_until_ready()  # at most `lag` executions queued behind this one
             ran, last = ran + record.steps, carry
             if batch_end.active:
-                self.record = record
+                self.record, self._carry = record, (carry, start_step, start_batch)
                 batch_end(record.batch, lambda carry=carry: metrics_lib.compute(host_metrics(carry.metrics), order))
         if last is None:
             return 0, {}
@@ -436,6 +437,18 @@ class Loop:
                 1e6 * statistics.median(tuner.devices),
             )
         return totals
+
+    def first_non_finite(self) -> tuple[int, int, float] | None:
+        """For a batch-end hook: the optimizer step (from 1) and the batch of this epoch whose
+        loss was first not finite, and that loss, or ``None`` while every loss is finite. With
+        ``steps_per_execution`` the hook's batch is the execution's last; this is the one that
+        went wrong. Reads the device totals (call it after seeing a non-finite loss)."""
+        if self._carry is None:
+            return None
+        carry, start_step, start_batch = self._carry
+        host = host_metrics(carry)
+        bad = int(host.first_non_finite)
+        return (start_step + bad, start_batch + bad - 1, float(host.first_non_finite_loss)) if bad else None
 
     def _watch(self, totals: EpochTotals, start_step: int, start_batch: int, epoch: int, warn_non_finite: bool) -> None:
         """The epoch's warnings, from its totals: the first non-finite loss (unless a callback
