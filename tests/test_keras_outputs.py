@@ -453,6 +453,8 @@ def test_bad_output_specifications_fail_before_compiling(x):
         make(loss={"a": "sparse_categorical_crossentropy", "b": "mse"}).fit(
             x, {"a": y["a"].astype("float32"), "b": y["b"]}, verbose=0
         )
+    with pytest.raises(ValueError, match=r"The targets y have \['bb'\], which no output of the model has"):
+        make(loss={"a": "sparse_categorical_crossentropy", "b": "mse"}).fit(x, {**y, "bb": y["b"]}, verbose=0)
 
 
 # ---------------------------------------------------------------------- several inputs

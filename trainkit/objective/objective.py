@@ -302,6 +302,14 @@ class Objective:
         the classes, or targets whose shape an element-wise loss cannot compare."""
         if targets is None:
             return
+        if isinstance(targets, dict) and isinstance(outputs, dict):
+            extra = sorted(set(map(str, targets)) - set(map(str, outputs)))
+            if extra:
+                raise ValueError(
+                    f"The targets {part} have {extra}, which no output of the model has (its outputs are "
+                    f"{sorted(map(str, outputs))}): they would be ignored. Remove them, or name them after an output "
+                    "(a misspelt key?)."
+                )
         for out in self.outputs:
             if out.loss is None:
                 continue
