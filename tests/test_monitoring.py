@@ -263,3 +263,30 @@ def test_mlflow_waits_are_bounded():
     with pytest.raises(TimeoutError, match=rf"MLflow at 'http://127.0.0.1:{port}' \(starting the run\) did not finish"):
         tk.loggers.MLflowLogger(f"http://127.0.0.1:{port}", timeout=2)
     assert time.monotonic() - started < 10
+
+
+def test_an_unwritable_profiler_log_dir_fails_before_the_first_step(tmp_path):
+    (tmp_path / "file").write_text("")
+    profiler = tk.callbacks.Profiler(tmp_path / "file" / "profile", steps=(3, 4))  # under a file: never writable
+    trainer = tk.Trainer(MLP(), loss="sparse_categorical_crossentropy", optimizer=optax.sgd(0.1), strategy="single")
+    with pytest.raises(ValueError, match=r"Profiler: the log directory .*profile' cannot be written"):
+        trainer.fit(X, Y, batch_size=16, epochs=1, verbose=0, callbacks=[profiler])
+    assert trainer.global_step == 0
+
+
+@pytest.mark.parametrize("content", [b"", b"epoch,loss\n0,abc\n", bytes(range(256)) * 2, None])
+def test_the_plot_command_names_a_file_it_cannot_read_in_one_line(tmp_path, content):
+    import subprocess
+    import sys
+
+    path = tmp_path / "log.csv"
+    if content is not None:
+        path.write_bytes(content)
+    result = subprocess.run(
+        [sys.executable, "-m", "trainkit.plot", str(path), "-o", str(tmp_path / "o.png")],
+        capture_output=True,
+        text=True,
+    )
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"python -m trainkit.plot: cannot plot '{path}'"), result.stderr

@@ -249,6 +249,10 @@ class Profiler(Callback):
         self.log_dir, self.steps, self.memory_profile = os.fspath(log_dir), tuple(steps), memory_profile
         self.tracing = False
 
+    def on_train_begin(self, logs: Logs | None = None) -> None:
+        if distributed.is_main_process():  # an unwritable directory fails now, not at the first traced step
+            loggers.check_log_dir(self.log_dir, "Profiler")
+
     def on_train_batch_begin(self, batch: int, logs: Logs | None = None) -> None:
         record = self.trainer.loop.record  # the steps this batch (or execution) covers
         if record.first_step <= self.steps[0] <= record.step and not self.tracing and distributed.is_main_process():

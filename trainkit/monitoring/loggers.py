@@ -44,6 +44,26 @@ class Logger(Protocol):
     def close(self) -> None: ...
 
 
+def check_log_dir(log_dir: str | os.PathLike, owner: str) -> None:
+    """Creates ``log_dir`` and writes a file in it, or raises a ``ValueError`` naming it and
+    ``owner`` (called at ``on_train_begin``, so nothing fails in the middle of a run).
+
+    >>> import tempfile
+    >>> check_log_dir(tempfile.mkdtemp(), "Profiler")
+    """
+    import tempfile
+
+    try:
+        os.makedirs(log_dir, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=log_dir, prefix=".trainkit-probe-"):
+            pass
+    except OSError as error:
+        raise ValueError(
+            f"{owner}: the log directory {os.fspath(log_dir)!r} cannot be written ({type(error).__name__}: "
+            f"{error.strerror or error}); pass a writable log_dir."
+        ) from None
+
+
 def _scalars(metrics: dict[str, Any]) -> dict[str, float]:
     return {k: float(v) for k, v in metrics.items() if np.ndim(v) == 0 and np.isfinite(float(v))}
 

@@ -126,8 +126,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("-o", "--output", default="curves.png")
     parser.add_argument("--title", default=None)
     args = parser.parse_args(argv)
-    series = read_series(args.source)
-    plot_curves(series, args.output, title=args.title or os.path.basename(os.path.normpath(args.source)))
+    try:
+        series = read_series(args.source)
+        if not any(series.values()):
+            raise ValueError("it holds no metric values")
+        plot_curves(series, args.output, title=args.title or os.path.basename(os.path.normpath(args.source)))
+    except (OSError, ValueError, KeyError, UnicodeDecodeError, csv.Error) as error:
+        print(f"python -m trainkit.plot: cannot plot {args.source!r}: {type(error).__name__}: {error}", file=sys.stderr)
+        return 2
     print(f"wrote {args.output}: {', '.join(panels(series))}")
     return 0
 
