@@ -236,3 +236,57 @@ def test_fit_reads_batches_off_the_main_thread_one_shot_iterators_too():
     threads.clear()
     trainer.fit(iter(Loader()), epochs=1, verbose=0)  # read ahead; what a stop leaves is handed back
     assert threads[0] and not any(threads[1:])
+
+
+def test_a_source_whose_length_changes_between_epochs_is_refused_naming_both_lengths():
+    """Rows 64-255 of a grown source were never trained: the epoch length was the first one."""
+    rows = examples()[:64]
+    source = RandomAccessSource(rows)
+    grow = tk.callbacks.LambdaCallback(on_epoch_end=lambda epoch, logs=None: rows.extend(examples()[:8]))
+    trainer = tk.Trainer(MLP(), loss="sparse_categorical_crossentropy", optimizer=optax.sgd(0.1), strategy="single")
+    with pytest.raises(ValueError, match=r"had 64 rows when fit started and has 72 now"):
+        trainer.fit(source, batch_size=16, epochs=2, verbose=0, callbacks=[grow])
+    assert trainer.global_step == 4  # the first epoch, on the first length
+    trainer.fit(RandomAccessSource(rows), batch_size=16, epochs=1, verbose=0)  # wrapped anew: all 72 rows
+    assert trainer.global_step == 4 + 5
+
+
+class Rows:
+    """A grain data source without a __repr__ of its own (then with one)."""
+
+    def __init__(self):
+        self.rows = examples()
+
+    def __len__(self):
+        return len(self.rows)
+
+    def __getitem__(self, i):
+        return self.rows[i]
+
+
+class NamedRows(Rows):
+    def __repr__(self):
+        return f"NamedRows({len(self.rows)} rows)"
+
+
+@pytest.mark.parametrize("source_class", [Rows, NamedRows])
+def test_a_grain_data_loader_position_needs_a_stable_data_source_repr(tmp_path, source_class):
+    """grain matches the data source by repr() at resume; the default repr differs every run, so
+    a backup of its position could never be restored: refused when it is saved."""
+    grain = pytest.importorskip("grain")
+    loader = grain.DataLoader(
+        data_source=source_class(),
+        sampler=grain.samplers.IndexSampler(len(X), shuffle=False, num_epochs=1, seed=0),
+        operations=[grain.transforms.Batch(BATCH)],
+        worker_count=0,
+    )
+    trainer = tk.Trainer(MLP(), loss="sparse_categorical_crossentropy", optimizer=optax.sgd(0.1), strategy="single")
+    backup = tk.callbacks.BackupAndRestore(tmp_path / "backup", save_freq=2)
+    if source_class is Rows:
+        with pytest.raises(
+            ValueError, match=r"checks its data source by repr\(\).*Give the data source class a __repr__"
+        ):
+            trainer.fit(loader, epochs=1, verbose=0, callbacks=[backup])
+    else:
+        trainer.fit(loader, epochs=1, verbose=0, callbacks=[backup])
+        assert trainer.global_step == 5

@@ -49,6 +49,25 @@ def backlog_of(iterator: Iterator) -> Backlog:
         return Backlog()
 
 
+def _check_data_source_repr(state: bytes) -> None:
+    """grain's ``DataLoader`` resumes only into a data source whose ``repr`` is the saved one;
+    Python's default repr (``<Shards object at 0x7f...>``) differs in every process, so such a
+    saved position could never be restored: refused when it is saved."""
+    import json
+    import re
+
+    try:
+        source = json.loads(state).get("data_source")
+    except (ValueError, AttributeError):
+        return  # not grain's JSON state
+    if isinstance(source, str) and re.fullmatch(r"<.* object at 0x[0-9a-fA-F]+>", source):
+        raise ValueError(
+            f"grain's DataLoader checks its data source by repr() when it resumes, and {source} is Python's default "
+            "repr, another in every process: the position saved now could never be restored. Give the data source "
+            "class a __repr__ that names its contents (its files, say), so that it is the same in the next run."
+        )
+
+
 class IterableDataset(Source):
     """Any iterable of batches; its first batch fixes the static batch size.
 
@@ -108,7 +127,10 @@ class IterableDataset(Source):
         if not self.checkpointable:
             return None
         state = self._current.get_state()
-        return {"bytes": state.decode("latin-1")} if isinstance(state, bytes) else state
+        if isinstance(state, bytes):
+            _check_data_source_repr(state)
+            return {"bytes": state.decode("latin-1")}
+        return state
 
     def element_spec(self) -> PyTree:
         return example_spec(self._first[0])

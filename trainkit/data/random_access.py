@@ -240,7 +240,16 @@ class RandomAccessSource(Source):
         **_: Any,
     ) -> Iterator[Batch]:
         """This process's part of every global batch from batch ``start`` on (see
-        :func:`trainkit.data.batch_rows`); the rows before ``start`` are never read."""
+        :func:`trainkit.data.batch_rows`); the rows before ``start`` are never read. A source
+        whose length changed since it was wrapped (files re-created) is refused, naming both
+        lengths: its epochs, positions and shuffles were fixed by the first one."""
+        now = len(self.source)
+        if now != self.num_examples:
+            raise ValueError(
+                f"The data source had {self.num_examples} rows when fit started and has {now} now: its epochs, "
+                "positions and shuffle order were fixed by the first length, so rows would be skipped or read "
+                "out of range. Wrap the changed data anew (pass it to the next fit) once it stops changing."
+            )
         all_rows = batch_rows(self.num_examples, batch_size, shuffle, seed, epoch, start, process_index, process_count)
         index_rows = (np.arange(r.start, r.stop) if isinstance(r, slice) else r for r in all_rows)
         for x, y, w in self._parts(index_rows):
