@@ -172,11 +172,12 @@ def test_a_killed_data_worker_ends_the_epoch_with_an_error_naming_it(tmp_path):
     import multiprocessing
 
     source = tk.sources.RandomAccessSource(SlowRows(640), workers=2)
+    others = {child.pid for child in multiprocessing.active_children()}  # earlier tests' processes
 
     class KillAWorker(tk.callbacks.Callback):
         def on_train_batch_end(self, batch, logs=None):
             if batch == 5:
-                victim = multiprocessing.active_children()[0]
+                victim = next(c for c in multiprocessing.active_children() if c.pid not in others)
                 os.kill(victim.pid, signal.SIGKILL)
                 self.killed, self.step = victim.pid, self.model.global_step
 

@@ -62,16 +62,20 @@ def _stop_pool(pool: Any) -> None:
             process.terminate()
 
 
-def _dead_workers(pool: Any) -> str:
-    """Which worker processes of a broken executor ended, and how (``pid 123 killed by SIGKILL``)."""
+def _dead_workers(processes: Any) -> str:
+    """Which worker processes ended, and how (``pid 123 killed by SIGKILL``)."""
     import signal
 
     ended = []
-    for process in list((pool._processes or {}).values()):
+    for process in processes:
+        process.join(2.0 if process.exitcode is None else 0)  # a killed worker may not be reaped yet
         code = process.exitcode
-        if code is not None and code != 0:
+        if code is None and not process.is_alive():
+            ended.append(f"pid {process.pid} ended")
+        elif code is not None and code != 0:
             how = f"killed by {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
             ended.append(f"pid {process.pid} {how}")
+    ended.sort(key=lambda text: text.endswith("SIGTERM"))  # the executor stops the others with SIGTERM
     return ", ".join(ended) or "it ended without an exit status"
 
 
@@ -207,15 +211,17 @@ class RandomAccessSource(Source):
         import concurrent.futures.process
 
         pool, pending = self._worker_pool(), collections.deque()
+        workers: dict = {}  # pid -> process, kept: a broken executor forgets its dead workers
         try:
             for rows in batches_rows:  # at most two batches per worker in flight
                 pending.append(pool.submit(_read_in_worker, rows))
+                workers.update(pool._processes or {})  # CPython's ProcessPoolExecutor keeps them there
                 if len(pending) >= 2 * self.workers:
                     yield pending.popleft().result()
             while pending:
                 yield pending.popleft().result()
         except concurrent.futures.process.BrokenProcessPool as error:
-            dead = _dead_workers(pool)
+            dead = _dead_workers(workers.values())
             self.close()  # a later epoch or fit starts new workers
             raise RuntimeError(
                 f"A data worker process of RandomAccessSource(workers={self.workers}) died ({dead}), so the "
