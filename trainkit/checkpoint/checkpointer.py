@@ -500,25 +500,32 @@ def all_finite(tree: PyTree) -> bool:
     return bool(_all_finite_jit(tree))
 
 
-#: Seconds a failed restore waits for the reads it left running (see :func:`_let_late_reads_finish`).
-LATE_READS_SECONDS = 0.5
+#: A failed restore waits for the reads it left running until none has reported for
+#: ``LATE_READS_QUIET`` seconds, at most ``LATE_READS_SECONDS`` (see :func:`_let_late_reads_finish`).
+LATE_READS_QUIET, LATE_READS_SECONDS = 0.5, 5.0
 
 
 def _let_late_reads_finish() -> None:
     """When one array of an orbax restore fails to read, orbax's event loop closes while
     tensorstore still completes the other reads; each completion then reports to the closed
     loop, a ``RuntimeError('Event loop is closed')`` printed as an ignored exception, noise
-    about a failure already raised. Waits for them with exactly that error silenced."""
+    about a failure already raised. Waits for them with exactly that error silenced, until
+    they have been quiet for a while."""
     previous = sys.unraisablehook
+    last = [time.monotonic()]
 
     def hook(unraisable: Any) -> None:
         error = unraisable.exc_value
-        if not (isinstance(error, RuntimeError) and str(error) == "Event loop is closed"):
+        if isinstance(error, RuntimeError) and str(error) == "Event loop is closed":
+            last[0] = time.monotonic()
+        else:
             previous(unraisable)
 
     sys.unraisablehook = hook
+    deadline = time.monotonic() + LATE_READS_SECONDS
     try:
-        time.sleep(LATE_READS_SECONDS)
+        while time.monotonic() < deadline and time.monotonic() - last[0] < LATE_READS_QUIET:
+            time.sleep(0.05)
     finally:
         sys.unraisablehook = previous
 
