@@ -532,8 +532,9 @@ def _let_late_reads_finish() -> None:
 
 #: Orbax's per-step record (its commit time), read for every step when a manager opens.
 STEP_RECORD = "_CHECKPOINT_METADATA"
-#: The suffix of a corrupt step directory moved aside.
-SET_ASIDE = ".unreadable"
+#: The suffix of a corrupt step directory moved aside, and how long the other processes wait
+#: (seconds) for process 0 to move it (a filesystem wait: no collective on a path only some see).
+SET_ASIDE, SET_ASIDE_WAIT = ".unreadable", 60.0
 
 
 def unreadable_steps(directory: str) -> list[str]:
@@ -566,15 +567,18 @@ def _set_aside_unreadable_steps(directory: str, read_only: bool) -> None:
             f"The checkpoint step(s) {bad} in {directory!r} are corrupt (their {STEP_RECORD} is not JSON), "
             "and orbax cannot open the directory while they are there. Move or delete them to read the other steps."
         )
+    if not distributed.is_main_process():  # process 0 renames; the others open the directory after it
+        deadline = time.monotonic() + SET_ASIDE_WAIT
+        while any(os.path.exists(os.path.join(directory, name)) for name in bad) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        return
     for name in bad:
-        if distributed.is_main_process():
-            os.replace(os.path.join(directory, name), os.path.join(directory, name + SET_ASIDE))
+        os.replace(os.path.join(directory, name), os.path.join(directory, name + SET_ASIDE))
         warnings.warn(
             f"Checkpoint step {name} in {directory!r} is corrupt (its {STEP_RECORD} is not JSON); it was moved "
             f"to {name + SET_ASIDE}, and the other steps are used.",
             stacklevel=4,
         )
-    distributed.broadcast_int(len(bad))  # every process opens the directory after the renames
 
 
 #: Characters orbax's path handling reads as a glob pattern (``[1]``, ``**``): a checkpoint under
