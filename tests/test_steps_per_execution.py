@@ -2,6 +2,8 @@
 steps under every strategy, compile at most one extra shape, run the batch hooks once per
 execution as Keras 3 does, and stop, validate and resume where single steps would."""
 
+import re
+
 import jax
 import numpy as np
 import optax
@@ -258,3 +260,17 @@ def test_auto_keeps_one_step_per_call_for_a_callback_that_needs_every_batch(xy):
     assert auto.steps_per_execution == 1
     with pytest.raises(ValueError, match="steps_per_execution must be a positive integer"):
         make("single", "fast")
+
+
+def test_auto_s_pick_is_reported_in_the_plan(xy, monkeypatch):
+    from trainkit.loop import tuning
+
+    monkeypatch.setattr(tuning.StepsTuner, "decide", lambda self, host, device: K)
+    x, y = xy
+    trainer = make("auto", "auto")
+    trainer.fit((x, y), batch_size=BATCH, epochs=2, verbose=0)
+    assert trainer.last_plan is not None and trainer.steps_per_execution == K
+    assert f"steps_per_execution='auto': picked {K}: " in str(trainer.last_plan)
+    assert re.search(
+        r"picked \d+: \d+ us of host time per call, \d+ us of device time per step", str(trainer.last_plan)
+    )

@@ -430,12 +430,12 @@ class Loop:
         if tuner.steps is not None:
             steps = distributed.broadcast_int(tuner.steps)  # timings differ per process: process 0 decides
             session.steps_per_execution, session.tunes_steps = steps, False
-            logger.info(
-                "steps_per_execution='auto' picked %d: %.0f us of host time per call, %.0f us of device time per step",
-                steps,
-                1e6 * statistics.median(tuner.hosts),
-                1e6 * statistics.median(tuner.devices),
+            reason = (
+                f"picked {steps}: {1e6 * statistics.median(tuner.hosts):.0f} us of host time per call, "
+                f"{1e6 * statistics.median(tuner.devices):.0f} us of device time per step"
             )
+            session.report_steps(steps, reason)
+            logger.info("steps_per_execution='auto' %s", reason)
         return totals
 
     def first_non_finite(self) -> tuple[int, int, float] | None:

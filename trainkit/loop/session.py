@@ -36,6 +36,10 @@ class Session(Protocol):
 
     def function(self, kind: str) -> Callable: ...
 
+    def report_steps(self, steps: int, reason: str) -> None:
+        """``steps_per_execution="auto"`` picked ``steps`` batches per call, for ``reason``."""
+        ...
+
     def empty_totals(self, kind: str, host_batch: Any = None) -> EpochTotals: ...
 
 

@@ -185,6 +185,8 @@ class MemoryPlan:
     memory_limit: int
     measured: bool
     initial_state: Any = None
+    #: what was decided later on this plan's strategy (``steps_per_execution="auto"``'s pick), printed under it
+    decided: dict[str, str] = dataclasses.field(default_factory=dict)
 
     @property
     def recommended(self) -> PlanRow | None:
@@ -240,6 +242,8 @@ class MemoryPlan:
     def print(self, console: Console | None = None) -> None:
         (console or Console()).print(self.table())
         (console or Console()).print(self.reason())
+        for name, decision in self.decided.items():
+            (console or Console()).print(f"{name}: {decision}", highlight=False)
 
     def __str__(self) -> str:
         console = Console(width=120, record=True, file=open(os.devnull, "w"))

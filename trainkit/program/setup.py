@@ -341,6 +341,12 @@ class Setup:
         self.empty_totals("train", host_batch)  # shaped before anything lowers the train step
         return self.strategy.put_batch(host_batch)
 
+    def report_steps(self, steps: int, reason: str) -> None:
+        """Records ``steps_per_execution="auto"``'s pick on the plan ``"auto"`` chose from
+        (``trainer.last_plan`` prints it), when there is one."""
+        if self.last_plan is not None:
+            self.last_plan.decided["steps_per_execution='auto'"] = reason
+
     def summary_inputs(self, sample_batch: Any) -> tuple[PyTree, PyTree]:
         """What ``summary`` traces: abstract inputs of ``SUMMARY_ROWS`` examples, and the sample
         placed for lowering the train step when it has targets (else ``None``); a sample
