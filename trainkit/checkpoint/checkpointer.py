@@ -29,7 +29,6 @@ import socket
 import sys
 import threading
 import time
-import uuid
 import warnings
 import weakref
 from collections.abc import Callable
@@ -42,6 +41,7 @@ import orbax.checkpoint as ocp
 from trainkit import distributed
 from trainkit.core import state as state_lib
 from trainkit.core import tree
+from trainkit.distributed import filesystem
 from trainkit.version import __version__
 
 PyTree = Any
@@ -140,20 +140,14 @@ def checked_position(manifest: dict, where: str) -> dict:
 
 
 def check_writable(directory: str) -> None:
-    """Raises a :class:`CheckpointError` naming ``directory`` if it cannot be written."""
-    try:
-        os.makedirs(directory, exist_ok=True)
-        probe = os.path.join(directory, f".trainkit-write-probe-{uuid.uuid4().hex}")
-        with open(probe, "wb") as f:
-            f.write(b"0" * 4096)
-            f.flush()
-            os.fsync(f.fileno())
-        os.remove(probe)
-    except OSError as error:
+    """Raises a :class:`CheckpointError` naming ``directory`` if it cannot be written (4 KiB
+    written and synced: a full disk fails too)."""
+    problem = filesystem.write_problem(directory, probe_bytes=4096)
+    if problem is not None:
         raise CheckpointError(
-            f"Cannot write checkpoints to {directory!r}: {error.strerror or error}. Choose a "
+            f"Cannot write checkpoints to {directory!r}: {problem}. Choose a "
             "writable directory with free space (nothing has been trained or lost yet)."
-        ) from error
+        )
 
 
 class Checkpointer:

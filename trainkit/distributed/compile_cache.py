@@ -18,11 +18,12 @@ True
 from __future__ import annotations
 
 import os
-import tempfile
 import time
 import warnings
 
 import jax
+
+from trainkit.distributed import filesystem
 
 ENVIRONMENT = "TRAINKIT_COMPILATION_CACHE"
 OFF = ("off", "0", "false", "no", "none")
@@ -65,7 +66,7 @@ def configure(setting: str | None = None) -> str | None:
             jax.config.update("jax_compilation_cache_dir", None)
         _configured = None
         return None
-    problem = _unusable(directory)
+    problem = filesystem.write_problem(directory)
     if problem is not None:
         if directory not in _refused:
             _refused.add(directory)
@@ -82,24 +83,13 @@ def configure(setting: str | None = None) -> str | None:
     return directory
 
 
-def _unusable(directory: str) -> str | None:
-    """Why ``directory`` cannot hold the cache (it cannot be created, or a file cannot be
-    written in it), or ``None``."""
-    try:
-        os.makedirs(directory, exist_ok=True)
-        with tempfile.NamedTemporaryFile(dir=directory, prefix=".trainkit-probe-"):
-            pass
-    except OSError as error:
-        return f"{type(error).__name__}: {error.strerror or error}"
-    return None
-
-
 def drop_broken_entries(directory: str) -> list[str]:
     """Deletes the cache entries written since the last check that do not read back whole
     (empty, or truncated: a full disk leaves them), so that JAX compiles and writes them
     again; returns their names. Each entry is read once, by the first process after it was
     written.
 
+    >>> import tempfile
     >>> drop_broken_entries(tempfile.mkdtemp())
     []
     """

@@ -26,6 +26,8 @@ from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
+from trainkit.distributed import filesystem
+
 #: The runs a metric belongs to: training, or validation (Keras's TensorBoard subdirectories).
 RUNS = ("train", "validation")
 
@@ -51,17 +53,11 @@ def check_log_dir(log_dir: str | os.PathLike, owner: str) -> None:
     >>> import tempfile
     >>> check_log_dir(tempfile.mkdtemp(), "Profiler")
     """
-    import tempfile
-
-    try:
-        os.makedirs(log_dir, exist_ok=True)
-        with tempfile.NamedTemporaryFile(dir=log_dir, prefix=".trainkit-probe-"):
-            pass
-    except OSError as error:
+    problem = filesystem.write_problem(log_dir)
+    if problem is not None:
         raise ValueError(
-            f"{owner}: the log directory {os.fspath(log_dir)!r} cannot be written ({type(error).__name__}: "
-            f"{error.strerror or error}); pass a writable log_dir."
-        ) from None
+            f"{owner}: the log directory {os.fspath(log_dir)!r} cannot be written ({problem}); pass a writable log_dir."
+        )
 
 
 def _scalars(metrics: dict[str, Any]) -> dict[str, float]:
