@@ -67,10 +67,11 @@ class BackupAndRestore(Callback):
         self.restored_step = None
         self._checked = self.trainer.global_step - 1  # the last step a save was decided for
         steps = sorted(self.checkpointer.steps(), reverse=True)
-        if not steps and self.checkpointer.set_aside():
+        set_aside = self.checkpointer.set_aside() if not steps else []
+        if set_aside:
             raise CheckpointError(
                 f"BackupAndRestore: every backup in {self.backup_dir!r} is corrupt "
-                f"({self.checkpointer.set_aside()}), so there is nothing to resume from. Delete the directory "
+                f"({set_aside}), so there is nothing to resume from. Delete the directory "
                 "to start afresh (double_checkpoint=True keeps a previous backup to fall back to)."
             )
         for index, step in enumerate(steps):
@@ -87,7 +88,7 @@ class BackupAndRestore(Callback):
                     exc_info=True,
                 )
                 continue
-            saved = checked_position(manifest, f"the backup of step {step} in {self.backup_dir!r}")
+            saved = manifest["position"]  # checked by _check_backup
             self.trainer.loop.resume_at(
                 Position(saved["epoch"], saved["batch"], saved["global_step"]),
                 manifest.get("batch_size"),

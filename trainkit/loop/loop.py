@@ -173,7 +173,8 @@ class Loop:
         self.validation_logs: dict[str, float] = {}  # the latest one's
         self.interval_validation: tuple[Validation, int] | None = None  # (validation, every N steps) of this fit
         self.logged_names: tuple[str, ...] | None = None  # what this fit's epoch logs hold (set before on_train_begin)
-        self._carry: tuple[EpochTotals, int, int] | None = None  # the last hook's totals, epoch start step, batch
+        self._carry: EpochTotals | None = None  # the totals the last batch-end hook was given
+        self._epoch_start = (0, 0)  # the step and batch this epoch's totals count from
 
     # ------------------------------------------------------------------ explicit requests
     def request_stop(self) -> None:
@@ -324,6 +325,7 @@ class Loop:
         items = iter(batches)
         tuner = self._tuner(callbacks, max_steps)
         start_step, start_batch = self.position.step, self.position.batch
+        self._epoch_start, self._carry = (start_step, start_batch), None
         totals, first_host = None, None  # the epoch's totals on the device, shaped by its first batch
 
         def place(item):
@@ -397,7 +399,7 @@ class Loop:
             carry.steps.block_until_ready()  # at most `lag` executions queued behind this one
             ran, last = ran + record.steps, carry
             if batch_end.active:
-                self.record, self._carry = record, (carry, start_step, start_batch)
+                self.record, self._carry = record, carry
                 batch_end(record.batch, lambda carry=carry: metrics_lib.compute(host_metrics(carry.metrics), order))
         if last is None:
             return 0, {}
@@ -445,8 +447,8 @@ class Loop:
         went wrong. Reads the device totals (call it after seeing a non-finite loss)."""
         if self._carry is None:
             return None
-        carry, start_step, start_batch = self._carry
-        host = host_metrics(carry)
+        start_step, start_batch = self._epoch_start
+        host = host_metrics(self._carry)
         bad = int(host.first_non_finite)
         return (start_step + bad, start_batch + bad - 1, float(host.first_non_finite_loss)) if bad else None
 
