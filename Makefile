@@ -13,6 +13,9 @@ $(BIN)/python:
 
 $(VENV)/.installed: pyproject.toml | $(BIN)/python
 	$(BIN)/python -m pip install --quiet -e ".[dev,examples,data,monitoring]"
+	# the "onnx" export's packages without jax2onnx's pin of orbax-checkpoint<0.11.37: the suite runs on the newest orbax
+	$(BIN)/python -m pip install --quiet "onnx>=1.20" "onnx-ir>=0.2" "onnxruntime>=1.24" equinox dm-pix einops
+	$(BIN)/python -m pip install --quiet --no-deps "jax2onnx>=0.17"
 	touch $@
 
 example: $(VENV)/.installed

@@ -21,6 +21,7 @@ ALLOWED = {
     "checkpoint": {"core", "distributed"},
     "monitoring": {"core", "loop", "distributed"},
     "callbacks": {"core", "loop", "checkpoint", "monitoring", "distributed"},
+    "export": {"data", "distributed"},
     # thin entry points at the top level
     "launch": {"distributed"},
     "plot": {"monitoring"},
@@ -28,7 +29,7 @@ ALLOWED = {
 }
 #: modules that may import every package: the facade and the public namespace
 EVERYTHING = {"trainer", "__init__"}
-FACADE_LIMIT = 350  # lines of trainer.py: a facade, Keras signatures in, delegation out
+FACADE_LIMIT = 390  # lines of trainer.py: a facade, Keras signatures in, delegation out (350 before #26)
 TOP_LEVEL_LIMIT = 6  # .py files directly in trainkit/, __init__ included
 PROBE_LIMIT = 40  # getattr / hasattr calls, each on a third-party object (a user's callable, a JAX or torch type)
 

@@ -22,6 +22,7 @@ DOCS = pathlib.Path(__file__).parent.parent / "docs"
         "troubleshooting.md",
         "large_models.md",
         "porting_from_keras.md",
+        "export.md",
     ],
 )
 def test_guide_code_runs(page):

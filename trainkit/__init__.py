@@ -5,7 +5,7 @@
 ['CheckpointError', 'DataParallel', 'FSDP', 'Hybrid']
 """
 
-from trainkit import callbacks, data, strategies
+from trainkit import callbacks, data, export, strategies
 from trainkit.checkpoint import CheckpointError
 from trainkit.core import optimizers
 from trainkit.core.precision import Precision
@@ -35,6 +35,7 @@ __all__ = [
     "Hybrid",
     "callbacks",
     "data",
+    "export",
     "sources",
     "loggers",
     "debug",

@@ -25,6 +25,7 @@ from rich.console import Console
 from trainkit import checkpoint as checkpoint_lib
 from trainkit import data as data_lib
 from trainkit import distributed
+from trainkit import export as export_lib
 from trainkit.callbacks import Callback, CallbackList, History
 from trainkit.core.delegation import Delegated
 from trainkit.core.model import adapt_model
@@ -178,6 +179,13 @@ class Trainer:
     def summary(self, sample: Any = None, console: Any = None) -> None:
         """Keras's ``summary()``: modules, output shapes, parameters, step FLOPs; a ``sample`` initialises first."""
         (console or Console()).print(summary_lib.summary_view(self, *self.setup.summary_inputs(sample)))
+
+    def export(self, filepath: str | os.PathLike, format: str = "jax", verbose: bool = True, **options) -> None:
+        """Keras 3's ``model.export``: ``predict``'s function (eval mode, the precision policy) with a
+        symbolic batch axis, as ``"jax"`` (:func:`trainkit.export.load`), ``"tf_saved_model"`` or
+        ``"onnx"``; ``platforms=[...]`` / ``opset=`` go to the format (docs/export.md)."""
+        export_lib.check_format(format)  # before anything is fetched or traced
+        export_lib.write(filepath, *self.setup.inference(), format, verbose=verbose, **options)
 
     def get_weights(self) -> PyTree:
         """Host copies of all variables: ``{"params": ..., **model_state}``."""

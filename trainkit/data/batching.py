@@ -224,7 +224,7 @@ def check_batch_size(batch_size: int, shards: int, *, micro_batches: int = 1, wh
         )
 
 
-def _is_spec(leaf: Any) -> bool:
+def is_spec(leaf: Any) -> bool:
     """A leaf of :func:`example_spec`: ``(shape, dtype name)``."""
     return isinstance(leaf, tuple) and len(leaf) == 2 and isinstance(leaf[1], str)
 
@@ -236,14 +236,14 @@ def abstract_inputs(spec: PyTree, rows: int) -> PyTree:
     >>> abstract_inputs(example_spec(np.zeros((8, 3), np.float32)), 2)
     ShapeDtypeStruct(shape=(2, 3), dtype=float32)
     """
-    return jax.tree.map(lambda s: jax.ShapeDtypeStruct((rows, *s[0]), s[1]), spec, is_leaf=_is_spec)
+    return jax.tree.map(lambda s: jax.ShapeDtypeStruct((rows, *s[0]), s[1]), spec, is_leaf=is_spec)
 
 
 def check_same_inputs(expected: PyTree, received: PyTree) -> None:
     """Raises when ``received`` per-example input shapes differ from those the model was
     initialised with (both from :func:`example_spec`)."""
-    exp = dict(jax.tree_util.tree_leaves_with_path(expected, is_leaf=_is_spec))
-    got = dict(jax.tree_util.tree_leaves_with_path(received, is_leaf=_is_spec))
+    exp = dict(jax.tree_util.tree_leaves_with_path(expected, is_leaf=is_spec))
+    got = dict(jax.tree_util.tree_leaves_with_path(received, is_leaf=is_spec))
     name = lambda path: "x" + jax.tree_util.keystr(path)  # noqa: E731
     missing = sorted(set(map(name, exp)) - set(map(name, got)))
     unexpected = sorted(set(map(name, got)) - set(map(name, exp)))

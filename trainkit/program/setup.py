@@ -341,6 +341,17 @@ class Setup:
         self.empty_totals("train", host_batch)  # shaped before anything lowers the train step
         return self.strategy.put_batch(host_batch)
 
+    def inference(self) -> tuple[Callable, PyTree, PyTree]:
+        """What an export runs: ``predict``'s function ``(variables, x) -> outputs`` (eval mode,
+        the precision policy), host copies of the variables it reads, and the per-example inputs."""
+        host = distributed.fetch(self.require_state().replace(opt_state=()))  # no optimizer state
+        variables = {"params": host.params, "model_state": host.model_state, "rng": host.rng}
+
+        def predict(variables: PyTree, x: PyTree) -> PyTree:
+            return self.program.outputs(host.replace(**variables), x)
+
+        return predict, variables, self.input_spec
+
     def report_steps(self, steps: int, reason: str) -> None:
         """Records ``steps_per_execution="auto"``'s pick on the plan ``"auto"`` chose from
         (``trainer.last_plan`` prints it), when there is one."""

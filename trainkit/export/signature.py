@@ -1,0 +1,42 @@
+"""What every export format needs: the inputs with a symbolic batch axis, and names for the
+leaves of the inputs and outputs (a single array, a tuple, a list or a dict of them).
+
+>>> spec = {"image": ((8, 8, 1), "float32"), "extra": ((3,), "float32")}
+>>> inputs = symbolic_inputs(spec)
+>>> [str(leaf.shape[0]) for leaf in jax.tree.leaves(inputs)], leaf_names(spec, "input")
+(['batch', 'batch'], ['extra', 'image'])
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+
+from trainkit.data import abstract_inputs, is_spec
+
+PyTree = Any
+
+#: The name of the symbolic batch dimension in every format.
+BATCH = "batch"
+
+
+def symbolic_inputs(spec: PyTree) -> PyTree:
+    """``jax.ShapeDtypeStruct`` inputs of the per-example ``spec`` (:func:`trainkit.data.example_spec`)
+    with one symbolic batch dimension shared by all of them."""
+    (batch,) = jax.export.symbolic_shape(BATCH)
+    return abstract_inputs(spec, batch)
+
+
+def leaf_names(tree: PyTree, prefix: str) -> list[str]:
+    """One name per leaf, in ``jax.tree.leaves`` order: ``prefix`` for a single array,
+    ``prefix_0``, ``prefix_1`` for a sequence, the keys for a dict (joined by ``_`` when nested)."""
+    paths = [path for path, _ in jax.tree_util.tree_leaves_with_path(tree, is_leaf=is_spec)]
+    if paths == [()]:
+        return [prefix]
+    names = []
+    for path in paths:
+        parts = [str(entry.key) if isinstance(entry, jax.tree_util.DictKey) else str(entry.idx) for entry in path]
+        named = isinstance(path[0], jax.tree_util.DictKey)
+        names.append("_".join(parts) if named else "_".join([prefix, *parts]))
+    return names
