@@ -26,7 +26,7 @@ from trainkit import checkpoint as checkpoint_lib
 from trainkit import data as data_lib
 from trainkit import distributed
 from trainkit import export as export_lib
-from trainkit.callbacks import Callback, CallbackList, History
+from trainkit.callbacks import Callback, CallbackList, History, lr_finder
 from trainkit.core.delegation import Delegated
 from trainkit.core.model import adapt_model
 from trainkit.core.precision import Precision, get_precision
@@ -38,6 +38,7 @@ from trainkit.monitoring import debug
 from trainkit.monitoring import summary as summary_lib
 from trainkit.objective import Objective, losses
 from trainkit.program import plan as plan_lib
+from trainkit.program.batch_size import BatchSizeSearch
 from trainkit.program.program import Program
 from trainkit.program.setup import Setup, check_trainer_arguments
 from trainkit.strategies import Auto, Strategy
@@ -65,6 +66,7 @@ class Trainer:
         steps_per_execution: batches per compiled call (a ``lax.scan``; hooks once per call) or ``"auto"``.
         run_eagerly: every step op by op on one device (``print`` and pdb work); ``jit_compile=False`` too.
         mixes_rows: the model mixes a batch's rows on purpose (else checked before training).
+        deterministic: XLA's deterministic GPU ops, and no choice by timing (docs/tuning.md).
 
     Override :meth:`compute_loss` for a loss that is not ``loss(predictions, y)``. See
     docs/quickstart.md, docs/outputs.md and docs/precision_and_memory.md for each argument.
@@ -90,7 +92,10 @@ class Trainer:
         run_eagerly: bool = False,
         jit_compile: bool | str = "auto",
         mixes_rows: bool = False,
+        deterministic: bool = False,
     ):
+        if deterministic:  # XLA reads its flags when the backend starts: before anything touches devices
+            distributed.enable_determinism()
         distributed.initialize_from_environment()  # a multi-process job: connect first
         custom_loss = type(self).compute_loss is not Trainer.compute_loss
         check_trainer_arguments(optimizer, grad_accum_steps, jit_compile, has_loss=loss is not None or custom_loss)
@@ -120,6 +125,7 @@ class Trainer:
             steps_per_execution=steps_per_execution,
             custom_loss=custom_loss,
             mixes_rows=mixes_rows,
+            deterministic=deterministic,
             on_restore=self.loop.restored,
         )
         self.history: History | None = None
@@ -257,6 +263,43 @@ class Trainer:
         prepared = data_lib.prepare(sample_batch, batch_size=batch_size, default_batch_size=None)
         options = {"measure": measure, "memory_limit": memory_limit, "steps": steps}
         return self.setup.plan(prepared, candidates, verbose=verbose, **options)
+
+    def find_batch_size(
+        self,
+        x: Any,
+        y: PyTree = None,
+        *,
+        max_batch_size: int = 2**16,
+        memory_limit: int | None = None,
+        powers_of_two: bool = True,
+        verbose: int = 1,
+    ) -> BatchSizeSearch:
+        """The largest global batch (a multiple of what the strategy splits; powers of two) whose
+        compiled train step fits ``memory_limit`` (default: the device's) less the plan's
+        headroom; found by compiling, never by an OOM; the same on every process (docs/tuning.md)."""
+        result = self.setup.find_batch_size(
+            x, y, max_batch_size=max_batch_size, memory_limit=memory_limit, powers_of_two=powers_of_two
+        )
+        if verbose and distributed.is_main_process():
+            print(f"find_batch_size: {result}")
+        return result
+
+    def find_learning_rate(
+        self,
+        x: Any,
+        y: PyTree = None,
+        *,
+        batch_size: int | None,
+        min_lr: float = 1e-7,
+        max_lr: float = 1.0,
+        steps: int = 100,
+        early_stop_threshold: float | None = lr_finder.EARLY_STOP_THRESHOLD,
+    ) -> lr_finder.LearningRateSearch:
+        """Lightning's range test: ``steps`` batches at rates rising from ``min_lr`` to ``max_lr``;
+        returns ``lrs``, smoothed ``losses``, the ``suggestion`` (steepest descent) and ``plot(path)``.
+        The state, optimizer state and step count are restored exactly (docs/tuning.md)."""
+        options = {"min_lr": min_lr, "max_lr": max_lr, "steps": steps, "early_stop_threshold": early_stop_threshold}
+        return lr_finder.find_learning_rate(self, x, y, batch_size=batch_size, **options)
 
     def fit(
         self,

@@ -6,6 +6,7 @@ the stall watchdog and the compilation cache (imports nothing else of trainkit).
 (True, 1)
 """
 
+from trainkit.distributed.determinism import enable_determinism
 from trainkit.distributed.processes import (
     GATHER_TIMEOUT,
     HEARTBEAT_TIMEOUT,
@@ -28,6 +29,7 @@ __all__ = [
     "HEARTBEAT_TIMEOUT",
     "broadcast_int",
     "check_same_configuration",
+    "enable_determinism",
     "environment_settings",
     "fetch",
     "gather_json",

@@ -213,6 +213,15 @@ class Loop:
         """The state was replaced by one at optimizer step ``step`` (a restore)."""
         self.position = self.position._replace(step=int(step))
 
+    def memento(self) -> dict:
+        """What a ``fit`` changes on the loop (its position, iterator state, last record, flags),
+        to put back with :meth:`restore` after a trial ``fit`` (``find_learning_rate``)."""
+        return dict(vars(self))
+
+    def restore(self, memento: dict) -> None:
+        vars(self).clear()
+        vars(self).update(memento)
+
     def _done(self, max_steps: int | None) -> bool:
         return self.stop_requested or (max_steps is not None and self.position.step >= max_steps)
 

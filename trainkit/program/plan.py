@@ -195,7 +195,7 @@ class MemoryPlan:
     def reason(self) -> str:
         best = self.recommended
         if best is None:
-            return "no strategy fits: " + "; ".join(f"{r.name}: {r.error or _gib(r.total_bytes)}" for r in self.rows)
+            return "no strategy fits: " + "; ".join(f"{r.name}: {r.error or gib(r.total_bytes)}" for r in self.rows)
         fitting = [r for r in self.rows if r.fits and r is not best]
         kind = "measured" if self.measured else "estimated"
         runner_up = min(fitting, key=lambda r: r.seconds, default=None)
@@ -207,8 +207,8 @@ class MemoryPlan:
         if runner_up is not None and runner_up.seconds < best.seconds:
             versus += f" (within the {CLEAR_MARGIN:.0%} margin: the simpler strategy is kept)"
         return (
-            f"picked {best.name}: {kind} {best.seconds * 1e3:.3g} ms/step, {_gib(best.total_bytes)} "
-            f"of {_gib(self.memory_limit)} per device{versus}"
+            f"picked {best.name}: {kind} {best.seconds * 1e3:.3g} ms/step, {gib(best.total_bytes)} "
+            f"of {gib(self.memory_limit)} per device{versus}"
         )
 
     def table(self) -> Table:
@@ -266,7 +266,7 @@ def _short(value: float) -> str:
     return f"{value:.3g}" if value >= 0.001 or value == 0 else "<0.001"
 
 
-def _gib(n: float) -> str:
+def gib(n: float) -> str:
     return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.3g} MiB"
 
 
@@ -397,8 +397,8 @@ def plan_step(
         floor = state_bytes_per_device(abstract_state, shardings)
         if floor > HEADROOM * limit:  # the state alone cannot fit: not worth a compile
             raise ValueError(
-                f"skipped without compiling: the state alone needs {_gib(floor)} per device, above "
-                f"{HEADROOM:.0%} of the {_gib(limit)} limit"
+                f"skipped without compiling: the state alone needs {gib(floor)} per device, above "
+                f"{HEADROOM:.0%} of the {gib(limit)} limit"
             )
         abstract = jax.tree.map(
             lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract_state, shardings

@@ -25,8 +25,10 @@ devices can split. It is the session the loop runs (``state``, ``strategy``,
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -43,6 +45,7 @@ from trainkit.core.totals import EpochTotals
 from trainkit.core.tree import PyTree
 from trainkit.distributed import compile_cache
 from trainkit.loop.session import FitConfig, Validation
+from trainkit.program import batch_size as batch_size_lib
 from trainkit.program import plan as plan_lib
 from trainkit.program import remembered as remembered_lib
 from trainkit.program.program import Program
@@ -88,6 +91,8 @@ class Setup:
         steps_per_execution: batches per compiled training call, or ``"auto"``.
         custom_loss: the trainer overrides ``compute_loss`` (targets are then optional).
         mixes_rows: the model mixes the rows of a batch on purpose (see :meth:`check_outputs`).
+        deterministic: nothing is chosen by timing: ``"auto"`` ranks by the compiler's estimate,
+            ``steps_per_execution="auto"`` is refused (the XLA flags are the trainer's).
         on_restore: called with the optimizer step of every new state (the loop's position).
     """
 
@@ -99,6 +104,7 @@ class Setup:
         steps_per_execution: int | str = 1,
         custom_loss: bool = False,
         mixes_rows: bool = False,
+        deterministic: bool = False,
         on_restore: Callable[[int], None] = lambda step: None,
     ):
         compile_cache.configure()  # compiled steps persist across runs (TRAINKIT_COMPILATION_CACHE)
@@ -111,6 +117,14 @@ class Setup:
                 "which compiles the step across devices. Pass strategy='single' (or leave strategy='auto') to debug."
             )
         self.auto = chosen if isinstance(chosen, Auto) else None
+        if deterministic and steps_per_execution == "auto":
+            raise ValueError(
+                "steps_per_execution='auto' picks by timing the first steps, which differs from run to run, and "
+                "deterministic=True promises the same run every time: pass an integer (1, or the k an earlier "
+                "run's plan printed)."
+            )
+        if deterministic and self.auto is not None and self.auto.measure:  # ranked by estimate, not by timing
+            self.auto = Auto(self.auto.memory_limit, measure=False, candidates=self.auto.candidates)
         self.strategy: Strategy | None = None if self.auto else chosen  # "auto": set by the plan
         # "auto": 1 until the loop timed the first steps and picked (see trainkit.loop.tuning)
         self.tunes_steps = steps_per_execution == "auto" and not program.eager
@@ -188,6 +202,18 @@ class Setup:
         self.state = state
         if moves_position:
             self.on_restore(int(state.step))
+
+    @contextlib.contextmanager
+    def kept(self):
+        """Everything a trial ``fit`` changes here put back exactly on exit, raised or not: the
+        state (a host copy, placed again in its shardings) and the steps per execution."""
+        state = distributed.fetch(self.require_state())
+        steps = (self.steps_per_execution, self.tunes_steps, self.last_plan)
+        try:
+            yield
+        finally:
+            self.state = self.strategy.put_state(state)
+            self.steps_per_execution, self.tunes_steps, self.last_plan = steps
 
     # ------------------------------------------------------------------ the input
     def prepare(
@@ -425,6 +451,31 @@ class Setup:
         if verbose:
             result.print()
         return result
+
+    def find_batch_size(
+        self, data: Any, y: PyTree, *, max_batch_size: int, memory_limit: int | None, powers_of_two: bool
+    ) -> batch_size_lib.BatchSizeSearch:
+        """:meth:`trainkit.Trainer.find_batch_size`: the train step planned (compiled, never run)
+        at the sizes a bisection picks, under the trainer's strategy or ``"auto"``'s candidates."""
+        prepared = data_lib.prepare(data, y)
+        if self.state is not None:
+            data_lib.check_same_inputs(self.input_spec, prepared.spec)
+        trains = prepared.has_targets or self.custom_loss
+        if prepared.has_targets:
+            self.objective.build(prepared.first_y)
+        if self.strategy is not None:
+            candidates = [self.strategy]
+        else:
+            candidates = self.auto.candidates or plan_lib.default_candidates()
+        unit = math.lcm(*(c.num_batch_shards for c in candidates)) * self.program.grad_accum_steps
+        sizes = batch_size_lib.candidate_sizes(unit, int(max_batch_size), powers_of_two)
+
+        def plan_at(size: int, limit: int) -> plan_lib.MemoryPlan:
+            batch = prepared.sample_batch(size)
+            return self.program.plan(batch, candidates, trains=trains, memory_limit=limit, measure=False)
+
+        default_limit = plan_lib.device_memory_limit(candidates[0].devices)
+        return batch_size_lib.search(plan_at, sizes, memory_limit, default_limit)
 
     def choose_strategy(self, prepared: data_lib.Prepared, announce: bool = False) -> None:
         """Under ``"auto"``: the strategy the compiled plan recommends, before anything else is

@@ -1,0 +1,24 @@
+"""Prints this process's ``find_batch_size`` answer (FSDP over every device of every process,
+an explicit memory limit): ``python -m trainkit.launch --nproc 2 --devices-per-proc 4 find_batch_size.py LIMIT``."""
+
+import sys
+
+import flax.linen as nn
+import jax
+import numpy as np
+import optax
+
+import trainkit as tk
+
+
+class Wide(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        return nn.Dense(8)(nn.relu(nn.Dense(256)(nn.relu(nn.Dense(256)(x)))))
+
+
+trainer = tk.Trainer(Wide(), loss="sparse_categorical_crossentropy", optimizer=optax.adam(1e-3), strategy="fsdp")
+rng = np.random.default_rng(0)
+x, y = rng.normal(size=(64, 64)).astype(np.float32), rng.integers(0, 8, 64)
+result = trainer.find_batch_size(x, y, memory_limit=int(sys.argv[1]), max_batch_size=2**14, verbose=0)
+print(f"process {jax.process_index()} of {jax.process_count()}: batch_size={result.batch_size} needed={result.needed}")

@@ -1,0 +1,187 @@
+"""find_batch_size (from the compiled plan, never an OOM), find_learning_rate (Lightning's range
+test; the state restored bit for bit) and deterministic=True (two fresh processes, identical
+parameters)."""
+
+import math
+import os
+import pathlib
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import optax
+import pytest
+from conftest import NoisyMLP, Wide, make_classification
+
+import trainkit as tk
+from trainkit.distributed import determinism
+from trainkit.program.batch_size import candidate_sizes
+
+ROOT = pathlib.Path(__file__).parent.parent
+LIMITS = (2**20, 2**21, 2**22, 2**24)
+
+
+def clean_env(**extra):
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_NUM_CPU_DEVICES")}
+    return env | {"TRAINKIT_COMPILATION_CACHE": "off"} | extra
+
+
+@pytest.fixture(scope="module")
+def wide_data():
+    rng = np.random.default_rng(0)
+    return rng.normal(size=(64, 64)).astype(np.float32), rng.integers(0, 8, 64)
+
+
+@pytest.fixture(scope="module")
+def searches(wide_data):
+    """find_batch_size under FSDP on 8 devices at several memory limits."""
+    trainer = tk.Trainer(Wide(), loss="sparse_categorical_crossentropy", optimizer=optax.adam(1e-3), strategy="fsdp")
+    return trainer, {
+        limit: trainer.find_batch_size(*wide_data, memory_limit=limit, max_batch_size=2**14, verbose=0)
+        for limit in LIMITS
+    }
+
+
+def test_find_batch_size_grows_with_the_memory_limit(searches):
+    _, results = searches
+    sizes = [results[limit].batch_size for limit in LIMITS]
+    assert sizes == sorted(sizes) and len(set(sizes)) > 2, sizes
+    for result in results.values():
+        assert result.batch_size % 8 == 0 and math.log2(result.batch_size // 8).is_integer()
+        assert result.strategy == "FSDP(fsdp=8)"
+        sizes = candidate_sizes(8, 2**14)  # 8, 16, ..., 16384: 12 sizes, bisected in 4 compiles
+        assert len(result.plans) <= math.ceil(math.log2(len(sizes) + 1)) == 4
+
+
+def test_the_answers_plan_fits_and_the_next_sizes_does_not(searches, wide_data):
+    trainer, results = searches
+    for limit, result in results.items():
+        options = {"candidates": [trainer.strategy], "memory_limit": limit, "verbose": 0}
+        answer = trainer.plan(wide_data, batch_size=result.batch_size, **options)
+        assert answer.recommended is not None, (limit, answer)
+        assert answer.recommended.total_bytes == result.needed[result.batch_size]
+        if result.batch_size * 2 <= 2**14:
+            bigger = trainer.plan(wide_data, batch_size=result.batch_size * 2, **options)
+            assert bigger.recommended is None and bigger.rows[0].total_bytes > 0.9 * limit, (limit, bigger)
+    assert "within 90% of 1 MiB" in str(results[2**20]) and "(too big)" in str(results[2**20])
+
+
+def test_find_batch_size_runs_nothing_and_leaves_the_trainer_as_it_was(searches, wide_data):
+    trainer, _ = searches
+    assert trainer.state is None and trainer.global_step == 0  # compiled only: no state, no step
+
+
+def test_find_batch_size_under_auto_reports_the_best_strategy(wide_data):
+    trainer = tk.Trainer(Wide(), loss="sparse_categorical_crossentropy", optimizer=optax.adam(1e-3))
+    result = trainer.find_batch_size(*wide_data, memory_limit=2**22, max_batch_size=2**12, verbose=0)
+    names = [row.name for row in result.plans[result.batch_size].rows]
+    assert result.strategy in names and result.batch_size % 8 == 0
+    assert trainer.strategy is None  # a report: "auto" still picks at the first fit
+
+
+def test_find_batch_size_says_when_nothing_fits(wide_data):
+    trainer = tk.Trainer(Wide(), loss="sparse_categorical_crossentropy", optimizer=optax.adam(1e-3), strategy="dp")
+    with pytest.raises(ValueError, match=r"Not even the smallest batch, 8 rows, fits: .*remat='full'"):
+        trainer.find_batch_size(*wide_data, memory_limit=2**16, verbose=0)
+    with pytest.raises(ValueError, match=r"max_batch_size=4 is below 8, the smallest batch the strategy can split"):
+        trainer.find_batch_size(*wide_data, max_batch_size=4, verbose=0)
+
+
+def test_find_batch_size_is_the_same_on_two_processes(searches):
+    _, results = searches
+    limit = 2**22
+    command = [sys.executable, "-m", "trainkit.launch", "--nproc", "2", "--devices-per-proc", "4"]
+    command += [str(ROOT / "tests" / "scripts" / "find_batch_size.py"), str(limit)]
+    result = subprocess.run(command, capture_output=True, text=True, env=clean_env(), cwd=ROOT, timeout=300)
+    assert result.returncode == 0, result.stdout + result.stderr
+    answers = [line.split(": ", 1)[1] for line in result.stdout.splitlines() if "batch_size=" in line]
+    assert len(answers) == 2 and answers[0] == answers[1], result.stdout
+    assert f"batch_size={results[limit].batch_size} " in answers[0]  # as on one process with 8 devices
+
+
+# ---------------------------------------------------------------------------- find_learning_rate
+def _host(trainer):
+    return jax.tree.map(np.asarray, tk.distributed.fetch(trainer.state))
+
+
+def _adam_trainer(strategy="fsdp"):
+    optimizer = optax.inject_hyperparams(optax.adam)(learning_rate=1e-3)
+    return tk.Trainer(NoisyMLP(), loss="sparse_categorical_crossentropy", optimizer=optimizer, strategy=strategy)
+
+
+def test_find_learning_rate_leaves_the_state_bit_identical():
+    x, y = make_classification(256)
+    trainer, untouched = _adam_trainer(), _adam_trainer()
+    for t in (trainer, untouched):
+        t.fit(x, y, batch_size=32, epochs=1, verbose=0)
+    before, step, history = _host(trainer), trainer.global_step, trainer.history
+    result = trainer.find_learning_rate(x, y, batch_size=32, steps=40)
+    after = _host(trainer)
+    assert jax.tree.structure(before) == jax.tree.structure(after)
+    assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(before), jax.tree.leaves(after)))
+    assert trainer.global_step == step and trainer.history is history and trainer.learning_rate == pytest.approx(1e-3)
+    assert 1e-7 <= result.suggestion <= 1.0 and result.suggestion in result.lrs
+    np.testing.assert_allclose(np.diff(np.log(result.lrs)), np.log(1e7) / 39, rtol=1e-9)  # exponential
+    assert len(result.losses) == len(result.raw_losses) == len(result.lrs) and not result.stopped_early
+    # the next fit continues as if the search had never run
+    for t in (trainer, untouched):
+        t.fit(x, y, batch_size=32, epochs=1, verbose=0)
+    for a, b in zip(jax.tree.leaves(_host(trainer)), jax.tree.leaves(_host(untouched))):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_find_learning_rate_stops_when_the_loss_diverges_and_plots(tmp_path):
+    x, y = make_classification(256)
+    optimizer = optax.inject_hyperparams(optax.sgd)(learning_rate=0.1)
+    trainer = tk.Trainer(NoisyMLP(), loss="sparse_categorical_crossentropy", optimizer=optimizer, strategy="single")
+    result = trainer.find_learning_rate(x, y, batch_size=32, min_lr=1e-3, max_lr=1e4, steps=60)
+    assert result.stopped_early and len(result.lrs) < 60
+    assert result.suggestion is None or result.suggestion < 1e4
+    if __import__("importlib").util.find_spec("matplotlib"):
+        result.plot(tmp_path / "lr.png")
+        assert (tmp_path / "lr.png").stat().st_size > 5_000
+    assert trainer.global_step == 0
+
+
+def test_find_learning_rate_needs_an_injectable_learning_rate():
+    x, y = make_classification(64)
+    trainer = tk.Trainer(NoisyMLP(), loss="sparse_categorical_crossentropy", optimizer=optax.adam(1e-3))
+    with pytest.raises(ValueError, match=r"optax.inject_hyperparams"):
+        trainer.find_learning_rate(x, y, batch_size=32)
+    assert trainer.global_step == 0
+    with pytest.raises(ValueError, match="0 < min_lr < max_lr"):
+        trainer.find_learning_rate(x, y, batch_size=32, min_lr=1.0, max_lr=0.1)
+
+
+# ---------------------------------------------------------------------------- deterministic=True
+def test_two_fresh_deterministic_runs_give_identical_parameters(tmp_path):
+    script = ROOT / "tests" / "scripts" / "deterministic_fit.py"
+    runs = []
+    for i in range(2):
+        out = tmp_path / f"run{i}.npz"
+        env = clean_env(JAX_NUM_CPU_DEVICES="8")
+        result = subprocess.run(
+            [sys.executable, str(script), str(out)], capture_output=True, text=True, env=env, cwd=tmp_path, timeout=300
+        )
+        assert result.returncode == 0, result.stderr[-3000:]
+        with np.load(out) as data:
+            runs.append({k: data[k] for k in data.files})
+    assert "--xla_gpu_deterministic_ops=true" in str(runs[0]["xla_flags"])
+    assert str(runs[0]["strategy"]) == str(runs[1]["strategy"])
+    weights = [k for k in runs[0] if k.startswith("[")]
+    assert len(weights) >= 6
+    for key in weights:
+        np.testing.assert_array_equal(runs[0][key], runs[1][key], err_msg=key)
+
+
+def test_deterministic_refuses_a_choice_by_timing_and_a_started_gpu_backend():
+    with pytest.raises(ValueError, match="steps_per_execution='auto' picks by timing"):
+        tk.Trainer(NoisyMLP(), loss="mse", optimizer=optax.sgd(0.1), deterministic=True, steps_per_execution="auto")
+    trainer = tk.Trainer(NoisyMLP(), loss="mse", optimizer=optax.sgd(0.1), deterministic=True)
+    assert trainer.setup.auto.measure is False  # "auto" ranks by the compiler's estimate
+    missing = determinism.missing_flags("--xla_force_host_platform_device_count=8")
+    assert determinism.problem(missing, started=True, platforms={"cpu"}) is None  # XLA:CPU repeats by itself
+    message = determinism.problem(missing, started=True, platforms={"gpu"})
+    assert "--xla_gpu_deterministic_ops=true" in message and "enable_determinism()" in message
+    assert determinism.problem([], started=True, platforms={"gpu"}) is None

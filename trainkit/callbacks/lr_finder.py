@@ -1,0 +1,143 @@
+"""The learning-rate range test (Lightning's ``Tuner.lr_find``, after Smith 2015): train
+``steps`` batches with the learning rate rising exponentially from ``min_lr`` to ``max_lr``,
+smooth the loss, stop once it diverges, and suggest the rate where the smoothed loss falls
+fastest. The trial runs through ``fit`` (the real train step, one batch per epoch so that each
+loss logged is that batch's); afterwards the trainer's state, optimizer state, step count,
+iterator position and history are exactly what they were.
+
+>>> lrs = np.geomspace(1e-4, 1.0, 60)
+>>> losses = 2.0 - np.tanh(np.log10(lrs / 1e-2) * 2)  # falls fastest at 1e-2
+>>> smoothed = smooth(losses)
+>>> bool(1e-3 < suggest(lrs, smoothed, skip_begin=10, skip_end=1) < 1e-1)
+True
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+from typing import Any
+
+import numpy as np
+
+from trainkit.callbacks.base import Callback
+from trainkit.core import optimizers
+
+#: Lightning's defaults: the loss's smoothing, the divergence threshold, the points left out.
+SMOOTHING, EARLY_STOP_THRESHOLD, SKIP_BEGIN, SKIP_END = 0.98, 4.0, 10, 1
+
+
+def smooth(losses: Any, beta: float = SMOOTHING) -> np.ndarray:
+    """An exponential moving average of ``losses``, corrected for its start at zero (Lightning's)."""
+    average, out = 0.0, []
+    for i, loss in enumerate(losses):
+        average = beta * average + (1 - beta) * float(loss)
+        out.append(average / (1 - beta ** (i + 1)))
+    return np.asarray(out)
+
+
+def suggest(lrs: Any, smoothed: Any, skip_begin: int = SKIP_BEGIN, skip_end: int = SKIP_END) -> float | None:
+    """The rate at the steepest descent of the smoothed loss (the most negative gradient over
+    the log of the rate), the first ``skip_begin`` and last ``skip_end`` points left out;
+    ``None`` when fewer than two finite points remain."""
+    lrs, smoothed = np.asarray(lrs, np.float64), np.asarray(smoothed, np.float64)
+    end = len(lrs) - skip_end
+    window = np.arange(skip_begin, max(skip_begin, end))
+    window = window[np.isfinite(smoothed[window])]
+    if len(window) < 2:
+        return None
+    gradient = np.gradient(smoothed[window], np.log(lrs[window]))
+    return float(lrs[window[int(np.argmin(gradient))]])
+
+
+@dataclasses.dataclass(frozen=True)
+class LearningRateSearch:
+    """What :meth:`trainkit.Trainer.find_learning_rate` found: the rates tried, the smoothed
+    losses (``raw_losses``: each batch's), and the ``suggestion`` (``None`` with too few points)."""
+
+    lrs: list[float]
+    losses: list[float]
+    raw_losses: list[float]
+    suggestion: float | None
+    stopped_early: bool
+
+    def plot(self, path: str | os.PathLike, suggest: bool = True) -> Any:
+        """The smoothed loss against the rate (log scale), the suggestion marked, as a PNG at
+        ``path`` (matplotlib, the ``monitoring`` extra); returns the figure."""
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        figure, axis = plt.subplots(figsize=(6, 4))
+        axis.plot(self.lrs, self.losses)
+        axis.set_xscale("log")
+        axis.set_xlabel("learning rate")
+        axis.set_ylabel("loss (smoothed)")
+        if suggest and self.suggestion is not None:
+            index = self.lrs.index(self.suggestion)
+            axis.plot(self.suggestion, self.losses[index], "o", color="red", label=f"suggestion {self.suggestion:.3g}")
+            axis.legend()
+        figure.tight_layout()
+        figure.savefig(path, dpi=100)
+        plt.close(figure)
+        return figure
+
+
+class RangeTest(Callback):
+    """Sets each epoch's (one batch's) learning rate and reads its loss; stops at divergence."""
+
+    def __init__(self, lrs: np.ndarray, early_stop_threshold: float | None, beta: float):
+        super().__init__()
+        self.lrs, self.threshold, self.beta = lrs, early_stop_threshold, beta
+        self.raw: list[float] = []
+        self.stopped_early = False
+
+    def on_epoch_begin(self, epoch: int, logs: dict | None = None) -> None:
+        self.model.learning_rate = float(self.lrs[epoch])
+
+    def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
+        self.raw.append(float(logs["loss"]))
+        smoothed = smooth(self.raw, self.beta)
+        best = float(np.min(smoothed))
+        if not math.isfinite(smoothed[-1]) or (
+            self.threshold is not None and len(smoothed) > 1 and smoothed[-1] > self.threshold * best
+        ):
+            self.stopped_early = True
+            self.model.stop_training = True
+
+
+def find_learning_rate(
+    trainer: Any,
+    x: Any,
+    y: Any,
+    *,
+    batch_size: int | None,
+    min_lr: float,
+    max_lr: float,
+    steps: int,
+    early_stop_threshold: float | None = EARLY_STOP_THRESHOLD,
+    smoothing: float = SMOOTHING,
+) -> LearningRateSearch:
+    """:meth:`trainkit.Trainer.find_learning_rate` on ``trainer`` (whose ``setup`` keeps and
+    restores the state, and whose ``loop`` the position)."""
+    if not 0 < min_lr < max_lr:
+        raise ValueError(f"Pass 0 < min_lr < max_lr; received min_lr={min_lr}, max_lr={max_lr}.")
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 2:
+        raise ValueError(f"steps must be an integer of at least 2; received {steps!r}.")
+    trainer.init(x if y is None else (x, y))
+    optimizers.require_learning_rate(trainer.state.opt_state)  # no inject_hyperparams: refused before any step
+    lrs = np.geomspace(min_lr, max_lr, steps)
+    test = RangeTest(lrs, early_stop_threshold, smoothing)
+    loop, history = trainer.loop.memento(), trainer.history
+    try:
+        with trainer.setup.kept():
+            trainer.fit(x, y, batch_size=batch_size, epochs=steps, steps_per_epoch=1, verbose=0, callbacks=[test])
+    finally:
+        trainer.loop.restore(loop)
+        trainer.history = history
+    tried = [float(lr) for lr in lrs[: len(test.raw)]]
+    smoothed = smooth(test.raw, smoothing)
+    suggestion = suggest(tried, smoothed)
+    return LearningRateSearch(tried, [float(v) for v in smoothed], test.raw, suggestion, test.stopped_early)

@@ -1,0 +1,128 @@
+"""``find_batch_size``: the largest global batch whose compiled train step fits the device
+memory, found from the compiler's memory analysis (:mod:`trainkit.program.plan`), never by
+running into an out-of-memory error. Every process compiles the same steps against the same
+limit (the smallest of the processes'), so all get the same answer without a trial run that
+one of them might fail alone.
+
+The search is a bisection over the candidate sizes (powers of two times the smallest batch the
+strategy can split, by default), which assumes that a larger batch never needs less memory:
+``ceil(log2(n + 1))`` compiles for ``n`` sizes. It ends on a size that fits next to the next size
+up, which does not (or on the largest size allowed).
+
+>>> sizes = candidate_sizes(8, 100)
+>>> sizes, bisect(sizes, lambda size: size <= 40)
+([8, 16, 32, 64], 2)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable, Sequence
+
+from trainkit import distributed
+from trainkit.program import plan as plan_lib
+
+
+def candidate_sizes(unit: int, max_batch_size: int, powers_of_two: bool = True) -> list[int]:
+    """The sizes searched: ``unit * 2**k`` (or every multiple of ``unit``) up to ``max_batch_size``."""
+    if max_batch_size < unit:
+        raise ValueError(
+            f"max_batch_size={max_batch_size} is below {unit}, the smallest batch the strategy can split "
+            "(its devices x grad_accum_steps): pass a larger max_batch_size."
+        )
+    if not powers_of_two:
+        return list(range(unit, max_batch_size + 1, unit))
+    sizes = [unit]
+    while sizes[-1] * 2 <= max_batch_size:
+        sizes.append(sizes[-1] * 2)
+    return sizes
+
+
+def bisect(sizes: Sequence[int], fits: Callable[[int], bool]) -> int:
+    """The index of the largest size that ``fits`` (``-1``: none), calling ``fits`` on
+    ``ceil(log2(len(sizes) + 1))`` sizes at most; ``fits`` must be monotone (true, then false)."""
+    low, high = -1, len(sizes)  # sizes[low] fits (or none is known to), sizes[high] does not (or past the end)
+    while high - low > 1:
+        middle = (low + high) // 2
+        if fits(sizes[middle]):
+            low = middle
+        else:
+            high = middle
+    return low
+
+
+@dataclasses.dataclass(frozen=True)
+class BatchSizeSearch:
+    """What :meth:`trainkit.Trainer.find_batch_size` found.
+
+    Attributes:
+        batch_size: the largest global batch that fits (use it as ``fit(batch_size=...)``).
+        strategy: the strategy the answer's plan recommends (``"auto"``'s pick at that batch).
+        memory_limit: the per-device bytes searched against (the plan keeps
+            :data:`~trainkit.program.plan.HEADROOM` of it free).
+        needed: per-device bytes of each compiled size (the best candidate's), by batch size.
+        seconds: the whole search; ``compile_seconds``: each size's plan.
+        plans: each compiled size's :class:`~trainkit.program.plan.MemoryPlan`.
+    """
+
+    batch_size: int
+    strategy: str
+    memory_limit: int
+    needed: dict[int, int]
+    seconds: float
+    compile_seconds: dict[int, float]
+    plans: dict[int, plan_lib.MemoryPlan] = dataclasses.field(repr=False)
+
+    def __int__(self) -> int:
+        return self.batch_size
+
+    def __str__(self) -> str:
+        budget = plan_lib.HEADROOM * self.memory_limit
+        tried = ", ".join(
+            f"{size}: {plan_lib.gib(need)}{'' if need <= budget else ' (too big)'}"
+            for size, need in sorted(self.needed.items())
+        )
+        largest = " (the largest size allowed)" if self.batch_size == max(self.needed) else ""
+        return (
+            f"batch_size={self.batch_size}{largest} on {self.strategy}: {plan_lib.gib(self.needed[self.batch_size])} "
+            f"per device, within {plan_lib.HEADROOM:.0%} of {plan_lib.gib(self.memory_limit)} (compiled: {tried}); "
+            f"{len(self.plans)} compiles in {self.seconds:.2f} s"
+        )
+
+
+def search(
+    plan_at: Callable[[int, int], plan_lib.MemoryPlan],
+    sizes: Sequence[int],
+    memory_limit: int | None,
+    default_limit: int,
+) -> BatchSizeSearch:
+    """Bisects ``sizes`` with ``plan_at(size, limit)`` (a plan of the train step at a global batch
+    of ``size`` rows against ``limit`` bytes per device); a size fits when its plan recommends a
+    strategy. The limit is the smallest of the processes' (``memory_limit``, else each one's
+    ``default_limit``)."""
+    limit = min(int(v) for v in distributed.gather_json(int(memory_limit or default_limit)))
+    start, plans, seconds = time.perf_counter(), {}, {}
+
+    def fits(size: int) -> bool:
+        began = time.perf_counter()
+        plans[size] = plan_at(size, limit)
+        seconds[size] = time.perf_counter() - began
+        return plans[size].recommended is not None
+
+    index = bisect(sizes, fits)
+    if index < 0:
+        raise ValueError(
+            f"Not even the smallest batch, {sizes[0]} rows, fits: {plans[sizes[0]].reason()}. Pass remat='full', "
+            "a lower precision or grad_accum_steps=k, a strategy that shards the state (FSDP), or a larger "
+            "memory_limit."
+        )
+    best = plans[sizes[index]].recommended
+    needed = {}
+    for size, plan in plans.items():
+        rows = [r for r in plan.rows if r.error is None]
+        chosen = plan.recommended or min(rows, key=lambda r: r.total_bytes, default=None)
+        if chosen is not None:
+            needed[size] = chosen.total_bytes
+    answer = min(distributed.gather_json(sizes[index]))  # the same everywhere, as it must be
+    return BatchSizeSearch(answer, best.name, limit, needed, time.perf_counter() - start, seconds, plans)
