@@ -34,6 +34,7 @@ bench: $(VENV)/.installed
 	$(BIN)/python benchmarks/prefetch.py
 	$(BIN)/python benchmarks/startup.py
 	$(BIN)/python benchmarks/steps_per_execution.py
+	$(BIN)/python benchmarks/finders.py
 
 clean:
 	rm -rf $(VENV)

@@ -23,6 +23,7 @@ DOCS = pathlib.Path(__file__).parent.parent / "docs"
         "large_models.md",
         "porting_from_keras.md",
         "export.md",
+        "tuning.md",
     ],
 )
 def test_guide_code_runs(page):

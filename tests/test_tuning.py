@@ -5,6 +5,7 @@ parameters)."""
 import math
 import os
 import pathlib
+import re
 import subprocess
 import sys
 
@@ -98,6 +99,20 @@ def test_find_batch_size_is_the_same_on_two_processes(searches):
     answers = [line.split(": ", 1)[1] for line in result.stdout.splitlines() if "batch_size=" in line]
     assert len(answers) == 2 and answers[0] == answers[1], result.stdout
     assert f"batch_size={results[limit].batch_size} " in answers[0]  # as on one process with 8 devices
+
+
+def test_the_steps_find_batch_size_compiled_are_cached_for_fit(tmp_path):
+    """The train step at the answer comes from the persistent compilation cache when fit runs
+    it (the state's init and the output check compile; the train step does not)."""
+    script = ROOT / "tests" / "scripts" / "find_batch_size.py"
+    env = clean_env(JAX_NUM_CPU_DEVICES="8", JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0")
+    env["TRAINKIT_COMPILATION_CACHE"] = str(tmp_path / "cache")
+    result = subprocess.run(
+        [sys.executable, str(script), str(2**20), "fit"], capture_output=True, text=True, env=env, cwd=ROOT, timeout=300
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    hits = re.search(r"fit cache hits (\d+) misses (\d+)", result.stdout)
+    assert int(hits.group(1)) >= 1, result.stdout
 
 
 # ---------------------------------------------------------------------------- find_learning_rate
