@@ -60,11 +60,8 @@ def _trained_two_heads():
     return trainer, lambda n: (rng.random((n, 4, 4), np.float32), rng.random((n, 3), np.float32))
 
 
-@pytest.fixture(scope="module", params=["cnn", "two_heads"])
-def trained(request, tmp_path_factory):
-    """A trained model, and the cases the served export is checked on: inputs of sizes the
-    export never saw and predict's outputs for them."""
-    trainer, make_x = {"cnn": _trained_cnn, "two_heads": _trained_two_heads}[request.param]()
+def _cases(trainer, make_x, path):
+    """Inputs of sizes the export never saw and predict's outputs for them, saved for the server."""
     spec = trainer.setup.input_spec
     names = {"inputs": signature.leaf_names(spec, "input"), "structure": "array" if tk.data.is_spec(spec) else "tuple"}
     cases = {"count": len(ROWS)}
@@ -74,26 +71,42 @@ def trained(request, tmp_path_factory):
         names["outputs"] = signature.leaf_names(outputs, "output")
         cases |= {f"x:{i}:{k}": leaf for k, leaf in enumerate(jax.tree.leaves(x))}
         cases |= {f"y:{i}:{k}": leaf for k, leaf in enumerate(jax.tree.leaves(outputs))}
-    path = tmp_path_factory.mktemp(request.param) / "cases.npz"
     np.savez(path, names=json.dumps(names), **cases)
-    return trainer, path
+    return path
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    """The two trained models, each with its cases file."""
+    folder = tmp_path_factory.mktemp("cases")
+    built = {"cnn": _trained_cnn(), "two_heads": _trained_two_heads()}
+    return {
+        name: (trainer, _cases(trainer, make_x, folder / f"{name}.npz")) for name, (trainer, make_x) in built.items()
+    }
+
+
+@pytest.fixture(params=["cnn", "two_heads"])
+def trained(request, models):
+    return models[request.param]
 
 
 @pytest.mark.parametrize("fmt", ["jax", "tf_saved_model", "onnx"])
-def test_an_export_served_without_trainkit_gives_predicts_outputs(trained, fmt, tmp_path):
+def test_an_export_served_without_trainkit_gives_predicts_outputs(models, fmt, tmp_path):
     needs = {"tf_saved_model": "tensorflow", "onnx": "onnxruntime"}.get(fmt)
     if needs and importlib.util.find_spec(needs) is None or fmt == "onnx" and not importlib.util.find_spec("jax2onnx"):
         pytest.skip(f"{fmt} needs {needs} (and jax2onnx for onnx)")
-    trainer, cases = trained
-    path = tmp_path / {"jax": "model.jax", "tf_saved_model": "saved_model", "onnx": "model.onnx"}[fmt]
-    try:
-        trainer.export(path, format=fmt, verbose=False)
-    except RuntimeError as error:  # jax2onnx 0.17 reads JAX internals that JAX 0.12 removed: named, not hidden
-        assert fmt == "onnx" and "cannot convert under JAX" in str(error), error
-        pytest.skip(str(error))
+    pairs = []
+    for name, (trainer, cases) in models.items():
+        path = tmp_path / {"jax": f"{name}.jax", "tf_saved_model": f"{name}_saved_model", "onnx": f"{name}.onnx"}[fmt]
+        try:
+            trainer.export(path, format=fmt, verbose=False)
+        except RuntimeError as error:  # jax2onnx 0.17 reads JAX internals that JAX 0.12 removed: named, not hidden
+            assert fmt == "onnx" and "cannot convert under JAX" in str(error), error
+            pytest.skip(str(error))
+        pairs += [str(path), str(cases)]
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_NUM_CPU_DEVICES")}  # one device
     result = subprocess.run(
-        [sys.executable, str(SERVE), fmt, str(path), str(cases)],
+        [sys.executable, str(SERVE), fmt, *pairs],
         capture_output=True,
         text=True,
         env=env,
@@ -103,8 +116,10 @@ def test_an_export_served_without_trainkit_gives_predicts_outputs(trained, fmt, 
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads(result.stdout.strip().splitlines()[-1])
     assert report["trainkit_imported"] is False
-    assert sorted(map(int, report["differences"])) == sorted(ROWS)
-    assert max(report["differences"].values()) <= TOLERANCE[fmt], report
+    assert len(report["differences"]) == 2
+    for found in report["differences"].values():
+        assert sorted(map(int, found)) == sorted(ROWS)
+        assert max(found.values()) <= TOLERANCE[fmt], report
 
 
 def test_load_runs_the_jax_format_at_any_batch_size(trained, tmp_path):

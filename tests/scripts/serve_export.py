@@ -1,25 +1,13 @@
-"""Runs an exported model the way a server would, in a process without trainkit or the model's
-code: ``serve_export.py FORMAT PATH CASES.npz`` prints, as JSON, the largest difference from the
-expected outputs for each batch of inputs in CASES (``x:<i>:<leaf>`` inputs, ``y:<i>:<leaf>``
-outputs, leaves in ``jax.tree.leaves`` order of the names the export gave them)."""
+"""Runs exported models the way a server would, in a process without trainkit or the models'
+code: ``serve_export.py FORMAT PATH CASES.npz [PATH CASES.npz ...]`` prints, as JSON, the largest
+difference from the expected outputs for each batch of inputs in each CASES file (``x:<i>:<leaf>``
+inputs, ``y:<i>:<leaf>`` outputs, leaves in ``jax.tree.leaves`` order of the names the export
+gave them; ``names`` the input and output names and the structure of the inputs)."""
 
 import json
 import sys
 
 import numpy as np
-
-fmt, path, cases_path = sys.argv[1:4]
-cases = np.load(cases_path)
-names = json.loads(str(cases["names"]))  # {"inputs": [...], "outputs": [...], "structure": "tuple" | "dict" | "array"}
-
-
-def inputs(i):
-    leaves = [cases[f"x:{i}:{k}"] for k in range(len(names["inputs"]))]
-    if names["structure"] == "array":
-        return leaves[0]
-    if names["structure"] == "dict":
-        return dict(zip(names["inputs"], leaves))
-    return tuple(leaves)
 
 
 def flat(outputs):
@@ -30,40 +18,52 @@ def flat(outputs):
     return [np.asarray(outputs)]
 
 
-if fmt == "jax":
-    import jax
+def runner(fmt, path, names):
+    """``x -> flat outputs`` of the export at ``path``, loaded as a server of ``fmt`` loads it."""
 
-    exported = jax.export.deserialize(bytearray(open(path, "rb").read()))
-    run = lambda x: flat(exported.call(x))  # noqa: E731
-elif fmt == "tf_saved_model":
-    import tensorflow as tf
+    def flat_inputs(x):
+        return [x[k] for k in names["inputs"]] if isinstance(x, dict) else list(x) if isinstance(x, tuple) else [x]
 
-    loaded = tf.saved_model.load(path)
-    serving = loaded.signatures["serving_default"]
+    if fmt == "jax":
+        import jax
 
-    def run(x):
-        served = flat(tf.nest.map_structure(lambda t: t.numpy(), loaded.serve(x)))
-        named = serving(**{n: tf.constant(v) for n, v in zip(names["inputs"], flat_inputs(x))})
-        by_name = [named[n].numpy() for n in names["outputs"]]
-        assert all(np.array_equal(a, b) for a, b in zip(served, by_name)), "serve and serving_default differ"
-        return served
-else:
+        exported = jax.export.deserialize(bytearray(open(path, "rb").read()))
+        return lambda x: flat(exported.call(x)), flat_inputs
+    if fmt == "tf_saved_model":
+        import tensorflow as tf
+
+        loaded = tf.saved_model.load(path)
+        serving = loaded.signatures["serving_default"]
+
+        def run(x):
+            served = flat(tf.nest.map_structure(lambda t: t.numpy(), loaded.serve(x)))
+            named = serving(**{n: tf.constant(v) for n, v in zip(names["inputs"], flat_inputs(x))})
+            by_name = [named[n].numpy() for n in names["outputs"]]
+            assert all(np.array_equal(a, b) for a, b in zip(served, by_name)), "serve and serving_default differ"
+            return served
+
+        run.loaded = loaded  # a restored function needs its object alive
+        return run, flat_inputs
     import onnxruntime
 
     session = onnxruntime.InferenceSession(path)
     assert [i.name for i in session.get_inputs()] == names["inputs"], session.get_inputs()
-    run = lambda x: session.run(names["outputs"], dict(zip(names["inputs"], flat_inputs(x))))  # noqa: E731
+    return lambda x: session.run(names["outputs"], dict(zip(names["inputs"], flat_inputs(x)))), flat_inputs
 
 
-def flat_inputs(x):
-    return [x[k] for k in names["inputs"]] if isinstance(x, dict) else list(x) if isinstance(x, tuple) else [x]
+def differences(fmt, path, cases_path):
+    cases = np.load(cases_path)
+    names = json.loads(str(cases["names"]))
+    run, flat_inputs = runner(fmt, path, names)
+    found = {}
+    for i in range(int(cases["count"])):
+        leaves = [cases[f"x:{i}:{k}"] for k in range(len(names["inputs"]))]
+        x = leaves[0] if names["structure"] == "array" else tuple(leaves)
+        expected = [cases[f"y:{i}:{k}"] for k in range(len(names["outputs"]))]
+        found[len(leaves[0])] = max(float(np.max(np.abs(g - e))) for g, e in zip(run(x), expected))
+    return found
 
 
-report = {"trainkit_imported": "trainkit" in sys.modules, "differences": {}}
-for i in range(int(cases["count"])):
-    x = inputs(i)
-    got = run(x)
-    expected = [cases[f"y:{i}:{k}"] for k in range(len(names["outputs"]))]
-    rows = len(flat_inputs(x)[0])
-    report["differences"][rows] = max(float(np.max(np.abs(g - e))) for g, e in zip(got, expected))
-print(json.dumps(report))
+fmt, pairs = sys.argv[1], sys.argv[2:]
+report = {path: differences(fmt, path, cases) for path, cases in zip(pairs[::2], pairs[1::2])}
+print(json.dumps({"trainkit_imported": "trainkit" in sys.modules, "differences": report}))

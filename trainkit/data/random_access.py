@@ -12,6 +12,7 @@ exactly as arrays are, optionally read by worker processes.
 from __future__ import annotations
 
 import collections
+import time
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -68,7 +69,10 @@ def _dead_workers(processes: Any) -> str:
 
     ended = []
     for process in processes:
-        process.join(2.0 if process.exitcode is None else 0)  # a killed worker may not be reaped yet
+        deadline = time.monotonic() + 2.0  # a killed worker may not be reaped yet, or the executor's
+        process.join(2.0 if process.exitcode is None else 0)  # thread reaps it: our wait then returns
+        while process.exitcode is None and time.monotonic() < deadline:  # at once, its status not yet stored
+            time.sleep(0.01)
         code = process.exitcode
         if code is None and not process.is_alive():
             ended.append(f"pid {process.pid} ended")
