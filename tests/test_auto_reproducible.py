@@ -54,11 +54,48 @@ def test_a_remembered_pick_is_taken_without_planning_and_a_new_setup_plans(cache
         fit_auto(x, y, batch_size=32)
 
 
+def test_a_remembered_pick_builds_its_state_as_the_planning_run_did(cache_in, monkeypatch):
+    """The planning run measured its candidates from a state built under the first one that
+    fits (SingleDevice) and trained the pick (FSDP) from it; a run that remembers the pick builds
+    the state the same way, so every program comes from the compilation cache and the state is
+    the same."""
+    monkeypatch.setattr(tk.plan, "pick", lambda fitting: fitting[-1])  # FSDP, whatever the timings
+    threshold = jax.config.jax_persistent_cache_min_compile_time_secs
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+    events = []
+
+    def listen(event, **kwargs):
+        events.append(event)
+
+    jax.monitoring.register_event_listener(listen)
+    x, y = make_classification(64)
+    auto = tk.strategies.Auto(candidates=[tk.SingleDevice(), tk.FSDP()])
+    try:
+        trainers = []
+        for _ in range(2):
+            before = len(events)
+            trainer = tk.Trainer(
+                MLP(), loss="sparse_categorical_crossentropy", optimizer=optax.adam(1e-2), strategy=auto
+            )
+            trainer.fit((x, y), batch_size=16, epochs=1, verbose=0)
+            trainers.append((trainer, sum(e.endswith("cache_misses") for e in events[before:])))
+    finally:
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", threshold)
+        jax.monitoring.unregister_event_listener(listen)
+    (planned, planned_misses), (remembered, remembered_misses) = trainers
+    assert planned.last_plan is not None and remembered.last_plan is None
+    assert tk.plan.short_name(remembered.strategy) == "FSDP(fsdp=8)"
+    assert planned_misses > 0 and remembered_misses == 0, (planned_misses, remembered_misses)
+    for a, b in zip(jax.tree.leaves(planned.get_weights()), jax.tree.leaves(remembered.get_weights())):
+        assert (a == b).all()
+
+
 def test_three_fresh_runs_pick_the_same_strategy_also_under_load(tmp_path):
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_NUM_CPU_DEVICES")}
     env[compile_cache.ENVIRONMENT] = str(tmp_path / "cache")
+    env["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"  # every program cached, as a long one would be
     script = ROOT / "tests" / "scripts" / "auto_pick.py"
-    picks = []
+    picks, misses = [], []
     for run in range(3):
         # a busy machine for the later runs: a process spinning on each core
         hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(2 if run else 0)]
@@ -70,5 +107,8 @@ def test_three_fresh_runs_pick_the_same_strategy_also_under_load(tmp_path):
                 hog.kill()
         assert result.returncode == 0, result.stderr[-3000:]
         picks.append(next(line for line in result.stdout.splitlines() if line.startswith("PICK")).split()[1:])
+        misses.append(int(next(line for line in result.stdout.splitlines() if line.startswith("MISSES")).split()[1]))
     assert picks[0][1] == "planned" and [p[1] for p in picks[1:]] == ["remembered", "remembered"]
     assert len({p[0] for p in picks}) == 1, picks
+    # a remembered pick builds its state as the planning run did: every program comes from the cache
+    assert misses[0] > 0 and misses[1:] == [0, 0], misses

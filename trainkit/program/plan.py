@@ -179,12 +179,15 @@ def analyse(row: PlanRow, compiled) -> PlanRow:
 class MemoryPlan:
     """The rows of :func:`make_plan`; ``recommended`` is the strategy ``"auto"`` picks.
     ``initial_state``: the host copy of the state at step 0 when measuring built one (the
-    trainer starts from it instead of initialising again)."""
+    trainer starts from it instead of initialising again), ``initialised_under``: the
+    candidate whose compiled initialisation built it (a later run that remembers the pick
+    initialises the same way, from the compilation cache)."""
 
     rows: list[PlanRow]
     memory_limit: int
     measured: bool
     initial_state: Any = None
+    initialised_under: Strategy | None = None
     #: what was decided later on this plan's strategy (``steps_per_execution="auto"``'s pick), printed under it
     decided: dict[str, str] = dataclasses.field(default_factory=dict)
 
@@ -419,8 +422,8 @@ def plan_step(
 
     def the_host_state(strategy: Strategy):
         if not host_state:
-            host_state.append(distributed.fetch(create_state(strategy)))
-        return host_state[0]
+            host_state.append((distributed.fetch(create_state(strategy)), strategy))
+        return host_state[0][0]
 
     def run(strategy: Strategy, compiled) -> float:
         state = strategy.put_state(the_host_state(strategy))
@@ -428,7 +431,8 @@ def plan_step(
         return time_steps(compiled, state, batch, steps, strategy.put_replicated(totals) if trains else None)
 
     result = make_plan(candidates, lower, memory_limit=memory_limit, measure=run if measure else None)
-    return dataclasses.replace(result, initial_state=host_state[0] if host_state else None)
+    state, under = host_state[0] if host_state else (None, None)
+    return dataclasses.replace(result, initial_state=state, initialised_under=under)
 
 
 def time_steps(step: Callable, state, batch, steps: int = MEASURE_STEPS, totals: Any = None) -> float:

@@ -37,7 +37,8 @@ def path_for(directory: str, key: str) -> str:
 
 
 def recall(directory: str | None, key: str) -> dict | None:
-    """The decision stored under ``key`` (``{"strategy": short name, "reason": ...}``), or
+    """The decision stored under ``key`` (``{"strategy": short name, "reason": ...,
+    "initialised_under": short name or None}``), or
     ``None``: none stored, no directory, or an unreadable file (then planned again)."""
     if directory is None:
         return None
@@ -49,9 +50,10 @@ def recall(directory: str | None, key: str) -> dict | None:
     return decision if isinstance(decision, dict) and isinstance(decision.get("strategy"), str) else None
 
 
-def remember(directory: str | None, key: str, strategy: str, reason: str) -> None:
+def remember(directory: str | None, key: str, strategy: str, reason: str, initialised_under: str | None = None) -> None:
     """Stores a decision atomically (a half-written file is never read); a directory that
-    cannot be written only costs the next run a plan."""
+    cannot be written only costs the next run a plan. ``initialised_under``: the candidate whose
+    initialisation built the state the pick started from (the next run builds it the same way)."""
     if directory is None:
         return
     path = path_for(directory, key)
@@ -59,7 +61,7 @@ def remember(directory: str | None, key: str, strategy: str, reason: str) -> Non
         os.makedirs(os.path.dirname(path), exist_ok=True)
         handle, temporary = tempfile.mkstemp(dir=os.path.dirname(path), suffix=".tmp")
         with os.fdopen(handle, "w") as file:
-            json.dump({"strategy": strategy, "reason": reason}, file)
+            json.dump({"strategy": strategy, "reason": reason, "initialised_under": initialised_under}, file)
         os.replace(temporary, path)
     except OSError as error:
         logger.warning("strategy='auto' could not remember its pick in %s (%s); the next run plans again", path, error)

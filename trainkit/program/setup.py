@@ -138,6 +138,7 @@ class Setup:
         self._compiled: dict[str, Any] = {}
         self._totals: dict[str, EpochTotals] = {}  # host zeros of the totals each kind of step carries
         self._outputs: PyTree = None  # the model's output shapes, once traced
+        self._initialise_under: Strategy | None = None  # a remembered "auto" pick's way to build the state
         self._warned_probabilities = False
 
     @property
@@ -416,7 +417,12 @@ class Setup:
             self.last_plan = dataclasses.replace(plan, initial_state=None)  # host memory back
         else:
             self.strategy = self.program.annotated(self.strategy, prepared.first_x)
-            self.state = self.program.create_state(self.strategy, prepared.first_x)
+            under = self._initialise_under
+            if under is None:
+                self.state = self.program.create_state(self.strategy, prepared.first_x)
+            else:  # as the run that remembered this pick built its state: that init is in the compile cache
+                built = self.program.create_state(self.program.annotated(under, prepared.first_x), prepared.first_x)
+                self.state = self.strategy.put_state(distributed.fetch(built))
         self.input_spec = prepared.spec
         self.on_restore(int(self.state.step))
 
@@ -483,9 +489,11 @@ class Setup:
         if self.strategy is not None:
             return
         auto = self.auto
-        key, remembered = self.remembered_pick(prepared)
+        key, remembered, under = self.remembered_pick(prepared)
         if remembered is not None:
             self.strategy = remembered
+            if under is not None and plan_lib.short_name(under) != plan_lib.short_name(remembered):
+                self._initialise_under = under
             logger.info("strategy='auto' picked %s, as an earlier run of this setup did", remembered.describe())
             if announce and distributed.is_main_process():
                 print(f"strategy='auto' picked {plan_lib.short_name(remembered)}, as an earlier run of this setup did")
@@ -499,16 +507,18 @@ class Setup:
                 f"strategy=tk.strategies.Auto(memory_limit=...) or a strategy.\n{result}"
             )
         self.strategy, self.last_plan = best.strategy, result
-        remembered_lib.remember(compile_cache.active_directory(), key, best.name, result.reason())
+        under = None if result.initialised_under is None else plan_lib.short_name(result.initialised_under)
+        remembered_lib.remember(compile_cache.active_directory(), key, best.name, result.reason(), under)
         if best.function is not None and (prepared.has_targets or self.custom_loss):
             self._compiled["train"] = best.function  # compiled during the plan: not compiled again
         logger.info("strategy='auto' %s", result.reason())
         if announce and distributed.is_main_process():
             print(f"strategy='auto' {result.reason()}")
 
-    def remembered_pick(self, prepared: data_lib.Prepared) -> tuple[str, Strategy | None]:
-        """The key of this setup's ``"auto"`` decision and the candidate an earlier run picked
-        for it (``None``: none remembered, or not by every process alike)."""
+    def remembered_pick(self, prepared: data_lib.Prepared) -> tuple[str, Strategy | None, Strategy | None]:
+        """The key of this setup's ``"auto"`` decision, the candidate an earlier run picked for it
+        (``None``: none remembered, or not by every process alike) and the one whose
+        initialisation built that run's state (``None``: the pick's own)."""
         program, auto = self.program, self.auto
         candidates = auto.candidates if auto.candidates is not None else plan_lib.default_candidates()
         devices = candidates[0].devices
@@ -525,10 +535,11 @@ class Setup:
         }
         key = remembered_lib.decision_key(facts)
         decision = remembered_lib.recall(compile_cache.active_directory(), key)
-        name = None if decision is None else decision["strategy"]
-        if len(set(map(str, distributed.gather_json(name)))) > 1:  # the processes must agree, or all plan
-            name = None
-        return key, next((c for c in candidates if plan_lib.short_name(c) == name), None)
+        name, under = (None, None) if decision is None else (decision["strategy"], decision.get("initialised_under"))
+        if len(set(map(str, distributed.gather_json([name, under])))) > 1:  # the processes must agree, or all plan
+            name = under = None
+        named = {plan_lib.short_name(c): c for c in candidates}
+        return key, named.get(name), named.get(under)
 
     # ------------------------------------------------------------------ compiled steps
     def function(self, kind: str) -> Callable:
