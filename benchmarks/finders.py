@@ -15,19 +15,13 @@ import time
 os.environ.setdefault("JAX_NUM_CPU_DEVICES", "8")
 os.environ.setdefault("TRAINKIT_COMPILATION_CACHE", "off")  # every compile is a real one
 
-import flax.linen as nn  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
 import trainkit as tk  # noqa: E402
 
-
-class CNN(nn.Module):
-    @nn.compact
-    def __call__(self, x, train: bool = False):
-        x = nn.avg_pool(nn.relu(nn.Conv(32, (3, 3))(x)), (2, 2), strides=(2, 2))
-        x = nn.avg_pool(nn.relu(nn.Conv(64, (3, 3))(x)), (2, 2), strides=(2, 2))
-        return nn.Dense(10)(nn.relu(nn.Dense(256)(x.reshape(x.shape[0], -1))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from models import CNN  # noqa: E402
 
 
 def main():

@@ -21,7 +21,6 @@ import sys
 import tempfile
 import time
 
-import flax.linen as nn
 import jax
 import numpy as np
 import optax
@@ -31,18 +30,11 @@ sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent / "examples"))
 import lm_mfu  # noqa: E402
 from lm import ByteLM  # noqa: E402
+from models import CNN  # noqa: E402
 from timing import measure  # noqa: E402
 
 import trainkit as tk  # noqa: E402
 from trainkit.monitoring import throughput  # noqa: E402
-
-
-class CNN(nn.Module):
-    @nn.compact
-    def __call__(self, x):
-        x = nn.avg_pool(nn.relu(nn.Conv(32, (3, 3))(x)), (2, 2), strides=(2, 2))
-        x = nn.avg_pool(nn.relu(nn.Conv(64, (3, 3))(x)), (2, 2), strides=(2, 2))
-        return nn.Dense(10)(nn.relu(nn.Dense(256)(x.reshape(x.shape[0], -1))))
 
 
 def sizes(small: bool) -> dict:
@@ -53,6 +45,14 @@ def sizes(small: bool) -> dict:
 
 def lm_model(layers, d_model, length):
     return ByteLM(layers=layers, d_model=d_model, heads=max(1, d_model // 64), mlp=4 * d_model, max_len=length)
+
+
+def lm_trainer(layers, d_model, length, **options) -> tk.Trainer:
+    """examples/lm.py's model on one device with AdamW (``options``: remat, deterministic)."""
+    model = lm_model(layers, d_model, length)
+    return tk.Trainer(
+        model, loss="sparse_categorical_crossentropy", optimizer=optax.adamw(1e-3), strategy="single", **options
+    )
 
 
 def mfu_rows(size: dict) -> list[tuple]:
@@ -94,13 +94,7 @@ def remat_row(size: dict) -> tuple:
     tokens = rng.integers(0, 256, (batch, length + 1)).astype(np.int32)
     temp = {}
     for remat in (None, "full"):
-        trainer = tk.Trainer(
-            lm_model(layers, d_model, length),
-            loss="sparse_categorical_crossentropy",
-            optimizer=optax.adamw(1e-3),
-            strategy="single",
-            remat=remat,
-        )
+        trainer = lm_trainer(layers, d_model, length, remat=remat)
         plan = trainer.plan((tokens[:, :-1], tokens[:, 1:]), candidates=[tk.SingleDevice()], verbose=0)
         temp[remat] = plan.rows[0].temp_bytes
     return (
@@ -116,13 +110,7 @@ def determinism_run(out: str, deterministic: bool, small: bool) -> None:
     layers, d_model, length, batch, steps = sizes(small)["det"]
     rng = np.random.default_rng(0)
     tokens = rng.integers(0, 256, (batch * steps, length + 1)).astype(np.int32)
-    trainer = tk.Trainer(
-        lm_model(layers, d_model, length),
-        loss="sparse_categorical_crossentropy",
-        optimizer=optax.adamw(1e-3),
-        strategy="single",
-        deterministic=deterministic,
-    )
+    trainer = lm_trainer(layers, d_model, length, deterministic=deterministic)
     trainer.fit(tokens[:, :-1], tokens[:, 1:], batch_size=batch, epochs=1, verbose=0)  # compile and warm up
     start = time.perf_counter()
     trainer.fit(tokens[:, :-1], tokens[:, 1:], batch_size=batch, epochs=1, verbose=0)
@@ -163,12 +151,7 @@ def export_rows(size: dict) -> list[tuple]:
     layers, d_model, length, batch = sizes(True)["lm"]
     rng = np.random.default_rng(0)
     tokens = rng.integers(0, 256, (64, length + 1)).astype(np.int32)
-    trainer = tk.Trainer(
-        lm_model(layers, d_model, length),
-        loss="sparse_categorical_crossentropy",
-        optimizer=optax.adamw(1e-3),
-        strategy="single",
-    )
+    trainer = lm_trainer(layers, d_model, length)
     trainer.fit(tokens[:, :-1], tokens[:, 1:], batch_size=8, epochs=1, verbose=0)
     x = tokens[:5, :-1]
     expected = trainer.predict(x, batch_size=8)
@@ -179,13 +162,13 @@ def export_rows(size: dict) -> list[tuple]:
         ("onnx", "m.onnx", "onnxruntime"),
     ):
         if needs and importlib.util.find_spec(needs) is None:
-            rows.append((f"export {fmt}: max |diff| vs predict", float("nan"), "<= 1e-4", f"{needs} not installed"))
+            rows.append((f"export {fmt}: max abs diff vs predict", float("nan"), "<= 1e-4", f"{needs} not installed"))
             continue
         path = os.path.join(folder, name)
         try:
             trainer.export(path, format=fmt, verbose=False)
         except (ImportError, RuntimeError) as error:
-            rows.append((f"export {fmt}: max |diff| vs predict", float("nan"), "<= 1e-4", str(error)[:60]))
+            rows.append((f"export {fmt}: max abs diff vs predict", float("nan"), "<= 1e-4", str(error)[:60]))
             continue
         if fmt == "jax":
             got = np.asarray(tk.export.load(path)(x))
@@ -198,7 +181,7 @@ def export_rows(size: dict) -> list[tuple]:
             import onnxruntime
 
             got = onnxruntime.InferenceSession(path).run(None, {"input": x})[0]
-        rows.append((f"export {fmt}: max |diff| vs predict", float(np.max(np.abs(got - expected))), "<= 1e-4", ""))
+        rows.append((f"export {fmt}: max abs diff vs predict", float(np.max(np.abs(got - expected))), "<= 1e-4", ""))
     return rows
 
 

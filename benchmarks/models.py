@@ -1,4 +1,4 @@
-"""Benchmark models shared by the benchmarks: a wide MLP and a decoder-only transformer language model."""
+"""Benchmark models shared by the benchmarks: a wide MLP, a small CNN and a decoder-only transformer language model."""
 
 from __future__ import annotations
 
@@ -15,6 +15,17 @@ class MLP(nn.Module):
         x = nn.relu(nn.Dense(1024)(x))
         x = nn.relu(nn.Dense(1024)(x))
         return nn.Dense(10)(x)
+
+
+class CNN(nn.Module):
+    """Two 3x3 convolutions with average pooling, a 256 dense layer and 10 logits (the overhead,
+    start-up, finder and GPU benchmarks' CNN)."""
+
+    @nn.compact
+    def __call__(self, x):
+        x = nn.avg_pool(nn.relu(nn.Conv(32, (3, 3))(x)), (2, 2), strides=(2, 2))
+        x = nn.avg_pool(nn.relu(nn.Conv(64, (3, 3))(x)), (2, 2), strides=(2, 2))
+        return nn.Dense(10)(nn.relu(nn.Dense(256)(x.reshape(x.shape[0], -1))))
 
 
 class Block(nn.Module):

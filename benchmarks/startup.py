@@ -28,7 +28,7 @@ def child(model: str, strategy: str, devices: int) -> None:
     import flax.linen as nn
     import numpy as np
     import optax
-    from models import TransformerLM
+    from models import CNN, TransformerLM
 
     import trainkit as tk
 
@@ -36,13 +36,6 @@ def child(model: str, strategy: str, devices: int) -> None:
         @nn.compact
         def __call__(self, x):
             return nn.Dense(10)(nn.relu(nn.Dense(512)(nn.relu(nn.Dense(512)(x)))))
-
-    class CNN(nn.Module):
-        @nn.compact
-        def __call__(self, x):
-            x = nn.avg_pool(nn.relu(nn.Conv(32, (3, 3))(x)), (2, 2), strides=(2, 2))
-            x = nn.avg_pool(nn.relu(nn.Conv(64, (3, 3))(x)), (2, 2), strides=(2, 2))
-            return nn.Dense(10)(nn.relu(nn.Dense(256)(x.reshape(x.shape[0], -1))))
 
     rng = np.random.default_rng(0)
     if model == "mlp":
