@@ -16,7 +16,17 @@ import jax
 import numpy as np
 
 from trainkit.core import checks
-from trainkit.data.batching import Batch, PyTree, batch_rows, check_lengths, example_spec, pad_batch, take, to_host
+from trainkit.data.batching import (
+    Batch,
+    PyTree,
+    batch_rows,
+    check_lengths,
+    example_spec,
+    full_batch,
+    pad_batch,
+    take,
+    to_host,
+)
 from trainkit.data.source import DataSource, Source
 
 #: The largest batch (bytes of x and y) that the loop assembles in its own thread.
@@ -74,10 +84,16 @@ class ArrayDataset(Source):
         ``b = batch_size / process_count``, so the parts of all processes, in process order,
         are exactly the single-process batch."""
         local = batch_size // process_count
+        parts = (self.x, self.y, self.sample_weight)
+        plain = all(t is None or isinstance(t, np.ndarray) for t in parts)  # no tree to walk
         for rows in batch_rows(
             self.num_examples, batch_size, shuffle, seed, epoch, start, process_index, process_count
         ):
-            x, y, w = (None if t is None else take(t, rows) for t in (self.x, self.y, self.sample_weight))
+            if plain:  # single arrays: gathered without a tree walk; a full batch needs no padding
+                x, y, w = (None if t is None else np.asarray(t[rows]) for t in parts)
+                yield full_batch(x, y, w) if len(x) == local else pad_batch(x, y, w, local)
+                continue
+            x, y, w = (None if t is None else take(t, rows) for t in parts)
             yield pad_batch(x, y, w, local)
 
 

@@ -147,6 +147,22 @@ def pad_batch(x, y, w, batch_size: int, *, copy: bool = False) -> Batch:
     return batch
 
 
+def full_batch(x: np.ndarray, y: np.ndarray | None, w: np.ndarray | None) -> Batch:
+    """:func:`pad_batch` of a batch that needs no padding, of single arrays (the per-step path
+    of in-memory data: no tree walk).
+
+    >>> sorted(full_batch(np.zeros((4, 2)), np.zeros(4), None))
+    ['mask', 'x', 'y']
+    """
+    batch: Batch = {"x": x}
+    if y is not None:
+        batch["y"] = y
+    if w is not None:
+        batch["sample_weight"] = np.asarray(w, np.float32)
+    batch["mask"] = _full_mask(len(x))
+    return batch
+
+
 @functools.cache
 def _full_mask(rows: int) -> np.ndarray:
     """The mask of a full batch, built once per size (read-only: every batch shares it)."""
