@@ -139,7 +139,6 @@ class Setup:
         self._totals: dict[str, EpochTotals] = {}  # host zeros of the totals each kind of step carries
         self._outputs: PyTree = None  # the model's output shapes, once traced
         self._initialise_under: Strategy | None = None  # a remembered "auto" pick's way to build the state
-        self._warned_probabilities = False
 
     @property
     def log_order(self) -> tuple[str, ...]:
