@@ -25,6 +25,7 @@ import optax  # noqa: E402
 from models import TransformerLM, count_params, token_batches  # noqa: E402
 
 import trainkit as tk  # noqa: E402
+from trainkit.core.totals import pack  # noqa: E402
 
 # name: (remat, grad_accum_steps)
 SETTINGS = {
@@ -58,7 +59,7 @@ def main():
         )
         state = trainer.init(x[: args.batch])
         host = {"x": x[: args.batch], "y": y[: args.batch], "mask": np.ones(args.batch, np.float32)}
-        totals = trainer.setup.empty_totals("train", host)  # the metric totals the step carries
+        totals = pack(trainer.setup.empty_totals("train", host))  # the metric totals the step carries
         compiled = trainer.function("train").lower(state, totals, trainer.strategy.put_batch(host)).compile()
         memory[name] = compiled.memory_analysis()
         trainers[name] = trainer

@@ -35,10 +35,11 @@ from clu.metrics import LastValue
 
 from trainkit.core.optimizers import learning_rate
 from trainkit.core.state import Batch, TrainState
-from trainkit.core.totals import EpochTotals, LossAverage, MetricFn, WeightedAverage, batch_state
+from trainkit.core.totals import EpochTotals, LossAverage, MetricFn, PackedTotals, WeightedAverage, batch_state, pack
 
 LossFn = Callable[..., tuple[jax.Array, tuple[Any, Any]]]
 Metrics = dict[str, WeightedAverage]
+Totals = EpochTotals | PackedTotals
 
 
 def _row_weights(batch: Batch) -> jax.Array:
@@ -245,16 +246,25 @@ def with_totals(step: Callable, *, trains: bool = True) -> Callable:
     """
     if not trains:
 
-        def eval_step(state: TrainState, totals: EpochTotals, batch: Batch) -> EpochTotals:
-            return totals.add(step(state, batch))
+        def eval_step(state: TrainState, totals: Totals, batch: Batch) -> Totals:
+            return _merged(totals, step(state, batch))
 
         return eval_step
 
-    def train_step(state: TrainState, totals: EpochTotals, batch: Batch) -> tuple[TrainState, EpochTotals]:
+    def train_step(state: TrainState, totals: Totals, batch: Batch) -> tuple[TrainState, Totals]:
         state, metrics = step(state, batch)
-        return state, totals.add(metrics)
+        return state, _merged(totals, metrics)
 
     return train_step
+
+
+def _merged(totals: Totals, metrics: Metrics) -> Totals:
+    """``totals`` with one step's metrics added, in the form it came in: the loop passes
+    :class:`~trainkit.core.totals.PackedTotals` (fewer buffers per call), a direct caller may
+    pass :class:`~trainkit.core.totals.EpochTotals`."""
+    if isinstance(totals, PackedTotals):
+        return pack(totals.unpack().add(metrics))
+    return totals.add(metrics)
 
 
 def make_multi_step(

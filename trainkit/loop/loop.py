@@ -40,7 +40,7 @@ from trainkit import distributed
 from trainkit.core import totals as metrics_lib
 from trainkit.core.state import abstract
 from trainkit.core.step import batches_at
-from trainkit.core.totals import SKIPPED_WARNING, EpochTotals
+from trainkit.core.totals import SKIPPED_WARNING, EpochTotals, PackedTotals, pack
 from trainkit.data.prefetch import Prefetcher
 from trainkit.data.spans import executions, room_until
 from trainkit.distributed.watchdog import StallWatchdog
@@ -127,14 +127,15 @@ def in_order(dispatched: Iterator, lag: int) -> Iterator:
     yield from pending
 
 
-def host_metrics(metrics: PyTree) -> PyTree:
-    """Device metric totals -> host float64 (gathered across processes when needed). On one
-    process each leaf is read directly, where ``jax.device_get``'s overhead would be a fifth of
-    a small model's step."""
+def host_metrics(totals: PackedTotals) -> EpochTotals:
+    """Device totals (packed) -> host float64 totals (gathered across processes when needed). On
+    one process each array is read directly, where ``jax.device_get``'s overhead would be a fifth
+    of a small model's step."""
     if jax.process_count() > 1:
-        return jax.tree.map(np.float64, distributed.fetch(metrics))
-    leaves, treedef = jax.tree.flatten(metrics)
-    return treedef.unflatten([np.asarray(leaf, np.float64) for leaf in leaves])
+        host = distributed.fetch(totals)
+    else:
+        host = totals.replace(arrays=tuple(np.asarray(a) for a in totals.arrays))
+    return jax.tree.map(np.float64, host.unpack())
 
 
 def process_slice() -> dict:
@@ -173,7 +174,7 @@ class Loop:
         self.validation_logs: dict[str, float] = {}  # the latest one's
         self.interval_validation: tuple[Validation, int] | None = None  # (validation, every N steps) of this fit
         self.logged_names: tuple[str, ...] | None = None  # what this fit's epoch logs hold (set before on_train_begin)
-        self._carry: EpochTotals | None = None  # the totals the last batch-end hook was given
+        self._carry: PackedTotals | None = None  # the totals the last batch-end hook was given
         self._epoch_start = (0, 0)  # the step and batch this epoch's totals count from
 
     # ------------------------------------------------------------------ explicit requests
@@ -371,7 +372,7 @@ class Loop:
                 placed, fused, steps, data_state = upcoming  # a Span of placed batches
                 if totals is None:
                     empty = session.empty_totals("train", first_host)
-                    totals = session.strategy.put_replicated(empty.continuing(self.skipped_in_a_row))
+                    totals = session.strategy.put_replicated(pack(empty.continuing(self.skipped_in_a_row)))
                 done = self.position.step
                 record = StepRecord(done + steps, epoch, self.position.batch + steps - 1, steps)
                 if batch_begin.active:
@@ -405,11 +406,11 @@ class Loop:
         ran, last = 0, None
         lag = self.max_in_flight if callbacks.async_train else 0
         for record, carry in in_order(dispatch(), lag):
-            carry.steps.block_until_ready()  # at most `lag` executions queued behind this one
+            carry.block_until_ready()  # at most `lag` executions queued behind this one
             ran, last = ran + record.steps, carry
             if batch_end.active:
                 self.record, self._carry = record, carry
-                batch_end(record.batch, lambda carry=carry: metrics_lib.compute(host_metrics(carry.metrics), order))
+                batch_end(record.batch, lambda carry=carry: metrics_lib.compute(host_metrics(carry).metrics, order))
         if last is None:
             return 0, {}
         host = host_metrics(last)
@@ -433,7 +434,7 @@ class Loop:
         session = self.session
         session.state, totals = train_fn(session.state, totals, batch)
         back = time.perf_counter()
-        totals.steps.block_until_ready()
+        totals.block_until_ready()
         ready = time.perf_counter()
         if self._last_ready is not None:
             tuner.record(host=back - self._last_ready, device=ready - back)
@@ -530,7 +531,7 @@ class Loop:
                         results = [fn(state, strategy.put_batch(host)) for host in span]
                     else:
                         if totals is None:
-                            totals = strategy.put_replicated(session.empty_totals("eval", span[0]))
+                            totals = strategy.put_replicated(pack(session.empty_totals("eval", span[0])))
                         for host in span:
                             totals = fn(state, totals, strategy.put_batch(host))
                         results = totals
@@ -545,10 +546,10 @@ class Loop:
         callbacks.on_test_begin()
         order, totals, batch_end = self.session.log_order, None, callbacks.on_test_batch_end
         for _, last, _, totals in self._inference("test", dataset, batch_size, steps, callbacks):
-            totals.steps.block_until_ready()  # a bounded queue of dispatched batches
+            totals.block_until_ready()  # a bounded queue of dispatched batches
             if batch_end.active:
-                batch_end(last, lambda totals=totals: metrics_lib.compute(host_metrics(totals.metrics), order))
-        logs = {} if totals is None else metrics_lib.compute(host_metrics(totals.metrics), order)
+                batch_end(last, lambda totals=totals: metrics_lib.compute(host_metrics(totals).metrics, order))
+        logs = {} if totals is None else metrics_lib.compute(host_metrics(totals).metrics, order)
         callbacks.on_test_end(logs)
         return logs
 

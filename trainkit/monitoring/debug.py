@@ -21,6 +21,7 @@ from rich.console import Console
 from rich.table import Table
 
 from trainkit.core.state import TrainState, abstract
+from trainkit.core.totals import pack
 from trainkit.core.tree import leaf_name
 
 PyTree = Any
@@ -140,7 +141,7 @@ def lower_train_step(trainer: Any, batch: Any = None) -> jax.stages.Lowered:
         raise TypeError(
             f"{type(trainer.strategy).__name__}.compile('train', ...) returned a function without .lower()."
         )
-    return function.lower(abstract(trainer.state), trainer.setup.empty_totals("train"), batch)
+    return function.lower(abstract(trainer.state), pack(trainer.setup.empty_totals("train")), batch)
 
 
 def step_flops(trainer: Any, batch: Any = None) -> float | None:

@@ -33,7 +33,7 @@ from trainkit.core.precision import Precision, cast_floating
 from trainkit.core.remat import wrap_remat
 from trainkit.core.state import Batch, TrainState
 from trainkit.core.step import make_eval_step, make_multi_step, make_predict_step, make_train_step, with_totals
-from trainkit.core.totals import EpochTotals
+from trainkit.core.totals import EpochTotals, pack
 from trainkit.program import plan as plan_lib
 from trainkit.strategies import Strategy
 
@@ -190,7 +190,7 @@ class Program:
             host_batch,
             candidates,
             abstract_state=abstract_state,
-            totals=self.empty_totals(kind, abstract_state, host_batch) if trains else None,
+            totals=pack(self.empty_totals(kind, abstract_state, host_batch)) if trains else None,
             compile_step=lambda strategy, abstract: self.compile(kind, strategy, abstract),
             create_state=lambda strategy: strategy.create_state(self.init_state, variables, first_row),
             micro_batches=self.grad_accum_steps if trains else 1,
