@@ -44,7 +44,7 @@ class Strategy:
       ``steps_per_execution``, with ``put_batches(host_batches)``), ``"eval"``
       (``fn(state, totals, batch) -> totals``) and ``"predict"`` (``fn(state, batch)``, one
       output row per example). ``totals`` is the epoch's metric totals
-      (:class:`trainkit.core.totals.EpochTotals`, small, replicated, not donated). By default
+      (:class:`trainkit.core.totals.PackedTotals`, small, replicated, not donated). By default
       it calls the hooks ``compile_train``, ``compile_train_steps``, ``compile_eval`` and
       ``compile_predict``; override either.
     - ``fetch_rows(tree)``: per-row device outputs -> host NumPy ``(global_batch, ...)``.
