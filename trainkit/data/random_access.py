@@ -69,10 +69,11 @@ def _dead_workers(processes: Any) -> str:
 
     ended = []
     for process in processes:
-        deadline = time.monotonic() + 2.0  # a killed worker may not be reaped yet, or the executor's
-        process.join(2.0 if process.exitcode is None else 0)  # thread reaps it: our wait then returns
-        while process.exitcode is None and time.monotonic() < deadline:  # at once, its status not yet stored
-            time.sleep(0.01)
+        # A killed worker may not be reaped yet. When the executor's thread reaps it first, join
+        # returns at once and its status appears a moment later: wait for it, 2 s at most.
+        deadline = time.monotonic() + 2.0
+        while process.exitcode is None and time.monotonic() < deadline:
+            process.join(0.01)
         code = process.exitcode
         if code is None and not process.is_alive():
             ended.append(f"pid {process.pid} ended")

@@ -16,7 +16,6 @@ The route through a SavedModel and tf2onnx cannot work: jax2tf's native serializ
 from __future__ import annotations
 
 import contextlib
-import functools
 import importlib.metadata
 import logging
 import os
@@ -25,7 +24,7 @@ from typing import Any
 
 import jax
 
-from trainkit.export.signature import leaf_names
+from trainkit.export.signature import leaf_names, output_names
 
 PyTree = Any
 
@@ -58,8 +57,7 @@ def save(path: str | os.PathLike, function: Callable, variables: PyTree, inputs:
         return jax.tree.leaves(function(variables, jax.tree.unflatten(treedef, list(xs))))
 
     traced = jax.make_jaxpr(flat)(*leaves)  # the variables become the jaxpr's constants
-    outputs = jax.eval_shape(functools.partial(function, variables), inputs)
-    in_names, out_names = leaf_names(inputs, "input"), leaf_names(outputs, "output")
+    in_names, out_names = leaf_names(inputs, "input"), output_names(function, variables, inputs)
     names = {"input_names": in_names, "output_names": out_names}
     try:
         with _quiet(_CHATTY):

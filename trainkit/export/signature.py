@@ -9,6 +9,7 @@ leaves of the inputs and outputs (a single array, a tuple, a list or a dict of t
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -26,6 +27,12 @@ def symbolic_inputs(spec: PyTree) -> PyTree:
     with one symbolic batch dimension shared by all of them."""
     (batch,) = jax.export.symbolic_shape(BATCH)
     return abstract_inputs(spec, batch)
+
+
+def output_names(function: Callable, variables: PyTree, inputs: PyTree) -> list[str]:
+    """:func:`leaf_names` of the outputs of ``function(variables, x)`` for the symbolic ``inputs``
+    (traced, never run)."""
+    return leaf_names(jax.eval_shape(lambda x: function(variables, x), inputs), "output")
 
 
 def leaf_names(tree: PyTree, prefix: str) -> list[str]:

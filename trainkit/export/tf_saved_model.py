@@ -22,7 +22,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from trainkit.export.signature import leaf_names
+from trainkit.export.signature import leaf_names, output_names
 
 PyTree = Any
 
@@ -56,8 +56,7 @@ def save(
     module.serve = tf.function(lambda x: converted(module.weights, x), input_signature=[signature], autograph=False)
 
     in_names = leaf_names(inputs, "input")
-    outputs = jax.eval_shape(lambda x: function(variables, x), inputs)
-    out_names = leaf_names(outputs, "output")
+    out_names = output_names(function, variables, inputs)
     flat_signature = [tf.TensorSpec(s.shape, s.dtype, name=n) for s, n in zip(jax.tree.leaves(signature), in_names)]
 
     def serving_default(*flat):  # TF Serving: named tensors in, a dict of named tensors out

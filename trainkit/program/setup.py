@@ -468,10 +468,7 @@ class Setup:
         trains = prepared.has_targets or self.custom_loss
         if prepared.has_targets:
             self.objective.build(prepared.first_y)
-        if self.strategy is not None:
-            candidates = [self.strategy]
-        else:
-            candidates = self.auto.candidates or plan_lib.default_candidates()
+        candidates = [self.strategy] if self.strategy is not None else self.auto_candidates()
         unit = math.lcm(*(c.num_batch_shards for c in candidates)) * self.program.grad_accum_steps
         sizes = batch_size_lib.candidate_sizes(unit, int(max_batch_size), powers_of_two)
 
@@ -514,12 +511,16 @@ class Setup:
         if announce and distributed.is_main_process():
             print(f"strategy='auto' {result.reason()}")
 
+    def auto_candidates(self) -> list[Strategy]:
+        """The strategies ``"auto"`` chooses from: its own, or the default ones of all devices."""
+        return self.auto.candidates if self.auto.candidates is not None else plan_lib.default_candidates()
+
     def remembered_pick(self, prepared: data_lib.Prepared) -> tuple[str, Strategy | None, Strategy | None]:
         """The key of this setup's ``"auto"`` decision, the candidate an earlier run picked for it
         (``None``: none remembered, or not by every process alike) and the one whose
         initialisation built that run's state (``None``: the pick's own)."""
         program, auto = self.program, self.auto
-        candidates = auto.candidates if auto.candidates is not None else plan_lib.default_candidates()
+        candidates = self.auto_candidates()
         devices = candidates[0].devices
         facts = {
             "state": tree.signature(program.abstract_state(prepared.first_x)),
