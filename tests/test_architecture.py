@@ -26,10 +26,11 @@ ALLOWED = {
     "launch": {"distributed"},
     "plot": {"monitoring"},
     "version": set(),
+    "tuning_and_export": {"core", "data", "distributed", "export", "callbacks", "program", "strategies"},  # the facade
 }
 #: modules that may import every package: the facade and the public namespace
 EVERYTHING = {"trainer", "__init__"}
-FACADE_LIMIT = 410  # lines of trainer.py: a facade, Keras signatures in, delegation out (350 before #26)
+FACADE_LIMIT = 350  # lines of trainer.py: a facade, Keras signatures in, delegation out
 TOP_LEVEL_LIMIT = 6  # .py files directly in trainkit/, __init__ included
 PROBE_LIMIT = 40  # getattr / hasattr calls, each on a third-party object (a user's callable, a JAX or torch type)
 

@@ -23,10 +23,8 @@ import optax
 from rich.console import Console
 
 from trainkit import checkpoint as checkpoint_lib
-from trainkit import data as data_lib
 from trainkit import distributed
-from trainkit import export as export_lib
-from trainkit.callbacks import Callback, CallbackList, History, lr_finder
+from trainkit.callbacks import Callback, CallbackList, History
 from trainkit.core.delegation import Delegated
 from trainkit.core.model import adapt_model
 from trainkit.core.precision import Precision, get_precision
@@ -38,13 +36,13 @@ from trainkit.monitoring import debug
 from trainkit.monitoring import summary as summary_lib
 from trainkit.objective import Objective, losses
 from trainkit.program import plan as plan_lib
-from trainkit.program.batch_size import BatchSizeSearch
 from trainkit.program.program import Program
 from trainkit.program.setup import Setup, check_trainer_arguments
 from trainkit.strategies import Auto, Strategy
+from trainkit.tuning_and_export import TuningAndExport
 
 
-class Trainer:
+class Trainer(TuningAndExport):
     """Trains a Flax module with a loss and an optax optimizer on any strategy.
 
     Args:
@@ -186,13 +184,6 @@ class Trainer:
         """Keras's ``summary()``: modules, output shapes, parameters, step FLOPs; a ``sample`` initialises first."""
         (console or Console()).print(summary_lib.summary_view(self, *self.setup.summary_inputs(sample)))
 
-    def export(self, filepath: str | os.PathLike, format: str = "jax", verbose: bool = True, **options) -> None:
-        """Keras 3's ``model.export``: ``predict``'s function (eval mode, the precision policy) with a
-        symbolic batch axis, as ``"jax"`` (:func:`trainkit.export.load`), ``"tf_saved_model"`` or
-        ``"onnx"``; ``platforms=[...]`` / ``opset=`` go to the format (docs/export.md)."""
-        export_lib.check_format(format)  # before anything is fetched or traced
-        export_lib.write(filepath, *self.setup.inference(), format, verbose=verbose, **options)
-
     def get_weights(self) -> PyTree:
         """Host copies of all variables: ``{"params": ..., **model_state}``."""
         return self.setup.weights()
@@ -244,62 +235,6 @@ class Trainer:
     def compiled_text(self, sample_batch: Any = None) -> str:
         """The train step as partitioned HLO, with the collectives the compiler inserted."""
         return debug.lower_train_step(self, self.setup.placed_sample(sample_batch)).compile().as_text()
-
-    def plan(
-        self,
-        sample_batch: Any,
-        *,
-        batch_size: int | None = None,
-        candidates: Sequence[Strategy] | None = None,
-        measure: bool = False,
-        memory_limit: int | None = None,
-        steps: int = plan_lib.MEASURE_STEPS,
-        verbose: int = 1,
-    ) -> plan_lib.MemoryPlan:
-        """The real train step (predict step without targets) compiled under each candidate:
-        per-device bytes, flops, collective bytes, estimated (or ``measure``d) step time, for
-        ``batch_size`` (default: an array's rows, 32 rows of a source, an iterable's batch);
-        the recommended row is ``"auto"``'s pick (docs/strategies.md)."""
-        prepared = data_lib.prepare(sample_batch, batch_size=batch_size, default_batch_size=None)
-        options = {"measure": measure, "memory_limit": memory_limit, "steps": steps}
-        return self.setup.plan(prepared, candidates, verbose=verbose, **options)
-
-    def find_batch_size(
-        self,
-        x: Any,
-        y: PyTree = None,
-        *,
-        max_batch_size: int = 2**16,
-        memory_limit: int | None = None,
-        powers_of_two: bool = True,
-        verbose: int = 1,
-    ) -> BatchSizeSearch:
-        """The largest global batch (a multiple of what the strategy splits; powers of two) whose
-        compiled train step fits ``memory_limit`` (default: the device's) less the plan's
-        headroom; found by compiling, never by an OOM; the same on every process (docs/tuning.md)."""
-        result = self.setup.find_batch_size(
-            x, y, max_batch_size=max_batch_size, memory_limit=memory_limit, powers_of_two=powers_of_two
-        )
-        if verbose and distributed.is_main_process():
-            print(f"find_batch_size: {result}")
-        return result
-
-    def find_learning_rate(
-        self,
-        x: Any,
-        y: PyTree = None,
-        *,
-        batch_size: int | None,
-        min_lr: float = 1e-7,
-        max_lr: float = 1.0,
-        steps: int = 100,
-        early_stop_threshold: float | None = lr_finder.EARLY_STOP_THRESHOLD,
-    ) -> lr_finder.LearningRateSearch:
-        """Lightning's range test: ``steps`` batches at rates rising from ``min_lr`` to ``max_lr``;
-        returns ``lrs``, smoothed ``losses``, the ``suggestion`` (steepest descent) and ``plot(path)``.
-        The state, optimizer state and step count are restored exactly (docs/tuning.md)."""
-        options = {"min_lr": min_lr, "max_lr": max_lr, "steps": steps, "early_stop_threshold": early_stop_threshold}
-        return lr_finder.find_learning_rate(self, x, y, batch_size=batch_size, **options)
 
     def fit(
         self,
