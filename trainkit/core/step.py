@@ -24,12 +24,14 @@ gradient is exactly the single-device gradient.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Mapping
 from functools import partial
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from clu.metrics import LastValue
 
@@ -40,6 +42,20 @@ from trainkit.core.totals import EpochTotals, LossAverage, MetricFn, PackedTotal
 LossFn = Callable[..., tuple[jax.Array, tuple[Any, Any]]]
 Metrics = dict[str, WeightedAverage]
 Totals = EpochTotals | PackedTotals
+
+
+@functools.cache
+def full_mask(rows: int) -> np.ndarray:
+    """The ``mask`` of a batch of ``rows`` real rows, built once per size and shared by every
+    such batch (read-only), so that a strategy may keep one device copy of it instead of
+    sending it with every step.
+
+    >>> full_mask(3), full_mask(3) is full_mask(3)
+    (array([1., 1., 1.], dtype=float32), True)
+    """
+    mask = np.ones(rows, np.float32)
+    mask.setflags(write=False)
+    return mask
 
 
 def _row_weights(batch: Batch) -> jax.Array:

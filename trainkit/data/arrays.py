@@ -90,7 +90,9 @@ class ArrayDataset(Source):
             self.num_examples, batch_size, shuffle, seed, epoch, start, process_index, process_count
         ):
             if plain:  # single arrays: gathered without a tree walk; a full batch needs no padding
-                x, y, w = (None if t is None else np.asarray(t[rows]) for t in parts)
+                x = self.x[rows]
+                y = None if self.y is None else self.y[rows]
+                w = None if self.sample_weight is None else self.sample_weight[rows]
                 yield full_batch(x, y, w) if len(x) == local else pad_batch(x, y, w, local)
                 continue
             x, y, w = (None if t is None else take(t, rows) for t in parts)

@@ -11,12 +11,13 @@ Every batch has the same static shape. The last partial batch is padded with zer
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Iterator
 from typing import Any
 
 import jax
 import numpy as np
+
+from trainkit.core.step import full_mask
 
 PyTree = Any
 Batch = dict[str, Any]
@@ -143,7 +144,7 @@ def pad_batch(x, y, w, batch_size: int, *, copy: bool = False) -> Batch:
         batch["y"] = _map(padded, y)
     if w is not None:
         batch["sample_weight"] = padded(np.asarray(w, np.float32))
-    batch["mask"] = _full_mask(batch_size) if pad == 0 else np.concatenate([_full_mask(n), np.zeros(pad, np.float32)])
+    batch["mask"] = full_mask(batch_size) if pad == 0 else np.concatenate([full_mask(n), np.zeros(pad, np.float32)])
     return batch
 
 
@@ -159,16 +160,8 @@ def full_batch(x: np.ndarray, y: np.ndarray | None, w: np.ndarray | None) -> Bat
         batch["y"] = y
     if w is not None:
         batch["sample_weight"] = np.asarray(w, np.float32)
-    batch["mask"] = _full_mask(len(x))
+    batch["mask"] = full_mask(len(x))
     return batch
-
-
-@functools.cache
-def _full_mask(rows: int) -> np.ndarray:
-    """The mask of a full batch, built once per size (read-only: every batch shares it)."""
-    mask = np.ones(rows, np.float32)
-    mask.setflags(write=False)
-    return mask
 
 
 def check_shuffle(shuffle: Any) -> None:

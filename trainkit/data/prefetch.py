@@ -77,8 +77,9 @@ class Prefetcher:
         except BaseException as error:  # noqa: BLE001 - handed to the consumer, raised there
             self._put(_Raised(error))
 
-    def __iter__(self) -> Prefetcher:
-        return self
+    def __iter__(self) -> Iterator:
+        """The items: with ``depth=0`` the iterator itself (nothing between the caller and it)."""
+        return self if self._thread is not None else self.iterator
 
     def __next__(self) -> Any:
         if self._thread is None:

@@ -57,7 +57,14 @@ def executions(
     read, current = 0, size if callable(size) else (lambda: size)
     while True:
         size = current()  # steps_per_execution="auto" may change it between spans
-        want = 1 if size == 1 else max(1, min(size, room(read)))  # one batch per call: nothing to cut
+        if size == 1:  # one batch per call: nothing to group or cut
+            pair = next(pairs, None)
+            if pair is None:
+                return
+            read += 1
+            yield Span([pair[0]], False, 1, pair[1])
+            continue
+        want = max(1, min(size, room(read)))
         group: list = []
         try:
             group.extend(itertools.islice(pairs, want))

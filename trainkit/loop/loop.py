@@ -315,8 +315,10 @@ class Loop:
     def _train_reader(self, dataset: data_lib.Source, batches: Iterator, max_steps: int | None) -> Prefetcher:
         """The epoch's :class:`~trainkit.data.spans.Span` s, assembled ahead like :meth:`_reader`'s
         batches; the data position is read in the same thread, right after each batch."""
-        get_state = dataset.get_state if dataset.checkpointable else lambda: None
-        pairs = ((batch, get_state()) for batch in batches)
+        if dataset.checkpointable:
+            pairs = ((batch, dataset.get_state()) for batch in batches)
+        else:
+            pairs = zip(batches, itertools.repeat(None))
         every = self.interval_validation[1] if self.interval_validation else None
         size = lambda: self.session.steps_per_execution  # noqa: E731 - "auto" may change it mid-epoch
         spans = executions(pairs, size, room_until(self.position.step, max_steps, every))

@@ -23,6 +23,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from trainkit import distributed
+from trainkit.core.step import full_mask
 from trainkit.strategies import _sharding
 from trainkit.strategies.base import Strategy, make_mesh
 
@@ -150,7 +151,22 @@ class ShardedStrategy(Strategy):
         return host_batch
 
     def put_batch(self, host_batch: PyTree) -> PyTree:
+        mask = host_batch.get("mask") if isinstance(host_batch, dict) else None
+        if isinstance(mask, np.ndarray) and jax.process_count() == 1:
+            return {**host_batch, "mask": self._placed_mask(mask)}
         return self._put(host_batch, self.batch_sharding)
+
+    def _placed_mask(self, mask: np.ndarray) -> jax.Array:
+        """A batch's mask on the devices; a full batch's (the shared ``full_mask``) placed once.
+        Sending it with every step cost a dispatch-bound step (MLP 32-64-10, batch 32, one CPU
+        device) about 6 us of its 60. Every mask is placed, the padded ones too: JAX compiles a
+        step again for an argument that arrives placed instead of as NumPy."""
+        if mask is not full_mask(len(mask)):
+            return jax.device_put(mask, self.batch_sharding)
+        placed = self.__dict__.setdefault("_full_masks", {})
+        if len(mask) not in placed:
+            placed[len(mask)] = jax.device_put(mask, self.batch_sharding)
+        return placed[len(mask)]
 
     def put_batches(self, host_batches: PyTree) -> PyTree:
         return self._put(host_batches, self.stacked_batch_sharding)
