@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import logging
 import math
 import os
 import re
@@ -31,6 +32,8 @@ from rich.table import Table
 from trainkit import distributed
 from trainkit.data import check_batch_size
 from trainkit.strategies import FSDP, DataParallel, Hybrid, SingleDevice, Strategy
+
+logger = logging.getLogger("trainkit")
 
 #: Timed steps per candidate when measuring (after one warm-up step); the fastest counts.
 MEASURE_STEPS = 3
@@ -292,6 +295,7 @@ def make_plan(
     *,
     memory_limit: int | None = None,
     measure: Callable[[Strategy, Any], float] | None = None,
+    alongside: Callable[[], Any] | None = None,
 ) -> MemoryPlan:
     """Compiles ``lower(strategy)`` (a ``jax.stages.Lowered`` and the jitted step it came from,
     kept as the row's ``function``) for each candidate and picks one.
@@ -300,12 +304,15 @@ def make_plan(
     split, or ``jax.pmap``'s lowering of abstract arguments, which fails across processes); the
     row then carries the message and the candidate is not chosen.
     ``measure(strategy, compiled)`` returns seconds per step, for the candidates that fit.
+    ``alongside()`` runs in a worker thread beside the compiles (the compile of the state's
+    initialisation that measuring needs).
     """
     rows = [PlanRow(strategy, short_name(strategy)) for strategy in candidates]
     compiling = {}
     # XLA compiles without the GIL: each candidate compiles in a thread while the next one is
     # traced and lowered (tracing is Python, so it stays on this thread).
     with concurrent.futures.ThreadPoolExecutor(max(1, min(len(rows), os.cpu_count() or 1))) as pool:
+        side = None if alongside is None else pool.submit(alongside)
         for row in rows:
             try:
                 lowered, row.function = lower(row.strategy)
@@ -320,6 +327,8 @@ def make_plan(
                     analyse(row, compiling[id(row)].result())
                 except Exception as error:  # noqa: BLE001
                     row.error = _failure(error)
+        if side is not None and side.exception() is not None:  # a warm-up: what needs it fails clearly itself
+            logger.debug("the plan's side compile failed: %s", side.exception())
     limit = int(memory_limit) if memory_limit is not None else device_memory_limit(candidates[0].devices)
     for row in rows:
         row.fits = row.error is None and row.total_bytes <= HEADROOM * limit
@@ -376,6 +385,7 @@ def plan_step(
     abstract_state: Any,
     compile_step: Callable[[Strategy, Any], Callable],
     create_state: Callable[[Strategy], Any],
+    precompile_state: Callable[[Strategy], None] | None = None,
     micro_batches: int = 1,
     trains: bool = True,
     totals: Any = None,
@@ -389,18 +399,24 @@ def plan_step(
     batch) -> (state, totals)`` when ``trains``, with ``totals`` the host zeros of the metric
     totals it carries, else ``(state, batch) -> outputs``); the abstract state
     carries each candidate's shardings, so nothing is allocated unless ``measure``, which builds
-    one state with ``create_state`` and copies it into each candidate's shardings. Each row
-    keeps its jitted step as ``row.function``.
+    one state with ``create_state`` (under the first candidate whose state alone fits; its
+    initialisation compiled beside the steps by ``precompile_state``) and copies it into each
+    candidate's shardings. Each row keeps its jitted step as ``row.function``.
     """
     limit = int(memory_limit) if memory_limit is not None else device_memory_limit(candidates[0].devices)
+
+    def floor(strategy: Strategy) -> int:
+        return state_bytes_per_device(abstract_state, strategy.state_sharding(abstract_state))
+
+    initialiser = next((c for c in candidates if measure and floor(c) <= HEADROOM * limit), None)
 
     def lower(strategy: Strategy):
         check_batch_size(len(host_batch["mask"]), strategy.num_batch_shards, micro_batches=micro_batches)
         shardings = strategy.state_sharding(abstract_state)
-        floor = state_bytes_per_device(abstract_state, shardings)
-        if floor > HEADROOM * limit:  # the state alone cannot fit: not worth a compile
+        needed = floor(strategy)
+        if needed > HEADROOM * limit:  # the state alone cannot fit: not worth a compile
             raise ValueError(
-                f"skipped without compiling: the state alone needs {gib(floor)} per device, above "
+                f"skipped without compiling: the state alone needs {gib(needed)} per device, above "
                 f"{HEADROOM:.0%} of the {gib(limit)} limit"
             )
         abstract = jax.tree.map(
@@ -422,7 +438,8 @@ def plan_step(
 
     def the_host_state(strategy: Strategy):
         if not host_state:
-            host_state.append((distributed.fetch(create_state(strategy)), strategy))
+            under = initialiser or strategy
+            host_state.append((distributed.fetch(create_state(under)), under))
         return host_state[0][0]
 
     def run(strategy: Strategy, compiled) -> float:
@@ -430,7 +447,12 @@ def plan_step(
         batch = strategy.put_batch(strategy.local_rows(host_batch))
         return time_steps(compiled, state, batch, steps, strategy.put_replicated(totals) if trains else None)
 
-    result = make_plan(candidates, lower, memory_limit=memory_limit, measure=run if measure else None)
+    alongside = None
+    if initialiser is not None and precompile_state is not None:
+        alongside = lambda: precompile_state(initialiser)  # noqa: E731
+    result = make_plan(
+        candidates, lower, memory_limit=memory_limit, measure=run if measure else None, alongside=alongside
+    )
     state, under = host_state[0] if host_state else (None, None)
     return dataclasses.replace(result, initial_state=state, initialised_under=under)
 

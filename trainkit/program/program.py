@@ -186,13 +186,16 @@ class Program:
         candidates = candidates if candidates is not None else plan_lib.default_candidates()
         candidates = [self.annotated(strategy, first_row) for strategy in candidates]
         abstract_state = self.abstract_state(first_row, variables)
+        init_state = self.init_state
         return plan_lib.plan_step(
             host_batch,
             candidates,
             abstract_state=abstract_state,
             totals=pack(self.empty_totals(kind, abstract_state, host_batch)) if trains else None,
             compile_step=lambda strategy, abstract: self.compile(kind, strategy, abstract),
-            create_state=lambda strategy: strategy.create_state(self.init_state, variables, first_row),
+            # one init_fn object for both, so that the second finds the first's executable
+            create_state=lambda strategy: strategy.create_state(init_state, variables, first_row),
+            precompile_state=lambda strategy: strategy.precompile_state(init_state, variables, first_row),
             micro_batches=self.grad_accum_steps if trains else 1,
             trains=trains,
             **options,

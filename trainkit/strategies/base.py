@@ -84,8 +84,17 @@ class Strategy:
     def create_state(self, init_fn: Callable[..., PyTree], *args: PyTree) -> PyTree:
         """Runs ``init_fn(*args)`` compiled with the state's shardings as its outputs, so the
         state is never whole on one device first."""
+        return self._state_function(init_fn, *args)(*args)
+
+    def precompile_state(self, init_fn: Callable[..., PyTree], *args: PyTree) -> None:
+        """Compiles what ``create_state(init_fn, *args)`` runs, without running it: JAX keeps
+        the executable, so a later ``create_state`` with the same ``init_fn`` object does not
+        compile. ``"auto"`` calls it in a thread while it compiles the candidates' steps."""
+        self._state_function(init_fn, *args).lower(*args).compile()
+
+    def _state_function(self, init_fn: Callable[..., PyTree], *args: PyTree) -> Callable:
         abstract = jax.eval_shape(init_fn, *args)
-        return jax.jit(init_fn, out_shardings=self.state_sharding(abstract))(*args)
+        return jax.jit(init_fn, out_shardings=self.state_sharding(abstract))
 
     def put_state(self, state: PyTree) -> PyTree:
         """Places a (host or device) state into this strategy's shardings."""
