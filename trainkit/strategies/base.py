@@ -51,7 +51,8 @@ class Strategy:
 
     Configured at construction; ``with_annotations(param_axes)`` returns a new strategy that
     places annotated parameters by its ``logical_rules``. Shared, rarely overridden:
-    ``create_state`` (the state built directly in its shardings), ``put_state``, ``put_like``
+    ``create_state`` (the state built directly in its shardings; ``precompile_state`` compiles
+    it without running, for ``"auto"`` to do beside other compiles), ``put_state``, ``put_like``
     (host values into the shardings of live arrays), ``local_rows`` (this process's rows of a
     global batch) and ``real_rows`` (the real rows of the global batch, from this process's
     mask).
