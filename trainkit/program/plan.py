@@ -413,7 +413,7 @@ def plan_step(
     def lower(strategy: Strategy):
         check_batch_size(len(host_batch["mask"]), strategy.num_batch_shards, micro_batches=micro_batches)
         shardings = strategy.state_sharding(abstract_state)
-        needed = floor(strategy)
+        needed = state_bytes_per_device(abstract_state, shardings)
         if needed > HEADROOM * limit:  # the state alone cannot fit: not worth a compile
             raise ValueError(
                 f"skipped without compiling: the state alone needs {gib(needed)} per device, above "

@@ -163,10 +163,14 @@ class ShardedStrategy(Strategy):
         step again for an argument that arrives placed instead of as NumPy."""
         if mask is not full_mask(len(mask)):
             return jax.device_put(mask, self.batch_sharding)
-        placed = self.__dict__.setdefault("_full_masks", {})
-        if len(mask) not in placed:
-            placed[len(mask)] = jax.device_put(mask, self.batch_sharding)
-        return placed[len(mask)]
+        if len(mask) not in self._full_masks:
+            self._full_masks[len(mask)] = jax.device_put(mask, self.batch_sharding)
+        return self._full_masks[len(mask)]
+
+    @functools.cached_property
+    def _full_masks(self) -> dict[int, jax.Array]:
+        """The placed full-batch masks, by rows."""
+        return {}
 
     def put_batches(self, host_batches: PyTree) -> PyTree:
         return self._put(host_batches, self.stacked_batch_sharding)
