@@ -151,7 +151,7 @@ def main(argv=None) -> int:
         run = trainer()
         stop = tk.callbacks.LambdaCallback(
             on_train_batch_end=lambda batch, logs=None: (
-                run.loop.preempt() if interrupt_at and run.global_step == interrupt_at else None
+                run.session.preempt() if interrupt_at and run.global_step == interrupt_at else None
             )
         )
         epoch = -(-rows // args.batch_size)

@@ -234,7 +234,7 @@ class Timer(tk.callbacks.Callback):
     async_safe = True
 
     def on_train_batch_end(self, batch, logs=None):
-        step = self.trainer.loop.record.step  # the step this (possibly late) hook is about
+        step = self.session.record.step  # the step this (possibly late) hook is about
         if not hasattr(self, "start"):
             self.start, self.first = time.perf_counter(), step
         self.steps, self.seconds = step - self.first, time.perf_counter() - self.start

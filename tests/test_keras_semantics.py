@@ -187,7 +187,7 @@ def test_async_safe_callbacks_let_the_loop_run_ahead(data):
             self.lag = []
 
         def on_train_batch_end(self, batch, logs=None):
-            self.lag.append(self.trainer.global_step - self.trainer.loop.record.step)
+            self.lag.append(self.trainer.global_step - self.session.record.step)
 
     ahead = Ahead()
     trainkit_twin(keras_model()).fit((x, y), epochs=2, batch_size=8, shuffle=False, verbose=0, callbacks=[ahead])

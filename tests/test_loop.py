@@ -30,10 +30,10 @@ class Records(Callback):
         self.begin, self.end = [], []
 
     def on_train_batch_begin(self, batch, logs=None):
-        self.begin.append(self.trainer.loop.record)
+        self.begin.append(self.session.record)
 
     def on_train_batch_end(self, batch, logs=None):
-        self.end.append((self.trainer.loop.record, self.trainer.loop.position))
+        self.end.append((self.session.record, self.session.position))
 
 
 def test_step_records_and_positions(xy):
@@ -57,7 +57,7 @@ def test_resume_at_is_an_explicit_request_from_on_train_begin(xy):
 
     class ResumeLater(Callback):
         def on_train_begin(self, logs=None):
-            self.trainer.loop.resume_at(tk.Position(epoch=1, batch=2, step=6))
+            self.session.resume_at(tk.Position(epoch=1, batch=2, step=6))
 
     records = Records()
     trainer = make_trainer()
@@ -80,7 +80,7 @@ def test_preempt_runs_on_train_end_then_raises_preempted(xy):
     class Preempt(Callback):
         def on_train_batch_end(self, batch, logs=None):
             if self.trainer.global_step == 3:
-                self.trainer.loop.preempt()
+                self.session.preempt()
 
         def on_train_end(self, logs=None):
             ended.append(self.trainer.global_step)
@@ -128,9 +128,9 @@ def test_stop_training_is_keras_flag_on_the_loop(xy):
     trainer = make_trainer()
     assert trainer.stop_training is False
     trainer.stop_training = True
-    assert trainer.loop.stop_requested
+    assert trainer.session.stop_requested
     trainer.stop_training = False
-    assert not trainer.loop.stop_requested
+    assert not trainer.session.stop_requested
 
 
 @pytest.mark.parametrize("first", ["predict", "evaluate", "init"])

@@ -83,7 +83,7 @@ class Spans(Callback):
         self.records = []
 
     def on_train_batch_end(self, batch, logs=None):
-        record = self.trainer.loop.record
+        record = self.session.record
         self.records.append((batch, record.first_batch, record.first_step, record.step))
 
 
@@ -126,7 +126,7 @@ class PreemptAt(Callback):
 
     def on_train_batch_end(self, batch, logs=None):
         if self.trainer.global_step >= self.step:
-            self.trainer.loop.preempt()
+            self.session.preempt()
 
 
 def test_a_fused_run_preempted_mid_epoch_resumes_with_single_steps_to_the_same_result(xy, tmp_path):

@@ -24,25 +24,29 @@ from rich.console import Console
 
 from trainkit import checkpoint as checkpoint_lib
 from trainkit import distributed
-from trainkit.callbacks import Callback, CallbackList, History
+from trainkit import export as export_lib
+from trainkit.callbacks import Callback, CallbackList, History, lr_finder
 from trainkit.core.delegation import Delegated
 from trainkit.core.model import adapt_model
 from trainkit.core.precision import Precision, get_precision
+from trainkit.core.session import Session
 from trainkit.core.state import Batch, TrainState
 from trainkit.core.totals import MetricFn
 from trainkit.core.tree import PyTree
-from trainkit.loop import FitConfig, Loop
+from trainkit.data import FitConfig
+from trainkit.loop import Loop
 from trainkit.monitoring import debug
 from trainkit.monitoring import summary as summary_lib
 from trainkit.objective import Objective, losses
 from trainkit.program import plan as plan_lib
+from trainkit.program import tuning
+from trainkit.program.batch_size import BatchSizeSearch
 from trainkit.program.program import Program
 from trainkit.program.setup import Setup, check_trainer_arguments
 from trainkit.strategies import Auto, Strategy
-from trainkit.tuning_and_export import TuningAndExport
 
 
-class Trainer(TuningAndExport):
+class Trainer:
     """Trains a Flax module with a loss and an optax optimizer on any strategy.
 
     Args:
@@ -116,16 +120,17 @@ class Trainer(TuningAndExport):
             seed=self.seed,
             variables=params,
         )
-        self.loop = Loop(None)
-        self.setup = self.loop.session = Setup(
+        self.session = Session()  # the one holder of the live state, the position and the flags
+        self.setup = Setup(
             self.program,
             strategy,
+            session=self.session,
             steps_per_execution=steps_per_execution,
             custom_loss=custom_loss,
             mixes_rows=mixes_rows,
             deterministic=deterministic,
-            on_restore=self.loop.restored,
         )
+        self.loop = Loop(self.session, self.setup)
         self.history: History | None = None
 
     def apply(self, params: PyTree, model_state: PyTree, x: PyTree, *, rng: jax.Array, train: bool):
@@ -142,19 +147,19 @@ class Trainer(TuningAndExport):
         predictions, model_state = self.apply(params, model_state, batch["x"], rng=rng, train=train)
         return self.objective.loss(predictions, batch["y"]), (predictions, model_state)
 
-    state = Delegated[TrainState | None]("setup.state", "The live TrainState (None before fit or init).")
+    state = Delegated[TrainState | None]("session.state", "The live TrainState (None before fit or init).")
     strategy = Delegated[Strategy | None]("setup.strategy", 'The strategy (under "auto": None until planned).')
     last_plan = Delegated[plan_lib.MemoryPlan | None]("setup.last_plan", 'The plan strategy="auto" chose from.')
     steps_per_execution = Delegated[int]("setup.steps_per_execution", "Batches per compiled training call.")
-    global_step = Delegated[int]("loop.position.step", "Optimizer steps applied (dispatched) so far.")
+    global_step = Delegated[int]("session.position.step", "Optimizer steps applied (dispatched) so far.")
 
     @property
     def stop_training(self) -> bool:
-        return self.loop.stop_requested  # Keras's flag: True in a callback stops before the next batch
+        return self.session.stop_requested  # Keras's flag: True in a callback stops before the next batch
 
     @stop_training.setter
     def stop_training(self, value: bool) -> None:
-        self.loop.request_stop() if value else setattr(self.loop, "stop_requested", False)
+        self.session.request_stop() if value else self.session.cancel_stop()
 
     @property
     def learning_rate(self) -> float:
@@ -194,9 +199,9 @@ class Trainer(TuningAndExport):
 
     def manifest(self) -> dict:
         """What a checkpoint records besides the arrays (JSON; see docs/checkpointing.md)."""
-        loop, state = self.loop, self.setup.require_state()
-        settings = {**self.setup.settings(), "batch_size": loop.batch_size, "data_state": loop.data_state}
-        return checkpoint_lib.build_manifest(state, self.strategy, loop.position, **settings)
+        session, state = self.session, self.session.require_state()
+        settings = {**self.setup.settings(), "batch_size": session.batch_size, "data_state": session.data_state}
+        return checkpoint_lib.build_manifest(state, self.strategy, session.position, **settings)
 
     def save(
         self,
@@ -219,9 +224,9 @@ class Trainer(TuningAndExport):
         """Restores the latest checkpoint (or ``step``) into this trainer's strategy, from any
         strategy or device count, or only the variables of a ``save_weights_only`` one; call
         ``init(sample_batch)`` first. Returns the manifest."""
-        state, manifest = checkpoint_lib.restore(directory, self.setup.require_state(), step)
-        self.setup.replace_state(state, moves_position=manifest.get("contents") != "weights")
-        checkpoint_lib.explain_restore(manifest, self.strategy, self.loop.batch_size)
+        state, manifest = checkpoint_lib.restore(directory, self.session.require_state(), step)
+        self.session.replace_state(state, moves_position=manifest.get("contents") != "weights")
+        checkpoint_lib.explain_restore(manifest, self.strategy, self.session.batch_size)
         return manifest
 
     def function(self, kind: str) -> Callable:
@@ -235,6 +240,63 @@ class Trainer(TuningAndExport):
     def compiled_text(self, sample_batch: Any = None) -> str:
         """The train step as partitioned HLO, with the collectives the compiler inserted."""
         return debug.lower_train_step(self, self.setup.placed_sample(sample_batch)).compile().as_text()
+
+    def plan(
+        self,
+        sample_batch: Any,
+        *,
+        batch_size: int | None = None,
+        candidates: Sequence[Strategy] | None = None,
+        measure: bool = False,
+        memory_limit: int | None = None,
+        steps: int = plan_lib.MEASURE_STEPS,
+        verbose: int = 1,
+    ) -> plan_lib.MemoryPlan:
+        """The real train step (predict step without targets) compiled under each candidate:
+        per-device bytes, flops, collective bytes, estimated (or ``measure``d) step time, for
+        ``batch_size`` (default: an array's rows, 32 rows of a source, an iterable's batch);
+        the recommended row is ``"auto"``'s pick (docs/strategies.md)."""
+        options = {"candidates": candidates, "measure": measure, "memory_limit": memory_limit, "steps": steps}
+        return tuning.plan(self.setup, sample_batch, batch_size=batch_size, verbose=verbose, **options)
+
+    def export(self, filepath: str | os.PathLike, format: str = "jax", verbose: bool = True, **options: Any) -> None:
+        """Keras 3's ``model.export``: ``predict``'s function (eval mode, the precision policy) with a
+        symbolic batch axis, as ``"jax"`` (:func:`trainkit.export.load`), ``"tf_saved_model"`` or
+        ``"onnx"``; ``platforms=[...]`` / ``opset=`` go to the format (docs/export.md)."""
+        export_lib.export(filepath, self.setup.inference, format, verbose=verbose, **options)
+
+    def find_batch_size(
+        self,
+        x: Any,
+        y: PyTree = None,
+        *,
+        max_batch_size: int = 2**16,
+        memory_limit: int | None = None,
+        powers_of_two: bool = True,
+        verbose: int = 1,
+    ) -> BatchSizeSearch:
+        """The largest global batch (a multiple of what the strategy splits; powers of two) whose
+        compiled train step fits ``memory_limit`` (default: the device's) less the plan's
+        headroom; found by compiling, never by an OOM; the same on every process (docs/tuning.md)."""
+        options = {"max_batch_size": max_batch_size, "memory_limit": memory_limit, "powers_of_two": powers_of_two}
+        return tuning.find_batch_size(self.setup, x, y, verbose=verbose, **options)
+
+    def find_learning_rate(
+        self,
+        x: Any,
+        y: PyTree = None,
+        *,
+        batch_size: int | None,
+        min_lr: float = 1e-7,
+        max_lr: float = 1.0,
+        steps: int = 100,
+        early_stop_threshold: float | None = lr_finder.EARLY_STOP_THRESHOLD,
+    ) -> lr_finder.LearningRateSearch:
+        """Lightning's range test: ``steps`` batches at rates rising from ``min_lr`` to ``max_lr``;
+        returns ``lrs``, smoothed ``losses``, the ``suggestion`` (steepest descent) and ``plot(path)``.
+        The state, optimizer state and step count are restored exactly (docs/tuning.md)."""
+        options = {"min_lr": min_lr, "max_lr": max_lr, "steps": steps, "early_stop_threshold": early_stop_threshold}
+        return lr_finder.find_learning_rate(self, x, y, batch_size=batch_size, **options)
 
     def fit(
         self,

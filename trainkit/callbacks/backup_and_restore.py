@@ -89,13 +89,13 @@ class BackupAndRestore(Callback):
                 )
                 continue
             saved = manifest["position"]  # checked by _check_backup
-            self.trainer.loop.resume_at(
+            self.session.resume_at(
                 Position(saved["epoch"], saved["batch"], saved["global_step"]),
                 manifest.get("batch_size"),
                 data_state=manifest.get("data_state"),
             )
             self.restored_step = self._checked = saved["global_step"]
-            start = self.trainer.loop.start
+            start = self.session.start
             logger.info(  # routine, as Keras (silent) resumes; logging.getLogger("trainkit") at INFO shows it
                 "BackupAndRestore: resuming from step %d (epoch %d, batch %d) in %s.",
                 self.restored_step,
@@ -125,7 +125,7 @@ class BackupAndRestore(Callback):
 
     def _on_sigterm(self, signum, frame) -> None:
         logger.warning("BackupAndRestore: SIGTERM received; finishing the current step, then writing a backup.")
-        self.trainer.loop.preempt()
+        self.session.preempt()
 
     def _save(self, wait: bool = False) -> None:
         trainer = self.trainer
@@ -152,7 +152,7 @@ class BackupAndRestore(Callback):
 
     def on_train_end(self, logs: Logs | None = None) -> None:
         self._restore_handler()
-        if self.trainer.loop.preempted:
+        if self.session.preempted:
             self._save(wait=True)
             self.checkpointer.close()
             logger.warning(

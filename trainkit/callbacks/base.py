@@ -1,10 +1,11 @@
 """``Callback``: Keras 3's hooks, arguments and attributes.
 
 Code written for Keras 3 callbacks runs unchanged: every hook takes ``logs``; ``self.model``
-(the :class:`trainkit.Trainer`, also ``self.trainer``) has ``stop_training``, ``get_weights``,
-``set_weights`` and ``save``; ``self.params`` holds ``verbose``, ``epochs`` and ``steps``.
-trainkit adds ``self.trainer.loop`` (the position, the :class:`~trainkit.loop.StepRecord` of
-the batch a hook is about, ``resume_at`` / ``request_stop`` / ``preempt``) and
+(the :class:`trainkit.Trainer`, also ``self.trainer``; typed as such for a type checker) has
+``stop_training``, ``get_weights``, ``set_weights`` and ``save``; ``self.params`` holds
+``verbose``, ``epochs`` and ``steps``. trainkit adds ``self.session``, the trainer's typed
+:class:`~trainkit.core.session.Session` (the position, the :class:`~trainkit.core.session.StepRecord`
+of the batch a hook is about, ``resume_at`` / ``request_stop`` / ``preempt``), and
 ``on_exception(error)``, called instead of ``on_train_end`` when ``fit`` raises.
 
 >>> class CountEpochs(Callback):
@@ -17,7 +18,12 @@ the batch a hook is about, ``resume_at`` / ``request_stop`` / ``preempt``) and
 from __future__ import annotations
 
 import warnings
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+from trainkit.core.session import Session
+
+if TYPE_CHECKING:  # for the type checker only: nothing imports trainer.py at run time
+    from trainkit.trainer import Trainer
 
 Logs = dict[str, Any]
 
@@ -61,7 +67,7 @@ class Callback:
     the hook sees the metrics of batch ``i`` a little later.
     """
 
-    trainer: Any = None
+    trainer: Trainer | None = None
     params: dict | None = None
     async_safe: bool = False
     #: Stops training at the first non-finite loss (``TerminateOnNaN``).
@@ -86,18 +92,26 @@ class Callback:
         return True
 
     @property
-    def model(self) -> Any:
-        """Keras's name for :attr:`trainer`."""
+    def model(self) -> Trainer:
+        """Keras's name for :attr:`trainer` (set before the first hook)."""
+        if self.trainer is None:
+            raise RuntimeError(f"{type(self).__name__} is not attached to a trainer: pass it to fit(callbacks=[...]).")
         return self.trainer
 
     @model.setter
-    def model(self, value: Any) -> None:
+    def model(self, value: Trainer) -> None:
         self.trainer = value
 
-    def set_model(self, model: Any) -> None:
+    @property
+    def session(self) -> Session:
+        """The trainer's session: the live state, the position, the record of the batch a hook
+        is about, and the explicit requests (``request_stop``, ``resume_at``, ``preempt``)."""
+        return self.model.session
+
+    def set_model(self, model: Trainer | None) -> None:
         self.trainer = model
 
-    def set_trainer(self, trainer: Any) -> None:
+    def set_trainer(self, trainer: Trainer | None) -> None:
         self.trainer = trainer
 
     def set_params(self, params: dict | None) -> None:

@@ -18,12 +18,15 @@ True
 from __future__ import annotations
 
 import warnings
-from collections.abc import Iterable
-from typing import Any
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING, Any
 
-from trainkit.callbacks.base import _ALIASES, _BATCH_END, HOOKS, Callback, Logs, overrides
+from trainkit.callbacks.base import _ALIASES, _BATCH_END, Callback, Logs, overrides
 from trainkit.callbacks.history import History
 from trainkit.callbacks.progress import ProgressBar
+
+if TYPE_CHECKING:  # for the type checker only: nothing imports trainer.py at run time
+    from trainkit.trainer import Trainer
 
 
 def _keras_logs(logs: Logs | None) -> Logs:
@@ -59,19 +62,72 @@ def _not_a_callback(callback: Any) -> str:
     )
 
 
+Bound = list[tuple[Callback, Callable[..., Any]]]  # each callback implementing a hook, with its method
+
+
+class Dispatcher:
+    """One hook of a :class:`CallbackList`: called on each callback that implements it, in
+    list order, with a fresh dict of sorted ``logs`` (as Keras's ``pythonify_logs`` passes:
+    every callback of one call sees the same dict, so one may add a key for the next).
+    ``active``: some callback implements it (the loop then builds its arguments)."""
+
+    def __init__(self, bound: Bound):
+        self.bound = bound
+        self.active = bool(bound)
+
+    def __call__(self, logs: Logs | None = None) -> None:
+        logs = _keras_logs(logs)
+        for _, fn in self.bound:
+            fn(logs)
+
+
+class IndexedDispatcher(Dispatcher):
+    """A hook about one epoch or batch: ``hook(index, logs)``."""
+
+    def __call__(self, index: int, logs: Logs | None = None) -> None:  # type: ignore[override]
+        logs = _keras_logs(logs)
+        for _, fn in self.bound:
+            fn(index, logs)
+
+
+class BatchEndDispatcher(Dispatcher):
+    """A batch-end hook: ``logs`` may be a function that computes them (reading the device),
+    called only once a callback that reads this hook's logs comes."""
+
+    def __call__(self, index: int, logs: Logs | Callable[[], Logs] | None = None) -> None:  # type: ignore[override]
+        shared = None if callable(logs) else _keras_logs(logs)
+        for callback, fn in self.bound:
+            if shared is None and callback.reads_batch_logs():
+                shared = _keras_logs(logs() if callable(logs) else logs)
+            fn(index, {} if shared is None else shared)
+
+
+class ExceptionDispatcher(Dispatcher):
+    """``on_exception(error)``: a callback that raises while handling it only warns (the
+    original error matters more)."""
+
+    def __call__(self, exception: BaseException) -> None:  # type: ignore[override]
+        for _, fn in self.bound:
+            try:
+                fn(exception)
+            except Exception as error:  # noqa: BLE001 - the original error matters more
+                warnings.warn(f"on_exception of {fn} raised {error!r} while handling {exception!r}", stacklevel=2)
+
+
 class CallbackList:
-    """Calls each hook on the callbacks that implement it, in list order, with Keras's arguments.
+    """Calls each hook on the callbacks that implement it, in list order, with Keras's arguments
+    (it is the :class:`~trainkit.loop.Hooks` the loop calls).
 
     ``async_train`` / ``async_test`` / ``async_predict``: whether every callback implementing a
     batch-end hook of that kind is ``async_safe`` (then the loop may run ahead of the hooks).
-    Each dispatcher has ``active``: ``False`` when no callback implements the hook, so the
-    loop skips building its arguments.
+    Each hook has ``active``: ``False`` when no callback implements it, so the loop skips
+    building its arguments.
     """
 
     def __init__(
         self,
         callbacks: Iterable[Callback],
-        trainer: Any,
+        trainer: Trainer | None,
         params: dict | None = None,
         *,
         add_history: bool = False,
@@ -90,17 +146,35 @@ class CallbackList:
             callback.set_model(trainer)
             if params is not None:
                 callback.set_params(params)
-        for kind, hooks in _BATCH_END.items():
-            blocking = [c for c in self.callbacks if not c.async_safe and any(overrides(c, h) for h in hooks)]
-            setattr(self, f"async_{kind}", not blocking)
-        for hook in HOOKS:
-            alias = _ALIASES.get(hook)
-            bound = [
-                (c, getattr(c, hook))
-                for c in self.callbacks
-                if overrides(c, hook) or (alias is not None and overrides(c, alias))
-            ]
-            setattr(self, hook, self._dispatcher(hook, bound))
+        self.async_train, self.async_test, self.async_predict = (self._runs_ahead(kind) for kind in _BATCH_END)
+        self.on_train_begin = Dispatcher(self._bound("on_train_begin"))
+        self.on_train_end = Dispatcher(self._bound("on_train_end"))
+        self.on_epoch_begin = IndexedDispatcher(self._bound("on_epoch_begin"))
+        self.on_epoch_end = IndexedDispatcher(self._bound("on_epoch_end"))
+        self.on_train_batch_begin = IndexedDispatcher(self._bound("on_train_batch_begin"))
+        self.on_train_batch_end = BatchEndDispatcher(self._bound("on_train_batch_end"))
+        self.on_test_begin = Dispatcher(self._bound("on_test_begin"))
+        self.on_test_end = Dispatcher(self._bound("on_test_end"))
+        self.on_test_batch_begin = IndexedDispatcher(self._bound("on_test_batch_begin"))
+        self.on_test_batch_end = BatchEndDispatcher(self._bound("on_test_batch_end"))
+        self.on_predict_begin = Dispatcher(self._bound("on_predict_begin"))
+        self.on_predict_end = Dispatcher(self._bound("on_predict_end"))
+        self.on_predict_batch_begin = IndexedDispatcher(self._bound("on_predict_batch_begin"))
+        self.on_predict_batch_end = BatchEndDispatcher(self._bound("on_predict_batch_end"))
+        self.on_exception = ExceptionDispatcher(self._bound("on_exception"))
+
+    def _runs_ahead(self, kind: str) -> bool:
+        """Every callback implementing a batch-end hook of ``kind`` is ``async_safe``."""
+        return not any(not c.async_safe and any(overrides(c, h) for h in _BATCH_END[kind]) for c in self.callbacks)
+
+    def _bound(self, hook: str) -> Bound:
+        """The callbacks implementing ``hook`` (or its Keras alias), with their methods."""
+        alias = _ALIASES.get(hook)
+        return [
+            (c, getattr(c, hook))
+            for c in self.callbacks
+            if overrides(c, hook) or (alias is not None and overrides(c, alias))
+        ]
 
     @staticmethod
     def checked(callbacks: Iterable[Callback] | None) -> list[Callback]:
@@ -128,41 +202,3 @@ class CallbackList:
         """Whether a callback stops training at a non-finite loss (``TerminateOnNaN``): the
         loop's own warning is then not needed."""
         return any(c.stops_on_non_finite for c in self.callbacks)
-
-    @staticmethod
-    def _dispatcher(hook: str, bound: list):
-        if hook == "on_exception":
-
-            def call(exception):
-                for _, fn in bound:
-                    try:
-                        fn(exception)
-                    except Exception as error:  # noqa: BLE001 - the original error matters more
-                        warnings.warn(f"{hook} of {fn} raised {error!r} while handling {exception!r}", stacklevel=2)
-        elif hook.endswith(
-            ("_train_begin", "_test_begin", "_predict_begin", "_train_end", "_test_end", "_predict_end")
-        ):
-
-            def call(logs=None):
-                logs = _keras_logs(logs)
-                for _, fn in bound:
-                    fn(logs)
-        elif hook.endswith("_batch_end"):
-
-            def call(index, logs=None):
-                """``logs`` may be a function that computes them (reading the device): it is
-                called only for the callbacks that read this hook's logs."""
-                shared = None if callable(logs) else _keras_logs(logs)
-                for callback, fn in bound:
-                    if shared is None and callback.reads_batch_logs():
-                        shared = _keras_logs(logs())
-                    fn(index, {} if shared is None else shared)
-        else:
-
-            def call(index, logs=None):
-                logs = _keras_logs(logs)
-                for _, fn in bound:
-                    fn(index, logs)
-
-        call.active = bool(bound)  # type: ignore[attr-defined]
-        return call

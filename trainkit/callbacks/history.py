@@ -27,7 +27,7 @@ class History(Callback):
         self.history, self.epoch, self.validations = {}, [], []
 
     def on_test_end(self, logs: Logs | None = None) -> None:
-        step = self.trainer.loop.validating_at if self.trainer is not None else None
+        step = self.session.validating_at if self.trainer is not None else None
         if step is not None:  # a validation every N steps, not an epoch-end one
             self.validations.append({"step": step, **{f"val_{k}": v for k, v in (logs or {}).items()}})
 

@@ -17,12 +17,15 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from trainkit.callbacks.base import Callback
 from trainkit.core import optimizers
+
+if TYPE_CHECKING:  # for the type checker only: nothing imports trainer.py at run time
+    from trainkit.trainer import Trainer
 
 #: Lightning's defaults: the loss's smoothing, the divergence threshold, the points left out.
 SMOOTHING, EARLY_STOP_THRESHOLD, SKIP_BEGIN, SKIP_END = 0.98, 4.0, 10, 1
@@ -109,7 +112,7 @@ class RangeTest(Callback):
 
 
 def find_learning_rate(
-    trainer: Any,
+    trainer: Trainer,
     x: Any,
     y: Any,
     *,
@@ -120,8 +123,8 @@ def find_learning_rate(
     early_stop_threshold: float | None = EARLY_STOP_THRESHOLD,
     smoothing: float = SMOOTHING,
 ) -> LearningRateSearch:
-    """:meth:`trainkit.Trainer.find_learning_rate` on ``trainer`` (whose ``setup`` keeps and
-    restores the state, and whose ``loop`` the position)."""
+    """:meth:`trainkit.Trainer.find_learning_rate` on ``trainer`` (whose ``setup.kept()`` puts
+    its session and decisions back)."""
     if not 0 < min_lr < max_lr:
         raise ValueError(f"Pass 0 < min_lr < max_lr; received min_lr={min_lr}, max_lr={max_lr}.")
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 2:
@@ -130,12 +133,11 @@ def find_learning_rate(
     optimizers.require_learning_rate(trainer.state.opt_state)  # no inject_hyperparams: refused before any step
     lrs = np.geomspace(min_lr, max_lr, steps)
     test = RangeTest(lrs, early_stop_threshold, smoothing)
-    loop, history = trainer.loop.memento(), trainer.history
+    history = trainer.history
     try:
-        with trainer.setup.kept():
+        with trainer.setup.kept():  # the session (one snapshot) and the setup's decisions (one value)
             trainer.fit(x, y, batch_size=batch_size, epochs=steps, steps_per_epoch=1, verbose=0, callbacks=[test])
     finally:
-        trainer.loop.restore(loop)
         trainer.history = history
     tried = [float(lr) for lr in lrs[: len(test.raw)]]
     smoothed = smooth(test.raw, smoothing)

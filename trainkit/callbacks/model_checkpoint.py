@@ -96,7 +96,7 @@ class ModelCheckpoint(MonitorCallback):
         a callback may still add it (Keras formats whatever the logs hold at the save)."""
         import string
 
-        logged = self.trainer.loop.logged_names if self.trainer is not None else None
+        logged = self.session.logged_names if self.trainer is not None else None
         known = {"epoch", "batch", "learning_rate", *(logged or ())}
         try:
             fields = [field for _, field, _, _ in string.Formatter().parse(self.filepath) if field is not None]

@@ -21,6 +21,7 @@ import numpy as np
 from trainkit import distributed
 from trainkit.callbacks.base import Callback, Logs
 from trainkit.core import optimizers
+from trainkit.core.session import Session
 from trainkit.core.tree import leaf_name
 from trainkit.monitoring import debug, loggers, throughput
 
@@ -39,7 +40,7 @@ def run_config(trainer: Any) -> dict[str, Any]:
         "loss": str(trainer.loss),
         "strategy": trainer.strategy.describe() if trainer.strategy is not None else "",
         "precision": str(trainer.precision.compute_dtype),
-        "batch_size": trainer.loop.batch_size,
+        "batch_size": trainer.session.batch_size,
         "grad_accum_steps": trainer.grad_accum_steps,
         "seed": trainer.seed,
         "devices": jax.device_count(),
@@ -54,20 +55,20 @@ def run_config(trainer: Any) -> dict[str, Any]:
     return config
 
 
-def _step(trainer: Any) -> int:
+def _step(session: Session) -> int:
     """The optimizer step of the batch a batch hook is about (the loop may have dispatched
     later steps already: these hooks are ``async_safe``)."""
-    record = trainer.loop.record
-    return record.step if record is not None else trainer.global_step
+    record = session.record
+    return record.step if record is not None else session.position.step
 
 
-def _due(trainer: Any, every: int | str) -> bool:
+def _due(session: Session, every: int | str) -> bool:
     """Whether a batch hook's execution covered a multiple of ``every`` steps (each step with
     ``steps_per_execution=1``; never for ``"epoch"``)."""
     if every == "epoch":
         return False
-    record = trainer.loop.record
-    return record.covers_multiple(every) if record is not None else trainer.global_step % every == 0
+    record = session.record
+    return record.covers_multiple(every) if record is not None else session.position.step % every == 0
 
 
 def _split_runs(logs: Logs) -> tuple[dict, dict]:
@@ -97,7 +98,7 @@ class _Rate(Callback):
         precision = np.dtype(trainer.precision.compute_dtype).name
         peak = throughput.peak_flops(devices[0].device_kind, precision)
         self.meter = throughput.Meter(
-            examples_per_step=trainer.loop.batch_size or 0,
+            examples_per_step=trainer.session.batch_size or 0,
             tokens_per_example=self.tokens_per_example,
             flops_per_step=flops,
             peak_flops=None if peak is None else peak * len(devices),
@@ -111,7 +112,7 @@ class _Rate(Callback):
             return {}
 
     def _reading(self) -> dict[str, float]:
-        step, now = _step(self.trainer), time.perf_counter()
+        step, now = _step(self.session), time.perf_counter()
         if self.meter is None or self._mark is None:
             self._mark = (step, now)
             return {}
@@ -191,17 +192,17 @@ class Logging(_Rate):
                 self._call(item, item.log_hparams, config)
 
     def reads_batch_logs(self) -> bool:
-        return _due(self.trainer, self.update_freq)
+        return _due(self.session, self.update_freq)
 
     def execution_cap(self) -> int | None:
         return None if self.update_freq == "epoch" else self.update_freq
 
     def on_train_batch_end(self, batch: int, logs: Logs | None = None) -> None:
-        step = _step(self.trainer)
+        step = _step(self.session)
         if self.meter is None:
             self._start_meter()
             self._mark = (step, time.perf_counter())
-        if not _due(self.trainer, self.update_freq):
+        if not _due(self.session, self.update_freq):
             return
         if distributed.is_main_process():
             self._send(step, {**(logs or {}), **self._extras()}, "train")
@@ -254,7 +255,7 @@ class Profiler(Callback):
             loggers.check_log_dir(self.log_dir, "Profiler")
 
     def on_train_batch_begin(self, batch: int, logs: Logs | None = None) -> None:
-        record = self.trainer.loop.record  # the steps this batch (or execution) covers
+        record = self.session.record  # the steps this batch (or execution) covers
         if record.first_step <= self.steps[0] <= record.step and not self.tracing and distributed.is_main_process():
             jax.profiler.start_trace(self.log_dir, create_perfetto_trace=True)
             self.tracing = True
@@ -327,7 +328,7 @@ class TensorBoard(_Rate):
         return self.profiler is not None
 
     def reads_batch_logs(self) -> bool:
-        return self.board is not None and _due(self.trainer, self.update_freq)
+        return self.board is not None and _due(self.session, self.update_freq)
 
     def execution_cap(self) -> int | None:
         if self.profiler is not None:
@@ -354,8 +355,8 @@ class TensorBoard(_Rate):
             self.profiler.on_train_batch_end(batch, logs)
         if self.meter is None:
             self._start_meter()
-        step = _step(self.trainer)
-        if self.board is not None and _due(self.trainer, self.update_freq):
+        step = _step(self.session)
+        if self.board is not None and _due(self.session, self.update_freq):
             self.board.log_metrics(step, logs or {}, "train", prefix="batch_")
 
     def on_test_end(self, logs: Logs | None = None) -> None:

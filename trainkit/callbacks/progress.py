@@ -99,7 +99,7 @@ class ProgressBar(Callback):
             refresh_per_second=8,
         )
         total = self._steps
-        batch = self.trainer.loop.batch_size if self.trainer is not None else None
+        batch = self.session.batch_size if self.trainer is not None else None
         self._task = self._progress.add_task(self._describe(epoch), total=total, metrics="", batch=batch)
         self._seen, self._next_draw = 0, 0.0  # the first batch draws at once
         self._progress.start()

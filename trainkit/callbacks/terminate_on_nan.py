@@ -10,6 +10,7 @@ import math
 import warnings
 
 from trainkit.callbacks.base import Callback, Logs
+from trainkit.loop import first_non_finite
 
 
 class TerminateOnNaN(Callback):
@@ -35,10 +36,10 @@ class TerminateOnNaN(Callback):
         loss = (logs or {}).get("loss")
         if loss is None or math.isfinite(loss) or self.stopped_step is not None:
             return
-        record = self.trainer.loop.record
+        record = self.session.record
         step = record.step
         if record.steps > 1:  # one hook for several steps: name the first that went wrong
-            step, batch, loss = self.trainer.loop.first_non_finite() or (step, batch, loss)
+            step, batch, loss = first_non_finite(self.session) or (step, batch, loss)
         self.stopped_step = step
         where = f"batch {batch} of epoch {record.epoch} (step {step}, counting from 1)"
         if self.raise_error:

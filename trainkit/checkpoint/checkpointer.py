@@ -41,10 +41,10 @@ import orbax.checkpoint as ocp
 from trainkit import distributed
 from trainkit.core import state as state_lib
 from trainkit.core import tree
+from trainkit.core.tree import PyTree
 from trainkit.distributed import filesystem
 from trainkit.version import __version__
 
-PyTree = Any
 logger = logging.getLogger("trainkit")
 
 # A device-side copy of the state, dispatched asynchronously: the next (donating) step may run

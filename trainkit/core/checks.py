@@ -19,7 +19,7 @@ from typing import Any
 import jax
 import numpy as np
 
-PyTree = Any
+from trainkit.core.tree import PyTree
 
 
 def numeric(tree: PyTree, part: str) -> None:

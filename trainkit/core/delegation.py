@@ -19,7 +19,7 @@ T = TypeVar("T")
 
 
 class Delegated(Generic[T]):
-    """The attribute at the dotted ``path`` of the instance (``"setup.state"``), read on every
+    """The attribute at the dotted ``path`` of the instance (``"session.state"``), read on every
     access and never written through the facade; ``doc`` is what ``help()`` shows."""
 
     def __init__(self, path: str, doc: str = ""):

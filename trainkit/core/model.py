@@ -25,9 +25,7 @@ from flax import linen as nn
 from flax import nnx
 
 from trainkit.core.state import check_tree_matches
-from trainkit.core.tree import leaf_name
-
-PyTree = Any
+from trainkit.core.tree import PyTree, leaf_name
 
 # Keyword names of ``__call__`` that switch training behaviour, and whether they mean
 # "training" (True) or its negation (False).

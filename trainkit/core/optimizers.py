@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-PyTree = Any
+from trainkit.core.tree import PyTree
 
 
 def _is_injected(node: Any) -> bool:

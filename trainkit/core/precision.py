@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-PyTree = Any
+from trainkit.core.tree import PyTree
 
 
 @flax.struct.dataclass

@@ -38,6 +38,7 @@ from clu.metrics import LastValue
 from trainkit.core.optimizers import learning_rate
 from trainkit.core.state import Batch, TrainState
 from trainkit.core.totals import EpochTotals, LossAverage, MetricFn, PackedTotals, WeightedAverage, batch_state, pack
+from trainkit.core.tree import PyTree
 
 LossFn = Callable[..., tuple[jax.Array, tuple[Any, Any]]]
 Metrics = dict[str, WeightedAverage]
@@ -128,6 +129,41 @@ def _microbatches(batch: Batch, k: int) -> Batch:
     return jax.tree.map(lambda a: jnp.swapaxes(a.reshape((a.shape[0] // k, k) + a.shape[1:]), 0, 1), batch)
 
 
+def _batch_rows(batch: Batch, axis_name: str | None) -> jax.Array:
+    """What a step's masked loss sum is divided by before differentiation."""
+    if axis_name is None:  # jit: the mask is the global batch's, so divide by its real rows
+        return jnp.maximum(batch["mask"].sum(), 1.0)
+    # pmap: differentiate the masked loss sum over the *static* global batch size, then
+    # rescale by static / real rows after the one all-reduce: the exact gradient of the
+    # mean over the real rows, with no collective before the forward pass.
+    return batch["mask"].shape[0] * jax.lax.psum(1, axis_name)
+
+
+def _accumulated(
+    micro_step: Callable, state: TrainState, batch: Batch, rng: jax.Array, batch_rows: jax.Array, steps: int
+) -> tuple[PyTree, PyTree, Metrics]:
+    """``micro_step`` over ``steps`` micro-batches of ``batch`` in a ``lax.scan``: the summed
+    gradients and metrics, and the model state after the last micro-batch."""
+    loss_scale = state.loss_scale
+
+    def body(carry, inputs):
+        grads, model_state, metrics = carry
+        index, micro = inputs
+        g, model_state, m = micro_step(
+            state.params, model_state, micro, jax.random.fold_in(rng, index), batch_rows, loss_scale
+        )
+        return (jax.tree.map(jnp.add, grads, g), model_state, jax.tree.map(jnp.add, metrics, m)), None
+
+    micro = _microbatches(batch, steps)
+    first = jax.tree.map(lambda a: a[0], micro)
+    zeros = jax.eval_shape(micro_step, state.params, state.model_state, first, rng, batch_rows, loss_scale)
+    zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), (zeros[0], zeros[2]))
+    (grads, model_state, metrics), _ = jax.lax.scan(
+        body, (zeros[0], state.model_state, zeros[1]), (jnp.arange(steps), micro)
+    )
+    return grads, model_state, metrics
+
+
 def make_train_step(
     compute_loss: LossFn,
     tx: optax.GradientTransformation,
@@ -158,36 +194,13 @@ def make_train_step(
         return grads, model_state, _batch_metrics(metric_fns, predictions, batch, total)
 
     def train_step(state: TrainState, batch: Batch) -> tuple[TrainState, Metrics]:
-        rng = _step_rng(state, axis_name)
-        if axis_name is None:  # jit: the mask is the global batch's, so divide by its real rows
-            batch_rows = jnp.maximum(batch["mask"].sum(), 1.0)
-        else:
-            # pmap: differentiate the masked loss sum over the *static* global batch size, then
-            # rescale by static / real rows after the one all-reduce: the exact gradient of the
-            # mean over the real rows, with no collective before the forward pass.
-            batch_rows = batch["mask"].shape[0] * jax.lax.psum(1, axis_name)
-        loss_scale = state.loss_scale
+        rng, batch_rows, loss_scale = _step_rng(state, axis_name), _batch_rows(batch, axis_name), state.loss_scale
         if grad_accum_steps == 1:
             grads, model_state, metrics = micro_step(
                 state.params, state.model_state, batch, rng, batch_rows, loss_scale
             )
         else:
-
-            def body(carry, inputs):
-                grads, model_state, metrics = carry
-                index, micro = inputs
-                g, model_state, m = micro_step(
-                    state.params, model_state, micro, jax.random.fold_in(rng, index), batch_rows, loss_scale
-                )
-                return (jax.tree.map(jnp.add, grads, g), model_state, jax.tree.map(jnp.add, metrics, m)), None
-
-            micro = _microbatches(batch, grad_accum_steps)
-            first = jax.tree.map(lambda a: a[0], micro)
-            zeros = jax.eval_shape(micro_step, state.params, state.model_state, first, rng, batch_rows, loss_scale)
-            zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), (zeros[0], zeros[2]))
-            (grads, model_state, metrics), _ = jax.lax.scan(
-                body, (zeros[0], state.model_state, zeros[1]), (jnp.arange(grad_accum_steps), micro)
-            )
+            grads, model_state, metrics = _accumulated(micro_step, state, batch, rng, batch_rows, grad_accum_steps)
         grads, metrics = _psum((grads, metrics), axis_name)  # one all-reduce
         if axis_name is not None:
             model_state = jax.tree.map(partial(_pmean_floats, axis_name=axis_name), model_state)

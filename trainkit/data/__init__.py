@@ -31,6 +31,7 @@ from trainkit.data.batching import (
     to_host,
 )
 from trainkit.data.epochs import continues_across_epochs, epoch_batches, epoch_steps
+from trainkit.data.fit_config import FitConfig, Validation, validates
 from trainkit.data.iterable import IterableDataset
 from trainkit.data.prepare import Prepared, as_dataset, check_validation_runs, prepare
 from trainkit.data.random_access import HuggingFaceSource, RandomAccessSource
@@ -40,11 +41,13 @@ __all__ = [
     "ArrayDataset",
     "Batch",
     "DataSource",
+    "FitConfig",
     "HuggingFaceSource",
     "IterableDataset",
     "Prepared",
     "Source",
     "UserSource",
+    "Validation",
     "RandomAccessSource",
     "abstract_inputs",
     "as_dataset",
@@ -72,5 +75,6 @@ __all__ = [
     "split_xyw",
     "take",
     "to_host",
+    "validates",
     "with_class_weight",
 ]

@@ -18,8 +18,8 @@ import jax
 import numpy as np
 
 from trainkit.core.step import full_mask
+from trainkit.core.tree import PyTree
 
-PyTree = Any
 Batch = dict[str, Any]
 
 

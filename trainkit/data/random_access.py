@@ -20,10 +20,10 @@ import jax
 import numpy as np
 
 from trainkit.core import checks
+from trainkit.core.tree import PyTree
 from trainkit.data.batching import batch_rows, example_spec, host_array, pad_batch, split_xyw, to_host
 from trainkit.data.source import Source
 
-PyTree = Any
 Batch = dict[str, Any]
 #: Hugging Face's (and transformers') name of the target column.
 LABEL_COLUMNS = ("label", "labels")

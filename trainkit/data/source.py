@@ -11,7 +11,8 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any, Protocol, runtime_checkable
 
-PyTree = Any
+from trainkit.core.tree import PyTree
+
 Batch = dict[str, Any]
 
 

@@ -25,7 +25,7 @@ from typing import Any, NamedTuple
 import jax
 import numpy as np
 
-PyTree = Any
+from trainkit.core.tree import PyTree
 
 
 class Span(NamedTuple):

@@ -21,8 +21,6 @@ from typing import Any
 import jax
 import numpy as np
 
-PyTree = Any
-
 #: Seconds without a heartbeat after which JAX's coordination service declares a process dead
 #: and stops the others (JAX's own default is 100).
 HEARTBEAT_TIMEOUT = 20
@@ -210,7 +208,7 @@ def _everyone_gathers() -> None:
         ) from None
 
 
-def fetch(tree: PyTree) -> PyTree:
+def fetch(tree: Any) -> Any:
     """Host NumPy copies of a tree of arrays, also when they span processes: a replicated array
     is read from a local shard; a sharded one is gathered from every process (after a barrier
     with a timeout, so a call on one process only fails clearly instead of hanging)."""

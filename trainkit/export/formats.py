@@ -14,13 +14,11 @@ import importlib.util
 import os
 import time
 from collections.abc import Callable
-from typing import Any
 
 from trainkit import distributed
+from trainkit.core.tree import PyTree
 from trainkit.export import jax_format, onnx_format, tf_saved_model
 from trainkit.export.signature import symbolic_inputs
-
-PyTree = Any
 
 #: Each format: what writes it, and the packages it needs with how to install them.
 FORMATS: dict[str, tuple[Callable, dict[str, str]]] = {
@@ -68,3 +66,17 @@ def write(
     if verbose:
         details = ", ".join(f"{k} {v}" for k, v in written.items())
         print(f"Exported {format!r} to {path} in {time.perf_counter() - start:.2f} s ({details})")
+
+
+def export(
+    path: str | os.PathLike,
+    inference: Callable[[], tuple[Callable, PyTree, PyTree]],
+    format: str = "jax",
+    *,
+    verbose: bool = True,
+    **options,
+) -> None:
+    """:meth:`trainkit.Trainer.export`: ``format`` checked first, then what ``inference()``
+    returns (the function, its host variables, the per-example input spec) written by :func:`write`."""
+    check_format(format)  # before anything is fetched or traced
+    write(path, *inference(), format, verbose=verbose, **options)

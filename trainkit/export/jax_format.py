@@ -17,11 +17,10 @@ from __future__ import annotations
 import functools
 import os
 from collections.abc import Callable, Sequence
-from typing import Any
 
 import jax
 
-PyTree = Any
+from trainkit.core.tree import PyTree
 
 
 def save(

@@ -20,13 +20,11 @@ import importlib.metadata
 import logging
 import os
 from collections.abc import Callable
-from typing import Any
 
 import jax
 
+from trainkit.core.tree import PyTree
 from trainkit.export.signature import leaf_names, output_names
-
-PyTree = Any
 
 #: Loggers that report jax2onnx's internals at WARNING on every conversion (optional plugins it
 #: skips, value types it leaves unset): silenced while converting; their errors still show.

@@ -10,13 +10,11 @@ leaves of the inputs and outputs (a single array, a tuple, a list or a dict of t
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
 
 import jax
 
+from trainkit.core.tree import PyTree
 from trainkit.data import abstract_inputs, is_spec
-
-PyTree = Any
 
 #: The name of the symbolic batch dimension in every format.
 BATCH = "batch"

@@ -17,14 +17,12 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Sequence
-from typing import Any
 
 import jax
 import numpy as np
 
+from trainkit.core.tree import PyTree
 from trainkit.export.signature import leaf_names, output_names
-
-PyTree = Any
 
 
 def _tensor_spec(tf, leaf: jax.ShapeDtypeStruct):

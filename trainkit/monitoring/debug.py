@@ -22,9 +22,7 @@ from rich.table import Table
 
 from trainkit.core.state import TrainState, abstract
 from trainkit.core.totals import pack
-from trainkit.core.tree import leaf_name
-
-PyTree = Any
+from trainkit.core.tree import PyTree, leaf_name
 
 
 @dataclasses.dataclass(frozen=True)
@@ -133,7 +131,7 @@ def lower_train_step(trainer: Any, batch: Any = None) -> jax.stages.Lowered:
     if trainer.state is None:
         raise RuntimeError("The trainer has no state yet: call fit(...) or init(sample_batch) first.")
     if batch is None:
-        batch = trainer.loop.batch_spec
+        batch = trainer.session.batch_spec
     if batch is None:
         raise ValueError("Pass a sample batch, e.g. trainer.lowered_text((x[:32], y[:32])), or call fit first.")
     function = trainer.function("train")

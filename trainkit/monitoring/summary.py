@@ -25,9 +25,8 @@ from rich.table import Table
 from rich.text import Text
 
 from trainkit.core.state import abstract
+from trainkit.core.tree import PyTree
 from trainkit.monitoring import debug
-
-PyTree = Any
 
 
 class SummaryRow(NamedTuple):
@@ -127,7 +126,7 @@ def summary_view(trainer: Any, x: PyTree, step_batch: PyTree = None) -> Group:
     ]
     output = jax.eval_shape(trainer.setup.program.outputs, abstract(state), x)
     lines.append(f"Output shape: {_shape_text(output, jax.tree.leaves(x)[0].shape[0])}")
-    batch = step_batch if step_batch is not None else trainer.loop.batch_spec
+    batch = step_batch if step_batch is not None else trainer.session.batch_spec
     if batch is None:
         lines.append("Train step FLOPs: pass a batch with targets, summary((x, y)), to count them")
     else:

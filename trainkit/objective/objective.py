@@ -32,10 +32,9 @@ import numpy as np
 
 from trainkit.core import checks
 from trainkit.core.totals import BatchMetric
+from trainkit.core.tree import PyTree
 from trainkit.objective import crossentropy, losses
 from trainkit.objective import metrics as metrics_lib
-
-PyTree = Any
 
 
 @dataclass(frozen=True)

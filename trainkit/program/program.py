@@ -34,10 +34,9 @@ from trainkit.core.remat import wrap_remat
 from trainkit.core.state import Batch, TrainState
 from trainkit.core.step import make_eval_step, make_multi_step, make_predict_step, make_train_step, with_totals
 from trainkit.core.totals import EpochTotals, pack
+from trainkit.core.tree import PyTree
 from trainkit.program import plan as plan_lib
 from trainkit.strategies import Strategy
-
-PyTree = Any
 
 
 class Program:

@@ -1,10 +1,13 @@
 """``Setup``: everything a trainer sets up before its first step, from the input resolved once.
 
-It owns the strategy (chosen by the compiled plan under ``"auto"``), the live ``TrainState``,
-the compiled steps and the checks made before compiling: the same configuration on every
+It is a builder: it checks the input before compiling (the same configuration on every
 process, the objective built and its targets checked on the first batch, a batch size the
-devices can split. It is the session the loop runs (``state``, ``strategy``,
-``function(kind)``, ``log_order``, ``steps_per_execution``).
+devices can split), chooses the strategy (by the compiled plan under ``"auto"``), creates the
+state and compiles the steps. What it decided is one frozen :class:`Decisions` value, replaced
+whole; the live ``TrainState`` is not its own but the trainer's
+:class:`~trainkit.core.session.Session`'s, which it reads and replaces through the session's
+methods. It is the :class:`~trainkit.loop.CompiledSteps` the loop runs (``function(kind)``,
+``require_strategy()``, ``log_order``, ``steps_per_execution``).
 
 >>> import numpy as np, optax, flax.linen as nn
 >>> from trainkit.core.model import adapt_model
@@ -17,10 +20,12 @@ devices can split. It is the session the loop runs (``state``, ``strategy``,
 ...     return objective.loss(out, batch["y"]), (out, model_state)
 >>> program = Program(adapter=adapter, compute_loss=compute_loss, apply=adapter.apply, optimizer=optax.sgd(0.1),
 ...                   objective=objective, precision=get_precision("fp32"))
->>> setup = Setup(program, "single", steps_per_execution=1)
+>>> from trainkit.core.session import Session
+>>> session = Session()
+>>> setup = Setup(program, "single", session=session, steps_per_execution=1)
 >>> prepared = setup.prepare((np.ones((8, 3), np.float32), np.ones((8, 2), np.float32)), batch_size=4, targets=True)
->>> setup.state.params["kernel"].shape, prepared.batch_size
-((3, 2), 4)
+>>> session.state.params["kernel"].shape, prepared.batch_size, setup.decisions.steps_per_execution
+((3, 2), 4, 1)
 """
 
 from __future__ import annotations
@@ -28,8 +33,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
-import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import jax
@@ -40,12 +44,12 @@ from trainkit import data as data_lib
 from trainkit import distributed
 from trainkit.core import optimizers, tree
 from trainkit.core.precision import NoLossScale
+from trainkit.core.session import Session
 from trainkit.core.state import TrainState, abstract, check_tree_matches
 from trainkit.core.totals import EpochTotals
 from trainkit.core.tree import PyTree
+from trainkit.data import FitConfig, Validation
 from trainkit.distributed import compile_cache
-from trainkit.loop.session import FitConfig, Validation
-from trainkit.program import batch_size as batch_size_lib
 from trainkit.program import plan as plan_lib
 from trainkit.program import remembered as remembered_lib
 from trainkit.program.program import Program
@@ -82,6 +86,22 @@ def _same_rows(rows: np.ndarray, first: np.ndarray) -> bool:
     return bool(np.allclose(rows, first, rtol=1e-2 if low else 1e-4, atol=1e-2 if low else 1e-5, equal_nan=True))
 
 
+@dataclasses.dataclass(frozen=True)
+class Decisions:
+    """What a setup decided, one frozen value replaced whole (:meth:`Setup.decide`): the
+    ``strategy`` (``None`` under ``"auto"`` until planned), the batches per training call and
+    whether ``steps_per_execution="auto"`` still tunes them, the ``plan`` ``"auto"`` chose from,
+    the inputs the state was built for, and a remembered pick's way to build the state (the
+    candidate whose initialisation built the planning run's state)."""
+
+    strategy: Strategy | None
+    steps_per_execution: int
+    tunes_steps: bool
+    plan: plan_lib.MemoryPlan | None = None
+    input_spec: PyTree = None
+    initialise_under: Strategy | None = None
+
+
 class Setup:
     """The strategy, the state and the compiled steps of one trainer (see the module docstring).
 
@@ -93,7 +113,7 @@ class Setup:
         mixes_rows: the model mixes the rows of a batch on purpose (see :meth:`check_outputs`).
         deterministic: nothing is chosen by timing: ``"auto"`` ranks by the compiler's estimate,
             ``steps_per_execution="auto"`` is refused (the XLA flags are the trainer's).
-        on_restore: called with the optimizer step of every new state (the loop's position).
+        session: the trainer's session, which holds the live state.
     """
 
     def __init__(
@@ -101,11 +121,11 @@ class Setup:
         program: Program,
         strategy: str | Strategy | Auto,
         *,
+        session: Session,
         steps_per_execution: int | str = 1,
         custom_loss: bool = False,
         mixes_rows: bool = False,
         deterministic: bool = False,
-        on_restore: Callable[[int], None] = lambda step: None,
     ):
         compile_cache.configure()  # compiled steps persist across runs (TRAINKIT_COMPILATION_CACHE)
         self.program, self.objective, self.custom_loss = program, program.objective, custom_loss
@@ -125,36 +145,68 @@ class Setup:
             )
         if deterministic and self.auto is not None and self.auto.measure:  # ranked by estimate, not by timing
             self.auto = Auto(self.auto.memory_limit, measure=False, candidates=self.auto.candidates)
-        self.strategy: Strategy | None = None if self.auto else chosen  # "auto": set by the plan
+        strategy_now = None if self.auto else chosen  # "auto": set by the plan
         # "auto": 1 until the loop timed the first steps and picked (see trainkit.loop.tuning)
-        self.tunes_steps = steps_per_execution == "auto" and not program.eager
-        if steps_per_execution == "auto":
-            steps_per_execution = 1
-        self.steps_per_execution = check_steps_per_execution(steps_per_execution, self.strategy)
-        self.on_restore = on_restore
-        self.state: TrainState | None = None
-        self.input_spec: PyTree = None
-        self.last_plan: plan_lib.MemoryPlan | None = None  # the plan strategy="auto" chose from
+        tunes = steps_per_execution == "auto" and not program.eager
+        steps = check_steps_per_execution(1 if steps_per_execution == "auto" else steps_per_execution, strategy_now)
+        self.decisions = Decisions(strategy_now, steps, tunes)
+        self.session = session
         self._compiled: dict[str, Any] = {}
         self._totals: dict[str, EpochTotals] = {}  # host zeros of the totals each kind of step carries
         self._outputs: PyTree = None  # the model's output shapes, once traced
-        self._initialise_under: Strategy | None = None  # a remembered "auto" pick's way to build the state
+
+    # ------------------------------------------------------------------ what it decided
+    def decide(self, **changes: Any) -> None:
+        """A new :class:`Decisions` value with ``changes`` (the old one is never edited)."""
+        self.decisions = dataclasses.replace(self.decisions, **changes)
+
+    @property
+    def strategy(self) -> Strategy | None:
+        """The strategy (under ``"auto"``: ``None`` until planned)."""
+        return self.decisions.strategy
+
+    def require_strategy(self) -> Strategy:
+        strategy = self.decisions.strategy
+        if strategy is None:
+            raise RuntimeError("No strategy is chosen yet: call fit(...) or init(sample_batch) first.")
+        return strategy
+
+    @property
+    def steps_per_execution(self) -> int:
+        return self.decisions.steps_per_execution
+
+    @property
+    def tunes_steps(self) -> bool:
+        return self.decisions.tunes_steps
+
+    @property
+    def last_plan(self) -> plan_lib.MemoryPlan | None:
+        return self.decisions.plan
+
+    @property
+    def input_spec(self) -> PyTree:
+        return self.decisions.input_spec
 
     @property
     def log_order(self) -> tuple[str, ...]:
         return self.objective.log_order
 
     def require_state(self) -> TrainState:
-        if self.state is None:
-            raise RuntimeError("The trainer has no state yet: call fit(...) or init(sample_batch) first.")
-        return self.state
+        return self.session.require_state()
+
+    def describe_strategy(self) -> str:
+        """The chosen strategy, or the ``"auto"`` it will be chosen by."""
+        strategy = self.decisions.strategy or self.auto
+        assert strategy is not None  # one of the two, by construction
+        return strategy.describe()
 
     def update_state(self, **fields: PyTree) -> TrainState:
         """The one way to write the live state: fields (host or device values) placed in the
         shardings of those they replace; unchanged arrays stay as they are."""
         state = self.require_state()
-        self.state = self.strategy.put_like(state.replace(**fields), state)
-        return self.state
+        placed = self.require_strategy().put_like(state.replace(**fields), state)
+        self.session.replace_state(placed, moves_position=False)
+        return placed
 
     @property
     def learning_rate(self) -> float:
@@ -196,24 +248,19 @@ class Setup:
             "grad_accum_steps": program.grad_accum_steps,
         }
 
-    def replace_state(self, state: TrainState, moves_position: bool = True) -> None:
-        """A restored state becomes the live one; the loop's step follows it unless only the
-        variables were restored (``moves_position=False``)."""
-        self.state = state
-        if moves_position:
-            self.on_restore(int(state.step))
-
     @contextlib.contextmanager
-    def kept(self):
-        """Everything a trial ``fit`` changes here put back exactly on exit, raised or not: the
-        state (a host copy, placed again in its shardings) and the steps per execution."""
-        state = distributed.fetch(self.require_state())
-        steps = (self.steps_per_execution, self.tunes_steps, self.last_plan)
+    def kept(self) -> Iterator[None]:
+        """Everything a trial ``fit`` changes put back exactly on exit, raised or not: the
+        session (one snapshot; its state a host copy, placed again in its shardings) and the
+        decisions (one value)."""
+        session, decisions, strategy = self.session, self.decisions, self.require_strategy()
+        snapshot = session.snapshot()
+        host = distributed.fetch(session.require_state())
         try:
             yield
         finally:
-            self.state = self.strategy.put_state(state)
-            self.steps_per_execution, self.tunes_steps, self.last_plan = steps
+            session.restore(dataclasses.replace(snapshot, state=strategy.put_state(host)))
+            self.decisions = decisions
 
     # ------------------------------------------------------------------ the input
     def prepare(
@@ -238,7 +285,7 @@ class Setup:
                 "seed": program.seed,
                 "grad_accum_steps": program.grad_accum_steps,
                 "steps_per_execution": "auto" if self.tunes_steps else self.steps_per_execution,  # or collectives hang
-                "strategy": (self.strategy or self.auto).describe(),
+                "strategy": self.describe_strategy(),
                 "precision": str(program.precision.compute_dtype),
                 "inputs": str(prepared.spec),
                 "rows": prepared.rows,  # different counts would hang a collective
@@ -246,7 +293,7 @@ class Setup:
                 **(config or {}),
             }
         )
-        if self.state is not None:
+        if self.session.state is not None:
             data_lib.check_same_inputs(self.input_spec, prepared.spec)
         self.output_spec(prepared.first_x)  # the model traced on the first batch, before anything compiles
         if targets and prepared.has_targets:
@@ -259,8 +306,8 @@ class Setup:
         if self.strategy is None:
             data_lib.check_batch_size(batch_size, 1, micro_batches=micro_batches)
             self.choose_strategy(prepared, announce)
-        data_lib.check_batch_size(batch_size, self.strategy.num_batch_shards, micro_batches=micro_batches)
-        if self.state is None:
+        data_lib.check_batch_size(batch_size, self.require_strategy().num_batch_shards, micro_batches=micro_batches)
+        if self.session.state is None:
             self.create_state(prepared)
             self.check_outputs(prepared.first_x)
         return prepared
@@ -275,10 +322,10 @@ class Setup:
             return
         rows = min(CHECKED_ROWS, data_lib.num_rows(first_x))
         x = data_lib.take(first_x, slice(0, rows))
-        forward = jax.jit(self.program.outputs)
-        outputs = jax.tree.map(np.asarray, forward(self.state, x))
+        forward, state = jax.jit(self.program.outputs), self.require_state()
+        outputs = jax.tree.map(np.asarray, forward(state, x))
         if rows > 1 and not self.mixes_rows:  # the first row alone (repeated) must get its own outputs
-            alone = jax.tree.map(np.asarray, forward(self.state, data_lib.take(x, np.zeros(rows, np.int64))))
+            alone = jax.tree.map(np.asarray, forward(state, data_lib.take(x, np.zeros(rows, np.int64))))
             pairs = zip(*map(jax.tree.leaves, (outputs, alone)))
             if not all(_same_rows(b, a[:1]) for a, b in pairs):
                 raise ValueError(
@@ -354,18 +401,18 @@ class Setup:
             config,
             steps=data_lib.epoch_steps(source, batch_size, config.steps_per_epoch, config.epochs),
             validation=validation,
-            warn_non_finite=config.warn_non_finite and isinstance(self.state.loss_scale, NoLossScale),
+            warn_non_finite=config.warn_non_finite and isinstance(self.require_state().loss_scale, NoLossScale),
             continuing=data_lib.continues_across_epochs(source, batch_size, config.steps_per_epoch),
         )
 
     def placed_sample(self, sample_batch: Any) -> PyTree:
         """A sample batch (any form ``fit`` takes) placed by the strategy, for lowering; ``None``
         for ``None`` or before the state exists."""
-        if sample_batch is None or self.state is None:
+        if sample_batch is None or self.session.state is None:
             return None
         host_batch = data_lib.prepare(sample_batch, default_batch_size=None).sample_batch()
         self.empty_totals("train", host_batch)  # shaped before anything lowers the train step
-        return self.strategy.put_batch(host_batch)
+        return self.require_strategy().put_batch(host_batch)
 
     def inference(self) -> tuple[Callable, PyTree, PyTree]:
         """What an export runs: ``predict``'s function ``(variables, x) -> outputs`` (eval mode,
@@ -378,11 +425,14 @@ class Setup:
 
         return predict, variables, self.input_spec
 
-    def report_steps(self, steps: int, reason: str) -> None:
-        """Records ``steps_per_execution="auto"``'s pick on the plan ``"auto"`` chose from
-        (``trainer.last_plan`` prints it), when there is one."""
-        if self.last_plan is not None:
-            self.last_plan.decided["steps_per_execution='auto'"] = reason
+    def decide_steps(self, steps: int, reason: str) -> None:
+        """``steps_per_execution="auto"`` picked ``steps`` batches per call: trained from the
+        next span on, and recorded on the plan ``"auto"`` chose from (``trainer.last_plan``
+        prints it), when there is one."""
+        plan = self.last_plan
+        if plan is not None:
+            plan = dataclasses.replace(plan, decided={**plan.decided, "steps_per_execution='auto'": reason})
+        self.decide(steps_per_execution=steps, tunes_steps=False, plan=plan)
 
     def summary_inputs(self, sample_batch: Any) -> tuple[PyTree, PyTree]:
         """What ``summary`` traces: abstract inputs of ``SUMMARY_ROWS`` examples, and the sample
@@ -390,7 +440,7 @@ class Setup:
         initialises the state first, ``None`` uses the state's own input shapes."""
         if sample_batch is not None:
             self.init(sample_batch)
-        if self.state is None:
+        if self.session.state is None:
             return None, None
         step_batch = None
         if sample_batch is not None and data_lib.prepare(sample_batch, default_batch_size=None).source.has_targets:
@@ -400,30 +450,31 @@ class Setup:
     def init(self, sample_batch: Any) -> TrainState:
         """The state for a sample batch (see :meth:`trainkit.Trainer.init`)."""
         prepared = data_lib.prepare(sample_batch, default_batch_size=None)
-        if self.state is None:
+        if self.session.state is None:
             self.choose_strategy(prepared)
             self.create_state(prepared)
         data_lib.check_same_inputs(self.input_spec, prepared.spec)
-        return self.state
+        return self.require_state()
 
     def create_state(self, prepared: data_lib.Prepared) -> None:
         """The state at step 0, placed by the strategy, the model initialised on the first real
         batch's inputs (as training will call it)."""
-        plan = self.last_plan
+        plan, program, first_x = self.last_plan, self.program, prepared.first_x
         if plan is not None and plan.initial_state is not None:
             # "auto" measured its candidates from this very state: no second init compile
-            self.state = self.strategy.put_state(plan.initial_state)
-            self.last_plan = dataclasses.replace(plan, initial_state=None)  # host memory back
+            state = self.require_strategy().put_state(plan.initial_state)
+            self.decide(plan=dataclasses.replace(plan, initial_state=None))  # host memory back
         else:
-            self.strategy = self.program.annotated(self.strategy, prepared.first_x)
-            under = self._initialise_under
+            strategy = program.annotated(self.require_strategy(), first_x)
+            self.decide(strategy=strategy)
+            under = self.decisions.initialise_under
             if under is None:
-                self.state = self.program.create_state(self.strategy, prepared.first_x)
+                state = program.create_state(strategy, first_x)
             else:  # as the run that remembered this pick built its state: that init is in the compile cache
-                built = self.program.create_state(self.program.annotated(under, prepared.first_x), prepared.first_x)
-                self.state = self.strategy.put_state(distributed.fetch(built))
-        self.input_spec = prepared.spec
-        self.on_restore(int(self.state.step))
+                built = program.create_state(program.annotated(under, first_x), first_x)
+                state = strategy.put_state(distributed.fetch(built))
+        self.decide(input_spec=prepared.spec)
+        self.session.replace_state(state)
 
     def output_spec(self, first_x: PyTree) -> PyTree:
         """The shapes of the model's outputs for the first batch (traced, never run; cached).
@@ -431,7 +482,8 @@ class Setup:
         outputs without one row per input row are refused (the model mixes the batch axis)."""
         if self._outputs is None:
             try:
-                state = abstract(self.state) if self.state is not None else self.program.abstract_state(first_x)
+                live = self.session.state
+                state = abstract(live) if live is not None else self.program.abstract_state(first_x)
                 outputs = jax.eval_shape(self.program.outputs, state, first_x)
             except Exception as error:  # noqa: BLE001 - the model's own error, raised again with its inputs
                 raise ValueError(
@@ -457,28 +509,6 @@ class Setup:
             result.print()
         return result
 
-    def find_batch_size(
-        self, data: Any, y: PyTree, *, max_batch_size: int, memory_limit: int | None, powers_of_two: bool
-    ) -> batch_size_lib.BatchSizeSearch:
-        """:meth:`trainkit.Trainer.find_batch_size`: the train step planned (compiled, never run)
-        at the sizes a bisection picks, under the trainer's strategy or ``"auto"``'s candidates."""
-        prepared = data_lib.prepare(data, y)
-        if self.state is not None:
-            data_lib.check_same_inputs(self.input_spec, prepared.spec)
-        trains = prepared.has_targets or self.custom_loss
-        if prepared.has_targets:
-            self.objective.build(prepared.first_y)
-        candidates = [self.strategy] if self.strategy is not None else self.auto_candidates()
-        unit = math.lcm(*(c.num_batch_shards for c in candidates)) * self.program.grad_accum_steps
-        sizes = batch_size_lib.candidate_sizes(unit, int(max_batch_size), powers_of_two)
-
-        def plan_at(size: int, limit: int) -> plan_lib.MemoryPlan:
-            batch = prepared.sample_batch(size)
-            return self.program.plan(batch, candidates, trains=trains, memory_limit=limit, measure=False)
-
-        default_limit = plan_lib.device_memory_limit(candidates[0].devices)
-        return batch_size_lib.search(plan_at, sizes, memory_limit, default_limit)
-
     def choose_strategy(self, prepared: data_lib.Prepared, announce: bool = False) -> None:
         """Under ``"auto"``: the strategy the compiled plan recommends, before anything else is
         compiled or placed (also for ``evaluate`` and ``predict`` before ``fit``)."""
@@ -487,9 +517,9 @@ class Setup:
         auto = self.auto
         key, remembered, under = self.remembered_pick(prepared)
         if remembered is not None:
-            self.strategy = remembered
+            self.decide(strategy=remembered)
             if under is not None and plan_lib.short_name(under) != plan_lib.short_name(remembered):
-                self._initialise_under = under
+                self.decide(initialise_under=under)
             logger.info("strategy='auto' picked %s, as an earlier run of this setup did", remembered.describe())
             if announce and distributed.is_main_process():
                 print(f"strategy='auto' picked {plan_lib.short_name(remembered)}, as an earlier run of this setup did")
@@ -502,7 +532,7 @@ class Setup:
                 "Lower the batch size, pass remat='full' or grad_accum_steps=k, or pass "
                 f"strategy=tk.strategies.Auto(memory_limit=...) or a strategy.\n{result}"
             )
-        self.strategy, self.last_plan = best.strategy, result
+        self.decide(strategy=best.strategy, plan=result)
         under = None if result.initialised_under is None else plan_lib.short_name(result.initialised_under)
         remembered_lib.remember(compile_cache.active_directory(), key, best.name, result.reason(), under)
         if best.function is not None and (prepared.has_targets or self.custom_loss):
@@ -546,7 +576,7 @@ class Setup:
         """The compiled ``"train"``, ``"train_steps"``, ``"eval"`` or ``"predict"`` step
         (compiled once)."""
         if kind not in self._compiled:
-            self._compiled[kind] = self.program.compile(kind, self.strategy, abstract(self.require_state()))
+            self._compiled[kind] = self.program.compile(kind, self.require_strategy(), abstract(self.require_state()))
         return self._compiled[kind]
 
     def empty_totals(self, kind: str, host_batch: PyTree = None) -> EpochTotals:
@@ -556,6 +586,6 @@ class Setup:
         if key not in self._totals:
             if host_batch is None:
                 raise ValueError("Pass a sample batch, e.g. trainer.lowered_text((x[:32], y[:32])), or call fit first.")
-            state, axis = abstract(self.require_state()), self.strategy.axis_name
+            state, axis = abstract(self.require_state()), self.require_strategy().axis_name
             self._totals[key] = self.program.empty_totals(key, state, host_batch, axis)
         return self._totals[key]

@@ -31,9 +31,8 @@ import jax
 import numpy as np
 from jax.sharding import PartitionSpec
 
-from trainkit.core.tree import leaf_name
+from trainkit.core.tree import PyTree, leaf_name
 
-PyTree = Any
 Rule = tuple[str, PartitionSpec]
 
 

@@ -18,7 +18,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-PyTree = Any
+from trainkit.core.tree import PyTree
 
 
 def make_mesh(devices: Sequence[jax.Device], shape: Sequence[int], names: Sequence[str]) -> Mesh:

@@ -14,16 +14,14 @@ averaged (``lax.pmean``). Every ``pmap`` call of trainkit lives in this file.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
 
 import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from trainkit import distributed
+from trainkit.core.tree import PyTree
 from trainkit.strategies.base import Strategy, make_mesh
-
-PyTree = Any
 
 
 class DataParallel(Strategy):

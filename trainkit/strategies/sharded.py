@@ -16,7 +16,6 @@ import copy
 import functools
 import math
 from collections.abc import Callable
-from typing import Any
 
 import jax
 import numpy as np
@@ -24,10 +23,9 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from trainkit import distributed
 from trainkit.core.step import full_mask
+from trainkit.core.tree import PyTree
 from trainkit.strategies import _sharding
 from trainkit.strategies.base import Strategy, make_mesh
-
-PyTree = Any
 
 
 class ShardedStrategy(Strategy):

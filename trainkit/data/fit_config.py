@@ -1,5 +1,5 @@
-"""What the loop runs: the typed ``Session`` it is given and the frozen ``FitConfig`` of one
-``fit`` (Keras's arguments, checked before anything runs).
+"""The frozen ``FitConfig`` of one ``fit`` (Keras's arguments, checked before anything runs) and
+its ``Validation`` data; here, where both the setup (``program``) and the ``loop`` may import it.
 
 >>> config = FitConfig.checked(epochs=3, validation_freq=2)
 >>> config.epochs, config.validates(1), config.validates(2)
@@ -9,45 +9,17 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
-from typing import Any, NamedTuple, Protocol
+from typing import Any, NamedTuple
 
-from trainkit import data as data_lib
-from trainkit.core.state import TrainState
-from trainkit.core.totals import EpochTotals
-from trainkit.strategies import Strategy
-
-
-class Session(Protocol):
-    """The loop's view of a trainer's setup (:class:`trainkit.program.setup.Setup` is one): the
-    live ``state``, which the loop replaces after every step and callbacks read; the
-    ``strategy`` that places batches and fetches outputs; the compiled steps by kind
-    (``"train"``, ``"train_steps"``, ``"eval"``, ``"predict"``) and the host zeros of the
-    metric totals the training and eval steps carry; the order of the logged metrics; the
-    batches per compiled training call."""
-
-    state: TrainState | None
-    strategy: Strategy | None
-    steps_per_execution: int
-    tunes_steps: bool  # steps_per_execution="auto" not decided yet: the loop times the first steps
-
-    @property
-    def log_order(self) -> tuple[str, ...]: ...
-
-    def function(self, kind: str) -> Callable: ...
-
-    def report_steps(self, steps: int, reason: str) -> None:
-        """``steps_per_execution="auto"`` picked ``steps`` batches per call, for ``reason``."""
-        ...
-
-    def empty_totals(self, kind: str, host_batch: Any = None) -> EpochTotals: ...
+from trainkit.data.batching import check_positive, check_shuffle
+from trainkit.data.source import Source
 
 
 class Validation(NamedTuple):
     """The validation data of a ``fit``: its source, global batch size and Keras's
     ``validation_steps``."""
 
-    source: data_lib.Source
+    source: Source
     batch_size: int
     steps: int | None = None
 
@@ -97,21 +69,21 @@ class FitConfig:
         """A config from ``fit``'s arguments, each refused with a clear error before anything
         runs (``has_validation``: validation data was given)."""
         config = cls(**settings)
-        data_lib.check_positive(
+        check_positive(
             epochs=config.epochs,
             steps_per_epoch=config.steps_per_epoch,
             max_steps=config.max_steps,
             validation_interval=config.validation_interval,
         )
         if has_validation:
-            data_lib.check_positive(validation_steps=config.validation_steps)
+            check_positive(validation_steps=config.validation_steps)
         if config.validation_interval is not None and not has_validation:
             raise ValueError(
                 f"validation_interval={config.validation_interval} needs validation_data (or validation_split): "
                 "there is nothing to validate on."
             )
         validates(0, config.validation_freq)
-        data_lib.check_shuffle(config.shuffle)
+        check_shuffle(config.shuffle)
         return config
 
     def validates(self, epoch: int) -> bool:

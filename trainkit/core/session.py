@@ -1,0 +1,320 @@
+"""``Session``: the one holder of a run's mutable state, and the immutable records it hands out.
+
+A trainer has one session. It holds the live :class:`~trainkit.core.state.TrainState`, the
+:class:`Position` (the next batch to train and the optimizer steps applied), the data
+iterator's position, the stop and preemption flags and what a hook is about (the
+:class:`StepRecord`). The loop, the setup and the callbacks read it and change it only through
+its methods: nothing else holds these values, and nothing assigns the session's attributes.
+:meth:`Session.snapshot` is all of it as one frozen :class:`Snapshot`, which
+:meth:`Session.restore` puts back (a trial ``fit`` such as ``find_learning_rate``).
+
+Modelled on Levanter's ``StepInfo`` (hooks read an immutable record of the step) and kauldron's
+``train_impl`` (the live state has one holder), within Keras's callback contract: a callback
+may still ask to stop (``request_stop``), resume elsewhere (``resume_at``) or be preempted.
+
+>>> session = Session()
+>>> session.position, session.stop_requested
+(Position(epoch=0, batch=0, step=0), False)
+>>> session.resume_at(Position(epoch=2, batch=3, step=11)); session.start, session.position.step
+(Position(epoch=2, batch=3, step=11), 11)
+>>> saved = session.snapshot(); session.request_stop(); session.restore(saved); session.stop_requested
+False
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+from typing import Any, NamedTuple
+
+import jax
+
+from trainkit.core.state import TrainState
+from trainkit.core.totals import PackedTotals
+from trainkit.core.tree import PyTree
+
+
+class Position(NamedTuple):
+    """Where training stands: the next batch to train (``epoch``, ``batch`` inside it) and the
+    optimizer steps applied so far (``step``).
+
+    >>> Position(epoch=1, batch=4, step=10).rebatched(8, 16)
+    Position(epoch=1, batch=2, step=10)
+    """
+
+    epoch: int = 0
+    batch: int = 0
+    step: int = 0
+
+    def rebatched(self, saved_batch_size: int | None, batch_size: int | None) -> Position:
+        """The same number of examples seen, in batches of ``batch_size`` instead of
+        ``saved_batch_size`` (unchanged when either is unknown)."""
+        if not saved_batch_size or not batch_size or saved_batch_size == batch_size:
+            return self
+        return self._replace(batch=self.batch * saved_batch_size // batch_size)
+
+
+class StepRecord(NamedTuple):
+    """The batch a hook is about: ``step`` is its optimizer step counted from 1 (the number of
+    updates once it is applied), ``epoch`` and ``batch`` where it sits. With
+    ``steps_per_execution`` a hook is about one execution: ``steps`` batches, trained in one
+    call, that end at ``step`` and ``batch`` (``first_step`` and ``first_batch`` begin it).
+
+    >>> record = StepRecord(step=8, epoch=0, batch=7, steps=4)
+    >>> record.first_step, record.first_batch, record.covers_multiple(6), record.covers_multiple(3)
+    (5, 4, True, True)
+    """
+
+    step: int
+    epoch: int
+    batch: int
+    steps: int = 1
+
+    @property
+    def first_step(self) -> int:
+        return self.step - self.steps + 1
+
+    @property
+    def first_batch(self) -> int:
+        return self.batch - self.steps + 1
+
+    def covers_multiple(self, every: int) -> bool:
+        """Whether one of the steps it covers is a multiple of ``every`` (a periodic action)."""
+        return self.step // every > (self.first_step - 1) // every
+
+
+class EpochCarry(NamedTuple):
+    """The device totals a train-batch hook was given, and the step and batch this epoch's
+    totals count from (what ``first_non_finite`` reads)."""
+
+    totals: PackedTotals
+    start_step: int
+    start_batch: int
+
+
+@dataclasses.dataclass(frozen=True)
+class FitView:
+    """What a running ``fit`` tells its hooks, fixed when it begins: the global batch size, the
+    names its epoch logs hold (Keras 2's ``params["metrics"]``)."""
+
+    batch_size: int | None = None
+    logged_names: tuple[str, ...] | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Snapshot:
+    """Everything a :class:`Session` holds at one moment (see :meth:`Session.snapshot`)."""
+
+    state: TrainState | None = None
+    position: Position = Position()
+    record: StepRecord | None = None
+    carry: EpochCarry | None = None
+    data_state: Any = None
+    resume_state: Any = None
+    start: Position | None = None
+    stop_requested: bool = False
+    preempted: bool = False
+    fit: FitView = FitView()
+    batch_spec: PyTree = None
+    validating_at: int | None = None
+
+
+class Session:
+    """The live state, the position, the data state and the flags of one trainer's runs.
+
+    Read by anyone (read-only properties); written only through the methods below, each named
+    for the event it records.
+    """
+
+    __slots__ = (
+        "_state",
+        "_position",
+        "_record",
+        "_carry",
+        "_data_state",
+        "_resume_state",
+        "_start",
+        "_stop_requested",
+        "_preempted",
+        "_fit",
+        "_batch_spec",
+        "_validating_at",
+    )
+
+    def __init__(self) -> None:
+        self.restore(Snapshot())
+
+    # ------------------------------------------------------------------ reads
+    @property
+    def state(self) -> TrainState | None:
+        """The live ``TrainState`` (``None`` before ``fit`` or ``init``)."""
+        return self._state
+
+    def require_state(self) -> TrainState:
+        if self._state is None:
+            raise RuntimeError("The trainer has no state yet: call fit(...) or init(sample_batch) first.")
+        return self._state
+
+    @property
+    def position(self) -> Position:
+        """The next batch to train and the optimizer steps applied (dispatched) so far."""
+        return self._position
+
+    @property
+    def record(self) -> StepRecord | None:
+        """The batch (or execution) the running batch hook is about."""
+        return self._record
+
+    @property
+    def carry(self) -> EpochCarry | None:
+        """The totals the last train-batch hook was given (see :class:`EpochCarry`)."""
+        return self._carry
+
+    @property
+    def data_state(self) -> Any:
+        """The data iterator's position after the last batch trained (``None``: not checkpointable)."""
+        return self._data_state
+
+    @property
+    def resume_state(self) -> Any:
+        """This process's saved iterator position the first epoch of this ``fit`` continues from."""
+        return self._resume_state
+
+    @property
+    def start(self) -> Position | None:
+        """Where this ``fit`` starts when a callback said so (:meth:`resume_at`), else ``None``."""
+        return self._start
+
+    @property
+    def stop_requested(self) -> bool:
+        return self._stop_requested
+
+    @property
+    def preempted(self) -> bool:
+        return self._preempted
+
+    @property
+    def batch_size(self) -> int | None:
+        """The global batch size of the running (or last) ``fit``."""
+        return self._fit.batch_size
+
+    @property
+    def logged_names(self) -> tuple[str, ...] | None:
+        """What the running ``fit``'s epoch logs hold (known before ``on_train_begin``)."""
+        return self._fit.logged_names
+
+    @property
+    def batch_spec(self) -> PyTree:
+        """The shapes and shardings of the last ``fit``'s batches (for lowering its step)."""
+        return self._batch_spec
+
+    @property
+    def validating_at(self) -> int | None:
+        """The step of a validation every N steps, while it runs."""
+        return self._validating_at
+
+    # ------------------------------------------------------------------ writes
+    def replace_state(self, state: TrainState, *, moves_position: bool = True) -> None:
+        """A new live state (created, restored or edited); the position's step follows it
+        unless only the variables changed (``moves_position=False``)."""
+        self._state = state
+        if moves_position:
+            self._position = self._position._replace(step=int(state.step))
+
+    def stepped(self, state: TrainState) -> None:
+        """The state after a dispatched step (the position moves with :meth:`moved`)."""
+        self._state = state
+
+    def begin_fit(self, view: FitView, position: Position) -> None:
+        """A ``fit`` begins at ``position``: no stop, no resume, no record yet."""
+        self.restore(Snapshot(state=self._state, position=position, fit=view))
+
+    def moved(self, position: Position, data_state: Any = None) -> None:
+        """Training reached ``position``; the data iterator's position is then ``data_state``."""
+        self._position, self._data_state = position, data_state
+
+    def about(self, record: StepRecord, carry: EpochCarry | None = None) -> None:
+        """The batch hook that runs next is about ``record`` (and was given ``carry``'s totals)."""
+        self._record = record
+        if carry is not None:
+            self._carry = carry
+
+    def epoch_began(self) -> None:
+        """A new epoch: no totals read yet."""
+        self._carry = None
+
+    def saw_batch(self, spec: PyTree) -> None:
+        """One placed batch's shapes and shardings (for lowering)."""
+        self._batch_spec = spec
+
+    def validating(self, step: int | None) -> None:
+        """A validation every N steps runs on the state of ``step`` (``None``: it ended)."""
+        self._validating_at = step
+
+    def request_stop(self) -> None:
+        """Stop before the next batch (``trainer.stop_training = True`` calls this)."""
+        self._stop_requested = True
+
+    def cancel_stop(self) -> None:
+        self._stop_requested = False
+
+    def preempt(self) -> None:
+        """Stop before the next batch, run ``on_train_end``, then raise ``Preempted``. Safe to
+        call from a signal handler."""
+        self._preempted = self._stop_requested = True
+
+    def resume_at(
+        self, position: Position, saved_batch_size: int | None = None, data_state: list | None = None
+    ) -> None:
+        """Start this ``fit`` at ``position`` instead of ``initial_epoch`` (call it from
+        ``on_train_begin``); a batch index written with another batch size is converted by
+        examples seen. ``data_state``: the data iterators' saved positions, one per process
+        (a checkpointable iterator continues from it instead of skipping batches)."""
+        self._start = position.rebatched(saved_batch_size, self.batch_size)
+        self._position = self._position._replace(step=position.step)
+        self._resume_state = self._data_state = None
+        if data_state is None:
+            return
+        if len(data_state) != jax.process_count() or self._start != position:
+            warnings.warn(
+                f"The data iterator's saved position was written by {len(data_state)} process(es) with batch size "
+                f"{saved_batch_size}; this run has {jax.process_count()} with {self.batch_size}. The iterator "
+                "restarts and skips the batches already trained instead.",
+                stacklevel=3,
+            )
+            return
+        self._resume_state = self._data_state = data_state[jax.process_index()]
+
+    # ------------------------------------------------------------------ all of it
+    def snapshot(self) -> Snapshot:
+        """Everything held now, as one frozen value (the state is the live one: fetch it to
+        keep it across a step, which donates it)."""
+        return Snapshot(
+            state=self._state,
+            position=self._position,
+            record=self._record,
+            carry=self._carry,
+            data_state=self._data_state,
+            resume_state=self._resume_state,
+            start=self._start,
+            stop_requested=self._stop_requested,
+            preempted=self._preempted,
+            fit=self._fit,
+            batch_spec=self._batch_spec,
+            validating_at=self._validating_at,
+        )
+
+    def restore(self, snapshot: Snapshot) -> None:
+        """Puts a :meth:`snapshot` back whole."""
+        self._state = snapshot.state
+        self._position = snapshot.position
+        self._record = snapshot.record
+        self._carry = snapshot.carry
+        self._data_state = snapshot.data_state
+        self._resume_state = snapshot.resume_state
+        self._start = snapshot.start
+        self._stop_requested = snapshot.stop_requested
+        self._preempted = snapshot.preempted
+        self._fit = snapshot.fit
+        self._batch_spec = snapshot.batch_spec
+        self._validating_at = snapshot.validating_at

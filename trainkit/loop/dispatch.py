@@ -1,0 +1,82 @@
+"""What the loop and a ``fit`` share: steps read in order a few behind their dispatch, device
+totals read on the host, this process's slice of a batch, and ``Preempted``.
+
+>>> list(in_order(iter(range(5)), lag=2))
+[0, 1, 2, 3, 4]
+"""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Iterator
+
+import jax
+import numpy as np
+
+from trainkit import distributed
+from trainkit.core.session import Session
+from trainkit.core.totals import EpochTotals, PackedTotals
+from trainkit.core.tree import PyTree
+
+#: Exit status of a run stopped by SIGTERM (preemption) after writing its backup: 128 + SIGTERM.
+PREEMPTED_EXIT_CODE = 143
+
+
+class Preempted(SystemExit):
+    """Raised by ``fit`` after a preemption request (SIGTERM under ``BackupAndRestore``) once
+    ``on_train_end`` ran and the backup is on disk. A ``SystemExit`` with status 143: uncaught,
+    the process exits quietly with the status job schedulers expect; running the same command
+    again resumes."""
+
+    def __init__(self, step: int):
+        super().__init__(PREEMPTED_EXIT_CODE)
+        self.step = step
+
+    def __str__(self) -> str:
+        return f"training preempted after step {self.step}; run the same command again to resume"
+
+
+def in_order(dispatched: Iterator, lag: int) -> Iterator:
+    """Yields ``dispatched``'s items in order, each once ``lag`` newer ones were dispatched
+    (``lag=0``: at once). The device results of a yielded item are then read while ``lag``
+    steps still run: the device never waits for the host, and the queue stays bounded."""
+    pending: collections.deque = collections.deque()
+    for item in dispatched:
+        pending.append(item)
+        if len(pending) > lag:
+            yield pending.popleft()
+    yield from pending
+
+
+def host_metrics(totals: PackedTotals) -> EpochTotals:
+    """Device totals (packed) -> host float64 totals (gathered across processes when needed). On
+    one process each array is read directly, where ``jax.device_get``'s overhead would be a fifth
+    of a small model's step."""
+    if jax.process_count() > 1:
+        host = distributed.fetch(totals)
+    else:
+        host = totals.replace(arrays=tuple(np.asarray(a) for a in totals.arrays))
+    return jax.tree.map(np.float64, host.unpack())
+
+
+def first_non_finite(session: Session) -> tuple[int, int, float] | None:
+    """For a train-batch-end hook: the optimizer step (from 1) and the batch of this epoch whose
+    loss was first not finite, and that loss, or ``None`` while every loss is finite. With
+    ``steps_per_execution`` the hook's batch is the execution's last; this is the one that
+    went wrong. Reads the device totals (call it after seeing a non-finite loss)."""
+    carry = session.carry
+    if carry is None:
+        return None
+    host = host_metrics(carry.totals)
+    bad = int(host.first_non_finite)
+    return (carry.start_step + bad, carry.start_batch + bad - 1, float(host.first_non_finite_loss)) if bad else None
+
+
+def process_slice() -> dict:
+    """Which part of every global batch this process reads (all of it on one process)."""
+    return {"process_index": jax.process_index(), "process_count": jax.process_count()}
+
+
+def concatenate(parts: list[PyTree]) -> PyTree:
+    """Row blocks of one structure joined along the rows."""
+    return jax.tree.map(lambda *a: np.concatenate(a), *parts)

@@ -1,0 +1,332 @@
+"""``FitRun``: one ``fit``, its epochs and steps, and the values that live exactly as long as it
+does (the validation logs of a ``validation_interval``, the steps skipped in a row by the fp16
+loss scale, the stall watchdog, the ``steps_per_execution="auto"`` tuner). The loop makes one per
+``fit`` and drops it after; what outlives a ``fit`` (the state, the position, the data state,
+the flags) is the session's, changed only through its methods.
+
+>>> import trainkit as tk, numpy as np, optax, flax.linen as nn
+>>> trainer = tk.Trainer(nn.Dense(1), loss="mse", optimizer=optax.sgd(0.1), strategy="single")
+>>> history = trainer.fit((np.ones((8, 2), np.float32), np.ones((8, 1), np.float32)), batch_size=4, verbose=0)
+>>> trainer.session.position, trainer.session.record
+(Position(epoch=1, batch=0, step=2), StepRecord(step=2, epoch=0, batch=1, steps=1))
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import logging
+import statistics
+import time
+import warnings
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
+
+import jax
+
+from trainkit import data as data_lib
+from trainkit import distributed
+from trainkit.core import totals as metrics_lib
+from trainkit.core.session import EpochCarry, FitView, Position, StepRecord
+from trainkit.core.state import abstract
+from trainkit.core.step import batches_at
+from trainkit.core.totals import SKIPPED_WARNING, EpochTotals, PackedTotals, pack
+from trainkit.core.tree import PyTree
+from trainkit.data.prefetch import Prefetcher
+from trainkit.data.spans import Span, executions, room_until
+from trainkit.distributed.watchdog import StallWatchdog
+from trainkit.loop.dispatch import Preempted, host_metrics, in_order, process_slice
+from trainkit.loop.hooks import Hooks, LoopView
+from trainkit.loop.tuning import StepsTuner
+
+_NO_TRACE = contextlib.nullcontext()  # no profiler annotation: nothing built per step
+logger = logging.getLogger("trainkit")
+
+
+class FitRun:
+    """The ``fit`` of ``dataset`` in batches of ``batch_size`` under ``config`` on ``loop``'s
+    session and compiled steps (see the module docstring); :meth:`run` trains it. Hooks follow
+    Keras 3's ``fit`` order. With ``config.validation_interval`` the validation runs after every
+    that many optimizer steps (on the state of that step) and the epoch logs carry the latest."""
+
+    def __init__(
+        self, loop: LoopView, dataset: data_lib.Source, batch_size: int, callbacks: Hooks, config: data_lib.FitConfig
+    ):
+        self.loop, self.session, self.steps = loop, loop.session, loop.steps
+        self.dataset, self.batch_size, self.callbacks, self.config = dataset, batch_size, callbacks, config
+        self.strategy = loop.steps.require_strategy()
+        self.every = config.validation_interval if config.validation is not None else None
+        self.validation_logs: dict[str, float] = {}  # the latest validation every N steps
+        self.skipped_in_a_row = 0  # steps skipped by the fp16 loss scale, carried across epochs
+        # TerminateOnNaN watches the loss itself: no warning of the loop's then
+        self.warn_non_finite = config.warn_non_finite and not callbacks.stops_on_non_finite
+        self.read_ahead = not dataset.one_shot  # a one-shot iterator's next batch is read only when it is due
+        self.watchdog = StallWatchdog()
+        self.tuner: StepsTuner | None = None
+        self.last_ready: float | None = None
+
+    def run(self) -> dict[str, float]:
+        """Trains from ``config.initial_epoch`` (or where a callback's ``resume_at`` says) to
+        ``config.epochs`` and returns the last epoch's logs."""
+        session, config, callbacks = self.session, self.config, self.callbacks
+        names = list(self.steps.log_order)  # what the epoch logs will hold (Keras 2's params["metrics"])
+        logged = tuple(names + ([f"val_{name}" for name in names] if config.validation else []))
+        session.begin_fit(FitView(self.batch_size, logged), Position(config.initial_epoch, 0, session.position.step))
+        train_fn = self.steps.function("train")
+        logger.info("fit: %s, batch_size=%d, %s steps/epoch", self.strategy.describe(), self.batch_size, config.steps)
+        logs: dict[str, float] = {}
+        try:
+            self.watchdog.__enter__()
+            callbacks.on_train_begin()
+            start = session.start or session.position
+            for epoch in range(start.epoch, config.epochs):
+                first = start.batch if epoch == start.epoch else 0
+                session.moved(Position(epoch, first, session.position.step), session.data_state)
+                callbacks.on_epoch_begin(epoch)
+                ran, logs = self.epoch(train_fn, epoch, first, session.resume_state if epoch == start.epoch else None)
+                if session.preempted:
+                    break
+                if ran == 0 and first == 0:
+                    warnings.warn(
+                        f"The data ran out at epoch {epoch}: no batch was left. Training stops; "
+                        "pass steps_per_epoch that the data can serve, or a re-iterable dataset.",
+                        stacklevel=4,
+                    )
+                    break
+                if self.every is not None:
+                    logs.update(self.validation_logs)
+                elif config.validation is not None and config.validates(epoch):
+                    val_logs = self.loop.evaluate(*config.validation, callbacks)
+                    logs.update({f"val_{k}": v for k, v in val_logs.items()})
+                session.moved(Position(epoch + 1, 0, session.position.step), session.data_state)
+                callbacks.on_epoch_end(epoch, logs)
+                if self.done():
+                    break
+            callbacks.on_train_end(logs)
+        except BaseException as error:
+            callbacks.on_exception(error)
+            raise
+        finally:
+            self.watchdog.__exit__()
+        if session.preempted:
+            raise Preempted(session.position.step)
+        return logs
+
+    def done(self) -> bool:
+        max_steps = self.config.max_steps
+        return self.session.stop_requested or (max_steps is not None and self.session.position.step >= max_steps)
+
+    def epoch(self, train_fn: Callable, epoch: int, first: int, resume_state: Any) -> tuple[int, dict[str, float]]:
+        """One epoch from batch ``first`` (the data continuing from ``resume_state`` when it can):
+        the batches trained and the epoch's logs."""
+        config = self.config
+        batches: Iterator = data_lib.epoch_batches(
+            self.dataset,
+            self.batch_size,
+            epoch,
+            first,
+            config.steps,
+            continuing=config.continuing,
+            shuffle=config.shuffle,
+            seed=config.seed,
+            state=resume_state,
+            **process_slice(),
+        )
+        if config.max_steps is not None:  # nothing read past the last step
+            batches = itertools.islice(batches, max(config.max_steps - self.session.position.step, 0))
+        with self.train_reader(batches) as reader:
+            return self.train_epoch(train_fn, reader)
+
+    def train_reader(self, batches: Iterator) -> Prefetcher:
+        """The epoch's :class:`~trainkit.data.spans.Span` s, assembled ahead like the loop's
+        reader assembles batches; the data position is read in the same thread, right after each batch."""
+        dataset = self.dataset
+        if dataset.checkpointable:
+            pairs = ((batch, dataset.get_state()) for batch in batches)
+        else:
+            pairs = zip(batches, itertools.repeat(None))
+        size = lambda: self.steps.steps_per_execution  # noqa: E731 - "auto" may change it mid-epoch
+        spans = executions(pairs, size, room_until(self.session.position.step, self.config.max_steps, self.every))
+        return self.loop.reader(dataset, spans, self.batch_size)
+
+    def train_epoch(self, train_fn: Callable, batches: Iterable) -> tuple[int, dict[str, float]]:
+        """One epoch's steps. Each compiled call merges its metrics into the epoch's totals on
+        the device (:class:`~trainkit.core.totals.EpochTotals`); the host reads them at the end,
+        and for a batch-end hook only when a callback reads its logs then (the progress bar: on a clock)."""
+        session, batch_end, order = self.session, self.callbacks.on_train_batch_end, self.steps.log_order
+        start = session.position
+        session.epoch_began()
+        self.tuner = self.make_tuner()
+        ran, last = 0, None
+        lag = self.loop.max_in_flight if self.callbacks.async_train else 0
+        for record, carry in in_order(EpochSteps(self, train_fn, iter(batches)).dispatch(), lag):
+            carry.block_until_ready()  # at most `lag` executions queued behind this one
+            ran, last = ran + record.steps, carry
+            if batch_end.active:
+                session.about(record, EpochCarry(carry, start.step, start.batch))
+                batch_end(record.batch, lambda carry=carry: metrics_lib.compute(host_metrics(carry).metrics, order))
+        if last is None:
+            return 0, {}
+        host = host_metrics(last)
+        self.watch(host, start.step, start.batch, start.epoch)
+        return ran, metrics_lib.compute(host.metrics, order)
+
+    def make_tuner(self) -> StepsTuner | None:
+        """Under ``steps_per_execution="auto"`` (not decided yet), a tuner capped by the epoch,
+        the validation interval, ``max_steps`` and the callbacks' periods."""
+        if not self.steps.tunes_steps or not self.strategy.fuses_steps:
+            return None
+        caps = [self.config.steps, self.callbacks.execution_cap, self.config.max_steps, self.every]
+        self.last_ready = None
+        return StepsTuner(min((c for c in caps if c is not None), default=None))
+
+    def timed_step(self, train_fn: Callable, totals: PackedTotals, batch: PyTree) -> PackedTotals:
+        """One step run synchronously and timed for the tuner (the first call of a fit is not
+        timed: it may compile); once it decided, the setup trains that many steps per call."""
+        tuner = self.tuner
+        assert tuner is not None  # only called while a tuner decides
+        state, totals = train_fn(self.session.state, totals, batch)
+        self.session.stepped(state)
+        back = time.perf_counter()
+        totals.block_until_ready()
+        ready = time.perf_counter()
+        if self.last_ready is not None:
+            tuner.record(host=back - self.last_ready, device=ready - back)
+        self.last_ready = ready
+        if tuner.steps is not None:
+            steps = distributed.broadcast_int(tuner.steps)  # timings differ per process: process 0 decides
+            reason = (
+                f"picked {steps}: {1e6 * statistics.median(tuner.hosts):.0f} us of host time per call, "
+                f"{1e6 * statistics.median(tuner.devices):.0f} us of device time per step"
+            )
+            self.steps.decide_steps(steps, reason)
+            logger.info("steps_per_execution='auto' %s", reason)
+        return totals
+
+    def watch(self, totals: EpochTotals, start_step: int, start_batch: int, epoch: int) -> None:
+        """The epoch's warnings, from its totals: the first non-finite loss (unless a callback
+        stops at it), and (once per run) ``SKIPPED_WARNING`` steps in a row skipped by the
+        fp16 loss scale: the model is then not training at all."""
+        bad = int(totals.first_non_finite)
+        if self.warn_non_finite and bad:
+            warnings.warn(
+                f"The loss is {float(totals.first_non_finite_loss)} at step {start_step + bad} (batch "
+                f"{start_batch + bad - 1} of epoch {epoch}); training goes on. Add "
+                "tk.callbacks.TerminateOnNaN() to stop at the first non-finite loss.",
+                stacklevel=6,
+            )
+        if totals.skipped_run is None:  # no loss scale: no step is skipped
+            return
+        self.skipped_in_a_row = int(totals.skipped_run)
+        alarm = int(totals.skipped_alarm)
+        if alarm:
+            warnings.warn(
+                f"The last {SKIPPED_WARNING} steps (up to step {start_step + alarm}) were all skipped: their "
+                f"gradients were not finite at every loss scale down to {float(totals.skipped_scale):g}, so the "
+                "parameters did not change. The loss or the model overflows in fp16: use precision='bf16', lower "
+                "the learning rate, or look for a NaN in the data.",
+                stacklevel=6,
+            )
+
+    def validate_every(self, step: int) -> None:
+        """``validation_interval``: after every N-th step is dispatched, validate on its state."""
+        validation = self.config.validation
+        if self.every is None or validation is None or step % self.every:
+            return
+        self.session.validating(step)
+        try:
+            val_logs = self.loop.evaluate(*validation, self.callbacks)
+        finally:
+            self.session.validating(None)
+        self.validation_logs = {f"val_{k}": v for k, v in val_logs.items()}
+
+
+class EpochSteps:
+    """The dispatch of one epoch's spans: each placed, its begin hook called, trained, and
+    yielded with the totals after it (the epoch's totals live on the device, shaped by its first
+    host batch)."""
+
+    def __init__(self, run: FitRun, train_fn: Callable, items: Iterator[Span | None]):
+        self.run, self.train_fn, self.items = run, train_fn, items
+        self.epoch = run.session.position.epoch
+        self.totals: PackedTotals | None = None
+        self.first_host: PyTree = None
+        self.annotate = run.loop.annotate_steps or run.callbacks.annotates_steps
+
+    def place(self, item: Span | None) -> Span | None:
+        """A span of host batches on the devices: one stacked batch (``fused``) or a list."""
+        if item is None:
+            return None
+        strategy, batches, session = self.run.strategy, item.batches, self.run.session
+        placed = strategy.put_batches(batches) if item.fused else [strategy.put_batch(b) for b in batches]
+        if self.first_host is None:  # the first span's first host batch shapes the epoch's totals
+            self.first_host = batches_at(batches, 0) if item.fused else batches[0]
+        if session.batch_spec is None:  # one batch's shapes and shardings, for lowering
+            session.saw_batch(abstract(strategy.put_batch(batches_at(batches, 0)) if item.fused else placed[0]))
+        return item._replace(batches=placed)
+
+    def read(self) -> Span | Exception | None:
+        """The next placed span; an error of the data is kept (noted with where it happened)
+        and raised only after the span before it went through its hooks."""
+        try:
+            return self.place(next(self.items, None))
+        except Exception as error:  # noqa: BLE001 - the loader's own error, re-raised as it is
+            position = self.run.session.position
+            error.add_note(
+                f"trainkit: raised by the data while reading batch {position.batch} of epoch {self.epoch}; the "
+                f"trainer's state is that of step {position.step}, the last one run, and is intact."
+            )
+            return error
+
+    def start_totals(self) -> PackedTotals:
+        run = self.run
+        empty = run.steps.empty_totals("train", self.first_host)
+        return run.strategy.put_replicated(pack(empty.continuing(run.skipped_in_a_row)))
+
+    def dispatch(self) -> Iterator[tuple[StepRecord, PackedTotals]]:
+        """Each span trained, with its record and the totals after it. The host reads and places
+        the next span while the device runs this one; its step is dispatched only after this
+        span's hooks ran. A one-shot iterator is not read ahead: a stop would lose the batch read."""
+        run, epoch = self.run, self.epoch
+        session, batch_begin, read_ahead = run.session, run.callbacks.on_train_batch_begin, run.read_ahead
+        upcoming = self.read()
+        while upcoming is not None:
+            if isinstance(upcoming, Exception):
+                raise upcoming
+            placed, fused, steps, data_state = upcoming
+            totals = self.totals if self.totals is not None else self.start_totals()
+            done = session.position.step
+            record = StepRecord(done + steps, epoch, session.position.batch + steps - 1, steps)
+            if batch_begin.active:
+                session.about(record)
+                batch_begin(record.first_batch)
+            self.totals = totals = self.train(placed, fused, totals, record)
+            run.watchdog.progress(record.step)
+            session.moved(Position(epoch, record.batch + 1, record.step), data_state)
+            if run.every is not None:
+                run.validate_every(record.step)
+            upcoming = self.read() if read_ahead else None
+            yield record, totals
+            if run.done():
+                return
+            if not read_ahead:
+                upcoming = self.read()
+
+    def train(self, placed: Any, fused: bool, totals: PackedTotals, record: StepRecord) -> PackedTotals:
+        """The span's steps dispatched: one fused call, timed single steps while the tuner
+        decides, or one call per batch."""
+        run, session, annotate, train_fn = self.run, self.run.session, self.annotate, self.train_fn
+        if fused:
+            steps_fn = run.steps.function("train_steps")
+            with jax.profiler.StepTraceAnnotation("train", step_num=record.step) if annotate else _NO_TRACE:
+                state, totals = steps_fn(session.state, totals, placed)
+            session.stepped(state)
+        elif run.tuner is not None and run.tuner.steps is None:
+            for batch in placed:
+                totals = run.timed_step(train_fn, totals, batch)
+        else:
+            for number, batch in enumerate(placed, start=record.first_step):
+                with jax.profiler.StepTraceAnnotation("train", step_num=number) if annotate else _NO_TRACE:
+                    state, totals = train_fn(session.state, totals, batch)
+                session.stepped(state)
+        return totals

@@ -1,0 +1,77 @@
+"""Planning and tuning a trainer's setup without training it: the compiled memory ``plan`` of a
+sample batch (docs/strategies.md) and ``find_batch_size``, the largest batch whose compiled
+train step fits (docs/tuning.md). Functions of a :class:`~trainkit.program.setup.Setup`, which
+:class:`trainkit.Trainer`'s methods of the same names call.
+
+>>> import numpy as np, optax, flax.linen as nn, trainkit as tk
+>>> trainer = tk.Trainer(nn.Dense(2), loss="mse", optimizer=optax.sgd(0.1), strategy="single")
+>>> x, y = np.ones((8, 3), np.float32), np.ones((8, 2), np.float32)
+>>> find_batch_size(trainer.setup, x, y, max_batch_size=64, memory_limit=2**30, verbose=0).batch_size
+64
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+from trainkit import data as data_lib
+from trainkit import distributed
+from trainkit.core.tree import PyTree
+from trainkit.program import batch_size as batch_size_lib
+from trainkit.program import plan as plan_lib
+from trainkit.program.setup import Setup
+from trainkit.strategies import Strategy
+
+
+def plan(
+    setup: Setup,
+    sample_batch: Any,
+    *,
+    batch_size: int | None = None,
+    candidates: Sequence[Strategy] | None = None,
+    measure: bool = False,
+    memory_limit: int | None = None,
+    steps: int = plan_lib.MEASURE_STEPS,
+    verbose: int = 1,
+) -> plan_lib.MemoryPlan:
+    """:meth:`trainkit.Trainer.plan`: the sample batch (any form ``fit`` takes) prepared and
+    the train step (predict step without targets) compiled under each candidate."""
+    prepared = data_lib.prepare(sample_batch, batch_size=batch_size, default_batch_size=None)
+    options = {"measure": measure, "memory_limit": memory_limit, "steps": steps}
+    return setup.plan(prepared, candidates, verbose=verbose, **options)
+
+
+def find_batch_size(
+    setup: Setup,
+    x: Any,
+    y: PyTree = None,
+    *,
+    max_batch_size: int = 2**16,
+    memory_limit: int | None = None,
+    powers_of_two: bool = True,
+    verbose: int = 1,
+) -> batch_size_lib.BatchSizeSearch:
+    """:meth:`trainkit.Trainer.find_batch_size`: the train step planned (compiled, never run)
+    at the sizes a bisection picks, under the setup's strategy or ``"auto"``'s candidates;
+    printed on the main process with ``verbose``."""
+    prepared = data_lib.prepare(x, y)
+    if setup.session.state is not None:
+        data_lib.check_same_inputs(setup.input_spec, prepared.spec)
+    trains = prepared.has_targets or setup.custom_loss
+    if prepared.has_targets:
+        setup.objective.build(prepared.first_y)
+    candidates = [setup.strategy] if setup.strategy is not None else setup.auto_candidates()
+    unit = math.lcm(*(c.num_batch_shards for c in candidates)) * setup.program.grad_accum_steps
+    sizes = batch_size_lib.candidate_sizes(unit, int(max_batch_size), powers_of_two)
+
+    def plan_at(size: int, limit: int) -> plan_lib.MemoryPlan:
+        batch = prepared.sample_batch(size)
+        return setup.program.plan(batch, candidates, trains=trains, memory_limit=limit, measure=False)
+
+    default_limit = plan_lib.device_memory_limit(candidates[0].devices)
+    result = batch_size_lib.search(plan_at, sizes, memory_limit, default_limit)
+    if verbose and distributed.is_main_process():
+        print(f"find_batch_size: {result}")
+    return result
