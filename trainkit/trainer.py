@@ -215,7 +215,7 @@ class Trainer:
         """Writes the state (or only the variables) and the manifest to ``filepath`` (orbax) at
         the current step and returns it, once on disk. An existing step is replaced, or with
         ``overwrite=False`` refused; non-finite parameters are refused unless ``allow_non_finite``."""
-        options = {"max_to_keep": max_to_keep, "weights_only": weights_only, "overwrite": overwrite}
+        options: dict[str, Any] = {"max_to_keep": max_to_keep, "weights_only": weights_only, "overwrite": overwrite}
         state, step = self.setup.require_state(), self.global_step
         checkpoint_lib.save(filepath, step, state, self.manifest(), allow_non_finite=allow_non_finite, **options)
         return step
@@ -239,7 +239,7 @@ class Trainer:
 
     def compiled_text(self, sample_batch: Any = None) -> str:
         """The train step as partitioned HLO, with the collectives the compiler inserted."""
-        return debug.lower_train_step(self, self.setup.placed_sample(sample_batch)).compile().as_text()
+        return str(debug.lower_train_step(self, self.setup.placed_sample(sample_batch)).compile().as_text())
 
     def plan(
         self,
@@ -256,8 +256,8 @@ class Trainer:
         per-device bytes, flops, collective bytes, estimated (or ``measure``d) step time, for
         ``batch_size`` (default: an array's rows, 32 rows of a source, an iterable's batch);
         the recommended row is ``"auto"``'s pick (docs/strategies.md)."""
-        options = {"candidates": candidates, "measure": measure, "memory_limit": memory_limit, "steps": steps}
-        return tuning.plan(self.setup, sample_batch, batch_size=batch_size, verbose=verbose, **options)
+        options: dict[str, Any] = {"candidates": candidates, "measure": measure, "memory_limit": memory_limit}
+        return tuning.plan(self.setup, sample_batch, batch_size=batch_size, steps=steps, verbose=verbose, **options)
 
     def export(self, filepath: str | os.PathLike, format: str = "jax", verbose: bool = True, **options: Any) -> None:
         """Keras 3's ``model.export``: ``predict``'s function (eval mode, the precision policy) with a
@@ -278,8 +278,8 @@ class Trainer:
         """The largest global batch (a multiple of what the strategy splits; powers of two) whose
         compiled train step fits ``memory_limit`` (default: the device's) less the plan's
         headroom; found by compiling, never by an OOM; the same on every process (docs/tuning.md)."""
-        options = {"max_batch_size": max_batch_size, "memory_limit": memory_limit, "powers_of_two": powers_of_two}
-        return tuning.find_batch_size(self.setup, x, y, verbose=verbose, **options)
+        options: dict[str, Any] = {"max_batch_size": max_batch_size, "memory_limit": memory_limit}
+        return tuning.find_batch_size(self.setup, x, y, powers_of_two=powers_of_two, verbose=verbose, **options)
 
     def find_learning_rate(
         self,
@@ -295,8 +295,8 @@ class Trainer:
         """Lightning's range test: ``steps`` batches at rates rising from ``min_lr`` to ``max_lr``;
         returns ``lrs``, smoothed ``losses``, the ``suggestion`` (steepest descent) and ``plot(path)``.
         The state, optimizer state and step count are restored exactly (docs/tuning.md)."""
-        options = {"min_lr": min_lr, "max_lr": max_lr, "steps": steps, "early_stop_threshold": early_stop_threshold}
-        return lr_finder.find_learning_rate(self, x, y, batch_size=batch_size, **options)
+        options: dict[str, Any] = {"min_lr": min_lr, "max_lr": max_lr, "early_stop_threshold": early_stop_threshold}
+        return lr_finder.find_learning_rate(self, x, y, batch_size=batch_size, steps=steps, **options)
 
     def fit(
         self,
@@ -330,19 +330,13 @@ class Trainer:
             **{"max_steps": max_steps, "shuffle": shuffle, "seed": self.seed, "validation_freq": validation_freq},
             **{"validation_interval": validation_interval, "validation_steps": validation_steps},
         )
-        prepared, config = self.setup.prepare_fit(
-            config,
-            x,
-            y,
-            sample_weight,
-            batch_size,
-            **{"validation_data": validation_data, "validation_split": validation_split},
-            **{"validation_batch_size": validation_batch_size, "class_weight": class_weight, "announce": bool(verbose)},
-        )
+        options: dict[str, Any] = {"validation_data": validation_data, "validation_split": validation_split}
+        options.update(validation_batch_size=validation_batch_size, class_weight=class_weight, announce=bool(verbose))
+        prepared, config = self.setup.prepare_fit(config, x, y, sample_weight, batch_size, **options)
         callback_list = self._callbacks(callbacks, verbose, config.steps, epochs, fit=True)
-        self.history = callback_list.history
+        self.history = history = callback_list.require_history()
         self.loop.fit(prepared.source, prepared.batch_size, callback_list, config)
-        return self.history
+        return history
 
     def _callbacks(self, callbacks: Iterable[Callback] | None, verbose, steps, epochs=1, fit=False) -> CallbackList:
         """Keras's callback list: fit adds ``History`` and, verbose on the main process, the bar."""
@@ -372,8 +366,8 @@ class Trainer:
         size the devices can split; returns that batch's loss and metrics like :meth:`evaluate`."""
         size = self.setup.one_batch_size(x)
         options = {"sample_weight": sample_weight, "class_weight": class_weight, "shuffle": False, "verbose": 0}
-        self.fit(x, y, batch_size=size, epochs=1, **options)
-        return self.objective.keras_result({k: v[-1] for k, v in self.history.history.items()}, return_dict)
+        history = self.fit(x, y, batch_size=size, epochs=1, **options)
+        return self.objective.keras_result({k: v[-1] for k, v in history.history.items()}, return_dict)
 
     def test_on_batch(self, x: Any, y: PyTree = None, sample_weight: PyTree = None, return_dict: bool = False) -> Any:
         """The loss and metrics of exactly these rows (Keras's ``test_on_batch``)."""

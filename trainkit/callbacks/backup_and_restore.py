@@ -11,6 +11,7 @@ import logging
 import os
 import signal
 import threading
+from typing import Any
 
 from trainkit import distributed
 from trainkit.callbacks.base import Callback, Logs
@@ -60,12 +61,12 @@ class BackupAndRestore(Callback):
         self.delete_checkpoint = delete_checkpoint
         self.checkpointer: Checkpointer | None = None
         self.restored_step: int | None = None
-        self._previous_handler = None
+        self._previous_handler: Any = None  # signal.signal's previous handler
 
     def on_train_begin(self, logs: Logs | None = None) -> None:
         self.checkpointer = Checkpointer(self.backup_dir, max_to_keep=2 if self.double_checkpoint else 1)
         self.restored_step = None
-        self._checked = self.trainer.global_step - 1  # the last step a save was decided for
+        self._checked = self.model.global_step - 1  # the last step a save was decided for
         steps = sorted(self.checkpointer.steps(), reverse=True)
         set_aside = self.checkpointer.set_aside() if not steps else []
         if set_aside:
@@ -77,7 +78,7 @@ class BackupAndRestore(Callback):
         for index, step in enumerate(steps):
             self._check_backup(step)
             try:
-                manifest = self.trainer.load(self.checkpointer, step)
+                manifest = self.model.load(self.checkpointer, step)
             except CheckpointError:
                 if index + 1 == len(steps):
                     raise
@@ -96,6 +97,7 @@ class BackupAndRestore(Callback):
             )
             self.restored_step = self._checked = saved["global_step"]
             start = self.session.start
+            assert start is not None  # set by resume_at just above
             logger.info(  # routine, as Keras (silent) resumes; logging.getLogger("trainkit") at INFO shows it
                 "BackupAndRestore: resuming from step %d (epoch %d, batch %d) in %s.",
                 self.restored_step,
@@ -107,12 +109,17 @@ class BackupAndRestore(Callback):
         if threading.current_thread() is threading.main_thread():
             self._previous_handler = signal.signal(signal.SIGTERM, self._on_sigterm)
 
+    def _open(self) -> Checkpointer:
+        if self.checkpointer is None:
+            raise RuntimeError("BackupAndRestore has no checkpointer: on_train_begin opens it.")
+        return self.checkpointer
+
     def _check_backup(self, step: int) -> None:
         """Before anything is loaded: a backup holds the whole state (resuming from weights
         alone would restart the optimizer and its schedule while the loop continues at the
         saved step) and a valid position."""
         try:
-            manifest = self.checkpointer.manifest(step)
+            manifest = self._open().manifest(step)
         except Exception:  # noqa: BLE001 - unreadable: trainer.load reports it (and falls back)
             return
         if manifest.get("contents") == "weights":
@@ -128,15 +135,15 @@ class BackupAndRestore(Callback):
         self.session.preempt()
 
     def _save(self, wait: bool = False) -> None:
-        trainer = self.trainer
-        self.checkpointer.save(trainer.global_step, trainer.state, trainer.manifest(), wait=wait)
+        trainer = self.model
+        self._open().save(trainer.global_step, trainer.session.require_state(), trainer.manifest(), wait=wait)
 
     def execution_cap(self) -> int | None:
-        return None if self.save_freq.per_epoch else self.save_freq.value
+        return self.save_freq.period
 
     def on_train_batch_begin(self, batch: int, logs: Logs | None = None) -> None:
-        self.checkpointer.poll()  # a failed background write surfaces at once
-        step = self.trainer.global_step  # the live state is at that step
+        self._open().poll()  # a failed background write surfaces at once
+        step = self.model.global_step  # the live state is at that step
         if self.save_freq.step_due(step, since=self._checked):  # at or after a multiple
             self._save()
         self._checked = step
@@ -154,12 +161,12 @@ class BackupAndRestore(Callback):
         self._restore_handler()
         if self.session.preempted:
             self._save(wait=True)
-            self.checkpointer.close()
+            self._open().close()
             logger.warning(
-                "BackupAndRestore: backup of step %d written to %s; exiting.", self.trainer.global_step, self.backup_dir
+                "BackupAndRestore: backup of step %d written to %s; exiting.", self.model.global_step, self.backup_dir
             )
             return
-        self.checkpointer.close()
+        self._open().close()
         if self.delete_checkpoint and distributed.is_main_process():
             remove_checkpoints(self.backup_dir)
 

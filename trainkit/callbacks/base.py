@@ -197,8 +197,9 @@ class MonitorCallback(Callback):
         in Keras, since guessing would silently watch the wrong direction."""
         name = self.monitor.removeprefix("val_")
         directions = self.trainer.objective.directions if self.trainer is not None else {}
-        if directions.get(name) is not None:
-            return directions[name]
+        direction = directions.get(name)
+        if direction is not None:
+            return direction
         what = "a metric of your own" if name in directions else f"not among the metrics ({', '.join(directions)})"
         raise ValueError(
             f"{type(self).__name__} received monitor={self.monitor!r} with mode='auto', but {name!r} is {what}, "

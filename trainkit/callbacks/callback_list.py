@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 from trainkit.callbacks.base import _ALIASES, _BATCH_END, Callback, Logs, overrides
 from trainkit.callbacks.history import History
 from trainkit.callbacks.progress import ProgressBar
+from trainkit.loop.hooks import Hook
 
 if TYPE_CHECKING:  # for the type checker only: nothing imports trainer.py at run time
     from trainkit.trainer import Trainer
@@ -65,7 +66,7 @@ def _not_a_callback(callback: Any) -> str:
 Bound = list[tuple[Callback, Callable[..., Any]]]  # each callback implementing a hook, with its method
 
 
-class Dispatcher:
+class Dispatcher(Hook):
     """One hook of a :class:`CallbackList`: called on each callback that implements it, in
     list order, with a fresh dict of sorted ``logs`` (as Keras's ``pythonify_logs`` passes:
     every callback of one call sees the same dict, so one may add a key for the next).
@@ -75,7 +76,7 @@ class Dispatcher:
         self.bound = bound
         self.active = bool(bound)
 
-    def __call__(self, logs: Logs | None = None) -> None:
+    def __call__(self, logs: Logs | None = None) -> None:  # type: ignore[override]
         logs = _keras_logs(logs)
         for _, fn in self.bound:
             fn(logs)
@@ -147,21 +148,21 @@ class CallbackList:
             if params is not None:
                 callback.set_params(params)
         self.async_train, self.async_test, self.async_predict = (self._runs_ahead(kind) for kind in _BATCH_END)
-        self.on_train_begin = Dispatcher(self._bound("on_train_begin"))
-        self.on_train_end = Dispatcher(self._bound("on_train_end"))
-        self.on_epoch_begin = IndexedDispatcher(self._bound("on_epoch_begin"))
-        self.on_epoch_end = IndexedDispatcher(self._bound("on_epoch_end"))
-        self.on_train_batch_begin = IndexedDispatcher(self._bound("on_train_batch_begin"))
-        self.on_train_batch_end = BatchEndDispatcher(self._bound("on_train_batch_end"))
-        self.on_test_begin = Dispatcher(self._bound("on_test_begin"))
-        self.on_test_end = Dispatcher(self._bound("on_test_end"))
-        self.on_test_batch_begin = IndexedDispatcher(self._bound("on_test_batch_begin"))
-        self.on_test_batch_end = BatchEndDispatcher(self._bound("on_test_batch_end"))
-        self.on_predict_begin = Dispatcher(self._bound("on_predict_begin"))
-        self.on_predict_end = Dispatcher(self._bound("on_predict_end"))
-        self.on_predict_batch_begin = IndexedDispatcher(self._bound("on_predict_batch_begin"))
-        self.on_predict_batch_end = BatchEndDispatcher(self._bound("on_predict_batch_end"))
-        self.on_exception = ExceptionDispatcher(self._bound("on_exception"))
+        self.on_train_begin: Hook = Dispatcher(self._bound("on_train_begin"))
+        self.on_train_end: Hook = Dispatcher(self._bound("on_train_end"))
+        self.on_epoch_begin: Hook = IndexedDispatcher(self._bound("on_epoch_begin"))
+        self.on_epoch_end: Hook = IndexedDispatcher(self._bound("on_epoch_end"))
+        self.on_train_batch_begin: Hook = IndexedDispatcher(self._bound("on_train_batch_begin"))
+        self.on_train_batch_end: Hook = BatchEndDispatcher(self._bound("on_train_batch_end"))
+        self.on_test_begin: Hook = Dispatcher(self._bound("on_test_begin"))
+        self.on_test_end: Hook = Dispatcher(self._bound("on_test_end"))
+        self.on_test_batch_begin: Hook = IndexedDispatcher(self._bound("on_test_batch_begin"))
+        self.on_test_batch_end: Hook = BatchEndDispatcher(self._bound("on_test_batch_end"))
+        self.on_predict_begin: Hook = Dispatcher(self._bound("on_predict_begin"))
+        self.on_predict_end: Hook = Dispatcher(self._bound("on_predict_end"))
+        self.on_predict_batch_begin: Hook = IndexedDispatcher(self._bound("on_predict_batch_begin"))
+        self.on_predict_batch_end: Hook = BatchEndDispatcher(self._bound("on_predict_batch_end"))
+        self.on_exception: Hook = ExceptionDispatcher(self._bound("on_exception"))
 
     def _runs_ahead(self, kind: str) -> bool:
         """Every callback implementing a batch-end hook of ``kind`` is ``async_safe``."""
@@ -175,6 +176,12 @@ class CallbackList:
             for c in self.callbacks
             if overrides(c, hook) or (alias is not None and overrides(c, alias))
         ]
+
+    def require_history(self) -> History:
+        """The ``History`` that ``fit`` returns (a list made with ``add_history``)."""
+        if self.history is None:
+            raise RuntimeError("This callback list has no History: it was made for evaluate or predict.")
+        return self.history
 
     @staticmethod
     def checked(callbacks: Iterable[Callback] | None) -> list[Callback]:

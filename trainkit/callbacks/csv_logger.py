@@ -13,6 +13,7 @@ from __future__ import annotations
 import collections.abc
 import csv
 import os
+from typing import Any
 
 import numpy as np
 
@@ -42,10 +43,10 @@ class CSVLogger(Callback):
         self.sep = separator
         self.filename = os.fspath(filename)
         self.append = append
-        self.writer = None
+        self.writer: Any = None  # a csv.DictWriter once the header is known
         self.keys: list[str] | None = None
         self.append_header = True
-        self.csv_file = None
+        self.csv_file: Any = None  # the open file while a fit runs
 
     def on_train_begin(self, logs: Logs | None = None) -> None:
         self._close()

@@ -18,7 +18,7 @@ class History(Callback):
     With ``fit(validation_interval=N)``, ``validations`` lists one dict per validation:
     ``{"step": s, "val_loss": ..., ...}`` (the epoch logs carry the latest one)."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.history: dict[str, list[float]] = {}
         self.epoch: list[int] = []
         self.validations: list[dict] = []

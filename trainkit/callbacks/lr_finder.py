@@ -101,7 +101,7 @@ class RangeTest(Callback):
         self.model.learning_rate = float(self.lrs[epoch])
 
     def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
-        self.raw.append(float(logs["loss"]))
+        self.raw.append(float((logs or {})["loss"]))
         smoothed = smooth(self.raw, self.beta)
         best = float(np.min(smoothed))
         if not math.isfinite(smoothed[-1]) or (
@@ -130,7 +130,9 @@ def find_learning_rate(
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 2:
         raise ValueError(f"steps must be an integer of at least 2; received {steps!r}.")
     trainer.init(x if y is None else (x, y))
-    optimizers.require_learning_rate(trainer.state.opt_state)  # no inject_hyperparams: refused before any step
+    optimizers.require_learning_rate(
+        trainer.session.require_state().opt_state
+    )  # no inject_hyperparams: refused before any step
     lrs = np.geomspace(min_lr, max_lr, steps)
     test = RangeTest(lrs, early_stop_threshold, smoothing)
     history = trainer.history

@@ -70,6 +70,7 @@ class ModelCheckpoint(MonitorCallback):
         self.save_best_only = save_best_only
         self.save_weights_only = save_weights_only
         self.save_freq = SaveFrequency(save_freq, "ModelCheckpoint").value
+        self._period = SaveFrequency(save_freq, "ModelCheckpoint").period
         if max_to_keep is not None and (not isinstance(max_to_keep, int) or max_to_keep < 1):
             raise ValueError(f"max_to_keep must be a positive integer or None; received {max_to_keep!r}.")
         self.max_to_keep = max_to_keep
@@ -128,7 +129,7 @@ class ModelCheckpoint(MonitorCallback):
         return self.save_freq != "epoch"
 
     def execution_cap(self) -> int | None:
-        return None if self.save_freq == "epoch" else self.save_freq
+        return self._period
 
     def on_train_batch_end(self, batch: int, logs: Logs | None = None) -> None:
         if self._should_save_on_batch(batch):
@@ -147,7 +148,7 @@ class ModelCheckpoint(MonitorCallback):
             add = batch - self._last_batch_seen
         self._batches_seen_since_last_saving += add
         self._last_batch_seen = batch
-        if self._batches_seen_since_last_saving >= self.save_freq:
+        if self._period is not None and self._batches_seen_since_last_saving >= self._period:
             self._batches_seen_since_last_saving = 0
             return True
         return False
@@ -192,7 +193,7 @@ class ModelCheckpoint(MonitorCallback):
         loss = logs.get("loss")
         if loss is not None and not math.isfinite(loss):
             warnings.warn(
-                f"ModelCheckpoint: not saving step {self.trainer.global_step} to {filepath}: the loss is "
+                f"ModelCheckpoint: not saving step {self.model.global_step} to {filepath}: the loss is "
                 f"{loss}. The last good checkpoint stays.",
                 stacklevel=3,
             )
@@ -208,7 +209,7 @@ class ModelCheckpoint(MonitorCallback):
         return self._open[filepath]
 
     def _write(self, filepath: str) -> None:
-        trainer = self.trainer
+        trainer = self.model
         checkpointer = self._checkpointer(filepath)
         step = trainer.global_step
         stale = [s for s in checkpointer.steps() if s > step or (s == step and checkpointer.last_saved != step)]
@@ -216,14 +217,16 @@ class ModelCheckpoint(MonitorCallback):
             logger.warning("ModelCheckpoint: replacing the checkpoint(s) of step(s) %s in %s.", stale, filepath)
             for old in stale:
                 checkpointer.delete(old)
-        checkpointer.save(step, trainer.state, trainer.manifest(), weights_only=self.save_weights_only)
+        checkpointer.save(
+            step, trainer.session.require_state(), trainer.manifest(), weights_only=self.save_weights_only
+        )
         if not self._templated:
             return
         if filepath in self.saved_paths:
             self.saved_paths.remove(filepath)
         self.saved_paths.append(filepath)
-        for old in list(self._open)[:-2]:  # older formatted paths: finish their writes
-            self._open.pop(old).close()
+        for older in list(self._open)[:-2]:  # older formatted paths: finish their writes
+            self._open.pop(older).close()
         if self.max_to_keep is not None:
             while len(self.saved_paths) > self.max_to_keep:
                 oldest = self.saved_paths.pop(0)

@@ -13,7 +13,7 @@ import os
 import time
 import warnings
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import jax
 import numpy as np
@@ -65,7 +65,7 @@ def _step(session: Session) -> int:
 def _due(session: Session, every: int | str) -> bool:
     """Whether a batch hook's execution covered a multiple of ``every`` steps (each step with
     ``steps_per_execution=1``; never for ``"epoch"``)."""
-    if every == "epoch":
+    if isinstance(every, str):  # "epoch"
         return False
     record = session.record
     return record.covers_multiple(every) if record is not None else session.position.step % every == 0
@@ -88,7 +88,7 @@ class _Rate(Callback):
         self._mark: tuple[int, float] | None = None
 
     def _start_meter(self) -> None:
-        trainer = self.trainer
+        trainer = self.model
         devices = jax.devices()
         flops = None
         try:
@@ -107,7 +107,7 @@ class _Rate(Callback):
     def _learning_rate(self) -> dict[str, float]:
         """``{"learning_rate": ...}`` when the optimizer injects it, else ``{}``."""
         try:
-            return {"learning_rate": self.trainer.learning_rate}
+            return {"learning_rate": self.model.learning_rate}
         except ValueError:  # the optimizer does not expose it (optimizers.require_learning_rate)
             return {}
 
@@ -195,7 +195,7 @@ class Logging(_Rate):
         return _due(self.session, self.update_freq)
 
     def execution_cap(self) -> int | None:
-        return None if self.update_freq == "epoch" else self.update_freq
+        return None if isinstance(self.update_freq, str) else self.update_freq
 
     def on_train_batch_end(self, batch: int, logs: Logs | None = None) -> None:
         step = _step(self.session)
@@ -211,7 +211,7 @@ class Logging(_Rate):
         if not distributed.is_main_process():
             return
         train, validation = _split_runs(logs or {})
-        step = self.trainer.global_step
+        step = self.model.global_step
         if self.update_freq == "epoch":
             self._send(step, {**train, **self._extras(), "epoch": epoch}, "train")
         if validation:
@@ -255,17 +255,17 @@ class Profiler(Callback):
             loggers.check_log_dir(self.log_dir, "Profiler")
 
     def on_train_batch_begin(self, batch: int, logs: Logs | None = None) -> None:
-        record = self.session.record  # the steps this batch (or execution) covers
+        record = self.session.require_record()  # the steps this batch (or execution) covers
         if record.first_step <= self.steps[0] <= record.step and not self.tracing and distributed.is_main_process():
             jax.profiler.start_trace(self.log_dir, create_perfetto_trace=True)
             self.tracing = True
 
     def on_train_batch_end(self, batch: int, logs: Logs | None = None) -> None:
-        if self.tracing and self.trainer.global_step >= self.steps[1]:
+        if self.tracing and self.model.global_step >= self.steps[1]:
             self._stop()
 
     def _stop(self) -> None:
-        jax.block_until_ready(self.trainer.state)
+        jax.block_until_ready(self.model.state)
         if self.memory_profile:
             jax.profiler.save_device_memory_profile(os.path.join(self.log_dir, "memory.prof"))
         jax.profiler.stop_trace()
@@ -316,7 +316,8 @@ class TensorBoard(_Rate):
             profile_batch = (profile_batch, profile_batch) if profile_batch > 0 else (0, 0)
         # Keras profiles into the train run's directory: log_dir/train/plugins/profile/<time>/
         train_dir = os.path.join(self.log_dir, "train")
-        self.profiler = Profiler(train_dir, tuple(profile_batch)) if any(profile_batch) else None
+        steps = profile_batch if isinstance(profile_batch, tuple) else (0, 0)
+        self.profiler = Profiler(train_dir, steps) if any(steps) else None
         self.board: loggers.TensorBoardLogger | None = None
 
     @property
@@ -333,10 +334,10 @@ class TensorBoard(_Rate):
     def execution_cap(self) -> int | None:
         if self.profiler is not None:
             return 1
-        return None if self.update_freq == "epoch" else self.update_freq
+        return None if isinstance(self.update_freq, str) else self.update_freq
 
     def on_train_begin(self, logs: Logs | None = None) -> None:
-        self.meter, self._mark, self._epoch_mark = None, None, None
+        self.meter, self._mark, self._epoch_mark = None, None, cast(tuple[int, float] | None, None)
         if self.profiler is not None:
             self.profiler.set_trainer(self.trainer)
         if distributed.is_main_process():
@@ -344,7 +345,7 @@ class TensorBoard(_Rate):
             self.board.log_hparams(run_config(self.trainer))
 
     def on_epoch_begin(self, epoch: int, logs: Logs | None = None) -> None:
-        self._epoch_mark = (self.trainer.global_step, time.perf_counter())
+        self._epoch_mark = (self.model.global_step, time.perf_counter())
 
     def on_train_batch_begin(self, batch: int, logs: Logs | None = None) -> None:
         if self.profiler is not None:
@@ -362,18 +363,18 @@ class TensorBoard(_Rate):
     def on_test_end(self, logs: Logs | None = None) -> None:
         if self.board is not None and logs:  # Keras's tag, at the optimizer step
             tagged = {f"evaluation_{name}_vs_iterations": value for name, value in logs.items()}
-            self.board.log_metrics(self.trainer.global_step, tagged, "validation", prefix="")
+            self.board.log_metrics(self.model.global_step, tagged, "validation", prefix="")
 
     def on_epoch_end(self, epoch: int, logs: Logs | None = None) -> None:
         self.histograms = None
         if self.histogram_freq and epoch % self.histogram_freq == 0:  # a gather: every process takes part
-            self.histograms = _named_leaves(self.trainer.params)
+            self.histograms = _named_leaves(self.model.params)
         if self.board is None:
             return
         train, validation = _split_runs(logs or {})
         extras = self._learning_rate()
         if self.meter is not None and self._epoch_mark is not None:
-            steps, seconds = self.trainer.global_step - self._epoch_mark[0], time.perf_counter() - self._epoch_mark[1]
+            steps, seconds = self.model.global_step - self._epoch_mark[0], time.perf_counter() - self._epoch_mark[1]
             extras.update(self.meter.rates(steps, seconds))
             if self.write_steps_per_second and seconds > 0:
                 extras["steps_per_second"] = steps / seconds

@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 import time
+from typing import Any
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
@@ -59,11 +60,12 @@ class ProgressBar(Callback):
         self.verbose = verbose
         self.console = console
         self._progress: Progress | None = None
-        self._task = None
+        self._task: Any = None  # rich's TaskID of the running epoch
         self._epochs: int | None = None
         self._steps: int | None = None
         self._seen, self._next_draw = 0, 0.0  # batches done this epoch; when the bar redraws next
-        self._started, self._after_first = 0.0, None  # the epoch's start; (batches, time) after its first
+        self._started = 0.0  # the epoch's start
+        self._after_first: tuple[int, float] | None = None  # (batches, time) after its first
 
     def set_params(self, params: dict | None) -> None:
         super().set_params(params)
@@ -119,7 +121,7 @@ class ProgressBar(Callback):
         if now < self._next_draw:
             return
         self._next_draw = now + REFRESH_SECONDS
-        k = self.trainer.steps_per_execution if self.trainer is not None else None  # "auto" picks it
+        k = self.model.steps_per_execution if self.trainer is not None else None  # "auto" picks it
         self._progress.update(self._task, completed=self._seen, metrics=format_logs(logs), k=k)
 
     def on_epoch_end(self, epoch: int, logs: Logs | None = None) -> None:
@@ -127,7 +129,7 @@ class ProgressBar(Callback):
             self._progress.update(self._task, completed=self._seen, total=self._seen, metrics="")
             self._progress.stop()
             self._progress = None
-            self.console.print(f"  {format_logs(logs)}", highlight=False, soft_wrap=True)
+            (self.console or Console()).print(f"  {format_logs(logs)}", highlight=False, soft_wrap=True)
         elif self.verbose == 2 and self.console is not None:
             self.console.print(self._keras_line(logs), highlight=False, soft_wrap=True)
 

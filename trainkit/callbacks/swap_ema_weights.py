@@ -23,8 +23,8 @@ class SwapEMAWeights(Callback):
         self._ema_weights_in_model = False
 
     def _swap(self) -> None:
-        trainer = self.trainer
-        state = trainer.state
+        trainer = self.model
+        state = trainer.session.require_state()
         ema = optimizers.ema_params(state.opt_state)
         if ema is None:
             raise ValueError(
@@ -35,11 +35,11 @@ class SwapEMAWeights(Callback):
 
     def _finalize(self) -> None:
         """The average follows the (swapped-in) parameters: the model keeps the EMA weights."""
-        state = self.trainer.state
-        self.trainer.update_state(opt_state=optimizers.replace_ema(state.opt_state, state.params))
+        state = self.session.require_state()
+        self.model.update_state(opt_state=optimizers.replace_ema(state.opt_state, state.params))
 
     def on_train_begin(self, logs: Logs | None = None) -> None:
-        if optimizers.ema_params(self.trainer.state.opt_state) is None:
+        if optimizers.ema_params(self.session.require_state().opt_state) is None:
             self._swap()  # raises the explanation before the first step
         self._ema_weights_in_model = False
 
@@ -52,7 +52,7 @@ class SwapEMAWeights(Callback):
         if self.swap_on_epoch and not self._ema_weights_in_model:
             self._swap()
             self._ema_weights_in_model = True
-            if epoch == self.params["epochs"] - 1:
+            if epoch == (self.params or {}).get("epochs", 0) - 1:
                 self._finalize()
 
     def on_test_begin(self, logs: Logs | None = None) -> None:

@@ -36,7 +36,7 @@ class TerminateOnNaN(Callback):
         loss = (logs or {}).get("loss")
         if loss is None or math.isfinite(loss) or self.stopped_step is not None:
             return
-        record = self.session.record
+        record = self.session.require_record()
         step = record.step
         if record.steps > 1:  # one hook for several steps: name the first that went wrong
             step, batch, loss = first_non_finite(self.session) or (step, batch, loss)

@@ -27,13 +27,14 @@ class SaveFrequency:
                 f"(a number of batches) for {who}."
             )
         self.value = save_freq
+        self.period: int | None = None if isinstance(save_freq, str) else save_freq  # None: at epoch ends
 
     @property
     def per_epoch(self) -> bool:
-        return self.value == "epoch"
+        return self.period is None
 
     def step_due(self, step: int, since: int | None = None) -> bool:
         """Whether a multiple of the frequency lies in ``(since, step]`` (default: ``step``
         itself is one)."""
         since = step - 1 if since is None else since
-        return not self.per_epoch and step > 0 and step // self.value > since // self.value
+        return self.period is not None and step > 0 and step // self.period > since // self.period

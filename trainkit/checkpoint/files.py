@@ -17,6 +17,7 @@ import os
 import shutil
 import sys
 import warnings
+from typing import Any
 
 from trainkit.checkpoint.checkpointer import Checkpointer, CheckpointError, all_finite
 from trainkit.core.tree import PyTree
@@ -60,7 +61,7 @@ def restore(
     """The checkpoint's state (the latest, or ``step``) in the shardings of ``target``, and its
     manifest; a directory is opened read-only and closed again."""
     own = not isinstance(directory, Checkpointer)
-    checkpointer = Checkpointer(directory, read_only=True) if own else directory
+    checkpointer = directory if isinstance(directory, Checkpointer) else Checkpointer(directory, read_only=True)
     try:
         return checkpointer.restore(target, step)
     finally:
@@ -84,7 +85,9 @@ def remove_checkpoints(directory: str | os.PathLike) -> None:
     def failed(function, path, error) -> None:
         failures.append(f"{path} ({error[1] if isinstance(error, tuple) else error})")
 
-    on_error = {"onexc" if sys.version_info >= (3, 12) else "onerror": failed}  # onerror is deprecated in 3.12
+    on_error: dict[str, Any] = {
+        "onexc" if sys.version_info >= (3, 12) else "onerror": failed
+    }  # onerror is deprecated in 3.12
     path = os.fspath(directory)
     if os.path.islink(path):
         target = os.path.realpath(path)

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import functools
 import inspect
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple, Protocol
 
 import jax
@@ -46,7 +46,9 @@ def _shapes(tree: PyTree) -> PyTree:
 
 
 class ModelAdapter(Protocol):
-    """What the rest of trainkit needs from a model."""
+    """What the rest of trainkit needs from a model (``module``: the user's own)."""
+
+    module: Any
 
     def init(self, rng: jax.Array, x: PyTree) -> tuple[PyTree, PyTree]: ...
 
@@ -153,10 +155,11 @@ class NNXModel:
 
     def __init__(self, module: nnx.Module):
         self.module = module
-        self._graphdef, self._params, self._rng_state, self._rest = nnx.split(module, nnx.Param, nnx.RngState, ...)
+        parts: tuple[Any, ...] = nnx.split(module, nnx.Param, nnx.RngState, ...)
+        self._graphdef, self._params, self._rng_state, self._rest = parts
         self._parameters = _call_parameters(type(module).__call__)
 
-    def init(self, rng: jax.Array, x: PyTree) -> tuple[PyTree, PyTree]:
+    def init(self, rng: jax.Array | None, x: PyTree) -> tuple[PyTree, PyTree]:
         del rng, x  # an NNX module is initialised when it is constructed
         return nnx.to_pure_dict(self._params), nnx.to_pure_dict(self._rest)
 
@@ -223,7 +226,7 @@ def param_axes(adapter: ModelAdapter, x: PyTree) -> dict[str, tuple]:
     return adapter.param_axes(x)
 
 
-def under_logical_rules(fn: Callable, mesh: jax.sharding.Mesh, rules: list) -> Callable:
+def under_logical_rules(fn: Callable, mesh: jax.sharding.Mesh, rules: Sequence) -> Callable:
     """``fn`` traced with ``mesh`` as the abstract mesh (``jax.sharding.use_abstract_mesh``:
     ``jax.set_mesh`` may not be entered under ``jit``) and Flax's logical axis ``rules``
     active, so ``nn.with_logical_constraint`` on activations constrains them on this mesh."""

@@ -113,7 +113,7 @@ class EmaState(NamedTuple):
 
     inner_state: PyTree
     ema: PyTree
-    count: jax.Array
+    count: jax.Array  # type: ignore[assignment]  # the field's name is in saved checkpoints
 
 
 def with_ema(tx: optax.GradientTransformation, momentum: float = 0.99) -> optax.GradientTransformation:

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any, Self
 
 import flax.struct
 import jax
@@ -33,6 +33,10 @@ from trainkit.core.tree import PyTree
 class NoLossScale:
     """No loss scaling (fp32 and bf16): every method is the identity, so the compiled step has
     no scaling or finiteness work at all."""
+
+    if TYPE_CHECKING:  # flax.struct.dataclass adds it
+
+        def replace(self, **changes: Any) -> Self: ...
 
     def scale(self, loss: jax.Array) -> jax.Array:
         return loss
@@ -52,6 +56,10 @@ class NoLossScale:
 class StaticLossScale:
     """A fixed scale: the loss is multiplied by ``scale`` before differentiation, the gradients
     divided by it, and a step whose gradients are not finite is skipped."""
+
+    if TYPE_CHECKING:  # flax.struct.dataclass adds it
+
+        def replace(self, **changes: Any) -> Self: ...
 
     loss_scale: jax.Array
 
@@ -84,7 +92,11 @@ class DynamicLossScale(StaticLossScale):
     steps in a row (the shape of DeepMind's ``jmp.DynamicLossScale``); kept in
     ``TrainState.loss_scale``, so it is checkpointed."""
 
-    good_steps: jax.Array = None
+    if TYPE_CHECKING:  # flax.struct.dataclass adds it
+
+        def replace(self, **changes: Any) -> Self: ...
+
+    good_steps: jax.Array = None  # type: ignore[assignment]  # set by create()
     growth_interval: int = flax.struct.field(pytree_node=False, default=2000)
     factor: float = flax.struct.field(pytree_node=False, default=2.0)
     min_scale: float = flax.struct.field(pytree_node=False, default=1.0)

@@ -140,6 +140,18 @@ class Session:
         "_batch_spec",
         "_validating_at",
     )
+    _state: TrainState | None
+    _position: Position
+    _record: StepRecord | None
+    _carry: EpochCarry | None
+    _data_state: Any
+    _resume_state: Any
+    _start: Position | None
+    _stop_requested: bool
+    _preempted: bool
+    _fit: FitView
+    _batch_spec: PyTree
+    _validating_at: int | None
 
     def __init__(self) -> None:
         self.restore(Snapshot())
@@ -163,6 +175,12 @@ class Session:
     @property
     def record(self) -> StepRecord | None:
         """The batch (or execution) the running batch hook is about."""
+        return self._record
+
+    def require_record(self) -> StepRecord:
+        """The record of the batch the running hook is about (a batch hook of ``fit``)."""
+        if self._record is None:
+            raise RuntimeError("No batch is being trained: the record exists inside fit's batch hooks.")
         return self._record
 
     @property

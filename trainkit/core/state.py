@@ -9,7 +9,7 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import TYPE_CHECKING, Any, Self
 
 import flax.struct
 import jax
@@ -35,6 +35,10 @@ class TrainState:
         loss_scale: the loss-scale state of the precision policy
             (:class:`trainkit.core.precision.NoLossScale` unless fp16).
     """
+
+    if TYPE_CHECKING:  # flax.struct.dataclass adds it
+
+        def replace(self, **changes: Any) -> Self: ...
 
     step: jax.Array
     params: PyTree

@@ -15,7 +15,7 @@ split into batches.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any, Self
 
 import clu.metrics
 import flax.struct
@@ -73,8 +73,7 @@ def batch_state(fn: MetricFn, predictions, targets, *, mask, weights) -> clu.met
     """One batch's state of the metric ``fn``: a :class:`WeightedAverage` of its per-row values
     (rows counted by ``weights`` for a :class:`Weighted` metric, else once each), or the state a
     :class:`BatchMetric` builds itself."""
-    weighted = isinstance(fn, Weighted)
-    inner, counted = (fn.fn, weights) if weighted else (fn, mask)
+    inner, counted = (fn.fn, weights) if isinstance(fn, Weighted) else (fn, mask)
     if isinstance(inner, BatchMetric):
         return inner.batch_state(predictions, targets, mask=counted, weights=weights)
     values = jnp.asarray(fn(predictions, targets), jnp.float32)
@@ -162,6 +161,10 @@ class EpochTotals:
     (3, 2, nan)
     """
 
+    if TYPE_CHECKING:  # flax.struct.dataclass adds it
+
+        def replace(self, **changes: Any) -> Self: ...
+
     metrics: dict
     steps: jax.Array  # steps merged
     first_non_finite: jax.Array  # the first step whose loss was not finite
@@ -176,9 +179,10 @@ class EpochTotals:
         """Host zeros for metrics shaped as ``metrics_spec`` (one step's metrics or their
         ``jax.eval_shape``)."""
         zeros = jax.tree.map(lambda s: np.zeros(s.shape, s.dtype), metrics_spec)
-        counter = np.int32(0)
-        skipped = (counter, counter, np.float32(0)) if "loss_scale" in metrics_spec else (None, None, None)
-        return cls(zeros, counter, counter, np.float32(0), *skipped)
+        counter: Any = np.int32(0)  # host zeros where the step carries device arrays
+        zero: Any = np.float32(0)
+        skipped = (counter, counter, zero) if "loss_scale" in metrics_spec else (None, None, None)
+        return cls(zeros, counter, counter, zero, *skipped)
 
     def continuing(self, skipped_run: int) -> EpochTotals:
         """These totals with a run of skipped steps carried over from the last epoch."""
@@ -197,6 +201,7 @@ class EpochTotals:
         new_bad = (self.first_non_finite == 0) & ~jnp.isfinite(loss.total)
         run, alarm, scale = self.skipped_run, self.skipped_alarm, self.skipped_scale
         if "loss_scale" in metrics:  # a loss scale skips steps with non-finite gradients
+            assert run is not None and alarm is not None and scale is not None  # carried with a loss scale
             run = jnp.where(loss.count == 0, run + 1, 0)
             raised = (alarm == 0) & (run == SKIPPED_WARNING)
             alarm = jnp.where(raised, index, alarm)
@@ -227,6 +232,10 @@ class PackedTotals:
     ([((5,), 'uint32')], 0)
     """
 
+    if TYPE_CHECKING:  # flax.struct.dataclass adds it
+
+        def replace(self, **changes: Any) -> Self: ...
+
     arrays: tuple
     layout: Any = flax.struct.field(pytree_node=False)  # (treedef, ((array index, offset, shape, dtype), ...))
 
@@ -252,8 +261,8 @@ def _storage(dtype: np.dtype) -> np.dtype:
 def _to_bits(leaf: Any, storage: np.dtype) -> Any:
     """A leaf flattened, its bits as ``storage`` (bool as 0 / 1)."""
     if isinstance(leaf, (np.ndarray, np.generic)):
-        flat = np.ascontiguousarray(leaf).reshape(-1)
-        return flat.astype(storage) if flat.dtype == np.bool_ else flat.view(storage)
+        host = np.ascontiguousarray(leaf).reshape(-1)
+        return host.astype(storage) if host.dtype == np.bool_ else host.view(storage)
     flat = jnp.reshape(leaf, (-1,))
     return flat.astype(storage) if flat.dtype == jnp.bool_ else jax.lax.bitcast_convert_type(flat, storage)
 
@@ -269,7 +278,8 @@ def pack(totals: EpochTotals) -> PackedTotals:
     leaves, treedef = jax.tree.flatten(totals)
     storages = tuple(sorted({_storage(np.dtype(leaf.dtype)) for leaf in leaves}, key=str))
     xp = np if all(isinstance(leaf, (np.ndarray, np.generic)) for leaf in leaves) else jnp
-    places, parts = [], [[] for _ in storages]
+    places: list[tuple[int, int, tuple[int, ...], str]] = []
+    parts: list[list[Any]] = [[] for _ in storages]
     sizes = [0] * len(storages)
     for leaf in leaves:
         dtype = np.dtype(leaf.dtype)

@@ -27,7 +27,7 @@ from trainkit.data.batching import (
     take,
     to_host,
 )
-from trainkit.data.source import DataSource, Source
+from trainkit.data.source import Source
 
 #: The largest batch (bytes of x and y) that the loop assembles in its own thread.
 QUICK_BATCH_BYTES = 256 * 1024
@@ -38,7 +38,7 @@ class ArrayDataset(Source):
 
     def __init__(self, x: PyTree, y: PyTree = None, sample_weight: PyTree = None):
         x, y, sample_weight = to_host(x), to_host(y), to_host(sample_weight)
-        self.num_examples = check_lengths({"x": x, "y": y, "sample_weight": sample_weight})
+        self.num_examples: int = check_lengths({"x": x, "y": y, "sample_weight": sample_weight})
         self.x, self.y = x, y
         checks.numeric(self.x, "x")
         checks.numeric(self.y, "y")
@@ -99,7 +99,7 @@ class ArrayDataset(Source):
             yield pad_batch(x, y, w, local)
 
 
-def _arrays_only(dataset: DataSource, what: str) -> ArrayDataset:
+def _arrays_only(dataset: Source, what: str) -> ArrayDataset:
     if not isinstance(dataset, ArrayDataset):
         raise ValueError(
             f"{what} is only supported for arrays (x, y[, sample_weight]); received an iterable of batches. "
@@ -108,13 +108,13 @@ def _arrays_only(dataset: DataSource, what: str) -> ArrayDataset:
     return dataset
 
 
-def split_validation(dataset: DataSource, validation_split: float) -> tuple[ArrayDataset, ArrayDataset]:
+def split_validation(dataset: Source, validation_split: float) -> tuple[ArrayDataset, ArrayDataset]:
     """Keras's ``validation_split``: the last ``validation_split`` fraction of the rows (before
     any shuffling) becomes the validation set."""
-    dataset = _arrays_only(dataset, "validation_split")
+    arrays = _arrays_only(dataset, "validation_split")
     if not 0.0 < validation_split < 1.0:
         raise ValueError(f"validation_split must be between 0 and 1; received {validation_split!r}.")
-    n = dataset.num_examples
+    n = arrays.num_examples
     split_at = int(np.floor(n * (1.0 - validation_split)))
     if split_at in (0, n):
         raise ValueError(
@@ -125,23 +125,23 @@ def split_validation(dataset: DataSource, validation_split: float) -> tuple[Arra
     part = lambda tree, rows: None if tree is None else jax.tree.map(lambda a: a[rows], tree)  # noqa: E731
     train, val = slice(0, split_at), slice(split_at, n)
     return (
-        ArrayDataset(part(dataset.x, train), part(dataset.y, train), part(dataset.sample_weight, train)),
-        ArrayDataset(part(dataset.x, val), part(dataset.y, val), part(dataset.sample_weight, val)),
+        ArrayDataset(part(arrays.x, train), part(arrays.y, train), part(arrays.sample_weight, train)),
+        ArrayDataset(part(arrays.x, val), part(arrays.y, val), part(arrays.sample_weight, val)),
     )
 
 
-def with_class_weight(dataset: DataSource, class_weight: dict) -> ArrayDataset:
+def with_class_weight(dataset: Source, class_weight: dict) -> ArrayDataset:
     """Keras's ``class_weight``: every row weighted by its class (integer labels, ``(B, 1)``
     labels or one-hot targets), 1.0 for classes not in the dict."""
-    dataset = _arrays_only(dataset, "class_weight")
+    arrays = _arrays_only(dataset, "class_weight")
     if not isinstance(class_weight, Mapping):
         raise ValueError(f"class_weight must be a dict of class index -> weight; received {class_weight!r}.")
-    if dataset.sample_weight is not None:
+    if arrays.sample_weight is not None:
         raise ValueError(
             "You cannot use `class_weight` and `sample_weight` at the same time: fold the class "
             "weights into sample_weight."
         )
-    if dataset.y is None or len(jax.tree.leaves(dataset.y)) != 1:
+    if arrays.y is None or len(jax.tree.leaves(arrays.y)) != 1:
         raise ValueError("class_weight needs one array of targets; for several outputs pass sample_weight.")
     try:
         weights = {int(k): float(v) for k, v in class_weight.items()}
@@ -149,9 +149,9 @@ def with_class_weight(dataset: DataSource, class_weight: dict) -> ArrayDataset:
         raise ValueError(
             f"class_weight keys must be class indices (integers); received {list(class_weight)}."
         ) from None
-    y = np.asarray(jax.tree.leaves(dataset.y)[0])
+    y = np.asarray(jax.tree.leaves(arrays.y)[0])
     if y.ndim > 1:
         y = np.argmax(y, axis=-1) if y.shape[-1] != 1 else y[..., 0]
     classes = np.round(y).astype(np.int64).reshape(len(y))
     sample_weight = np.array([weights.get(int(c), 1.0) for c in classes], np.float32)
-    return ArrayDataset(dataset.x, dataset.y, sample_weight)
+    return ArrayDataset(arrays.x, arrays.y, sample_weight)

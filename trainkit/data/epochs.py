@@ -14,10 +14,10 @@ from collections.abc import Iterator
 from typing import Any
 
 from trainkit.data.batching import Batch
-from trainkit.data.source import DataSource
+from trainkit.data.source import Source
 
 
-def epoch_steps(dataset: DataSource, batch_size: int, steps_per_epoch: int | None, epochs: int) -> int | None:
+def epoch_steps(dataset: Source, batch_size: int, steps_per_epoch: int | None, epochs: int) -> int | None:
     """Batches per epoch: the data's, capped by ``steps_per_epoch``; ``None`` when unknown (an
     iterable without ``len``), which a one-shot iterator allows only for one epoch."""
     steps = dataset.steps(batch_size)
@@ -31,7 +31,7 @@ def epoch_steps(dataset: DataSource, batch_size: int, steps_per_epoch: int | Non
     return steps
 
 
-def continues_across_epochs(dataset: DataSource, batch_size: int, steps_per_epoch: int | None) -> bool:
+def continues_across_epochs(dataset: Source, batch_size: int, steps_per_epoch: int | None) -> bool:
     """Keras's rule: with ``steps_per_epoch`` below the batches of one pass (arrays, or a
     re-iterable with a length), the next epoch continues the pass (see :func:`epoch_batches`)."""
     if steps_per_epoch is None or dataset.one_shot:
@@ -41,7 +41,7 @@ def continues_across_epochs(dataset: DataSource, batch_size: int, steps_per_epoc
 
 
 def epoch_batches(
-    dataset: DataSource,
+    dataset: Source,
     batch_size: int,
     epoch: int,
     first: int,
@@ -68,6 +68,7 @@ def epoch_batches(
         limit = None if steps is None else max(steps - first, 0)
         return itertools.islice(dataset.batches(batch_size, epoch=epoch, start=first, **options), limit)
     per_pass = dataset.steps(batch_size)
+    assert per_pass is not None and steps is not None  # continuing: a sized dataset and steps_per_epoch
     passes, part = divmod(epoch, -(-per_pass // steps))
     start, end = part * steps + first, min((part + 1) * steps, per_pass)
     return itertools.islice(dataset.batches(batch_size, epoch=passes, start=start, **options), max(end - start, 0))

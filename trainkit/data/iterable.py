@@ -84,7 +84,8 @@ class IterableDataset(Source):
         self.iterable = iterable
         self.convert = convert or (lambda element: element)
         self.one_shot = iter(iterable) is iterable
-        self._iterator = self._current = iter(iterable)
+        self._iterator = iter(iterable)
+        self._current: Any = self._iterator  # grain's iterators also have get_state / set_state
         # elements read but not trained on, served first: a one-shot iterator's are kept with
         # it, so a later fit on the same generator serves them too
         self._backlog = backlog_of(self._iterator) if self.one_shot else Backlog()
@@ -117,7 +118,7 @@ class IterableDataset(Source):
         return self._first[1] is not None
 
     @property
-    def checkpointable(self) -> bool:
+    def checkpointable(self) -> bool:  # type: ignore[override]  # a class attribute on Source
         """Whether the iterator saves and restores its own position (grain's iterators)."""
         return hasattr(self._current, "get_state") and hasattr(self._current, "set_state")
 

@@ -29,10 +29,11 @@ class _Raised:
 def _delivered(item: Any, items: queue.Queue) -> Any:
     """A queued item as the consumer gets it: the end (``StopIteration``, and every later call
     ends too), the reader's error raised in order, or the item."""
-    if item is _END or isinstance(item, _Raised):
+    if item is _END:
         items.put(_END)
-        if item is _END:
-            raise StopIteration
+        raise StopIteration
+    if isinstance(item, _Raised):
+        items.put(_END)
         raise item.error
     return item
 
@@ -121,7 +122,8 @@ class ReadAhead:
     """
 
     def __init__(self, iterator: Iterator, depth: int, handed_back: list):
-        self.iterator, self.handed_back = iterator, handed_back
+        self.iterator: Iterator | None = iterator
+        self.handed_back = handed_back
         self._stopped = False
         self._lock = threading.Lock()  # the queue and the hand-back change together
         self._slots = threading.Semaphore(max(depth, 1))
@@ -136,12 +138,14 @@ class ReadAhead:
             self.iterator = None  # the iterator's backlog may outlive this reader, not keep it alive
 
     def _read_all(self) -> None:
+        iterator = self.iterator
+        assert iterator is not None  # dropped only once reading ends
         while True:
             while not self._slots.acquire(timeout=0.05):
                 if self._stopped:
                     return
             try:
-                item = next(self.iterator)
+                item = next(iterator)
             except StopIteration:
                 item = _END
             except BaseException as error:  # noqa: BLE001 - raised by the consumer, in order

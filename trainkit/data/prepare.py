@@ -62,7 +62,8 @@ class Prepared(NamedTuple):
         size = self.batch_size if batch_size is None else batch_size
         if size > num_rows(x):  # a larger plan batch than the first batch read: read that many
             x, y, w = self.source.first(size)
-        return pad_batch(*(None if t is None else take(t, slice(0, size)) for t in (x, y, w)), size)
+        x, y, w = (None if t is None else take(t, slice(0, size)) for t in (x, y, w))
+        return pad_batch(x, y, w, size)
 
 
 def as_dataset(data: Any, y: PyTree = None, sample_weight: PyTree = None) -> Source:
@@ -136,7 +137,7 @@ def prepare(
         if batch_size is not None and batch_size != own:
             raise ValueError(
                 f"batch_size={batch_size} was given, but the iterable yields batches of "
-                f"{source.batch_size} rows; an iterable's batches set the batch size. "
+                f"{own} rows; an iterable's batches set the batch size. "
                 "Drop batch_size, or re-batch the iterable."
             )
         batch_size = own

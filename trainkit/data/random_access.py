@@ -127,7 +127,7 @@ class RandomAccessSource(Source):
             raise ValueError("Name the input column(s) with x= when naming y= or sample_weight= columns.")
         self.source, self.columns, self.workers = source, (x, y, sample_weight), workers
         self._pool: Any = None
-        self.num_examples = len(source)
+        self.num_examples: int = len(source)
         if self.num_examples == 0:
             raise ValueError("The dataset is empty (0 rows); pass at least one example.")
         x0, y0, _ = self._first = self._rows(np.arange(1))
@@ -215,7 +215,7 @@ class RandomAccessSource(Source):
             return
         import concurrent.futures.process
 
-        pool, pending = self._worker_pool(), collections.deque()
+        pool, pending = self._worker_pool(), collections.deque[Any]()
         workers: dict = {}  # pid -> process, kept: a broken executor forgets its dead workers
         try:
             for rows in batches_rows:  # at most two batches per worker in flight

@@ -54,7 +54,8 @@ def executions(
     after it; ``state`` is the position after the span's last batch. ``room(i)``: how many
     steps may run, uncut, from the ``i``-th batch read here on. An error of the data is raised
     after the span of the batches read before it."""
-    read, current = 0, size if callable(size) else (lambda: size)
+    read, fixed = 0, size
+    current: Callable[[], int] = fixed if callable(fixed) else (lambda: fixed)
     while True:
         size = current()  # steps_per_execution="auto" may change it between spans
         if size == 1:  # one batch per call: nothing to group or cut

@@ -22,7 +22,7 @@ def write_problem(directory: str | os.PathLike, probe_bytes: int = 0) -> str | N
     synced, so a full disk shows too."""
     try:
         os.makedirs(directory, exist_ok=True)
-        with tempfile.NamedTemporaryFile(dir=directory, prefix=".trainkit-probe-") as probe:
+        with tempfile.NamedTemporaryFile(dir=os.fspath(directory), prefix=".trainkit-probe-") as probe:
             if probe_bytes:
                 probe.write(b"0" * probe_bytes)
                 probe.flush()

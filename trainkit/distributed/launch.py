@@ -25,6 +25,7 @@ import sys
 import threading
 import time
 from collections.abc import Sequence
+from typing import Any
 
 #: Seconds the other processes get to exit after SIGTERM before they are killed.
 GRACE_SECONDS = 5.0
@@ -104,15 +105,19 @@ def launch(command: Sequence[str], nproc: int, devices_per_proc: int | None = No
         raise ValueError(f"--nproc must be at least 1; received {nproc}.")
     port = port or free_port()
     lock = threading.Lock()
-    processes, relays, errors = [], [], {}
+    processes: list[subprocess.Popen] = []
+    relays: list[threading.Thread] = []
+    errors: dict[int, tuple] = {}
     received: list[int] = []
-    previous = {}
+    previous: dict[signal.Signals, Any] = {}
     if threading.current_thread() is threading.main_thread():
         for signum in (signal.SIGTERM, signal.SIGINT):
             previous[signum] = signal.signal(signum, lambda number, frame: received.append(number))
     try:
         for index in range(nproc):
-            env = build_env(os.environ, process_id=index, nproc=nproc, port=port, devices_per_proc=devices_per_proc)
+            env = build_env(
+                dict(os.environ), process_id=index, nproc=nproc, port=port, devices_per_proc=devices_per_proc
+            )
             process = subprocess.Popen(
                 list(command),
                 env=env,

@@ -71,7 +71,7 @@ def environment_settings(env: dict | None = None) -> tuple[str, int, int] | None
     >>> environment_settings({"MASTER_ADDR": "node0", "MASTER_PORT": "29500", "WORLD_SIZE": "4", "RANK": "2"})
     ('node0:29501', 4, 2)
     """
-    env = os.environ if env is None else env
+    env = dict(os.environ) if env is None else env
     count = env.get("JAX_NUM_PROCESSES") or env.get("WORLD_SIZE")
     index = env.get("JAX_PROCESS_ID") or env.get("RANK")
     if env.get("JAX_COORDINATOR_ADDRESS"):
@@ -92,6 +92,7 @@ def environment_settings(env: dict | None = None) -> tuple[str, int, int] | None
             f"The environment sets {source} but not {' and '.join(missing)}: a multi-process job needs the "
             "coordinator address, the number of processes and this process's index. Set all three (or none)."
         )
+    assert count is not None and index is not None  # checked just above
     return address, int(count), int(index)
 
 
@@ -231,7 +232,7 @@ def fetch(tree: Any) -> Any:
     for leaf in leaves:  # every copy under way before the first wait (cheaper than jax.device_get)
         if isinstance(leaf, jax.Array):
             leaf.copy_to_host_async()
-    return treedef.unflatten([np.asarray(leaf) if isinstance(leaf, jax.Array) else leaf for leaf in leaves])
+    return jax.tree.unflatten(treedef, [np.asarray(leaf) if isinstance(leaf, jax.Array) else leaf for leaf in leaves])
 
 
 def check_same_configuration(config: dict[str, Any]) -> None:

@@ -20,6 +20,7 @@ import os
 import sys
 import threading
 import time
+from typing import Any
 
 import jax
 
@@ -43,7 +44,7 @@ class StallWatchdog:
 
     def __init__(self, timeout: float | None = None):
         self.timeout = float(os.environ.get("TRAINKIT_STALL_TIMEOUT", timeout or STALL_TIMEOUT))
-        self.client = _client() if jax.process_count() > 1 else None
+        self.client: Any = _client() if jax.process_count() > 1 else None  # JAX's coordination client
         self.active = self.client is not None
         self._step, self._moved = -1, time.monotonic()
         self._moved_at = time.time()  # wall-clock time of the last step (what peers compare)

@@ -24,7 +24,7 @@ def symbolic_inputs(spec: PyTree) -> PyTree:
     """``jax.ShapeDtypeStruct`` inputs of the per-example ``spec`` (:func:`trainkit.data.example_spec`)
     with one symbolic batch dimension shared by all of them."""
     (batch,) = jax.export.symbolic_shape(BATCH)
-    return abstract_inputs(spec, batch)
+    return abstract_inputs(spec, batch)  # type: ignore[arg-type]  # a symbolic dimension is a size
 
 
 def output_names(function: Callable, variables: PyTree, inputs: PyTree) -> list[str]:

@@ -63,5 +63,5 @@ def save(
 
     default = tf.function(serving_default, input_signature=flat_signature, autograph=False)
     tf.saved_model.save(module, str(path), signatures={"serving_default": default.get_concrete_function()})
-    size = sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(path) for f in files)
+    size = sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(str(path)) for f in files)
     return {"bytes": size, "inputs": in_names, "outputs": out_names}

@@ -141,6 +141,7 @@ class FitRun:
         """The epoch's :class:`~trainkit.data.spans.Span` s, assembled ahead like the loop's
         reader assembles batches; the data position is read in the same thread, right after each batch."""
         dataset = self.dataset
+        pairs: Iterator[tuple[PyTree, Any]]
         if dataset.checkpointable:
             pairs = ((batch, dataset.get_state()) for batch in batches)
         else:
@@ -218,6 +219,7 @@ class FitRun:
         if totals.skipped_run is None:  # no loss scale: no step is skipped
             return
         self.skipped_in_a_row = int(totals.skipped_run)
+        assert totals.skipped_alarm is not None and totals.skipped_scale is not None  # carried with a loss scale
         alarm = int(totals.skipped_alarm)
         if alarm:
             warnings.warn(

@@ -2,17 +2,18 @@
 the callbacks' hooks it calls (``Hooks``, a :class:`trainkit.callbacks.CallbackList`'s side).
 Both are protocols, so the loop imports neither the setup nor the callbacks.
 
->>> class NoHook:
-...     active = False
-...     def __call__(self, *args): ...
->>> isinstance(NoHook(), Hook)
-True
+>>> class Printed(Hook):
+...     active = True
+...     def __call__(self, *args, **kwargs):
+...         print("hook", *args)
+>>> Printed()(3)
+hook 3
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Protocol
 
 from trainkit.core.session import Session
 from trainkit.core.totals import EpochTotals
@@ -51,14 +52,14 @@ class CompiledSteps(Protocol):
         ...
 
 
-@runtime_checkable
-class Hook(Protocol):
-    """One hook of every callback that implements it; ``active``: whether any does (the loop
-    then builds its arguments)."""
+class Hook:
+    """One hook of every callback that implements it (a subclass's ``__call__`` takes the hook's
+    arguments); ``active``: whether any does (the loop then builds its arguments)."""
 
-    active: bool
+    active: bool = False
 
-    def __call__(self, *args: Any) -> None: ...
+    def __call__(self, *args: Any, **kwargs: Any) -> None:
+        raise NotImplementedError
 
 
 class Hooks(Protocol):
@@ -105,6 +106,6 @@ class LoopView(Protocol):
     max_in_flight: int
     annotate_steps: bool
 
-    def reader(self, dataset: Source, batches: Iterator, batch_size: int | None) -> Prefetcher: ...
+    def reader(self, dataset: Source, batches: Iterator, batch_size: int) -> Prefetcher: ...
 
     def evaluate(self, dataset: Any, batch_size: int, steps: int | None, callbacks: Hooks) -> dict[str, float]: ...

@@ -56,7 +56,7 @@ class Loop:
         ``config.epochs`` and returns the last epoch's logs (see :class:`~trainkit.loop.fit_run.FitRun`)."""
         return FitRun(self, dataset, batch_size, callbacks, config).run()
 
-    def reader(self, dataset: data_lib.Source, batches: Iterator, batch_size: int | None) -> Prefetcher:
+    def reader(self, dataset: data_lib.Source, batches: Iterator, batch_size: int) -> Prefetcher:
         """``batches`` assembled ahead in a background thread; in this thread, one batch at a
         time, when that is quicker (small in-memory batches) and for a one-shot iterator (a
         batch assembled ahead would be lost at a stop; its source reads its elements ahead

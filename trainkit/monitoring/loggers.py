@@ -217,7 +217,7 @@ class WandbLogger:
     def __init__(self, project: str = "trainkit", dir: str | os.PathLike = ".", mode: str = "offline", **init: Any):
         import wandb
 
-        self.run = wandb.init(project=project, dir=os.fspath(dir), mode=mode, reinit="create_new", **init)
+        self.run = wandb.init(project=project, dir=os.fspath(dir), mode=mode, reinit="create_new", **init)  # type: ignore[arg-type]
 
     def log_metrics(self, step: int, metrics: dict[str, float], run: str = "train") -> None:
         prefix = "val_" if run == "validation" else ""

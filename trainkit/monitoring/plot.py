@@ -18,14 +18,14 @@ import csv
 import math
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 #: Epoch-level logs that are not curves worth a panel.
 SKIPPED = ("epoch", "learning_rate", "steps_per_second", "examples_per_second", "tokens_per_second")
 
 
-def panels(series: dict[str, Sequence[float]]) -> dict[str, list[str]]:
+def panels(series: Mapping[str, Sequence[float]]) -> dict[str, list[str]]:
     """One panel per metric name (``val_`` twins with their training series), in log order."""
     grouped: dict[str, list[str]] = {}
     for name in series:
@@ -37,7 +37,7 @@ def panels(series: dict[str, Sequence[float]]) -> dict[str, list[str]]:
     return {base: sorted(grouped[base], key=lambda n: n.startswith("val_")) for base in order}
 
 
-def plot_curves(series: dict[str, Sequence[float]], path: str | os.PathLike, title: str | None = None) -> Any:
+def plot_curves(series: Mapping[str, Sequence[float]], path: str | os.PathLike, title: str | None = None) -> Any:
     """Draws ``series`` (``{"loss": [...], "val_loss": [...], ...}``, one value per epoch) to
     ``path`` (PNG) and returns the matplotlib figure: one panel per metric, a training line and
     a validation line (dashed) in each."""

@@ -53,7 +53,7 @@ def accuracy(predictions: jax.Array, targets: jax.Array, threshold: float = 0.0)
     return binary_accuracy(predictions, targets, threshold)
 
 
-def _at_threshold(fn: MetricFn, logits: bool) -> MetricFn:
+def _at_threshold(fn: Callable[..., jax.Array], logits: bool) -> MetricFn:
     if logits:
         return fn
     at_half = functools.partial(fn, threshold=0.5)
@@ -120,6 +120,11 @@ METRICS: dict[str, MetricFn] = {
 
 # Names whose function depends on whether the output holds logits (trainkit's convention for
 # names) or probabilities (the output's loss says from_logits=False, as Keras's default).
+def _stateful(cls: type, logits: bool) -> MetricFn:
+    """A stateful metric (AUC, precision, ...) reading logits or probabilities."""
+    return cls().with_space(logits)
+
+
 SPACE_METRICS: dict[str, Callable[[bool], MetricFn]] = {
     "accuracy": lambda logits: _at_threshold(accuracy, logits),
     "acc": lambda logits: _at_threshold(accuracy, logits),
@@ -128,7 +133,7 @@ SPACE_METRICS: dict[str, Callable[[bool], MetricFn]] = {
         kind: functools.partial(crossentropy.named, kind)
         for kind in ("binary_crossentropy", "categorical_crossentropy", "sparse_categorical_crossentropy")
     },
-    **{name: (lambda logits, cls=cls: cls().with_space(logits)) for name, cls in metric_states.STATEFUL.items()},
+    **{name: functools.partial(_stateful, cls) for name, cls in metric_states.STATEFUL.items()},
 }
 
 

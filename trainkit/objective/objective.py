@@ -184,7 +184,7 @@ class Objective:
         for name, key in zip(names, keys):
             spec = losses_by_name.get(name)
             fn = None if spec is None else losses.get_loss(spec)
-            loss_name = (
+            loss_name = str(
                 spec if isinstance(spec, str) else getattr(spec, "name", None) or getattr(fn, "__name__", "loss")
             )
             logits = True if spec is None else takes_logits(spec)
@@ -250,7 +250,7 @@ class Objective:
                 key = prefix(out, name)
                 key = prefix(out, f"weighted_{name}") if key in fns else key
                 fns[key], self.directions[key] = metrics_lib.Weighted(select(fn)), metrics_lib.direction(name)
-        terms: dict[str, Callable] = {}
+        terms: dict[str, Any] = {}
         if sum(out.loss is not None for out in self.outputs) > 1:
             loss = self.spec[0]  # Keras logs the outputs' losses in the order of a loss dict
             order = [str(k) for k in loss] if isinstance(loss, dict) else [out.name for out in self.outputs]
@@ -363,7 +363,7 @@ class Objective:
             flags = np.asarray(losses.looks_like_probabilities(outputs))
             if flags.size and flags.all():
                 name = repr(out.loss_name) + (f" (output {out.name!r})" if out.name else "")
-                found.append((name, losses.reading_probabilities(out.loss, outputs)))
+                found.append((name, losses.reading_probabilities(out.loss, outputs)))  # type: ignore[arg-type]
         return found
 
 

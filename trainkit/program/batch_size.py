@@ -118,6 +118,7 @@ def search(
             "memory_limit."
         )
     best = plans[sizes[index]].recommended
+    assert best is not None  # the size fits: it has a recommended row
     needed = {}
     for size, plan in plans.items():
         rows = [r for r in plan.rows if r.error is None]

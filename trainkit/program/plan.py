@@ -74,7 +74,7 @@ _THROUGHPUT = {"cpu": (5e10, 1e10, 5e9), "gpu": (5e13, 2e12, 1e11), "tpu": (1e14
 
 def collective_traffic(hlo_text: str) -> tuple[int, dict[str, int]]:
     """Bytes produced by the collectives of a compiled HLO module, and how many of each kind."""
-    total, counts = 0, {}
+    total, counts = 0, dict[str, int]()
     for match in _COLLECTIVE.finditer(hlo_text):
         sizes = [
             _DTYPE_BYTES[dtype] * math.prod(int(d) for d in dims.split(",") if d)
@@ -422,7 +422,7 @@ def plan_step(
         abstract = jax.tree.map(
             lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract_state, shardings
         )
-        function = compile_step(strategy, abstract)
+        function: Any = compile_step(strategy, abstract)  # jitted or pmapped: it lowers
         placed = jax.tree.map(
             lambda a: jax.ShapeDtypeStruct(np.shape(a), a.dtype, sharding=strategy.replicated()), totals
         )
@@ -434,7 +434,7 @@ def plan_step(
         arguments = (abstract, placed) if trains else (abstract,)  # the totals as training places them
         return function.lower(*arguments, strategy.put_batch(strategy.local_rows(host_batch))), function
 
-    host_state = []  # built once (sharded, by the first candidate that needs it), then copied
+    host_state: list[Any] = []  # built once (sharded, by the first candidate that needs it), then copied
 
     def the_host_state(strategy: Strategy):
         if not host_state:

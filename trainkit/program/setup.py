@@ -136,7 +136,7 @@ class Setup:
                 f"run_eagerly=True runs each step op by op on one device, but the strategy is {chosen.describe()}, "
                 "which compiles the step across devices. Pass strategy='single' (or leave strategy='auto') to debug."
             )
-        self.auto = chosen if isinstance(chosen, Auto) else None
+        self.auto: Auto | None = chosen if isinstance(chosen, Auto) else None
         if deterministic and steps_per_execution == "auto":
             raise ValueError(
                 "steps_per_execution='auto' picks by timing the first steps, which differs from run to run, and "
@@ -145,7 +145,7 @@ class Setup:
             )
         if deterministic and self.auto is not None and self.auto.measure:  # ranked by estimate, not by timing
             self.auto = Auto(self.auto.memory_limit, measure=False, candidates=self.auto.candidates)
-        strategy_now = None if self.auto else chosen  # "auto": set by the plan
+        strategy_now = chosen if isinstance(chosen, Strategy) else None  # "auto": set by the plan
         # "auto": 1 until the loop timed the first steps and picked (see trainkit.loop.tuning)
         tunes = steps_per_execution == "auto" and not program.eager
         steps = check_steps_per_execution(1 if steps_per_execution == "auto" else steps_per_execution, strategy_now)
@@ -351,7 +351,7 @@ class Setup:
 
     def prepare_run(
         self, data: Any, y: PyTree, sample_weight: PyTree, batch_size: int | None, steps: int | None, *, targets: bool
-    ) -> tuple[data_lib.Source, int, int]:
+    ) -> tuple[data_lib.Source, int, int | None]:
         """``evaluate``'s input (``targets``) or ``predict``'s prepared: its source, batch size
         and the number of steps the run takes."""
         data_lib.check_positive(steps=steps)
@@ -385,18 +385,19 @@ class Setup:
             source, validation_data = data_lib.split_validation(source, validation_split)
         if class_weight is not None:
             source = data_lib.with_class_weight(source, class_weight)
-        options = {"targets": True, "training": True, "announce": announce, "config": config.loop_settings()}
-        prepared = self.prepare(source, batch_size=batch_size, **options)
+        settings = config.loop_settings()
+        prepared = self.prepare(
+            source, batch_size=batch_size, targets=True, training=True, announce=announce, config=settings
+        )
         source, batch_size = prepared.source, prepared.batch_size
         validation = None
         if validation_data is not None:
             checked = data_lib.as_dataset(validation_data)
             data_lib.check_validation_runs(checked, config.validation_runs(), config.validation_steps)
             own_size = isinstance(checked, data_lib.IterableDataset)  # an iterable's batches are its own
-            checked = self.prepare(
-                checked, batch_size=validation_batch_size or (None if own_size else batch_size), targets=True
-            )
-            validation = Validation(checked.source, checked.batch_size, config.validation_steps)
+            size = validation_batch_size or (None if own_size else batch_size)
+            validating = self.prepare(checked, batch_size=size, targets=True)
+            validation = Validation(validating.source, validating.batch_size, config.validation_steps)
         return prepared, dataclasses.replace(
             config,
             steps=data_lib.epoch_steps(source, batch_size, config.steps_per_epoch, config.epochs),
@@ -514,7 +515,7 @@ class Setup:
         compiled or placed (also for ``evaluate`` and ``predict`` before ``fit``)."""
         if self.strategy is not None:
             return
-        auto = self.auto
+        auto = self.require_auto()
         key, remembered, under = self.remembered_pick(prepared)
         if remembered is not None:
             self.decide(strategy=remembered)
@@ -533,8 +534,8 @@ class Setup:
                 f"strategy=tk.strategies.Auto(memory_limit=...) or a strategy.\n{result}"
             )
         self.decide(strategy=best.strategy, plan=result)
-        under = None if result.initialised_under is None else plan_lib.short_name(result.initialised_under)
-        remembered_lib.remember(compile_cache.active_directory(), key, best.name, result.reason(), under)
+        built_by = None if result.initialised_under is None else plan_lib.short_name(result.initialised_under)
+        remembered_lib.remember(compile_cache.active_directory(), key, best.name, result.reason(), built_by)
         if best.function is not None and (prepared.has_targets or self.custom_loss):
             self._compiled["train"] = best.function  # compiled during the plan: not compiled again
         logger.info("strategy='auto' %s", result.reason())
@@ -543,13 +544,19 @@ class Setup:
 
     def auto_candidates(self) -> list[Strategy]:
         """The strategies ``"auto"`` chooses from: its own, or the default ones of all devices."""
-        return self.auto.candidates if self.auto.candidates is not None else plan_lib.default_candidates()
+        auto = self.require_auto()
+        return list(auto.candidates) if auto.candidates is not None else plan_lib.default_candidates()
+
+    def require_auto(self) -> Auto:
+        if self.auto is None:
+            raise RuntimeError("The strategy was given, not strategy='auto': there is nothing to choose.")
+        return self.auto
 
     def remembered_pick(self, prepared: data_lib.Prepared) -> tuple[str, Strategy | None, Strategy | None]:
         """The key of this setup's ``"auto"`` decision, the candidate an earlier run picked for it
         (``None``: none remembered, or not by every process alike) and the one whose
         initialisation built that run's state (``None``: the pick's own)."""
-        program, auto = self.program, self.auto
+        program, auto = self.program, self.require_auto()
         candidates = self.auto_candidates()
         devices = candidates[0].devices
         facts = {
@@ -569,7 +576,7 @@ class Setup:
         if len(set(map(str, distributed.gather_json([name, under])))) > 1:  # the processes must agree, or all plan
             name = under = None
         named = {plan_lib.short_name(c): c for c in candidates}
-        return key, named.get(name), named.get(under)
+        return key, None if name is None else named.get(name), None if under is None else named.get(under)
 
     # ------------------------------------------------------------------ compiled steps
     def function(self, kind: str) -> Callable:

@@ -93,7 +93,7 @@ def logical_spec(
             continue
         if name in mentioned:
             result[position] = None  # every rule for it was blocked by an axis already in use
-        elif name in axis_names and name not in used:
+        elif name is not None and name in axis_names and name not in used:
             result[position] = name
             used.add(name)
         else:
@@ -148,7 +148,7 @@ def check_rules(rules: Sequence[Rule], axis_names: Sequence[str]) -> list[tuple[
 
 
 def _spec_axes(spec: PartitionSpec) -> list[str]:
-    axes = []
+    axes: list[str] = []
     for entry in spec:
         if entry is None:
             continue

@@ -93,7 +93,7 @@ class Strategy:
         compile. ``"auto"`` calls it in a thread while it compiles the candidates' steps."""
         self._state_function(init_fn, *args).lower(*args).compile()
 
-    def _state_function(self, init_fn: Callable[..., PyTree], *args: PyTree) -> Callable:
+    def _state_function(self, init_fn: Callable[..., PyTree], *args: PyTree) -> Any:  # a jax.jit-wrapped function
         abstract = jax.eval_shape(init_fn, *args)
         return jax.jit(init_fn, out_shardings=self.state_sharding(abstract))
 

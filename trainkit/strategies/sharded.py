@@ -16,6 +16,7 @@ import copy
 import functools
 import math
 from collections.abc import Callable
+from typing import Any
 
 import jax
 import numpy as np
@@ -48,7 +49,8 @@ class ShardedStrategy(Strategy):
             raise ValueError(f"min_shard_size must be a positive integer; received {min_shard_size!r}.")
         self.min_shard_size = int(min_shard_size)
         self.rules = list(rules)
-        self._rules, self.logical_rules = _sharding.split_rules(self.rules, tuple(self._axis_sizes))
+        self._rules, logical = _sharding.split_rules(self.rules, tuple(self._axis_sizes))
+        self.logical_rules = tuple(logical)
         self.param_axes: dict[str, tuple] = {}  # the model's annotations (see with_annotations)
         self._mesh: Mesh | None = None
 
@@ -67,7 +69,7 @@ class ShardedStrategy(Strategy):
     def _resolve_sizes(self, count: int) -> dict[str, int]:
         """Fills in one ``None`` axis size from the device count; checks the product."""
         known = math.prod(v for v in self._axis_sizes.values() if v is not None)
-        sizes = dict(self._axis_sizes)
+        sizes: dict[str, Any] = dict(self._axis_sizes)
         missing = [k for k, v in sizes.items() if v is None]
         if missing:
             if count % known:
