@@ -7,8 +7,8 @@ the flags) is the session's, changed only through its methods.
 >>> import trainkit as tk, numpy as np, optax, flax.linen as nn
 >>> trainer = tk.Trainer(nn.Dense(1), loss="mse", optimizer=optax.sgd(0.1), strategy="single")
 >>> history = trainer.fit((np.ones((8, 2), np.float32), np.ones((8, 1), np.float32)), batch_size=4, verbose=0)
->>> trainer.session.position, trainer.session.record
-(Position(epoch=1, batch=0, step=2), StepRecord(step=2, epoch=0, batch=1, steps=1))
+>>> trainer.session.position, trainer.session.batch_size   # the run's state is the session's
+(Position(epoch=1, batch=0, step=2), 4)
 """
 
 from __future__ import annotations

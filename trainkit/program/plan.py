@@ -30,6 +30,7 @@ from rich.console import Console
 from rich.table import Table
 
 from trainkit import distributed
+from trainkit.core.state import TrainState
 from trainkit.data import check_batch_size
 from trainkit.strategies import FSDP, DataParallel, Hybrid, SingleDevice, Strategy
 
@@ -144,8 +145,8 @@ class PlanRow:
     fits: bool = False
     recommended: bool = False
     error: str | None = None
-    compiled: Any = dataclasses.field(default=None, repr=False)
-    function: Any = dataclasses.field(default=None, repr=False)  # the step that was lowered
+    compiled: jax.stages.Compiled | None = dataclasses.field(default=None, repr=False)
+    function: Callable[..., Any] | None = dataclasses.field(default=None, repr=False)  # the step that was lowered
 
     @property
     def total_bytes(self) -> int:
@@ -189,7 +190,7 @@ class MemoryPlan:
     rows: list[PlanRow]
     memory_limit: int
     measured: bool
-    initial_state: Any = None
+    initial_state: TrainState | None = None
     initialised_under: Strategy | None = None
     #: what was decided later on this plan's strategy (``steps_per_execution="auto"``'s pick), printed under it
     decided: dict[str, str] = dataclasses.field(default_factory=dict)

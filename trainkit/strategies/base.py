@@ -59,6 +59,9 @@ class Strategy:
     """
 
     axis_name: str | None = None
+    #: Whether it can train ``k`` stacked batches in one call (``steps_per_execution``): a
+    #: strategy that implements ``put_batches`` and compiles ``"train_steps"`` declares ``True``.
+    fuses_steps: bool = False
     #: Flax logical axis name -> mesh axes, for parameters annotated with
     #: ``nn.with_logical_partitioning`` and for ``nn.with_logical_constraint`` (none by default).
     logical_rules: tuple = ()
@@ -137,14 +140,6 @@ class Strategy:
         logical rules and returns itself."""
         return self
 
-    @property
-    def fuses_steps(self) -> bool:
-        """Whether it can train ``k`` stacked batches in one call (``steps_per_execution``):
-        it implements ``put_batches`` and compiles ``"train_steps"``."""
-        own = type(self)
-        return own.put_batches is not Strategy.put_batches and (
-            own.compile_train_steps is not Strategy.compile_train_steps or own.compile is not Strategy.compile
-        )
 
     def put_batch(self, host_batch: PyTree) -> PyTree:
         raise NotImplementedError
@@ -173,8 +168,8 @@ class Strategy:
     def _no_steps_per_execution(self) -> str:
         return (
             f"{type(self).__name__} does not implement put_batches and compile_train_steps, which "
-            "steps_per_execution > 1 needs. Implement both (see trainkit.strategies.ShardedStrategy), or use "
-            "steps_per_execution=1."
+            "steps_per_execution > 1 needs (it does not declare fuses_steps = True). Implement both and declare "
+            "fuses_steps = True on the class (see trainkit.strategies.ShardedStrategy), or use steps_per_execution=1."
         )
 
     def compile_eval(self, eval_fn: Callable, abstract_state: PyTree) -> Callable:

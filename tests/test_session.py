@@ -1,0 +1,110 @@
+"""The one holder of a run's state: ``trainkit.core.session.Session``. Its values are read-only
+from outside, change only through its methods, and come back whole from a snapshot; the trainer,
+the loop, the setup and the callbacks all see the same one."""
+
+import dataclasses
+
+import jax
+import numpy as np
+import optax
+import pytest
+
+import trainkit as tk
+from trainkit.core.session import FitView, Position, Session, Snapshot, StepRecord
+
+
+def test_a_snapshot_holds_every_value_of_the_session():
+    fields = tuple(f"_{field.name}" for field in dataclasses.fields(Snapshot))
+    assert fields == Session.__slots__  # restore() then puts back everything, nothing else is held
+
+
+def test_the_session_is_read_only_outside_its_methods():
+    session = Session()
+    for name in ("state", "position", "record", "stop_requested", "batch_size"):
+        with pytest.raises(AttributeError):
+            setattr(session, name, None)
+    with pytest.raises(AttributeError):
+        session.anything_else = 1  # slots: no attribute can be hung on it
+
+
+def test_snapshot_and_restore_round_trip_every_value():
+    session = Session()
+    session.begin_fit(FitView(batch_size=16, logged_names=("loss",)), Position(2, 0, 7))
+    session.resume_at(Position(2, 3, 9), saved_batch_size=16, data_state=[{"at": 3}])
+    session.about(StepRecord(step=10, epoch=2, batch=1))
+    session.request_stop()
+    saved = session.snapshot()
+    session.begin_fit(FitView(), Position())
+    session.preempt()
+    assert session.snapshot() != saved
+    session.restore(saved)
+    assert session.snapshot() == saved
+    assert session.start == Position(2, 3, 9)
+    assert (session.position.step, session.resume_state, session.stop_requested, session.preempted) == (
+        9,
+        {"at": 3},
+        True,
+        False,
+    )
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        saved.position = Position()  # type: ignore[misc]
+    with pytest.warns(UserWarning, match="The iterator restarts"):  # another batch size: by examples seen
+        session.resume_at(Position(2, 3, 9), saved_batch_size=8, data_state=[{"at": 3}])
+    assert session.start == Position(2, 1, 9) and session.resume_state is None
+
+
+def test_a_restore_moves_the_step_and_a_weights_edit_does_not():
+    import jax.numpy as jnp
+
+    state = tk.TrainState.create(params={"w": jnp.zeros(2)}, opt_state=(), model_state={}, seed=0)
+    session = Session()
+    session.replace_state(state.replace(step=jnp.asarray(5, jnp.int32)))
+    assert session.position.step == 5
+    session.replace_state(state, moves_position=False)
+    assert session.position.step == 5 and int(session.require_state().step) == 0
+
+
+def test_trainer_loop_setup_and_callbacks_share_one_session():
+    x = np.random.default_rng(0).normal(size=(32, 3)).astype("float32")
+    y = (x.sum(axis=1) > 0).astype("int32")
+    seen = []
+
+    class Watch(tk.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            seen.append((self.session is self.model.session, self.session.require_record().step))
+
+    trainer = tk.Trainer(_mlp(), **_args())
+    assert trainer.loop.session is trainer.session is trainer.setup.session
+    trainer.fit((x, y), batch_size=8, epochs=1, verbose=0, callbacks=[Watch()])
+    assert seen == [(True, 1), (True, 2), (True, 3), (True, 4)]
+    assert trainer.global_step == trainer.session.position.step == 4
+    assert trainer.state is trainer.session.state
+
+
+def test_a_trial_fit_puts_the_session_and_the_decisions_back():
+    x = np.random.default_rng(1).normal(size=(64, 3)).astype("float32")
+    y = (x.sum(axis=1) > 0).astype("int32")
+    trainer = tk.Trainer(_mlp(), **_args())
+    trainer.fit((x, y), batch_size=16, epochs=1, verbose=0)
+    before, decisions = trainer.session.snapshot(), trainer.setup.decisions
+    host = jax.tree.map(np.asarray, jax.device_get(trainer.state))
+    trainer.find_learning_rate(x, y, batch_size=16, steps=5)
+    after = trainer.session.snapshot()
+    assert dataclasses.replace(after, state=None) == dataclasses.replace(before, state=None)
+    assert trainer.setup.decisions == decisions
+    for a, b in zip(jax.tree.leaves(host), jax.tree.leaves(jax.device_get(trainer.state))):
+        np.testing.assert_array_equal(a, b)
+
+
+def _mlp():
+    import flax.linen as nn
+
+    return nn.Sequential([nn.Dense(8), nn.relu, nn.Dense(2)])
+
+
+def _args():
+    return {
+        "loss": "sparse_categorical_crossentropy",
+        "optimizer": optax.inject_hyperparams(optax.adam)(learning_rate=1e-2),
+        "strategy": "single",
+    }
