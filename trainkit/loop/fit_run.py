@@ -253,6 +253,7 @@ class EpochSteps:
         self.epoch = run.session.position.epoch
         self.totals: PackedTotals | None = None
         self.first_host: PyTree = None
+        self.spec_seen = run.session.batch_spec is not None
         self.annotate = run.loop.annotate_steps or run.callbacks.annotates_steps
 
     def place(self, item: Span | None) -> Span | None:
@@ -263,7 +264,8 @@ class EpochSteps:
         placed = strategy.put_batches(batches) if item.fused else [strategy.put_batch(b) for b in batches]
         if self.first_host is None:  # the first span's first host batch shapes the epoch's totals
             self.first_host = batches_at(batches, 0) if item.fused else batches[0]
-        if session.batch_spec is None:  # one batch's shapes and shardings, for lowering
+        if not self.spec_seen:  # one batch's shapes and shardings, for lowering
+            self.spec_seen = True
             session.saw_batch(abstract(strategy.put_batch(batches_at(batches, 0)) if item.fused else placed[0]))
         return item._replace(batches=placed)
 
@@ -288,8 +290,9 @@ class EpochSteps:
     def dispatch(self) -> Iterator[tuple[StepRecord, PackedTotals]]:
         """Each span trained, with its record and the totals after it. The host reads and places
         the next span while the device runs this one; its step is dispatched only after this
-        span's hooks ran. A one-shot iterator is not read ahead: a stop would lose the batch read."""
-        run, epoch = self.run, self.epoch
+        span's hooks ran. A one-shot iterator is not read ahead: a stop would lose the batch read.
+        The plain path (one call per batch) is written out here: it is the dispatch-bound loop."""
+        run, epoch, annotate, train_fn = self.run, self.epoch, self.annotate, self.train_fn
         session, batch_begin, read_ahead = run.session, run.callbacks.on_train_batch_begin, run.read_ahead
         upcoming = self.read()
         while upcoming is not None:
@@ -297,12 +300,20 @@ class EpochSteps:
                 raise upcoming
             placed, fused, steps, data_state = upcoming
             totals = self.totals if self.totals is not None else self.start_totals()
-            done = session.position.step
-            record = StepRecord(done + steps, epoch, session.position.batch + steps - 1, steps)
+            position = session.position
+            record = StepRecord(position.step + steps, epoch, position.batch + steps - 1, steps)
             if batch_begin.active:
                 session.about(record)
                 batch_begin(record.first_batch)
-            self.totals = totals = self.train(placed, fused, totals, record)
+            if fused or (run.tuner is not None and run.tuner.steps is None):
+                totals = self.train_otherwise(placed, fused, totals, record)
+            else:  # the span's batches one call each; no hook reads the state in between
+                state = session.require_state()
+                for number, batch in enumerate(placed, start=position.step + 1):
+                    with jax.profiler.StepTraceAnnotation("train", step_num=number) if annotate else _NO_TRACE:
+                        state, totals = train_fn(state, totals, batch)
+                session.stepped(state)
+            self.totals = totals
             run.watchdog.progress(record.step)
             session.moved(Position(epoch, record.batch + 1, record.step), data_state)
             if run.every is not None:
@@ -314,21 +325,16 @@ class EpochSteps:
             if not read_ahead:
                 upcoming = self.read()
 
-    def train(self, placed: Any, fused: bool, totals: PackedTotals, record: StepRecord) -> PackedTotals:
-        """The span's steps dispatched: one fused call, timed single steps while the tuner
-        decides, or one call per batch."""
-        run, session, annotate, train_fn = self.run, self.run.session, self.annotate, self.train_fn
-        if fused:
-            steps_fn = run.steps.function("train_steps")
-            with jax.profiler.StepTraceAnnotation("train", step_num=record.step) if annotate else _NO_TRACE:
-                state, totals = steps_fn(session.state, totals, placed)
-            session.stepped(state)
-        elif run.tuner is not None and run.tuner.steps is None:
+    def train_otherwise(self, placed: Any, fused: bool, totals: PackedTotals, record: StepRecord) -> PackedTotals:
+        """A span not trained one plain call per batch: one fused call (``steps_per_execution``),
+        or timed single steps while ``steps_per_execution="auto"`` decides."""
+        run, session = self.run, self.run.session
+        if not fused:
             for batch in placed:
-                totals = run.timed_step(train_fn, totals, batch)
-        else:
-            for number, batch in enumerate(placed, start=record.first_step):
-                with jax.profiler.StepTraceAnnotation("train", step_num=number) if annotate else _NO_TRACE:
-                    state, totals = train_fn(session.state, totals, batch)
-                session.stepped(state)
+                totals = run.timed_step(self.train_fn, totals, batch)
+            return totals
+        steps_fn = run.steps.function("train_steps")
+        with jax.profiler.StepTraceAnnotation("train", step_num=record.step) if self.annotate else _NO_TRACE:
+            state, totals = steps_fn(session.state, totals, placed)
+        session.stepped(state)
         return totals

@@ -140,7 +140,6 @@ class Strategy:
         logical rules and returns itself."""
         return self
 
-
     def put_batch(self, host_batch: PyTree) -> PyTree:
         raise NotImplementedError
 
