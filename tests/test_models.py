@@ -163,3 +163,28 @@ def test_init_is_idempotent_and_params_are_host_arrays():
     state = trainer.init(x)
     assert trainer.init((x, None)) is state
     assert all(isinstance(leaf, np.ndarray) for leaf in jax.tree.leaves(trainer.params))
+
+
+class _Dropped(nnx.Module):
+    """Its output is a dropout mask times its weights: a weight gets a gradient only where the
+    step's mask keeps it."""
+
+    def __init__(self, rngs: nnx.Rngs):
+        self.w = nnx.Param(jnp.ones(256))
+        self.drop = nnx.Dropout(0.5, rngs=rngs)
+
+    def __call__(self, x, train: bool = False):
+        return self.drop(x * self.w)
+
+
+@pytest.mark.parametrize(
+    "rngs",
+    [lambda: nnx.Rngs(0), lambda: nnx.Rngs(0, dropout=1), lambda: nnx.Rngs(params=0, dropout=1)],
+    ids=["Rngs(0)", "Rngs(0,dropout)", "Rngs(params,dropout)"],
+)
+def test_nnx_dropout_draws_new_masks_every_step_whatever_the_streams(rngs):
+    x = np.ones((4, 256), np.float32)
+    trainer = tk.Trainer(_Dropped(rngs()), loss="mse", optimizer=optax.sgd(1.0), strategy="single")
+    trainer.fit((x, np.zeros_like(x)), batch_size=1, epochs=1, shuffle=False, verbose=0)
+    never = float(np.mean(np.asarray(trainer.params["w"]) == 1.0))  # never kept by any of the 4 masks
+    assert never < 0.2, f"{never:.0%} of the weights were dropped at every step: the mask did not change"

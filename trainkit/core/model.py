@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import zlib
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple, Protocol
 
@@ -157,6 +158,7 @@ class NNXModel:
         self.module = module
         parts: tuple[Any, ...] = nnx.split(module, nnx.Param, nnx.RngState, ...)
         self._graphdef, self._params, self._rng_state, self._rest = parts
+        self._rng_tags = _stream_tags(self._rng_state)
         self._parameters = _call_parameters(type(module).__call__)
 
     def init(self, rng: jax.Array | None, x: PyTree) -> tuple[PyTree, PyTree]:
@@ -192,14 +194,25 @@ class NNXModel:
     def apply(self, params, model_state, x, *, rng, train):
         module = self.merge(params, model_state)
         module.train() if train else module.eval()
-        try:
-            nnx.reseed(module, dropout=rng)
-        except (KeyError, ValueError, AttributeError):
-            pass  # the module has no dropout stream
+        if self._rng_tags:  # every stream, whatever the user's Rngs named it: new masks each step
+            nnx.reseed(module, **{tag: _stream_key(rng, tag) for tag in self._rng_tags})
         args, kwargs = _split_inputs(x, self._parameters)
         out = module(*args, **kwargs)
         *_, rest = nnx.split(module, nnx.Param, nnx.RngState, ...)
         return out, (nnx.to_pure_dict(rest) if train else model_state)
+
+
+def _stream_tags(rng_state: PyTree) -> tuple[str, ...]:
+    """The tags of an NNX module's random streams (``nnx.Rngs(0)`` gives a layer the
+    ``"default"`` stream, ``nnx.Rngs(0, dropout=1)`` a ``"dropout"`` one)."""
+    leaves = jax.tree.leaves(rng_state, is_leaf=lambda leaf: isinstance(leaf, nnx.Variable))
+    return tuple(sorted({leaf.tag for leaf in leaves if isinstance(leaf, nnx.RngKey)}))
+
+
+def _stream_key(rng: jax.Array, tag: str) -> jax.Array:
+    """The step's key for the stream ``tag``: the key itself for ``"dropout"``, a fold of it
+    by the tag's checksum for any other stream (streams stay independent)."""
+    return rng if tag == "dropout" else jax.random.fold_in(rng, zlib.crc32(tag.encode()) & 0x7FFFFFFF)
 
 
 def _names(leaf: Any) -> tuple | None:
