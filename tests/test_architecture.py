@@ -204,12 +204,17 @@ def foreign_writes(tree: ast.Module) -> list[str]:
         targets = []
         if isinstance(node, (ast.Assign, ast.AugAssign, ast.AnnAssign)):
             targets = node.targets if isinstance(node, ast.Assign) else [node.target]
-        for target in targets:
-            for part in ast.walk(target):
-                if isinstance(part, ast.Attribute) and not (
-                    isinstance(part.value, ast.Name) and part.value.id == "self"
-                ):
-                    found.append(f"line {node.lineno}: {ast.unparse(part)} = ...")
+        pending = list(targets)
+        while pending:  # the written places: attributes, containers of attributes, unpacked targets
+            target = pending.pop()
+            if isinstance(target, (ast.Tuple, ast.List)):
+                pending.extend(target.elts)
+            elif isinstance(target, (ast.Starred, ast.Subscript)):
+                pending.append(target.value)
+            elif isinstance(target, ast.Attribute) and not (
+                isinstance(target.value, ast.Name) and target.value.id == "self"
+            ):
+                found.append(f"line {node.lineno}: {ast.unparse(target)} = ...")
         if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ("setattr", "vars"):
             own = node.args and isinstance(node.args[0], ast.Name) and node.args[0].id == "self"
             if node.func.id == "vars" or not own:
@@ -251,9 +256,8 @@ def test_the_rules_can_fail(tmp_path):
     typed = tmp_path / "typed.py"
     typed.write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from trainkit.trainer import Trainer\n")
     assert imported(typed) == set() and imported(typed, typing_only=True) == {"trainer"}
-    writes = (
-        "class A:\n    def f(self, other):\n        self.x = 1\n        other.y = 2\n        setattr(other, 'z', 3)\n"
-    )
+    writes = "class A:\n    def f(self, other):\n        self.x, d[k.i] = 1, 0\n"
+    writes += "        other.y = 2\n        setattr(other, 'z', 3)\n"
     assert foreign_writes(ast.parse(writes + "        return vars(self)\n")) == [
         "line 4: other.y = ...",
         "line 5: setattr(other, 'z', 3)",

@@ -131,7 +131,6 @@ class Trainer:
             deterministic=deterministic,
         )
         self.loop = Loop(self.session, self.setup)
-        self.history: History | None = None
 
     def apply(self, params: PyTree, model_state: PyTree, x: PyTree, *, rng: jax.Array, train: bool):
         """Runs the model: ``(outputs, new_model_state)`` under the precision policy and remat
@@ -152,6 +151,7 @@ class Trainer:
     last_plan = Delegated[plan_lib.MemoryPlan | None]("setup.last_plan", 'The plan strategy="auto" chose from.')
     steps_per_execution = Delegated[int]("setup.steps_per_execution", "Batches per compiled training call.")
     global_step = Delegated[int]("session.position.step", "Optimizer steps applied (dispatched) so far.")
+    history = Delegated[History | None]("session.history", "The History the last fit returned (None before).")
 
     @property
     def stop_training(self) -> bool:
@@ -168,7 +168,7 @@ class Trainer:
 
     @learning_rate.setter
     def learning_rate(self, value: float) -> None:
-        self.setup.learning_rate = value
+        self.setup.set_learning_rate(value)
 
     def update_state(self, **fields: PyTree) -> TrainState:
         """The one way to write the live state: fields placed in the shardings of those they replace."""
@@ -334,7 +334,7 @@ class Trainer:
         options.update(validation_batch_size=validation_batch_size, class_weight=class_weight, announce=bool(verbose))
         prepared, config = self.setup.prepare_fit(config, x, y, sample_weight, batch_size, **options)
         callback_list = self._callbacks(callbacks, verbose, config.steps, epochs, fit=True)
-        self.history = history = callback_list.require_history()
+        self.session.keep_history(history := callback_list.require_history())
         self.loop.fit(prepared.source, prepared.batch_size, callback_list, config)
         return history
 

@@ -135,12 +135,8 @@ def find_learning_rate(
     )  # no inject_hyperparams: refused before any step
     lrs = np.geomspace(min_lr, max_lr, steps)
     test = RangeTest(lrs, early_stop_threshold, smoothing)
-    history = trainer.history
-    try:
-        with trainer.setup.kept():  # the session (one snapshot) and the setup's decisions (one value)
-            trainer.fit(x, y, batch_size=batch_size, epochs=steps, steps_per_epoch=1, verbose=0, callbacks=[test])
-    finally:
-        trainer.history = history
+    with trainer.setup.kept():  # the session (one snapshot, the last History too) and the setup's decisions
+        trainer.fit(x, y, batch_size=batch_size, epochs=steps, steps_per_epoch=1, verbose=0, callbacks=[test])
     tried = [float(lr) for lr in lrs[: len(test.raw)]]
     smoothed = smooth(test.raw, smoothing)
     suggestion = suggest(tried, smoothed)

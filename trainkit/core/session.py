@@ -117,6 +117,7 @@ class Snapshot:
     fit: FitView = FitView()
     batch_spec: PyTree = None
     validating_at: int | None = None
+    history: Any = None
 
 
 class Session:
@@ -139,6 +140,7 @@ class Session:
         "_fit",
         "_batch_spec",
         "_validating_at",
+        "_history",
     )
     _state: TrainState | None
     _position: Position
@@ -152,6 +154,7 @@ class Session:
     _fit: FitView
     _batch_spec: PyTree
     _validating_at: int | None
+    _history: Any  # a trainkit.callbacks.History (a package core does not import)
 
     def __init__(self) -> None:
         self.restore(Snapshot())
@@ -231,6 +234,11 @@ class Session:
         """The step of a validation every N steps, while it runs."""
         return self._validating_at
 
+    @property
+    def history(self) -> Any:
+        """The ``History`` the last ``fit`` returned (``trainer.history``), ``None`` before."""
+        return self._history
+
     # ------------------------------------------------------------------ writes
     def replace_state(self, state: TrainState, *, moves_position: bool = True) -> None:
         """A new live state (created, restored or edited); the position's step follows it
@@ -245,7 +253,11 @@ class Session:
 
     def begin_fit(self, view: FitView, position: Position) -> None:
         """A ``fit`` begins at ``position``: no stop, no resume, no record yet."""
-        self.restore(Snapshot(state=self._state, position=position, fit=view))
+        self.restore(Snapshot(state=self._state, position=position, fit=view, history=self._history))
+
+    def keep_history(self, history: Any) -> None:
+        """The ``History`` of the ``fit`` that begins (``trainer.history`` from now on)."""
+        self._history = history
 
     def moved(self, position: Position, data_state: Any = None) -> None:
         """Training reached ``position``; the data iterator's position is then ``data_state``."""
@@ -320,6 +332,7 @@ class Session:
             fit=self._fit,
             batch_spec=self._batch_spec,
             validating_at=self._validating_at,
+            history=self._history,
         )
 
     def restore(self, snapshot: Snapshot) -> None:
@@ -336,3 +349,4 @@ class Session:
         self._fit = snapshot.fit
         self._batch_spec = snapshot.batch_spec
         self._validating_at = snapshot.validating_at
+        self._history = snapshot.history

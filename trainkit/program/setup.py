@@ -212,8 +212,8 @@ class Setup:
     def learning_rate(self) -> float:
         return float(distributed.fetch(optimizers.require_learning_rate(self.require_state().opt_state)))
 
-    @learning_rate.setter
-    def learning_rate(self, value: float) -> None:
+    def set_learning_rate(self, value: float) -> None:
+        """The optimizer's learning rate (``optax.inject_hyperparams``) set in the live state."""
         self.update_state(opt_state=optimizers.set_learning_rate(self.require_state().opt_state, value))
 
     @property
