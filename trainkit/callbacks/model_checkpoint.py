@@ -69,8 +69,8 @@ class ModelCheckpoint(MonitorCallback):
         self.verbose = verbose
         self.save_best_only = save_best_only
         self.save_weights_only = save_weights_only
-        self.save_freq = SaveFrequency(save_freq, "ModelCheckpoint").value
-        self._period = SaveFrequency(save_freq, "ModelCheckpoint").period
+        frequency = SaveFrequency(save_freq, "ModelCheckpoint")
+        self.save_freq, self._period = frequency.value, frequency.period
         if max_to_keep is not None and (not isinstance(max_to_keep, int) or max_to_keep < 1):
             raise ValueError(f"max_to_keep must be a positive integer or None; received {max_to_keep!r}.")
         self.max_to_keep = max_to_keep

@@ -83,15 +83,6 @@ class StepRecord(NamedTuple):
         return self.step // every > (self.first_step - 1) // every
 
 
-class EpochCarry(NamedTuple):
-    """The device totals a train-batch hook was given, and the step and batch this epoch's
-    totals count from (what ``first_non_finite`` reads)."""
-
-    totals: PackedTotals
-    start_step: int
-    start_batch: int
-
-
 @dataclasses.dataclass(frozen=True)
 class FitView:
     """What a running ``fit`` tells its hooks, fixed when it begins: the global batch size, the
@@ -108,7 +99,8 @@ class Snapshot:
     state: TrainState | None = None
     position: Position = Position()
     record: StepRecord | None = None
-    carry: EpochCarry | None = None
+    carry: PackedTotals | None = None
+    epoch_start: Position = Position()
     data_state: Any = None
     resume_state: Any = None
     start: Position | None = None
@@ -132,6 +124,7 @@ class Session:
         "_position",
         "_record",
         "_carry",
+        "_epoch_start",
         "_data_state",
         "_resume_state",
         "_start",
@@ -145,7 +138,8 @@ class Session:
     _state: TrainState | None
     _position: Position
     _record: StepRecord | None
-    _carry: EpochCarry | None
+    _carry: PackedTotals | None
+    _epoch_start: Position
     _data_state: Any
     _resume_state: Any
     _start: Position | None
@@ -187,9 +181,14 @@ class Session:
         return self._record
 
     @property
-    def carry(self) -> EpochCarry | None:
-        """The totals the last train-batch hook was given (see :class:`EpochCarry`)."""
+    def carry(self) -> PackedTotals | None:
+        """The device totals the last train-batch hook was given (this epoch's so far)."""
         return self._carry
+
+    @property
+    def epoch_start(self) -> Position:
+        """Where this epoch's totals count from (its first batch and the steps done before it)."""
+        return self._epoch_start
 
     @property
     def data_state(self) -> Any:
@@ -263,15 +262,15 @@ class Session:
         """Training reached ``position``; the data iterator's position is then ``data_state``."""
         self._position, self._data_state = position, data_state
 
-    def about(self, record: StepRecord, carry: EpochCarry | None = None) -> None:
+    def about(self, record: StepRecord, carry: PackedTotals | None = None) -> None:
         """The batch hook that runs next is about ``record`` (and was given ``carry``'s totals)."""
         self._record = record
         if carry is not None:
             self._carry = carry
 
-    def epoch_began(self) -> None:
-        """A new epoch: no totals read yet."""
-        self._carry = None
+    def epoch_began(self, start: Position) -> None:
+        """A new epoch's totals count from ``start``: none read yet."""
+        self._carry, self._epoch_start = None, start
 
     def saw_batch(self, spec: PyTree) -> None:
         """One placed batch's shapes and shardings (for lowering)."""
@@ -324,6 +323,7 @@ class Session:
             position=self._position,
             record=self._record,
             carry=self._carry,
+            epoch_start=self._epoch_start,
             data_state=self._data_state,
             resume_state=self._resume_state,
             start=self._start,
@@ -341,6 +341,7 @@ class Session:
         self._position = snapshot.position
         self._record = snapshot.record
         self._carry = snapshot.carry
+        self._epoch_start = snapshot.epoch_start
         self._data_state = snapshot.data_state
         self._resume_state = snapshot.resume_state
         self._start = snapshot.start

@@ -64,12 +64,12 @@ def first_non_finite(session: Session) -> tuple[int, int, float] | None:
     loss was first not finite, and that loss, or ``None`` while every loss is finite. With
     ``steps_per_execution`` the hook's batch is the execution's last; this is the one that
     went wrong. Reads the device totals (call it after seeing a non-finite loss)."""
-    carry = session.carry
+    carry, start = session.carry, session.epoch_start
     if carry is None:
         return None
-    host = host_metrics(carry.totals)
+    host = host_metrics(carry)
     bad = int(host.first_non_finite)
-    return (carry.start_step + bad, carry.start_batch + bad - 1, float(host.first_non_finite_loss)) if bad else None
+    return (start.step + bad, start.batch + bad - 1, float(host.first_non_finite_loss)) if bad else None
 
 
 def process_slice() -> dict:

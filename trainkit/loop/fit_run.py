@@ -27,7 +27,7 @@ import jax
 from trainkit import data as data_lib
 from trainkit import distributed
 from trainkit.core import totals as metrics_lib
-from trainkit.core.session import EpochCarry, FitView, Position, StepRecord
+from trainkit.core.session import FitView, Position, StepRecord
 from trainkit.core.state import abstract
 from trainkit.core.step import batches_at
 from trainkit.core.totals import SKIPPED_WARNING, EpochTotals, PackedTotals, pack
@@ -156,7 +156,7 @@ class FitRun:
         and for a batch-end hook only when a callback reads its logs then (the progress bar: on a clock)."""
         session, batch_end, order = self.session, self.callbacks.on_train_batch_end, self.steps.log_order
         start = session.position
-        session.epoch_began()
+        session.epoch_began(start)
         self.tuner = self.make_tuner()
         ran, last = 0, None
         lag = self.loop.max_in_flight if self.callbacks.async_train else 0
@@ -164,7 +164,7 @@ class FitRun:
             carry.block_until_ready()  # at most `lag` executions queued behind this one
             ran, last = ran + record.steps, carry
             if batch_end.active:
-                session.about(record, EpochCarry(carry, start.step, start.batch))
+                session.about(record, carry)
                 batch_end(record.batch, lambda carry=carry: metrics_lib.compute(host_metrics(carry).metrics, order))
         if last is None:
             return 0, {}
