@@ -303,7 +303,7 @@ class Trainer:
         x: Any = None,
         y: PyTree = None,
         batch_size: int | None = None,
-        epochs: int = 1,
+        epochs: int | None = None,
         verbose: int | str = 1,
         callbacks: Iterable[Callback] | None = None,
         validation_split: float = 0.0,
@@ -322,7 +322,8 @@ class Trainer:
     ) -> History:
         """Trains for ``epochs`` epochs (or ``max_steps`` steps) with Keras's arguments (``x``:
         docs/data.md) and returns a Keras ``History``; callbacks run in Keras 3's order (yours,
-        ``History``, the progress bar). ``validation_interval=N`` validates every N steps."""
+        ``History``, the progress bar). ``validation_interval=N`` validates every N steps.
+        ``epochs`` left out (``None``) is Keras's 1, or with ``max_steps`` as many as reach it."""
         callbacks = CallbackList.checked(callbacks)  # before anything is built
         config = FitConfig.checked(
             has_validation=validation_data is not None or bool(validation_split),
@@ -333,7 +334,7 @@ class Trainer:
         options: dict[str, Any] = {"validation_data": validation_data, "validation_split": validation_split}
         options.update(validation_batch_size=validation_batch_size, class_weight=class_weight, announce=bool(verbose))
         prepared, config = self.setup.prepare_fit(config, x, y, sample_weight, batch_size, **options)
-        callback_list = self._callbacks(callbacks, verbose, config.steps, epochs, fit=True)
+        callback_list = self._callbacks(callbacks, verbose, config.steps, config.epoch_count, fit=True)
         self.session.keep_history(history := callback_list.require_history())
         self.loop.fit(prepared.source, prepared.batch_size, callback_list, config)
         return history

@@ -31,6 +31,8 @@ from trainkit.core.tree import PyTree, leaf_name
 # Keyword names of ``__call__`` that switch training behaviour, and whether they mean
 # "training" (True) or its negation (False).
 _TRAIN_FLAGS = {"train": True, "training": True, "is_training": True, "deterministic": False}
+#: How the train flags are named in messages.
+TRAIN_FLAG_NAMES = ", ".join(_TRAIN_FLAGS)
 
 
 class ModuleCall(NamedTuple):
@@ -64,6 +66,16 @@ class ModelAdapter(Protocol):
     def module_calls(self, params: PyTree, model_state: PyTree, x: PyTree) -> list[ModuleCall]:
         """Every module of an eval-mode forward pass on ``x`` (traced, nothing computed), in
         the order they are entered, each once."""
+        ...
+
+    def unswitched_layers(self, params: PyTree, model_state: PyTree, x: PyTree) -> list[str]:
+        """The layers that behave differently in training (dropout, batch statistics) but that
+        trainkit cannot switch, since the model takes no train flag it knows (empty: none)."""
+        ...
+
+    def batch_statistics_layers(self, params: PyTree, model_state: PyTree, x: PyTree, axis: str) -> list[str]:
+        """The layers that normalise a training batch by its own statistics without reducing
+        them over the device ``axis``: under ``jax.pmap`` each device's rows alone (empty: none)."""
         ...
 
 
@@ -137,6 +149,48 @@ class LinenModel:
         jax.eval_shape(forward, params, model_state, x)
         return [call for call in calls.values() if call is not None]
 
+    def unswitched_layers(self, params: PyTree, model_state: PyTree, x: PyTree) -> list[str]:
+        """Dropout (of a non-zero rate) and BatchNorm layers of a model whose ``__call__`` takes
+        none of the train flags trainkit sets: they would stay in one mode in training and
+        evaluation alike (traced, nothing computed). A layer fixed in evaluation mode when it
+        was built (``deterministic=True``, ``use_running_average=True``) is left out."""
+        if _train_kwarg(self._parameters, True):
+            return []
+
+        def switches(module: nn.Module) -> bool:
+            if isinstance(module, nn.BatchNorm):
+                return module.use_running_average is not True
+            return isinstance(module, nn.Dropout) and module.rate > 0 and module.deterministic is not True
+
+        return [_layer_name(path, m) for path, m in self._layers(params, model_state, x, train=False) if switches(m)]
+
+    def batch_statistics_layers(self, params: PyTree, model_state: PyTree, x: PyTree, axis: str) -> list[str]:
+        """The BatchNorm layers of a training step that normalise by the statistics of the rows
+        they see without reducing them over the device ``axis`` (``axis_name=axis``)."""
+        layers = self._layers(params, model_state, x, train=True, axis=axis)
+        return [_layer_name(path, m) for path, m in layers if isinstance(m, nn.BatchNorm) and m.axis_name != axis]
+
+    def _layers(
+        self, params: PyTree, model_state: PyTree, x: PyTree, *, train: bool, axis: str | None = None
+    ) -> list[tuple[tuple, Any]]:
+        """Every module a forward pass calls, with its path, once each (traced, nothing computed;
+        as one device of a named ``axis``, which a layer may reduce over)."""
+        found: dict[tuple, Any] = {}
+
+        def record(call, args, kwargs, context):
+            found.setdefault(tuple(context.module.path), context.module)
+            return call(*args, **kwargs)
+
+        def forward(params, model_state, x):
+            with nn.intercept_methods(record):
+                return self.apply(params, model_state, x, rng=jax.random.PRNGKey(0), train=train)[0]
+
+        if axis is not None:
+            x = jax.tree.map(lambda a: jax.ShapeDtypeStruct((1, *np.shape(a)), a.dtype), x)
+            forward = jax.vmap(forward, in_axes=(None, None, 0), axis_name=axis)
+        jax.eval_shape(forward, params, model_state, x)
+        return list(found.items())
+
     def apply(self, params, model_state, x, *, rng, train):
         variables = {"params": params, **model_state}
         if train and model_state:
@@ -160,6 +214,13 @@ class NNXModel:
         self._graphdef, self._params, self._rng_state, self._rest = parts
         self._rng_tags = _stream_tags(self._rng_state)
         self._parameters = _call_parameters(type(module).__call__)
+        if "rngs" in self._parameters:
+            raise TypeError(
+                f"{type(module).__name__}.__call__ takes rngs, which trainkit does not pass: it draws each step's "
+                "random numbers from the streams the module holds, reseeded every step. Give the layers their "
+                "streams when the model is built and drop rngs from __call__: nnx.Dropout(0.5, rngs=rngs) in "
+                "__init__(self, ..., rngs: nnx.Rngs), then self.dropout(x) in __call__ (docs/quickstart.md)."
+            )
 
     def init(self, rng: jax.Array | None, x: PyTree) -> tuple[PyTree, PyTree]:
         del rng, x  # an NNX module is initialised when it is constructed
@@ -183,6 +244,17 @@ class NNXModel:
         )
         return [ModuleCall(path, kind, output if path == () else None) for path, kind in found]
 
+    def unswitched_layers(self, params: PyTree, model_state: PyTree, x: PyTree) -> list[str]:
+        """None: ``module.train()`` / ``module.eval()`` switch every NNX layer's mode."""
+        del params, model_state, x
+        return []
+
+    def batch_statistics_layers(self, params: PyTree, model_state: PyTree, x: PyTree, axis: str) -> list[str]:
+        """The ``nnx.BatchNorm`` layers that do not reduce their statistics over ``axis``."""
+        del params, model_state, x
+        layers = nnx.iter_modules(self.module)
+        return [_layer_name(tuple(p), m) for p, m in layers if isinstance(m, nnx.BatchNorm) and m.axis_name != axis]
+
     def merge(self, params: PyTree, model_state: PyTree) -> nnx.Module:
         """A module holding ``params`` and ``model_state`` (copies of the templates)."""
         copy = lambda tree: jax.tree.map(lambda v: v, tree)  # noqa: E731
@@ -200,6 +272,11 @@ class NNXModel:
         out = module(*args, **kwargs)
         *_, rest = nnx.split(module, nnx.Param, nnx.RngState, ...)
         return out, (nnx.to_pure_dict(rest) if train else model_state)
+
+
+def _layer_name(path: tuple, module: Any) -> str:
+    """``Block_0/BatchNorm_0 (BatchNorm)``: a layer's path and class, for messages."""
+    return f"{'/'.join(map(str, path)) or 'the model'} ({type(module).__name__})"
 
 
 def _stream_tags(rng_state: PyTree) -> tuple[str, ...]:
@@ -234,6 +311,35 @@ def _annotations(params: PyTree, is_variable) -> dict[str, tuple]:
     return found
 
 
+def call_error_hint(error: Exception) -> str:
+    """What to check after the model raised ``error`` on the first batch: a mode flag never set
+    (a linen Dropout or BatchNorm without ``deterministic`` / ``use_running_average``), a key the
+    inputs lack, or, for a shape error only, the input's axes.
+
+    >>> call_error_hint(ValueError('Parameter "deterministic" must be passed to the constructor or at call time.'))[:31]
+    "Give the model's __call__ a tra"
+    """
+    message = str(error)
+    if any(word in message for word in ("deterministic", "use_running_average", '"batch_stats" is immutable')):
+        return (
+            "Give the model's __call__ a train flag and pass it on: `def __call__(self, x, train: bool = False)` "
+            "with nn.Dropout(rate, deterministic=not train) and nn.BatchNorm(use_running_average=not train). "
+            f"trainkit sets any one of {TRAIN_FLAG_NAMES} (deterministic=True means evaluation)."
+        )
+    if isinstance(error, KeyError):
+        return (
+            f"The model looked up {message}, which its inputs lack: a dict given as x is passed to the model as it "
+            "is (or as keyword arguments when every key names an argument of __call__); check the dict's keys."
+        )
+    if any(word in message.lower() for word in ("shape", "dimension", "rank", "dot_general", "incompatible")):
+        return (
+            "Check the input shape the model expects: a missing channel axis (images of shape (N, H, W) for a "
+            "Conv: pass x[..., None]), or channels-first data (torch's (N, C, H, W): Flax's Conv takes "
+            "(N, H, W, C), x.transpose(0, 2, 3, 1))."
+        )
+    return "Call the model on a few rows yourself (module.apply or module(x)) to see where it fails."
+
+
 def param_axes(adapter: ModelAdapter, x: PyTree) -> dict[str, tuple]:
     """The model's parameter annotations ``{path: names}`` (empty for an adapter without any)."""
     return adapter.param_axes(x)
@@ -253,11 +359,18 @@ def under_logical_rules(fn: Callable, mesh: jax.sharding.Mesh, rules: Sequence) 
 
 
 def adapt_model(model: Any) -> ModelAdapter:
-    """Wraps a Flax module; raises a ``TypeError`` for anything else."""
+    """Wraps a Flax module; raises a ``TypeError`` for anything else (a module class named
+    with the call that makes an instance)."""
     if isinstance(model, nn.Module):
         return LinenModel(model)
     if isinstance(model, nnx.Module):
         return NNXModel(model)
+    if isinstance(model, type) and issubclass(model, (nn.Module, nnx.Module)):
+        call = f"{model.__name__}(rngs=nnx.Rngs(0))" if issubclass(model, nnx.Module) else f"{model.__name__}()"
+        raise TypeError(
+            f"trainkit.Trainer needs a module instance; received the class {model.__name__} itself. "
+            f"Instantiate it: Trainer({call}, ...)."
+        )
     raise TypeError(
         f"trainkit.Trainer needs a Flax module; received an object of type "
         f"{type(model).__module__}.{type(model).__qualname__}. Pass a flax.linen.Module "

@@ -33,7 +33,7 @@ from trainkit.data.batching import (
 from trainkit.data.epochs import continues_across_epochs, epoch_batches, epoch_steps
 from trainkit.data.fit_config import FitConfig, Validation, validates
 from trainkit.data.iterable import IterableDataset
-from trainkit.data.prepare import Prepared, as_dataset, check_validation_runs, prepare
+from trainkit.data.prepare import Prepared, as_dataset, check_validation_runs, own_batch_size, prepare
 from trainkit.data.random_access import HuggingFaceSource, RandomAccessSource
 from trainkit.data.source import DataSource, Source, UserSource
 
@@ -69,6 +69,7 @@ __all__ = [
     "num_rows",
     "one_batch_size",
     "pad_batch",
+    "own_batch_size",
     "prepare",
     "sources",
     "split_validation",

@@ -21,6 +21,7 @@ from trainkit.data.batching import (
     PyTree,
     batch_rows,
     check_lengths,
+    check_no_number_lists,
     example_spec,
     full_batch,
     pad_batch,
@@ -37,6 +38,7 @@ class ArrayDataset(Source):
     """In-memory arrays, batched in a (seeded) shuffled order, last batch padded."""
 
     def __init__(self, x: PyTree, y: PyTree = None, sample_weight: PyTree = None):
+        check_no_number_lists({"x": x, "y": y, "sample_weight": sample_weight})
         x, y, sample_weight = to_host(x), to_host(y), to_host(sample_weight)
         self.num_examples: int = check_lengths({"x": x, "y": y, "sample_weight": sample_weight})
         self.x, self.y = x, y

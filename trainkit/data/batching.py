@@ -91,7 +91,30 @@ def example_spec(x: PyTree) -> PyTree:
     return jax.tree.map(lambda a: (tuple(a.shape[1:]), np.dtype(a.dtype).name), x)
 
 
+def _is_number_list(tree: PyTree) -> bool:
+    """A Python list or tuple whose leaves are all Python numbers (a column or table of values)."""
+    leaves = jax.tree.leaves(tree)
+    return isinstance(tree, (list, tuple)) and bool(leaves) and all(isinstance(v, (int, float)) for v in leaves)
+
+
+def check_no_number_lists(parts: dict[str, PyTree]) -> None:
+    """Refuses a part given as a Python list of numbers (before it becomes arrays), naming it.
+
+    >>> check_no_number_lists({"y": [0, 1, 1]})
+    Traceback (most recent call last):
+    ValueError: y is a Python list of 3 values, not an array: ...
+    """
+    for part, tree in parts.items():
+        if _is_number_list(tree):
+            raise ValueError(
+                f"{part} is a Python {type(tree).__name__} of {len(tree)} values, not an array: a list is read as "
+                f"several inputs (Keras's multi-input x=[x1, x2]), each value one of them. Pass np.asarray({part})."
+            )
+
+
 def check_lengths(parts: dict[str, PyTree]) -> int:
+    """The rows every part has alike; a scalar, unequal lengths or no rows refused with what to
+    pass."""
     lengths = {}
     for part, tree in parts.items():
         if tree is None:

@@ -31,6 +31,20 @@ def epoch_steps(dataset: Source, batch_size: int, steps_per_epoch: int | None, e
     return steps
 
 
+def epochs_until(max_steps: int, steps: int | None, one_shot: bool) -> int:
+    """The epochs a ``fit(max_steps=N)`` without ``epochs`` runs (Keras's rule: train until
+    ``max_steps``): enough epochs of ``steps`` batches; a one-shot iterator of unknown length is
+    one epoch (it is read once, to ``max_steps`` or its end); a re-iterable one of unknown
+    length at most ``max_steps`` epochs (each of at least one batch: the run stops at ``max_steps``).
+
+    >>> epochs_until(600, 47, one_shot=False), epochs_until(600, None, one_shot=True)
+    (13, 1)
+    """
+    if steps is not None:
+        return -(-max_steps // max(steps, 1))
+    return 1 if one_shot else max_steps
+
+
 def continues_across_epochs(dataset: Source, batch_size: int, steps_per_epoch: int | None) -> bool:
     """Keras's rule: with ``steps_per_epoch`` below the batches of one pass (arrays, or a
     re-iterable with a length), the next epoch continues the pass (see :func:`epoch_batches`)."""

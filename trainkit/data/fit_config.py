@@ -12,6 +12,7 @@ import dataclasses
 from typing import Any, NamedTuple
 
 from trainkit.data.batching import check_positive, check_shuffle
+from trainkit.data.epochs import epochs_until
 from trainkit.data.source import Source
 
 
@@ -44,13 +45,15 @@ def validates(epoch: int, validation_freq: int | list[int]) -> bool:
 class FitConfig:
     """The settings of one ``fit``.
 
-    ``steps``: batches per epoch (``None``: until the data ends); ``validation`` is evaluated
+    ``epochs``: ``None`` (with ``max_steps``) until ``max_steps``, resolved once the data is
+    prepared (:meth:`until_max_steps`); ``steps``: batches per epoch (``None``: until the data
+    ends); ``validation`` is evaluated
     after the epochs ``validation_freq`` names, or with ``validation_interval`` after every that
     many optimizer steps; ``continuing``: epochs walk on through the data (Keras's ``steps_per_epoch`` on arrays);
     ``warn_non_finite``: warn once per epoch when the loss is not finite.
     """
 
-    epochs: int = 1
+    epochs: int | None = 1
     initial_epoch: int = 0
     steps: int | None = None
     steps_per_epoch: int | None = None
@@ -69,8 +72,10 @@ class FitConfig:
         """A config from ``fit``'s arguments, each refused with a clear error before anything
         runs (``has_validation``: validation data was given)."""
         config = cls(**settings)
+        if config.epochs is None and config.max_steps is None:  # Keras's default: one epoch
+            config = dataclasses.replace(config, epochs=1)
         check_positive(
-            epochs=config.epochs,
+            epochs=1 if config.epochs is None else config.epochs,
             steps_per_epoch=config.steps_per_epoch,
             max_steps=config.max_steps,
             validation_interval=config.validation_interval,
@@ -86,6 +91,20 @@ class FitConfig:
         check_shuffle(config.shuffle)
         return config
 
+    @property
+    def epoch_count(self) -> int:
+        """``epochs``, once known (:meth:`until_max_steps` sets it for ``epochs=None``)."""
+        if self.epochs is None:
+            raise RuntimeError("epochs=None is resolved from max_steps once the data is prepared.")
+        return self.epochs
+
+    def until_max_steps(self, steps: int | None, one_shot: bool) -> FitConfig:
+        """This config with ``epochs=None`` resolved: enough epochs of ``steps`` batches to reach
+        ``max_steps`` (:func:`~trainkit.data.epochs.epochs_until`)."""
+        if self.epochs is not None or self.max_steps is None:
+            return self
+        return dataclasses.replace(self, epochs=epochs_until(self.max_steps, steps, one_shot))
+
     def validates(self, epoch: int) -> bool:
         return validates(epoch, self.validation_freq)
 
@@ -93,7 +112,7 @@ class FitConfig:
         """How many times this fit validates (for a one-shot iterator as validation data)."""
         if self.validation_interval:
             return (self.max_steps or 2 * self.validation_interval) // self.validation_interval
-        return sum(self.validates(e) for e in range(self.initial_epoch, self.epochs))
+        return sum(self.validates(e) for e in range(self.initial_epoch, self.epoch_count))
 
     def loop_settings(self) -> dict:
         """What every process must agree on (checked across processes)."""

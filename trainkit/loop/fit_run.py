@@ -79,7 +79,7 @@ class FitRun:
             self.watchdog.__enter__()
             callbacks.on_train_begin()
             start = session.start or session.position
-            for epoch in range(start.epoch, config.epochs):
+            for epoch in range(start.epoch, config.epoch_count):
                 first = start.batch if epoch == start.epoch else 0
                 session.moved(Position(epoch, first, session.position.step), session.data_state)
                 callbacks.on_epoch_begin(epoch)

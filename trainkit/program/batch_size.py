@@ -24,13 +24,23 @@ from trainkit import distributed
 from trainkit.program import plan as plan_lib
 
 
-def candidate_sizes(unit: int, max_batch_size: int, powers_of_two: bool = True) -> list[int]:
-    """The sizes searched: ``unit * 2**k`` (or every multiple of ``unit``) up to ``max_batch_size``."""
+def candidate_sizes(unit: int, max_batch_size: int, powers_of_two: bool = True, rows: int | None = None) -> list[int]:
+    """The sizes searched: ``unit * 2**k`` (or every multiple of ``unit``) up to ``max_batch_size``,
+    and no larger than the data (``rows``, when known): its one batch of all rows, rounded up to
+    a multiple of ``unit``, is the last size, as ``fit`` caps a larger batch there.
+
+    >>> candidate_sizes(8, 2**16, rows=1500)[-3:]
+    [512, 1024, 1504]
+    """
     if max_batch_size < unit:
         raise ValueError(
             f"max_batch_size={max_batch_size} is below {unit}, the smallest batch the strategy can split "
             "(its devices x grad_accum_steps): pass a larger max_batch_size."
         )
+    whole = None if rows is None else -(-rows // unit) * unit  # one batch of all the data
+    if whole is not None and whole <= max_batch_size:
+        sizes = candidate_sizes(unit, whole, powers_of_two)
+        return sizes if sizes[-1] == whole else [*sizes, whole]
     if not powers_of_two:
         return list(range(unit, max_batch_size + 1, unit))
     sizes = [unit]

@@ -42,6 +42,8 @@ MEASURE_STEPS = 3
 #: Fraction of the device memory a plan may use: the rest is headroom for the runtime,
 #: fragmentation and the arrays the host keeps (prefetched batches, metrics).
 HEADROOM = 0.9
+#: How a plan row of a candidate left out (it would compute another result) begins.
+NOT_A_CANDIDATE = "not a candidate"
 #: How much faster a more complex candidate must be for "auto" to pick it over a simpler one.
 CLEAR_MARGIN = 0.15
 
@@ -213,9 +215,10 @@ class MemoryPlan:
         )
         if runner_up is not None and runner_up.seconds < best.seconds:
             versus += f" (within the {CLEAR_MARGIN:.0%} margin: the simpler strategy is kept)"
+        left_out = "".join(f"; {r.name} {r.error}" for r in self.rows if (r.error or "").startswith(NOT_A_CANDIDATE))
         return (
             f"picked {best.name}: {kind} {best.seconds * 1e3:.3g} ms/step, {gib(best.total_bytes)} "
-            f"of {gib(self.memory_limit)} per device{versus}"
+            f"of {gib(self.memory_limit)} per device{versus}{left_out}"
         )
 
     def table(self) -> Table:
@@ -402,7 +405,9 @@ def plan_step(
     carries each candidate's shardings, so nothing is allocated unless ``measure``, which builds
     one state with ``create_state`` (under the first candidate whose state alone fits; its
     initialisation compiled beside the steps by ``precompile_state``) and copies it into each
-    candidate's shardings. Each row keeps its jitted step as ``row.function``.
+    candidate's shardings. Each row keeps its jitted step as ``row.function``; a ``compile_step``
+    that raises a ``ValueError`` (a candidate that would compute another result:
+    :data:`NOT_A_CANDIDATE`) leaves the reason in the row.
     """
     limit = int(memory_limit) if memory_limit is not None else device_memory_limit(candidates[0].devices)
 

@@ -109,6 +109,32 @@ class Program:
             self._param_axes = param_axes(self.adapter, first_row)
         return strategy.with_annotations(self._param_axes)
 
+    def changes_result(self, strategy: Strategy, first_row: PyTree) -> str | None:
+        """Why ``strategy`` would train this model on other numbers than ``SingleDevice`` does
+        (``None``: it would not): under a named device axis (``jax.pmap``), BatchNorm layers that
+        do not reduce over it normalise each device's rows by their own statistics."""
+        axis = strategy.axis_name
+        if axis is None:
+            return None
+        state = self.abstract_state(first_row)
+        layers = self.adapter.batch_statistics_layers(state.params, state.model_state, first_row, axis)
+        if not layers:
+            return None
+        verb = "normalise" if len(layers) > 1 else "normalises"
+        return (
+            f"{', '.join(layers)} {verb} each device's rows by their own batch statistics under "
+            f"{type(strategy).__name__} (pmap), not the whole batch's as on one device; for global statistics "
+            f"build them with axis_name={axis!r} (nn.BatchNorm(..., axis_name={axis!r}))"
+        )
+
+    def candidate_step(self, kind: str, strategy: Strategy, abstract_state: PyTree, first_row: PyTree) -> Callable:
+        """``compile(kind, ...)`` for a plan's candidate; a ``ValueError`` for a candidate whose
+        training step would compute another result than ``SingleDevice``'s."""
+        reason = self.changes_result(strategy, first_row) if kind == "train" else None
+        if reason is not None:
+            raise ValueError(f"{plan_lib.NOT_A_CANDIDATE}: {reason}")
+        return self.compile(kind, strategy, abstract_state)
+
     # ------------------------------------------------------------------ compiled steps
     def compile(self, kind: str, strategy: Strategy, abstract_state: PyTree) -> Callable:
         """The ``"train"``, ``"train_steps"`` (several steps over stacked batches), ``"eval"``
@@ -186,12 +212,14 @@ class Program:
         candidates = [self.annotated(strategy, first_row) for strategy in candidates]
         abstract_state = self.abstract_state(first_row, variables)
         init_state = self.init_state
+        # traced as one device of a named axis when a candidate has one (a BatchNorm may reduce over it)
+        axis = next((strategy.axis_name for strategy in candidates if strategy.axis_name is not None), None)
         return plan_lib.plan_step(
             host_batch,
             candidates,
             abstract_state=abstract_state,
-            totals=pack(self.empty_totals(kind, abstract_state, host_batch)) if trains else None,
-            compile_step=lambda strategy, abstract: self.compile(kind, strategy, abstract),
+            totals=pack(self.empty_totals(kind, abstract_state, host_batch, axis)) if trains else None,
+            compile_step=lambda strategy, abstract: self.candidate_step(kind, strategy, abstract, first_row),
             # one init_fn object for both, so that the second finds the first's executable
             create_state=lambda strategy: strategy.create_state(init_state, variables, first_row),
             precompile_state=lambda strategy: strategy.precompile_state(init_state, variables, first_row),

@@ -33,6 +33,8 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import math
+import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -42,6 +44,7 @@ import optax
 
 from trainkit import data as data_lib
 from trainkit import distributed
+from trainkit.core import model as model_lib
 from trainkit.core import optimizers, tree
 from trainkit.core.precision import NoLossScale
 from trainkit.core.session import Session
@@ -278,6 +281,8 @@ class Setup:
         """The input resolved once, checked across processes, the objective built and checked on
         it, the strategy chosen and the state created from it."""
         prepared = data_lib.prepare(data, y, sample_weight, batch_size, needs_targets=targets and not self.custom_loss)
+        micro_batches = self.program.grad_accum_steps if training else 1
+        prepared = self.capped_at_data(prepared, micro_batches, said=training and batch_size is not None)
         program, batch_size = self.program, prepared.batch_size
         distributed.check_same_configuration(
             {  # before anything that needs the processes to agree
@@ -302,15 +307,51 @@ class Setup:
                 source = prepared.source
                 every = source.y if isinstance(source, data_lib.ArrayDataset) else prepared.first_y
                 self.objective.check_targets(every, self.output_spec(prepared.first_x))
-        micro_batches = program.grad_accum_steps if training else 1
         if self.strategy is None:
             data_lib.check_batch_size(batch_size, 1, micro_batches=micro_batches)
             self.choose_strategy(prepared, announce)
         data_lib.check_batch_size(batch_size, self.require_strategy().num_batch_shards, micro_batches=micro_batches)
         if self.session.state is None:
+            if training and self.auto is None:  # "auto" leaves such a strategy out; a given one is said once
+                self.warn_changed_result(prepared.first_x)
             self.create_state(prepared)
             self.check_outputs(prepared.first_x)
         return prepared
+
+    def warn_changed_result(self, first_x: PyTree) -> None:
+        """Says once when the given strategy trains this model on other numbers than one device
+        (BatchNorm under ``DataParallel``), and how to get the same ones."""
+        reason = self.program.changes_result(self.require_strategy(), first_x)
+        if reason is not None:
+            warnings.warn(
+                f"{reason}. SingleDevice, FSDP and Hybrid (and strategy='auto') normalise by the whole batch.",
+                stacklevel=4,
+            )
+
+    def batch_unit(self, micro_batches: int = 1) -> int:
+        """The smallest global batch the strategy (under ``"auto"``: every candidate) splits
+        into equal device parts, times ``micro_batches`` (gradient accumulation)."""
+        strategies = [self.strategy] if self.strategy is not None else self.auto_candidates()
+        return math.lcm(*(s.num_batch_shards for s in strategies)) * micro_batches
+
+    def capped_at_data(self, prepared: data_lib.Prepared, micro_batches: int, said: bool) -> data_lib.Prepared:
+        """As Keras: a batch size above the rows of the data is one batch of all the rows, here
+        rounded up to what the devices split (the rest padded and masked, so nothing changes but
+        the time and memory the padding would take); ``said``: a warning names the cap."""
+        rows, size = prepared.rows, prepared.batch_size
+        if rows is None or data_lib.own_batch_size(prepared.source) is not None:
+            return prepared
+        unit = self.batch_unit(micro_batches)
+        capped = -(-rows // unit) * unit
+        if capped >= size:
+            return prepared
+        if said:
+            warnings.warn(
+                f"batch_size={size} is more than the {rows} rows of the data: trained as one batch of all of them, "
+                f"padded to {capped} (a multiple of the {unit} parts the devices split it into), as Keras does.",
+                stacklevel=4,
+            )
+        return prepared._replace(batch_size=capped)
 
     def check_outputs(self, first_x: PyTree) -> None:
         """Before the first update, on up to ``CHECKED_ROWS`` rows of the first batch in eval
@@ -390,6 +431,8 @@ class Setup:
             source, batch_size=batch_size, targets=True, training=True, announce=announce, config=settings
         )
         source, batch_size = prepared.source, prepared.batch_size
+        steps = data_lib.epoch_steps(source, batch_size, config.steps_per_epoch, config.epochs or 1)
+        config = config.until_max_steps(steps, source.one_shot)
         validation = None
         if validation_data is not None:
             checked = data_lib.as_dataset(validation_data)
@@ -400,7 +443,7 @@ class Setup:
             validation = Validation(validating.source, validating.batch_size, config.validation_steps)
         return prepared, dataclasses.replace(
             config,
-            steps=data_lib.epoch_steps(source, batch_size, config.steps_per_epoch, config.epochs),
+            steps=steps,
             validation=validation,
             warn_non_finite=config.warn_non_finite and isinstance(self.require_state().loss_scale, NoLossScale),
             continuing=data_lib.continues_across_epochs(source, batch_size, config.steps_per_epoch),
@@ -489,11 +532,17 @@ class Setup:
             except Exception as error:  # noqa: BLE001 - the model's own error, raised again with its inputs
                 raise ValueError(
                     f"The model raised {type(error).__name__} when called on the first batch, whose inputs are "
-                    f"{data_lib.describe_shapes(first_x)}: {error}\nCheck the input shape the model expects: a "
-                    "missing channel axis (images of shape (N, H, W) for a Conv: pass x[..., None]), or "
-                    "channels-first data (torch's (N, C, H, W): Flax's Conv takes (N, H, W, C), "
-                    "x.transpose(0, 2, 3, 1))."
+                    f"{data_lib.describe_shapes(first_x)}: {error}\n{model_lib.call_error_hint(error)}"
                 ) from error
+            unswitched = self.program.adapter.unswitched_layers(state.params, state.model_state, first_x)
+            if unswitched:
+                raise ValueError(
+                    f"The model has layers that train differently from how they evaluate ({', '.join(unswitched)}), "
+                    f"but its __call__ takes none of the flags trainkit sets ({model_lib.TRAIN_FLAG_NAMES}), so they "
+                    "would stay in one mode for training and evaluation alike. Rename the model's flag, e.g. "
+                    "`def __call__(self, x, train: bool = False)` with nn.Dropout(rate, deterministic=not train) and "
+                    "nn.BatchNorm(use_running_average=not train)."
+                )
             if not self.custom_loss:  # a compute_loss of your own may use outputs that are not per row
                 data_lib.check_rows_kept(first_x, outputs)
             self._outputs = outputs
@@ -569,6 +618,7 @@ class Setup:
             "candidates": [plan_lib.short_name(c) for c in candidates],
             "auto": [auto.measure, auto.memory_limit],
             "versions": [jax.__version__, __version__],
+            "rules": 2,  # how candidates are chosen: 2 leaves out those that change a result (#32)
         }
         key = remembered_lib.decision_key(facts)
         decision = remembered_lib.recall(compile_cache.active_directory(), key)

@@ -5,14 +5,13 @@ train step fits (docs/tuning.md). Functions of a :class:`~trainkit.program.setup
 
 >>> import numpy as np, optax, flax.linen as nn, trainkit as tk
 >>> trainer = tk.Trainer(nn.Dense(2), loss="mse", optimizer=optax.sgd(0.1), strategy="single")
->>> x, y = np.ones((8, 3), np.float32), np.ones((8, 2), np.float32)
+>>> x, y = np.ones((100, 3), np.float32), np.ones((100, 2), np.float32)
 >>> find_batch_size(trainer.setup, x, y, max_batch_size=64, memory_limit=2**30, verbose=0).batch_size
 64
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -63,8 +62,8 @@ def find_batch_size(
     if prepared.has_targets:
         setup.objective.build(prepared.first_y)
     candidates = [setup.strategy] if setup.strategy is not None else setup.auto_candidates()
-    unit = math.lcm(*(c.num_batch_shards for c in candidates)) * setup.program.grad_accum_steps
-    sizes = batch_size_lib.candidate_sizes(unit, int(max_batch_size), powers_of_two)
+    unit = setup.batch_unit(setup.program.grad_accum_steps)
+    sizes = batch_size_lib.candidate_sizes(unit, int(max_batch_size), powers_of_two, rows=prepared.rows)
 
     def plan_at(size: int, limit: int) -> plan_lib.MemoryPlan:
         batch = prepared.sample_batch(size)

@@ -186,6 +186,14 @@ class Strategy:
     def describe(self) -> str:
         return f"{type(self).__name__}({len(self.devices)} devices)"
 
+    def __repr__(self) -> str:
+        """Its class and mesh axes: ``FSDP(fsdp=8)``, ``Hybrid(data=2, fsdp=4)``."""
+        try:
+            axes = ", ".join(f"{name}={size}" for name, size in self.mesh.shape.items())
+        except NotImplementedError:  # a custom strategy without a mesh yet
+            return f"{type(self).__name__}()"
+        return f"{type(self).__name__}({axes})"
+
 
 def check_steps_per_execution(steps: Any, strategy: Any = None) -> int:
     """``steps`` as an int, or a ``ValueError`` (not a positive integer) or ``TypeError`` (a

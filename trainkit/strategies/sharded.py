@@ -212,3 +212,6 @@ class SingleDevice(ShardedStrategy):
 
     def describe(self) -> str:
         return f"SingleDevice({self.devices[0]})"
+
+    def __repr__(self) -> str:
+        return self.describe()
