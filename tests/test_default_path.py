@@ -197,3 +197,52 @@ def test_an_explicit_data_parallel_says_its_statistics_are_per_device(data):
     with warnings.catch_warnings():
         warnings.simplefilter("error", UserWarning)
         classifier(_BatchNormed("data"), strategy=tk.DataParallel()).fit(x, y, batch_size=8, verbose=0)
+
+
+class _Block(nnx.Module):
+    def __init__(self, rngs: nnx.Rngs):
+        self.second = nnx.Linear(8, 8, rngs=rngs)  # declared first, called second
+        self.first = nnx.Linear(8, 8, rngs=rngs)
+
+    def __call__(self, x):
+        return self.second(nnx.relu(self.first(x)))
+
+
+class _NNXNet(nnx.Module):
+    def __init__(self, rngs: nnx.Rngs):
+        self.head = nnx.Linear(8, 3, rngs=rngs)
+        self.block = _Block(rngs)
+        self.stem = nnx.Linear(4, 8, rngs=rngs)
+        self.spare = nnx.Linear(2, 2, rngs=rngs)  # never called
+
+    def __call__(self, x):
+        return self.head(self.block(self.stem(x)))
+
+
+def test_an_nnx_summary_lists_modules_in_call_order_with_shapes_and_auto_chooses_nothing(data):
+    import io
+
+    from rich.console import Console
+
+    from trainkit.monitoring.summary import summary_rows
+
+    x, y = data
+    calls = (nnx.Linear.__call__, "__call__" in _Block.__dict__)
+    trainer = tk.Trainer(_NNXNet(nnx.Rngs(0)), loss="sparse_categorical_crossentropy", optimizer=optax.adam(1e-3))
+    buffer = io.StringIO()
+    trainer.summary((x, y), console=Console(file=buffer, width=120))
+    assert trainer.strategy is None and trainer.state is None  # "auto" traced the sample, compiled no candidate
+    assert "Train step FLOPs: " in buffer.getvalue() and "per batch of 40" in buffer.getvalue()
+    inputs = trainer.setup.summary_inputs((x, y))
+    rows = [
+        (r.path, r.kind, r.output_shape, r.params) for r in summary_rows(trainer.setup.program.adapter, *inputs[1::-1])
+    ]
+    assert rows == [
+        ("stem", "Linear", "(None, 8)", 40),
+        ("block", "_Block", "(None, 8)", 144),
+        ("block/first", "Linear", "(None, 8)", 72),
+        ("block/second", "Linear", "(None, 8)", 72),
+        ("head", "Linear", "(None, 3)", 27),
+        ("spare", "Linear", "?", 6),
+    ]
+    assert (nnx.Linear.__call__, "__call__" in _Block.__dict__) == calls  # the classes' own calls put back

@@ -187,7 +187,7 @@ class Trainer:
 
     def summary(self, sample: Any = None, console: Any = None) -> None:
         """Keras's ``summary()``: modules, output shapes, parameters, step FLOPs; a ``sample`` initialises first."""
-        (console or Console()).print(summary_lib.summary_view(self, *self.setup.summary_inputs(sample)))
+        (console or Console()).print(summary_lib.summary_view(self, self.setup.summary_inputs(sample)))
 
     def get_weights(self) -> PyTree:
         """Host copies of all variables: ``{"params": ..., **model_state}``."""

@@ -14,6 +14,7 @@ This is the only file that knows Flax exists. Everything else sees a
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import zlib
@@ -233,16 +234,29 @@ class NNXModel:
         return _annotations(self._params, lambda leaf: isinstance(leaf, nnx.Variable))
 
     def module_calls(self, params: PyTree, model_state: PyTree, x: PyTree) -> list[ModuleCall]:
-        """Every submodule an attribute holds, by path; NNX records no calls, so only the
-        model's own output shape is known."""
-        output = jax.eval_shape(
-            lambda p, s, x: self.apply(p, s, x, rng=jax.random.PRNGKey(0), train=False)[0], params, model_state, x
-        )
-        found = sorted(
-            ((tuple(path), type(module).__name__) for path, module in nnx.iter_modules(self.module)),
-            key=lambda item: tuple(map(str, item[0])),
-        )
-        return [ModuleCall(path, kind, output if path == () else None) for path, kind in found]
+        """Every submodule called in an eval-mode forward pass, in the order it was entered, with
+        its output's shapes (traced, nothing computed). NNX has no method interceptor: each
+        module class's ``__call__`` is wrapped for the duration of the trace, recording the
+        calls of this model's own instances only; a submodule never called is listed after them
+        without a shape."""
+        calls: dict[tuple, ModuleCall | None] = {}
+
+        def forward(params, model_state, x):
+            module = self.merge(params, model_state)
+            module.eval()
+            paths = {id(m): tuple(path) for path, m in nnx.iter_modules(module)}
+            with _recording_calls({type(m) for _, m in nnx.iter_modules(module)}, paths, calls):
+                args, kwargs = _split_inputs(x, self._parameters)
+                return module(*args, **kwargs)
+
+        jax.eval_shape(forward, params, model_state, x)
+        found = [call for call in calls.values() if call is not None]
+        never = [
+            ModuleCall(tuple(path), type(m).__name__, None)
+            for path, m in nnx.iter_modules(self.module)
+            if tuple(path) not in calls
+        ]
+        return found + never
 
     def unswitched_layers(self, params: PyTree, model_state: PyTree, x: PyTree) -> list[str]:
         """None: ``module.train()`` / ``module.eval()`` switch every NNX layer's mode."""
@@ -272,6 +286,37 @@ class NNXModel:
         out = module(*args, **kwargs)
         *_, rest = nnx.split(module, nnx.Param, nnx.RngState, ...)
         return out, (nnx.to_pure_dict(rest) if train else model_state)
+
+
+@contextlib.contextmanager
+def _recording_calls(classes: set[type], paths: dict[int, tuple], calls: dict[tuple, ModuleCall | None]):
+    """Each class's ``__call__`` wrapped while the context lasts: a call of an instance in
+    ``paths`` (by ``id``) is recorded in ``calls`` by its path, parents before children."""
+    originals = {cls: cls.__dict__.get("__call__") for cls in classes}
+
+    def wrapped(original):
+        @functools.wraps(original)
+        def call(self, *args, **kwargs):
+            path = paths.get(id(self))
+            if path is None or path in calls:
+                return original(self, *args, **kwargs)
+            calls[path] = None  # entered
+            out = original(self, *args, **kwargs)
+            calls[path] = ModuleCall(path, type(self).__name__, _shapes(out))
+            return out
+
+        return call
+
+    try:
+        for cls in classes:
+            cls.__call__ = wrapped(cls.__call__)  # type: ignore[method-assign]
+        yield
+    finally:
+        for cls, original in originals.items():
+            if original is None:
+                del cls.__call__  # inherited: the base's again
+            else:
+                cls.__call__ = original  # type: ignore[method-assign]
 
 
 def _layer_name(path: tuple, module: Any) -> str:

@@ -9,7 +9,8 @@ sizes, and the train step's FLOPs from XLA's cost analysis.
 ...         return nn.Dense(1)(nn.Dropout(0.5, deterministic=True)(x))
 >>> trainer = tk.Trainer(Two(), loss="mse", optimizer=optax.sgd(0.1), strategy="single")
 >>> _ = trainer.init((np.zeros((4, 2), np.float32), np.zeros((4, 1), np.float32)))
->>> [tuple(row) for row in summary_rows(trainer, trainer.setup.summary_inputs(None)[0])]
+>>> inputs = trainer.setup.summary_inputs(None)
+>>> [tuple(row) for row in summary_rows(trainer.setup.program.adapter, inputs.state, inputs.x)]
 [('Dropout_0', 'Dropout', '(None, 2)', 0), ('Dense_0', 'Dense', '(None, 1)', 3)]
 """
 
@@ -66,15 +67,14 @@ def _bytes(tree: PyTree) -> int:
     return sum(int(np.prod(np.shape(leaf))) * np.dtype(leaf.dtype).itemsize for leaf in jax.tree.leaves(tree))
 
 
-def summary_rows(trainer: Any, x: PyTree) -> list[SummaryRow] | None:
-    """The rows of :func:`summary_view`, for inputs ``x`` (a few examples, abstract: see
-    ``Setup.summary_inputs``); ``None`` before the trainer has a state."""
-    if trainer.state is None:
-        return None
+def summary_rows(adapter: Any, state: Any, x: PyTree) -> list[SummaryRow]:
+    """The rows of :func:`summary_view`: the modules ``adapter`` (the model's) calls on inputs
+    ``x`` (a few examples, abstract: see ``Setup.summary_inputs``) with the variables of
+    ``state`` (live or abstract)."""
     batch = jax.tree.leaves(x)[0].shape[0]
-    state = abstract(trainer.state)
+    state = abstract(state)
     params, model_state = state.params, state.model_state
-    calls = trainer.setup.program.adapter.module_calls(params, model_state, x)
+    calls = adapter.module_calls(params, model_state, x)
     rows = []
     for call in calls:
         if call.path == ():
@@ -98,20 +98,21 @@ def readable_size(size: float) -> str:
     return f"{size:.2f} PB"
 
 
-def summary_view(trainer: Any, x: PyTree, step_batch: PyTree = None) -> Group:
+def summary_view(trainer: Any, inputs: Any) -> Group:
     """Keras's summary: ``Model: "<class>"``, a row per module (``Layer (type)``, ``Output
     Shape``, ``Param #``: a module counts the variables of its submodules too), then total,
     trainable, non-trainable and optimizer parameters with their sizes (the total includes the
     optimizer state, as Keras's does once its optimizer is built: trainkit builds it at
-    ``init``), the model's output shape, and the FLOPs of one train step on ``step_batch``
-    (default: the last ``fit``'s batches)."""
-    rows = summary_rows(trainer, x)
-    if rows is None:
+    ``init``), the model's output shape, and the FLOPs of one train step on the sample batch
+    (default: the last ``fit``'s batches). ``inputs``: ``Setup.summary_inputs``'s."""
+    if inputs is None:
         raise RuntimeError(
             "summary() needs the model's input shapes: pass a sample batch, trainer.summary((x[:32], y[:32])), "
             "or call it after fit(...) or init(...)."
         )
-    state = trainer.state
+    x, state = inputs.x, inputs.state
+    program = trainer.setup.program
+    rows = summary_rows(program.adapter, state, x)
     table = Table()
     table.add_column("Layer (type)", no_wrap=True)
     table.add_column("Output Shape")
@@ -124,16 +125,20 @@ def summary_view(trainer: Any, x: PyTree, step_batch: PyTree = None) -> Group:
         f"Total params: {sum(map(_count, parts.values())):,} ({readable_size(sum(map(_bytes, parts.values())))})",
         *(f"{name} params: {_count(tree):,} ({readable_size(_bytes(tree))})" for name, tree in parts.items()),
     ]
-    output = jax.eval_shape(trainer.setup.program.outputs, abstract(state), x)
+    output = jax.eval_shape(program.outputs, abstract(state), x)
     lines.append(f"Output shape: {_shape_text(output, jax.tree.leaves(x)[0].shape[0])}")
-    batch = step_batch if step_batch is not None else trainer.session.batch_spec
-    if batch is None:
-        lines.append("Train step FLOPs: pass a batch with targets, summary((x, y)), to count them")
-    else:
-        flops = debug.step_flops(trainer, batch)
-        rows_in_batch = int(np.prod(np.shape(batch["mask"])))
-        lines.append(
-            f"Train step FLOPs: {'unknown' if flops is None else f'{flops:,.0f}'} per batch of {rows_in_batch} "
-            "(XLA's cost analysis)"
-        )
+    lines.append(_flops_line(trainer, inputs))
     return Group(Text(f'Model: "{type(trainer.model).__name__}"', style="bold"), table, Text("\n".join(lines)))
+
+
+def _flops_line(trainer: Any, inputs: Any) -> str:
+    """``Train step FLOPs: ... per batch of N (XLA's cost analysis)``, or how to get them."""
+    if inputs.flops_rows is not None:  # traced without a strategy
+        flops, rows_in_batch = inputs.flops, inputs.flops_rows
+    else:
+        batch = inputs.step_batch if inputs.step_batch is not None else trainer.session.batch_spec
+        if batch is None:
+            return "Train step FLOPs: pass a batch with targets, summary((x, y)), to count them"
+        flops, rows_in_batch = debug.step_flops(trainer, batch), int(np.prod(np.shape(batch["mask"])))
+    shown = "unknown" if flops is None else f"{flops:,.0f}"
+    return f"Train step FLOPs: {shown} per batch of {rows_in_batch} (XLA's cost analysis)"

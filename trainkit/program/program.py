@@ -135,6 +135,17 @@ class Program:
             raise ValueError(f"{plan_lib.NOT_A_CANDIDATE}: {reason}")
         return self.compile(kind, strategy, abstract_state)
 
+    def step_flops(self, abstract_state: PyTree, host_batch: Batch) -> float | None:
+        """The floating-point operations of one train step on ``host_batch`` (a padded global
+        batch), from the lowered step's cost analysis (traced, not compiled: no strategy needed);
+        ``None`` when the backend reports none."""
+        totals = pack(self.empty_totals("train", abstract_state, host_batch))
+        cost = jax.jit(self.step("train", None)).lower(abstract_state, totals, host_batch).cost_analysis()
+        if isinstance(cost, (list, tuple)):  # older jax: one dict per computation
+            cost = cost[0] if cost else None
+        flops = float(cost.get("flops", 0.0)) if cost else 0.0
+        return flops if flops > 0 else None
+
     # ------------------------------------------------------------------ compiled steps
     def compile(self, kind: str, strategy: Strategy, abstract_state: PyTree) -> Callable:
         """The ``"train"``, ``"train_steps"`` (several steps over stacked batches), ``"eval"``

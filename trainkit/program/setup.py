@@ -36,7 +36,7 @@ import logging
 import math
 import warnings
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import numpy as np
@@ -87,6 +87,19 @@ def _same_rows(rows: np.ndarray, first: np.ndarray) -> bool:
     low = np.dtype(rows.dtype).itemsize < 4  # bf16 / fp16 outputs
     rows, first = rows.astype(np.float64), first.astype(np.float64)
     return bool(np.allclose(rows, first, rtol=1e-2 if low else 1e-4, atol=1e-2 if low else 1e-5, equal_nan=True))
+
+
+class SummaryInputs(NamedTuple):
+    """What ``summary`` shows: abstract inputs ``x`` of a few examples, the ``state`` (live, or
+    its shapes before a strategy is chosen), the placed sample batch to lower the train step
+    on (``None``: the last ``fit``'s), or, traced without a strategy, its ``flops`` on a batch
+    of ``flops_rows``."""
+
+    x: PyTree
+    state: TrainState
+    step_batch: PyTree = None
+    flops: float | None = None
+    flops_rows: int | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -478,18 +491,31 @@ class Setup:
             plan = dataclasses.replace(plan, decided={**plan.decided, "steps_per_execution='auto'": reason})
         self.decide(steps_per_execution=steps, tunes_steps=False, plan=plan)
 
-    def summary_inputs(self, sample_batch: Any) -> tuple[PyTree, PyTree]:
-        """What ``summary`` traces: abstract inputs of ``SUMMARY_ROWS`` examples, and the sample
-        placed for lowering the train step when it has targets (else ``None``); a sample
-        initialises the state first, ``None`` uses the state's own input shapes."""
+    def summary_inputs(self, sample_batch: Any) -> SummaryInputs | None:
+        """What ``summary`` shows (``None``: no state and no sample to trace): abstract inputs of
+        ``SUMMARY_ROWS`` examples, the state (its shapes suffice), and the sample placed for
+        lowering the train step when it has targets. A sample initialises a trainer with a
+        strategy; under ``"auto"``, before anything chose one, the model and step are traced
+        on it without choosing (no candidate compiled or timed)."""
+        if sample_batch is not None and self.session.state is None and self.strategy is None:
+            prepared = data_lib.prepare(sample_batch, default_batch_size=None)
+            state = self.program.abstract_state(prepared.first_x)
+            x = data_lib.abstract_inputs(prepared.spec, SUMMARY_ROWS)
+            if not prepared.has_targets:
+                return SummaryInputs(x, state)
+            self.objective.build(prepared.first_y)
+            return SummaryInputs(
+                x, state, None, self.program.step_flops(state, prepared.sample_batch()), prepared.batch_size
+            )
         if sample_batch is not None:
             self.init(sample_batch)
         if self.session.state is None:
-            return None, None
+            return None
         step_batch = None
         if sample_batch is not None and data_lib.prepare(sample_batch, default_batch_size=None).source.has_targets:
             step_batch = self.placed_sample(sample_batch)
-        return data_lib.abstract_inputs(self.input_spec, SUMMARY_ROWS), step_batch
+        x = data_lib.abstract_inputs(self.input_spec, SUMMARY_ROWS)
+        return SummaryInputs(x, self.require_state(), step_batch)
 
     def init(self, sample_batch: Any) -> TrainState:
         """The state for a sample batch (see :meth:`trainkit.Trainer.init`)."""
