@@ -246,3 +246,18 @@ def test_an_nnx_summary_lists_modules_in_call_order_with_shapes_and_auto_chooses
         ("spare", "Linear", "?", 6),
     ]
     assert (nnx.Linear.__call__, "__call__" in _Block.__dict__) == calls  # the classes' own calls put back
+
+
+def test_loading_a_checkpoint_prints_no_read_only_notice(data, tmp_path, caplog):
+    import logging
+
+    x, y = data
+    trainer = classifier()
+    trainer.fit(x, y, verbose=0)
+    trainer.save(tmp_path / "run")
+    restored = classifier()
+    restored.init((x, y))
+    with caplog.at_level(logging.INFO):
+        restored.load(tmp_path / "run")
+    assert not [r.getMessage() for r in caplog.records if "read only" in r.getMessage()]
+    np.testing.assert_array_equal(restored.params["Dense_0"]["kernel"], trainer.params["Dense_0"]["kernel"])

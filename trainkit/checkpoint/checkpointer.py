@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import atexit
 import concurrent.futures
+import contextlib
 import fcntl
 import json
 import logging
@@ -31,7 +32,7 @@ import threading
 import time
 import warnings
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import flax.serialization
@@ -204,7 +205,8 @@ class Checkpointer:
         )
         try:
             self._alias = _glob_free_alias(self.directory)
-            self._manager = ocp.CheckpointManager(self._alias or self.directory, options=options)
+            with _without_read_only_notice():  # orbax warns that a directory opened to read is read only
+                self._manager = ocp.CheckpointManager(self._alias or self.directory, options=options)
         except BaseException:
             _remove_alias(self._alias)
             _unlock(self._lock)
@@ -547,6 +549,24 @@ def unreadable_steps(directory: str) -> list[str]:
         if not readable:
             found.append(name)
     return found
+
+
+class _ReadOnlyNotice(logging.Filter):
+    """Drops orbax's ``Given directory is read only`` warning (a read is what was asked for)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith("Given directory is read only")
+
+
+@contextlib.contextmanager
+def _without_read_only_notice() -> Iterator[None]:
+    """absl's logger (orbax logs through it) without the read-only notice while it lasts."""
+    notice, absl = _ReadOnlyNotice(), logging.getLogger("absl")
+    absl.addFilter(notice)
+    try:
+        yield
+    finally:
+        absl.removeFilter(notice)
 
 
 def _set_aside_unreadable_steps(directory: str, read_only: bool) -> None:
