@@ -201,3 +201,32 @@ def test_onnx_runs_a_causal_mask(tmp_path):
     x = np.random.default_rng(0).normal(size=(5, 4)).astype(np.float32)
     (got,) = ort.InferenceSession(str(path)).run(None, {"input": x})
     np.testing.assert_allclose(got, np.asarray(masked(np.float32(3), x)), atol=1e-6)
+
+
+def test_onnx_of_a_bf16_trainer_computes_in_float32_and_a_missing_folder_is_made(tmp_path):
+    ort = pytest.importorskip("onnxruntime")
+    pytest.importorskip("jax2onnx")
+    rng = np.random.default_rng(0)
+    x, y = rng.random((32, 8, 8, 1), np.float32), rng.integers(0, 10, 32)
+    trainer = tk.Trainer(
+        CNN(), loss="sparse_categorical_crossentropy", optimizer=optax.adam(1e-2), strategy="single", precision="bf16"
+    )
+    trainer.fit(x, y, batch_size=16, epochs=1, verbose=0)
+    path = tmp_path / "not" / "yet" / "cnn.onnx"  # the missing folders are created
+    trainer.export(path, format="onnx", verbose=False)
+    (got,) = ort.InferenceSession(str(path)).run(None, {"input": x[:5]})  # bf16 Conv / Gemm: refused at run
+    expected = tk.Trainer(CNN(), loss="sparse_categorical_crossentropy", optimizer=optax.adam(1e-2), strategy="single")
+    expected.init((x, y))
+    expected.set_weights(trainer.get_weights())  # the same weights in an fp32 trainer: what ONNX computes
+    np.testing.assert_allclose(got, expected.predict(x[:5]), atol=1e-4)
+
+    class OwnApply(tk.Trainer):
+        def apply(self, params, model_state, x, *, rng, train):
+            return super().apply(params, model_state, x, rng=rng, train=train)
+
+    own = OwnApply(
+        CNN(), loss="sparse_categorical_crossentropy", optimizer=optax.adam(1e-2), strategy="single", precision="bf16"
+    )
+    own.init((x, y))
+    with pytest.raises(ValueError, match=r"overrides apply.*precision='fp32' trainer"):
+        own.export(tmp_path / "own.onnx", format="onnx", verbose=False)

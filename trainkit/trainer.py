@@ -262,8 +262,10 @@ class Trainer:
     def export(self, filepath: str | os.PathLike, format: str = "jax", verbose: bool = True, **options: Any) -> None:
         """Keras 3's ``model.export``: ``predict``'s function (eval mode, the precision policy) with a
         symbolic batch axis, as ``"jax"`` (:func:`trainkit.export.load`), ``"tf_saved_model"`` or
-        ``"onnx"``; ``platforms=[...]`` / ``opset=`` go to the format (docs/export.md)."""
-        export_lib.export(filepath, self.setup.inference, format, verbose=verbose, **options)
+        ``"onnx"``; ``platforms=[...]`` / ``opset=`` go to the format (docs/export.md). ONNX is
+        computed in float32 (ONNX Runtime's CPU kernels refuse bf16 and fp16 Conv and Gemm)."""
+        float32 = export_lib.computes_float32(format, self.precision.compute_dtype, type(self).apply is Trainer.apply)
+        export_lib.export(filepath, lambda: self.setup.inference(float32), format, verbose=verbose, **options)
 
     def find_batch_size(
         self,

@@ -14,6 +14,9 @@ import importlib.util
 import os
 import time
 from collections.abc import Callable
+from typing import Any
+
+import numpy as np
 
 from trainkit import distributed
 from trainkit.core.tree import PyTree
@@ -29,6 +32,27 @@ FORMATS: dict[str, tuple[Callable, dict[str, str]]] = {
         {"jax2onnx": "pip install 'trainkit[export]'", "onnx": "pip install 'trainkit[export]'"},
     ),
 }
+
+
+def computes_float32(format: str, compute_dtype: Any, model_call: bool) -> bool:
+    """Whether an export of a trainer computing in ``compute_dtype`` computes in float32:
+    ``"onnx"`` of a bf16 or fp16 trainer does (ONNX Runtime's CPU provider has no bf16 Conv or
+    Gemm and refuses such a file); refused when the trainer overrides ``apply`` (``model_call``
+    false), whose own computation float32 cannot be put into.
+
+    >>> computes_float32("onnx", "bfloat16", True), computes_float32("jax", "bfloat16", True)
+    (True, False)
+    """
+    if format != "onnx" or np.dtype(compute_dtype) == np.float32:
+        return False
+    if not model_call:
+        raise ValueError(
+            f"format='onnx' exports in float32 (ONNX Runtime refuses {np.dtype(compute_dtype).name} Conv and Gemm "
+            "on CPU), but this trainer overrides apply, which trainkit cannot run in float32 for you. Export "
+            "format='jax', or copy the weights into a precision='fp32' trainer (fp32.init(x[:8]); "
+            "fp32.set_weights(trainer.get_weights())) and export that."
+        )
+    return True
 
 
 def check_format(format: str) -> None:
@@ -60,6 +84,7 @@ def write(
     check_format(format)
     if not distributed.is_main_process():
         return
+    os.makedirs(os.path.dirname(os.path.abspath(os.fspath(path))), exist_ok=True)  # a missing parent folder is created
     save = FORMATS[format][0]
     start = time.perf_counter()
     written = save(path, function, variables, symbolic_inputs(spec), **options)

@@ -174,6 +174,11 @@ class Program:
         them (pure: trace it with ``jax.eval_shape`` or compile it with ``jax.jit``)."""
         return make_predict_step(self.apply)(state, {"x": x})
 
+    def float32_outputs(self, state: TrainState, x: PyTree) -> PyTree:
+        """:meth:`outputs` computed in float32 whatever the precision policy (the model's own
+        call: a trainer's ``apply`` override is not in it)."""
+        return make_predict_step(Precision().wrap_apply(self.adapter.apply))(state, {"x": x})
+
     def metrics_step(self, kind: str, axis: str | None) -> Callable:
         """The ``"train"`` step ``(state, batch) -> (state, metrics)`` or the ``"eval"`` step
         ``(state, batch) -> metrics``, before their metrics are merged into the totals."""

@@ -471,14 +471,16 @@ class Setup:
         self.empty_totals("train", host_batch)  # shaped before anything lowers the train step
         return self.require_strategy().put_batch(host_batch)
 
-    def inference(self) -> tuple[Callable, PyTree, PyTree]:
+    def inference(self, float32: bool = False) -> tuple[Callable, PyTree, PyTree]:
         """What an export runs: ``predict``'s function ``(variables, x) -> outputs`` (eval mode,
-        the precision policy), host copies of the variables it reads, and the per-example inputs."""
+        the precision policy, or with ``float32`` float32 computation), host copies of the
+        variables it reads, and the per-example inputs."""
         host = distributed.fetch(self.require_state().replace(opt_state=()))  # no optimizer state
         variables = {"params": host.params, "model_state": host.model_state, "rng": host.rng}
+        outputs = self.program.float32_outputs if float32 else self.program.outputs
 
         def predict(variables: PyTree, x: PyTree) -> PyTree:
-            return self.program.outputs(host.replace(**variables), x)
+            return outputs(host.replace(**variables), x)
 
         return predict, variables, self.input_spec
 
