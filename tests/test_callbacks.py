@@ -198,3 +198,33 @@ def test_terminate_on_nan_names_the_first_bad_batch_of_an_execution(xy):
     with pytest.warns(UserWarning, match=r"loss became nan at batch 5 of epoch 0 \(step 6,"):
         trainer.fit((x_big, y_big), epochs=2, batch_size=16, shuffle=False, callbacks=[stopper], verbose=0)
     assert stopper.stopped_step == 6 and trainer.global_step == 8  # the execution's steps ran, no more
+
+
+@pytest.mark.parametrize("width", [80, 100])
+def test_a_narrow_bar_keeps_the_bar_the_step_counter_and_the_loss(xy, width):
+    x, y = xy
+    bar = ProgressBar(1, console=Console(file=io.StringIO(), width=width))
+    frames = []
+
+    def snapshot(batch, logs=None):
+        if batch == 2:  # the bar drew batch 0's logs at once
+            out = Console(file=io.StringIO(), width=width, record=True)
+            out.print(bar._progress.make_tasks_table(bar._progress.tasks))
+            frames.append(out.export_text())
+
+    make_trainer().fit((x, y), epochs=1, batch_size=8, callbacks=[LambdaCallback(on_train_batch_end=snapshot), bar])
+    (frame,) = frames
+    assert "━" in frame and re.search(r"\b\d+/\d+\b", frame), frame
+    assert re.search(r"loss: \d\.\d{4}", frame), frame  # the loss, in full, not cut off by the rate
+    assert all(len(line) <= width for line in frame.splitlines())
+
+
+def test_the_bar_and_verbose_2_print_the_same_digits(xy):
+    x, y = xy
+    lines = {}
+    for verbose in (1, 2):
+        buffer = io.StringIO()
+        options = {"epochs": 1, "batch_size": 16, "shuffle": False}
+        make_trainer().fit((x, y), **options, callbacks=[ProgressBar(verbose, console=Console(file=buffer, width=200))])
+        lines[verbose] = re.search(r"accuracy: \S+ - loss: \S+", buffer.getvalue()).group()
+    assert lines[1] == lines[2] and re.fullmatch(r"accuracy: \d\.\d{4} - loss: \d\.\d{4}", lines[1])

@@ -21,19 +21,59 @@ from trainkit.callbacks.base import Callback, Logs
 REFRESH_SECONDS = 0.1
 
 
+#: Console widths from which the live bar shows its elapsed time and examples/s (``WIDE``), and
+#: its steps/s (``MEDIUM``); narrower, the bar, the step counter, the ETA and the metrics only.
+WIDE, MEDIUM = 120, 100
+
+
+def keras_value(value: float) -> str:
+    """A logged value as Keras's progress bar prints it: four decimals, or four significant
+    digits in exponent form at 1e-3 and below.
+
+    >>> keras_value(0.69314), keras_value(0.00012345)
+    ('0.6931', '1.2345e-04')
+    """
+    return f"{value:.4f}" if value > 1e-3 else f"{value:.4e}"
+
+
 def format_logs(logs: Logs | None) -> str:
-    return " - ".join(f"{k}: {v:.4g}" for k, v in (logs or {}).items())
+    """``loss: 0.6931 - accuracy: 0.5000``: the live bar's and the epoch line's digits, the
+    same as ``verbose=2`` prints (and Keras)."""
+    return " - ".join(f"{k}: {keras_value(v)}" for k, v in (logs or {}).items())
 
 
 class _Rate(TextColumn):
-    def __init__(self):
+    """``12.3 steps/s, 197 examples/s``; ``examples=False``: the steps/s only (a narrower console)."""
+
+    def __init__(self, examples: bool = True):
         super().__init__("")
+        self.examples = examples
 
     def render(self, task) -> Text:
         speed, batch, k = task.finished_speed or task.speed, task.fields.get("batch"), task.fields.get("k")
-        text = f"{speed:.1f} steps/s" + (f", {speed * batch:,.0f} examples/s" if batch else "") if speed else ""
-        text += f" ({k} steps per call)" if text and k and k > 1 else ""
+        shown = batch if self.examples else None
+        text = f"{speed:.1f} steps/s" + (f", {speed * shown:,.0f} examples/s" if shown else "") if speed else ""
+        text += f" ({k} steps per call)" if text and k and k > 1 and self.examples else ""
         return Text(text, style="progress.data.speed")
+
+
+def bar_columns(width: int) -> list:
+    """The live bar's columns for a console ``width`` columns wide: the epoch, the bar, the
+    step counter, the ETA and the metrics always; the elapsed time and the rate only where they
+    leave the metrics room (from ``MEDIUM`` and ``WIDE`` columns)."""
+    columns: list = [
+        TextColumn("[bold]{task.description}", table_column=Column(no_wrap=True)),
+        BarColumn(bar_width=20 if width >= MEDIUM else 12),
+        MofNCompleteColumn(table_column=Column(no_wrap=True)),
+    ]
+    if width >= WIDE:
+        columns.append(TimeElapsedColumn())
+    columns.append(_Remaining())
+    if width >= MEDIUM:
+        columns.append(_Rate(examples=width >= WIDE))
+    metrics = Column(no_wrap=True, overflow="ellipsis", ratio=1)
+    columns.append(TextColumn("{task.fields[metrics]}", markup=False, table_column=metrics))
+    return columns
 
 
 class _Remaining(TimeRemainingColumn):
@@ -89,17 +129,8 @@ class ProgressBar(Callback):
         if self.verbose != 1:
             return
         # One live bar per epoch: when it stops, its last frame stays above the next epoch's.
-        self._progress = Progress(
-            TextColumn("[bold]{task.description}", table_column=Column(no_wrap=True)),
-            BarColumn(bar_width=20),
-            MofNCompleteColumn(table_column=Column(no_wrap=True)),
-            TimeElapsedColumn(),
-            _Remaining(),
-            _Rate(),
-            TextColumn("{task.fields[metrics]}", markup=False, table_column=Column(no_wrap=True, overflow="ellipsis")),
-            console=self.console,
-            refresh_per_second=8,
-        )
+        console = self.console or Console()
+        self._progress = Progress(*bar_columns(console.width), console=console, refresh_per_second=8)
         total = self._steps
         batch = self.session.batch_size if self.trainer is not None else None
         self._task = self._progress.add_task(self._describe(epoch), total=total, metrics="", batch=batch)
@@ -147,9 +178,7 @@ class ProgressBar(Callback):
             pace = f"{per_step * 1e6:.0f}us/step"
         digits = len(str(target))
         line = f"{seen:{digits}d}/{target} - {now - self._started:.0f}s - {pace}"
-        for key, value in (logs or {}).items():
-            line += f" - {key}: {value:.4f}" if value > 1e-3 else f" - {key}: {value:.4e}"  # as Keras
-        return line
+        return f"{line} - {format_logs(logs)}" if logs else line
 
     def on_train_end(self, logs: Logs | None = None) -> None:
         if self._progress is not None:  # stopped mid-epoch
