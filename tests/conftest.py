@@ -18,6 +18,21 @@ import pytest  # noqa: E402
 
 assert len(jax.devices()) == 8, "tests need 8 fake CPU devices (set before jax is imported)"
 
+# One persistent compilation cache per test process, new each run: the many tests that compile
+# the same small programs load them after the first compile (the suite's largest cost), and no
+# compiled step comes from an earlier run. trainkit's own cache setting stays "off" above, so
+# "auto" remembers no pick across tests (see `shared_compilation_cache`).
+import shutil  # noqa: E402
+import tempfile  # noqa: E402
+
+from jax._src import compilation_cache as jax_compilation_cache  # noqa: E402
+
+COMPILATION_CACHE = tempfile.mkdtemp(prefix="trainkit-tests-jax-cache-")
+jax.config.update("jax_compilation_cache_dir", COMPILATION_CACHE)
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+#: modules that count compiles or set up compilation caches of their own: no shared cache there
+OWN_COMPILATION_CACHE = {"test_compile", "test_auto_reproducible"}
+
 
 class MLP(nn.Module):
     """A small deterministic classifier."""
@@ -95,3 +110,28 @@ def saved_steps(directory):
 
     with Checkpointer(directory, read_only=True) as checkpoints:
         return checkpoints.steps()
+
+
+@pytest.fixture(autouse=True)
+def shared_compilation_cache(request, monkeypatch):
+    """Every test compiles through the process's shared cache, except those of
+    ``OWN_COMPILATION_CACHE``, which see JAX without one (as they set it up themselves); no
+    test reads a strategy that "auto" remembered in another (trainkit's cache is off: it
+    remembers nothing, as without a cache)."""
+    from trainkit.distributed import compile_cache
+
+    if request.module.__name__.rsplit(".", 1)[-1] not in OWN_COMPILATION_CACHE:
+        monkeypatch.setattr(compile_cache, "active_directory", lambda: None)
+        yield
+        return
+    jax.config.update("jax_compilation_cache_dir", None)
+    jax_compilation_cache.reset_cache()
+    try:
+        yield
+    finally:
+        jax.config.update("jax_compilation_cache_dir", COMPILATION_CACHE)
+        jax_compilation_cache.reset_cache()
+
+
+def pytest_unconfigure(config):
+    shutil.rmtree(COMPILATION_CACHE, ignore_errors=True)

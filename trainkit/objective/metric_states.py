@@ -121,7 +121,11 @@ class R2Sums(Sums):
 class StatefulMetric(BatchMetric):
     """Base class: a metric whose batch state is not a per-row mean. Subclasses set ``__name__``
     and implement :meth:`batch_state`; ``from_logits`` says whether outputs are logits (``None``:
-    follow the output's loss, as trainkit decides for names)."""
+    follow the output's loss, as trainkit decides for names). ``direction``: ``"max"`` or
+    ``"min"`` when the metric improves one way (Keras's ``_direction``), for ``EarlyStopping``
+    and ``ModelCheckpoint`` under any name."""
+
+    direction: str | None = "max"
 
     def __init__(self, name: str, from_logits: bool | None = None):
         self.__name__ = name
@@ -193,6 +197,8 @@ def _columns(predictions, targets):
 
 class RootMeanSquaredError(StatefulMetric):
     """``sqrt`` of the mean squared error over all rows (not the mean of per-batch roots)."""
+
+    direction = "min"
 
     def __init__(self, name: str = "root_mean_squared_error"):
         super().__init__(name, from_logits=False)

@@ -18,6 +18,16 @@ import jax.numpy as jnp
 
 from trainkit.core.totals import BatchMetric, LossAverage, MetricFn, Weighted, WeightedAverage  # noqa: F401
 from trainkit.objective import crossentropy, losses, metric_states
+from trainkit.objective.keras_metrics import (  # noqa: F401
+    F1Score,
+    FBetaScore,
+    IoU,
+    MeanIoU,
+    PrecisionAtRecall,
+    RecallAtPrecision,
+    SensitivityAtSpecificity,
+    SpecificityAtSensitivity,
+)
 from trainkit.objective.metric_states import AUC, Precision, R2Score, Recall, RootMeanSquaredError  # noqa: F401
 
 
@@ -145,13 +155,18 @@ def known_names() -> list[str]:
 RISING = ("acc", "auc", "AUC", "precision", "recall", "r2_score", "cosine_similarity")
 
 
-def direction(name: str) -> str | None:
-    """``"max"`` or ``"min"`` for a metric known by this name, ``None`` for a user's own (whose
-    direction only its author knows, as in Keras).
+def direction(name: str, metric: object = None) -> str | None:
+    """``"max"`` or ``"min"`` for a metric known by this name or a metric object that declares
+    it (Keras's ``_direction``), ``None`` for a user's own (whose direction only its author
+    knows, as in Keras).
 
     >>> direction("val_accuracy".removeprefix("val_")), direction("mae"), direction("my_score")
     ('max', 'min', None)
+    >>> direction("my_f1", F1Score(average="macro"))
+    'max'
     """
+    if isinstance(metric, metric_states.StatefulMetric) and metric.direction is not None:
+        return metric.direction
     if name not in METRICS and name not in SPACE_METRICS:
         return None
     return "max" if any(part in name for part in RISING) else "min"

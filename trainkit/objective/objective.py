@@ -245,11 +245,11 @@ class Objective:
             select = self._selector(out)
             for name, fn in metrics_lib.get_metrics(metrics[out.name], logits=out.logits).items():
                 fns[prefix(out, name)] = select(fn)
-                self.directions[prefix(out, name)] = metrics_lib.direction(name)
+                self.directions[prefix(out, name)] = metrics_lib.direction(name, fn)
             for name, fn in metrics_lib.get_metrics(weighted[out.name], logits=out.logits).items():
                 key = prefix(out, name)
                 key = prefix(out, f"weighted_{name}") if key in fns else key
-                fns[key], self.directions[key] = metrics_lib.Weighted(select(fn)), metrics_lib.direction(name)
+                fns[key], self.directions[key] = metrics_lib.Weighted(select(fn)), metrics_lib.direction(name, fn)
         terms: dict[str, Any] = {}
         if sum(out.loss is not None for out in self.outputs) > 1:
             loss = self.spec[0]  # Keras logs the outputs' losses in the order of a loss dict
