@@ -261,3 +261,24 @@ def test_loading_a_checkpoint_prints_no_read_only_notice(data, tmp_path, caplog)
         restored.load(tmp_path / "run")
     assert not [r.getMessage() for r in caplog.records if "read only" in r.getMessage()]
     np.testing.assert_array_equal(restored.params["Dense_0"]["kernel"], trainer.params["Dense_0"]["kernel"])
+
+
+def test_init_and_the_finders_under_auto_time_no_candidate(data, monkeypatch):
+    from trainkit.program import plan as plan_lib
+
+    def timed(*args, **kwargs):
+        raise AssertionError("a candidate was timed")
+
+    monkeypatch.setattr(plan_lib, "time_steps", timed)
+    x, y = data
+    lr_trainer = tk.Trainer(
+        MLP(), loss="sparse_categorical_crossentropy", optimizer=optax.inject_hyperparams(optax.sgd)(0.1)
+    )
+    lr_trainer.find_learning_rate(x, y, batch_size=8, steps=4)
+    assert lr_trainer.strategy is not None and not lr_trainer.last_plan.measured  # chosen by the estimate
+    classifier(strategy="auto").find_batch_size(x, y, verbose=0)
+    initialised = classifier(strategy="auto")
+    initialised.init((x, y))
+    assert not initialised.last_plan.measured
+    with pytest.raises(AssertionError, match="a candidate was timed"):
+        classifier(strategy="auto").fit(x, y, verbose=0)  # training measures

@@ -176,7 +176,8 @@ class Trainer:
 
     def init(self, sample_batch: Any) -> TrainState:
         """The state from a sample batch (any form ``fit`` takes; a source is read no further
-        than its first batch), the strategy chosen first under ``"auto"``; kept by a second call."""
+        than its first batch), the strategy chosen first under ``"auto"`` (by the compiler's
+        estimate: ``fit`` times candidates, ``init`` does not); kept by a second call."""
         return self.setup.init(sample_batch)
 
     params = Delegated[PyTree]("setup.host_params", "Host NumPy copies of the parameters.")

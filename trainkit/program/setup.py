@@ -523,7 +523,7 @@ class Setup:
         """The state for a sample batch (see :meth:`trainkit.Trainer.init`)."""
         prepared = data_lib.prepare(sample_batch, default_batch_size=None)
         if self.session.state is None:
-            self.choose_strategy(prepared)
+            self.choose_strategy(prepared, measure=False)  # "auto" times candidates only to train (fit)
             self.create_state(prepared)
         data_lib.check_same_inputs(self.input_spec, prepared.spec)
         return self.require_state()
@@ -587,13 +587,15 @@ class Setup:
             result.print()
         return result
 
-    def choose_strategy(self, prepared: data_lib.Prepared, announce: bool = False) -> None:
+    def choose_strategy(self, prepared: data_lib.Prepared, announce: bool = False, measure: bool = True) -> None:
         """Under ``"auto"``: the strategy the compiled plan recommends, before anything else is
-        compiled or placed (also for ``evaluate`` and ``predict`` before ``fit``)."""
+        compiled or placed (also for ``evaluate`` and ``predict`` before ``fit``); ranked by
+        the compiler's estimate, no step run, unless ``measure`` and the ``Auto`` measure."""
         if self.strategy is not None:
             return
         auto = self.require_auto()
-        key, remembered, under = self.remembered_pick(prepared)
+        measure = measure and auto.measure
+        key, remembered, under = self.remembered_pick(prepared, measure)
         if remembered is not None:
             self.decide(strategy=remembered)
             if under is not None and plan_lib.short_name(under) != plan_lib.short_name(remembered):
@@ -602,7 +604,7 @@ class Setup:
             if announce and distributed.is_main_process():
                 print(f"strategy='auto' picked {plan_lib.short_name(remembered)}, as an earlier run of this setup did")
             return
-        result = self.plan(prepared, auto.candidates, measure=auto.measure, memory_limit=auto.memory_limit)
+        result = self.plan(prepared, auto.candidates, measure=measure, memory_limit=auto.memory_limit)
         best = result.recommended
         if best is None:
             raise ValueError(
@@ -629,10 +631,12 @@ class Setup:
             raise RuntimeError("The strategy was given, not strategy='auto': there is nothing to choose.")
         return self.auto
 
-    def remembered_pick(self, prepared: data_lib.Prepared) -> tuple[str, Strategy | None, Strategy | None]:
-        """The key of this setup's ``"auto"`` decision, the candidate an earlier run picked for it
-        (``None``: none remembered, or not by every process alike) and the one whose
-        initialisation built that run's state (``None``: the pick's own)."""
+    def remembered_pick(
+        self, prepared: data_lib.Prepared, measure: bool
+    ) -> tuple[str, Strategy | None, Strategy | None]:
+        """The key of this setup's ``"auto"`` decision (measured or estimated), the candidate an
+        earlier run picked for it (``None``: none remembered, or not by every process alike)
+        and the one whose initialisation built that run's state (``None``: the pick's own)."""
         program, auto = self.program, self.require_auto()
         candidates = self.auto_candidates()
         devices = candidates[0].devices
@@ -644,7 +648,7 @@ class Setup:
             "log_grad_norm": program.log_grad_norm,
             "devices": [len(devices), devices[0].platform, devices[0].device_kind, jax.process_count()],
             "candidates": [plan_lib.short_name(c) for c in candidates],
-            "auto": [auto.measure, auto.memory_limit],
+            "auto": [measure, auto.memory_limit],
             "versions": [jax.__version__, __version__],
             "rules": 2,  # how candidates are chosen: 2 leaves out those that change a result (#32)
         }
