@@ -30,8 +30,9 @@ def clean_env(**extra):
 
 @pytest.fixture(scope="module")
 def wide_data():
+    """As many rows as the largest size searched: find_batch_size answers no more than the data."""
     rng = np.random.default_rng(0)
-    return rng.normal(size=(64, 64)).astype(np.float32), rng.integers(0, 8, 64)
+    return rng.normal(size=(2**14, 64)).astype(np.float32), rng.integers(0, 8, 2**14)
 
 
 @pytest.fixture(scope="module")

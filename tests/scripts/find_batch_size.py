@@ -21,7 +21,7 @@ class Wide(nn.Module):
 
 trainer = tk.Trainer(Wide(), loss="sparse_categorical_crossentropy", optimizer=optax.adam(1e-3), strategy="fsdp")
 rng = np.random.default_rng(0)
-x, y = rng.normal(size=(64, 64)).astype(np.float32), rng.integers(0, 8, 64)
+x, y = rng.normal(size=(2**14, 64)).astype(np.float32), rng.integers(0, 8, 2**14)  # as many rows as the largest size
 result = trainer.find_batch_size(x, y, memory_limit=int(sys.argv[1]), max_batch_size=2**14, verbose=0)
 print(f"process {jax.process_index()} of {jax.process_count()}: batch_size={result.batch_size} needed={result.needed}")
 if sys.argv[2:] == ["fit"]:

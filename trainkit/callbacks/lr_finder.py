@@ -54,6 +54,59 @@ def suggest(lrs: Any, smoothed: Any, skip_begin: int = SKIP_BEGIN, skip_end: int
     return float(lrs[window[int(np.argmin(gradient))]])
 
 
+def minimum_over_ten(lrs: Any, smoothed: Any, skip_begin: int = SKIP_BEGIN, skip_end: int = SKIP_END) -> float | None:
+    """fastai's ``lr_min``: the rate of the lowest smoothed loss divided by 10 (an order of
+    magnitude below where training stops improving), the same points left out as ``suggest``.
+
+    >>> minimum_over_ten([1e-3, 1e-2, 1e-1, 1.0], [2.0, 1.0, 0.5, 3.0], skip_begin=0, skip_end=0)
+    0.01
+    """
+    lrs, smoothed = np.asarray(lrs, np.float64), np.asarray(smoothed, np.float64)
+    window = np.arange(skip_begin, max(skip_begin, len(lrs) - skip_end))
+    window = window[np.isfinite(smoothed[window])]
+    if len(window) < 2:
+        return None
+    return float(lrs[window[int(np.argmin(smoothed[window]))]] / 10)
+
+
+def valley(lrs: Any, smoothed: Any, skip_begin: int = SKIP_BEGIN, skip_end: int = SKIP_END) -> float | None:
+    """fastai's default ``valley``: the longest stretch over which the smoothed loss keeps
+    falling (a longest decreasing subsequence), and the rate two thirds of the way down it.
+
+    >>> round(valley(np.geomspace(1e-4, 1, 9), [3, 3, 2.5, 2, 1.5, 1, 0.8, 2, 9], skip_begin=0, skip_end=0), 4)
+    0.0032
+    """
+    lrs, smoothed = np.asarray(lrs, np.float64), np.asarray(smoothed, np.float64)
+    window = np.arange(skip_begin, max(skip_begin, len(lrs) - skip_end))
+    window = window[np.isfinite(smoothed[window])]
+    if len(window) < 2:
+        return None
+    losses = smoothed[window]
+    longest = [1] * len(losses)  # the longest falling run ending at each point
+    end = 0
+    for i in range(1, len(losses)):
+        for j in range(i):
+            if losses[i] < losses[j] and longest[i] < longest[j] + 1:
+                longest[i] = longest[j] + 1
+        if longest[end] < longest[i]:
+            end = i
+    start = end - longest[end]  # as fastai counts it
+    third = (end - start) / 3
+    return float(lrs[window[start + int(third) + int(third / 2)]])
+
+
+#: The rules that turn a range test into one rate, by name (``suggestion`` uses ``RULE``).
+RULES = {"steep": suggest, "min/10": minimum_over_ten, "valley": valley}
+RULE = "valley"
+
+
+def suggest_by(rule: str, lrs: Any, smoothed: Any) -> float | None:
+    """The suggestion of the named rule (:data:`RULES`) for a range test's rates and smoothed losses."""
+    if rule not in RULES:
+        raise ValueError(f"Unknown rule {rule!r}: pass one of {sorted(RULES)}.")
+    return RULES[rule](lrs, smoothed)
+
+
 @dataclasses.dataclass(frozen=True)
 class LearningRateSearch:
     """What :meth:`trainkit.Trainer.find_learning_rate` found: the rates tried, the smoothed
