@@ -39,7 +39,7 @@ class MLP(nn.Module):
         return nn.Dense(10)(nn.relu(nn.Dense(128)(x.reshape(x.shape[0], -1))))
 
 
-OPTIMIZERS = {"adam": optax.adam, "sgd+momentum": lambda lr: optax.sgd(lr, momentum=0.9)}
+OPTIMIZERS = {"adam": optax.adam, "sgd+momentum": lambda learning_rate: optax.sgd(learning_rate, momentum=0.9)}
 GRID = (1e-4, 3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 1e-1, 3e-1)
 
 

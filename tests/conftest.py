@@ -34,6 +34,13 @@ jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
 OWN_COMPILATION_CACHE = {"test_compile", "test_auto_reproducible"}
 
 
+def subprocess_cache_env() -> dict[str, str]:
+    """Environment entries that give a test's child processes this process's compilation cache
+    (the many trainers of one multi-process run compile the same programs); for tests whose
+    children use no "auto" decision (a cache given to JAX also holds the remembered picks)."""
+    return {"JAX_COMPILATION_CACHE_DIR": COMPILATION_CACHE, "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0"}
+
+
 class MLP(nn.Module):
     """A small deterministic classifier."""
 

@@ -12,7 +12,7 @@ import time
 import numpy as np
 import optax
 import pytest
-from conftest import MLP, make_classification
+from conftest import MLP, make_classification, subprocess_cache_env
 
 import trainkit as tk
 
@@ -21,7 +21,7 @@ PREEMPTED_EXIT_CODE = 143
 
 
 def start(backup, out, *extra):
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"} | subprocess_cache_env()
     return subprocess.Popen(
         [sys.executable, str(SCRIPT), str(backup), str(out), *extra],
         stdout=subprocess.PIPE,

@@ -11,13 +11,15 @@ import time
 
 import numpy as np
 import pytest
+from conftest import subprocess_cache_env
 
 ROOT = pathlib.Path(__file__).parent.parent
 SCRIPT = ROOT / "tests" / "scripts" / "multihost_fit.py"
 
 
 def clean_env():
-    return {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_NUM_CPU_DEVICES")}
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_NUM_CPU_DEVICES")}
+    return env | subprocess_cache_env()
 
 
 def launch(nproc, devices, *args, timeout=420):
@@ -202,7 +204,8 @@ def test_auto_picks_one_strategy_for_all_processes(tmp_path):
     assert "[1] process 1 of 2 done" in output
     # every candidate compiled on 2 processes, DataParallel's pmap too (lowered with the real state)
     rows = re.search(r"plan rows: (.*)", output).group(1)
-    assert rows.count("=compiled") == 4 and "DataParallel(data=8)=compiled" in rows, rows
+    assert rows.count("=compiled") == 3 and "DataParallel(data=8)=compiled" in rows, rows
+    assert "Hybrid(data=2, fsdp=4)=compiled" in rows, rows  # the data axis across the processes
 
 
 def test_fused_steps_on_two_processes_give_the_parameters_of_single_steps_on_one(runs, tmp_path):

@@ -25,9 +25,20 @@ def data(n=32):
     return rng.normal(size=(n, 64)).astype(np.float32), rng.integers(0, 8, n).astype(np.int32)
 
 
+WITH_HYBRIDS = [tk.SingleDevice(), tk.DataParallel(), tk.FSDP(), tk.Hybrid(data=2, fsdp=4), tk.Hybrid(data=4, fsdp=2)]
+
+
 @pytest.fixture(scope="module")
 def plan():
-    return make_trainer().plan(data(), verbose=0)
+    return make_trainer().plan(data(), candidates=WITH_HYBRIDS, verbose=0)
+
+
+def test_the_default_candidates_are_the_three_families_on_one_process():
+    assert [tk.plan.short_name(s) for s in tk.plan.default_candidates()] == [
+        "SingleDevice",
+        "DataParallel(data=8)",
+        "FSDP(fsdp=8)",
+    ]
 
 
 def test_plan_has_a_row_per_candidate_with_compiled_figures(plan):

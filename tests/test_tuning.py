@@ -139,6 +139,9 @@ def test_find_learning_rate_leaves_the_state_bit_identical():
     assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(before), jax.tree.leaves(after)))
     assert trainer.global_step == step and trainer.history is history and trainer.learning_rate == pytest.approx(1e-3)
     assert 1e-7 <= result.suggestion <= 1.0 and result.suggestion in result.lrs
+    assert result.suggestions["steep"] == result.suggestion and set(result.suggestions) == {"steep", "min/10", "valley"}
+    window = list(zip(result.lrs, result.losses))[10:-1]  # the points every rule reads
+    assert result.suggestions["min/10"] == pytest.approx(min(window, key=lambda point: point[1])[0] / 10)
     np.testing.assert_allclose(np.diff(np.log(result.lrs)), np.log(1e7) / 39, rtol=1e-9)  # exponential
     assert len(result.losses) == len(result.raw_losses) == len(result.lrs) and not result.stopped_early
     # the next fit continues as if the search had never run

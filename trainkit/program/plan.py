@@ -281,15 +281,24 @@ def gib(n: float) -> str:
 
 
 def default_candidates(devices: Sequence[jax.Device] | None = None) -> list[Strategy]:
-    """SingleDevice (on one process), DataParallel, FSDP and every ``Hybrid(data=d, fsdp=n/d)``
-    over ``devices`` (by default all devices of all processes)."""
+    """SingleDevice (on one process), DataParallel and FSDP over ``devices`` (by default all
+    devices of all processes), and on several processes the ``Hybrid`` that keeps FSDP inside a
+    process and data parallelism across them (``data=processes``, ``fsdp=`` each one's devices).
+
+    Other ``Hybrid`` shapes are not default candidates: on one host every device pair shares one
+    interconnect, so a data x fsdp split lies between DataParallel and FSDP in both memory and
+    traffic, and it was never the fastest of the five in ``docs/performance.md``'s plans (a 27.4M
+    transformer and an MLP); each candidate is a compile that every cold ``"auto"`` pays. Pass
+    ``Auto(candidates=[...])`` (or ``plan(candidates=[...])``) to weigh them too.
+    """
     devices = list(devices if devices is not None else jax.devices())
-    n = len(devices)
+    n, processes = len(devices), jax.process_count()
     # one process's single device cannot train a batch that other processes feed
-    candidates: list[Strategy] = [SingleDevice(devices[0])] if jax.process_count() == 1 else []
+    candidates: list[Strategy] = [SingleDevice(devices[0])] if processes == 1 else []
     if n > 1:
         candidates += [DataParallel(devices), FSDP(devices)]
-        candidates += [Hybrid(data=d, fsdp=n // d, devices=devices) for d in range(2, n) if n % d == 0]
+    if processes > 1 and n % processes == 0 and n // processes > 1:
+        candidates.append(Hybrid(data=processes, fsdp=n // processes, devices=devices))
     return candidates
 
 

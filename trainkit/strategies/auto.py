@@ -28,8 +28,9 @@ class Auto:
         measure: time a few real steps of each fitting candidate (the default); ``False``
             ranks them by the compiler's cost estimate instead, which allocates nothing but is
             rough (on CPU, fake devices and convolutions defeat any simple cost model).
-        candidates: the strategies to choose from (default: SingleDevice, DataParallel, FSDP
-            and the data x fsdp Hybrid shapes of the local devices).
+        candidates: the strategies to choose from (default: SingleDevice, DataParallel and
+            FSDP; across processes DataParallel, FSDP and the Hybrid with data over the
+            processes: :func:`trainkit.program.plan.default_candidates`).
     """
 
     def __init__(
