@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 
 os.environ.setdefault("JAX_NUM_CPU_DEVICES", "1")
 
@@ -24,13 +25,8 @@ from sklearn.datasets import load_digits  # noqa: E402
 import trainkit as tk  # noqa: E402
 from trainkit.callbacks import lr_finder  # noqa: E402
 
-
-class CNN(nn.Module):
-    @nn.compact
-    def __call__(self, x):
-        x = nn.avg_pool(nn.relu(nn.Conv(32, (3, 3))(x)), (2, 2), strides=(2, 2))
-        x = nn.avg_pool(nn.relu(nn.Conv(64, (3, 3))(x)), (2, 2), strides=(2, 2))
-        return nn.Dense(10)(nn.relu(nn.Dense(256)(x.reshape(x.shape[0], -1))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from models import CNN  # noqa: E402  - the digits example's CNN
 
 
 class MLP(nn.Module):

@@ -40,18 +40,24 @@ def smooth(losses: Any, beta: float = SMOOTHING) -> np.ndarray:
     return np.asarray(out)
 
 
+def _read(lrs: Any, smoothed: Any, skip_begin: int, skip_end: int) -> tuple[np.ndarray, np.ndarray] | None:
+    """The rates and smoothed losses a rule reads: the first ``skip_begin`` and last
+    ``skip_end`` points left out, and the non-finite ones; ``None`` when fewer than two remain."""
+    lrs, smoothed = np.asarray(lrs, np.float64), np.asarray(smoothed, np.float64)
+    window = np.arange(skip_begin, max(skip_begin, len(lrs) - skip_end))
+    window = window[np.isfinite(smoothed[window])]
+    return None if len(window) < 2 else (lrs[window], smoothed[window])
+
+
 def suggest(lrs: Any, smoothed: Any, skip_begin: int = SKIP_BEGIN, skip_end: int = SKIP_END) -> float | None:
     """The rate at the steepest descent of the smoothed loss (the most negative gradient over
     the log of the rate), the first ``skip_begin`` and last ``skip_end`` points left out;
     ``None`` when fewer than two finite points remain."""
-    lrs, smoothed = np.asarray(lrs, np.float64), np.asarray(smoothed, np.float64)
-    end = len(lrs) - skip_end
-    window = np.arange(skip_begin, max(skip_begin, end))
-    window = window[np.isfinite(smoothed[window])]
-    if len(window) < 2:
+    read = _read(lrs, smoothed, skip_begin, skip_end)
+    if read is None:
         return None
-    gradient = np.gradient(smoothed[window], np.log(lrs[window]))
-    return float(lrs[window[int(np.argmin(gradient))]])
+    rates, losses = read
+    return float(rates[int(np.argmin(np.gradient(losses, np.log(rates))))])
 
 
 def minimum_over_ten(lrs: Any, smoothed: Any, skip_begin: int = SKIP_BEGIN, skip_end: int = SKIP_END) -> float | None:
@@ -61,12 +67,11 @@ def minimum_over_ten(lrs: Any, smoothed: Any, skip_begin: int = SKIP_BEGIN, skip
     >>> minimum_over_ten([1e-3, 1e-2, 1e-1, 1.0], [2.0, 1.0, 0.5, 3.0], skip_begin=0, skip_end=0)
     0.01
     """
-    lrs, smoothed = np.asarray(lrs, np.float64), np.asarray(smoothed, np.float64)
-    window = np.arange(skip_begin, max(skip_begin, len(lrs) - skip_end))
-    window = window[np.isfinite(smoothed[window])]
-    if len(window) < 2:
+    read = _read(lrs, smoothed, skip_begin, skip_end)
+    if read is None:
         return None
-    return float(lrs[window[int(np.argmin(smoothed[window]))]] / 10)
+    rates, losses = read
+    return float(rates[int(np.argmin(losses))] / 10)
 
 
 def valley(lrs: Any, smoothed: Any, skip_begin: int = SKIP_BEGIN, skip_end: int = SKIP_END) -> float | None:
@@ -76,12 +81,10 @@ def valley(lrs: Any, smoothed: Any, skip_begin: int = SKIP_BEGIN, skip_end: int 
     >>> round(valley(np.geomspace(1e-4, 1, 9), [3, 3, 2.5, 2, 1.5, 1, 0.8, 2, 9], skip_begin=0, skip_end=0), 4)
     0.0032
     """
-    lrs, smoothed = np.asarray(lrs, np.float64), np.asarray(smoothed, np.float64)
-    window = np.arange(skip_begin, max(skip_begin, len(lrs) - skip_end))
-    window = window[np.isfinite(smoothed[window])]
-    if len(window) < 2:
+    read = _read(lrs, smoothed, skip_begin, skip_end)
+    if read is None:
         return None
-    losses = smoothed[window]
+    rates, losses = read
     longest = [1] * len(losses)  # the longest falling run ending at each point
     end = 0
     for i in range(1, len(losses)):
@@ -90,9 +93,9 @@ def valley(lrs: Any, smoothed: Any, skip_begin: int = SKIP_BEGIN, skip_end: int 
                 longest[i] = longest[j] + 1
         if longest[end] < longest[i]:
             end = i
-    start = end - longest[end]  # as fastai counts it
+    start = max(end - longest[end], 0)  # as fastai counts it (not before the first point)
     third = (end - start) / 3
-    return float(lrs[window[start + int(third) + int(third / 2)]])
+    return float(rates[start + int(third) + int(third / 2)])
 
 
 #: The rules that turn a range test into one rate, by name; ``suggestion`` is ``RULE``'s. Measured
