@@ -203,7 +203,8 @@ def test_terminate_on_nan_names_the_first_bad_batch_of_an_execution(xy):
 @pytest.mark.parametrize("width", [80, 100])
 def test_a_narrow_bar_keeps_the_bar_the_step_counter_and_the_loss(xy, width):
     x, y = xy
-    bar = ProgressBar(1, console=Console(file=io.StringIO(), width=width))
+    log = io.StringIO()
+    bar = ProgressBar(1, console=Console(file=log, width=width))
     frames = []
 
     def snapshot(batch, logs=None):
@@ -217,6 +218,8 @@ def test_a_narrow_bar_keeps_the_bar_the_step_counter_and_the_loss(xy, width):
     assert "━" in frame and re.search(r"\b\d+/\d+\b", frame), frame
     assert re.search(r"loss: \d\.\d{4}", frame), frame  # the loss, in full, not cut off by the rate
     assert all(len(line) <= width for line in frame.splitlines())
+    last = log.getvalue().splitlines()[0]  # the epoch's last frame (a log file gets only that): no metrics, room
+    assert re.search(r"\d:\d\d:\d\d .*steps/s, [\d,]+ examples/s", last) and len(last.rstrip()) <= width, last
 
 
 def test_the_bar_and_verbose_2_print_the_same_digits(xy):

@@ -43,37 +43,50 @@ def format_logs(logs: Logs | None) -> str:
 
 
 class _Rate(TextColumn):
-    """``12.3 steps/s, 197 examples/s``; ``examples=False``: the steps/s only (a narrower console)."""
+    """``12.3 steps/s, 197 examples/s``. While the epoch runs on a narrower console, the examples/s
+    (``examples=False``) or the whole rate (``live=False``) give way to the metrics; the epoch's
+    last frame, without metrics, shows it all."""
 
-    def __init__(self, examples: bool = True):
+    def __init__(self, examples: bool = True, live: bool = True):
         super().__init__("")
-        self.examples = examples
+        self.examples, self.live = examples, live
 
     def render(self, task) -> Text:
+        if not task.finished and not self.live:
+            return Text("")
         speed, batch, k = task.finished_speed or task.speed, task.fields.get("batch"), task.fields.get("k")
-        shown = batch if self.examples else None
+        shown = batch if self.examples or task.finished else None
         text = f"{speed:.1f} steps/s" + (f", {speed * shown:,.0f} examples/s" if shown else "") if speed else ""
-        text += f" ({k} steps per call)" if text and k and k > 1 and self.examples else ""
+        text += f" ({k} steps per call)" if text and k and k > 1 and shown else ""
         return Text(text, style="progress.data.speed")
+
+
+class _Elapsed(TimeElapsedColumn):
+    """The epoch's elapsed time; on a narrow console (``live=False``) only in its last frame."""
+
+    def __init__(self, live: bool = True):
+        super().__init__()
+        self.live = live
+
+    def render(self, task) -> Text:
+        return super().render(task) if task.finished or self.live else Text("")
 
 
 def bar_columns(width: int) -> list:
     """The live bar's columns for a console ``width`` columns wide: the epoch, the bar, the
-    step counter, the ETA and the metrics always; the elapsed time and the rate only where they
-    leave the metrics room (from ``MEDIUM`` and ``WIDE`` columns)."""
-    columns: list = [
+    step counter, the ETA and the metrics always; while the epoch runs, the elapsed time from
+    ``WIDE`` columns and the rate from ``MEDIUM`` (its examples/s from ``WIDE``), so that the
+    metrics keep their room; the last frame (no metrics) shows the time and the rate."""
+    metrics = Column(no_wrap=True, overflow="ellipsis", ratio=1)
+    return [
         TextColumn("[bold]{task.description}", table_column=Column(no_wrap=True)),
         BarColumn(bar_width=20 if width >= MEDIUM else 12),
         MofNCompleteColumn(table_column=Column(no_wrap=True)),
+        _Elapsed(live=width >= WIDE),
+        _Remaining(),
+        _Rate(examples=width >= WIDE, live=width >= MEDIUM),
+        TextColumn("{task.fields[metrics]}", markup=False, table_column=metrics),
     ]
-    if width >= WIDE:
-        columns.append(TimeElapsedColumn())
-    columns.append(_Remaining())
-    if width >= MEDIUM:
-        columns.append(_Rate(examples=width >= WIDE))
-    metrics = Column(no_wrap=True, overflow="ellipsis", ratio=1)
-    columns.append(TextColumn("{task.fields[metrics]}", markup=False, table_column=metrics))
-    return columns
 
 
 class _Remaining(TimeRemainingColumn):
