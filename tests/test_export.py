@@ -208,17 +208,6 @@ def test_onnx_of_a_bf16_trainer_computes_in_float32_and_a_missing_folder_is_made
     pytest.importorskip("jax2onnx")
     rng = np.random.default_rng(0)
     x, y = rng.random((32, 8, 8, 1), np.float32), rng.integers(0, 10, 32)
-    trainer = tk.Trainer(
-        CNN(), loss="sparse_categorical_crossentropy", optimizer=optax.adam(1e-2), strategy="single", precision="bf16"
-    )
-    trainer.fit(x, y, batch_size=16, epochs=1, verbose=0)
-    path = tmp_path / "not" / "yet" / "cnn.onnx"  # the missing folders are created
-    trainer.export(path, format="onnx", verbose=False)
-    (got,) = ort.InferenceSession(str(path)).run(None, {"input": x[:5]})  # bf16 Conv / Gemm: refused at run
-    expected = tk.Trainer(CNN(), loss="sparse_categorical_crossentropy", optimizer=optax.adam(1e-2), strategy="single")
-    expected.init((x, y))
-    expected.set_weights(trainer.get_weights())  # the same weights in an fp32 trainer: what ONNX computes
-    np.testing.assert_allclose(got, expected.predict(x[:5]), atol=1e-4)
 
     class OwnApply(tk.Trainer):
         def apply(self, params, model_state, x, *, rng, train):
@@ -228,5 +217,20 @@ def test_onnx_of_a_bf16_trainer_computes_in_float32_and_a_missing_folder_is_made
         CNN(), loss="sparse_categorical_crossentropy", optimizer=optax.adam(1e-2), strategy="single", precision="bf16"
     )
     own.init((x, y))
-    with pytest.raises(ValueError, match=r"overrides apply.*precision='fp32' trainer"):
+    with pytest.raises(ValueError, match=r"overrides apply.*precision='fp32' trainer"):  # before any conversion
         own.export(tmp_path / "own.onnx", format="onnx", verbose=False)
+    trainer = tk.Trainer(
+        CNN(), loss="sparse_categorical_crossentropy", optimizer=optax.adam(1e-2), strategy="single", precision="bf16"
+    )
+    trainer.fit(x, y, batch_size=16, epochs=1, verbose=0)
+    path = tmp_path / "not" / "yet" / "cnn.onnx"  # the missing folders are created
+    try:
+        trainer.export(path, format="onnx", verbose=False)
+    except RuntimeError as error:  # a jax2onnx older than this JAX: the error names the fix
+        assert "cannot convert under JAX" in str(error), error
+        pytest.skip(str(error))
+    (got,) = ort.InferenceSession(str(path)).run(None, {"input": x[:5]})  # bf16 Conv / Gemm: refused at run
+    expected = tk.Trainer(CNN(), loss="sparse_categorical_crossentropy", optimizer=optax.adam(1e-2), strategy="single")
+    expected.init((x, y))
+    expected.set_weights(trainer.get_weights())  # the same weights in an fp32 trainer: what ONNX computes
+    np.testing.assert_allclose(got, expected.predict(x[:5]), atol=1e-4)
