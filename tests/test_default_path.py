@@ -183,6 +183,7 @@ def test_auto_never_picks_a_strategy_that_changes_what_batchnorm_computes(data):
     plan = trainer.last_plan
     pmap_row = next(row for row in plan.rows if row.name.startswith("DataParallel"))
     assert pmap_row.error.startswith("not a candidate: BatchNorm_0 (BatchNorm) normalises each device's rows")
+    assert pmap_row.left_out and not any(row.left_out for row in plan.rows if row is not pmap_row)
     assert isinstance(trainer.strategy, tk.FSDP) and "DataParallel(data=8) not a candidate" in plan.reason()
     # reducing over the device axis keeps pmap a candidate (and the others, without that axis, fail)
     reducing = classifier(_BatchNormed("data"), strategy=tk.strategies.Auto(measure=False, candidates=candidates))

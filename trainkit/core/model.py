@@ -132,23 +132,9 @@ class LinenModel:
 
     def module_calls(self, params: PyTree, model_state: PyTree, x: PyTree) -> list[ModuleCall]:
         """Every module called (parameter-free ones too), recorded by ``nn.intercept_methods``."""
-        calls: dict[tuple, ModuleCall | None] = {}
-
-        def record(call, args, kwargs, context):
-            path = tuple(context.module.path)
-            if context.method_name != "__call__" or path in calls:
-                return call(*args, **kwargs)
-            calls[path] = None  # entered: parents before their children
-            out = call(*args, **kwargs)
-            calls[path] = ModuleCall(path, type(context.module).__name__, _shapes(out))
-            return out
-
-        def forward(params, model_state, x):
-            with nn.intercept_methods(record):
-                return self.apply(params, model_state, x, rng=jax.random.PRNGKey(0), train=False)[0]
-
-        jax.eval_shape(forward, params, model_state, x)
-        return [call for call in calls.values() if call is not None]
+        return [
+            ModuleCall(path, type(module).__name__, out) for path, module, out in self._called(params, model_state, x)
+        ]
 
     def unswitched_layers(self, params: PyTree, model_state: PyTree, x: PyTree) -> list[str]:
         """Dropout (of a non-zero rate) and BatchNorm layers of a model whose ``__call__`` takes
@@ -163,24 +149,31 @@ class LinenModel:
                 return module.use_running_average is not True
             return isinstance(module, nn.Dropout) and module.rate > 0 and module.deterministic is not True
 
-        return [_layer_name(path, m) for path, m in self._layers(params, model_state, x, train=False) if switches(m)]
+        called = self._called(params, model_state, x)
+        return [_layer_name(path, module) for path, module, _ in called if switches(module)]
 
     def batch_statistics_layers(self, params: PyTree, model_state: PyTree, x: PyTree, axis: str) -> list[str]:
         """The BatchNorm layers of a training step that normalise by the statistics of the rows
         they see without reducing them over the device ``axis`` (``axis_name=axis``)."""
-        layers = self._layers(params, model_state, x, train=True, axis=axis)
-        return [_layer_name(path, m) for path, m in layers if isinstance(m, nn.BatchNorm) and m.axis_name != axis]
+        called = self._called(params, model_state, x, train=True, axis=axis)
+        return [_layer_name(path, m) for path, m, _ in called if isinstance(m, nn.BatchNorm) and m.axis_name != axis]
 
-    def _layers(
-        self, params: PyTree, model_state: PyTree, x: PyTree, *, train: bool, axis: str | None = None
-    ) -> list[tuple[tuple, Any]]:
-        """Every module a forward pass calls, with its path, once each (traced, nothing computed;
-        as one device of a named ``axis``, which a layer may reduce over)."""
-        found: dict[tuple, Any] = {}
+    def _called(
+        self, params: PyTree, model_state: PyTree, x: PyTree, *, train: bool = False, axis: str | None = None
+    ) -> list[tuple[tuple, nn.Module, PyTree]]:
+        """Every module whose ``__call__`` a forward pass enters, once each, parents before their
+        children: its path, the module and its output's shapes (traced, nothing computed; as
+        one device of a named ``axis``, which a layer may reduce over)."""
+        calls: dict[tuple, tuple | None] = {}
 
         def record(call, args, kwargs, context):
-            found.setdefault(tuple(context.module.path), context.module)
-            return call(*args, **kwargs)
+            path = tuple(context.module.path)
+            if context.method_name != "__call__" or path in calls:
+                return call(*args, **kwargs)
+            calls[path] = None  # entered: parents before their children
+            out = call(*args, **kwargs)
+            calls[path] = (path, context.module, _shapes(out))
+            return out
 
         def forward(params, model_state, x):
             with nn.intercept_methods(record):
@@ -190,7 +183,7 @@ class LinenModel:
             x = jax.tree.map(lambda a: jax.ShapeDtypeStruct((1, *np.shape(a)), a.dtype), x)
             forward = jax.vmap(forward, in_axes=(None, None, 0), axis_name=axis)
         jax.eval_shape(forward, params, model_state, x)
-        return list(found.items())
+        return [call for call in calls.values() if call is not None]
 
     def apply(self, params, model_state, x, *, rng, train):
         variables = {"params": params, **model_state}
@@ -244,19 +237,19 @@ class NNXModel:
         def forward(params, model_state, x):
             module = self.merge(params, model_state)
             module.eval()
-            paths = {id(m): tuple(path) for path, m in nnx.iter_modules(module)}
-            with _recording_calls({type(m) for _, m in nnx.iter_modules(module)}, paths, calls):
+            found = [(tuple(path), m) for path, m in nnx.iter_modules(module)]
+            with _recording_calls({type(m) for _, m in found}, {id(m): path for path, m in found}, calls):
                 args, kwargs = _split_inputs(x, self._parameters)
                 return module(*args, **kwargs)
 
         jax.eval_shape(forward, params, model_state, x)
-        found = [call for call in calls.values() if call is not None]
+        entered = [call for call in calls.values() if call is not None]
         never = [
             ModuleCall(tuple(path), type(m).__name__, None)
             for path, m in nnx.iter_modules(self.module)
             if tuple(path) not in calls
         ]
-        return found + never
+        return entered + never
 
     def unswitched_layers(self, params: PyTree, model_state: PyTree, x: PyTree) -> list[str]:
         """None: ``module.train()`` / ``module.eval()`` switch every NNX layer's mode."""

@@ -20,6 +20,7 @@ from jax.sharding import NamedSharding
 from rich.console import Console
 from rich.table import Table
 
+from trainkit.core import cost
 from trainkit.core.state import TrainState, abstract
 from trainkit.core.totals import pack
 from trainkit.core.tree import PyTree, leaf_name
@@ -147,11 +148,8 @@ def step_flops(trainer: Any, batch: Any = None) -> float | None:
     lowered (unoptimised) step's cost analysis: the model's own flops, which MFU counts
     (compiler rewrites and fusions excluded), on ``batch`` (as :func:`lower_train_step`).
     ``None`` when the backend reports none."""
-    cost = lower_train_step(trainer, batch).cost_analysis()
-    if isinstance(cost, (list, tuple)):  # older jax: one dict per computation
-        cost = cost[0] if cost else None
-    flops = float(cost.get("flops", 0.0)) if cost else 0.0
-    if flops <= 0:
+    flops = cost.flops(lower_train_step(trainer, batch))
+    if flops is None:
         return None
     per_device_program = trainer.strategy.axis_name is not None  # pmap lowers one device's program
     return flops * (len(trainer.strategy.devices) if per_device_program else 1)

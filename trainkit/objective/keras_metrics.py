@@ -248,7 +248,7 @@ class _AtConstraint(StatefulMetric):
         name: str | None = None,
         from_logits: bool | None = None,
     ):
-        dependent, constrained = self.kind.split("_at_")
+        constrained = self.kind.split("_at_")[1]
         super().__init__(name or self.kind, from_logits)
         if not 0 <= value <= 1:
             raise ValueError(f"{constrained} must be in [0, 1]; received {value}.")

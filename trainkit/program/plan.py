@@ -30,6 +30,7 @@ from rich.console import Console
 from rich.table import Table
 
 from trainkit import distributed
+from trainkit.core import cost as cost_lib
 from trainkit.core.state import TrainState
 from trainkit.data import check_batch_size
 from trainkit.strategies import FSDP, DataParallel, Hybrid, SingleDevice, Strategy
@@ -42,8 +43,6 @@ MEASURE_STEPS = 3
 #: Fraction of the device memory a plan may use: the rest is headroom for the runtime,
 #: fragmentation and the arrays the host keeps (prefetched batches, metrics).
 HEADROOM = 0.9
-#: How a plan row of a candidate left out (it would compute another result) begins.
-NOT_A_CANDIDATE = "not a candidate"
 #: How much faster a more complex candidate must be for "auto" to pick it over a simpler one.
 CLEAR_MARGIN = 0.15
 
@@ -73,6 +72,14 @@ _DTYPE_BYTES = {
 # Rough per-device throughput (flop/s, memory bytes/s, collective bytes/s) by platform, for the
 # estimate only; ``measure=True`` replaces it by real timings.
 _THROUGHPUT = {"cpu": (5e10, 1e10, 5e9), "gpu": (5e13, 2e12, 1e11), "tpu": (1e14, 1e12, 1e11)}
+
+
+class NotACandidate(ValueError):
+    """Raised for a candidate that would train on other numbers than ``SingleDevice`` (it is
+    left out before compiling; its row says why, and so does the pick's reason)."""
+
+    def __init__(self, reason: str):
+        super().__init__(f"not a candidate: {reason}")
 
 
 def collective_traffic(hlo_text: str) -> tuple[int, dict[str, int]]:
@@ -147,6 +154,7 @@ class PlanRow:
     fits: bool = False
     recommended: bool = False
     error: str | None = None
+    left_out: bool = False  # NotACandidate: it would compute another result
     compiled: jax.stages.Compiled | None = dataclasses.field(default=None, repr=False)
     function: Callable[..., Any] | None = dataclasses.field(default=None, repr=False)  # the step that was lowered
 
@@ -169,10 +177,7 @@ def analyse(row: PlanRow, compiled) -> PlanRow:
         row.output_bytes = int(memory.output_size_in_bytes)
         row.alias_bytes = int(memory.alias_size_in_bytes)
         row.temp_bytes = int(memory.temp_size_in_bytes)
-    cost = compiled.cost_analysis()
-    if isinstance(cost, (list, tuple)):  # older JAX: one dict per computation
-        cost = cost[0] if cost else {}
-    cost = cost or {}
+    cost = cost_lib.cost_of(compiled)
     row.flops = float(cost.get("flops", 0.0))
     row.bytes_accessed = float(cost.get("bytes accessed", 0.0))
     row.collective_bytes, row.collectives = collective_traffic(compiled.as_text())
@@ -215,7 +220,7 @@ class MemoryPlan:
         )
         if runner_up is not None and runner_up.seconds < best.seconds:
             versus += f" (within the {CLEAR_MARGIN:.0%} margin: the simpler strategy is kept)"
-        left_out = "".join(f"; {r.name} {r.error}" for r in self.rows if (r.error or "").startswith(NOT_A_CANDIDATE))
+        left_out = "".join(f"; {r.name} {r.error}" for r in self.rows if r.left_out)
         return (
             f"picked {best.name}: {kind} {best.seconds * 1e3:.3g} ms/step, {gib(best.total_bytes)} "
             f"of {gib(self.memory_limit)} per device{versus}{left_out}"
@@ -333,7 +338,7 @@ def make_plan(
                     raise TypeError(f"{type(row.strategy).__name__}.compile('train', ...)'s result cannot be lowered")
                 compiling[id(row)] = pool.submit(lowered.compile)
             except Exception as error:  # noqa: BLE001 - a candidate that cannot compile is a row, not a crash
-                row.error = _failure(error)
+                row.error, row.left_out = _failure(error), isinstance(error, NotACandidate)
         for row in rows:
             if id(row) in compiling:
                 try:
@@ -415,8 +420,8 @@ def plan_step(
     one state with ``create_state`` (under the first candidate whose state alone fits; its
     initialisation compiled beside the steps by ``precompile_state``) and copies it into each
     candidate's shardings. Each row keeps its jitted step as ``row.function``; a ``compile_step``
-    that raises a ``ValueError`` (a candidate that would compute another result:
-    :data:`NOT_A_CANDIDATE`) leaves the reason in the row.
+    that raises :class:`NotACandidate` (a candidate that would compute another result) leaves
+    the reason in the row, marked ``left_out``.
     """
     limit = int(memory_limit) if memory_limit is not None else device_memory_limit(candidates[0].devices)
 

@@ -28,6 +28,7 @@ import jax
 import numpy as np
 import optax
 
+from trainkit.core import cost
 from trainkit.core.model import ModelAdapter, param_axes, starting_variables, under_logical_rules
 from trainkit.core.precision import Precision, cast_floating
 from trainkit.core.remat import wrap_remat
@@ -109,14 +110,15 @@ class Program:
             self._param_axes = param_axes(self.adapter, first_row)
         return strategy.with_annotations(self._param_axes)
 
-    def changes_result(self, strategy: Strategy, first_row: PyTree) -> str | None:
+    def changes_result(self, strategy: Strategy, first_row: PyTree, state: PyTree = None) -> str | None:
         """Why ``strategy`` would train this model on other numbers than ``SingleDevice`` does
         (``None``: it would not): under a named device axis (``jax.pmap``), BatchNorm layers that
-        do not reduce over it normalise each device's rows by their own statistics."""
+        do not reduce over it normalise each device's rows by their own statistics. ``state``:
+        the abstract state, when the caller has it."""
         axis = strategy.axis_name
         if axis is None:
             return None
-        state = self.abstract_state(first_row)
+        state = self.abstract_state(first_row) if state is None else state
         layers = self.adapter.batch_statistics_layers(state.params, state.model_state, first_row, axis)
         if not layers:
             return None
@@ -128,11 +130,11 @@ class Program:
         )
 
     def candidate_step(self, kind: str, strategy: Strategy, abstract_state: PyTree, first_row: PyTree) -> Callable:
-        """``compile(kind, ...)`` for a plan's candidate; a ``ValueError`` for a candidate whose
-        training step would compute another result than ``SingleDevice``'s."""
-        reason = self.changes_result(strategy, first_row) if kind == "train" else None
+        """``compile(kind, ...)`` for a plan's candidate; :class:`~trainkit.program.plan.NotACandidate`
+        for a candidate whose training step would compute another result than ``SingleDevice``'s."""
+        reason = self.changes_result(strategy, first_row, abstract_state) if kind == "train" else None
         if reason is not None:
-            raise ValueError(f"{plan_lib.NOT_A_CANDIDATE}: {reason}")
+            raise plan_lib.NotACandidate(reason)
         return self.compile(kind, strategy, abstract_state)
 
     def step_flops(self, abstract_state: PyTree, host_batch: Batch) -> float | None:
@@ -140,11 +142,7 @@ class Program:
         batch), from the lowered step's cost analysis (traced, not compiled: no strategy needed);
         ``None`` when the backend reports none."""
         totals = pack(self.empty_totals("train", abstract_state, host_batch))
-        cost = jax.jit(self.step("train", None)).lower(abstract_state, totals, host_batch).cost_analysis()
-        if isinstance(cost, (list, tuple)):  # older jax: one dict per computation
-            cost = cost[0] if cost else None
-        flops = float(cost.get("flops", 0.0)) if cost else 0.0
-        return flops if flops > 0 else None
+        return cost.flops(jax.jit(self.step("train", None)).lower(abstract_state, totals, host_batch))
 
     # ------------------------------------------------------------------ compiled steps
     def compile(self, kind: str, strategy: Strategy, abstract_state: PyTree) -> Callable:

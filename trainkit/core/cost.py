@@ -1,0 +1,26 @@
+"""XLA's cost analysis of a lowered or compiled step, read one way whatever the JAX version.
+
+>>> import jax, jax.numpy as jnp
+>>> lowered = jax.jit(lambda a, b: a @ b).lower(jnp.ones((4, 8)), jnp.ones((8, 2)))
+>>> flops(lowered)
+128.0
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def cost_of(stage: Any) -> dict[str, float]:
+    """``stage.cost_analysis()`` (a ``jax.stages.Lowered`` or ``Compiled``) as one dict (older
+    JAX returned one per computation; a backend without an analysis gives ``{}``)."""
+    cost = stage.cost_analysis()
+    if isinstance(cost, (list, tuple)):  # older JAX: one dict per computation
+        cost = cost[0] if cost else None
+    return dict(cost or {})
+
+
+def flops(stage: Any) -> float | None:
+    """The floating-point operations ``stage`` reports (``None`` when it reports none)."""
+    value = float(cost_of(stage).get("flops", 0.0))
+    return value if value > 0 else None
