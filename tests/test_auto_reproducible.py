@@ -69,7 +69,7 @@ def test_a_remembered_pick_builds_its_state_as_the_planning_run_did(cache_in, mo
 
     jax.monitoring.register_event_listener(listen)
     x, y = make_classification(64)
-    auto = tk.strategies.Auto(candidates=[tk.SingleDevice(), tk.FSDP()])
+    auto = tk.strategies.Auto(candidates=[tk.SingleDevice(), tk.FSDP()], always_compare=True)
     try:
         trainers = []
         for _ in range(2):
@@ -88,6 +88,27 @@ def test_a_remembered_pick_builds_its_state_as_the_planning_run_did(cache_in, mo
     assert planned_misses > 0 and remembered_misses == 0, (planned_misses, remembered_misses)
     for a, b in zip(jax.tree.leaves(planned.get_weights()), jax.tree.leaves(remembered.get_weights())):
         assert (a == b).all()
+
+
+def test_a_remembered_short_run_pick_is_not_reused_by_a_run_that_would_compare(cache_in, monkeypatch):
+    x, y = make_classification(64)
+    first = tk.Trainer(MLP(), loss="sparse_categorical_crossentropy", optimizer=optax.adam(1e-2))
+    first.fit((x, y), batch_size=16, epochs=1, verbose=0)
+    from_steps = first.last_plan.compare_from_steps
+    assert from_steps is not None and from_steps > 4
+
+    def fit_auto_for(*args, **kwargs):
+        tk.Trainer(MLP(), loss="sparse_categorical_crossentropy", optimizer=optax.adam(1e-2)).fit(*args, **kwargs)
+
+    def no_plan(*args, **kwargs):
+        raise AssertionError("planned again")
+
+    monkeypatch.setattr(Setup, "plan", no_plan)
+    again = tk.Trainer(MLP(), loss="sparse_categorical_crossentropy", optimizer=optax.adam(1e-2))
+    again.fit((x, y), batch_size=16, epochs=2, verbose=0)  # 8 steps: still too short, remembered
+    assert again.last_plan is None and tk.plan.short_name(again.strategy) == "SingleDevice"
+    with pytest.raises(AssertionError, match="planned again"):
+        fit_auto_for((x, y), batch_size=16, epochs=None, max_steps=int(from_steps), verbose=0)
 
 
 def test_three_fresh_runs_pick_the_same_strategy_also_under_load(tmp_path):

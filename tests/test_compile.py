@@ -101,7 +101,8 @@ def test_auto_trains_with_the_plans_executable_and_initial_state_compiling_neith
     assert compiles.count("jit(init_state)") == 1, compiles  # the plan's, reused by the trainer
     # pmap's step is named jit(_fun); the forward pass that checks the outputs once is not a train step
     trains = [name for name in compiles if name not in ("jit(init_state)", "jit(outputs)")]
-    assert len(trains) == len(trainer.last_plan.rows), (picked, compiles)  # one per candidate, none again
+    compiled = [row for row in trainer.last_plan.rows if row.compiled is not None]
+    assert len(trains) == len(compiled) >= 1, (picked, compiles)  # one per compiled candidate, none again
     single = tk.Trainer(MLP(), loss="sparse_categorical_crossentropy", optimizer=optax.adam(1e-2), strategy="single")
     single.init((x, y))
     fresh = tk.Trainer(MLP(), loss="sparse_categorical_crossentropy", optimizer=optax.adam(1e-2))

@@ -105,6 +105,19 @@ class FitConfig:
             return self
         return dataclasses.replace(self, epochs=epochs_until(self.max_steps, steps, one_shot))
 
+    def planned_steps(self, steps: int | None) -> int | None:
+        """The steps this fit trains at most, with ``steps`` batches per epoch: its epochs (from
+        ``initial_epoch``) capped by ``max_steps``; ``None`` when unknown.
+
+        >>> FitConfig(epochs=3, initial_epoch=1).planned_steps(10), FitConfig(None, max_steps=5).planned_steps(None)
+        (20, 5)
+        """
+        epochs = None if self.epochs is None else max(0, self.epochs - self.initial_epoch)
+        total = None if steps is None or epochs is None else steps * epochs
+        if self.max_steps is not None:
+            total = self.max_steps if total is None else min(total, self.max_steps)
+        return total
+
     def validates(self, epoch: int) -> bool:
         return validates(epoch, self.validation_freq)
 

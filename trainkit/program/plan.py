@@ -33,6 +33,7 @@ from trainkit import distributed
 from trainkit.core import cost as cost_lib
 from trainkit.core.state import TrainState
 from trainkit.data import check_batch_size
+from trainkit.program import budget as budget_lib
 from trainkit.strategies import FSDP, DataParallel, Hybrid, SingleDevice, Strategy
 
 logger = logging.getLogger("trainkit")
@@ -155,6 +156,9 @@ class PlanRow:
     recommended: bool = False
     error: str | None = None
     left_out: bool = False  # NotACandidate: it would compute another result
+    skipped: str | None = None  # not compiled: it could not repay its compile within the run (budget)
+    compile_seconds: float = 0.0  # lowering and compiling it, in wall seconds
+    timing: budget_lib.Timing | None = None
     compiled: jax.stages.Compiled | None = dataclasses.field(default=None, repr=False)
     function: Callable[..., Any] | None = dataclasses.field(default=None, repr=False)  # the step that was lowered
 
@@ -201,6 +205,8 @@ class MemoryPlan:
     initialised_under: Strategy | None = None
     #: what was decided later on this plan's strategy (``steps_per_execution="auto"``'s pick), printed under it
     decided: dict[str, str] = dataclasses.field(default_factory=dict)
+    #: candidates were left uncompiled as too costly for the run: from how many run steps on they would pay
+    compare_from_steps: float | None = None
 
     @property
     def recommended(self) -> PlanRow | None:
@@ -221,9 +227,14 @@ class MemoryPlan:
         if runner_up is not None and runner_up.seconds < best.seconds:
             versus += f" (within the {CLEAR_MARGIN:.0%} margin: the simpler strategy is kept)"
         left_out = "".join(f"; {r.name} {r.error}" for r in self.rows if r.left_out)
+        skipped: dict[str, list[str]] = {}
+        for r in self.rows:
+            if r.skipped is not None:
+                skipped.setdefault(r.skipped, []).append(r.name)
+        not_compiled = "".join(f"; {', '.join(names)} {why}" for why, names in skipped.items())
         return (
             f"picked {best.name}: {kind} {best.seconds * 1e3:.3g} ms/step, {gib(best.total_bytes)} "
-            f"of {gib(self.memory_limit)} per device{versus}{left_out}"
+            f"of {gib(self.memory_limit)} per device{versus}{left_out}{not_compiled}"
         )
 
     def table(self) -> Table:
@@ -240,6 +251,11 @@ class MemoryPlan:
         for r in self.rows:
             if r.error:
                 table.add_row(r.name, "", "", "", "", "", "", f"[red]{r.error[:60]}[/red]")
+                continue
+            if r.skipped:
+                table.add_row(
+                    r.name, "", "", "", "", "", "", "[dim]not compiled: the run is too short to repay it[/dim]"
+                )
                 continue
             verdict = "[bold green]<-[/bold green]" if r.recommended else ("" if r.fits else "[red]too big[/red]")
             table.add_row(
@@ -312,8 +328,9 @@ def make_plan(
     lower: Callable[[Strategy], tuple[Any, Callable | None]],
     *,
     memory_limit: int | None = None,
-    measure: Callable[[Strategy, Any], float] | None = None,
+    measure: Callable[[Strategy, Any], budget_lib.Timing] | None = None,
     alongside: Callable[[], Any] | None = None,
+    run_steps: int | None = None,
 ) -> MemoryPlan:
     """Compiles ``lower(strategy)`` (a ``jax.stages.Lowered`` and the jitted step it came from,
     kept as the row's ``function``) for each candidate and picks one.
@@ -321,39 +338,39 @@ def make_plan(
     ``lower`` may raise for a candidate that cannot run this configuration (a batch it cannot
     split, or ``jax.pmap``'s lowering of abstract arguments, which fails across processes); the
     row then carries the message and the candidate is not chosen.
-    ``measure(strategy, compiled)`` returns seconds per step, for the candidates that fit.
+    ``measure(strategy, compiled)`` times steps, for the candidates that fit.
     ``alongside()`` runs in a worker thread beside the compiles (the compile of the state's
-    initialisation that measuring needs).
+    initialisation that measuring needs). With ``measure`` and ``run_steps`` (the steps of the
+    run the pick trains), the first candidate that fits is compiled and timed alone, and each
+    other one only when it could repay its compile within those steps
+    (:mod:`trainkit.program.budget`); the rest keep the reason in ``skipped``.
     """
     rows = [PlanRow(strategy, short_name(strategy)) for strategy in candidates]
-    compiling = {}
-    # XLA compiles without the GIL: each candidate compiles in a thread while the next one is
-    # traced and lowered (tracing is Python, so it stays on this thread).
+    limit = int(memory_limit) if memory_limit is not None else device_memory_limit(candidates[0].devices)
+    staged = measure is not None and run_steps is not None
+    compare_from = None
     with concurrent.futures.ThreadPoolExecutor(max(1, min(len(rows), os.cpu_count() or 1))) as pool:
         side = None if alongside is None else pool.submit(alongside)
-        for row in rows:
-            try:
-                lowered, row.function = lower(row.strategy)
-                if not hasattr(lowered, "compile"):
-                    raise TypeError(f"{type(row.strategy).__name__}.compile('train', ...)'s result cannot be lowered")
-                compiling[id(row)] = pool.submit(lowered.compile)
-            except Exception as error:  # noqa: BLE001 - a candidate that cannot compile is a row, not a crash
-                row.error, row.left_out = _failure(error), isinstance(error, NotACandidate)
-        for row in rows:
-            if id(row) in compiling:
-                try:
-                    analyse(row, compiling[id(row)].result())
-                except Exception as error:  # noqa: BLE001
-                    row.error = _failure(error)
-        if side is not None and side.exception() is not None:  # a warm-up: what needs it fails clearly itself
-            logger.debug("the plan's side compile failed: %s", side.exception())
-    limit = int(memory_limit) if memory_limit is not None else device_memory_limit(candidates[0].devices)
-    for row in rows:
-        row.fits = row.error is None and row.total_bytes <= HEADROOM * limit
+        waiting = list(rows)
+        if staged:
+            first = None
+            while waiting and first is None:  # the simplest candidate that fits, compiled alone
+                row = waiting.pop(0)
+                _compile_rows(pool, [row], lower, limit)
+                first = row if row.fits else None
+            if first is not None and measure is not None and run_steps is not None:
+                _wait(side)  # the state's initialisation compiled: measuring builds the state
+                first.timing = measure(first.strategy, first.compiled)
+                first.measured_seconds = first.timing.seconds
+                compare_from = _skip_unprofitable(first, waiting, run_steps)
+                waiting = [row for row in waiting if row.skipped is None]
+        _compile_rows(pool, waiting, lower, limit)
+        _wait(side)
     if measure is not None:
-        for row in rows:
+        for row in waiting:
             if row.fits:
-                row.measured_seconds = measure(row.strategy, row.compiled)
+                row.timing = measure(row.strategy, row.compiled)
+                row.measured_seconds = row.timing.seconds
     fitting = [r for r in rows if r.fits]
     if fitting:
         best = rows.index(pick(fitting))
@@ -362,7 +379,69 @@ def make_plan(
 
             best = int(multihost_utils.broadcast_one_to_all(np.int32(best)))
         rows[best].recommended = True
-    return MemoryPlan(rows, limit, measure is not None)
+    return MemoryPlan(rows, limit, measure is not None, compare_from_steps=compare_from)
+
+
+def _compile_rows(
+    pool: concurrent.futures.ThreadPoolExecutor,
+    rows: Sequence[PlanRow],
+    lower: Callable[[Strategy], tuple[Any, Callable | None]],
+    limit: int,
+) -> None:
+    """Lowers each row's candidate and compiles it in ``pool``: XLA compiles without the GIL, so
+    each candidate compiles in a thread while the next one is traced and lowered (tracing is
+    Python, so it stays on this thread). Fills each row, its ``compile_seconds`` and ``fits``."""
+    compiling = {}
+    for row in rows:
+        started = time.perf_counter()
+        try:
+            lowered, row.function = lower(row.strategy)
+            if not hasattr(lowered, "compile"):
+                raise TypeError(f"{type(row.strategy).__name__}.compile('train', ...)'s result cannot be lowered")
+            compiling[id(row)] = (started, pool.submit(lowered.compile))
+        except Exception as error:  # noqa: BLE001 - a candidate that cannot compile is a row, not a crash
+            row.error, row.left_out = _failure(error), isinstance(error, NotACandidate)
+    for row in rows:
+        if id(row) in compiling:
+            started, future = compiling[id(row)]
+            try:
+                analyse(row, future.result())
+                row.compile_seconds = time.perf_counter() - started
+            except Exception as error:  # noqa: BLE001
+                row.error = _failure(error)
+        row.fits = row.error is None and row.total_bytes <= HEADROOM * limit
+
+
+def _skip_unprofitable(first: PlanRow, rows: Sequence[PlanRow], run_steps: int) -> float | None:
+    """Marks ``skipped`` each row that could not repay its compile and timing within
+    ``run_steps`` steps after ``first`` was timed (the same rows on every process: process 0
+    decides); returns the fewest run steps from which a skipped one would have paid
+    (``math.inf``: none ever would; ``None``: none was skipped)."""
+    timing = first.timing
+    assert timing is not None
+    platform, cores = first.strategy.devices[0].platform, budget_lib.host_cores()
+    worth = {}
+    for row in rows:
+        bound = budget_lib.speedup_bound(
+            devices=len(row.strategy.devices), platform=platform, busy_cores=timing.busy_cores, cores=cores
+        )
+        cost = first.compile_seconds + (1 + MEASURE_STEPS) * timing.seconds
+        worth[id(row)] = budget_lib.Worth.of(step_seconds=timing.seconds, bound=bound, cost_seconds=cost)
+    skips = np.array([not worth[id(row)].pays(run_steps) for row in rows], np.int32)
+    if jax.process_count() > 1 and len(rows):
+        from jax.experimental import multihost_utils
+
+        skips = np.asarray(multihost_utils.broadcast_one_to_all(skips))
+    skipped = [row for row, skip in zip(rows, skips) if skip]
+    for row in skipped:
+        row.skipped = worth[id(row)].why_not(run_steps)
+    return min((worth[id(row)].break_even_steps for row in skipped), default=None)
+
+
+def _wait(side: concurrent.futures.Future | None) -> None:
+    """Waits for the side compile; a failure is a warm-up's: what needs it fails clearly itself."""
+    if side is not None and side.exception() is not None:
+        logger.debug("the plan's side compile failed: %s", side.exception())
 
 
 def pick(fitting: Sequence[PlanRow]) -> PlanRow:
@@ -410,6 +489,7 @@ def plan_step(
     measure: bool = False,
     memory_limit: int | None = None,
     steps: int = MEASURE_STEPS,
+    run_steps: int | None = None,
 ) -> MemoryPlan:
     """Lowers and compiles a step on ``host_batch`` (a padded global batch) under each candidate.
 
@@ -462,7 +542,7 @@ def plan_step(
             host_state.append((distributed.fetch(create_state(under)), under))
         return host_state[0][0]
 
-    def run(strategy: Strategy, compiled) -> float:
+    def run(strategy: Strategy, compiled) -> budget_lib.Timing:
         state = strategy.put_state(the_host_state(strategy))
         batch = strategy.put_batch(strategy.local_rows(host_batch))
         return time_steps(compiled, state, batch, steps, strategy.put_replicated(totals) if trains else None)
@@ -471,16 +551,21 @@ def plan_step(
     if initialiser is not None and precompile_state is not None:
         alongside = lambda: precompile_state(initialiser)  # noqa: E731
     result = make_plan(
-        candidates, lower, memory_limit=memory_limit, measure=run if measure else None, alongside=alongside
+        candidates,
+        lower,
+        memory_limit=memory_limit,
+        measure=run if measure else None,
+        alongside=alongside,
+        run_steps=run_steps,
     )
     state, under = host_state[0] if host_state else (None, None)
     return dataclasses.replace(result, initial_state=state, initialised_under=under)
 
 
-def time_steps(step: Callable, state, batch, steps: int = MEASURE_STEPS, totals: Any = None) -> float:
+def time_steps(step: Callable, state, batch, steps: int = MEASURE_STEPS, totals: Any = None) -> budget_lib.Timing:
     """The fastest of ``steps`` calls of ``step(state, batch)`` (a training step with
     ``totals``: ``step(state, totals, batch)``, its state threaded) after one warm-up (the
-    minimum: other processes on the machine only ever add time)."""
+    minimum: other processes on the machine only ever add time), and the cores they kept busy."""
 
     def call(state):
         out = step(state, batch) if totals is None else step(state, totals, batch)
@@ -489,8 +574,10 @@ def time_steps(step: Callable, state, batch, steps: int = MEASURE_STEPS, totals:
 
     state = call(state)
     times = []
+    wall, cpu = time.perf_counter(), time.process_time()
     for _ in range(steps):
         start = time.perf_counter()
         state = call(state)
         times.append(time.perf_counter() - start)
-    return min(times)
+    wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+    return budget_lib.Timing(min(times), cpu / wall if wall > 0 else 1.0)

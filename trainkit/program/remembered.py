@@ -36,10 +36,12 @@ def path_for(directory: str, key: str) -> str:
     return os.path.join(directory, SUBDIRECTORY, f"{key}.json")
 
 
-def recall(directory: str | None, key: str) -> dict | None:
+def recall(directory: str | None, key: str, run_steps: int | None = None) -> dict | None:
     """The decision stored under ``key`` (``{"strategy": short name, "reason": ...,
-    "initialised_under": short name or None}``), or
-    ``None``: none stored, no directory, or an unreadable file (then planned again)."""
+    "initialised_under": short name or None, "compare_from_steps": number or None}``), or
+    ``None``: none stored, no directory, an unreadable file, or a decision that left
+    candidates uncompiled which a run of ``run_steps`` steps (``None``: unknown) would
+    compare (then planned again)."""
     if directory is None:
         return None
     try:
@@ -47,13 +49,27 @@ def recall(directory: str | None, key: str) -> dict | None:
             decision = json.load(file)
     except (OSError, ValueError):
         return None
-    return decision if isinstance(decision, dict) and isinstance(decision.get("strategy"), str) else None
+    if not isinstance(decision, dict) or not isinstance(decision.get("strategy"), str):
+        return None
+    compare_from = decision.get("compare_from_steps")
+    if compare_from is not None and (run_steps is None or run_steps >= compare_from):
+        return None
+    return decision
 
 
-def remember(directory: str | None, key: str, strategy: str, reason: str, initialised_under: str | None = None) -> None:
+def remember(
+    directory: str | None,
+    key: str,
+    strategy: str,
+    reason: str,
+    initialised_under: str | None = None,
+    compare_from_steps: float | None = None,
+) -> None:
     """Stores a decision atomically (a half-written file is never read); a directory that
     cannot be written only costs the next run a plan. ``initialised_under``: the candidate whose
-    initialisation built the state the pick started from (the next run builds it the same way)."""
+    initialisation built the state the pick started from (the next run builds it the same way);
+    ``compare_from_steps``: candidates were left uncompiled, and runs of that many steps or more
+    compare them (:mod:`trainkit.program.budget`)."""
     if directory is None:
         return
     path = path_for(directory, key)
@@ -61,7 +77,8 @@ def remember(directory: str | None, key: str, strategy: str, reason: str, initia
         os.makedirs(os.path.dirname(path), exist_ok=True)
         handle, temporary = tempfile.mkstemp(dir=os.path.dirname(path), suffix=".tmp")
         with os.fdopen(handle, "w") as file:
-            json.dump({"strategy": strategy, "reason": reason, "initialised_under": initialised_under}, file)
+            decision = {"strategy": strategy, "reason": reason, "initialised_under": initialised_under}
+            json.dump({**decision, "compare_from_steps": compare_from_steps}, file)
         os.replace(temporary, path)
     except OSError as error:
         logger.warning("strategy='auto' could not remember its pick in %s (%s); the next run plans again", path, error)

@@ -290,9 +290,11 @@ class Setup:
         training: bool = False,
         announce: bool = False,
         config: dict | None = None,
+        run_steps: Callable[[data_lib.Prepared], int | None] | None = None,
     ) -> data_lib.Prepared:
         """The input resolved once, checked across processes, the objective built and checked on
-        it, the strategy chosen and the state created from it."""
+        it, the strategy chosen and the state created from it. ``run_steps``: the steps the run
+        trains on this input (``fit``), which bounds what ``"auto"`` spends comparing."""
         prepared = data_lib.prepare(data, y, sample_weight, batch_size, needs_targets=targets and not self.custom_loss)
         micro_batches = self.program.grad_accum_steps if training else 1
         prepared = self.capped_at_data(prepared, micro_batches, said=training and batch_size is not None)
@@ -322,7 +324,7 @@ class Setup:
                 self.objective.check_targets(every, self.output_spec(prepared.first_x))
         if self.strategy is None:
             data_lib.check_batch_size(batch_size, 1, micro_batches=micro_batches)
-            self.choose_strategy(prepared, announce)
+            self.choose_strategy(prepared, announce, run_steps=None if run_steps is None else run_steps(prepared))
         data_lib.check_batch_size(batch_size, self.require_strategy().num_batch_shards, micro_batches=micro_batches)
         if self.session.state is None:
             if training and self.auto is None:  # "auto" leaves such a strategy out; a given one is said once
@@ -440,8 +442,21 @@ class Setup:
         if class_weight is not None:
             source = data_lib.with_class_weight(source, class_weight)
         settings = config.loop_settings()
+
+        def run_steps(prepared: data_lib.Prepared) -> int | None:
+            epochs = config.epochs or 1
+            return config.planned_steps(
+                data_lib.epoch_steps(prepared.source, prepared.batch_size, config.steps_per_epoch, epochs)
+            )
+
         prepared = self.prepare(
-            source, batch_size=batch_size, targets=True, training=True, announce=announce, config=settings
+            source,
+            batch_size=batch_size,
+            targets=True,
+            training=True,
+            announce=announce,
+            config=settings,
+            run_steps=run_steps,
         )
         source, batch_size = prepared.source, prepared.batch_size
         steps = data_lib.epoch_steps(source, batch_size, config.steps_per_epoch, config.epochs or 1)
@@ -587,15 +602,20 @@ class Setup:
             result.print()
         return result
 
-    def choose_strategy(self, prepared: data_lib.Prepared, announce: bool = False, measure: bool = True) -> None:
+    def choose_strategy(
+        self, prepared: data_lib.Prepared, announce: bool = False, measure: bool = True, run_steps: int | None = None
+    ) -> None:
         """Under ``"auto"``: the strategy the compiled plan recommends, before anything else is
         compiled or placed (also for ``evaluate`` and ``predict`` before ``fit``); ranked by
-        the compiler's estimate, no step run, unless ``measure`` and the ``Auto`` measure."""
+        the compiler's estimate, no step run, unless ``measure`` and the ``Auto`` measure.
+        ``run_steps``: the steps of the run it is chosen for (``None``: unknown), which bounds
+        the candidates worth compiling (``Auto(always_compare=True)``: all of them)."""
         if self.strategy is not None:
             return
         auto = self.require_auto()
         measure = measure and auto.measure
-        key, remembered, under = self.remembered_pick(prepared, measure)
+        run_steps = None if auto.always_compare else run_steps
+        key, remembered, under = self.remembered_pick(prepared, measure, run_steps)
         if remembered is not None:
             self.decide(strategy=remembered)
             if under is not None and plan_lib.short_name(under) != plan_lib.short_name(remembered):
@@ -604,7 +624,9 @@ class Setup:
             if announce and distributed.is_main_process():
                 print(f"strategy='auto' picked {plan_lib.short_name(remembered)}, as an earlier run of this setup did")
             return
-        result = self.plan(prepared, auto.candidates, measure=measure, memory_limit=auto.memory_limit)
+        result = self.plan(
+            prepared, auto.candidates, measure=measure, memory_limit=auto.memory_limit, run_steps=run_steps
+        )
         best = result.recommended
         if best is None:
             raise ValueError(
@@ -614,7 +636,9 @@ class Setup:
             )
         self.decide(strategy=best.strategy, plan=result)
         built_by = None if result.initialised_under is None else plan_lib.short_name(result.initialised_under)
-        remembered_lib.remember(compile_cache.active_directory(), key, best.name, result.reason(), built_by)
+        remembered_lib.remember(
+            compile_cache.active_directory(), key, best.name, result.reason(), built_by, result.compare_from_steps
+        )
         if best.function is not None and (prepared.has_targets or self.custom_loss):
             self._compiled["train"] = best.function  # compiled during the plan: not compiled again
         logger.info("strategy='auto' %s", result.reason())
@@ -632,11 +656,12 @@ class Setup:
         return self.auto
 
     def remembered_pick(
-        self, prepared: data_lib.Prepared, measure: bool
+        self, prepared: data_lib.Prepared, measure: bool, run_steps: int | None = None
     ) -> tuple[str, Strategy | None, Strategy | None]:
         """The key of this setup's ``"auto"`` decision (measured or estimated), the candidate an
-        earlier run picked for it (``None``: none remembered, or not by every process alike)
-        and the one whose initialisation built that run's state (``None``: the pick's own)."""
+        earlier run picked for it (``None``: none remembered, not by every process alike, or
+        picked without comparing candidates a run of ``run_steps`` steps would compare) and the
+        one whose initialisation built that run's state (``None``: the pick's own)."""
         program, auto = self.program, self.require_auto()
         candidates = self.auto_candidates()
         devices = candidates[0].devices
@@ -650,10 +675,10 @@ class Setup:
             "candidates": [plan_lib.short_name(c) for c in candidates],
             "auto": [measure, auto.memory_limit],
             "versions": [jax.__version__, __version__],
-            "rules": 2,  # how candidates are chosen: 2 leaves out those that change a result (#32)
+            "rules": 3,  # how candidates are chosen: 2 leaves out those that change a result, 3 compares what pays
         }
         key = remembered_lib.decision_key(facts)
-        decision = remembered_lib.recall(compile_cache.active_directory(), key)
+        decision = remembered_lib.recall(compile_cache.active_directory(), key, run_steps)
         name, under = (None, None) if decision is None else (decision["strategy"], decision.get("initialised_under"))
         if len(set(map(str, distributed.gather_json([name, under])))) > 1:  # the processes must agree, or all plan
             name = under = None

@@ -31,14 +31,23 @@ class Auto:
         candidates: the strategies to choose from (default: SingleDevice, DataParallel and
             FSDP; across processes DataParallel, FSDP and the Hybrid with data over the
             processes: :func:`trainkit.program.plan.default_candidates`).
+        always_compare: when measuring for ``fit``, compile and time every candidate. By
+            default the simplest candidate that fits is timed first and each other one is
+            compiled only when it could repay its compile and timing within the run's steps
+            (:mod:`trainkit.program.budget`): a short run starts at once.
     """
 
     def __init__(
-        self, memory_limit: int | None = None, measure: bool = True, candidates: Sequence[Strategy] | None = None
+        self,
+        memory_limit: int | None = None,
+        measure: bool = True,
+        candidates: Sequence[Strategy] | None = None,
+        always_compare: bool = False,
     ):
         self.memory_limit = memory_limit
         self.measure = bool(measure)
         self.candidates = None if candidates is None else list(candidates)
+        self.always_compare = bool(always_compare)
 
     def describe(self) -> str:
-        return f"Auto(memory_limit={self.memory_limit}, measure={self.measure})"
+        return f"Auto(memory_limit={self.memory_limit}, measure={self.measure}, always_compare={self.always_compare})"
