@@ -11,11 +11,29 @@ import pytest
 
 import trainkit as tk
 from trainkit.core.session import FitView, Position, Session, Snapshot, StepRecord
+from trainkit.core.state import TrainState
 
 
 def test_a_snapshot_holds_every_value_of_the_session():
     fields = tuple(f"_{field.name}" for field in dataclasses.fields(Snapshot))
-    assert fields == Session.__slots__  # restore() then puts back everything, nothing else is held
+    # restore() then puts back everything, nothing else is held (``_leaves`` is the state as the
+    # leaves a LeafStep returned: a snapshot holds it built, as ``state``)
+    assert fields == tuple(name for name in Session.__slots__ if name != "_leaves")
+
+
+def test_a_state_kept_as_leaves_is_built_when_read_and_snapshotted_whole():
+    session = Session()
+    state = TrainState.create(params={"w": np.ones(2)}, opt_state=(), model_state={}, seed=0)
+    leaves, treedef = jax.tree.flatten(state)
+    session.replace_state(state)
+    session.stepped_leaves([leaves[0] + 1, *leaves[1:]], treedef)  # the step counter moved on
+    assert session.state_leaves()[0] == 1  # as they are, nothing built
+    snapshot = session.snapshot()
+    assert isinstance(snapshot.state, TrainState) and int(snapshot.state.step) == 1
+    assert session.state is snapshot.state  # built once
+    session.stepped_leaves(leaves, treedef)
+    session.restore(snapshot)
+    assert int(session.require_state().step) == 1
 
 
 def test_the_session_is_read_only_outside_its_methods():

@@ -121,6 +121,7 @@ class Session:
 
     __slots__ = (
         "_state",
+        "_leaves",
         "_position",
         "_record",
         "_carry",
@@ -136,6 +137,7 @@ class Session:
         "_history",
     )
     _state: TrainState | None
+    _leaves: tuple[list, Any] | None  # the state as the leaves a LeafStep returned, and its structure
     _position: Position
     _record: StepRecord | None
     _carry: PackedTotals | None
@@ -156,13 +158,25 @@ class Session:
     # ------------------------------------------------------------------ reads
     @property
     def state(self) -> TrainState | None:
-        """The live ``TrainState`` (``None`` before ``fit`` or ``init``)."""
+        """The live ``TrainState`` (``None`` before ``fit`` or ``init``); after steps that
+        returned leaves (:meth:`stepped_leaves`), built from them when first read."""
+        if self._leaves is not None:
+            leaves, treedef = self._leaves
+            self._state, self._leaves = jax.tree.unflatten(treedef, leaves), None
         return self._state
 
     def require_state(self) -> TrainState:
-        if self._state is None:
+        state = self.state
+        if state is None:
             raise RuntimeError("The trainer has no state yet: call fit(...) or init(sample_batch) first.")
-        return self._state
+        return state
+
+    def state_leaves(self) -> list:
+        """The live state's leaves, in its structure's order (what a
+        :class:`~trainkit.core.leaf_step.LeafStep` takes), without building the state."""
+        if self._leaves is not None:
+            return self._leaves[0]
+        return jax.tree.leaves(self.require_state())
 
     @property
     def position(self) -> Position:
@@ -242,17 +256,22 @@ class Session:
     def replace_state(self, state: TrainState, *, moves_position: bool = True) -> None:
         """A new live state (created, restored or edited); the position's step follows it
         unless only the variables changed (``moves_position=False``)."""
-        self._state = state
+        self._state, self._leaves = state, None
         if moves_position:
             self._position = self._position._replace(step=int(state.step))
 
     def stepped(self, state: TrainState) -> None:
         """The state after a dispatched step (the position moves with :meth:`moved`)."""
-        self._state = state
+        self._state, self._leaves = state, None
+
+    def stepped_leaves(self, leaves: list, treedef: Any) -> None:
+        """The state after a dispatched step, as the leaves of a state of structure ``treedef``
+        (a :class:`~trainkit.core.leaf_step.LeafStep`'s); built into a ``TrainState`` when read."""
+        self._state, self._leaves = None, (leaves, treedef)
 
     def begin_fit(self, view: FitView, position: Position) -> None:
         """A ``fit`` begins at ``position``: no stop, no resume, no record yet."""
-        self.restore(Snapshot(state=self._state, position=position, fit=view, history=self._history))
+        self.restore(Snapshot(state=self.state, position=position, fit=view, history=self._history))
 
     def keep_history(self, history: Any) -> None:
         """The ``History`` of the ``fit`` that begins (``trainer.history`` from now on)."""
@@ -319,7 +338,7 @@ class Session:
         """Everything held now, as one frozen value (the state is the live one: fetch it to
         keep it across a step, which donates it)."""
         return Snapshot(
-            state=self._state,
+            state=self.state,
             position=self._position,
             record=self._record,
             carry=self._carry,
@@ -337,7 +356,7 @@ class Session:
 
     def restore(self, snapshot: Snapshot) -> None:
         """Puts a :meth:`snapshot` back whole."""
-        self._state = snapshot.state
+        self._state, self._leaves = snapshot.state, None
         self._position = snapshot.position
         self._record = snapshot.record
         self._carry = snapshot.carry

@@ -27,6 +27,7 @@ import jax
 from trainkit import data as data_lib
 from trainkit import distributed
 from trainkit.core import totals as metrics_lib
+from trainkit.core.leaf_step import LeafStep
 from trainkit.core.session import FitView, Position, StepRecord
 from trainkit.core.state import abstract
 from trainkit.core.step import batches_at
@@ -267,7 +268,7 @@ class EpochSteps:
         if not self.spec_seen:  # one batch's shapes and shardings, for lowering
             self.spec_seen = True
             session.saw_batch(abstract(strategy.put_batch(batches_at(batches, 0)) if item.fused else placed[0]))
-        return item._replace(batches=placed)
+        return Span(placed, item.fused, item.steps, item.data_state)  # not _replace: this runs every step
 
     def read(self) -> Span | Exception | None:
         """The next placed span; an error of the data is kept (noted with where it happened)
@@ -294,6 +295,7 @@ class EpochSteps:
         The plain path (one call per batch) is written out here: it is the dispatch-bound loop."""
         run, epoch, annotate, train_fn = self.run, self.epoch, self.annotate, self.train_fn
         session, batch_begin, read_ahead = run.session, run.callbacks.on_train_batch_begin, run.read_ahead
+        call, carried, keep = self.carried_state(train_fn)
         upcoming = self.read()
         while upcoming is not None:
             if isinstance(upcoming, Exception):
@@ -307,12 +309,17 @@ class EpochSteps:
                 batch_begin(record.first_batch)
             if fused or (run.tuner is not None and run.tuner.steps is None):
                 totals = self.train_otherwise(placed, fused, totals, record)
-            else:  # the span's batches one call each; no hook reads the state in between
-                state = session.require_state()
+            elif annotate:  # the span's batches one call each, each marked for the profile
+                state = carried()
                 for number, batch in enumerate(placed, start=position.step + 1):
-                    with jax.profiler.StepTraceAnnotation("train", step_num=number) if annotate else _NO_TRACE:
-                        state, totals = train_fn(state, totals, batch)
-                session.stepped(state)
+                    with jax.profiler.StepTraceAnnotation("train", step_num=number):
+                        state, totals = call(state, totals, batch)
+                keep(state)
+            else:  # the span's batches one call each; no hook reads the state in between
+                state = carried()
+                for batch in placed:
+                    state, totals = call(state, totals, batch)
+                keep(state)
             self.totals = totals
             run.watchdog.progress(record.step)
             session.moved(Position(epoch, record.batch + 1, record.step), data_state)
@@ -325,16 +332,27 @@ class EpochSteps:
             if not read_ahead:
                 upcoming = self.read()
 
+    def carried_state(self, train_fn: Callable) -> tuple[Callable, Callable[[], Any], Callable[[Any], None]]:
+        """How the plain path carries the state from call to call: ``(call, read, keep)``. A
+        :class:`~trainkit.core.leaf_step.LeafStep` takes and returns the state's leaves, which
+        the session keeps as they are (the ``TrainState`` is built only when something reads
+        it); any other step the state itself."""
+        session = self.run.session
+        if isinstance(train_fn, LeafStep):
+            treedef = train_fn.treedef
+            return train_fn.call_leaves, session.state_leaves, lambda leaves: session.stepped_leaves(leaves, treedef)
+        return train_fn, session.require_state, session.stepped
+
     def train_otherwise(self, placed: Any, fused: bool, totals: PackedTotals, record: StepRecord) -> PackedTotals:
         """A span not trained one plain call per batch: one fused call (``steps_per_execution``),
         or timed single steps while ``steps_per_execution="auto"`` decides."""
-        run, session = self.run, self.run.session
+        run = self.run
         if not fused:
             for batch in placed:
                 totals = run.timed_step(self.train_fn, totals, batch)
             return totals
-        steps_fn = run.steps.function("train_steps")
+        call, carried, keep = self.carried_state(run.steps.function("train_steps"))
         with jax.profiler.StepTraceAnnotation("train", step_num=record.step) if self.annotate else _NO_TRACE:
-            state, totals = steps_fn(session.state, totals, placed)
-        session.stepped(state)
+            state, totals = call(carried(), totals, placed)
+        keep(state)
         return totals

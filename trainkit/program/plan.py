@@ -31,6 +31,7 @@ from rich.table import Table
 
 from trainkit import distributed
 from trainkit.core import cost as cost_lib
+from trainkit.core.leaf_step import LeafStep
 from trainkit.core.state import TrainState
 from trainkit.data import check_batch_size
 from trainkit.program import budget as budget_lib
@@ -328,7 +329,7 @@ def make_plan(
     lower: Callable[[Strategy], tuple[Any, Callable | None]],
     *,
     memory_limit: int | None = None,
-    measure: Callable[[Strategy, Any], budget_lib.Timing] | None = None,
+    measure: Callable[[PlanRow], budget_lib.Timing] | None = None,
     alongside: Callable[[], Any] | None = None,
     run_steps: int | None = None,
 ) -> MemoryPlan:
@@ -338,7 +339,7 @@ def make_plan(
     ``lower`` may raise for a candidate that cannot run this configuration (a batch it cannot
     split, or ``jax.pmap``'s lowering of abstract arguments, which fails across processes); the
     row then carries the message and the candidate is not chosen.
-    ``measure(strategy, compiled)`` times steps, for the candidates that fit.
+    ``measure(row)`` times steps of ``row.compiled``, for the candidates that fit.
     ``alongside()`` runs in a worker thread beside the compiles (the compile of the state's
     initialisation that measuring needs). With ``measure`` and ``run_steps`` (the steps of the
     run the pick trains), the first candidate that fits is compiled and timed alone, and each
@@ -360,7 +361,7 @@ def make_plan(
                 first = row if row.fits else None
             if first is not None and measure is not None and run_steps is not None:
                 _wait(side)  # the state's initialisation compiled: measuring builds the state
-                first.timing = measure(first.strategy, first.compiled)
+                first.timing = measure(first)
                 first.measured_seconds = first.timing.seconds
                 compare_from = _skip_unprofitable(first, waiting, run_steps)
                 waiting = [row for row in waiting if row.skipped is None]
@@ -369,7 +370,7 @@ def make_plan(
     if measure is not None:
         for row in waiting:
             if row.fits:
-                row.timing = measure(row.strategy, row.compiled)
+                row.timing = measure(row)
                 row.measured_seconds = row.timing.seconds
     fitting = [r for r in rows if r.fits]
     if fitting:
@@ -542,8 +543,12 @@ def plan_step(
             host_state.append((distributed.fetch(create_state(under)), under))
         return host_state[0][0]
 
-    def run(strategy: Strategy, compiled) -> budget_lib.Timing:
+    def run(row: PlanRow) -> budget_lib.Timing:
+        strategy, compiled = row.strategy, row.compiled
+        assert compiled is not None  # only rows that compiled and fit are measured
         state = strategy.put_state(the_host_state(strategy))
+        if isinstance(row.function, LeafStep):  # its executable takes the state's leaves
+            state = jax.tree.leaves(state)
         batch = strategy.put_batch(strategy.local_rows(host_batch))
         return time_steps(compiled, state, batch, steps, strategy.put_replicated(totals) if trains else None)
 

@@ -23,6 +23,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from trainkit import distributed
+from trainkit.core.leaf_step import LeafStep
 from trainkit.core.step import full_mask
 from trainkit.core.tree import PyTree
 from trainkit.strategies import _sharding
@@ -183,8 +184,9 @@ class ShardedStrategy(Strategy):
         the batch is."""
         state, totals = self.state_sharding(abstract_state), self.replicated()
         batch = self.stacked_batch_sharding if kind == "train_steps" else self.batch_sharding
-        if kind in ("train", "train_steps"):
-            return jax.jit(fn, in_shardings=(state, totals, batch), out_shardings=(state, totals), donate_argnums=(0,))
+        if kind in ("train", "train_steps"):  # over the state's leaves: the loop threads them (LeafStep)
+            treedef = jax.tree.structure(abstract_state)
+            return LeafStep.jit(fn, treedef, in_shardings=(state, totals, batch), out_shardings=(state, totals))
         if kind == "eval":
             return jax.jit(fn, in_shardings=(state, totals, batch), out_shardings=totals)
         return jax.jit(fn, in_shardings=(state, batch), out_shardings=self.batch_sharding)
