@@ -2,12 +2,15 @@
 and the pick is remembered next to the compilation cache, so the next run of the same setup
 picks the same at once, also on a busy machine."""
 
+import json
 import os
 import pathlib
 import subprocess
 import sys
 
+import flax.linen as nn
 import jax
+import jax.numpy as jnp
 import optax
 import pytest
 from conftest import MLP, make_classification
@@ -133,3 +136,42 @@ def test_three_fresh_runs_pick_the_same_strategy_also_under_load(tmp_path):
     assert len({p[0] for p in picks}) == 1, picks
     # a remembered pick builds its state as the planning run did: every program comes from the cache
     assert misses[0] > 0 and misses[1:] == [0, 0], misses
+
+
+class OuterMLP(MLP):
+    """The same parameters as ``MLP``, and an outer product of each row in the forward pass."""
+
+    @nn.compact
+    def __call__(self, x):
+        x = x + 0 * jnp.einsum("bi,bj->bij", x, x).sum(axis=(1, 2))[:, None]
+        x = nn.relu(nn.Dense(self.features)(x))
+        return nn.Dense(self.classes)(x)
+
+
+def test_a_pick_is_remembered_for_the_computation_not_only_its_shapes(cache_in, monkeypatch):
+    x, y = make_classification(64)
+    first = fit_auto(x, y)
+    assert first.last_plan is not None
+
+    def no_plan(*args, **kwargs):
+        raise AssertionError("planned again")
+
+    monkeypatch.setattr(Setup, "plan", no_plan)
+    shapes = [jax.eval_shape(m.init, jax.random.PRNGKey(0), x[:1]) for m in (MLP(), OuterMLP())]
+    assert jax.tree.map(lambda a: a.shape, shapes[0]) == jax.tree.map(lambda a: a.shape, shapes[1])
+    other = tk.Trainer(OuterMLP(), loss="sparse_categorical_crossentropy", optimizer=optax.adam(1e-2))
+    with pytest.raises(AssertionError, match="planned again"):  # same shapes, another computation
+        other.fit((x, y), batch_size=16, epochs=1, verbose=0)
+
+
+@pytest.mark.parametrize(
+    "field",
+    [{"initialised_under": ["x"]}, {"compare_from_steps": "many"}, {"strategy": 3}, {"compare_from_steps": True}],
+)
+def test_a_malformed_remembered_decision_means_plan_again(cache_in, field):
+    x, y = make_classification(64)
+    fit_auto(x, y)
+    (path,) = (cache_in / "trainkit-auto").glob("*.json")
+    path.write_text(json.dumps({**json.loads(path.read_text()), **field}))
+    again = fit_auto(x, y)  # not a TypeError: planned anew
+    assert again.last_plan is not None and again.global_step == 4

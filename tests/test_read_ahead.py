@@ -32,8 +32,10 @@ class StopAfter(tk.callbacks.Callback):
             self.model.stop_training = True
 
 
-def make_trainer():
-    return tk.Trainer(MLP(), loss="sparse_categorical_crossentropy", optimizer=optax.adam(0.05), strategy="single")
+def make_trainer(**kwargs):
+    return tk.Trainer(
+        MLP(), loss="sparse_categorical_crossentropy", optimizer=optax.adam(0.05), strategy="single", **kwargs
+    )
 
 
 def test_a_stop_loses_no_batch_of_a_generator_read_ahead():
@@ -73,3 +75,76 @@ def test_a_loader_error_is_raised_in_order_after_the_batches_before_it():
     assert next(reader).shape == next(reader).shape == (4, 3)
     with pytest.raises(OSError, match="disk gone"):
         next(reader)
+
+
+def refilled(batches):
+    """A loader that refills one preallocated buffer and yields it again for every batch."""
+    x_buffer, y_buffer = np.empty_like(batches[0][0]), np.empty_like(batches[0][1])
+    for x, y in batches:
+        x_buffer[...], y_buffer[...] = x, y
+        yield x_buffer, y_buffer
+
+
+@pytest.mark.parametrize("k", [1, 4])
+def test_a_generator_that_refills_one_buffer_trains_every_row_it_yielded(k):
+    x, y = make_classification(8 * ROWS)
+    batches = [(x[i : i + ROWS], y[i : i + ROWS]) for i in range(0, len(x), ROWS)]
+    trained, reference = make_trainer(steps_per_execution=k), make_trainer(steps_per_execution=k)
+    trained.fit(refilled(batches), steps_per_epoch=8, shuffle=False, verbose=0)
+    reference.fit([(a.copy(), b.copy()) for a, b in batches], shuffle=False, verbose=0)
+    assert trained.global_step == reference.global_step == 8
+    tree_allclose(trained.params, reference.params, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("kind", ["iter", "map", "zip", "islice"])
+def test_init_keeps_the_first_batch_of_any_one_shot_iterator_for_fit(kind):
+    import itertools
+
+    x, y = make_classification(4 * ROWS)
+    batches = [(x[i : i + ROWS], y[i : i + ROWS]) for i in range(0, len(x), ROWS)]
+    source = {
+        "iter": lambda: iter(batches),
+        "map": lambda: map(lambda b: b, batches),
+        "zip": lambda: zip([b[0] for b in batches], [b[1] for b in batches]),
+        "islice": lambda: itertools.islice(batches, None),
+    }[kind]()
+    trainer, reference = make_trainer(), make_trainer()
+    trainer.init(source)  # reads the first batch to learn the shapes
+    trainer.fit(source, steps_per_epoch=4, shuffle=False, verbose=0)
+    reference.fit(batches, shuffle=False, verbose=0)
+    assert trainer.global_step == 4
+    tree_allclose(trainer.params, reference.params, rtol=0, atol=0)
+
+
+def thread_tied(batches, owner):
+    """A generator that, as a sqlite cursor does, works only in the thread that opened it."""
+    import threading
+
+    for batch in batches:
+        if threading.get_ident() != owner:
+            raise RuntimeError("objects created in a thread can only be used in that same thread")
+        yield batch
+
+
+def test_read_ahead_false_reads_a_thread_tied_generator_in_the_calling_thread():
+    import threading
+
+    x, y = make_classification(4 * ROWS)
+    batches = [(x[i : i + ROWS], y[i : i + ROWS]) for i in range(0, len(x), ROWS)]
+    owner = threading.get_ident()
+    with pytest.raises(RuntimeError, match="same thread"):
+        make_trainer().fit(thread_tied(batches[1:], owner), steps_per_epoch=3, shuffle=False, verbose=0)
+    trainer, reference = make_trainer(), make_trainer()
+    validation = thread_tied(batches[:1], owner)
+    trainer.fit(
+        thread_tied(batches[1:], owner),
+        steps_per_epoch=3,
+        validation_data=validation,
+        shuffle=False,
+        verbose=0,
+        read_ahead=False,
+    )
+    reference.fit(batches[1:], validation_data=batches[:1], shuffle=False, verbose=0)
+    assert trainer.global_step == 3
+    tree_allclose(trainer.params, reference.params, rtol=0, atol=0)
+    assert trainer.history.history["val_loss"] == pytest.approx(reference.history.history["val_loss"], rel=1e-6)

@@ -50,7 +50,8 @@ class FitConfig:
     ends); ``validation`` is evaluated
     after the epochs ``validation_freq`` names, or with ``validation_interval`` after every that
     many optimizer steps; ``continuing``: epochs walk on through the data (Keras's ``steps_per_epoch`` on arrays);
-    ``warn_non_finite``: warn once per epoch when the loss is not finite.
+    ``warn_non_finite``: warn once per epoch when the loss is not finite; ``read_ahead``: data
+    may be read in a background thread (``False``: every element in the thread that calls ``fit``).
     """
 
     epochs: int | None = 1
@@ -66,6 +67,7 @@ class FitConfig:
     validation_steps: int | None = None
     warn_non_finite: bool = True
     continuing: bool = False
+    read_ahead: bool = True
 
     @classmethod
     def checked(cls, *, has_validation: bool = False, **settings: Any) -> FitConfig:

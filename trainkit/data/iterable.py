@@ -8,6 +8,7 @@
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import itertools
 import weakref
@@ -37,16 +38,47 @@ class Backlog:
 
 
 _BACKLOGS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+#: the backlogs of iterators that take no weak reference (``iter(list)``, ``map``, ``zip``,
+#: ``itertools.islice``), with the iterator itself, the most recently used last
+_HELD: collections.OrderedDict[int, tuple[Iterator, Backlog]] = collections.OrderedDict()
+#: how many such iterators keep their backlog (each is kept alive while it is held)
+HELD_ITERATORS = 16
 
 
 def backlog_of(iterator: Iterator) -> Backlog:
-    """The backlog kept with a one-shot ``iterator`` (a generator), so that every dataset
-    wrapping it serves what an earlier one read ahead; an iterator that takes no weak
-    reference gets a backlog of its own, and is then not read ahead."""
+    """The backlog kept with a one-shot ``iterator`` (a generator, ``iter(list)``, ``map``,
+    ...), so that every dataset wrapping it serves what an earlier one read (``init``'s shape
+    peek, a stop's read-ahead). An iterator that takes no weak reference is held, with its
+    backlog, among the last ``HELD_ITERATORS`` such iterators used.
+
+    >>> numbers = map(int, "123")
+    >>> backlog_of(numbers).elements.append(1)
+    >>> backlog_of(numbers).elements
+    [1]
+    """
     try:
         return _BACKLOGS.setdefault(iterator, Backlog(shared=True))
     except TypeError:
-        return Backlog()
+        pass
+    held = _HELD.pop(id(iterator), None)
+    if held is None or held[0] is not iterator:
+        held = (iterator, Backlog(shared=True))
+    _HELD[id(iterator)] = held
+    while len(_HELD) > HELD_ITERATORS:
+        _HELD.popitem(last=False)
+    return held[1]
+
+
+def detached(element: Any) -> Any:
+    """``element`` with its NumPy arrays copied: what is kept of an element read before it is
+    trained on, since a loader may refill one buffer and yield it again.
+
+    >>> buffer = np.zeros(2)
+    >>> kept = detached((buffer, 1)); buffer[:] = 5
+    >>> kept[0].tolist()
+    [0.0, 0.0]
+    """
+    return jax.tree.map(lambda leaf: np.array(leaf) if isinstance(leaf, np.ndarray) else leaf, element)
 
 
 def _check_data_source_repr(state: bytes) -> None:
@@ -108,7 +140,7 @@ class IterableDataset(Source):
         self._join_read_ahead()
         if not self._peeked:
             try:
-                self._peeked.append(next(self._iterator))
+                self._peeked.append(detached(next(self._iterator)))
             except StopIteration:
                 return None
         return self._peeked[0]
@@ -146,7 +178,7 @@ class IterableDataset(Source):
         except TypeError:
             return None
 
-    def _elements(self, start: int, state: Any) -> Iterator:
+    def _elements(self, start: int, state: Any, read_ahead: bool = True) -> Iterator:
         # Plain for-loops, not ``yield from``: closing this generator at an epoch's end must
         # not close a one-shot iterator that the next epoch continues.
         if state is not None and self.checkpointable:  # continue where the saved iterator stood
@@ -161,8 +193,10 @@ class IterableDataset(Source):
             # _peeked when this generator closes (an epoch's end, a stop), served first next time.
             self._current = self._iterator
             self._join_read_ahead()  # one reader of the iterator at a time
-            if self._backlog.shared and not self.checkpointable:  # a checkpointable one's position is read per batch
-                reader = self._backlog.reader = ReadAhead(self._iterator, READ_AHEAD, self._peeked)
+            if (
+                read_ahead and self._backlog.shared and not self.checkpointable
+            ):  # a checkpointable one's position is read per batch
+                reader = self._backlog.reader = ReadAhead(self._iterator, READ_AHEAD, self._peeked, keep=detached)
                 source = itertools.islice(itertools.chain(self._served(), reader), start, None)
                 try:
                     for element in source:  # noqa: UP028
@@ -195,15 +229,23 @@ class IterableDataset(Source):
             yield self._peeked.pop(0)
 
     def batches(
-        self, batch_size: int | None = None, *, start: int = 0, split: bool = False, state: Any = None, **_: Any
+        self,
+        batch_size: int | None = None,
+        *,
+        start: int = 0,
+        split: bool = False,
+        state: Any = None,
+        read_ahead: bool = True,
+        **_: Any,
     ) -> Iterator[Batch]:
         """The iterable's batches from batch ``start`` on (or from a saved iterator ``state``),
-        padded to the first batch's size. With several processes, each process's iterable
+        padded to the first batch's size; a one-shot iterator's elements read ahead in a thread
+        unless not ``read_ahead``. With several processes, each process's iterable
         yields that process's part of every global batch. A larger batch than the first is an
         error in training (it would change what a step averages); with ``split`` (evaluate,
         predict: per-row results) it is cut into pieces of that size."""
         first_spec = example_spec((self._first[0], self._first[1]))
-        for index, element in enumerate(self._elements(start, state), start):
+        for index, element in enumerate(self._elements(start, state, read_ahead), start):
             x, y, w = self._split(element)
             n = check_lengths({"x": x, "y": y, "sample_weight": w})
             spec = example_spec((x, y))

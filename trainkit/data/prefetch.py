@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import queue
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 _END = object()
@@ -112,6 +112,8 @@ class ReadAhead:
     elements, and the element being read, to ``handed_back`` in order (the caller serves them
     first the next time it iterates), so a stop loses nothing and a jittery loader's waits
     overlap the training. :meth:`join` waits until the element being read is handed back.
+    ``keep(element)`` is what is queued of each element, taken as soon as it is read (a copy,
+    for an iterator that refills one buffer and yields it again).
 
     >>> handed_back = []
     >>> reader = ReadAhead(iter(range(10)), depth=3, handed_back=handed_back)
@@ -121,9 +123,11 @@ class ReadAhead:
     [2, 3]
     """
 
-    def __init__(self, iterator: Iterator, depth: int, handed_back: list):
+    def __init__(self, iterator: Iterator, depth: int, handed_back: list, keep: Callable[[Any], Any] | None = None):
         self.iterator: Iterator | None = iterator
         self.handed_back = handed_back
+        #: what is kept of an element when it is read: a copy of buffers the iterator refills in place
+        self.keep = keep or (lambda element: element)
         self._stopped = False
         self._lock = threading.Lock()  # the queue and the hand-back change together
         self._slots = threading.Semaphore(max(depth, 1))
@@ -145,7 +149,7 @@ class ReadAhead:
                 if self._stopped:
                     return
             try:
-                item = next(iterator)
+                item = self.keep(next(iterator))
             except StopIteration:
                 item = _END
             except BaseException as error:  # noqa: BLE001 - raised by the consumer, in order

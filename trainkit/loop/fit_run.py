@@ -97,7 +97,7 @@ class FitRun:
                 if self.every is not None:
                     logs.update(self.validation_logs)
                 elif config.validation is not None and config.validates(epoch):
-                    val_logs = self.loop.evaluate(*config.validation, callbacks)
+                    val_logs = self.loop.evaluate(*config.validation, callbacks, read_ahead=config.read_ahead)
                     logs.update({f"val_{k}": v for k, v in val_logs.items()})
                 session.moved(Position(epoch + 1, 0, session.position.step), session.data_state)
                 callbacks.on_epoch_end(epoch, logs)
@@ -131,6 +131,7 @@ class FitRun:
             shuffle=config.shuffle,
             seed=config.seed,
             state=resume_state,
+            read_ahead=config.read_ahead,
             **process_slice(),
         )
         if config.max_steps is not None:  # nothing read past the last step
@@ -149,7 +150,7 @@ class FitRun:
             pairs = zip(batches, itertools.repeat(None))
         size = lambda: self.steps.steps_per_execution  # noqa: E731 - "auto" may change it mid-epoch
         spans = executions(pairs, size, room_until(self.session.position.step, self.config.max_steps, self.every))
-        return self.loop.reader(dataset, spans, self.batch_size)
+        return self.loop.reader(dataset, spans, self.batch_size, read_ahead=self.config.read_ahead)
 
     def train_epoch(self, train_fn: Callable, batches: Iterable) -> tuple[int, dict[str, float]]:
         """One epoch's steps. Each compiled call merges its metrics into the epoch's totals on
@@ -238,7 +239,7 @@ class FitRun:
             return
         self.session.validating(step)
         try:
-            val_logs = self.loop.evaluate(*validation, self.callbacks)
+            val_logs = self.loop.evaluate(*validation, self.callbacks, read_ahead=self.config.read_ahead)
         finally:
             self.session.validating(None)
         self.validation_logs = {f"val_{k}": v for k, v in val_logs.items()}

@@ -56,16 +56,20 @@ class Loop:
         ``config.epochs`` and returns the last epoch's logs (see :class:`~trainkit.loop.fit_run.FitRun`)."""
         return FitRun(self, dataset, batch_size, callbacks, config).run()
 
-    def reader(self, dataset: data_lib.Source, batches: Iterator, batch_size: int) -> Prefetcher:
+    def reader(
+        self, dataset: data_lib.Source, batches: Iterator, batch_size: int, read_ahead: bool = True
+    ) -> Prefetcher:
         """``batches`` assembled ahead in a background thread; in this thread, one batch at a
-        time, when that is quicker (small in-memory batches) and for a one-shot iterator (a
+        time, when that is quicker (small in-memory batches), for a one-shot iterator (a
         batch assembled ahead would be lost at a stop; its source reads its elements ahead
-        itself and hands back what a stop leaves)."""
-        here = dataset.one_shot or dataset.assembles_quickly(batch_size)
+        itself and hands back what a stop leaves), and without ``read_ahead``."""
+        here = not read_ahead or dataset.one_shot or dataset.assembles_quickly(batch_size)
         return Prefetcher(batches, depth=0 if here else self.prefetch)
 
     # ------------------------------------------------------------------ evaluate / predict
-    def _inference(self, kind: str, dataset: Any, batch_size: int, steps: int | None, callbacks: Hooks) -> Iterator:
+    def _inference(
+        self, kind: str, dataset: Any, batch_size: int, steps: int | None, callbacks: Hooks, read_ahead: bool = True
+    ) -> Iterator:
         """``(first, last, host batches, results)`` per span of ``steps_per_execution`` batches
         (one call per batch), in order, with the span's batch-begin hook of ``kind``
         (``"test"`` / ``"predict"``), as Keras runs them. ``results``: for ``"test"`` the totals
@@ -77,9 +81,10 @@ class Loop:
         size, strategy = compiled.steps_per_execution, compiled.require_strategy()
 
         def dispatch():
-            host_batches = itertools.islice(dataset.batches(batch_size, split=True, **process_slice()), steps)
+            batches = dataset.batches(batch_size, split=True, read_ahead=read_ahead, **process_slice())
+            host_batches = itertools.islice(batches, steps)
             totals = None
-            with self.reader(dataset, host_batches, batch_size) as reader:
+            with self.reader(dataset, host_batches, batch_size, read_ahead) as reader:
                 index = 0
                 while True:
                     span = []
@@ -107,11 +112,13 @@ class Loop:
         runs_ahead = callbacks.async_test if kind == "test" else callbacks.async_predict
         return in_order(dispatch(), self.max_in_flight if runs_ahead else 0)
 
-    def evaluate(self, dataset: Any, batch_size: int, steps: int | None, callbacks: Hooks) -> dict[str, float]:
+    def evaluate(
+        self, dataset: Any, batch_size: int, steps: int | None, callbacks: Hooks, read_ahead: bool = True
+    ) -> dict[str, float]:
         """The loss and metrics over ``dataset`` (exact: masked totals over every real row)."""
         callbacks.on_test_begin()
         order, totals, batch_end = self.steps.log_order, None, callbacks.on_test_batch_end
-        for _, last, _, totals in self._inference("test", dataset, batch_size, steps, callbacks):
+        for _, last, _, totals in self._inference("test", dataset, batch_size, steps, callbacks, read_ahead):
             totals.block_until_ready()  # a bounded queue of dispatched batches
             if batch_end.active:
                 batch_end(last, lambda totals=totals: metrics_lib.compute(host_metrics(totals).metrics, order))

@@ -513,16 +513,7 @@ def plan_step(
 
     def lower(strategy: Strategy):
         check_batch_size(len(host_batch["mask"]), strategy.num_batch_shards, micro_batches=micro_batches)
-        shardings = strategy.state_sharding(abstract_state)
-        needed = state_bytes_per_device(abstract_state, shardings)
-        if needed > HEADROOM * limit:  # the state alone cannot fit: not worth a compile
-            raise ValueError(
-                f"skipped without compiling: the state alone needs {gib(needed)} per device, above "
-                f"{HEADROOM:.0%} of the {gib(limit)} limit"
-            )
-        abstract = jax.tree.map(
-            lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract_state, shardings
-        )
+        abstract = _abstract_in(strategy, abstract_state, limit)
         function: Any = compile_step(strategy, abstract)  # jitted or pmapped: it lowers
         placed = jax.tree.map(
             lambda a: jax.ShapeDtypeStruct(np.shape(a), a.dtype, sharding=strategy.replicated()), totals
@@ -555,16 +546,25 @@ def plan_step(
     alongside = None
     if initialiser is not None and precompile_state is not None:
         alongside = lambda: precompile_state(initialiser)  # noqa: E731
+    timed = run if measure else None
     result = make_plan(
-        candidates,
-        lower,
-        memory_limit=memory_limit,
-        measure=run if measure else None,
-        alongside=alongside,
-        run_steps=run_steps,
+        candidates, lower, memory_limit=memory_limit, measure=timed, alongside=alongside, run_steps=run_steps
     )
     state, under = host_state[0] if host_state else (None, None)
     return dataclasses.replace(result, initial_state=state, initialised_under=under)
+
+
+def _abstract_in(strategy: Strategy, abstract_state: Any, limit: int) -> Any:
+    """The abstract state in ``strategy``'s shardings; refused (the row's reason) when the
+    state alone cannot fit ``limit``, which is not worth a compile."""
+    shardings = strategy.state_sharding(abstract_state)
+    needed = state_bytes_per_device(abstract_state, shardings)
+    if needed > HEADROOM * limit:
+        raise ValueError(
+            f"skipped without compiling: the state alone needs {gib(needed)} per device, above "
+            f"{HEADROOM:.0%} of the {gib(limit)} limit"
+        )
+    return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract_state, shardings)
 
 
 def time_steps(step: Callable, state, batch, steps: int = MEASURE_STEPS, totals: Any = None) -> budget_lib.Timing:

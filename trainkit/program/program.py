@@ -28,7 +28,7 @@ import jax
 import numpy as np
 import optax
 
-from trainkit.core import cost
+from trainkit.core import cost, tree
 from trainkit.core.model import ModelAdapter, param_axes, starting_variables, under_logical_rules
 from trainkit.core.precision import Precision, cast_floating
 from trainkit.core.remat import wrap_remat
@@ -82,6 +82,7 @@ class Program:
         self.variables = variables
         self.eager = eager
         self._param_axes: dict | None = None  # the model's partitioning annotations, once read
+        self._abstract_states: dict[str, PyTree] = {}  # abstract_state by the first row's signature
 
     # ------------------------------------------------------------------ the initial state
     def init_state(self, variables: PyTree, first_row: PyTree) -> TrainState:
@@ -210,9 +211,14 @@ class Program:
 
     def abstract_state(self, first_row: PyTree, variables: PyTree = None) -> PyTree:
         """The shapes and dtypes of the state at step 0 (traced, nothing computed), from
-        ``variables`` when they were already resolved."""
-        variables = self.starting_variables(first_row) if variables is None else variables
-        return jax.eval_shape(self.init_state, variables, first_row)
+        ``variables`` when they were already resolved; traced once per input signature (the
+        first batch is traced for its outputs, "auto"'s remembered decision and the plan)."""
+        if variables is not None:
+            return jax.eval_shape(self.init_state, variables, first_row)
+        key = repr((jax.tree.structure(first_row), tree.signature(first_row)))
+        if key not in self._abstract_states:
+            self._abstract_states[key] = jax.eval_shape(self.init_state, self.starting_variables(first_row), first_row)
+        return self._abstract_states[key]
 
     def plan(
         self, host_batch: Batch, candidates: Sequence[Strategy] | None, *, trains: bool, **options

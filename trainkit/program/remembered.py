@@ -49,12 +49,26 @@ def recall(directory: str | None, key: str, run_steps: int | None = None) -> dic
             decision = json.load(file)
     except (OSError, ValueError):
         return None
-    if not isinstance(decision, dict) or not isinstance(decision.get("strategy"), str):
+    if not well_formed(decision):
         return None
     compare_from = decision.get("compare_from_steps")
     if compare_from is not None and (run_steps is None or run_steps >= compare_from):
         return None
     return decision
+
+
+def well_formed(decision: object) -> bool:
+    """Whether a stored decision has the fields and types this version writes (anything else,
+    a hand-edited or truncated file, means: plan again).
+
+    >>> well_formed({"strategy": "FSDP(fsdp=8)", "initialised_under": ["x"]})
+    False
+    """
+    if not isinstance(decision, dict) or not isinstance(decision.get("strategy"), str):
+        return False
+    under, compare_from = decision.get("initialised_under"), decision.get("compare_from_steps")
+    number = isinstance(compare_from, (int, float)) and not isinstance(compare_from, bool)
+    return (under is None or isinstance(under, str)) and (compare_from is None or number)
 
 
 def remember(

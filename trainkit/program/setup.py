@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import hashlib
 import logging
 import math
 import warnings
@@ -170,6 +171,7 @@ class Setup:
         self._compiled: dict[str, Any] = {}
         self._totals: dict[str, EpochTotals] = {}  # host zeros of the totals each kind of step carries
         self._outputs: PyTree = None  # the model's output shapes, once traced
+        self._computation = ""  # a digest of the model's traced forward pass (what "auto" remembers a pick for)
 
     # ------------------------------------------------------------------ what it decided
     def decide(self, **changes: Any) -> None:
@@ -571,7 +573,8 @@ class Setup:
             try:
                 live = self.session.state
                 state = abstract(live) if live is not None else self.program.abstract_state(first_x)
-                outputs = jax.eval_shape(self.program.outputs, state, first_x)
+                traced = jax.jit(self.program.outputs).trace(state, first_x)
+                outputs = traced.out_info
             except Exception as error:  # noqa: BLE001 - the model's own error, raised again with its inputs
                 raise ValueError(
                     f"The model raised {type(error).__name__} when called on the first batch, whose inputs are "
@@ -589,6 +592,7 @@ class Setup:
             if not self.custom_loss:  # a compute_loss of your own may use outputs that are not per row
                 data_lib.check_rows_kept(first_x, outputs)
             self._outputs = outputs
+            self._computation = hashlib.sha256(str(traced.jaxpr).encode()).hexdigest()[:16]
         return self._outputs
 
     # ------------------------------------------------------------------ the plan and "auto"
@@ -664,6 +668,7 @@ class Setup:
         one whose initialisation built that run's state (``None``: the pick's own)."""
         program, auto = self.program, self.require_auto()
         candidates = self.auto_candidates()
+        self.output_spec(prepared.first_x)  # traced once: its digest is part of the key
         devices = candidates[0].devices
         facts = {
             "state": tree.signature(program.abstract_state(prepared.first_x)),
@@ -675,6 +680,7 @@ class Setup:
             "candidates": [plan_lib.short_name(c) for c in candidates],
             "auto": [measure, auto.memory_limit],
             "versions": [jax.__version__, __version__],
+            "computation": self._computation,  # the same shapes may compute something else (an einsum more)
             "rules": 3,  # how candidates are chosen: 2 leaves out those that change a result, 3 compares what pays
         }
         key = remembered_lib.decision_key(facts)
