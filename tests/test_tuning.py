@@ -176,6 +176,57 @@ def test_find_learning_rate_needs_an_injectable_learning_rate():
         trainer.find_learning_rate(x, y, batch_size=32, min_lr=1.0, max_lr=0.1)
 
 
+def scheduled_trainer():
+    optimizer = optax.inject_hyperparams(optax.sgd)(learning_rate=optax.constant_schedule(1e-3))
+    return tk.Trainer(NoisyMLP(), loss="sparse_categorical_crossentropy", optimizer=optimizer, strategy="single")
+
+
+def test_a_scheduled_learning_rate_is_refused_wherever_it_would_be_set():
+    x, y = make_classification(64)
+    finder = scheduled_trainer()
+    with pytest.raises(ValueError, match="recomputes it from its step count"):
+        finder.find_learning_rate(x, y, batch_size=32, steps=4)
+    assert finder.global_step == 0  # refused before any step
+    trainer = scheduled_trainer()
+    trainer.init((x, y))
+    assert trainer.learning_rate == pytest.approx(1e-3)  # read: yes
+    with pytest.raises(ValueError, match="pass a number"):
+        trainer.learning_rate = 0.5
+    for callback in (tk.callbacks.LearningRateScheduler(lambda epoch: 0.5), tk.callbacks.ReduceLROnPlateau("loss")):
+        with pytest.raises(ValueError, match="LearningRateScheduler, ReduceLROnPlateau"):
+            trainer.fit(x, y, batch_size=32, epochs=2, verbose=0, callbacks=[callback])
+        assert trainer.global_step == 0
+    fixed = tk.Trainer(
+        NoisyMLP(),
+        loss="sparse_categorical_crossentropy",
+        optimizer=optax.inject_hyperparams(optax.sgd)(learning_rate=1e-3),
+        strategy="single",
+    )
+    fixed.init((x, y))
+    fixed.learning_rate = 0.5  # a number can be set
+    assert fixed.learning_rate == 0.5
+
+
+def test_the_finders_refuse_what_they_cannot_use_and_read_memory_with_units(recwarn):
+    x, y = make_classification(64)
+    trainer = tk.Trainer(
+        NoisyMLP(),
+        loss="sparse_categorical_crossentropy",
+        optimizer=optax.inject_hyperparams(optax.sgd)(learning_rate=1e-3),
+        strategy="single",
+    )
+    with pytest.raises(ValueError, match="finite rates"):
+        trainer.find_learning_rate(x, y, batch_size=32, max_lr=math.inf)
+    with pytest.raises(ValueError, match=r"memory_limit must be a positive number of bytes.*received '4 gigs'"):
+        trainer.find_batch_size(x, y, memory_limit="4 gigs", verbose=0)
+    assert trainer.find_batch_size(x, y, memory_limit="4GiB", verbose=0).memory_limit == 4 * 2**30
+    assert tk.strategies.Auto(memory_limit="512MB").memory_limit == 512 * 10**6
+    recwarn.clear()
+    diverging = trainer.find_learning_rate(x * np.nan, y, batch_size=32, steps=4)  # NaN from the first step
+    assert not [w for w in recwarn if "training goes on" in str(w.message)], [str(w.message) for w in recwarn]
+    assert diverging.stopped_early or diverging.suggestion is None
+
+
 # ---------------------------------------------------------------------------- deterministic=True
 def test_two_fresh_deterministic_runs_give_identical_parameters(tmp_path):
     script = ROOT / "tests" / "scripts" / "deterministic_fit.py"

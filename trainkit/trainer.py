@@ -249,7 +249,7 @@ class Trainer:
         batch_size: int | None = None,
         candidates: Sequence[Strategy] | None = None,
         measure: bool = False,
-        memory_limit: int | None = None,
+        memory_limit: int | str | None = None,
         steps: int = plan_lib.MEASURE_STEPS,
         verbose: int = 1,
     ) -> plan_lib.MemoryPlan:
@@ -274,7 +274,7 @@ class Trainer:
         y: PyTree = None,
         *,
         max_batch_size: int = 2**16,
-        memory_limit: int | None = None,
+        memory_limit: int | str | None = None,
         powers_of_two: bool = True,
         verbose: int = 1,
     ) -> BatchSizeSearch:

@@ -17,12 +17,12 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import warnings
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from trainkit.callbacks.base import Callback
-from trainkit.core import optimizers
 
 if TYPE_CHECKING:  # for the type checker only: nothing imports trainer.py at run time
     from trainkit.trainer import Trainer
@@ -187,17 +187,17 @@ def find_learning_rate(
 ) -> LearningRateSearch:
     """:meth:`trainkit.Trainer.find_learning_rate` on ``trainer`` (whose ``setup.kept()`` puts
     its session and decisions back)."""
-    if not 0 < min_lr < max_lr:
-        raise ValueError(f"Pass 0 < min_lr < max_lr; received min_lr={min_lr}, max_lr={max_lr}.")
+    if not 0 < min_lr < max_lr < math.inf:
+        raise ValueError(f"Pass finite rates 0 < min_lr < max_lr; received min_lr={min_lr}, max_lr={max_lr}.")
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 2:
         raise ValueError(f"steps must be an integer of at least 2; received {steps!r}.")
     trainer.init(x if y is None else (x, y))
-    optimizers.require_learning_rate(
-        trainer.session.require_state().opt_state
-    )  # no inject_hyperparams: refused before any step
+    trainer.setup.require_settable_learning_rate()  # no inject_hyperparams, or a schedule: refused before any step
     lrs = np.geomspace(min_lr, max_lr, steps)
     test = RangeTest(lrs, early_stop_threshold, smoothing)
-    with trainer.setup.kept():  # the session (one snapshot, the last History too) and the setup's decisions
+    with trainer.setup.kept(), warnings.catch_warnings():  # the session and the setup's decisions put back
+        # a diverging loss ends the search (stopped_early), not "training goes on" as the loop says of a fit
+        warnings.filterwarnings("ignore", message=r"The loss is .* training goes on")
         trainer.fit(x, y, batch_size=batch_size, epochs=steps, steps_per_epoch=1, verbose=0, callbacks=[test])
     tried = [float(lr) for lr in lrs[: len(test.raw)]]
     smoothed = smooth(test.raw, smoothing)

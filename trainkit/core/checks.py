@@ -109,3 +109,38 @@ def same_shape(targets_shape: tuple, outputs_shape: tuple, loss_name: str, where
         f"{where} have per-example shape {targets_shape}, but the model outputs {outputs_shape}; "
         f"the loss {loss_name!r} compares them element by element.{hint}"
     )
+
+
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
+_UNITS.update({"kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40})
+
+
+def byte_count(value: Any, name: str = "memory_limit") -> int | None:
+    """A number of bytes given as an integer or as text with a unit (``"4GB"`` is 4e9,
+    ``"4GiB"`` 4 * 2**30); ``None`` stays ``None``.
+
+    >>> byte_count("4GiB"), byte_count("1.5 MB"), byte_count(2**20)
+    (4294967296, 1500000, 1048576)
+    >>> byte_count("four")  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    ValueError: memory_limit must be a positive number of bytes, e.g. 4 * 2**30 or "4GiB" ...; received 'four'.
+    """
+    import math
+    import re
+
+    if value is None:
+        return None
+    count: float | None = None
+    if isinstance(value, str):
+        match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kmgt]i?b|b)?\s*", value, re.IGNORECASE)
+        if match:
+            count = float(match[1]) * _UNITS[(match[2] or "").lower()]
+    elif isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, bool):
+        count = float(value)
+    if count is None or not math.isfinite(count) or count < 1:
+        raise ValueError(
+            f'{name} must be a positive number of bytes, e.g. 4 * 2**30 or "4GiB" ("GB" is 10**9, "GiB" '
+            f"2**30); received {value!r}."
+        )
+    return int(count)

@@ -20,6 +20,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import optax
+from jax.extend.core import Literal
 
 from trainkit.core.tree import PyTree
 
@@ -87,6 +88,40 @@ _NO_LEARNING_RATE = (
     "(ReduceLROnPlateau, LearningRateScheduler, trainer.learning_rate). Build it with "
     "optax.inject_hyperparams, e.g. optimizer=optax.inject_hyperparams(optax.adam)(learning_rate=1e-3)."
 )
+
+
+def rate_is_scheduled(tx: optax.GradientTransformation, opt_state: PyTree, params: PyTree) -> bool:
+    """Whether ``tx`` recomputes its injected learning rate at every update, whatever the state
+    holds (a schedule given to ``optax.inject_hyperparams``): then setting it changes nothing.
+    Traced on shapes (``opt_state`` and ``params`` may be ``jax.ShapeDtypeStruct``), nothing run:
+    the rate after an update depends on the rate set before it, or not.
+
+    >>> params = {"w": jnp.zeros(2)}
+    >>> fixed = optax.inject_hyperparams(optax.sgd)(learning_rate=0.1)
+    >>> scheduled = optax.inject_hyperparams(optax.sgd)(learning_rate=optax.constant_schedule(0.1))
+    >>> [rate_is_scheduled(tx, tx.init(params), params) for tx in (fixed, scheduled)]
+    [False, True]
+    """
+    rate = require_learning_rate(opt_state)
+    shapes = jax.tree.map(lambda a: jax.ShapeDtypeStruct(jnp.shape(a), a.dtype), (opt_state, params))
+
+    def rate_after(value, opt_state, params):
+        zeros = jax.tree.map(jnp.zeros_like, params)
+        return learning_rate(tx.update(zeros, set_learning_rate(opt_state, value), params)[1])
+
+    closed = jax.make_jaxpr(rate_after)(jax.ShapeDtypeStruct((), rate.dtype), *shapes)
+    return not _depends_on_first_input(closed.jaxpr)
+
+
+def _depends_on_first_input(jaxpr: Any) -> bool:
+    """Whether the first output of ``jaxpr`` is computed from its first input (an equation
+    with a dependent input makes all its outputs dependent)."""
+    dependent = {jaxpr.invars[0]}
+    for equation in jaxpr.eqns:
+        if any(not isinstance(v, Literal) and v in dependent for v in equation.invars):
+            dependent.update(equation.outvars)
+    out = jaxpr.outvars[0]
+    return not isinstance(out, Literal) and out in dependent
 
 
 def set_learning_rate(opt_state: PyTree, value: float) -> PyTree:

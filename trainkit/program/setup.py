@@ -171,6 +171,7 @@ class Setup:
         self._compiled: dict[str, Any] = {}
         self._totals: dict[str, EpochTotals] = {}  # host zeros of the totals each kind of step carries
         self._outputs: PyTree = None  # the model's output shapes, once traced
+        self._scheduled_rate: bool | None = None  # whether a schedule sets the injected learning rate
         self._computation = ""  # a digest of the model's traced forward pass (what "auto" remembers a pick for)
 
     # ------------------------------------------------------------------ what it decided
@@ -232,7 +233,24 @@ class Setup:
 
     def set_learning_rate(self, value: float) -> None:
         """The optimizer's learning rate (``optax.inject_hyperparams``) set in the live state."""
+        self.require_settable_learning_rate()
         self.update_state(opt_state=optimizers.set_learning_rate(self.require_state().opt_state, value))
+
+    def require_settable_learning_rate(self) -> None:
+        """Refuses, before anything changes, a learning rate that setting would not change: one
+        the optimizer does not expose, or a schedule ``optax.inject_hyperparams`` recomputes at
+        every update (traced once: the optimizer does not change)."""
+        state = self.require_state()
+        if self._scheduled_rate is None:
+            self._scheduled_rate = optimizers.rate_is_scheduled(self.program.optimizer, state.opt_state, state.params)
+        if self._scheduled_rate:
+            raise ValueError(
+                "The learning rate is a schedule given to optax.inject_hyperparams (learning_rate=<a schedule>): the "
+                "optimizer recomputes it from its step count at every update, so setting it (trainer.learning_rate, "
+                "LearningRateScheduler, ReduceLROnPlateau, find_learning_rate) would change nothing. To set it, pass "
+                "a number, e.g. optax.inject_hyperparams(optax.sgd)(learning_rate=1e-3); or keep the schedule and do "
+                "not set the rate."
+            )
 
     @property
     def host_params(self) -> PyTree:

@@ -17,6 +17,7 @@ from typing import Any
 
 from trainkit import data as data_lib
 from trainkit import distributed
+from trainkit.core import checks
 from trainkit.core.tree import PyTree
 from trainkit.program import batch_size as batch_size_lib
 from trainkit.program import plan as plan_lib
@@ -31,14 +32,14 @@ def plan(
     batch_size: int | None = None,
     candidates: Sequence[Strategy] | None = None,
     measure: bool = False,
-    memory_limit: int | None = None,
+    memory_limit: int | str | None = None,
     steps: int = plan_lib.MEASURE_STEPS,
     verbose: int = 1,
 ) -> plan_lib.MemoryPlan:
     """:meth:`trainkit.Trainer.plan`: the sample batch (any form ``fit`` takes) prepared and
     the train step (predict step without targets) compiled under each candidate."""
     prepared = data_lib.prepare(sample_batch, batch_size=batch_size, default_batch_size=None)
-    options = {"measure": measure, "memory_limit": memory_limit, "steps": steps}
+    options = {"measure": measure, "memory_limit": checks.byte_count(memory_limit), "steps": steps}
     return setup.plan(prepared, candidates, verbose=verbose, **options)
 
 
@@ -48,13 +49,14 @@ def find_batch_size(
     y: PyTree = None,
     *,
     max_batch_size: int = 2**16,
-    memory_limit: int | None = None,
+    memory_limit: int | str | None = None,
     powers_of_two: bool = True,
     verbose: int = 1,
 ) -> batch_size_lib.BatchSizeSearch:
     """:meth:`trainkit.Trainer.find_batch_size`: the train step planned (compiled, never run)
     at the sizes a bisection picks, under the setup's strategy or ``"auto"``'s candidates;
     printed on the main process with ``verbose``."""
+    memory_limit = checks.byte_count(memory_limit)
     prepared = data_lib.prepare(x, y)
     if setup.session.state is not None:
         data_lib.check_same_inputs(setup.input_spec, prepared.spec)

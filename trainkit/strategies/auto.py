@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from trainkit.core import checks
 from trainkit.strategies.base import Strategy
 
 
@@ -39,12 +40,12 @@ class Auto:
 
     def __init__(
         self,
-        memory_limit: int | None = None,
+        memory_limit: int | str | None = None,
         measure: bool = True,
         candidates: Sequence[Strategy] | None = None,
         always_compare: bool = False,
     ):
-        self.memory_limit = memory_limit
+        self.memory_limit = checks.byte_count(memory_limit)
         self.measure = bool(measure)
         self.candidates = None if candidates is None else list(candidates)
         self.always_compare = bool(always_compare)
