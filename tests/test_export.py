@@ -22,6 +22,7 @@ from trainkit.export import formats, signature
 SERVE = Path(__file__).parent / "scripts" / "serve_export.py"
 ROWS = (1, 7, 33)  # the export traced none of these: its batch axis is symbolic
 TOLERANCE = {"jax": 1e-5, "tf_saved_model": 1e-4, "onnx": 1e-4}
+HEADER = tk.export.jax_format.HEADER_BYTES
 
 
 class CNN(nn.Module):
@@ -167,6 +168,54 @@ def test_load_refuses_a_file_that_is_no_export(tmp_path):
     (tmp_path / "m.jax").write_bytes(b"not an export")
     with pytest.raises(ValueError, match="is not a model exported with format='jax'"):
         tk.export.load(tmp_path / "m.jax")
+
+
+def test_a_damaged_jax_export_is_refused_at_load_and_a_plain_serialization_still_loads(models, tmp_path):
+    trainer = models["cnn"][0]
+    path = tmp_path / "m.jax"
+    trainer.export(path, verbose=False)
+    good = path.read_bytes()
+    header = tk.export.jax_format.header(path)
+    assert header["sha256"] and header["inputs"] == ["input"] and header["outputs"] == ["output"]
+    middle = HEADER + (len(good) - HEADER) // 2
+    for damaged in (good[:-100], good[:middle] + bytes([good[middle] ^ 1]) + good[middle + 1 :]):  # cut, a flipped bit
+        path.write_bytes(damaged)
+        with pytest.raises(ValueError, match="is damaged: its model is"):
+            tk.export.load(path)
+    path.write_bytes(good[:40] + b"{" + good[41:])  # the header itself
+    with pytest.raises(ValueError, match="header is damaged"):
+        tk.export.load(path)
+    path.write_bytes(good[HEADER:])  # what trainkit wrote before the header: still read
+    x = np.ones((2, 8, 8, 1), np.float32)
+    np.testing.assert_allclose(tk.export.load(path)(x), trainer.predict(x, batch_size=8), atol=1e-5)
+
+
+def test_a_failed_export_leaves_the_previous_one_whole(models, tmp_path):
+    trainer = models["cnn"][0]
+    path = tmp_path / "m.jax"
+    trainer.export(path, verbose=False)
+    good = path.read_bytes()
+    (tmp_path / "m.jax.data").write_bytes(b"a stale sidecar of an earlier export")
+    limit = len(good) // 2  # a file-size limit the new file exceeds: the write fails half-way
+    script = (
+        "import resource, signal, sys, numpy as np, optax, trainkit as tk; import flax.linen as nn\n"
+        "signal.signal(signal.SIGXFSZ, signal.SIG_IGN)\n"
+        f"resource.setrlimit(resource.RLIMIT_FSIZE, ({limit}, {limit}))\n"
+        "sys.path.insert(0, sys.argv[2]); from test_export import CNN\n"
+        "t = tk.Trainer(CNN(), loss='sparse_categorical_crossentropy', optimizer=optax.adam(1e-2), strategy='single')\n"
+        "t.init(np.ones((4, 8, 8, 1), np.float32))\n"
+        "try:\n    t.export(sys.argv[1], verbose=False)\nexcept OSError as e:\n    print('failed:', e)\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_NUM_CPU_DEVICES")}
+    env["TRAINKIT_COMPILATION_CACHE"] = "off"
+    done = subprocess.run(
+        [sys.executable, "-c", script, str(path), str(Path(__file__).parent)], env=env, capture_output=True, text=True
+    )
+    assert "failed:" in done.stdout, done.stdout + done.stderr
+    assert path.read_bytes() == good  # the previous export, whole
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m.jax", "m.jax.data"]  # nothing half-written left
+    trainer.export(path, verbose=False)  # a later export that succeeds removes the stale sidecar
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m.jax"]
 
 
 def test_the_dict_and_list_inputs_keep_their_structure(tmp_path):

@@ -258,3 +258,20 @@ def test_deterministic_refuses_a_choice_by_timing_and_a_started_gpu_backend():
     message = determinism.problem(missing, started=True, platforms={"gpu"})
     assert "--xla_gpu_deterministic_ops=true" in message and "enable_determinism()" in message
     assert determinism.problem([], started=True, platforms={"gpu"}) is None
+
+
+def test_find_learning_rate_refuses_a_one_shot_iterator_and_consumes_nothing():
+    x, y = make_classification(64)
+    batches = [(x[i : i + 16], y[i : i + 16]) for i in range(0, 64, 16)]
+    generator = (batch for batch in batches)
+    trainer = tk.Trainer(
+        NoisyMLP(),
+        loss="sparse_categorical_crossentropy",
+        optimizer=optax.inject_hyperparams(optax.sgd)(learning_rate=1e-3),
+        strategy="single",
+    )
+    with pytest.raises(ValueError, match="one-shot iterator .generator. for good"):
+        trainer.find_learning_rate(generator, batch_size=16, steps=3)
+    trainer.fit(generator, steps_per_epoch=4, verbose=0)  # every batch is still there
+    assert trainer.global_step == 4
+    assert trainer.find_learning_rate(batches, batch_size=16, steps=3).lrs  # a list can be read again

@@ -14,6 +14,7 @@ True
 
 from __future__ import annotations
 
+import collections.abc
 import dataclasses
 import math
 import os
@@ -23,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from trainkit.callbacks.base import Callback
+from trainkit.core import atomic
 
 if TYPE_CHECKING:  # for the type checker only: nothing imports trainer.py at run time
     from trainkit.trainer import Trainer
@@ -145,7 +147,8 @@ class LearningRateSearch:
             axis.plot(self.suggestion, self.losses[index], "o", color="red", label=f"suggestion {self.suggestion:.3g}")
             axis.legend()
         figure.tight_layout()
-        figure.savefig(path, dpi=100)
+        with atomic.staged(path) as temporary:  # the old plot stays whole if this one fails
+            figure.savefig(temporary, dpi=100)
         plt.close(figure)
         return figure
 
@@ -173,6 +176,16 @@ class RangeTest(Callback):
             self.model.stop_training = True
 
 
+def iter_once(x: Any) -> bool:
+    """Whether ``x`` is a one-shot iterator (a generator, ``map``, ``iter(list)``): reading it
+    consumes it.
+
+    >>> iter_once(iter([1])), iter_once([1]), iter_once(None)
+    (True, False, False)
+    """
+    return isinstance(x, collections.abc.Iterator)  # not iter(x): a loader's __iter__ may start workers
+
+
 def find_learning_rate(
     trainer: Trainer,
     x: Any,
@@ -191,6 +204,13 @@ def find_learning_rate(
         raise ValueError(f"Pass finite rates 0 < min_lr < max_lr; received min_lr={min_lr}, max_lr={max_lr}.")
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 2:
         raise ValueError(f"steps must be an integer of at least 2; received {steps!r}.")
+    if iter_once(x):
+        raise ValueError(
+            f"find_learning_rate trains {steps} batches, which it would take from this one-shot iterator "
+            f"({type(x).__name__}) for good: a later fit would miss them. Pass arrays, or a source that can be read "
+            "again (a list of batches, a grain or Hugging Face dataset, an object whose __iter__ returns a fresh "
+            "iterator)."
+        )
     trainer.init(x if y is None else (x, y))
     trainer.setup.require_settable_learning_rate()  # no inject_hyperparams, or a schedule: refused before any step
     lrs = np.geomspace(min_lr, max_lr, steps)

@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 
 from trainkit import distributed
+from trainkit.core import atomic
 from trainkit.core.tree import PyTree
 from trainkit.export import jax_format, onnx_format, tf_saved_model
 from trainkit.export.signature import symbolic_inputs
@@ -84,10 +85,12 @@ def write(
     check_format(format)
     if not distributed.is_main_process():
         return
-    os.makedirs(os.path.dirname(os.path.abspath(os.fspath(path))), exist_ok=True)  # a missing parent folder is created
     save = FORMATS[format][0]
     start = time.perf_counter()
-    written = save(path, function, variables, symbolic_inputs(spec), **options)
+    # written beside the target and renamed into place: a failed export leaves the previous one
+    # whole (a missing parent folder is created)
+    with atomic.staged(path) as temporary:
+        written = save(temporary, function, variables, symbolic_inputs(spec), **options)
     if verbose:
         details = ", ".join(f"{k} {v}" for k, v in written.items())
         print(f"Exported {format!r} to {path} in {time.perf_counter() - start:.2f} s ({details})")

@@ -1,7 +1,13 @@
-"""The ``"jax"`` format: the bytes of ``jax.export.export(...).serialize()`` in one file, the
-variables inside as constants, so that a process with neither trainkit nor the model's code runs
-it: ``jax.export.deserialize(open(path, "rb").read()).call(x)``. The file carries its calling
-convention version; :func:`load` checks it against the running JAX before anything runs.
+"""The ``"jax"`` format: the bytes of ``jax.export.export(...).serialize()``, the variables
+inside as constants, so that a process with neither trainkit nor the model's code runs it,
+behind a fixed-size header that lets :func:`load` check them before anything runs.
+
+The file is ``HEADER_BYTES`` (4096) of header, then the payload: the header starts with
+``MAGIC`` and holds, as JSON padded with spaces, the payload's length and SHA-256 digest, its
+calling convention version, platforms and input and output names. Without trainkit:
+``jax.export.deserialize(bytearray(open(path, "rb").read()[4096:])).call(x)``. :func:`load`
+refuses a file whose payload does not match its digest (a flipped byte, a truncated copy),
+names what differs, and still reads a plain serialization (trainkit before the header).
 
 >>> import numpy as np, os, tempfile
 >>> path = os.path.join(tempfile.mkdtemp(), "double.jax")
@@ -10,17 +16,26 @@ convention version; :func:`load` checks it against the running JAX before anythi
 True
 >>> load(path)(np.ones((4, 3), np.float32)).shape
 (4, 3)
+>>> header(path)["payload_bytes"] == os.path.getsize(path) - HEADER_BYTES
+True
 """
 
 from __future__ import annotations
 
 import functools
+import hashlib
+import json
 import os
 from collections.abc import Callable, Sequence
 
 import jax
 
 from trainkit.core.tree import PyTree
+from trainkit.export.signature import leaf_names, output_names
+
+#: The first bytes of a trainkit ``"jax"`` export, and the header's fixed size.
+MAGIC = b"TRAINKIT-JAX-EXPORT\n"
+HEADER_BYTES = 4096
 
 
 def save(
@@ -34,14 +49,60 @@ def save(
     constants (for ``platforms``, default the current backend), into ``path``; returns what was
     written (bytes, calling convention, platforms)."""
     exported = jax.export.export(jax.jit(functools.partial(function, variables)), platforms=platforms)(inputs)
-    data = exported.serialize()
-    with open(path, "wb") as file:
-        file.write(data)
-    return {
-        "bytes": len(data),
+    data = bytes(exported.serialize())
+    described = {
+        "format": 1,
+        "payload_bytes": len(data),
+        "sha256": hashlib.sha256(data).hexdigest(),
         "calling_convention_version": exported.calling_convention_version,
         "platforms": list(exported.platforms),
+        "inputs": leaf_names(inputs, "input"),
+        "outputs": output_names(function, variables, inputs),
     }
+    text = MAGIC + json.dumps(described).encode()
+    if len(text) > HEADER_BYTES:  # thousands of input names: the names are left out, the digest kept
+        text = MAGIC + json.dumps({**described, "inputs": None, "outputs": None}).encode()
+    with open(path, "wb") as file:
+        file.write(text.ljust(HEADER_BYTES, b" ") + data)
+    return {"bytes": HEADER_BYTES + len(data), **{k: described[k] for k in ("calling_convention_version", "platforms")}}
+
+
+def header(path: str | os.PathLike) -> dict:
+    """The header of a ``"jax"`` export (``{}`` for a plain serialization without one)."""
+    with open(path, "rb") as file:
+        head = file.read(HEADER_BYTES)
+    if not head.startswith(MAGIC):
+        return {}
+    try:
+        described = json.loads(head[len(MAGIC) :].decode())
+    except ValueError as error:
+        raise ValueError(f"{path}: its header is damaged ({error}); export the model again.") from error
+    if not (
+        isinstance(described, dict)
+        and isinstance(described.get("payload_bytes"), int)
+        and isinstance(described.get("sha256"), str)
+    ):
+        raise ValueError(f"{path}: its header is damaged (no payload length and digest); export the model again.")
+    return described
+
+
+def payload(path: str | os.PathLike) -> bytearray:
+    """The ``jax.export`` bytes of a ``"jax"`` export, checked against its header's length and
+    digest (a plain serialization is returned as it is)."""
+    described = header(path)
+    with open(path, "rb") as file:
+        data = bytearray(file.read())
+    if not described:
+        return data
+    body = data[HEADER_BYTES:]
+    digest = hashlib.sha256(body).hexdigest()
+    if len(body) != described.get("payload_bytes") or digest != described.get("sha256"):
+        raise ValueError(
+            f"{path} is damaged: its model is {len(body)} bytes with SHA-256 {digest[:16]}..., but it was written "
+            f"as {described.get('payload_bytes')} bytes with {str(described.get('sha256'))[:16]}...; copy it again "
+            "from where it was exported, or export the model again."
+        )
+    return body
 
 
 class LoadedModel:
@@ -66,8 +127,7 @@ class LoadedModel:
 def load(path: str | os.PathLike) -> LoadedModel:
     """The ``"jax"`` export at ``path`` as a callable, refused with the reason when this JAX
     cannot run its calling convention or the file is no ``jax.export`` serialization."""
-    with open(path, "rb") as file:
-        data = bytearray(file.read())
+    data = payload(path)
     try:
         exported = jax.export.deserialize(data)
     except Exception as error:  # noqa: BLE001 - flatbuffers' own errors say nothing of the file

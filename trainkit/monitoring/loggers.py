@@ -26,6 +26,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
+from trainkit.core import atomic
 from trainkit.distributed import filesystem
 
 #: The runs a metric belongs to: training, or validation (Keras's TensorBoard subdirectories).
@@ -129,8 +130,7 @@ class CSVMetricsLogger:
 
     def log_hparams(self, config: dict[str, Any]) -> None:
         directory = os.path.dirname(os.path.abspath(self.path))
-        with open(os.path.join(directory, "hparams.json"), "w") as f:
-            json.dump(config, f, indent=1, default=str)
+        atomic.write_text(os.path.join(directory, "hparams.json"), json.dumps(config, indent=1, default=str))
 
     def close(self) -> None:
         if self._file is not None:

@@ -21,6 +21,8 @@ import sys
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from trainkit.core import atomic
+
 #: Epoch-level logs that are not curves worth a panel.
 SKIPPED = ("epoch", "learning_rate", "steps_per_second", "examples_per_second", "tokens_per_second")
 
@@ -75,7 +77,8 @@ def plot_curves(series: Mapping[str, Sequence[float]], path: str | os.PathLike, 
     if title:
         figure.suptitle(title)
     figure.tight_layout()
-    figure.savefig(os.fspath(path), dpi=100)
+    with atomic.staged(path) as temporary:  # the old plot stays whole if this one fails
+        figure.savefig(temporary, dpi=100)
     plt.close(figure)
     return figure
 

@@ -20,7 +20,8 @@ import hashlib
 import json
 import logging
 import os
-import tempfile
+
+from trainkit.core import atomic
 
 logger = logging.getLogger("trainkit")
 
@@ -88,11 +89,7 @@ def remember(
         return
     path = path_for(directory, key)
     try:
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        handle, temporary = tempfile.mkstemp(dir=os.path.dirname(path), suffix=".tmp")
-        with os.fdopen(handle, "w") as file:
-            decision = {"strategy": strategy, "reason": reason, "initialised_under": initialised_under}
-            json.dump({**decision, "compare_from_steps": compare_from_steps}, file)
-        os.replace(temporary, path)
+        decision = {"strategy": strategy, "reason": reason, "initialised_under": initialised_under}
+        atomic.write_text(path, json.dumps({**decision, "compare_from_steps": compare_from_steps}))
     except OSError as error:
         logger.warning("strategy='auto' could not remember its pick in %s (%s); the next run plans again", path, error)
