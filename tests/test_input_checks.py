@@ -20,7 +20,8 @@ def data():
 
 def classifier(**kwargs):
     kwargs.setdefault("loss", "sparse_categorical_crossentropy")
-    return tk.Trainer(nn.Dense(3), optimizer=optax.sgd(0.1), strategy="single", **kwargs)
+    kwargs.setdefault("strategy", "single")
+    return tk.Trainer(nn.Dense(3), optimizer=optax.sgd(0.1), **kwargs)
 
 
 def test_sample_weights_of_shape_n_by_1_equal_n_and_others_are_refused(data):
@@ -51,6 +52,21 @@ def test_sparse_labels_outside_the_classes_are_named(data, bad):
         classifier().fit(x, y, verbose=0)
     with pytest.raises(ValueError, match=rf"label {bad} \(row 7\)"):
         classifier().fit(x, data[1], validation_data=(x, y), verbose=0)
+
+
+@pytest.mark.parametrize("bad", [-1, 7])
+@pytest.mark.parametrize("strategy", ["single", "dp", "fsdp"])
+def test_a_later_batch_of_an_iterable_with_labels_outside_the_classes_stops_the_run(data, bad, strategy):
+    x, y = data
+    batches = [(x[i : i + 8], y[i : i + 8].copy()) for i in range(0, 32, 8)]
+    batches[2][1][5] = bad  # the first batch, which the host checks, is fine
+    trainer = classifier(strategy=strategy)
+    with pytest.raises(
+        ValueError, match=rf"Batch 2 of epoch 0 \(step 3\) holds 1 label\(s\) .*example {bad}; .* 3 classes"
+    ):
+        trainer.fit((b for b in batches), steps_per_epoch=4, verbose=0)
+    good = [(x[i : i + 8], y[i : i + 8]) for i in range(0, 32, 8)]
+    assert "_labels_out_of_range" not in classifier(strategy=strategy).fit(good, verbose=0).history  # not logged
 
 
 @pytest.mark.parametrize("dtype", ["int32", "bool"])

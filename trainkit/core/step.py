@@ -37,7 +37,17 @@ from clu.metrics import LastValue
 
 from trainkit.core.optimizers import learning_rate
 from trainkit.core.state import Batch, TrainState
-from trainkit.core.totals import EpochTotals, LossAverage, MetricFn, PackedTotals, WeightedAverage, batch_state, pack
+from trainkit.core.totals import (
+    LABEL_ALARM,
+    EpochTotals,
+    LabelAlarm,
+    LossAverage,
+    MetricFn,
+    PackedTotals,
+    WeightedAverage,
+    batch_state,
+    pack,
+)
 from trainkit.core.tree import PyTree
 
 LossFn = Callable[..., tuple[jax.Array, tuple[Any, Any]]]
@@ -121,6 +131,16 @@ def _batch_metrics(metric_fns: Mapping[str, MetricFn], predictions, batch: Batch
     return metrics
 
 
+def _label_alarm(count: jax.Array, value: jax.Array, step: jax.Array, axis_name: str | None) -> LabelAlarm:
+    """The step's :class:`LabelAlarm` from this device's count and one bad label (under a
+    named axis: the count summed over the devices, the largest bad label kept)."""
+    if axis_name is not None:
+        value = jax.lax.pmax(jnp.where(count > 0, value, jnp.iinfo(jnp.int32).min), axis_name)
+        count = jax.lax.psum(count, axis_name)
+    found = count > 0
+    return LabelAlarm(count, jnp.where(found, value, 0), jnp.where(found, step, 0).astype(jnp.int32))
+
+
 def _microbatches(batch: Batch, k: int) -> Batch:
     """``(k, rows / k, ...)``: micro-batch ``j`` holds rows ``j, j + k, j + 2k, ...``. Strided,
     not contiguous: every device's (contiguous) part of a sharded batch contributes equally to
@@ -172,6 +192,7 @@ def make_train_step(
     *,
     grad_accum_steps: int = 1,
     log_grad_norm: bool = False,
+    label_check: Callable[[PyTree], tuple[jax.Array, jax.Array] | None] | None = None,
 ) -> Callable[[TrainState, Batch], tuple[TrainState, Metrics]]:
     """The pure training step; ``axis_name`` names the device axis under ``pmap``/``shard_map``.
 
@@ -181,7 +202,9 @@ def make_train_step(
     (a :mod:`trainkit.core.precision` loss scale) scales the loss before differentiation, unscales
     the gradients and decides whether the update is applied: with a static or dynamic scale, a
     step with non-finite gradients leaves the state unchanged (but for ``step``, the scale and
-    the rng) and its metrics count nothing.
+    the rng) and its metrics count nothing. ``label_check(y)`` (the objective's
+    ``labels_out_of_range``) counts class ids outside the classes in the batch's targets: reported
+    as a :class:`~trainkit.core.totals.LabelAlarm` metric, which the loop raises at its next read.
     """
 
     def micro_step(params, model_state, batch, rng, batch_rows, loss_scale):
@@ -224,6 +247,9 @@ def make_train_step(
         if rate is not None:
             metrics["learning_rate"] = LastValue(value=jnp.asarray(rate, jnp.float32))
         metrics.update(loss_scale.metrics())
+        found = None if label_check is None else label_check(batch.get("y"))
+        if found is not None:
+            metrics[LABEL_ALARM] = _label_alarm(*found, state.step + 1, axis_name)
         return new_state, metrics
 
     return train_step

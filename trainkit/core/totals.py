@@ -217,6 +217,39 @@ class EpochTotals:
         )
 
 
+#: The metric under which a train step reports labels outside the classes (not logged: ``_``).
+LABEL_ALARM = "_labels_out_of_range"
+
+
+@flax.struct.dataclass
+class LabelAlarm(clu.metrics.Metric):
+    """Labels outside the classes seen by the steps merged: how many, one of them, and the
+    (global) step that saw the first (``count == 0``: none).
+
+    >>> none, bad = LabelAlarm.none(), LabelAlarm(jnp.int32(2), jnp.int32(-1), jnp.int32(7))
+    >>> merged = none.merge(bad).merge(LabelAlarm(jnp.int32(1), jnp.int32(9), jnp.int32(8)))
+    >>> int(merged.count), int(merged.value), int(merged.step)
+    (3, -1, 7)
+    """
+
+    count: jax.Array
+    value: jax.Array
+    step: jax.Array
+
+    @classmethod
+    def none(cls) -> LabelAlarm:
+        return cls(jnp.int32(0), jnp.int32(0), jnp.int32(0))
+
+    def merge(self, other: LabelAlarm) -> LabelAlarm:
+        first = self.count > 0
+        return LabelAlarm(
+            self.count + other.count, jnp.where(first, self.value, other.value), jnp.where(first, self.step, other.step)
+        )
+
+    def compute(self) -> jax.Array:
+        return self.count
+
+
 @flax.struct.dataclass
 class PackedTotals:
     """:class:`EpochTotals` as one unsigned-integer array per item size (all of them one

@@ -31,7 +31,7 @@ from trainkit.core.leaf_step import LeafStep
 from trainkit.core.session import FitView, Position, StepRecord
 from trainkit.core.state import abstract
 from trainkit.core.step import batches_at
-from trainkit.core.totals import SKIPPED_WARNING, EpochTotals, PackedTotals, pack
+from trainkit.core.totals import LABEL_ALARM, SKIPPED_WARNING, EpochTotals, PackedTotals, pack
 from trainkit.core.tree import PyTree
 from trainkit.data.prefetch import Prefetcher
 from trainkit.data.spans import Span, executions, room_until
@@ -209,7 +209,13 @@ class FitRun:
     def watch(self, totals: EpochTotals, start_step: int, start_batch: int, epoch: int) -> None:
         """The epoch's warnings, from its totals: the first non-finite loss (unless a callback
         stops at it), and (once per run) ``SKIPPED_WARNING`` steps in a row skipped by the
-        fp16 loss scale: the model is then not training at all."""
+        fp16 loss scale: the model is then not training at all. Labels outside the classes,
+        which the step counted, stop the run with the batch that held them."""
+        alarm = totals.metrics.get(LABEL_ALARM)
+        if alarm is not None and int(alarm.count):
+            step = int(alarm.step)
+            where = f"Batch {start_batch + step - start_step - 1} of epoch {epoch} (step {step})"
+            raise ValueError(self.steps.labels_message(int(alarm.count), int(alarm.value), where))
         bad = int(totals.first_non_finite)
         if self.warn_non_finite and bad:
             warnings.warn(

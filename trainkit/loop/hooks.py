@@ -51,6 +51,10 @@ class CompiledSteps(Protocol):
         """``steps_per_execution="auto"`` picked ``steps`` batches per call, for ``reason``."""
         ...
 
+    def labels_message(self, count: int, value: int, where: str) -> str:
+        """The error for ``count`` labels outside the classes (one of them ``value``) in ``where``."""
+        ...
+
 
 class Hook:
     """One hook of every callback that implements it (a subclass's ``__call__`` takes the hook's

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from trainkit.core import checks
@@ -111,6 +112,7 @@ class Objective:
             )
         self.spec = (loss, metrics, weighted_metrics, loss_weights)
         self.structure: tuple | None = None
+        self.sparse_labels: dict[Any, tuple[int, int]] = {}
         self.build(None)
 
     # ------------------------------------------------------------------ building
@@ -154,6 +156,7 @@ class Objective:
         loss, metrics, weighted_metrics, loss_weights = self.spec
         names = [str(k) if kind == "dict" else f"output_{k}" for k in keys] if kind != "single" else [""]
         self.outputs = self._outputs(kind, keys, names, loss, loss_weights)
+        self.sparse_labels = {}  # the sparse outputs' classes and label rank: check_targets fills it
         per_output = lambda spec, what: self._per_output(spec, names, what)  # noqa: E731
         self._metric_specs = (per_output(metrics, "metrics"), per_output(weighted_metrics, "weighted_metrics"))
         self._resolve_metrics()
@@ -325,8 +328,37 @@ class Objective:
                 labels = target[..., 0] if target.ndim == len(shape) + 1 and target.shape[-1] == 1 else target
                 checks.same_shape(labels.shape[1:], shape[:-1], out.loss_name, f"The labels {where}")
                 checks.sparse_labels(labels, shape[-1], where)
+                self.sparse_labels[out.key] = (shape[-1], len(shape))
             elif loss in losses.ELEMENTWISE_LOSSES or isinstance(loss, crossentropy.Loss):
                 checks.same_shape(target.shape[1:], shape, out.loss_name, f"The targets {where}")
+
+    def labels_out_of_range(self, targets: PyTree) -> tuple[jax.Array, jax.Array] | None:
+        """Inside a step: how many class ids of the targets lie outside their output's classes,
+        and one of them (0 when none), for the outputs with a sparse loss that
+        :meth:`check_targets` saw (``None``: none). The host checks the first batch of an
+        iterable and every label of arrays; this checks every batch, where it trains."""
+        if not self.sparse_labels:
+            return None
+        count, value = jnp.int32(0), jnp.int32(0)
+        for key, (classes, rank) in self.sparse_labels.items():
+            labels = jnp.asarray(_pick(targets, key, "targets"))
+            labels = labels[..., 0] if labels.ndim == rank + 1 and labels.shape[-1] == 1 else labels
+            bad = (labels < 0) | (labels >= classes)
+            first = jnp.argmax(bad.reshape(-1))
+            value = jnp.where(count > 0, value, labels.reshape(-1)[first].astype(jnp.int32))
+            count = count + bad.sum(dtype=jnp.int32)
+        return count, jnp.where(count > 0, value, 0)
+
+    def labels_message(self, count: int, value: int, where: str) -> str:
+        """The error for :meth:`labels_out_of_range`'s finding in ``where`` (a batch)."""
+        classes = sorted({classes for classes, _ in self.sparse_labels.values()})
+        return (
+            f"{where} holds {count} label(s) outside the model's classes (for example {value}; the outputs have "
+            f"{' / '.join(map(str, classes))} classes): labels must be in [0, classes). A label of -1 trains as the "
+            "last class and one past the classes gives a NaN loss. The first batch was checked before training; "
+            "this one was found inside the step. Fix the data (drop those rows, or map them to a class with "
+            "sample_weight 0), or widen the output layer."
+        )
 
     def keras_result(self, logs: dict[str, float], return_dict: bool = False) -> float | list[float] | dict[str, float]:
         """Keras's return value of ``evaluate``: the dict, or the loss alone, or ``[loss,

@@ -190,6 +190,7 @@ class Program:
             axis,
             grad_accum_steps=self.grad_accum_steps,
             log_grad_norm=self.log_grad_norm,
+            label_check=self.objective.labels_out_of_range,
         )
 
     def empty_totals(

@@ -210,6 +210,9 @@ class Setup:
     def log_order(self) -> tuple[str, ...]:
         return self.objective.log_order
 
+    def labels_message(self, count: int, value: int, where: str) -> str:
+        return self.objective.labels_message(count, value, where)
+
     def require_state(self) -> TrainState:
         return self.session.require_state()
 
