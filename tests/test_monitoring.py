@@ -275,6 +275,30 @@ def test_mlflow_waits_are_bounded():
     assert time.monotonic() - started < 10
 
 
+def test_credentials_in_a_server_url_never_reach_a_message(tmp_path):
+    pytest.importorskip("mlflow")
+    for uri in ("unknownscheme://alice:s3cr3t@host/", "http://alice:s3cr3t@127.0.0.1:9/?token=t0k3n"):
+        with pytest.raises((RuntimeError, TimeoutError)) as raised:
+            tk.loggers.MLflowLogger(uri, timeout=2)
+        shown = str(raised.value) + "".join(__import__("traceback").format_exception(raised.value))
+        assert "alice:***@" in shown and "s3cr3t" not in shown and "t0k3n" not in shown, shown
+
+    class Refused:
+        def log_metrics(self, step, metrics, run="train"):
+            raise ConnectionError("POST http://bob:hunter2@server/api?access_token=abc refused")
+
+        def log_hparams(self, config):
+            pass
+
+        def close(self):
+            pass
+
+    trainer = tk.Trainer(MLP(), loss="sparse_categorical_crossentropy", optimizer=optax.sgd(0.1), strategy="single")
+    with pytest.warns(UserWarning, match=r"bob:\*\*\*@server/api\?access_token=\*\*\* refused") as caught:
+        trainer.fit(X, Y, batch_size=16, epochs=1, verbose=0, callbacks=[tk.callbacks.Logging([Refused()])])
+    assert not [w for w in caught if "hunter2" in str(w.message) or "abc" in str(w.message)]
+
+
 def test_an_unwritable_profiler_log_dir_fails_before_the_first_step(tmp_path):
     (tmp_path / "file").write_text("")
     profiler = tk.callbacks.Profiler(tmp_path / "file" / "profile", steps=(3, 4))  # under a file: never writable

@@ -21,6 +21,7 @@ import numpy as np
 from trainkit import distributed
 from trainkit.callbacks.base import Callback, Logs
 from trainkit.core import optimizers
+from trainkit.core.redact import redacted
 from trainkit.core.session import Session
 from trainkit.core.tree import leaf_name
 from trainkit.monitoring import debug, loggers, throughput
@@ -169,8 +170,9 @@ class Logging(_Rate):
             dropped = failures >= MAX_FAILURES
             if dropped:
                 self.loggers = [other for other in self.loggers if other is not item]
+            reason = f"{type(error).__name__}: {redacted(str(error))}"  # a server's URL may carry a password
             warnings.warn(
-                f"Logging: {type(item).__name__}.{method.__name__} failed ({type(error).__name__}: {error}); "
+                f"Logging: {type(item).__name__}.{method.__name__} failed ({reason}); "
                 + ("training goes on" + (f", without this logger ({failures} failures in a row)." if dropped else ".")),
                 stacklevel=2,
             )

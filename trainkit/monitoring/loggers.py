@@ -27,6 +27,7 @@ from typing import Any, Protocol, runtime_checkable
 import numpy as np
 
 from trainkit.core import atomic
+from trainkit.core.redact import redacted
 from trainkit.distributed import filesystem
 
 #: The runs a metric belongs to: training, or validation (Keras's TensorBoard subdirectories).
@@ -189,7 +190,15 @@ class MLflowLogger:
         self._client, self.run_id = self._bounded(start, "starting the run")
 
     def _bounded(self, call: Any, what: str) -> Any:
-        return bounded(call, self.timeout, f"MLflow at {self.tracking_uri!r} ({what})")
+        """``call()`` within the timeout; its errors, which quote the server's URL, raised with the
+        URL's credentials masked (and without the original's traceback, which would print them)."""
+        where = f"MLflow at {redacted(repr(self.tracking_uri))} ({what})"
+        try:
+            return bounded(call, self.timeout, where)
+        except TimeoutError:
+            raise
+        except Exception as error:  # noqa: BLE001 - mlflow raises many kinds
+            raise RuntimeError(f"{where} failed: {type(error).__name__}: {redacted(str(error))}") from None
 
     def log_metrics(self, step: int, metrics: dict[str, float], run: str = "train") -> None:
         from mlflow.entities import Metric
