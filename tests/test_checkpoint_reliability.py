@@ -344,3 +344,32 @@ def test_a_template_of_logged_names_formats(data, tmp_path):
     checkpoint = ModelCheckpoint(str(tmp_path / "ck-{epoch:02d}-{val_loss:.2f}-{loss:.2f}"), monitor="val_loss")
     make().fit(x, y, batch_size=16, epochs=2, verbose=0, validation_data=(x, y), callbacks=[checkpoint])
     assert len(list(tmp_path.glob("ck-0*"))) == 2
+
+
+def test_a_full_disk_during_a_save_is_one_message_and_the_tracebacks_go_to_the_debug_log(tmp_path):
+    script = textwrap.dedent(
+        """
+        import logging, resource, signal, sys, numpy as np, optax, flax.linen as nn
+        import trainkit as tk
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        if sys.argv[2] == "debug":
+            logging.getLogger("trainkit").setLevel(logging.DEBUG)  # trainkit's debug log on
+        trainer = tk.Trainer(nn.Dense(512), loss="mse", optimizer=optax.adam(1e-3), strategy="single")
+        trainer.init(np.ones((4, 1024), np.float32))
+        resource.setrlimit(resource.RLIMIT_FSIZE, (100_000, 100_000))  # the disk fills at 100 kB
+        try:
+            trainer.save(sys.argv[1])
+        except tk.checkpoint.CheckpointError as error:
+            print("CheckpointError:", str(error)[:80])
+        """
+    )
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_NUM_CPU_DEVICES")}
+    env["TRAINKIT_COMPILATION_CACHE"] = "off"
+    runs = {}
+    for mode in ("plain", "debug"):
+        runs[mode] = subprocess.run(
+            [sys.executable, "-c", script, str(tmp_path / mode), mode], env=env, capture_output=True, text=True
+        )
+        assert "CheckpointError: Writing a checkpoint to" in runs[mode].stdout, runs[mode].stdout + runs[mode].stderr
+    assert "Traceback" not in runs["plain"].stderr, runs["plain"].stderr  # one message
+    assert "Traceback" in runs["debug"].stderr and "File too large" in runs["debug"].stderr  # kept for debugging

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import atexit
 import concurrent.futures
-import contextlib
 import fcntl
 import json
 import logging
@@ -32,7 +31,7 @@ import threading
 import time
 import warnings
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import flax.serialization
@@ -40,6 +39,7 @@ import jax
 import orbax.checkpoint as ocp
 
 from trainkit import distributed
+from trainkit.checkpoint import orbax_logs
 from trainkit.core import state as state_lib
 from trainkit.core import tree
 from trainkit.core.tree import PyTree
@@ -185,6 +185,7 @@ class Checkpointer:
         self.directory = os.path.abspath(os.fspath(directory))
         self.read_only = read_only
         self._lock = self._alias = None
+        orbax_logs.install()  # a write failing in orbax's threads: one CheckpointError, its tracebacks at DEBUG
         if read_only:
             if not os.path.isdir(self.directory):
                 raise CheckpointError(f"No checkpoint directory {self.directory!r}.")
@@ -205,7 +206,7 @@ class Checkpointer:
         )
         try:
             self._alias = _glob_free_alias(self.directory)
-            with _without_read_only_notice():  # orbax warns that a directory opened to read is read only
+            with orbax_logs.without_read_only_notice():  # orbax warns that a directory opened to read is read only
                 self._manager = ocp.CheckpointManager(self._alias or self.directory, options=options)
         except BaseException:
             _remove_alias(self._alias)
@@ -549,24 +550,6 @@ def unreadable_steps(directory: str) -> list[str]:
         if not readable:
             found.append(name)
     return found
-
-
-class _ReadOnlyNotice(logging.Filter):
-    """Drops orbax's ``Given directory is read only`` warning (a read is what was asked for)."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return not str(record.msg).startswith("Given directory is read only")
-
-
-@contextlib.contextmanager
-def _without_read_only_notice() -> Iterator[None]:
-    """absl's logger (orbax logs through it) without the read-only notice while it lasts."""
-    notice, absl = _ReadOnlyNotice(), logging.getLogger("absl")
-    absl.addFilter(notice)
-    try:
-        yield
-    finally:
-        absl.removeFilter(notice)
 
 
 def _set_aside_unreadable_steps(directory: str, read_only: bool) -> None:
