@@ -148,3 +148,16 @@ def test_read_ahead_false_reads_a_thread_tied_generator_in_the_calling_thread():
     assert trainer.global_step == 3
     tree_allclose(trainer.params, reference.params, rtol=0, atol=0)
     assert trainer.history.history["val_loss"] == pytest.approx(reference.history.history["val_loss"], rel=1e-6)
+
+
+@pytest.mark.parametrize("epochs, per_epoch, max_steps", [(1, 10, None), (2, 5, None), (None, 4, 10)])
+def test_after_fit_the_generator_continues_at_the_first_batch_fit_did_not_train(epochs, per_epoch, max_steps):
+    x, y = make_classification(20 * ROWS)
+    batches = [(x[i : i + ROWS], y[i : i + ROWS]) for i in range(0, len(x), ROWS)]
+    seen = []
+    generator = numbered(batches, seen)
+    trainer = make_trainer()
+    trainer.fit(generator, epochs=epochs, steps_per_epoch=per_epoch, max_steps=max_steps, shuffle=False, verbose=0)
+    assert trainer.global_step == 10
+    np.testing.assert_array_equal(next(generator)[0], batches[10][0])  # nothing waits in a backlog
+    assert seen == list(range(11))

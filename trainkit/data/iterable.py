@@ -178,7 +178,7 @@ class IterableDataset(Source):
         except TypeError:
             return None
 
-    def _elements(self, start: int, state: Any, read_ahead: bool = True) -> Iterator:
+    def _elements(self, start: int, state: Any, read_ahead: bool = True, read_limit: int | None = None) -> Iterator:
         # Plain for-loops, not ``yield from``: closing this generator at an epoch's end must
         # not close a one-shot iterator that the next epoch continues.
         if state is not None and self.checkpointable:  # continue where the saved iterator stood
@@ -196,7 +196,9 @@ class IterableDataset(Source):
             if (
                 read_ahead and self._backlog.shared and not self.checkpointable
             ):  # a checkpointable one's position is read per batch
-                reader = self._backlog.reader = ReadAhead(self._iterator, READ_AHEAD, self._peeked, keep=detached)
+                limit = None if read_limit is None else max(start + read_limit - len(self._peeked), 0)
+                reader = ReadAhead(self._iterator, READ_AHEAD, self._peeked, keep=detached, limit=limit)
+                self._backlog.reader = reader
                 source = itertools.islice(itertools.chain(self._served(), reader), start, None)
                 try:
                     for element in source:  # noqa: UP028
@@ -236,16 +238,18 @@ class IterableDataset(Source):
         split: bool = False,
         state: Any = None,
         read_ahead: bool = True,
+        read_limit: int | None = None,
         **_: Any,
     ) -> Iterator[Batch]:
         """The iterable's batches from batch ``start`` on (or from a saved iterator ``state``),
         padded to the first batch's size; a one-shot iterator's elements read ahead in a thread
-        unless not ``read_ahead``. With several processes, each process's iterable
+        unless not ``read_ahead``, at most ``read_limit`` of them (what the caller will take).
+        With several processes, each process's iterable
         yields that process's part of every global batch. A larger batch than the first is an
         error in training (it would change what a step averages); with ``split`` (evaluate,
         predict: per-row results) it is cut into pieces of that size."""
         first_spec = example_spec((self._first[0], self._first[1]))
-        for index, element in enumerate(self._elements(start, state, read_ahead), start):
+        for index, element in enumerate(self._elements(start, state, read_ahead, read_limit), start):
             x, y, w = self._split(element)
             n = check_lengths({"x": x, "y": y, "sample_weight": w})
             spec = example_spec((x, y))

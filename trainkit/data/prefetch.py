@@ -113,7 +113,8 @@ class ReadAhead:
     first the next time it iterates), so a stop loses nothing and a jittery loader's waits
     overlap the training. :meth:`join` waits until the element being read is handed back.
     ``keep(element)`` is what is queued of each element, taken as soon as it is read (a copy,
-    for an iterator that refills one buffer and yields it again).
+    for an iterator that refills one buffer and yields it again); ``limit``: read no more than
+    that many (the consumer's need: what is read ahead beyond it is the iterator's still).
 
     >>> handed_back = []
     >>> reader = ReadAhead(iter(range(10)), depth=3, handed_back=handed_back)
@@ -123,9 +124,17 @@ class ReadAhead:
     [2, 3]
     """
 
-    def __init__(self, iterator: Iterator, depth: int, handed_back: list, keep: Callable[[Any], Any] | None = None):
+    def __init__(
+        self,
+        iterator: Iterator,
+        depth: int,
+        handed_back: list,
+        keep: Callable[[Any], Any] | None = None,
+        limit: int | None = None,
+    ):
         self.iterator: Iterator | None = iterator
         self.handed_back = handed_back
+        self.limit = limit  # at most this many elements read (then it ends, as the iterator would)
         #: what is kept of an element when it is read: a copy of buffers the iterator refills in place
         self.keep = keep or (lambda element: element)
         self._stopped = False
@@ -144,7 +153,12 @@ class ReadAhead:
     def _read_all(self) -> None:
         iterator = self.iterator
         assert iterator is not None  # dropped only once reading ends
+        read = 0
         while True:
+            if self.limit is not None and read >= self.limit:
+                self._queue.put(_END)
+                return
+            read += 1
             while not self._slots.acquire(timeout=0.05):
                 if self._stopped:
                     return

@@ -117,10 +117,16 @@ class FitRun:
         max_steps = self.config.max_steps
         return self.session.stop_requested or (max_steps is not None and self.session.position.step >= max_steps)
 
+    def steps_left(self) -> int | None:
+        """The steps before ``max_steps`` (``None``: no ``max_steps``)."""
+        max_steps = self.config.max_steps
+        return None if max_steps is None else max(max_steps - self.session.position.step, 0)
+
     def epoch(self, train_fn: Callable, epoch: int, first: int, resume_state: Any) -> tuple[int, dict[str, float]]:
         """One epoch from batch ``first`` (the data continuing from ``resume_state`` when it can):
         the batches trained and the epoch's logs."""
         config = self.config
+        due = [n for n in (config.steps and config.steps - first, self.steps_left()) if n is not None]
         batches: Iterator = data_lib.epoch_batches(
             self.dataset,
             self.batch_size,
@@ -132,10 +138,11 @@ class FitRun:
             seed=config.seed,
             state=resume_state,
             read_ahead=config.read_ahead,
+            read_limit=max(min(due), 0) if due else None,  # a generator is read ahead no further than this epoch
             **process_slice(),
         )
         if config.max_steps is not None:  # nothing read past the last step
-            batches = itertools.islice(batches, max(config.max_steps - self.session.position.step, 0))
+            batches = itertools.islice(batches, self.steps_left())
         with self.train_reader(batches) as reader:
             return self.train_epoch(train_fn, reader)
 
