@@ -161,3 +161,15 @@ def test_after_fit_the_generator_continues_at_the_first_batch_fit_did_not_train(
     assert trainer.global_step == 10
     np.testing.assert_array_equal(next(generator)[0], batches[10][0])  # nothing waits in a backlog
     assert seen == list(range(11))
+
+
+def test_find_batch_size_keeps_the_first_batch_of_a_map_iterator_for_fit():
+    x, y = make_classification(4 * ROWS)
+    batches = [(x[i : i + ROWS], y[i : i + ROWS]) for i in range(0, len(x), ROWS)]
+    source = map(lambda batch: batch, batches)
+    trainer, reference = make_trainer(), make_trainer()
+    trainer.find_batch_size(source, verbose=0)  # reads the first batch to learn the shapes
+    trainer.fit(source, steps_per_epoch=4, shuffle=False, verbose=0)
+    reference.fit(batches, shuffle=False, verbose=0)
+    assert trainer.global_step == 4
+    tree_allclose(trainer.params, reference.params, rtol=0, atol=0)
