@@ -54,8 +54,7 @@ def test_sparse_labels_outside_the_classes_are_named(data, bad):
         classifier().fit(x, data[1], validation_data=(x, y), verbose=0)
 
 
-@pytest.mark.parametrize("bad", [-1, 7])
-@pytest.mark.parametrize("strategy", ["single", "dp", "fsdp"])
+@pytest.mark.parametrize("strategy, bad", [("single", -1), ("dp", 7), ("fsdp", -1)])
 def test_a_later_batch_of_an_iterable_with_labels_outside_the_classes_stops_the_run(data, bad, strategy):
     x, y = data
     batches = [(x[i : i + 8], y[i : i + 8].copy()) for i in range(0, 32, 8)]

@@ -279,7 +279,7 @@ def test_credentials_in_a_server_url_never_reach_a_message(tmp_path):
     pytest.importorskip("mlflow")
     for uri in ("unknownscheme://alice:s3cr3t@host/", "http://alice:s3cr3t@127.0.0.1:9/?token=t0k3n"):
         with pytest.raises((RuntimeError, TimeoutError)) as raised:
-            tk.loggers.MLflowLogger(uri, timeout=2)
+            tk.loggers.MLflowLogger(uri, timeout=1)
         shown = str(raised.value) + "".join(__import__("traceback").format_exception(raised.value))
         assert "alice:***@" in shown and "s3cr3t" not in shown and "t0k3n" not in shown, shown
 

@@ -219,7 +219,7 @@ def test_the_finders_refuse_what_they_cannot_use_and_read_memory_with_units(recw
         trainer.find_learning_rate(x, y, batch_size=32, max_lr=math.inf)
     with pytest.raises(ValueError, match=r"memory_limit must be a positive number of bytes.*received '4 gigs'"):
         trainer.find_batch_size(x, y, memory_limit="4 gigs", verbose=0)
-    assert trainer.find_batch_size(x, y, memory_limit="4GiB", verbose=0).memory_limit == 4 * 2**30
+    assert trainer.find_batch_size(x, y, memory_limit="4GiB", max_batch_size=16, verbose=0).memory_limit == 4 * 2**30
     assert tk.strategies.Auto(memory_limit="512MB").memory_limit == 512 * 10**6
     recwarn.clear()
     diverging = trainer.find_learning_rate(x * np.nan, y, batch_size=32, steps=4)  # NaN from the first step

@@ -340,11 +340,7 @@ class Setup:
             data_lib.check_same_inputs(self.input_spec, prepared.spec)
         self.output_spec(prepared.first_x)  # the model traced on the first batch, before anything compiles
         if targets and prepared.has_targets:
-            self.objective.build(prepared.first_y)
-            if self.objective.has_loss and not self.custom_loss:
-                source = prepared.source
-                every = source.y if isinstance(source, data_lib.ArrayDataset) else prepared.first_y
-                self.objective.check_targets(every, self.output_spec(prepared.first_x))
+            self.build_objective(prepared, every=True)
         if self.strategy is None:
             data_lib.check_batch_size(batch_size, 1, micro_batches=micro_batches)
             self.choose_strategy(prepared, announce, run_steps=None if run_steps is None else run_steps(prepared))
@@ -543,7 +539,7 @@ class Setup:
             x = data_lib.abstract_inputs(prepared.spec, SUMMARY_ROWS)
             if not prepared.has_targets:
                 return SummaryInputs(x, state)
-            self.objective.build(prepared.first_y)
+            self.build_objective(prepared)
             return SummaryInputs(
                 x, state, None, self.program.step_flops(state, prepared.sample_batch()), prepared.batch_size
             )
@@ -616,12 +612,22 @@ class Setup:
             self._computation = hashlib.sha256(str(traced.jaxpr).encode()).hexdigest()[:16]
         return self._outputs
 
+    def build_objective(self, prepared: data_lib.Prepared, every: bool = False) -> None:
+        """The objective built for the prepared targets and checked against the model's outputs
+        (``every``: all labels of arrays, else the first batch's), so that a step compiled for
+        a plan is the step ``fit`` compiles (the same in-step label check)."""
+        self.objective.build(prepared.first_y)
+        if self.objective.has_loss and not self.custom_loss:
+            source = prepared.source
+            targets = source.y if every and isinstance(source, data_lib.ArrayDataset) else prepared.first_y
+            self.objective.check_targets(targets, self.output_spec(prepared.first_x))
+
     # ------------------------------------------------------------------ the plan and "auto"
     def plan(self, prepared: data_lib.Prepared, candidates, *, verbose: int = 0, **options) -> plan_lib.MemoryPlan:
         """:meth:`trainkit.Trainer.plan` of a prepared input."""
         trains = prepared.has_targets or self.custom_loss
         if prepared.has_targets:
-            self.objective.build(prepared.first_y)
+            self.build_objective(prepared)
         result = self.program.plan(prepared.sample_batch(), candidates, trains=trains, **options)
         if verbose:
             result.print()

@@ -62,7 +62,7 @@ def find_batch_size(
         data_lib.check_same_inputs(setup.input_spec, prepared.spec)
     trains = prepared.has_targets or setup.custom_loss
     if prepared.has_targets:
-        setup.objective.build(prepared.first_y)
+        setup.build_objective(prepared)
     candidates = [setup.strategy] if setup.strategy is not None else setup.auto_candidates()
     unit = setup.batch_unit(setup.program.grad_accum_steps)
     sizes = batch_size_lib.candidate_sizes(unit, int(max_batch_size), powers_of_two, rows=prepared.rows)
