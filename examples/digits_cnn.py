@@ -3,8 +3,9 @@
     python examples/digits_cnn.py --devices 8                    # 8 fake CPU devices, "auto"
     python examples/digits_cnn.py --devices 8 --strategy fsdp    # or single, dp, fsdp, hybrid
 
-With ``--strategy auto`` (the default) the Trainer compiles the train step under every
-strategy, prints why it picked one, and ``--plan`` prints the whole table. Keras's callbacks
+With ``--strategy auto`` (the default) the Trainer compiles and times the train step under the
+simplest strategy, and under the others only when this run is long enough to repay their
+compiles, prints why it picked one, and ``--plan`` prints the whole table (every strategy). Keras's callbacks
 run as in Keras: ``EarlyStopping`` restores the best epoch's weights, ``ReduceLROnPlateau``
 halves the learning rate on a plateau, ``ModelCheckpoint`` keeps the best epoch in
 ``--out``/best (an orbax checkpoint ``trainer.load`` reads) and ``CSVLogger`` writes
@@ -56,7 +57,7 @@ def parse_args(argv=None):
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    # "auto" compiles the step under every strategy; for the Hybrid meshes XLA's partitioner
+    # --plan compiles the step under every strategy; for the Hybrid meshes XLA's partitioner
     # warns that it reshards avg_pool's gradient the slow way ("Involuntary full
     # rematerialization"). The measured plan already ranks them last; keep the output readable.
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
