@@ -176,6 +176,12 @@ def test_find_learning_rate_needs_an_injectable_learning_rate():
         trainer.find_learning_rate(x, y, batch_size=32, min_lr=1.0, max_lr=0.1)
 
 
+def injected_trainer():
+    """A trainer whose optimizer exposes a settable learning rate (a number)."""
+    optimizer = optax.inject_hyperparams(optax.sgd)(learning_rate=1e-3)
+    return tk.Trainer(NoisyMLP(), loss="sparse_categorical_crossentropy", optimizer=optimizer, strategy="single")
+
+
 def scheduled_trainer():
     optimizer = optax.inject_hyperparams(optax.sgd)(learning_rate=optax.constant_schedule(1e-3))
     return tk.Trainer(NoisyMLP(), loss="sparse_categorical_crossentropy", optimizer=optimizer, strategy="single")
@@ -196,12 +202,7 @@ def test_a_scheduled_learning_rate_is_refused_wherever_it_would_be_set():
         with pytest.raises(ValueError, match="LearningRateScheduler, ReduceLROnPlateau"):
             trainer.fit(x, y, batch_size=32, epochs=2, verbose=0, callbacks=[callback])
         assert trainer.global_step == 0
-    fixed = tk.Trainer(
-        NoisyMLP(),
-        loss="sparse_categorical_crossentropy",
-        optimizer=optax.inject_hyperparams(optax.sgd)(learning_rate=1e-3),
-        strategy="single",
-    )
+    fixed = injected_trainer()
     fixed.init((x, y))
     fixed.learning_rate = 0.5  # a number can be set
     assert fixed.learning_rate == 0.5
@@ -209,12 +210,7 @@ def test_a_scheduled_learning_rate_is_refused_wherever_it_would_be_set():
 
 def test_the_finders_refuse_what_they_cannot_use_and_read_memory_with_units(recwarn):
     x, y = make_classification(64)
-    trainer = tk.Trainer(
-        NoisyMLP(),
-        loss="sparse_categorical_crossentropy",
-        optimizer=optax.inject_hyperparams(optax.sgd)(learning_rate=1e-3),
-        strategy="single",
-    )
+    trainer = injected_trainer()
     with pytest.raises(ValueError, match="finite rates"):
         trainer.find_learning_rate(x, y, batch_size=32, max_lr=math.inf)
     with pytest.raises(ValueError, match=r"memory_limit must be a positive number of bytes.*received '4 gigs'"):
@@ -264,12 +260,7 @@ def test_find_learning_rate_refuses_a_one_shot_iterator_and_consumes_nothing():
     x, y = make_classification(64)
     batches = [(x[i : i + 16], y[i : i + 16]) for i in range(0, 64, 16)]
     generator = (batch for batch in batches)
-    trainer = tk.Trainer(
-        NoisyMLP(),
-        loss="sparse_categorical_crossentropy",
-        optimizer=optax.inject_hyperparams(optax.sgd)(learning_rate=1e-3),
-        strategy="single",
-    )
+    trainer = injected_trainer()
     with pytest.raises(ValueError, match="one-shot iterator .generator. for good"):
         trainer.find_learning_rate(generator, batch_size=16, steps=3)
     trainer.fit(generator, steps_per_epoch=4, verbose=0)  # every batch is still there
