@@ -152,13 +152,3 @@ def shared_compilation_cache(request, monkeypatch):
 def pytest_unconfigure(config):
     shutil.rmtree(COMPILATION_CACHE, ignore_errors=True)
 
-
-#: The slowest test files, started first: with ``--dist loadfile`` each file runs on one worker,
-#: so a long file collected late (test_multihost.py: about 250 s of a 12-minute run) would end
-#: the run alone on one worker while the other waits.
-SLOW_FIRST = ("test_multihost.py", "test_docs.py", "test_faults.py", "test_tuning.py", "test_examples.py")
-
-
-def pytest_collection_modifyitems(session, config, items):
-    rank = {name: index for index, name in enumerate(SLOW_FIRST)}
-    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: the rest keep their order
