@@ -151,4 +151,3 @@ def shared_compilation_cache(request, monkeypatch):
 
 def pytest_unconfigure(config):
     shutil.rmtree(COMPILATION_CACHE, ignore_errors=True)
-
