@@ -193,9 +193,8 @@ class IterableDataset(Source):
             # _peeked when this generator closes (an epoch's end, a stop), served first next time.
             self._current = self._iterator
             self._join_read_ahead()  # one reader of the iterator at a time
-            if (
-                read_ahead and self._backlog.shared and not self.checkpointable
-            ):  # a checkpointable one's position is read per batch
+            # a checkpointable iterator is not read ahead: its position is read per batch
+            if read_ahead and self._backlog.shared and not self.checkpointable:
                 limit = None if read_limit is None else max(start + read_limit - len(self._peeked), 0)
                 reader = ReadAhead(self._iterator, READ_AHEAD, self._peeked, keep=detached, limit=limit)
                 self._backlog.reader = reader

@@ -126,7 +126,8 @@ class FitRun:
         """One epoch from batch ``first`` (the data continuing from ``resume_state`` when it can):
         the batches trained and the epoch's logs."""
         config = self.config
-        due = [n for n in (config.steps and config.steps - first, self.steps_left()) if n is not None]
+        this_epoch = None if config.steps is None else config.steps - first
+        due = [n for n in (this_epoch, self.steps_left()) if n is not None]
         batches: Iterator = data_lib.epoch_batches(
             self.dataset,
             self.batch_size,

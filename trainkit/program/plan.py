@@ -348,21 +348,19 @@ def make_plan(
     """
     rows = [PlanRow(strategy, short_name(strategy)) for strategy in candidates]
     limit = int(memory_limit) if memory_limit is not None else device_memory_limit(candidates[0].devices)
-    staged = measure is not None and run_steps is not None
     compare_from = None
     with concurrent.futures.ThreadPoolExecutor(max(1, min(len(rows), os.cpu_count() or 1))) as pool:
         side = None if alongside is None else pool.submit(alongside)
         waiting = list(rows)
-        if staged:
+        if measure is not None and run_steps is not None:  # staged: see the docstring
             first = None
             while waiting and first is None:  # the simplest candidate that fits, compiled alone
                 row = waiting.pop(0)
                 _compile_rows(pool, [row], lower, limit)
                 first = row if row.fits else None
-            if first is not None and measure is not None and run_steps is not None:
+            if first is not None:
                 _wait(side)  # the state's initialisation compiled: measuring builds the state
-                first.timing = measure(first)
-                first.measured_seconds = first.timing.seconds
+                _time(first, measure)
                 compare_from = _skip_unprofitable(first, waiting, run_steps)
                 waiting = [row for row in waiting if row.skipped is None]
         _compile_rows(pool, waiting, lower, limit)
@@ -370,8 +368,7 @@ def make_plan(
     if measure is not None:
         for row in waiting:
             if row.fits:
-                row.timing = measure(row)
-                row.measured_seconds = row.timing.seconds
+                _time(row, measure)
     fitting = [r for r in rows if r.fits]
     if fitting:
         best = rows.index(pick(fitting))
@@ -381,6 +378,12 @@ def make_plan(
             best = int(multihost_utils.broadcast_one_to_all(np.int32(best)))
         rows[best].recommended = True
     return MemoryPlan(rows, limit, measure is not None, compare_from_steps=compare_from)
+
+
+def _time(row: PlanRow, measure: Callable[[PlanRow], budget_lib.Timing]) -> None:
+    """``row``'s timing, and its step time as the row's measured seconds."""
+    row.timing = measure(row)
+    row.measured_seconds = row.timing.seconds
 
 
 def _compile_rows(

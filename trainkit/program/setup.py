@@ -462,10 +462,9 @@ class Setup:
             source = data_lib.with_class_weight(source, class_weight)
         settings = config.loop_settings()
 
-        def run_steps(prepared: data_lib.Prepared) -> int | None:
-            epochs = config.epochs or 1
-            return config.planned_steps(
-                data_lib.epoch_steps(prepared.source, prepared.batch_size, config.steps_per_epoch, epochs)
+        def epoch_steps(prepared: data_lib.Prepared) -> int | None:
+            return data_lib.epoch_steps(
+                prepared.source, prepared.batch_size, config.steps_per_epoch, config.epochs or 1
             )
 
         prepared = self.prepare(
@@ -475,10 +474,10 @@ class Setup:
             training=True,
             announce=announce,
             config=settings,
-            run_steps=run_steps,
+            run_steps=lambda prepared: config.planned_steps(epoch_steps(prepared)),
         )
         source, batch_size = prepared.source, prepared.batch_size
-        steps = data_lib.epoch_steps(source, batch_size, config.steps_per_epoch, config.epochs or 1)
+        steps = epoch_steps(prepared)
         config = config.until_max_steps(steps, source.one_shot)
         validation = None
         if validation_data is not None:
