@@ -5,7 +5,7 @@
 ['CheckpointError', 'DataParallel', 'FSDP', 'Hybrid']
 """
 
-from trainkit import callbacks, data, export, strategies
+from trainkit import callbacks, data, export, strategies, weights
 from trainkit.checkpoint import CheckpointError
 from trainkit.core import optimizers
 from trainkit.core.precision import Precision
@@ -43,6 +43,7 @@ __all__ = [
     "losses",
     "metrics",
     "optimizers",
+    "weights",
     "strategies",
     "__version__",
 ]

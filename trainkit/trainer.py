@@ -25,6 +25,7 @@ from rich.console import Console
 from trainkit import checkpoint as checkpoint_lib
 from trainkit import distributed
 from trainkit import export as export_lib
+from trainkit import weights as weights_lib
 from trainkit.callbacks import Callback, CallbackList, History, lr_finder
 from trainkit.core.delegation import Delegated
 from trainkit.core.model import adapt_model
@@ -153,22 +154,10 @@ class Trainer:
     global_step = Delegated[int]("session.position.step", "Optimizer steps applied (dispatched) so far.")
     history = Delegated[History | None]("session.history", "The History the last fit returned (None before).")
 
-    @property
-    def stop_training(self) -> bool:
-        return self.session.stop_requested  # Keras's flag: True in a callback stops before the next batch
-
-    @stop_training.setter
-    def stop_training(self, value: bool) -> None:
-        self.session.request_stop() if value else self.session.cancel_stop()
-
-    @property
-    def learning_rate(self) -> float:
-        """The optimizer's learning rate (needs ``optax.inject_hyperparams``); settable."""
-        return self.setup.learning_rate
-
-    @learning_rate.setter
-    def learning_rate(self, value: float) -> None:
-        self.setup.set_learning_rate(value)
+    stop_training = Delegated[bool]("session.stop_requested", "Keras's flag: True stops before the next batch.",
+                                    setter="session.set_stop_requested")  # fmt: skip
+    learning_rate = Delegated[float]("setup.learning_rate", "The learning rate (optax.inject_hyperparams); settable.",
+                                     setter="setup.set_learning_rate")  # fmt: skip
 
     def update_state(self, **fields: PyTree) -> TrainState:
         """The one way to write the live state: fields placed in the shardings of those they replace."""
@@ -197,6 +186,13 @@ class Trainer:
     def set_weights(self, variables: PyTree) -> None:
         """Puts variables from :meth:`get_weights` back into the live state (same shapes)."""
         self.setup.set_weights(variables)
+
+    def save_weights(
+        self, filepath: str | os.PathLike, *, format: str = "safetensors", layout: str = "flax", rename=()
+    ) -> None:
+        """The variables as one safetensors file (``layout="torch"``: PyTorch's names and layouts,
+        for ``load_state_dict``); read back with ``tk.weights.load`` (docs/finetuning.md)."""
+        weights_lib.save(self.setup.named_weights(), filepath, format=format, layout=layout, rename=rename)
 
     def manifest(self) -> dict:
         """What a checkpoint records besides the arrays (JSON; see docs/checkpointing.md)."""

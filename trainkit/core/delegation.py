@@ -1,4 +1,5 @@
-"""``Delegated``: a read-only attribute that a facade reads from one of its members.
+"""``Delegated``: an attribute that a facade reads from one of its members (and, given a
+``setter``, writes through one of their methods).
 
 >>> class Inner:
 ...     value = 3
@@ -8,6 +9,13 @@
 ...         self.inner = Inner()
 >>> Facade().value, Facade.value.__doc__
 (3, 'The inner value.')
+>>> class Settable:
+...     def __init__(self):
+...         self.inner = Inner()
+...     value = Delegated[int]("inner.value", "Settable.", setter="inner.set")
+>>> Inner.set = lambda self, v: setattr(self, "value", v)
+>>> facade = Settable(); facade.value = 5; facade.value
+5
 """
 
 from __future__ import annotations
@@ -20,11 +28,13 @@ T = TypeVar("T")
 
 class Delegated(Generic[T]):
     """The attribute at the dotted ``path`` of the instance (``"session.state"``), read on every
-    access and never written through the facade; ``doc`` is what ``help()`` shows."""
+    access; written only through the method at the dotted ``setter`` path, when one is given
+    (``"setup.set_learning_rate"``); ``doc`` is what ``help()`` shows."""
 
-    def __init__(self, path: str, doc: str = ""):
+    def __init__(self, path: str, doc: str = "", *, setter: str | None = None):
         self.path, self.__doc__ = path, doc
         self._read = operator.attrgetter(path)
+        self._setter = None if setter is None else operator.attrgetter(setter)
 
     @overload
     def __get__(self, instance: None, owner: type | None = None) -> Delegated[T]: ...
@@ -36,4 +46,7 @@ class Delegated(Generic[T]):
         return self if instance is None else self._read(instance)
 
     def __set__(self, instance: Any, value: Any) -> None:
+        if self._setter is not None:
+            self._setter(instance)(value)
+            return
         raise AttributeError(f"{self.path.rsplit('.', 1)[-1]} is read-only here: it is {self.path}'s.")

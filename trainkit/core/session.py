@@ -306,6 +306,10 @@ class Session:
     def cancel_stop(self) -> None:
         self._stop_requested = False
 
+    def set_stop_requested(self, value: bool) -> None:
+        """``trainer.stop_training = value``: :meth:`request_stop` or :meth:`cancel_stop`."""
+        self.request_stop() if value else self.cancel_stop()
+
     def preempt(self) -> None:
         """Stop before the next batch, run ``on_train_end``, then raise ``Preempted``. Safe to
         call from a signal handler."""

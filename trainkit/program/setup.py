@@ -52,6 +52,7 @@ from trainkit.core.session import Session
 from trainkit.core.state import TrainState, abstract, check_tree_matches
 from trainkit.core.totals import EpochTotals
 from trainkit.core.tree import PyTree
+from trainkit.core.variables import named_variables, replaced
 from trainkit.data import FitConfig, Validation
 from trainkit.distributed import compile_cache
 from trainkit.program import plan as plan_lib
@@ -59,6 +60,7 @@ from trainkit.program import remembered as remembered_lib
 from trainkit.program.program import Program
 from trainkit.strategies import Auto, SingleDevice, Strategy, check_steps_per_execution, resolve_strategy
 from trainkit.version import __version__
+from trainkit.weights import Target
 
 logger = logging.getLogger("trainkit")
 
@@ -272,6 +274,27 @@ class Setup:
         params = variables.pop("params")
         check_tree_matches("set_weights", (state.params, state.model_state), (params, variables))
         self.update_state(params=params, model_state=variables)
+
+    def weight_targets(self) -> dict[str, Target]:
+        """The variables published weights load into, by name (``tk.weights.load``), each with its
+        live shape, dtype and sharding."""
+        state = self.require_state()
+        return {
+            name: Target(tuple(leaf.shape), np.dtype(leaf.dtype), leaf.sharding)
+            for name, leaf in named_variables(state.params, state.model_state).items()
+        }
+
+    def put_weights(self, arrays: dict[str, Any]) -> None:
+        """Loaded variables (placed in the live shardings) written into the live state."""
+        state = self.require_state()
+        params, model_state = replaced(state.params, state.model_state, arrays)
+        self.update_state(params=params, model_state=model_state)
+
+    def named_weights(self) -> dict[str, np.ndarray]:
+        """Host copies of the variables by name (``trainer.save_weights``)."""
+        state = self.require_state()
+        host = distributed.fetch({"params": state.params, "model_state": state.model_state})
+        return {name: np.asarray(leaf) for name, leaf in named_variables(host["params"], host["model_state"]).items()}
 
     def count_params(self) -> int:
         """The scalars in all variables (parameters and model state), as Keras counts."""

@@ -1,0 +1,143 @@
+"""Published weights in and out: ``tk.weights.load(source, into=trainer)`` reads a safetensors
+file or folder of shards, an orbax checkpoint of a params tree, a ``.npz`` or a dict of arrays
+into a trainer's variables (each device's shard read by itself, in the trainer's shardings),
+after a report of what matched; ``trainer.save_weights(path)`` writes them as safetensors
+(``layout="torch"``: PyTorch's names and layouts). See docs/finetuning.md.
+
+>>> import numpy as np
+>>> loaded = load({"fc.weight": np.ones((2, 3), np.float32)}, into={"fc": {"kernel": np.zeros((3, 2), np.float32)}},
+...               layout="torch")
+>>> loaded.tree["fc"]["kernel"].shape, loaded.report.loaded
+((3, 2), ('fc/kernel',))
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+from collections.abc import Mapping, Sequence
+from typing import Any, NamedTuple, Protocol
+
+import jax
+import numpy as np
+
+from trainkit import distributed
+from trainkit.core import atomic
+from trainkit.core.tree import PyTree, leaf_name
+from trainkit.weights import torch_layout
+from trainkit.weights.load import Target, check_options, match, place, refuse
+from trainkit.weights.report import LoadReport
+from trainkit.weights.sources import open_source
+
+__all__ = ["load", "save", "LoadReport", "Loaded", "Target", "Loadable"]
+
+logger = logging.getLogger("trainkit")
+
+
+class Loadable(Protocol):
+    """What holds a trainer's variables for loading and saving (its setup): the variables by
+    name as targets, the loaded arrays put in, the host values by name."""
+
+    def weight_targets(self) -> dict[str, Target]: ...
+
+    def put_weights(self, arrays: dict[str, Any]) -> None: ...
+
+    def named_weights(self) -> dict[str, np.ndarray]: ...
+
+
+class HasSetup(Protocol):
+    """A :class:`trainkit.Trainer` as this module sees it."""
+
+    setup: Loadable
+
+
+class Loaded(NamedTuple):
+    """:func:`load` into a tree: the tree with the loaded leaves replaced, and the report."""
+
+    tree: PyTree
+    report: LoadReport
+
+
+def load(
+    source: Any,
+    into: HasSetup | PyTree,
+    *,
+    rename: Sequence[tuple[str, str]] = (),
+    layout: str = "flax",
+    strict: bool = True,
+    keep_initial: Sequence[str] = (),
+) -> Any:
+    """Loads ``source`` into a trainer's variables (call ``trainer.init(sample)`` first) and
+    returns the :class:`LoadReport`; or into a tree of arrays or ``jax.ShapeDtypeStruct`` (with
+    shardings: placed in them; without: NumPy) and returns :class:`Loaded`.
+
+    Variables are named by their paths: ``Dense_0/kernel`` for parameters, ``batch_stats/bn/mean``
+    for other collections. ``rename``: ``(regex, replacement)`` pairs applied in order to each
+    source name; ``layout="torch"``: PyTorch's names and layouts translated; ``strict``: refuse
+    (naming each) missing, unexpected and reshaped entries and casts that lose values, before
+    anything is read; ``keep_initial``: regexes of variables left at their initial values (a new
+    head), whatever the source has for them."""
+    opened = open_source(source)
+    if isinstance(into, Mapping):
+        leaves = {leaf_name(path): leaf for path, leaf in jax.tree_util.tree_leaves_with_path(into)}
+        targets = {name: _target(leaf) for name, leaf in leaves.items()}
+    else:
+        try:
+            holder = into.setup
+        except AttributeError:
+            raise TypeError(
+                f"into= takes a trainkit.Trainer or a tree (dict) of arrays; received {type(into).__name__}."
+            ) from None
+        targets = holder.weight_targets()
+    report, reads = match(opened, targets, rename=rename, layout=layout, keep_initial=keep_initial)
+    if strict:
+        refuse(report, opened.description)
+    elif report.problems():
+        logger.warning("Loading %s with strict=False: %s", opened.description, report)
+    arrays = place(opened, reads, targets)
+    logger.info("Loaded %s: %s", opened.description, report)
+    if isinstance(into, Mapping):
+        flat = jax.tree_util.tree_leaves_with_path(into)
+        values = [arrays.get(leaf_name(path), leaf) for path, leaf in flat]
+        return Loaded(jax.tree.unflatten(jax.tree.structure(into), values), report)
+    holder.put_weights(arrays)
+    return report
+
+
+def _target(leaf: Any) -> Target:
+    sharding = leaf.sharding if isinstance(leaf, (jax.Array, jax.ShapeDtypeStruct)) else None
+    return Target(tuple(np.shape(leaf)), np.dtype(leaf.dtype), sharding)
+
+
+def save(
+    named: Mapping[str, np.ndarray],
+    path: str | os.PathLike,
+    *,
+    format: str = "safetensors",
+    layout: str = "flax",
+    rename: Sequence[tuple[str, str]] = (),
+) -> None:
+    """Host arrays by variable name written as one safetensors file (on the main process; the
+    file appears whole or not at all). ``layout="torch"`` writes PyTorch's names and layouts
+    (with ``num_batches_tracked`` for each BatchNorm), readable by ``load_state_dict``;
+    ``rename`` pairs apply to the written names last."""
+    if format != "safetensors":
+        raise ValueError(f"format={format!r}: weights are written as 'safetensors'.")
+    check_options(layout, rename, ())
+    import safetensors.numpy
+
+    arrays: dict[str, np.ndarray] = {}
+    for name, value in named.items():
+        mapped = torch_layout.to_torch(name, np.ndim(value)) if layout == "torch" else torch_layout.Mapped(name, None)
+        value = np.asarray(value) if mapped.axes is None else np.transpose(value, mapped.axes)
+        arrays[mapped.name] = np.ascontiguousarray(value)
+        if layout == "torch" and name.startswith("batch_stats/") and name.endswith("/mean"):
+            arrays[mapped.name.replace("running_mean", "num_batches_tracked")] = np.zeros((), np.int64)
+    for pattern, replacement in rename:
+        arrays = {re.sub(pattern, replacement, name): value for name, value in arrays.items()}
+    if not distributed.is_main_process():
+        return
+    metadata = {"format": "pt" if layout == "torch" else "flax", "writer": "trainkit"}
+    with atomic.staged(path, sidecars=()) as temporary:
+        safetensors.numpy.save_file(arrays, temporary, metadata=metadata)

@@ -1,0 +1,218 @@
+"""Published weights matched to a model's variables by name and placed straight into their
+shardings: every entry is matched (renamed, translated from torch's layout), checked and
+reported first; only then is anything read, each device's shard from the file.
+
+>>> import numpy as np
+>>> from trainkit.weights.sources import open_source
+>>> f32 = np.dtype("float32")
+>>> targets = {"fc/kernel": Target((3, 2), f32, None), "fc/bias": Target((2,), f32, None)}
+>>> source = open_source({"fc.weight": np.ones((2, 3), np.float32), "fc.bias": np.zeros(2, np.float32)})
+>>> report, reads = match(source, targets, layout="torch")
+>>> report.loaded, place(source, reads, targets)["fc/kernel"].shape
+(('fc/bias', 'fc/kernel'), (3, 2))
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping, Sequence
+from functools import partial
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
+
+from trainkit.weights import torch_layout
+from trainkit.weights.report import LoadReport, loses_values
+from trainkit.weights.sources import OrbaxSource, WeightSource
+
+LAYOUTS = ("flax", "torch")
+
+
+class Target(NamedTuple):
+    """A variable to fill: its shape, dtype and sharding (``None``: a host NumPy array)."""
+
+    shape: tuple[int, ...]
+    dtype: np.dtype
+    sharding: jax.sharding.Sharding | None
+
+
+class Read(NamedTuple):
+    """Where a variable's values come from: a source entry, transposed by ``axes`` (``None``: as is)."""
+
+    entry: str
+    axes: tuple[int, ...] | None
+
+
+def check_options(layout: str, rename: Sequence[tuple[str, str]], keep_initial: Sequence[str]) -> None:
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout={layout!r} is not one of {LAYOUTS}: 'torch' translates PyTorch's names and layouts.")
+    for rule in rename:
+        if not (isinstance(rule, (tuple, list)) and len(rule) == 2 and all(isinstance(r, str) for r in rule)):
+            raise ValueError(f"rename takes (regex, replacement) pairs of strings; received {rule!r}.")
+    if isinstance(keep_initial, str):
+        raise ValueError(f"keep_initial takes a list of regexes; received the string {keep_initial!r}: wrap it in [].")
+
+
+def match(
+    source: WeightSource,
+    targets: Mapping[str, Target],
+    *,
+    rename: Sequence[tuple[str, str]] = (),
+    layout: str = "flax",
+    keep_initial: Sequence[str] = (),
+) -> tuple[LoadReport, dict[str, Read]]:
+    """The report of loading ``source`` into ``targets`` and the reads that would do it.
+    ``rename``: ``(regex, replacement)`` pairs applied in order (``re.sub``) to each source name,
+    before the layout's translation; ``keep_initial``: regexes (``re.search``) of variables left
+    at their initial values, whatever the source has for them."""
+    check_options(layout, rename, keep_initial)
+    rules = [(re.compile(pattern), replacement) for pattern, replacement in rename]
+    keep = [re.compile(pattern) for pattern in keep_initial]
+    shapes = {name: target.shape for name, target in targets.items()}
+    reads: dict[str, Read] = {}
+    unexpected, unmatched, ignored, mismatched, casts, lossy = [], [], [], [], [], []
+    for original, entry in source.entries.items():
+        name = original
+        for pattern, replacement in rules:
+            name = pattern.sub(replacement, name)
+        mapped = torch_layout.from_torch(name, shapes) if layout == "torch" else torch_layout.Mapped(name, None)
+        if mapped is None:
+            ignored.append(original)
+            continue
+        target = targets.get(mapped.name)
+        if target is None:
+            unexpected.append(original)
+            unmatched.append(mapped.name)
+            continue
+        if any(k.search(mapped.name) for k in keep):
+            continue
+        if mapped.name in reads:
+            raise ValueError(
+                f"Two source entries fill {mapped.name}: {reads[mapped.name].entry!r} and {original!r}. "
+                "Change rename= so that each variable has one source entry."
+            )
+        shape = entry.shape if mapped.axes is None else tuple(entry.shape[a] for a in mapped.axes)
+        if shape != target.shape:
+            mismatched.append((mapped.name, shape, target.shape))
+            continue
+        if entry.dtype != target.dtype:
+            casts.append((mapped.name, str(entry.dtype), str(target.dtype)))
+            if loses_values(entry.dtype, target.dtype):
+                lossy.append(mapped.name)
+        reads[mapped.name] = Read(original, mapped.axes)
+    kept = [name for name in targets if any(k.search(name) for k in keep)]
+    settled = set(reads) | set(kept) | {name for name, _, _ in mismatched}
+    missing = [name for name in targets if name not in settled]
+    report = LoadReport(
+        loaded=tuple(sorted(reads)),
+        missing=tuple(missing),
+        unexpected=tuple(unexpected),
+        mismatched=tuple(mismatched),
+        casts=tuple(casts),
+        lossy=tuple(lossy),
+        kept_initial=tuple(kept),
+        ignored=tuple(ignored),
+        hint=_rename_hint(unmatched, missing),
+    )
+    return report, reads
+
+
+def _rename_hint(unmatched: list[str], missing: list[str]) -> str:
+    """A ``rename`` pair when one prefix, added or removed, explains most mismatched names."""
+    counts: dict[tuple[str, str], int] = {}
+    for name in unmatched:
+        for target in missing:
+            if name.endswith("/" + target) or name.endswith("." + target):
+                key = (f"^{re.escape(name[: -len(target)])}", "")
+            elif target.endswith("/" + name):
+                key = ("^", target[: -len(name)])
+            else:
+                continue
+            counts[key] = counts.get(key, 0) + 1
+    if not counts:
+        return ""
+    (pattern, replacement), count = max(counts.items(), key=lambda item: item[1])
+    if count * 2 < min(len(unmatched), len(missing)):
+        return ""
+    return f"{count} names differ by a prefix: try rename=[({pattern!r}, {replacement!r})]"
+
+
+def refuse(report: LoadReport, description: str) -> None:
+    """``strict=True``: a ``ValueError`` naming every problem, before anything is read."""
+    problems = report.problems()
+    if not problems:
+        return
+    shown = problems[:20] + ([f"... and {len(problems) - 20} more"] if len(problems) > 20 else [])
+    raise ValueError(
+        f"The weights in {description} do not match the model ({len(problems)} problems); nothing was loaded:\n  "
+        + "\n  ".join(shown)
+        + (f"\n{report.hint}" if report.hint else "")
+        + "\nMap names with rename=[(regex, replacement)], translate PyTorch names with layout='torch', leave new "
+        "layers at their initial values with keep_initial=[regex], or pass strict=False to load what matches."
+    )
+
+
+def place(source: WeightSource, reads: Mapping[str, Read], targets: Mapping[str, Target]) -> dict[str, Any]:
+    """Each read variable in its target's dtype and sharding; every device's shard read from
+    the source by itself (a process reads only its own devices' shards); host NumPy arrays
+    for targets without a sharding."""
+    if isinstance(source, OrbaxSource):
+        return _place_restored(source, reads, targets)
+    placed: dict[str, Any] = {}
+    for name, read in reads.items():
+        target = targets[name]
+        part = partial(_part, source, read, target.dtype)
+        if target.sharding is None:
+            placed[name] = part(tuple(slice(None) for _ in target.shape))
+        else:
+            placed[name] = jax.make_array_from_callback(target.shape, target.sharding, part)
+    return placed
+
+
+def _part(source: WeightSource, read: Read, dtype: np.dtype, index: tuple) -> np.ndarray:
+    """The part of a variable at ``index`` (in its own layout), read from its source entry."""
+    if read.axes is None:
+        return source.read(read.entry, index).astype(dtype, copy=False)
+    source_index: list[Any] = [slice(None)] * len(read.axes)
+    for axis, entry_axis in enumerate(read.axes):
+        source_index[entry_axis] = index[axis] if axis < len(index) else slice(None)
+    return np.transpose(source.read(read.entry, tuple(source_index)), read.axes).astype(dtype, copy=False)
+
+
+def _place_restored(source: OrbaxSource, reads: Mapping[str, Read], targets: Mapping[str, Target]) -> dict[str, Any]:
+    """An orbax source restored in the shardings the targets imply for its own layout (each
+    process reads its shards), then transposed and cast on the devices into the targets'."""
+    shardings = {read.entry: _entry_sharding(targets[name].sharding, read.axes) for name, read in reads.items()}
+    restored = source.place(shardings)
+    placed = {}
+    for name, read in reads.items():
+        target, value = targets[name], restored[read.entry]
+        if target.sharding is None:
+            host = np.asarray(value)
+            placed[name] = (host if read.axes is None else np.transpose(host, read.axes)).astype(target.dtype)
+            continue
+        axes = read.axes
+        convert = jax.jit(
+            lambda a, axes=axes, dtype=target.dtype: (a if axes is None else jnp.transpose(a, axes)).astype(dtype),
+            out_shardings=target.sharding,
+        )
+        placed[name] = convert(value)
+    return placed
+
+
+def _entry_sharding(sharding: jax.sharding.Sharding | None, axes: tuple[int, ...] | None) -> Any:
+    """The sharding of a source entry whose transpose by ``axes`` has ``sharding``."""
+    if sharding is None or axes is None:
+        return sharding
+    if isinstance(sharding, NamedSharding):
+        spec = tuple(sharding.spec) + (None,) * (len(axes) - len(sharding.spec))
+        entry_spec: list[Any] = [None] * len(axes)
+        for axis, entry_axis in enumerate(axes):
+            entry_spec[entry_axis] = spec[axis]
+        return NamedSharding(sharding.mesh, PartitionSpec(*entry_spec))
+    if sharding.is_fully_replicated:
+        return sharding
+    raise ValueError(f"Cannot transpose into a {type(sharding).__name__}; load into a NamedSharding.")
