@@ -33,6 +33,7 @@ from trainkit.core.precision import Precision, get_precision
 from trainkit.core.session import Session
 from trainkit.core.state import Batch, TrainState
 from trainkit.core.totals import MetricFn
+from trainkit.core.trainable import TrainableSpec
 from trainkit.core.tree import PyTree
 from trainkit.data import FitConfig
 from trainkit.loop import Loop
@@ -70,6 +71,8 @@ class Trainer:
         run_eagerly: every step op by op on one device (``print`` and pdb work); ``jit_compile=False`` too.
         mixes_rows: the model mixes a batch's rows on purpose (else checked before training).
         deterministic: XLA's deterministic GPU ops, and no choice by timing (docs/tuning.md).
+        trainable: the parameters that train (a regex over paths, a list, or ``(path, leaf) -> bool``);
+            the others are frozen: no gradient, no optimizer state (docs/finetuning.md).
 
     Override :meth:`compute_loss` for a loss that is not ``loss(predictions, y)``. See
     docs/quickstart.md, docs/outputs.md and docs/precision_and_memory.md for each argument.
@@ -96,6 +99,7 @@ class Trainer:
         jit_compile: bool | str = "auto",
         mixes_rows: bool = False,
         deterministic: bool = False,
+        trainable: TrainableSpec = None,
     ):
         if deterministic:  # XLA reads its flags when the backend starts: before anything touches devices
             distributed.enable_determinism()
@@ -120,6 +124,7 @@ class Trainer:
             eager=self.run_eagerly,
             seed=self.seed,
             variables=params,
+            trainable=trainable,
         )
         self.session = Session()  # the one holder of the live state, the position and the flags
         self.setup = Setup(

@@ -48,6 +48,7 @@ from trainkit.core.totals import (
     batch_state,
     pack,
 )
+from trainkit.core.trainable import Trainable
 from trainkit.core.tree import PyTree
 
 LossFn = Callable[..., tuple[jax.Array, tuple[Any, Any]]]
@@ -193,6 +194,7 @@ def make_train_step(
     grad_accum_steps: int = 1,
     log_grad_norm: bool = False,
     label_check: Callable[[PyTree], tuple[jax.Array, jax.Array] | None] | None = None,
+    trainable: Trainable | None = None,
 ) -> Callable[[TrainState, Batch], tuple[TrainState, Metrics]]:
     """The pure training step; ``axis_name`` names the device axis under ``pmap``/``shard_map``.
 
@@ -205,15 +207,23 @@ def make_train_step(
     the rng) and its metrics count nothing. ``label_check(y)`` (the objective's
     ``labels_out_of_range``) counts class ids outside the classes in the batch's targets: reported
     as a :class:`~trainkit.core.totals.LabelAlarm` metric, which the loop raises at its next read.
+    ``trainable`` (a :class:`~trainkit.core.trainable.Trainable`): only its leaves are
+    differentiated and updated (``tx`` is then its :meth:`~trainkit.core.trainable.Trainable.optimizer`).
     """
+    trainable = trainable if trainable is not None else Trainable(None)
+    freezes = trainable.freezes
 
     def micro_step(params, model_state, batch, rng, batch_rows, loss_scale):
-        def objective(params):
-            loss, (predictions, new_model_state) = compute_loss(params, batch, rng, model_state=model_state, train=True)
+        trained, rebuild = (params, None) if not freezes else trainable.split(params)
+
+        def objective(trained):
+            full = trained if rebuild is None else rebuild(trained)
+            loss, (predictions, new_model_state) = compute_loss(full, batch, rng, model_state=model_state, train=True)
             total = _loss_total(_rows(loss, batch["mask"].shape[0]), batch)
             return loss_scale.scale(total / batch_rows), (total, predictions, new_model_state)
 
-        grads, (total, predictions, model_state) = jax.grad(objective, has_aux=True)(params)
+        grads, (total, predictions, model_state) = jax.grad(objective, has_aux=True)(trained)
+        grads = grads if rebuild is None else trainable.full_grads(params, grads)
         return grads, model_state, _batch_metrics(metric_fns, predictions, batch, total)
 
     def train_step(state: TrainState, batch: Batch) -> tuple[TrainState, Metrics]:
@@ -231,7 +241,7 @@ def make_train_step(
             grads = jax.tree.map(lambda g: (g * factor).astype(g.dtype), grads)
         grads = loss_scale.unscale(grads)
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
-        params = optax.apply_updates(state.params, updates)
+        params = trainable.apply_updates(state.params, updates)
         skipped = jax.tree.map(jnp.zeros_like, metrics)  # a skipped step's loss is not an observation
         (params, opt_state, model_state, metrics), loss_scale = loss_scale.guard(
             grads,

@@ -120,7 +120,8 @@ def summary_view(trainer: Any, inputs: Any) -> Group:
     for row in rows:
         depth = row.path.count("/")
         table.add_row("  " * depth + f"{row.path.rsplit('/', 1)[-1]} ({row.kind})", row.output_shape, f"{row.params:,}")
-    parts = {"Trainable": state.params, "Non-trainable": state.model_state, "Optimizer": state.opt_state}
+    trained, frozen = program.trainable.partition(state.params)  # frozen parameters count as non-trainable
+    parts = {"Trainable": trained, "Non-trainable": [frozen, state.model_state], "Optimizer": state.opt_state}
     lines = [
         f"Total params: {sum(map(_count, parts.values())):,} ({readable_size(sum(map(_bytes, parts.values())))})",
         *(f"{name} params: {_count(tree):,} ({readable_size(_bytes(tree))})" for name, tree in parts.items()),

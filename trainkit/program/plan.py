@@ -208,6 +208,8 @@ class MemoryPlan:
     decided: dict[str, str] = dataclasses.field(default_factory=dict)
     #: candidates were left uncompiled as too costly for the run: from how many run steps on they would pay
     compare_from_steps: float | None = None
+    #: the state's bytes by part before sharding (trainable and frozen params, optimizer state, model state)
+    state_bytes: dict[str, int] = dataclasses.field(default_factory=dict)
 
     @property
     def recommended(self) -> PlanRow | None:
@@ -274,6 +276,9 @@ class MemoryPlan:
     def print(self, console: Console | None = None) -> None:
         (console or Console()).print(self.table())
         (console or Console()).print(self.reason())
+        if self.state_bytes:
+            parts = ", ".join(f"{name} {_mib(size)} MiB" for name, size in self.state_bytes.items())
+            (console or Console()).print(f"state before sharding: {parts}", highlight=False)
         for name, decision in self.decided.items():
             (console or Console()).print(f"{name}: {decision}", highlight=False)
 

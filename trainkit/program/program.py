@@ -21,6 +21,7 @@ compiled plan of a batch under candidate strategies.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -35,6 +36,7 @@ from trainkit.core.remat import wrap_remat
 from trainkit.core.state import Batch, TrainState
 from trainkit.core.step import make_eval_step, make_multi_step, make_predict_step, make_train_step, with_totals
 from trainkit.core.totals import EpochTotals, pack
+from trainkit.core.trainable import Trainable, TrainableSpec
 from trainkit.core.tree import PyTree
 from trainkit.program import plan as plan_lib
 from trainkit.strategies import Strategy
@@ -56,6 +58,7 @@ class Program:
         objective: a :class:`trainkit.objective.Objective`; its ``metric_fns`` are read when a
             step is compiled.
         variables: variables to start from (fine-tuning), or ``None``.
+        trainable: which parameters train (:mod:`trainkit.core.trainable`); ``None``: all.
         eager: no compilation: :meth:`compile` returns the pure step (Keras's ``run_eagerly``).
     """
 
@@ -74,10 +77,13 @@ class Program:
         seed: int = 0,
         variables: PyTree = None,
         eager: bool = False,
+        trainable: TrainableSpec = None,
     ):
         self.run_model, self.remat = precision.wrap_apply(wrap_remat(adapter, remat)), remat
         self.adapter, self.compute_loss, self.apply = adapter, compute_loss, apply or self.run_model
-        self.optimizer, self.objective, self.precision = optimizer, objective, precision
+        self.trainable = Trainable.of(trainable)
+        self.optimizer = self.trainable.optimizer(optimizer)  # set_to_zero (no state) for frozen leaves
+        self.objective, self.precision = objective, precision
         self.grad_accum_steps, self.log_grad_norm, self.seed = grad_accum_steps, log_grad_norm, seed
         self.variables = variables
         self.eager = eager
@@ -90,6 +96,7 @@ class Program:
         init_rng, state_rng = jax.random.split(jax.random.PRNGKey(self.seed))
         params, model_state = self.adapter.init(init_rng, first_row) if variables is None else variables
         params = cast_floating(params, self.precision.param_dtype)
+        self.trainable.check(params)
         return TrainState.create(
             params=params, opt_state=self.optimizer.init(params), model_state=model_state, seed=state_rng
         ).replace(loss_scale=self.precision.init_loss_scale())
@@ -191,6 +198,7 @@ class Program:
             grad_accum_steps=self.grad_accum_steps,
             log_grad_norm=self.log_grad_norm,
             label_check=self.objective.labels_out_of_range,
+            trainable=self.trainable,
         )
 
     def empty_totals(
@@ -235,7 +243,7 @@ class Program:
         init_state = self.init_state
         # traced as one device of a named axis when a candidate has one (a BatchNorm may reduce over it)
         axis = next((strategy.axis_name for strategy in candidates if strategy.axis_name is not None), None)
-        return plan_lib.plan_step(
+        plan = plan_lib.plan_step(
             host_batch,
             candidates,
             abstract_state=abstract_state,
@@ -248,3 +256,4 @@ class Program:
             trains=trains,
             **options,
         )
+        return dataclasses.replace(plan, state_bytes=self.trainable.state_bytes(abstract_state))
