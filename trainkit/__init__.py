@@ -8,6 +8,7 @@
 from trainkit import callbacks, data, export, strategies, weights
 from trainkit.checkpoint import CheckpointError
 from trainkit.core import optimizers
+from trainkit.core.lora import LoRA
 from trainkit.core.precision import Precision
 from trainkit.core.state import TrainState
 from trainkit.data import sources
@@ -22,6 +23,7 @@ from trainkit.version import __version__
 __all__ = [
     "Trainer",
     "Precision",
+    "LoRA",
     "CheckpointError",
     "Preempted",
     "PREEMPTED_EXIT_CODE",

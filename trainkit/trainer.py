@@ -28,6 +28,7 @@ from trainkit import export as export_lib
 from trainkit import weights as weights_lib
 from trainkit.callbacks import Callback, CallbackList, History, lr_finder
 from trainkit.core.delegation import Delegated
+from trainkit.core.lora import LoRA
 from trainkit.core.model import adapt_model
 from trainkit.core.precision import Precision, get_precision
 from trainkit.core.session import Session
@@ -73,6 +74,7 @@ class Trainer:
         deterministic: XLA's deterministic GPU ops, and no choice by timing (docs/tuning.md).
         trainable: the parameters that train (a regex over paths, a list, or ``(path, leaf) -> bool``);
             the others are frozen: no gradient, no optimizer state (docs/finetuning.md).
+        lora: a ``tk.LoRA``: low-rank adapters (qwix) on the kernels it targets; only they train.
 
     Override :meth:`compute_loss` for a loss that is not ``loss(predictions, y)``. See
     docs/quickstart.md, docs/outputs.md and docs/precision_and_memory.md for each argument.
@@ -100,6 +102,7 @@ class Trainer:
         mixes_rows: bool = False,
         deterministic: bool = False,
         trainable: TrainableSpec = None,
+        lora: LoRA | None = None,
     ):
         if deterministic:  # XLA reads its flags when the backend starts: before anything touches devices
             distributed.enable_determinism()
@@ -125,6 +128,7 @@ class Trainer:
             seed=self.seed,
             variables=params,
             trainable=trainable,
+            lora=lora,
         )
         self.session = Session()  # the one holder of the live state, the position and the flags
         self.setup = Setup(
@@ -192,12 +196,18 @@ class Trainer:
         """Puts variables from :meth:`get_weights` back into the live state (same shapes)."""
         self.setup.set_weights(variables)
 
-    def save_weights(
-        self, filepath: str | os.PathLike, *, format: str = "safetensors", layout: str = "flax", rename=()
-    ) -> None:
-        """The variables as one safetensors file (``layout="torch"``: PyTorch's names and layouts,
-        for ``load_state_dict``); read back with ``tk.weights.load`` (docs/finetuning.md)."""
+    def save_weights(self, filepath: str | os.PathLike, *, format="safetensors", layout="flax", rename=()) -> None:
+        """The variables (under LoRA the merged model's) as one safetensors file; ``layout="torch"``:
+        PyTorch's names and layouts, for ``load_state_dict`` (docs/finetuning.md)."""
         weights_lib.save(self.setup.named_weights(), filepath, format=format, layout=layout, rename=rename)
+
+    def merge_lora(self) -> Trainer:
+        """A trainer of the model without adapters whose kernels hold them (QLoRA's dequantised):
+        the same predictions, a plain model to fine-tune further, save or export."""
+        loss, metrics, weighted, loss_weights = self.objective.spec
+        options = {"metrics": metrics, "weighted_metrics": weighted, "loss_weights": loss_weights, "seed": self.seed}
+        options.update(strategy=self.strategy or "auto", precision=self.precision, remat=self.remat)
+        return type(self)(self.model, loss=loss, optimizer=self.optimizer, params=self.setup.merged(), **options)
 
     def manifest(self) -> dict:
         """What a checkpoint records besides the arrays (JSON; see docs/checkpointing.md)."""
@@ -254,18 +264,14 @@ class Trainer:
         steps: int = plan_lib.MEASURE_STEPS,
         verbose: int = 1,
     ) -> plan_lib.MemoryPlan:
-        """The real train step (predict step without targets) compiled under each candidate:
-        per-device bytes, flops, collective bytes, estimated (or ``measure``d) step time, for
-        ``batch_size`` (default: an array's rows, 32 rows of a source, an iterable's batch);
-        the recommended row is ``"auto"``'s pick (docs/strategies.md)."""
+        """The real train step compiled under each candidate: per-device bytes, flops, collective bytes,
+        estimated (or ``measure``d) step time; the recommended row is ``"auto"``'s (docs/strategies.md)."""
         options: dict[str, Any] = {"candidates": candidates, "measure": measure, "memory_limit": memory_limit}
         return tuning.plan(self.setup, sample_batch, batch_size=batch_size, steps=steps, verbose=verbose, **options)
 
     def export(self, filepath: str | os.PathLike, format: str = "jax", verbose: bool = True, **options: Any) -> None:
-        """Keras 3's ``model.export``: ``predict``'s function (eval mode, the precision policy) with a
-        symbolic batch axis, as ``"jax"`` (:func:`trainkit.export.load`), ``"tf_saved_model"`` or
-        ``"onnx"``; ``platforms=[...]`` / ``opset=`` go to the format (docs/export.md). ONNX is
-        computed in float32 (ONNX Runtime's CPU kernels refuse bf16 and fp16 Conv and Gemm)."""
+        """Keras 3's ``model.export``: ``predict``'s function with a symbolic batch axis, as ``"jax"``,
+        ``"tf_saved_model"`` or ``"onnx"`` (float32); under LoRA the merged model (docs/export.md)."""
         float32 = export_lib.computes_float32(format, self.precision.compute_dtype, type(self).apply is Trainer.apply)
         export_lib.export(filepath, lambda: self.setup.inference(float32), format, verbose=verbose, **options)
 
@@ -341,16 +347,10 @@ class Trainer:
         options: dict[str, Any] = {"validation_data": validation_data, "validation_split": validation_split}
         options.update(validation_batch_size=validation_batch_size, class_weight=class_weight, announce=bool(verbose))
         prepared, config = self.setup.prepare_fit(config, x, y, sample_weight, batch_size, **options)
-        callback_list = self._callbacks(callbacks, verbose, config.steps, config.epoch_count, fit=True)
+        callback_list = CallbackList.for_run(callbacks, self, verbose, config.steps, config.epoch_count, fit=True)
         self.session.keep_history(history := callback_list.require_history())
         self.loop.fit(prepared.source, prepared.batch_size, callback_list, config)
         return history
-
-    def _callbacks(self, callbacks: Iterable[Callback] | None, verbose, steps, epochs=1, fit=False) -> CallbackList:
-        """Keras's callback list: fit adds ``History`` and, verbose on the main process, the bar."""
-        progress = fit and bool(verbose) and distributed.is_main_process()
-        params = {"verbose": verbose, "epochs": epochs, "steps": steps}
-        return CallbackList(callbacks or (), self, params, add_history=fit, add_progress_bar=progress)
 
     def evaluate(
         self,
@@ -366,7 +366,7 @@ class Trainer:
         """The loss and metrics over the whole dataset, exact on any device count; as Keras, the
         loss alone or ``[loss, *metrics]``, or with ``return_dict`` the dict (prints nothing)."""
         dataset, batch_size, total = self.setup.prepare_run(x, y, sample_weight, batch_size, steps, targets=True)
-        logs = self.loop.evaluate(dataset, batch_size, steps, self._callbacks(callbacks, verbose, total))
+        logs = self.loop.evaluate(dataset, batch_size, steps, CallbackList.for_run(callbacks, self, verbose, total))
         return self.objective.keras_result(logs, return_dict)
 
     def train_on_batch(self, x: Any, y=None, sample_weight=None, class_weight=None, return_dict=False) -> Any:
@@ -397,4 +397,4 @@ class Trainer:
         """Outputs with exactly one row per input row (an array, or a pytree for several
         outputs); ``x`` as ``fit`` takes it (targets ignored), a tuple of arrays the inputs."""
         dataset, batch_size, total = self.setup.prepare_run(x, None, None, batch_size, steps, targets=False)
-        return self.loop.predict(dataset, batch_size, steps, self._callbacks(callbacks, verbose, total))
+        return self.loop.predict(dataset, batch_size, steps, CallbackList.for_run(callbacks, self, verbose, total))

@@ -21,6 +21,7 @@ import warnings
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
+from trainkit import distributed
 from trainkit.callbacks.base import _ALIASES, _BATCH_END, Callback, Logs, overrides
 from trainkit.callbacks.history import History
 from trainkit.callbacks.progress import ProgressBar
@@ -124,6 +125,17 @@ class CallbackList:
     Each hook has ``active``: ``False`` when no callback implements it, so the loop skips
     building its arguments.
     """
+
+    @classmethod
+    def for_run(
+        cls, callbacks: Iterable[Callback] | None, trainer: Trainer, verbose: Any, steps: Any, epochs: int = 1,
+        fit: bool = False,
+    ) -> CallbackList:  # fmt: skip
+        """Keras's callback list of a ``fit`` / ``evaluate`` / ``predict``: ``fit`` adds ``History``
+        and, when verbose on the main process, the progress bar."""
+        progress = fit and bool(verbose) and distributed.is_main_process()
+        params = {"verbose": verbose, "epochs": epochs, "steps": steps}
+        return cls(callbacks or (), trainer, params, add_history=fit, add_progress_bar=progress)
 
     def __init__(
         self,

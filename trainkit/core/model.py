@@ -26,6 +26,7 @@ import numpy as np
 from flax import linen as nn
 from flax import nnx
 
+from trainkit.core.lora import LoRA
 from trainkit.core.state import check_tree_matches
 from trainkit.core.tree import PyTree, leaf_name
 
@@ -415,6 +416,16 @@ def adapt_model(model: Any) -> ModelAdapter:
         "(e.g. `class MLP(nn.Module)`) or a flax.nnx.Module instance. For a plain function, "
         "wrap it in a linen Module whose __call__ calls it."
     )
+
+
+def with_lora(adapter: ModelAdapter, lora: LoRA) -> ModelAdapter:
+    """The adapter of the same linen module with ``lora``'s adapters (qwix's interception)."""
+    if not isinstance(adapter, LinenModel):
+        raise TypeError(
+            "Trainer(lora=...) works on flax.linen modules; for an NNX model apply qwix.apply_lora_to_model to it "
+            "yourself and pass trainable=r'_lora_[ab]$' (docs/finetuning.md)."
+        )
+    return LinenModel(lora.wrap(adapter.module))
 
 
 def starting_variables(adapter: ModelAdapter, given: PyTree, first_row: PyTree) -> tuple[PyTree, PyTree] | None:

@@ -12,7 +12,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
@@ -20,9 +20,11 @@ import jax
 from trainkit.core.tree import PyTree, leaf_name
 
 
-def named_variables(params: PyTree, model_state: PyTree) -> dict[str, Any]:
-    """Every variable leaf by name (parameters first)."""
-    named = {leaf_name(path): leaf for path, leaf in jax.tree_util.tree_leaves_with_path(params)}
+def named_variables(
+    params: PyTree, model_state: PyTree, is_leaf: Callable[[Any], bool] | None = None
+) -> dict[str, Any]:
+    """Every variable leaf by name (parameters first; ``is_leaf`` marks parameter nodes kept whole)."""
+    named = {leaf_name(path): leaf for path, leaf in jax.tree_util.tree_leaves_with_path(params, is_leaf=is_leaf)}
     named.update({leaf_name(path): leaf for path, leaf in jax.tree_util.tree_leaves_with_path(model_state)})
     return named
 

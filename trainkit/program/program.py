@@ -30,7 +30,8 @@ import numpy as np
 import optax
 
 from trainkit.core import cost, tree
-from trainkit.core.model import ModelAdapter, param_axes, starting_variables, under_logical_rules
+from trainkit.core.lora import LoRA, is_adapter
+from trainkit.core.model import ModelAdapter, param_axes, starting_variables, under_logical_rules, with_lora
 from trainkit.core.precision import Precision, cast_floating
 from trainkit.core.remat import wrap_remat
 from trainkit.core.state import Batch, TrainState
@@ -59,6 +60,8 @@ class Program:
             step is compiled.
         variables: variables to start from (fine-tuning), or ``None``.
         trainable: which parameters train (:mod:`trainkit.core.trainable`); ``None``: all.
+        lora: a :class:`~trainkit.core.lora.LoRA`: adapters on the adapter's linen module, which
+            alone train (with ``trainable``'s parameters); the base frozen.
         eager: no compilation: :meth:`compile` returns the pure step (Keras's ``run_eagerly``).
     """
 
@@ -78,10 +81,13 @@ class Program:
         variables: PyTree = None,
         eager: bool = False,
         trainable: TrainableSpec = None,
+        lora: LoRA | None = None,
     ):
+        self.lora, self.base_adapter = lora, adapter  # the model without adapters: what merge_lora and export give
+        adapter = adapter if lora is None else with_lora(adapter, lora)
         self.run_model, self.remat = precision.wrap_apply(wrap_remat(adapter, remat)), remat
         self.adapter, self.compute_loss, self.apply = adapter, compute_loss, apply or self.run_model
-        self.trainable = Trainable.of(trainable)
+        self.trainable = Trainable.of(trainable, extra=None if lora is None else is_adapter)
         self.optimizer = self.trainable.optimizer(optimizer)  # set_to_zero (no state) for frozen leaves
         self.objective, self.precision = objective, precision
         self.grad_accum_steps, self.log_grad_norm, self.seed = grad_accum_steps, log_grad_norm, seed
@@ -179,6 +185,16 @@ class Program:
         """The model's outputs for inputs ``x`` in inference mode, as the predict step computes
         them (pure: trace it with ``jax.eval_shape`` or compile it with ``jax.jit``)."""
         return make_predict_step(self.apply)(state, {"x": x})
+
+    def merged_outputs(self, state: TrainState, x: PyTree, float32: bool = False) -> PyTree:
+        """:meth:`outputs` of the model without adapters on ``state`` holding its parameters
+        (:meth:`merged_params`'s): what an export of a LoRA trainer computes."""
+        precision = Precision() if float32 else self.precision
+        return make_predict_step(precision.wrap_apply(self.base_adapter.apply))(state, {"x": x})
+
+    def merged_params(self, params: PyTree) -> PyTree:
+        """LoRA's adapters folded into their kernels (the parameters of the model without them)."""
+        return params if self.lora is None else self.lora.merged(params)
 
     def float32_outputs(self, state: TrainState, x: PyTree) -> PyTree:
         """:meth:`outputs` computed in float32 whatever the precision policy (the model's own

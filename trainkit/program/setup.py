@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import hashlib
 import logging
 import math
@@ -45,6 +46,7 @@ import optax
 
 from trainkit import data as data_lib
 from trainkit import distributed
+from trainkit.core import lora as lora_lib
 from trainkit.core import model as model_lib
 from trainkit.core import optimizers, tree
 from trainkit.core.precision import NoLossScale
@@ -277,24 +279,40 @@ class Setup:
 
     def weight_targets(self) -> dict[str, Target]:
         """The variables published weights load into, by name (``tk.weights.load``), each with its
-        live shape, dtype and sharding."""
+        live shape, dtype and sharding; under LoRA the base model's (a quantised kernel as the
+        float array it stands for; no adapters)."""
         state = self.require_state()
+        named = named_variables(state.params, state.model_state, is_leaf=lora_lib.is_quantized)
         return {
-            name: Target(tuple(leaf.shape), np.dtype(leaf.dtype), leaf.sharding)
-            for name, leaf in named_variables(state.params, state.model_state).items()
+            name: Target(*lora_lib.float_view(leaf)) for name, leaf in named.items() if not lora_lib.is_adapter(name)
         }
 
     def put_weights(self, arrays: dict[str, Any]) -> None:
-        """Loaded variables (placed in the live shardings) written into the live state."""
+        """Loaded variables (placed in the live shardings) written into the live state (under
+        QLoRA the base kernels quantised as the live ones are)."""
         state = self.require_state()
         params, model_state = replaced(state.params, state.model_state, arrays)
+        if self.program.lora is not None:
+            params = lora_lib.with_base(state.params, arrays)
         self.update_state(params=params, model_state=model_state)
 
     def named_weights(self) -> dict[str, np.ndarray]:
-        """Host copies of the variables by name (``trainer.save_weights``)."""
+        """Host copies of the variables by name (``trainer.save_weights``); under LoRA those of
+        the merged model."""
         state = self.require_state()
         host = distributed.fetch({"params": state.params, "model_state": state.model_state})
-        return {name: np.asarray(leaf) for name, leaf in named_variables(host["params"], host["model_state"]).items()}
+        params = self.program.merged_params(host["params"])
+        return {name: np.asarray(leaf) for name, leaf in named_variables(params, host["model_state"]).items()}
+
+    def merged(self) -> dict[str, PyTree]:
+        """Host variables of the model without LoRA's adapters, folded into its kernels
+        (``trainer.merge_lora``): ``{"params": ..., **model_state}``."""
+        if self.program.lora is None:
+            raise ValueError("merge_lora(): this trainer has no LoRA adapters (Trainer(lora=tk.LoRA(...))).")
+        host = distributed.fetch(
+            {"params": self.require_state().params, "model_state": self.require_state().model_state}
+        )
+        return {"params": jax.tree.map(np.asarray, self.program.merged_params(host["params"])), **host["model_state"]}
 
     def count_params(self) -> int:
         """The scalars in all variables (parameters and model state), as Keras counts."""
@@ -532,8 +550,13 @@ class Setup:
         the precision policy, or with ``float32`` float32 computation), host copies of the
         variables it reads, and the per-example inputs."""
         host = distributed.fetch(self.require_state().replace(opt_state=()))  # no optimizer state
-        variables = {"params": host.params, "model_state": host.model_state, "rng": host.rng}
-        outputs = self.program.float32_outputs if float32 else self.program.outputs
+        program = self.program
+        variables = {"params": program.merged_params(host.params), "model_state": host.model_state, "rng": host.rng}
+        outputs: Callable[[TrainState, PyTree], PyTree]
+        if program.lora is not None:  # the merged model: its kernels hold the adapters
+            outputs = functools.partial(program.merged_outputs, float32=float32)
+        else:
+            outputs = program.float32_outputs if float32 else program.outputs
 
         def predict(variables: PyTree, x: PyTree) -> PyTree:
             return outputs(host.replace(**variables), x)

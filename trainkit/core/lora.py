@@ -1,0 +1,153 @@
+"""LoRA and QLoRA on any linen module without editing it, through qwix (Google's JAX
+quantization and LoRA library, which Tunix and MaxText use): ``qwix.LoraProvider`` intercepts
+the module's ``dot_general`` / ``einsum`` / ``conv`` calls and adds ``<kernel>_lora_a`` and
+``<kernel>_lora_b`` parameters beside each targeted kernel (B zero-initialised: step 0 computes
+the base model); with ``quantize_base`` the targeted Dense kernels are stored quantised
+(``nf4`` or ``int8``, channel-wise) and dequantised in the matmul.
+
+>>> import flax.linen as nn, jax, numpy as np
+>>> lora = LoRA(rank=2, alpha=4)
+>>> model = lora.wrap(nn.Dense(3))
+>>> params = model.init(jax.random.key(0), np.ones((1, 5)))["params"]
+>>> sorted(params), params["kernel_lora_a"].shape, float(np.abs(params["kernel_lora_b"]).sum())
+(['bias', 'kernel', 'kernel_lora_a', 'kernel_lora_b'], (5, 2), 0.0)
+>>> merged = lora.merged(params)
+>>> sorted(merged), merged["kernel"].shape
+(['bias', 'kernel'], (5, 3))
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from trainkit.core.tree import PyTree, leaf_name
+
+ADAPTER_SUFFIXES = ("_lora_a", "_lora_b")
+QUANTIZED = (None, "nf4", "int8")
+
+
+def is_adapter(name: str) -> bool:
+    """Whether a parameter path names a LoRA adapter (``Dense_0/kernel_lora_a``)."""
+    return name.endswith(ADAPTER_SUFFIXES)
+
+
+def _with_aux() -> type:
+    from qwix._src.providers.ptq import WithAux  # qwix's quantised-parameter node
+
+    return WithAux
+
+
+def is_quantized(leaf: Any) -> bool:
+    """Whether a parameter node is a qwix quantised array (its ``qvalue`` and ``scale`` inside)."""
+    return isinstance(leaf, _with_aux())
+
+
+@dataclasses.dataclass(frozen=True)
+class LoRA:
+    """``Trainer(lora=tk.LoRA(...))``: rank-``rank`` adapters, scaled by ``alpha / rank``, on the
+    kernels of the modules whose path (``Block_0/Dense_1``) matches ``targets`` (``re.search``);
+    the base frozen, and with ``quantize_base`` (``"nf4"`` or ``"int8"``) its targeted Dense
+    kernels stored quantised (QLoRA; convolutions keep float kernels: qwix quantises a conv only
+    with its activations)."""
+
+    rank: int = 8
+    alpha: float = 16.0
+    targets: str = ".*"
+    quantize_base: str | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.rank, int) or self.rank < 1:
+            raise ValueError(f"LoRA rank must be a positive integer; received {self.rank!r}.")
+        if not self.alpha > 0:
+            raise ValueError(f"LoRA alpha must be positive; received {self.alpha!r}.")
+        if self.quantize_base not in QUANTIZED:
+            raise ValueError(f"quantize_base={self.quantize_base!r} is not one of {QUANTIZED}.")
+        re.compile(self.targets)
+
+    @property
+    def scale(self) -> float:
+        return self.alpha / self.rank
+
+    def wrap(self, model: Any) -> Any:
+        """The linen module with qwix's LoRA interception (the module itself is not changed)."""
+        import flax.linen as nn
+        import qwix
+
+        if not isinstance(model, nn.Module):
+            raise TypeError(
+                f"LoRA works on flax.linen modules here; received {type(model).__name__}. For an NNX model apply "
+                "qwix.apply_lora_to_model yourself and pass trainable=r'_lora_[ab]$'."
+            )
+        path = f".*(?:{self.targets}).*"  # qwix full-matches module paths; trainkit searches them
+        options = {"module_path": path, "rank": self.rank, "alpha": float(self.alpha)}
+        rules = [qwix.LoraRule(**options)]
+        if self.quantize_base is not None:
+            convs = qwix.LoraRule(op_names=("conv_general_dilated",), **options)
+            rules = [convs, qwix.LoraRule(weight_qtype=self.quantize_base, **options)]
+        return qwix.apply_lora_to_model(model, qwix.LoraProvider(rules))
+
+    def merged(self, params: PyTree) -> PyTree:
+        """The base model's parameters: each adapted kernel (dequantised if stored quantised)
+        plus ``scale * A @ B``; the adapters removed."""
+        return _merge(params, self.scale)
+
+
+def _merge(node: Any, scale: float) -> Any:
+    if not isinstance(node, Mapping):
+        return node
+    merged = {}
+    for key, value in node.items():
+        if isinstance(key, str) and is_adapter(key):
+            continue
+        base = dequantized(value)
+        a, b = node.get(f"{key}_lora_a"), node.get(f"{key}_lora_b")
+        if a is not None and b is not None:
+            if a.shape[:-1] != base.shape[:-1] or b.shape[1:] != base.shape[-1:]:
+                raise ValueError(f"Cannot fold adapters {a.shape} x {b.shape} into {key} {base.shape}.")
+            delta = jnp.tensordot(jnp.asarray(a), jnp.asarray(b), axes=1) * scale
+            merged[key] = (base + delta).astype(base.dtype)
+        else:
+            merged[key] = _merge(value, scale) if isinstance(value, Mapping) else base
+    return merged
+
+
+def dequantized(leaf: Any) -> Any:
+    """A quantised parameter as a float array (qwix's ``dequantize``); anything else as is."""
+    if not is_quantized(leaf):
+        return leaf
+    import qwix
+
+    return qwix.dequantize(leaf.array)
+
+
+def float_view(leaf: Any) -> tuple[tuple[int, ...], np.dtype, Any]:
+    """``(shape, dtype, sharding)`` of a parameter as published weights hold it: a quantised
+    kernel as the float array it stands for (its scale's dtype, its values' sharding)."""
+    if is_quantized(leaf):
+        values, scale = leaf.array.qvalue, leaf.array.scale
+        return tuple(values.shape), np.dtype(scale.dtype), values.sharding
+    return tuple(leaf.shape), np.dtype(leaf.dtype), leaf.sharding
+
+
+def with_base(params: PyTree, arrays: Mapping[str, Any]) -> PyTree:
+    """``params`` with the base leaves named in ``arrays`` replaced; a quantised kernel's float
+    values quantised as the live one is (qwix's ``quantize_params``)."""
+
+    def swap(path: Any, leaf: Any) -> Any:
+        value = arrays.get(leaf_name(path))
+        if value is None:
+            return leaf
+        if not is_quantized(leaf):
+            return value
+        import qwix
+
+        return qwix.quantize_params({"w": jnp.asarray(value)}, {"w": leaf})["w"]
+
+    return jax.tree_util.tree_map_with_path(swap, params, is_leaf=is_quantized)
