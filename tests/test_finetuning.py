@@ -1,6 +1,7 @@
 """Fine-tuning: frozen parameters (``Trainer(trainable=...)``) never change, carry no optimizer
 state and train the same on every strategy."""
 
+import flax.linen as nn
 import jax
 import numpy as np
 import optax
@@ -96,3 +97,148 @@ def test_a_spec_that_matches_nothing_is_refused_before_training():
         trainer.fit(x, y, batch_size=16, epochs=1, verbose=0)
     with pytest.raises(TypeError, match="trainable= takes a regex"):
         frozen_trainer(trainable=3)
+
+
+# ---------------------------------------------------------------------------------------------- LoRA
+class Body(nn.Module):
+    """A small CNN: conv, a hidden Dense and a head (linen, no LoRA inside)."""
+
+    @nn.compact
+    def __call__(self, x, train: bool = False):
+        x = nn.relu(nn.Conv(8, (3, 3), name="conv")(x)).mean(axis=(1, 2))
+        x = nn.relu(nn.Dense(32, name="hidden")(x))
+        return nn.Dense(4, name="head")(x)
+
+
+def images(n=64, seed=0):
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(n, 6, 6, 2)).astype(np.float32)
+    return x, (x[:, :3, :3, 0].mean(axis=(1, 2)) > 0).astype(np.int32) + 2 * (x[:, 3:, 3:, 1].mean(axis=(1, 2)) > 0)
+
+
+@pytest.fixture(scope="module")
+def base_weights(tmp_path_factory):
+    """A trained base model, published as safetensors."""
+    x, y = images()
+    base = tk.Trainer(Body(), loss="sparse_categorical_crossentropy", optimizer=optax.adam(1e-2), strategy="single")
+    base.fit(x, y, batch_size=16, epochs=3, verbose=0)
+    path = tmp_path_factory.mktemp("base") / "base.safetensors"
+    base.save_weights(path)
+    return base, path
+
+
+def lora_trainer(path, strategy="single", **lora):
+    trainer = tk.Trainer(
+        Body(),
+        loss="sparse_categorical_crossentropy",
+        optimizer=optax.adam(1e-2),
+        strategy=strategy,
+        lora=tk.LoRA(**{"rank": 2, "alpha": 4.0, **lora}),
+    )
+    trainer.init(images(16)[0])
+    tk.weights.load(path, into=trainer)
+    return trainer
+
+
+@pytest.fixture(scope="module")
+def lora_trained(base_weights):
+    base, path = base_weights
+    trainer = lora_trainer(path)
+    x, y = images(seed=1)
+    step0 = trainer.predict(x)
+    before = trainer.get_weights()
+    trainer.fit(x, y, batch_size=16, epochs=2, verbose=0)
+    return trainer, step0, before, (x, y)
+
+
+def names(tree):
+    return [jax.tree_util.keystr(path) for path, _ in jax.tree_util.tree_leaves_with_path(tree)]
+
+
+def test_lora_at_step_0_predicts_as_the_base_and_then_only_adapters_change(base_weights, lora_trained):
+    base, _ = base_weights
+    trainer, step0, before, (x, _) = lora_trained
+    np.testing.assert_array_equal(step0, base.predict(x))
+    after = trainer.get_weights()
+    changed = [
+        n for n, a, b in zip(names(before), jax.tree.leaves(before), jax.tree.leaves(after)) if not np.array_equal(a, b)
+    ]
+    assert changed and all(n.endswith(("_lora_a']", "_lora_b']")) for n in changed)
+    assert len(changed) == 6  # A and B of the conv, hidden and head kernels
+    adapters = sum(np.size(a) for n, a in zip(names(after), jax.tree.leaves(after)) if "_lora_" in n)
+    assert sum(np.size(a) for a in optimizer_arrays(trainer.state)) == 2 * adapters  # Adam's moments: adapters only
+
+
+def test_merge_lora_and_export_give_the_merged_model(lora_trained, tmp_path):
+    trainer, _, _, (x, _) = lora_trained
+    merged = trainer.merge_lora()
+    assert sorted(merged.get_weights()["params"]["hidden"]) == ["bias", "kernel"]
+    np.testing.assert_allclose(merged.predict(x), trainer.predict(x), atol=1e-5)
+    trainer.export(tmp_path / "lora.jax", verbose=False)
+    np.testing.assert_allclose(np.asarray(tk.export.load(tmp_path / "lora.jax")(x)), trainer.predict(x), atol=1e-5)
+    trainer.save_weights(tmp_path / "merged.safetensors")  # a plain model: loads into the base strictly
+    plain = tk.Trainer(Body(), loss="sparse_categorical_crossentropy", optimizer=optax.sgd(0.1), strategy="single")
+    plain.init(x)
+    tk.weights.load(tmp_path / "merged.safetensors", into=plain)
+    np.testing.assert_allclose(plain.predict(x), trainer.predict(x), atol=1e-5)
+
+
+@pytest.mark.parametrize("strategy", ["dp", "fsdp"])
+def test_every_strategy_trains_the_same_adapters(base_weights, lora_trained, strategy):
+    _, path = base_weights
+    reference, _, _, (x, y) = lora_trained
+    other = lora_trainer(path, {"dp": tk.DataParallel, "fsdp": lambda: tk.FSDP(min_shard_size=1)}[strategy]())
+    other.fit(x, y, batch_size=16, epochs=2, verbose=0)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-6), reference.get_weights(), other.get_weights())
+    if strategy == "fsdp":  # A follows the kernel's input axes, B its output axis
+        params = other.state.params["hidden"]
+        kernel = tuple(params["kernel"].sharding.spec) + (None,) * 2
+        assert tuple(params["kernel_lora_a"].sharding.spec) == (kernel[0], None)
+        assert tuple(params["kernel_lora_b"].sharding.spec) == (None, kernel[1])
+
+
+def test_an_adapter_checkpoint_holds_the_adapters_and_refuses_another_base(lora_trained, base_weights, tmp_path):
+    trainer, _, _, (x, y) = lora_trained
+    _, path = base_weights
+    trainer.save(tmp_path / "lora")
+    manifest = trainer.manifest()
+    assert manifest["lora"]["base_source"] == str(path) and len(manifest["lora"]["base_sha256"]) == 64
+    restored = lora_trainer(path)
+    restored.load(tmp_path / "lora")
+    jax.tree.map(np.testing.assert_array_equal, trainer.get_weights(), restored.get_weights())
+    written = ocp_tree(tmp_path / "lora")
+    assert all(n.endswith(("_lora_a']", "_lora_b']")) for n in written if n.startswith("['params']"))
+    other = lora_trainer(path)
+    other.set_weights(jax.tree.map(lambda a: a * 1.01, other.get_weights()))  # another base
+    with pytest.raises(tk.CheckpointError, match="trained on other base weights"):
+        other.load(tmp_path / "lora")
+
+
+def ocp_tree(directory):
+    import orbax.checkpoint as ocp
+
+    step = max(int(p.name) for p in directory.iterdir() if p.name.isdigit())
+    metadata = ocp.StandardCheckpointer().metadata(directory / str(step) / "state").item_metadata.tree
+    return names(metadata)
+
+
+def test_qlora_trains_with_the_base_stored_quantised(base_weights):
+    _, path = base_weights
+    x, y = images(seed=1)
+    trainer = lora_trainer(path, quantize_base="nf4")
+    hidden = trainer.state.params["hidden"]["kernel"]
+    assert str(hidden.array.qvalue.dtype) == "uint4"  # stored quantised
+    history = trainer.fit(x, y, batch_size=16, epochs=4, verbose=0)
+    assert history.history["loss"][-1] < history.history["loss"][0]
+    assert str(trainer.state.params["hidden"]["kernel"].array.qvalue.dtype) == "uint4"
+
+
+def test_lora_refuses_what_it_cannot_do():
+    with pytest.raises(ValueError, match="rank must be a positive integer"):
+        tk.LoRA(rank=0)
+    with pytest.raises(ValueError, match="quantize_base='int4' is not one of"):
+        tk.LoRA(quantize_base="int4")
+    with pytest.raises(ValueError, match="no LoRA adapters"):
+        trainer = frozen_trainer()
+        trainer.init(make_classification(8)[0])
+        trainer.merge_lora()

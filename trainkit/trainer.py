@@ -202,12 +202,12 @@ class Trainer:
         weights_lib.save(self.setup.named_weights(), filepath, format=format, layout=layout, rename=rename)
 
     def merge_lora(self) -> Trainer:
-        """A trainer of the model without adapters whose kernels hold them (QLoRA's dequantised):
-        the same predictions, a plain model to fine-tune further, save or export."""
-        loss, metrics, weighted, loss_weights = self.objective.spec
+        """A trainer of the model without adapters, folded into its kernels: the same predictions."""
+        (loss, metrics, weighted, loss_weights), (variables, sample) = self.objective.spec, self.setup.merged()
         options = {"metrics": metrics, "weighted_metrics": weighted, "loss_weights": loss_weights, "seed": self.seed}
-        options.update(strategy=self.strategy or "auto", precision=self.precision, remat=self.remat)
-        return type(self)(self.model, loss=loss, optimizer=self.optimizer, params=self.setup.merged(), **options)
+        options.update(strategy=self.strategy or "auto", precision=self.precision, remat=self.remat, params=variables)
+        (merged := type(self)(self.model, loss=loss, optimizer=self.optimizer, **options)).init(sample)
+        return merged
 
     def manifest(self) -> dict:
         """What a checkpoint records besides the arrays (JSON; see docs/checkpointing.md)."""

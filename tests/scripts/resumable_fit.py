@@ -1,11 +1,13 @@
 """A training run with BackupAndRestore, for the fault tests: it is killed and run again.
 
-    python resumable_fit.py BACKUP_DIR OUT.npz [--sleep S] [--width W]
+    python resumable_fit.py BACKUP_DIR OUT.npz [--sleep S] [--width W] [--lora]
 
 Writes the final parameters to OUT.npz. ``--sleep`` slows each step (without changing the
 numbers) so a test can interrupt it; ``--width`` makes the model, and so each save, larger.
 ``--data grain`` feeds a grain iterator (a shuffled, repeated stream; 13 steps per epoch)
 whose position is saved with each backup, and prints how many rows this run read.
+``--lora`` trains LoRA adapters on base weights loaded with ``tk.weights.load`` (the backups
+hold the adapters only).
 """
 
 import argparse
@@ -67,6 +69,7 @@ def main():
     parser.add_argument("--every", type=int, default=3)
     parser.add_argument("--strategy", choices=["dp", "fsdp"], default="dp")
     parser.add_argument("--data", choices=["arrays", "grain"], default="arrays")
+    parser.add_argument("--lora", action="store_true")
     args = parser.parse_args()
     rng = np.random.default_rng(0)
     x = rng.normal(size=(200, 5)).astype(np.float32)
@@ -77,7 +80,14 @@ def main():
         optimizer=optax.adam(1e-2),
         strategy=tk.DataParallel() if args.strategy == "dp" else tk.FSDP(min_shard_size=16),
         seed=1,
+        lora=tk.LoRA(rank=4, alpha=8) if args.lora else None,
     )
+    if args.lora:  # base weights from a seed, loaded before fit: the backup records their hash
+        trainer.init(x[:16])
+        base = np.random.default_rng(7)
+        weights = {"Dense_0/kernel": base.normal(size=(5, args.width)), "Dense_0/bias": np.zeros(args.width)}
+        weights |= {"Dense_1/kernel": base.normal(size=(args.width, 3)), "Dense_1/bias": np.zeros(3)}
+        tk.weights.load({k: v.astype(np.float32) for k, v in weights.items()}, into=trainer)
     slow = tk.callbacks.LambdaCallback(on_train_batch_begin=lambda batch, logs=None: time.sleep(args.sleep))
     grain = args.data == "grain"
     trainer.fit(

@@ -40,6 +40,7 @@ import orbax.checkpoint as ocp
 
 from trainkit import distributed
 from trainkit.checkpoint import orbax_logs
+from trainkit.core import lora as lora_lib
 from trainkit.core import state as state_lib
 from trainkit.core import tree
 from trainkit.core.tree import PyTree
@@ -254,6 +255,8 @@ class Checkpointer:
             return False
         self._last_saved = int(step)
         state_dict = flax.serialization.to_state_dict(state)
+        if "lora" in manifest:  # the base is the weights it was loaded from: only the adapters are written
+            state_dict, manifest = _adapters_part(state_dict, manifest)
         if weights_only:
             state_dict = {part: state_dict[part] for part in WEIGHTS}
             manifest = dict(
@@ -394,7 +397,7 @@ class Checkpointer:
             try:
                 return self._restore(target, candidate)
             except CheckpointError as error:
-                if "does not match this model" in str(error):
+                if "does not match this model" in str(error) or "other base weights" in str(error):
                     raise
                 errors.append(str(error))
                 warnings.warn(f"Skipping checkpoint step {candidate}: {error}", stacklevel=2)
@@ -410,6 +413,9 @@ class Checkpointer:
                 f"The manifest of step {step} in {self.directory!r} is unreadable ({type(error).__name__}: {error})."
             ) from error
         problems, parts = [], flax.serialization.to_state_dict(target)
+        if "lora" in manifest:
+            _check_base(manifest, target.params, f"step {step} in {self.directory!r}")
+            parts = {**parts, "params": lora_lib.adapters_only(parts["params"])}
         for part in ("params", "opt_state", "model_state"):
             if part in manifest.get("tree", {}):
                 current = tree.signature(parts[part])
@@ -422,7 +428,7 @@ class Checkpointer:
                 + (f" (and {len(problems) - 12} more)" if len(problems) > 12 else "")
                 + ". Restore with the model and optimizer that wrote it."
             )
-        target_dict = flax.serialization.to_state_dict(target)
+        target_dict = dict(parts)
         if manifest.get("contents") == "weights":
             target_dict = {part: target_dict[part] for part in WEIGHTS}
         abstract = state_lib.abstract(target_dict)
@@ -445,6 +451,9 @@ class Checkpointer:
                 f"The arrays of step {step} in {os.path.join(self.directory, str(step), 'state')!r} are corrupt or "
                 f"incomplete ({type(error).__name__}: {str(error)[:300]})."
             ) from error
+        if "lora" in manifest:  # the adapters restored into the live base
+            full = flax.serialization.to_state_dict(target)["params"]
+            restored = {**restored, "params": lora_lib.with_adapters(full, restored["params"])}
         if manifest.get("contents") == "weights":
             restored = {**flax.serialization.to_state_dict(target), **restored}
         elif "position" in manifest:  # a whole state: its step is the manifest's
@@ -638,6 +647,28 @@ def _unlock(handle) -> None:
             fcntl.flock(handle, fcntl.LOCK_UN)
         finally:
             handle.close()
+
+
+def _adapters_part(state_dict: dict, manifest: dict) -> tuple[dict, dict]:
+    """A LoRA trainer's state as its checkpoint holds it: the adapters of the parameters (and
+    everything else: the optimizer state is the adapters' alone), the manifest's tree to match."""
+    params = lora_lib.adapters_only(state_dict["params"])
+    written = dict(manifest.get("tree", {}), params=tree.signature(params))
+    return {**state_dict, "params": params}, {**manifest, "tree": written}
+
+
+def _check_base(manifest: dict, params: PyTree, where: str) -> None:
+    """Refuses adapters trained on other base weights than the live ones (their SHA-256)."""
+    if any(isinstance(leaf, jax.ShapeDtypeStruct) for leaf in jax.tree.leaves(params)):
+        return  # an abstract target: nothing to compare
+    recorded, live = manifest["lora"].get("base_sha256"), lora_lib.base_digest(distributed.fetch(params))
+    if recorded != live:
+        source = manifest["lora"].get("base_source") or "weights not recorded"
+        raise CheckpointError(
+            f"The adapters at {where} were trained on other base weights ({source}, SHA-256 {str(recorded)[:12]}...) "
+            f"than this trainer holds (SHA-256 {live[:12]}...): load the same base weights first "
+            "(tk.weights.load(source, into=trainer)), then restore."
+        )
 
 
 def build_manifest(state: PyTree, strategy: Any, position: Any, data_state: Any = None, **settings: Any) -> dict:

@@ -19,6 +19,7 @@ the base model); with ``quantize_base`` the targeted Dense kernels are stored qu
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import re
 from collections.abc import Mapping
 from typing import Any
@@ -116,6 +117,45 @@ def _merge(node: Any, scale: float) -> Any:
         else:
             merged[key] = _merge(value, scale) if isinstance(value, Mapping) else base
     return merged
+
+
+def adapters_only(params: Mapping) -> dict:
+    """The adapters of a parameter tree (nested dicts, as a checkpoint holds it), nothing else.
+
+    >>> adapters_only({"d": {"kernel": 1, "kernel_lora_a": 2}, "e": {"bias": 3}})
+    {'d': {'kernel_lora_a': 2}}
+    """
+    kept = {}
+    for key, value in params.items():
+        if isinstance(value, Mapping):
+            inner = adapters_only(value)
+            if inner:
+                kept[key] = inner
+        elif isinstance(key, str) and is_adapter(key):
+            kept[key] = value
+    return kept
+
+
+def with_adapters(params: Mapping, adapters: Mapping) -> dict:
+    """``params`` (nested dicts) with the adapters of ``adapters`` in place of its own."""
+    merged = dict(params)
+    for key, value in adapters.items():
+        merged[key] = with_adapters(params[key], value) if isinstance(value, Mapping) else value
+    return merged
+
+
+def base_digest(params: PyTree) -> str:
+    """A SHA-256 of the base parameters (every leaf but the adapters: names, dtypes, shapes,
+    bytes), from host values: what an adapter checkpoint records of the weights it adapts."""
+    digest = hashlib.sha256()
+    for path, leaf in sorted(jax.tree_util.tree_leaves_with_path(params), key=lambda item: leaf_name(item[0])):
+        name = leaf_name(path)
+        if any(part.endswith(ADAPTER_SUFFIXES) for part in name.split("/")):
+            continue
+        array = np.asarray(leaf)
+        digest.update(f"{name}|{array.dtype}|{array.shape}|".encode())
+        digest.update(np.ascontiguousarray(array).tobytes())
+    return digest.hexdigest()
 
 
 def dequantized(leaf: Any) -> Any:

@@ -172,6 +172,7 @@ class Setup:
         steps = check_steps_per_execution(1 if steps_per_execution == "auto" else steps_per_execution, strategy_now)
         self.decisions = Decisions(strategy_now, steps, tunes)
         self.session = session
+        self.weights_source = ""  # where the last tk.weights.load read the variables from
         self._compiled: dict[str, Any] = {}
         self._totals: dict[str, EpochTotals] = {}  # host zeros of the totals each kind of step carries
         self._outputs: PyTree = None  # the model's output shapes, once traced
@@ -287,10 +288,12 @@ class Setup:
             name: Target(*lora_lib.float_view(leaf)) for name, leaf in named.items() if not lora_lib.is_adapter(name)
         }
 
-    def put_weights(self, arrays: dict[str, Any]) -> None:
+    def put_weights(self, arrays: dict[str, Any], source: str = "") -> None:
         """Loaded variables (placed in the live shardings) written into the live state (under
-        QLoRA the base kernels quantised as the live ones are)."""
+        QLoRA the base kernels quantised as the live ones are); ``source`` names where they came
+        from (an adapter checkpoint records it)."""
         state = self.require_state()
+        self.weights_source = source
         params, model_state = replaced(state.params, state.model_state, arrays)
         if self.program.lora is not None:
             params = lora_lib.with_base(state.params, arrays)
@@ -304,15 +307,18 @@ class Setup:
         params = self.program.merged_params(host["params"])
         return {name: np.asarray(leaf) for name, leaf in named_variables(params, host["model_state"]).items()}
 
-    def merged(self) -> dict[str, PyTree]:
+    def merged(self) -> tuple[dict[str, PyTree], PyTree]:
         """Host variables of the model without LoRA's adapters, folded into its kernels
-        (``trainer.merge_lora``): ``{"params": ..., **model_state}``."""
+        (``trainer.merge_lora``): ``{"params": ..., **model_state}``, and a one-row input of
+        zeros to initialise it with."""
         if self.program.lora is None:
             raise ValueError("merge_lora(): this trainer has no LoRA adapters (Trainer(lora=tk.LoRA(...))).")
-        host = distributed.fetch(
-            {"params": self.require_state().params, "model_state": self.require_state().model_state}
-        )
-        return {"params": jax.tree.map(np.asarray, self.program.merged_params(host["params"])), **host["model_state"]}
+        state = self.require_state()
+        host = distributed.fetch({"params": state.params, "model_state": state.model_state})
+        variables = {"params": jax.tree.map(np.asarray, self.program.merged_params(host["params"]))}
+        variables.update(host["model_state"])
+        sample = jax.tree.map(lambda s: np.zeros(s.shape, s.dtype), data_lib.abstract_inputs(self.input_spec, 1))
+        return variables, sample
 
     def count_params(self) -> int:
         """The scalars in all variables (parameters and model state), as Keras counts."""
@@ -322,11 +328,16 @@ class Setup:
     def settings(self) -> dict:
         """The settings a checkpoint's manifest records besides the position."""
         program = self.program
-        return {
+        settings: dict[str, Any] = {
             "precision": str(program.precision.compute_dtype),
             "seed": program.seed,
             "grad_accum_steps": program.grad_accum_steps,
         }
+        if program.lora is not None:  # an adapter checkpoint names the base it adapts
+            digest = lora_lib.base_digest(distributed.fetch(self.require_state().params))
+            lora = {**dataclasses.asdict(program.lora), "base_sha256": digest, "base_source": self.weights_source}
+            settings["lora"] = lora
+        return settings
 
     @contextlib.contextmanager
     def kept(self) -> Iterator[None]:

@@ -247,4 +247,49 @@ def partition_specs(
             annotations=annotations,
         )
 
-    return jax.tree_util.tree_map_with_path(spec, tree)
+    specs = jax.tree_util.tree_map_with_path(spec, tree)
+    return _adapters_follow_kernels(tree, specs, rules)
+
+
+#: LoRA adapters beside a kernel: ``<kernel>_lora_a`` (input dims, rank), ``<kernel>_lora_b`` (rank, output)
+ADAPTER_A, ADAPTER_B = "_lora_a", "_lora_b"
+
+
+def _adapters_follow_kernels(tree: PyTree, specs: PyTree, rules: Sequence[tuple[re.Pattern, PartitionSpec]]) -> PyTree:
+    """LoRA's adapters sharded as their kernel is: ``A`` (input dims, rank) takes the kernel's
+    input dims' axes, ``B`` (rank, output) its output dim's, so ``x @ A @ B`` moves what ``x @ W``
+    moves; a regex rule naming the adapter wins. The kernel may be stored quantised (its values
+    under ``<kernel>/array/qvalue``)."""
+    leaves = jax.tree_util.tree_leaves_with_path(tree)
+    if not any(leaf_name(path).endswith((ADAPTER_A, ADAPTER_B)) for path, _ in leaves):
+        return specs
+    flat_specs = jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, PartitionSpec))
+    by_name = {leaf_name(path): (np.shape(leaf), spec) for (path, leaf), spec in zip(leaves, flat_specs)}
+    followed = []
+    for (path, leaf), spec in zip(leaves, flat_specs):
+        name, shape = leaf_name(path), np.shape(leaf)
+        kernel = next((by_name[k] for k in _kernel_names(name) if k in by_name), None)
+        if kernel is None or any(pattern.search(name) for pattern, _ in rules):
+            followed.append(spec)
+            continue
+        kernel_shape, kernel_spec = kernel
+        axes = tuple(kernel_spec) + (None,) * (len(kernel_shape) - len(kernel_spec))
+        if name.endswith(ADAPTER_A) and shape[:-1] == kernel_shape[:-1]:
+            spec = PartitionSpec(*axes[:-1], None)
+        elif name.endswith(ADAPTER_B) and shape[1:] == kernel_shape[-1:]:
+            spec = PartitionSpec(None, axes[-1])
+        followed.append(spec)
+    return jax.tree.unflatten(jax.tree.structure(tree), followed)
+
+
+def _kernel_names(name: str) -> list[str]:
+    """Where an adapter's kernel may be: beside it (or its quantised values there), and for an
+    optimizer moment of the adapter (``opt_state/.../mu/Dense_0/kernel_lora_a``) the kernel
+    among the parameters (``params/Dense_0/kernel``): a frozen kernel has no moments."""
+    suffix = next((s for s in (ADAPTER_A, ADAPTER_B) if name.endswith(s)), None)
+    if suffix is None:
+        return []
+    base = name[: -len(suffix)]
+    parts = base.split("/")
+    places = [base] + ["/".join(("params", *parts[i:])) for i in range(1, len(parts))]
+    return [k for place in places for k in (place, f"{place}/array/qvalue")]

@@ -41,7 +41,7 @@ class Loadable(Protocol):
 
     def weight_targets(self) -> dict[str, Target]: ...
 
-    def put_weights(self, arrays: dict[str, Any]) -> None: ...
+    def put_weights(self, arrays: dict[str, Any], source: str = "") -> None: ...
 
     def named_weights(self) -> dict[str, np.ndarray]: ...
 
@@ -101,7 +101,7 @@ def load(
         flat = jax.tree_util.tree_leaves_with_path(into)
         values = [arrays.get(leaf_name(path), leaf) for path, leaf in flat]
         return Loaded(jax.tree.unflatten(jax.tree.structure(into), values), report)
-    holder.put_weights(arrays)
+    holder.put_weights(arrays, opened.description)
     return report
 
 
