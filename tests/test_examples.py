@@ -114,7 +114,41 @@ def test_the_language_model_example_trains_in_a_short_mode(strategy):
     assert expected in result.stdout, result.stdout
 
 
-@pytest.mark.parametrize("example", ["digits_cnn.py", "digits_two_heads.py", "from_files.py", "lm.py"])
+def test_finetune_digits_compares_the_three_ways_and_keeps_the_adapter_checkpoint_small():
+    pytest.importorskip("safetensors")
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / "finetune_digits.py"), "--pretrain-epochs", "8"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    rows = {}
+    for match in re.finditer(
+        r"^(all weights|frozen body, new head|LoRA rank 2) +(\d\.\d+) +([\d,]+) +([\d,.]+) KiB", result.stdout, re.M
+    ):
+        rows[match.group(1)] = (
+            float(match.group(2)),
+            int(match.group(3).replace(",", "")),
+            float(match.group(4).replace(",", "")),
+        )
+    assert set(rows) == {"all weights", "frozen body, new head", "LoRA rank 2"}, result.stdout
+    full, frozen, lora = rows["all weights"], rows["frozen body, new head"], rows["LoRA rank 2"]
+    assert full[0] >= 0.9 and lora[0] >= 0.9, result.stdout
+    assert lora[1] < full[1] / 20 and frozen[1] < full[1] / 20  # trainable parameters
+    assert lora[2] < full[2] / 20 and frozen[2] < full[2] / 20  # optimizer-state bytes
+    share = float(re.search(r"for the full state \((\d+\.\d)%\)", result.stdout).group(1))
+    assert share < 5.0, result.stdout
+    gap = float(re.search(r"differ from the adapters' by at most ([\d.e+-]+)", result.stdout).group(1))
+    assert gap < 1e-5
+    assert "kept at their initial values: head/bias, head/kernel" in result.stdout
+
+
+@pytest.mark.parametrize(
+    "example", ["digits_cnn.py", "digits_two_heads.py", "from_files.py", "lm.py", "finetune_digits.py"]
+)
 def test_every_example_s_help_shows_its_defaults(example):
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     result = subprocess.run(

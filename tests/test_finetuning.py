@@ -1,6 +1,10 @@
 """Fine-tuning: frozen parameters (``Trainer(trainable=...)``) never change, carry no optimizer
 state and train the same on every strategy."""
 
+import random
+import re
+import time
+
 import flax.linen as nn
 import jax
 import numpy as np
@@ -242,3 +246,21 @@ def test_lora_refuses_what_it_cannot_do():
         trainer = frozen_trainer()
         trainer.init(make_classification(8)[0])
         trainer.merge_lora()
+
+
+def test_a_lora_run_killed_with_sigkill_resumes_bit_identical(tmp_path):
+    """BackupAndRestore of a LoRA run: the backups hold the adapters; a kill -9 and a rerun
+    (which loads the same base first) finish with the uninterrupted run's parameters, bit for bit."""
+    from test_faults import assert_bit_identical, committed_steps, finish, params, start, wait_for
+
+    finish(tmp_path / "reference", tmp_path / "reference.npz", "--lora")
+    backup = tmp_path / "backup"
+    process = start(backup, tmp_path / "out.npz", "--sleep", "0.03", "--lora")
+    wait_for(lambda: committed_steps(backup))
+    time.sleep(random.uniform(0.0, 0.3))
+    process.kill()  # SIGKILL
+    process.wait()
+    assert committed_steps(backup) and committed_steps(backup)[-1] < 52  # it died mid-run
+    output = finish(backup, tmp_path / "out.npz", "--lora")
+    assert re.search(r"resuming from step \d+", output), output
+    assert_bit_identical(params(tmp_path / "out.npz"), params(tmp_path / "reference.npz"))
