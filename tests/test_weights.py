@@ -3,6 +3,7 @@ saved with ``safetensors.torch`` give torch's outputs once loaded; the strict re
 problem; every strategy places the same values, each device holding only its shard."""
 
 import os
+import pathlib
 
 import flax.linen as nn
 import jax
@@ -262,3 +263,38 @@ def test_load_refuses_what_it_cannot_take(tmp_path):
         tk.weights.load({"w": np.ones(2)}, into=[np.ones(2)])
     with pytest.raises(ValueError, match="layout='keras' is not one of"):
         tk.weights.load({"w": np.ones(2)}, into={"w": np.ones(2)}, layout="keras")
+
+
+def test_two_processes_load_the_values_of_one_each_reading_only_its_shards(tmp_path):
+    """2 processes x 4 devices (gloo) against 1 x 8: the same values; each process reads from
+    the file exactly the bytes its devices hold."""
+    import json
+    import re
+    import subprocess
+    import sys
+
+    from conftest import subprocess_cache_env
+
+    rng = np.random.default_rng(0)
+    entries = {"hidden/kernel": rng.normal(size=(64, 256)), "hidden/bias": rng.normal(size=256)}
+    entries |= {"head/kernel": rng.normal(size=(256, 8)), "head/bias": rng.normal(size=8)}
+    save_file({k: torch.from_numpy(v.astype(np.float32)) for k, v in entries.items()}, tmp_path / "w.safetensors")
+    script = pathlib.Path(__file__).parent / "scripts" / "multihost_weights.py"
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_NUM_CPU_DEVICES")}
+    env |= subprocess_cache_env()
+    for nproc, devices in ((1, 8), (2, 4)):
+        out = tmp_path / f"{nproc}.npz"
+        command = [sys.executable, "-m", "trainkit.launch", "--nproc", str(nproc), "--devices-per-proc", str(devices)]
+        result = subprocess.run(
+            [*command, str(script), str(tmp_path / "w.safetensors"), str(out)],
+            capture_output=True, text=True, env=env, timeout=300,
+        )  # fmt: skip
+        assert result.returncode == 0, result.stdout + result.stderr
+        counts = [json.loads(m) for m in re.findall(r"process \d+: (\{.*\})", result.stdout)]
+        assert len(counts) == nproc and all(c["read"] == c["held"] for c in counts), result.stdout
+        with np.load(out) as loaded:
+            for name, value in entries.items():
+                module, leaf = name.split("/")
+                np.testing.assert_array_equal(loaded[f"['params']['{module}']['{leaf}']"], value.astype(np.float32))
+    total = sum(v.size * 4 for v in entries.values())
+    assert counts[0]["held"] < total  # sharded: each process holds part of it
