@@ -24,6 +24,7 @@ DOCS = pathlib.Path(__file__).parent.parent / "docs"
         "porting_from_keras.md",
         "export.md",
         "tuning.md",
+        "finetuning.md",
     ],
 )
 def test_guide_code_runs(page):
