@@ -23,9 +23,8 @@ import time
 
 
 def parse_args(argv=None):
-    parser = argparse.ArgumentParser(
-        description=__doc__.splitlines()[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
-    )
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.formatter_class = argparse.ArgumentDefaultsHelpFormatter
     parser.add_argument("--devices", type=int, default=8, help="fake this many CPU devices (0: the real devices)")
     parser.add_argument("--strategy", default="fsdp", choices=["single", "dp", "fsdp"], help="for every run")
     parser.add_argument("--pretrain-epochs", type=int, default=10, help="on digits 0-4")
@@ -37,32 +36,33 @@ def parse_args(argv=None):
     return parser.parse_args(argv)
 
 
-def main(argv=None) -> int:
-    args = parse_args(argv)
-    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # XLA's resharding notes for FSDP's convolutions
-    if args.devices:  # before JAX is imported
-        os.environ["JAX_PLATFORMS"] = "cpu"
-        os.environ["XLA_FLAGS"] = (
-            os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={args.devices}"
-        )
-
+def cnn():
+    """Two 3x3 convolutions with average pooling, a 2,048-unit layer (wide, so that the adapters'
+    share shows) and a 5-class head; the modules named, as published weights name them."""
     import flax.linen as nn
-    import jax
-    import numpy as np
-    import optax
-    from sklearn.datasets import load_digits
-
-    import trainkit as tk
 
     class CNN(nn.Module):
-        """Two 3x3 convolutions with average pooling, a 2,048-unit layer and a 5-class head."""
-
         @nn.compact
         def __call__(self, x):
             x = nn.avg_pool(nn.relu(nn.Conv(32, (3, 3), name="conv1")(x)), (2, 2), strides=(2, 2))
             x = nn.avg_pool(nn.relu(nn.Conv(64, (3, 3), name="conv2")(x)), (2, 2), strides=(2, 2))
             x = nn.relu(nn.Dense(2048, name="hidden")(x.reshape(x.shape[0], -1)))
             return nn.Dense(5, name="head")(x)
+
+    return CNN()
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # XLA's resharding notes for FSDP's convolutions
+    if args.devices:  # fake CPU devices: before JAX is imported
+        os.environ.update(JAX_PLATFORMS="cpu", JAX_NUM_CPU_DEVICES=str(args.devices))
+    import jax
+    import numpy as np
+    import optax
+    from sklearn.datasets import load_digits
+
+    import trainkit as tk
 
     digits = load_digits()
     images, labels = (digits.images / 16.0).astype(np.float32)[..., None], digits.target.astype(np.int32)
@@ -79,7 +79,7 @@ def main(argv=None) -> int:
 
     def trainer(learning_rate=2e-3, **options):
         return tk.Trainer(
-            CNN(),
+            cnn(),
             loss="sparse_categorical_crossentropy",
             optimizer=optax.adam(learning_rate),
             metrics=["accuracy"],
