@@ -264,3 +264,34 @@ def test_a_lora_run_killed_with_sigkill_resumes_bit_identical(tmp_path):
     output = finish(backup, tmp_path / "out.npz", "--lora")
     assert re.search(r"resuming from step \d+", output), output
     assert_bit_identical(params(tmp_path / "out.npz"), params(tmp_path / "reference.npz"))
+
+
+def test_lora_on_an_nnx_module_trains_only_its_adapters_and_merges(tmp_path):
+    from flax import nnx
+
+    class NNXNet(nnx.Module):
+        def __init__(self, rngs: nnx.Rngs):
+            self.body, self.head = nnx.Linear(5, 16, rngs=rngs), nnx.Linear(16, 3, rngs=rngs)
+
+        def __call__(self, x):
+            return self.head(nnx.relu(self.body(x)))
+
+    x, y = make_classification(64)
+    plain = tk.Trainer(NNXNet(nnx.Rngs(0)), loss="sparse_categorical_crossentropy", optimizer=optax.sgd(0.1))
+    trainer = tk.Trainer(
+        NNXNet(nnx.Rngs(0)), loss="sparse_categorical_crossentropy", optimizer=optax.adam(1e-2),
+        strategy=tk.FSDP(min_shard_size=1), lora=tk.LoRA(rank=2, alpha=4.0),
+    )  # fmt: skip
+    np.testing.assert_array_equal(trainer.predict(x), plain.predict(x))  # step 0: the base model
+    before = trainer.get_weights()
+    trainer.fit(x, y, batch_size=16, epochs=2, verbose=0)
+    after = trainer.get_weights()
+    changed = [
+        n for n, a, b in zip(names(before), jax.tree.leaves(before), jax.tree.leaves(after)) if not np.array_equal(a, b)
+    ]
+    assert sorted(changed) == sorted(n for n in names(before) if "_lora_" in n) and len(changed) == 4
+    merged = trainer.merge_lora()
+    np.testing.assert_allclose(merged.predict(x), trainer.predict(x), atol=1e-5)
+    assert sorted(merged.get_weights()["params"]["body"]) == ["bias", "kernel"]
+    with pytest.raises(ValueError, match="quantize_base \\(QLoRA\\) works on flax.linen modules"):
+        tk.Trainer(NNXNet(nnx.Rngs(0)), loss="mse", optimizer=optax.sgd(0.1), lora=tk.LoRA(quantize_base="nf4")).init(x)

@@ -74,7 +74,7 @@ class Trainer:
         deterministic: XLA's deterministic GPU ops, and no choice by timing (docs/tuning.md).
         trainable: the parameters that train (a regex over paths, a list, or ``(path, leaf) -> bool``);
             the others are frozen: no gradient, no optimizer state (docs/finetuning.md).
-        lora: a ``tk.LoRA``: low-rank adapters (qwix) on the kernels it targets; only they train.
+        lora: a ``tk.LoRA``: low-rank adapters (qwix) on the kernels it targets (linen or NNX); only they train.
 
     Override :meth:`compute_loss` for a loss that is not ``loss(predictions, y)``. See
     docs/quickstart.md, docs/outputs.md and docs/precision_and_memory.md for each argument.

@@ -1,4 +1,4 @@
-"""LoRA and QLoRA on any linen module without editing it, through qwix (Google's JAX
+"""LoRA and QLoRA on any Flax module without editing it, through qwix (Google's JAX
 quantization and LoRA library, which Tunix and MaxText use): ``qwix.LoraProvider`` intercepts
 the module's ``dot_general`` / ``einsum`` / ``conv`` calls and adds ``<kernel>_lora_a`` and
 ``<kernel>_lora_b`` parameters beside each targeted kernel (B zero-initialised: step 0 computes
@@ -54,9 +54,9 @@ def is_quantized(leaf: Any) -> bool:
 class LoRA:
     """``Trainer(lora=tk.LoRA(...))``: rank-``rank`` adapters, scaled by ``alpha / rank``, on the
     kernels of the modules whose path (``Block_0/Dense_1``) matches ``targets`` (``re.search``);
-    the base frozen, and with ``quantize_base`` (``"nf4"`` or ``"int8"``) its targeted Dense
-    kernels stored quantised (QLoRA; convolutions keep float kernels: qwix quantises a conv only
-    with its activations)."""
+    the base frozen, and with ``quantize_base`` (``"nf4"`` or ``"int8"``, linen modules) its
+    targeted Dense kernels stored quantised (QLoRA; convolutions keep float kernels: qwix
+    quantises a conv only with its activations)."""
 
     rank: int = 8
     alpha: float = 16.0
@@ -76,23 +76,36 @@ class LoRA:
     def scale(self) -> float:
         return self.alpha / self.rank
 
-    def wrap(self, model: Any) -> Any:
-        """The linen module with qwix's LoRA interception (the module itself is not changed)."""
-        import flax.linen as nn
+    def provider(self) -> Any:
+        """qwix's ``LoraProvider`` of these settings."""
         import qwix
 
-        if not isinstance(model, nn.Module):
-            raise TypeError(
-                f"LoRA works on flax.linen modules here; received {type(model).__name__}. For an NNX model apply "
-                "qwix.apply_lora_to_model yourself and pass trainable=r'_lora_[ab]$'."
-            )
         path = f".*(?:{self.targets}).*"  # qwix full-matches module paths; trainkit searches them
         options = {"module_path": path, "rank": self.rank, "alpha": float(self.alpha)}
         rules = [qwix.LoraRule(**options)]
         if self.quantize_base is not None:
             convs = qwix.LoraRule(op_names=("conv_general_dilated",), **options)
             rules = [convs, qwix.LoraRule(weight_qtype=self.quantize_base, **options)]
-        return qwix.apply_lora_to_model(model, qwix.LoraProvider(rules))
+        return qwix.LoraProvider(rules)
+
+    def wrap(self, model: Any) -> Any:
+        """The linen module with qwix's LoRA interception (the module itself is not changed)."""
+        import qwix
+
+        return qwix.apply_lora_to_model(model, self.provider())
+
+    def wrap_nnx(self, model: Any, args: tuple, kwargs: dict, seed: int) -> Any:
+        """A copy of the NNX module with adapters, created by running it once on an input
+        (qwix's way for NNX; the module given is not changed)."""
+        import qwix
+        from flax import nnx
+
+        if self.quantize_base is not None:
+            raise ValueError(
+                "quantize_base (QLoRA) works on flax.linen modules; an NNX model trains float LoRA adapters "
+                "(tk.LoRA(quantize_base=None))."
+            )
+        return qwix.apply_lora_to_model(model, self.provider(), *args, rngs=nnx.Rngs(seed), **kwargs)
 
     def merged(self, params: PyTree) -> PyTree:
         """The base model's parameters: each adapted kernel (dequantised if stored quantised)

@@ -418,14 +418,41 @@ def adapt_model(model: Any) -> ModelAdapter:
     )
 
 
-def with_lora(adapter: ModelAdapter, lora: LoRA) -> ModelAdapter:
-    """The adapter of the same linen module with ``lora``'s adapters (qwix's interception)."""
-    if not isinstance(adapter, LinenModel):
-        raise TypeError(
-            "Trainer(lora=...) works on flax.linen modules; for an NNX model apply qwix.apply_lora_to_model to it "
-            "yourself and pass trainable=r'_lora_[ab]$' (docs/finetuning.md)."
-        )
-    return LinenModel(lora.wrap(adapter.module))
+def with_lora(adapter: ModelAdapter, lora: LoRA, seed: int = 0) -> ModelAdapter:
+    """The adapter of the same module with ``lora``'s adapters (qwix's interception): a linen
+    module at once, an NNX module at its first input (qwix runs it once to create them; ``seed``
+    draws their initial A)."""
+    if isinstance(adapter, LinenModel):
+        return LinenModel(lora.wrap(adapter.module))
+    if isinstance(adapter, NNXModel):
+        return NNXLoRAModel(adapter.module, lora, seed)
+    raise TypeError(f"Trainer(lora=...) adapts flax.linen and flax.nnx modules; received {type(adapter).__name__}.")
+
+
+class NNXLoRAModel(NNXModel):
+    """An NNX module with qwix's LoRA adapters, created from the first input the model sees
+    (:meth:`init`): until then it has no parameters to split."""
+
+    def __init__(self, module: nnx.Module, lora: LoRA, seed: int):
+        self.base, self.lora, self.seed = module, lora, seed
+        self._ready = False
+
+    def _wrap(self, x: PyTree) -> None:
+        if self._ready:
+            return
+        if x is None:
+            raise RuntimeError("An NNX model with LoRA adapters needs an input first: call trainer.init(sample).")
+        args, kwargs = _split_inputs(x, _call_parameters(type(self.base).__call__))
+        NNXModel.__init__(self, self.lora.wrap_nnx(self.base, args, kwargs, self.seed))
+        self._ready = True
+
+    def init(self, rng: jax.Array | None, x: PyTree) -> tuple[PyTree, PyTree]:
+        self._wrap(x)
+        return super().init(rng, x)
+
+    def param_axes(self, x: PyTree) -> dict[str, tuple]:
+        self._wrap(x)
+        return super().param_axes(x)
 
 
 def starting_variables(adapter: ModelAdapter, given: PyTree, first_row: PyTree) -> tuple[PyTree, PyTree] | None:
@@ -433,7 +460,7 @@ def starting_variables(adapter: ModelAdapter, given: PyTree, first_row: PyTree) 
     "batch_stats": ...}`` or a bare parameter tree, checked against the model's own), an NNX
     module's arrays, or ``None`` (a linen module initialises itself)."""
     if given is None:
-        return adapter.init(None, None) if isinstance(adapter, NNXModel) else None
+        return adapter.init(None, first_row) if isinstance(adapter, NNXModel) else None
     abstract = jax.eval_shape(adapter.init, jax.random.PRNGKey(0), first_row)
     if isinstance(given, dict) and "params" in given:
         variables = (given["params"], {k: v for k, v in given.items() if k != "params"})

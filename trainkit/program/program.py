@@ -84,7 +84,7 @@ class Program:
         lora: LoRA | None = None,
     ):
         self.lora, self.base_adapter = lora, adapter  # the model without adapters: what merge_lora and export give
-        adapter = adapter if lora is None else with_lora(adapter, lora)
+        adapter = adapter if lora is None else with_lora(adapter, lora, seed)
         self.run_model, self.remat = precision.wrap_apply(wrap_remat(adapter, remat)), remat
         self.adapter, self.compute_loss, self.apply = adapter, compute_loss, apply or self.run_model
         self.trainable = Trainable.of(trainable, extra=None if lora is None else is_adapter)
