@@ -13,16 +13,22 @@ import numpy as np
 import optax
 import orbax.checkpoint as ocp
 import pytest
+from safetensors.numpy import save_file as save_numpy
 
 import trainkit as tk
 
-torch = pytest.importorskip("torch")
-from safetensors.torch import save_file  # noqa: E402
+try:  # the torch models need torch (CI installs its CPU wheel on Python 3.11); the rest does not
+    import torch
+    from safetensors.torch import save_file
+except ImportError:
+    torch = None
+
+needs_torch = pytest.mark.skipif(torch is None, reason="torch is not installed")
 
 TOKENS, CLASSES = 10, 3
 
 
-class TorchMLP(torch.nn.Module):
+class TorchMLP(torch.nn.Module if torch else object):
     def __init__(self):
         super().__init__()
         self.fc1, self.fc2 = torch.nn.Linear(5, 16), torch.nn.Linear(16, CLASSES)
@@ -37,7 +43,7 @@ class FlaxMLP(nn.Module):
         return nn.Dense(CLASSES, name="fc2")(nn.relu(nn.Dense(16, name="fc1")(x)))
 
 
-class TorchNet(torch.nn.Module):
+class TorchNet(torch.nn.Module if torch else object):
     """Embedding -> Conv2d -> BatchNorm2d -> mean over space -> LayerNorm -> Linear."""
 
     def __init__(self):
@@ -96,6 +102,7 @@ def torch_outputs(net, x):
         return net(torch.from_numpy(x).long() if x.dtype == np.int32 else torch.from_numpy(x)).numpy()
 
 
+@needs_torch
 def test_a_torch_mlp_gives_torchs_outputs(tmp_path):
     torch.manual_seed(1)
     net = TorchMLP().eval()
@@ -108,6 +115,7 @@ def test_a_torch_mlp_gives_torchs_outputs(tmp_path):
     np.testing.assert_allclose(trainer.predict(x), torch_outputs(net, x), atol=1e-5)
 
 
+@needs_torch
 def test_a_torch_cnn_with_batchnorm_layernorm_and_embedding_gives_torchs_outputs(torch_net):
     net, path = torch_net
     x = tokens()
@@ -119,6 +127,7 @@ def test_a_torch_cnn_with_batchnorm_layernorm_and_embedding_gives_torchs_outputs
     np.testing.assert_allclose(trainer.predict(x), torch_outputs(net, x), atol=1e-5)
 
 
+@needs_torch
 def test_the_strict_report_names_a_renamed_a_missing_and_a_reshaped_parameter(torch_net, tmp_path):
     net, _ = torch_net
     entries = dict(net.state_dict())
@@ -146,6 +155,7 @@ def test_the_strict_report_names_a_renamed_a_missing_and_a_reshaped_parameter(to
     assert report.missing == ("fc/bias",) and "ln/scale" in report.loaded
 
 
+@needs_torch
 def test_keep_initial_leaves_a_new_head_at_its_initial_values(torch_net):
     net, path = torch_net
     trainer = trainer_for(FlaxNet(classes=5))  # a new head: 5 classes where the source has 3
@@ -167,6 +177,7 @@ def test_a_prefix_mismatch_gets_a_rename_hint(tmp_path):
         tk.weights.load(params, into=trainer)
 
 
+@needs_torch
 @pytest.mark.parametrize("strategy", ["fsdp", "dp", "hybrid"])
 def test_every_strategy_places_the_values_of_one_device_each_holding_its_shard(torch_net, strategy):
     net, path = torch_net
@@ -191,7 +202,7 @@ def test_a_source_reads_only_the_shard_a_device_asks_for(tmp_path, monkeypatch):
     """The bytes read from a safetensors file for a device are its shard's (memory-mapped slices)."""
     from trainkit.weights.sources import SafetensorsSource
 
-    save_file({"w": torch.arange(64 * 8, dtype=torch.float32).reshape(64, 8)}, tmp_path / "w.safetensors")
+    save_numpy({"w": np.arange(64 * 8, dtype=np.float32).reshape(64, 8)}, tmp_path / "w.safetensors")
     reads, original = [], SafetensorsSource.read
 
     def read(self, name, index):
@@ -208,7 +219,7 @@ def test_a_source_reads_only_the_shard_a_device_asks_for(tmp_path, monkeypatch):
 
 
 def test_bf16_safetensors_are_read_and_their_cast_reported(tmp_path):
-    save_file({"w": torch.ones(4, 2, dtype=torch.bfloat16)}, tmp_path / "bf16.safetensors")
+    save_numpy({"w": np.ones((4, 2), ml_dtypes.bfloat16)}, tmp_path / "bf16.safetensors")
     loaded = tk.weights.load(tmp_path / "bf16.safetensors", into={"w": np.zeros((4, 2), np.float32)})
     assert loaded.report.casts == (("w", "bfloat16", "float32"),) and not loaded.report.lossy
     assert loaded.tree["w"].dtype == np.float32 and loaded.tree["w"].sum() == 8
@@ -234,6 +245,7 @@ def test_orbax_and_npz_sources_load_into_a_sharded_tree(tmp_path):
         np.testing.assert_array_equal(np.asarray(loaded["fc1"]["kernel"]), params["fc1"]["kernel"])
 
 
+@needs_torch
 def test_save_weights_in_torch_layout_loads_into_the_torch_model_strictly(torch_net, tmp_path):
     net, path = torch_net
     x = tokens()
@@ -266,8 +278,8 @@ def test_load_refuses_what_it_cannot_take(tmp_path):
 
 
 def test_two_processes_load_the_values_of_one_each_reading_only_its_shards(tmp_path):
-    """2 processes x 4 devices (gloo) against 1 x 8: the same values; each process reads from
-    the file exactly the bytes its devices hold."""
+    """2 processes x 4 devices (gloo) load the file's values (one process's, tested above);
+    each process reads from the file exactly the bytes its devices hold."""
     import json
     import re
     import subprocess
@@ -278,11 +290,11 @@ def test_two_processes_load_the_values_of_one_each_reading_only_its_shards(tmp_p
     rng = np.random.default_rng(0)
     entries = {"hidden/kernel": rng.normal(size=(64, 256)), "hidden/bias": rng.normal(size=256)}
     entries |= {"head/kernel": rng.normal(size=(256, 8)), "head/bias": rng.normal(size=8)}
-    save_file({k: torch.from_numpy(v.astype(np.float32)) for k, v in entries.items()}, tmp_path / "w.safetensors")
+    save_numpy({k: v.astype(np.float32) for k, v in entries.items()}, tmp_path / "w.safetensors")
     script = pathlib.Path(__file__).parent / "scripts" / "multihost_weights.py"
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_NUM_CPU_DEVICES")}
     env |= subprocess_cache_env()
-    for nproc, devices in ((1, 8), (2, 4)):
+    for nproc, devices in ((2, 4),):  # the values of one process are the file's, compared below
         out = tmp_path / f"{nproc}.npz"
         command = [sys.executable, "-m", "trainkit.launch", "--nproc", str(nproc), "--devices-per-proc", str(devices)]
         result = subprocess.run(
