@@ -263,11 +263,13 @@ class Trainer:
         memory_limit: int | str | None = None,
         steps: int = plan_lib.MEASURE_STEPS,
         verbose: int = 1,
+        target: str | None = None,
     ) -> plan_lib.MemoryPlan:
-        """The real train step compiled under each candidate: per-device bytes, flops, collective bytes,
-        estimated (or ``measure``d) step time; the recommended row is ``"auto"``'s (docs/strategies.md)."""
+        """The real step compiled under each candidate: bytes, flops, traffic, estimated (or ``measure``d) time,
+        ``"auto"``'s pick; for absent devices with ``target="tpu v5e:4x4"`` (docs/targets.md)."""
         options: dict[str, Any] = {"candidates": candidates, "measure": measure, "memory_limit": memory_limit}
-        return tuning.plan(self.setup, sample_batch, batch_size=batch_size, steps=steps, verbose=verbose, **options)
+        options.update(batch_size=batch_size, steps=steps, verbose=verbose, target=target)
+        return tuning.plan(self.setup, sample_batch, **options)
 
     def export(self, filepath: str | os.PathLike, format: str = "jax", verbose: bool = True, **options: Any) -> None:
         """Keras 3's ``model.export``: ``predict``'s function with a symbolic batch axis, as ``"jax"``,
@@ -285,9 +287,8 @@ class Trainer:
         powers_of_two: bool = True,
         verbose: int = 1,
     ) -> BatchSizeSearch:
-        """The largest global batch (a multiple of what the strategy splits; powers of two) whose
-        compiled train step fits ``memory_limit`` (default: the device's) less the plan's
-        headroom; found by compiling, never by an OOM; the same on every process (docs/tuning.md)."""
+        """The largest global batch (powers of two the strategy splits) whose compiled train step fits
+        ``memory_limit`` (default: the device's); found by compiling, never by an OOM (docs/tuning.md)."""
         options: dict[str, Any] = {"max_batch_size": max_batch_size, "memory_limit": memory_limit}
         return tuning.find_batch_size(self.setup, x, y, powers_of_two=powers_of_two, verbose=verbose, **options)
 
@@ -302,9 +303,8 @@ class Trainer:
         steps: int = 100,
         early_stop_threshold: float | None = lr_finder.EARLY_STOP_THRESHOLD,
     ) -> lr_finder.LearningRateSearch:
-        """Lightning's range test: ``steps`` batches at rates rising from ``min_lr`` to ``max_lr``;
-        returns ``lrs``, smoothed ``losses``, the ``suggestion`` (steepest descent) and ``plot(path)``.
-        The state, optimizer state and step count are restored exactly (docs/tuning.md)."""
+        """Lightning's range test from ``min_lr`` to ``max_lr``: ``lrs``, smoothed ``losses``, the
+        ``suggestion`` and ``plot(path)``; the trainer is restored exactly (docs/tuning.md)."""
         options: dict[str, Any] = {"min_lr": min_lr, "max_lr": max_lr, "early_stop_threshold": early_stop_threshold}
         return lr_finder.find_learning_rate(self, x, y, batch_size=batch_size, steps=steps, **options)
 

@@ -35,6 +35,7 @@ from trainkit.core.leaf_step import LeafStep
 from trainkit.core.state import TrainState
 from trainkit.data import check_batch_size
 from trainkit.program import budget as budget_lib
+from trainkit.program import targets as targets_lib
 from trainkit.strategies import FSDP, DataParallel, Hybrid, SingleDevice, Strategy
 
 logger = logging.getLogger("trainkit")
@@ -117,8 +118,10 @@ def estimate_seconds(
 ) -> float:
     """A roofline estimate of one step: compute or memory time, plus collective time. Fake CPU
     devices share the host's cores, so their work adds up once they outnumber the cores."""
-    platform = devices[0].platform
+    platform, chip = devices[0].platform, targets_lib.chip_of(devices[0])
     flop_rate, memory_rate, link_rate = _THROUGHPUT.get(platform, _THROUGHPUT["gpu"])
+    if chip is not None:  # a known accelerator (or a target's compile-only one): its public figures
+        flop_rate, memory_rate, link_rate = chip.flops, chip.bandwidth, chip.link
     seconds = max(flops / flop_rate, bytes_accessed / memory_rate) + collective_bytes / link_rate
     if platform == "cpu":  # all devices' work shares the host's cores
         seconds *= len(devices) / (os.cpu_count() or 1)
@@ -147,6 +150,7 @@ class PlanRow:
     output_bytes: int = 0
     alias_bytes: int = 0
     temp_bytes: int = 0
+    peak_bytes: int = 0  # the compiler's own peak (TPU and GPU; on CPU it is the arguments)
     flops: float = 0.0
     bytes_accessed: float = 0.0
     collective_bytes: int = 0
@@ -166,8 +170,9 @@ class PlanRow:
     @property
     def total_bytes(self) -> int:
         """Peak per-device bytes of the step: inputs, outputs not aliased to donated inputs,
-        and temporaries."""
-        return self.argument_bytes + self.output_bytes - self.alias_bytes + self.temp_bytes
+        and temporaries, or the compiler's peak where it is larger (a TPU reports temporaries
+        inside its peak)."""
+        return max(self.argument_bytes + self.output_bytes - self.alias_bytes + self.temp_bytes, self.peak_bytes)
 
     @property
     def seconds(self) -> float:
@@ -182,6 +187,7 @@ def analyse(row: PlanRow, compiled) -> PlanRow:
         row.output_bytes = int(memory.output_size_in_bytes)
         row.alias_bytes = int(memory.alias_size_in_bytes)
         row.temp_bytes = int(memory.temp_size_in_bytes)
+        row.peak_bytes = int(memory.peak_memory_in_bytes)
     cost = cost_lib.cost_of(compiled)
     row.flops = float(cost.get("flops", 0.0))
     row.bytes_accessed = float(cost.get("bytes accessed", 0.0))
@@ -210,6 +216,8 @@ class MemoryPlan:
     compare_from_steps: float | None = None
     #: the state's bytes by part before sharding (trainable and frozen params, optimizer state, model state)
     state_bytes: dict[str, int] = dataclasses.field(default_factory=dict)
+    #: the devices planned for when they are not these (``"tpu v5e:4x4"``): compiled, not run
+    target: str | None = None
 
     @property
     def recommended(self) -> PlanRow | None:
@@ -244,33 +252,29 @@ class MemoryPlan:
         """Per device: argument, temporary and total MiB, GFLOP, MiB moved by collectives, and
         the estimated or measured milliseconds of one step; the pick of ``"auto"`` marked."""
         kind = "measured" if self.measured else "estimated"
-        table = Table(
-            title=f"trainkit plan: MiB per device of {self.memory_limit / 2**20:,.0f}; {kind} ms/step; <- auto's pick"
+        where = "" if self.target is None else f" for {self.target} (compiled here, not run)"
+        title = (
+            f"trainkit plan{where}: MiB per device of {self.memory_limit / 2**20:,.0f}; {kind} ms/step; <- auto's pick"
         )
+        table = Table(title=title)
         table.add_column("strategy", no_wrap=True)
-        for column in ("args", "temp", "total", "GFLOP", "comm", "ms"):
+        columns = ("args", "temp", "total", "GFLOP", "comm", "ms") + (("compile s",) if self.target else ())
+        for column in columns:
             table.add_column(column, justify="right", no_wrap=True)
         table.add_column("", no_wrap=True)
+        blank = [""] * len(columns)
         for r in self.rows:
             if r.error:
-                table.add_row(r.name, "", "", "", "", "", "", f"[red]{r.error[:60]}[/red]")
+                table.add_row(r.name, *blank, f"[red]{r.error[: 200 if self.target else 60]}[/red]")
                 continue
             if r.skipped:
-                table.add_row(
-                    r.name, "", "", "", "", "", "", "[dim]not compiled: the run is too short to repay it[/dim]"
-                )
+                table.add_row(r.name, *blank, "[dim]not compiled: the run is too short to repay it[/dim]")
                 continue
             verdict = "[bold green]<-[/bold green]" if r.recommended else ("" if r.fits else "[red]too big[/red]")
-            table.add_row(
-                r.name,
-                _mib(r.argument_bytes),
-                _mib(r.temp_bytes),
-                _mib(r.total_bytes),
-                _short(r.flops / 1e9),
-                _mib(r.collective_bytes),
-                _short(r.seconds * 1e3),
-                verdict,
-            )
+            cells = [_mib(r.argument_bytes), _mib(r.temp_bytes), _mib(r.total_bytes), _short(r.flops / 1e9)]
+            cells += [_mib(r.collective_bytes), _short(r.seconds * 1e3)]
+            cells += [f"{r.compile_seconds:.1f}"] if self.target else []
+            table.add_row(r.name, *cells, verdict)
         return table
 
     def print(self, console: Console | None = None) -> None:
@@ -337,6 +341,7 @@ def make_plan(
     measure: Callable[[PlanRow], budget_lib.Timing] | None = None,
     alongside: Callable[[], Any] | None = None,
     run_steps: int | None = None,
+    announce: Callable[[PlanRow], None] | None = None,
 ) -> MemoryPlan:
     """Compiles ``lower(strategy)`` (a ``jax.stages.Lowered`` and the jitted step it came from,
     kept as the row's ``function``) for each candidate and picks one.
@@ -349,7 +354,8 @@ def make_plan(
     initialisation that measuring needs). With ``measure`` and ``run_steps`` (the steps of the
     run the pick trains), the first candidate that fits is compiled and timed alone, and each
     other one only when it could repay its compile within those steps
-    (:mod:`trainkit.program.budget`); the rest keep the reason in ``skipped``.
+    (:mod:`trainkit.program.budget`); the rest keep the reason in ``skipped``. ``announce(row)``
+    is told of each candidate before it is lowered (a progress line), and of it again once compiled.
     """
     rows = [PlanRow(strategy, short_name(strategy)) for strategy in candidates]
     limit = int(memory_limit) if memory_limit is not None else device_memory_limit(candidates[0].devices)
@@ -361,14 +367,14 @@ def make_plan(
             first = None
             while waiting and first is None:  # the simplest candidate that fits, compiled alone
                 row = waiting.pop(0)
-                _compile_rows(pool, [row], lower, limit)
+                _compile_rows(pool, [row], lower, limit, announce)
                 first = row if row.fits else None
             if first is not None:
                 _wait(side)  # the state's initialisation compiled: measuring builds the state
                 _time(first, measure)
                 compare_from = _skip_unprofitable(first, waiting, run_steps)
                 waiting = [row for row in waiting if row.skipped is None]
-        _compile_rows(pool, waiting, lower, limit)
+        _compile_rows(pool, waiting, lower, limit, announce)
         _wait(side)
     if measure is not None:
         for row in waiting:
@@ -396,10 +402,18 @@ def _compile_rows(
     rows: Sequence[PlanRow],
     lower: Callable[[Strategy], tuple[Any, Callable | None]],
     limit: int,
+    announce: Callable[[PlanRow], None] | None = None,
 ) -> None:
     """Lowers each row's candidate and compiles it in ``pool``: XLA compiles without the GIL, so
     each candidate compiles in a thread while the next one is traced and lowered (tracing is
-    Python, so it stays on this thread). Fills each row, its ``compile_seconds`` and ``fits``."""
+    Python, so it stays on this thread). Fills each row, its ``compile_seconds`` and ``fits``.
+    With ``announce`` (a progress line) one at a time: announced, compiled, announced again."""
+    if announce is not None:
+        for row in rows:
+            announce(row)
+            _compile_rows(pool, [row], lower, limit)
+            announce(row)
+        return
     compiling = {}
     for row in rows:
         started = time.perf_counter()
@@ -415,9 +429,9 @@ def _compile_rows(
             started, future = compiling[id(row)]
             try:
                 analyse(row, future.result())
-                row.compile_seconds = time.perf_counter() - started
             except Exception as error:  # noqa: BLE001
                 row.error = _failure(error)
+            row.compile_seconds = time.perf_counter() - started
         row.fits = row.error is None and row.total_bytes <= HEADROOM * limit
 
 
@@ -499,6 +513,9 @@ def plan_step(
     memory_limit: int | None = None,
     steps: int = MEASURE_STEPS,
     run_steps: int | None = None,
+    place_batch: bool = True,
+    announce: Callable[[PlanRow], None] | None = None,
+    target: str | None = None,
 ) -> MemoryPlan:
     """Lowers and compiles a step on ``host_batch`` (a padded global batch) under each candidate.
 
@@ -532,7 +549,9 @@ def plan_step(
             abstract = strategy.put_state(the_host_state(strategy))
             placed = None if totals is None else strategy.put_replicated(totals)
         arguments = (abstract, placed) if trains else (abstract,)  # the totals as training places them
-        return function.lower(*arguments, strategy.put_batch(strategy.local_rows(host_batch))), function
+        local = strategy.local_rows(host_batch)  # compile-only target devices take nothing placed
+        batch = strategy.put_batch(local) if place_batch else strategy.abstract_batch(local)
+        return function.lower(*arguments, batch), function
 
     host_state: list[Any] = []  # built once (sharded, by the first candidate that needs it), then copied
 
@@ -556,10 +575,16 @@ def plan_step(
         alongside = lambda: precompile_state(initialiser)  # noqa: E731
     timed = run if measure else None
     result = make_plan(
-        candidates, lower, memory_limit=memory_limit, measure=timed, alongside=alongside, run_steps=run_steps
+        candidates,
+        lower,
+        memory_limit=memory_limit,
+        measure=timed,
+        alongside=alongside,
+        run_steps=run_steps,
+        announce=announce,
     )
     state, under = host_state[0] if host_state else (None, None)
-    return dataclasses.replace(result, initial_state=state, initialised_under=under)
+    return dataclasses.replace(result, initial_state=state, initialised_under=under, target=target)
 
 
 def _abstract_in(strategy: Strategy, abstract_state: Any, limit: int) -> Any:

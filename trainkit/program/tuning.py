@@ -12,8 +12,11 @@ train step fits (docs/tuning.md). Functions of a :class:`~trainkit.program.setup
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+from collections.abc import Iterator, Sequence
 from typing import Any
+
+import jax
 
 from trainkit import data as data_lib
 from trainkit import distributed
@@ -21,8 +24,9 @@ from trainkit.core import checks
 from trainkit.core.tree import PyTree
 from trainkit.program import batch_size as batch_size_lib
 from trainkit.program import plan as plan_lib
+from trainkit.program import targets as targets_lib
 from trainkit.program.setup import Setup
-from trainkit.strategies import Strategy
+from trainkit.strategies import FSDP, DataParallel, Hybrid, Strategy
 
 
 def plan(
@@ -35,12 +39,70 @@ def plan(
     memory_limit: int | str | None = None,
     steps: int = plan_lib.MEASURE_STEPS,
     verbose: int = 1,
+    target: str | None = None,
 ) -> plan_lib.MemoryPlan:
     """:meth:`trainkit.Trainer.plan`: the sample batch (any form ``fit`` takes) prepared and
-    the train step (predict step without targets) compiled under each candidate."""
+    the train step (predict step without targets) compiled under each candidate; for a
+    ``target`` (:mod:`trainkit.program.targets`) on its compile-only devices, nothing placed."""
     prepared = data_lib.prepare(sample_batch, batch_size=batch_size, default_batch_size=None)
-    options = {"measure": measure, "memory_limit": checks.byte_count(memory_limit), "steps": steps}
+    options: dict[str, Any] = {"measure": measure, "memory_limit": checks.byte_count(memory_limit), "steps": steps}
+    if target is not None:
+        resolved = targets_lib.parse(target)
+        if measure:
+            raise ValueError(f"measure=True times steps on this machine's devices; {target!r} is compiled, not run.")
+        candidates = target_candidates(candidates, resolved)
+        options.update(memory_limit=options["memory_limit"] or resolved.memory_limit, place_batch=False, target=target)
+        if verbose and distributed.is_main_process():
+            options["announce"] = _progress(resolved)
+        with without_persistent_cache():  # a compile-only executable cannot be cached or read back
+            return setup.plan(prepared, candidates, verbose=verbose, **options)
     return setup.plan(prepared, candidates, verbose=verbose, **options)
+
+
+@contextlib.contextmanager
+def without_persistent_cache() -> Iterator[None]:
+    """JAX's persistent compilation cache off while the block runs (a target's compiles), as it was after."""
+    before = jax.config.jax_enable_compilation_cache  # type: ignore[attr-defined]  # set at runtime
+    jax.config.update("jax_enable_compilation_cache", False)
+    try:
+        yield
+    finally:
+        jax.config.update("jax_enable_compilation_cache", before)
+
+
+def target_candidates(given: Sequence[Any] | None, target: targets_lib.Target) -> list[Strategy]:
+    """The candidates on ``target``'s devices: by default DataParallel, FSDP and (on several
+    hosts, or 4 devices and more) a Hybrid of data across hosts x FSDP inside each; ``given``:
+    names (``"dp"``, ``"fsdp"``, ``"hybrid"``), functions ``devices -> Strategy`` (a Hybrid with
+    a model axis and its rules, say) or strategies already built on the target's devices."""
+    devices = target.devices()
+    n, hosts = len(devices), target.hosts if target.hosts > 1 else (2 if len(devices) >= 4 else 1)
+    named: dict[str, Any] = {"dp": lambda: DataParallel(devices), "fsdp": lambda: FSDP(devices)}
+    if hosts > 1 and n % hosts == 0 and n // hosts > 1:
+        named["hybrid"] = lambda: Hybrid(data=hosts, fsdp=n // hosts, devices=devices)
+    chosen = []
+    for entry in given if given is not None else list(named):
+        if isinstance(entry, str):
+            if entry not in named:
+                raise ValueError(f"Unknown candidate {entry!r} for {target.spec!r}: one of {sorted(named)}.")
+            chosen.append(named[entry]())
+        elif isinstance(entry, Strategy):
+            chosen.append(entry)
+        else:
+            chosen.append(entry(devices))
+    return chosen
+
+
+def _progress(target: targets_lib.Target):
+    """A progress line per candidate: which one is compiling for ``target``, then its time."""
+
+    def announce(row: plan_lib.PlanRow) -> None:
+        if row.compiled is None and row.error is None:
+            print(f"compiling {row.name} for {target.spec} ({len(row.strategy.devices)} {target.chip.name}) ...")
+        else:
+            print(f"  {row.name}: compiled in {row.compile_seconds:.1f} s" + (f" ({row.error})" if row.error else ""))
+
+    return announce
 
 
 def find_batch_size(

@@ -143,6 +143,12 @@ class Strategy:
     def put_batch(self, host_batch: PyTree) -> PyTree:
         raise NotImplementedError
 
+    def abstract_batch(self, host_batch: PyTree) -> PyTree:
+        """A host batch as lowering takes it with nothing placed (a plan for devices that are
+        not here: compile-only TPU or GPU devices hold no data). The default is
+        :meth:`put_batch`'s result, which a strategy whose ``put_batch`` places arrays overrides."""
+        return self.put_batch(host_batch)
+
     def compile(self, kind: str, fn: Callable, abstract_state: PyTree) -> Callable:
         """The one compile entry point: ``fn`` compiled for ``kind`` (``"train"``: the state
         donated; ``"train_steps"``: the same over ``k`` stacked batches; ``"eval"``: outputs

@@ -157,6 +157,12 @@ class ShardedStrategy(Strategy):
             return {**host_batch, "mask": self._placed_mask(mask)}
         return self._put(host_batch, self.batch_sharding)
 
+    def abstract_batch(self, host_batch: PyTree) -> PyTree:
+        """Each leaf as a ``jax.ShapeDtypeStruct`` in the batch sharding: nothing placed."""
+        return jax.tree.map(
+            lambda a: jax.ShapeDtypeStruct(np.shape(a), a.dtype, sharding=self.batch_sharding), host_batch
+        )
+
     def _placed_mask(self, mask: np.ndarray) -> jax.Array:
         """A batch's mask on the devices; a full batch's (the shared ``full_mask``) placed once.
         Sending it with every step cost a dispatch-bound step (MLP 32-64-10, batch 32, one CPU

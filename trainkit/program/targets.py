@@ -1,0 +1,139 @@
+"""Devices that are not here: a TPU slice or NVIDIA GPUs named as a plan's ``target``, whose
+compile-only devices the real step is compiled for on this machine (libtpu's and the CUDA
+plugin's compilers, no accelerator needed). See docs/targets.md.
+
+>>> target = parse("tpu v5e:4x4")
+>>> target.chip.name, target.device_count, target.memory_limit / 2**30
+('TPU v5e', 16, 16.0)
+>>> parse("h100 2x8").topology, parse("h100 x8").device_count
+('2x1x8', 8)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import math
+import os
+import re
+from typing import Any
+
+import jax
+
+GIB = 2**30
+
+
+@dataclasses.dataclass(frozen=True)
+class Chip:
+    """One accelerator's public figures: what the estimate and the fit check use.
+
+    Attributes:
+        name: as the docs name it.
+        memory: device memory, bytes.
+        usable: the share of it a program may use (GPU: JAX preallocates 75% by default).
+        flops: peak dense bf16 flop/s.
+        bandwidth: memory bytes/s.
+        link: interconnect bytes/s per chip (TPU ICI, NVLink), one direction.
+        kinds: ``device_kind`` strings of its (compile-only) devices.
+    """
+
+    name: str
+    memory: int
+    usable: float
+    flops: float
+    bandwidth: float
+    link: float
+    kinds: tuple[str, ...]
+
+
+#: Public figures (Google Cloud's TPU pages, NVIDIA's H100 SXM datasheet), approximate.
+CHIPS = {
+    "v4": Chip("TPU v4", 32 * GIB, 1.0, 275e12, 1.2e12, 300e9, ("TPU v4",)),
+    "v5e": Chip("TPU v5e", 16 * GIB, 1.0, 197e12, 819e9, 200e9, ("TPU v5 lite", "TPU v5e")),
+    "v5p": Chip("TPU v5p", 95 * GIB, 1.0, 459e12, 2.765e12, 600e9, ("TPU v5", "TPU v5p")),
+    "v6e": Chip("TPU v6e", 32 * GIB, 1.0, 918e12, 1.64e12, 448e9, ("TPU v6 lite", "TPU v6e")),
+    "h100": Chip("NVIDIA H100 SXM", 80 * 10**9, 0.75, 989e12, 3.35e12, 450e9, ("NVIDIA H100 80GB HBM3",)),
+}
+
+#: The compile-only CUDA client needs the GPU described (XLA's ``GpuTargetConfigProto``): an H100 SXM.
+H100_TARGET_CONFIG = """gpu_device_info {
+  threads_per_block_limit: 1024 threads_per_warp: 32 shared_memory_per_block: 49152
+  shared_memory_per_core: 233472 threads_per_core_limit: 2048 core_count: 132 fpus_per_core: 128
+  block_dim_limit_x: 2147483647 block_dim_limit_y: 65535 block_dim_limit_z: 65535
+  memory_bandwidth: 3352320000000 l2_cache_size: 52428800 clock_rate_ghz: 1.98
+  device_memory_size: 84929347584 shared_memory_per_block_optin: 232448
+  cuda_compute_capability { major: 9 } registers_per_core_limit: 65536 registers_per_block_limit: 65536
+}
+platform_name: "CUDA"
+dnn_version_info { major: 9 minor: 8 }
+runtime_version { major: 12 minor: 9 }
+device_description_str: "NVIDIA H100 80GB HBM3"
+"""
+
+SPELLINGS = '"tpu <family>:<AxB[xC]>" (e.g. "tpu v5e:4x4", "tpu v5p:2x2x2") or "h100 x<N>" / "h100 <hosts>x<N>"'
+
+
+@dataclasses.dataclass(frozen=True)
+class Target:
+    """A parsed target: ``platform`` (``"tpu"`` or ``"cuda"``), the chip, and the topology as
+    the compiler names it (``"v5e:4x4"``, ``"2x1x8"``)."""
+
+    spec: str
+    platform: str
+    chip: Chip
+    topology: str
+    device_count: int
+    hosts: int
+
+    @property
+    def memory_limit(self) -> int:
+        """Bytes a step may use on one device."""
+        return int(self.chip.memory * self.chip.usable)
+
+    def devices(self) -> list[jax.Device]:
+        """The target's compile-only devices (nothing can run on them; nothing is allocated)."""
+        from jax.experimental.topologies import get_topology_desc
+
+        if self.platform == "tpu":
+            _require("libtpu", "tpu-plan", "libtpu, the TPU compiler")
+            # no TPU host here: libtpu would look for one and print its warnings (before it first loads)
+            os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
+            os.environ.setdefault("TPU_ACCELERATOR_TYPE", "v5litepod-4")
+            options = {"chip_config_name": "megacore"} if self.topology.startswith("v4:") else {}
+            return list(get_topology_desc(topology_name=self.topology, platform="tpu", **options).devices)
+        _require("jax_plugins.xla_cuda12", "gpu-plan", "the CUDA plugin's compiler")
+        if os.environ.get("JAX_PLATFORMS", "") != "cpu":
+            raise RuntimeError(
+                f"Planning for {self.spec!r} needs JAX_PLATFORMS=cpu set before JAX starts (the CUDA plugin checks "
+                "for a GPU otherwise and does not register); run `JAX_PLATFORMS=cpu python ...` or "
+                "`python -m trainkit.plan`, which sets it."
+            )
+        return list(
+            get_topology_desc(platform="cuda", target_config=H100_TARGET_CONFIG, topology=self.topology).devices
+        )
+
+
+def _require(module: str, extra: str, what: str) -> None:
+    if importlib.util.find_spec(module.split(".")[0]) is None or importlib.util.find_spec(module) is None:
+        raise ImportError(f"A plan for this target needs {what}: pip install 'trainkit[{extra}]' (pinned to your jax).")
+
+
+def parse(spec: str) -> Target:
+    """A target from its spelling (see ``SPELLINGS``); a clear error otherwise."""
+    text = " ".join(str(spec).lower().split())
+    tpu = re.fullmatch(r"tpu (v4|v5e|v5p|v6e):(\d+(?:x\d+){1,2})", text)
+    if tpu:
+        family, dims = tpu.groups()
+        count = math.prod(int(d) for d in dims.split("x"))
+        return Target(spec, "tpu", CHIPS[family], f"{family}:{dims}", count, max(1, count // 4))
+    gpu = re.fullmatch(r"h100 (?:(\d+)x|x)(\d+)", text)
+    if gpu:
+        hosts, per_host = int(gpu.group(1) or 1), int(gpu.group(2))
+        return Target(spec, "cuda", CHIPS["h100"], f"{hosts}x1x{per_host}", hosts * per_host, hosts)
+    raise ValueError(f"Unknown target {spec!r}: spell it {SPELLINGS}. Known chips: {sorted(CHIPS)}.")
+
+
+def chip_of(device: Any) -> Chip | None:
+    """The chip of a (real or compile-only) device, when the table knows its kind."""
+    kind = str(device.device_kind)
+    return next((chip for chip in CHIPS.values() if kind in chip.kinds), None)
