@@ -1,0 +1,120 @@
+"""Plans for devices that are not here (``trainer.plan(batch, target=...)``): the real train step
+compiled by libtpu's compiler for a TPU slice (and by the CUDA plugin's for H100s, when it is
+installed), nothing placed on this machine's devices. Skipped without the ``tpu-plan`` extra."""
+
+import importlib.util
+
+import flax.linen as nn
+import jax
+import numpy as np
+import optax
+import pytest
+
+import trainkit as tk
+from trainkit.program import targets
+from trainkit.program.tuning import target_candidates
+
+pytest.importorskip("libtpu")
+
+BATCH, FEATURES = 64, 1024
+
+
+class Wide(nn.Module):
+    """1024 -> 2048 -> 1024 -> 10: 4.2M parameters, large enough that TPU padding is noise."""
+
+    @nn.compact
+    def __call__(self, x):
+        x = nn.relu(nn.Dense(2048)(x))
+        return nn.Dense(10)(nn.relu(nn.Dense(1024)(x)))
+
+
+def data(rows=BATCH, features=FEATURES):
+    return np.zeros((rows, features), np.float32), np.zeros(rows, np.int32)
+
+
+def trainer_for(model):
+    return tk.Trainer(model, loss="sparse_categorical_crossentropy", optimizer=optax.adam(1e-3), strategy="single")
+
+
+@pytest.fixture(scope="module")
+def v5e():
+    trainer = trainer_for(Wide())
+    live = len(jax.live_arrays())
+    plan = trainer.plan(data(), target="tpu v5e:2x4", verbose=0)
+    return trainer, plan, live
+
+
+def rows(plan):
+    return {type(row.strategy).__name__: row for row in plan.rows}
+
+
+def batch_shard_bytes(devices=8):
+    return (BATCH * FEATURES * 4 + BATCH * 4 + BATCH * 4) / devices  # x, y, the mask
+
+
+def test_fsdp_arguments_are_the_state_over_8_plus_the_batch_shard_and_peak_exceeds_them(v5e):
+    _, plan, _ = v5e
+    fsdp = rows(plan)["FSDP"]
+    state = plan.state_bytes["trainable params"] + plan.state_bytes["optimizer state"]
+    expected = state / 8 + batch_shard_bytes()
+    assert fsdp.error is None and abs(fsdp.argument_bytes - expected) / expected < 0.01, (fsdp.argument_bytes, expected)
+    assert fsdp.peak_bytes > fsdp.argument_bytes and fsdp.fits
+    assert fsdp.compile_seconds > 0 and fsdp.flops > 0
+
+
+def test_dataparallel_holds_8_times_fsdps_share_of_the_parameters(v5e):
+    _, plan, _ = v5e
+    found = rows(plan)
+    dp, fsdp = (found[name].argument_bytes - batch_shard_bytes() for name in ("DataParallel", "FSDP"))
+    assert abs(dp / fsdp - 8) < 0.08, (dp, fsdp)
+    assert "Hybrid" in found  # data x fsdp, the default third candidate
+
+
+def test_planning_allocates_nothing_here_and_the_trainer_fits_afterwards(v5e):
+    trainer, plan, live = v5e
+    assert trainer.state is None and len(jax.live_arrays()) == live
+    assert "for tpu v5e:2x4 (compiled here, not run)" in str(plan) and "compile s" in str(plan)
+    x, y = data(32, 16)
+    small = trainer_for(nn.Dense(3))
+    small.plan((x, y), target="tpu v5e:2x2", verbose=0)
+    small.fit(x, y % 3, batch_size=8, epochs=1, verbose=0)
+    assert small.state is not None and small.strategy.devices[0].platform == "cpu"
+
+
+def test_a_model_too_large_for_16_gib_is_refused_with_the_compilers_reason():
+    class Huge(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            return nn.Dense(32768)(x)  # 1.07G parameters: 4 GiB, and Adam's 8 GiB, on every device under dp
+
+    plan = trainer_for(Huge()).plan(data(8, 32768), target="tpu v5e:2x4", candidates=["dp"], verbose=0)
+    (row,) = plan.rows
+    assert not row.fits and "RESOURCE_EXHAUSTED" in row.error and "HBM" in row.error, row.error
+    assert plan.recommended is None
+
+
+def test_a_256_device_target_plans_a_hybrid_mesh():
+    target = targets.parse("tpu v5e:16x16")
+    names = [repr(s) for s in target_candidates(None, target)]
+    assert "Hybrid(data=64, fsdp=4)" in names and len(target.devices()) == 256
+    plan = trainer_for(nn.Dense(10)).plan(data(256, 64), target="tpu v5e:16x16", candidates=["hybrid"], verbose=0)
+    assert plan.rows[0].error is None and plan.rows[0].strategy.mesh.shape == {"data": 64, "fsdp": 4}
+
+
+@pytest.mark.skipif(importlib.util.find_spec("jax_plugins") is None, reason="the gpu-plan extra is not installed")
+def test_the_same_trainer_for_h100_x8_has_the_same_argument_bytes(v5e):
+    _, plan, _ = v5e
+    gpu = trainer_for(Wide()).plan(data(), target="h100 x8", candidates=["fsdp"], verbose=0)
+    assert gpu.rows[0].argument_bytes == pytest.approx(rows(plan)["FSDP"].argument_bytes, rel=0.01)
+
+
+def test_targets_are_spelled_as_the_docs_say():
+    assert targets.parse("TPU  v5p:2x2x2").device_count == 8
+    for wrong in ("tpu v9:2x2", "v5e:4x4", "h100 8", "a100 x8"):
+        with pytest.raises(ValueError, match="Unknown target"):
+            targets.parse(wrong)
+    if importlib.util.find_spec("jax_plugins") is None:
+        with pytest.raises(ImportError, match=r"pip install 'trainkit\[gpu-plan\]'"):
+            targets.parse("h100 x8").devices()
+    with pytest.raises(ValueError, match="measure=True times steps on this machine"):
+        trainer_for(nn.Dense(3)).plan(data(8, 4), target="tpu v5e:2x2", measure=True)
