@@ -118,3 +118,27 @@ def test_targets_are_spelled_as_the_docs_say():
             targets.parse("h100 x8").devices()
     with pytest.raises(ValueError, match="measure=True times steps on this machine"):
         trainer_for(nn.Dense(3)).plan(data(8, 4), target="tpu v5e:2x2", measure=True)
+
+
+def test_the_command_line_prints_the_table_for_a_target(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    script = tmp_path / "config.py"
+    script.write_text(
+        "import numpy as np, optax, flax.linen as nn, trainkit as tk\n"
+        "def make_trainer():\n"
+        "    trainer = tk.Trainer(nn.Dense(10), loss='sparse_categorical_crossentropy', optimizer=optax.adam(1e-3))\n"
+        "    return trainer, (np.zeros((8, 64), np.float32), np.zeros(8, np.int32))\n"
+        "if __name__ == '__main__':\n"
+        "    raise SystemExit('the __main__ block must not run')\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+    command = [sys.executable, "-m", "trainkit", "plan", f"{script}:make_trainer", "--target", "tpu v5e:2x2"]
+    result = subprocess.run(
+        [*command, "--batch", "256", "--candidates", "fsdp,dp"], capture_output=True, text=True, env=env, timeout=300
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "compiling FSDP(fsdp=4) for tpu v5e:2x2 (4 TPU v5e) ..." in result.stdout
+    assert "for tpu v5e:2x2 (compiled here, not run)" in result.stdout and "picked" in result.stdout

@@ -1,0 +1,61 @@
+"""``python -m trainkit plan script.py:make_trainer --target "tpu v5e:16x16" --batch 1024``: the
+plan of a trainer's real train step for devices that are not here, printed as a table, so a
+configuration is checked before the cluster is rented (docs/targets.md).
+
+``make_trainer()`` (any name; ``script.py`` is imported, its ``__main__`` block not run) returns
+``(trainer, sample)``: a :class:`trainkit.Trainer` and a sample batch in any form ``fit`` takes
+(a few rows suffice: ``--batch`` sets the global batch planned). ``JAX_PLATFORMS=cpu`` is set
+for you (before JAX starts), as the CUDA plugin needs it.
+
+(A command of the package rather than a ``trainkit.plan`` module: ``tk.plan`` is
+:mod:`trainkit.program.plan`, which a module of that name would shadow.)
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+import sys
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m trainkit", description=__doc__.splitlines()[0])
+    parser.add_argument("command", choices=["plan"], help="what to do (plan: the table for a target)")
+    parser.add_argument("function", help="script.py:function returning (trainer, sample batch)")
+    parser.add_argument("--target", required=True, help='e.g. "tpu v5e:4x4", "tpu v5p:2x2x2", "h100 x8", "h100 2x8"')
+    parser.add_argument("--batch", type=int, default=None, help="global batch size (default: the sample's rows)")
+    parser.add_argument("--candidates", default=None, help="comma-separated: dp, fsdp, hybrid (default: all)")
+    return parser.parse_args(argv)
+
+
+def load_function(spec: str):
+    """``path/to/script.py:name`` imported as a module (its ``__main__`` block does not run)."""
+    path, _, name = spec.rpartition(":")
+    if not path or not name or not os.path.isfile(path):
+        raise SystemExit(f"expected script.py:function with an existing script; received {spec!r}")
+    module_spec = importlib.util.spec_from_file_location("trainkit_plan_script", path)
+    assert module_spec is not None and module_spec.loader is not None
+    module = importlib.util.module_from_spec(module_spec)
+    sys.path.insert(0, os.path.dirname(os.path.abspath(path)))
+    module_spec.loader.exec_module(module)
+    function = module.__dict__.get(name)
+    if function is None:
+        raise SystemExit(f"{path} defines no {name!r}")
+    return function
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")  # before JAX starts: the CUDA plugin's compiler needs it
+    made = load_function(args.function)()
+    if not (isinstance(made, tuple) and len(made) == 2):
+        raise SystemExit(f"{args.function} must return (trainer, sample batch); received {type(made).__name__}")
+    trainer, sample = made
+    candidates = None if args.candidates is None else [c.strip() for c in args.candidates.split(",")]
+    plan = trainer.plan(sample, target=args.target, batch_size=args.batch, candidates=candidates, verbose=1)
+    return 0 if plan.recommended is not None else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
