@@ -573,7 +573,8 @@ def plan_step(
     alongside = None
     if initialiser is not None and precompile_state is not None:
         alongside = lambda: precompile_state(initialiser)  # noqa: E731
-    options = {"memory_limit": memory_limit, "alongside": alongside, "run_steps": run_steps, "announce": announce}
+    options: dict[str, Any] = {"memory_limit": memory_limit, "alongside": alongside, "run_steps": run_steps}
+    options["announce"] = announce
     result = make_plan(candidates, lower, measure=run if measure else None, **options)
     state, under = host_state[0] if host_state else (None, None)
     return dataclasses.replace(result, initial_state=state, initialised_under=under, target=target)

@@ -99,6 +99,8 @@ class Target:
             # no TPU host here: libtpu would look for one and print its warnings (before it first loads)
             os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
             os.environ.setdefault("TPU_ACCELERATOR_TYPE", "v5litepod-4")
+            # compiling holds no TPU: several processes may load libtpu (else the first one's lockfile refuses the rest)
+            os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
             options = {"chip_config_name": "megacore"} if self.topology.startswith("v4:") else {}
             return list(get_topology_desc(topology_name=self.topology, platform="tpu", **options).devices)
         _require("jax_plugins.xla_cuda12", "gpu-plan", "the CUDA plugin's compiler")
