@@ -13,6 +13,11 @@ bits per byte, tokens per second and, where the device's peak is known, MFU.
     python examples/lm.py                          # 8 fake CPU devices, FSDP (the default), 600 steps
     python examples/lm.py --strategy tp --steps 300
     python examples/lm.py --strategy single --precision bf16 --remat full --grad-accum-steps 2
+    python examples/lm.py --plan-target "tpu v5e:4x4" --layers 8 --d-model 1024 --length 1024 --batch-size 256
+
+``--plan-target`` trains nothing: it compiles this LM's real train step for a TPU slice or H100s
+that are not here under FSDP and tensor-parallel Hybrid, prints the plan and exits
+(docs/targets.md; needs the ``tpu-plan`` or ``gpu-plan`` extra).
 """
 
 from __future__ import annotations
@@ -180,6 +185,9 @@ def main(argv=None):
     parser.add_argument("--grad-accum-steps", type=int, default=1, help="micro-batches per optimizer step")
     parser.add_argument("--devices", type=int, default=8, help="fake CPU devices (set before JAX starts)")
     parser.add_argument("--verbose", type=int, default=1, help="0, 1 or 2, as Keras's fit")
+    parser.add_argument(
+        "--plan-target", default=None, help='plan for absent devices ("tpu v5e:4x4", "h100 x8") and exit'
+    )
     args = parser.parse_args(argv)
 
     corpus = stdlib_bytes(args.corpus_bytes)
@@ -201,6 +209,13 @@ def main(argv=None):
         f"trainkit {tk.__version__}: byte LM, {len(x)} training windows of {args.length} bytes "
         f"({len(x_val)} held out) on {len(jax.devices())} {jax.devices()[0].platform} devices"
     )
+    if args.plan_target:  # compiled for the target's devices, nothing placed here: FSDP and data x model
+        candidates = [
+            lambda devices: tk.FSDP(devices, rules=RULES["fsdp"]),
+            lambda devices: tk.Hybrid(data=2, model=len(devices) // 2, rules=RULES["tp"], devices=devices),
+        ]
+        plan = trainer.plan((x[:8], y[:8]), batch_size=args.batch_size, target=args.plan_target, candidates=candidates)
+        return plan
     trainer.init((x[:1], y[:1]))
     print(f"{trainer.count_params():,} parameters; strategy {trainer.strategy.describe()}")
     timer = Timer()
