@@ -142,3 +142,13 @@ def test_the_command_line_prints_the_table_for_a_target(tmp_path):
     assert result.returncode == 0, result.stdout + result.stderr
     assert "compiling FSDP(fsdp=4) for tpu v5e:2x2 (4 TPU v5e) ..." in result.stdout
     assert "for tpu v5e:2x2 (compiled here, not run)" in result.stdout and "picked" in result.stdout
+
+
+def test_find_batch_size_for_a_target_grows_with_its_memory():
+    trainer = trainer_for(nn.Dense(10))
+    x, y = data(8, 4096)
+    options = {"target": "tpu v5e:2x2", "max_batch_size": 2048, "verbose": 0}
+    small = trainer.find_batch_size(x, y, memory_limit="3 MiB", **options)
+    large = trainer.find_batch_size(x, y, memory_limit="12 MiB", **options)
+    assert 8 <= small.batch_size < large.batch_size <= 2048, (small, large)
+    assert trainer.state is None  # nothing placed here

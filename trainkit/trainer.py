@@ -173,9 +173,8 @@ class Trainer:
         return self.setup.update_state(**fields)
 
     def init(self, sample_batch: Any) -> TrainState:
-        """The state from a sample batch (any form ``fit`` takes; a source is read no further
-        than its first batch), the strategy chosen first under ``"auto"`` (by the compiler's
-        estimate: ``fit`` times candidates, ``init`` does not); kept by a second call."""
+        """The state from a sample batch (any form ``fit`` takes), the strategy chosen first under
+        ``"auto"`` (by the compiler's estimate: ``fit`` times candidates); kept by a second call."""
         return self.setup.init(sample_batch)
 
     params = Delegated[PyTree]("setup.host_params", "Host NumPy copies of the parameters.")
@@ -286,10 +285,11 @@ class Trainer:
         memory_limit: int | str | None = None,
         powers_of_two: bool = True,
         verbose: int = 1,
+        target: str | None = None,
     ) -> BatchSizeSearch:
         """The largest global batch (powers of two the strategy splits) whose compiled train step fits
         ``memory_limit`` (default: the device's); found by compiling, never by an OOM (docs/tuning.md)."""
-        options: dict[str, Any] = {"max_batch_size": max_batch_size, "memory_limit": memory_limit}
+        options: dict[str, Any] = {"max_batch_size": max_batch_size, "memory_limit": memory_limit, "target": target}
         return tuning.find_batch_size(self.setup, x, y, powers_of_two=powers_of_two, verbose=verbose, **options)
 
     def find_learning_rate(

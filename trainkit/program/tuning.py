@@ -114,10 +114,15 @@ def find_batch_size(
     memory_limit: int | str | None = None,
     powers_of_two: bool = True,
     verbose: int = 1,
+    target: str | None = None,
 ) -> batch_size_lib.BatchSizeSearch:
     """:meth:`trainkit.Trainer.find_batch_size`: the train step planned (compiled, never run)
-    at the sizes a bisection picks, under the setup's strategy or ``"auto"``'s candidates;
+    at the sizes a bisection picks, under the setup's strategy or ``"auto"``'s candidates (for a
+    ``target``, its candidates on its devices, and sizes not capped by the sample's rows);
     printed on the main process with ``verbose``."""
+    if target is not None:
+        with without_persistent_cache():
+            return _target_batch_size(setup, x, y, targets_lib.parse(target), max_batch_size, memory_limit, verbose)
     memory_limit = checks.byte_count(memory_limit)
     prepared = data_lib.prepare(x, y)
     if setup.session.state is not None:
@@ -137,4 +142,28 @@ def find_batch_size(
     result = batch_size_lib.search(plan_at, sizes, memory_limit, default_limit)
     if verbose and distributed.is_main_process():
         print(f"find_batch_size: {result}")
+    return result
+
+
+def _target_batch_size(
+    setup: Setup, x: Any, y: PyTree, target: targets_lib.Target, max_batch_size: int, memory_limit: Any, verbose: int
+) -> batch_size_lib.BatchSizeSearch:
+    """``find_batch_size`` for a target: the largest power-of-two batch whose step fits under
+    one of the target's candidates, planned on its compile-only devices."""
+    prepared = data_lib.prepare(x, y)
+    trains = prepared.has_targets or setup.custom_loss
+    if prepared.has_targets:
+        setup.build_objective(prepared)
+    candidates = target_candidates(None, target)
+    unit = max(c.num_batch_shards for c in candidates) * setup.program.grad_accum_steps
+    sizes = batch_size_lib.candidate_sizes(unit, int(max_batch_size), True, rows=None)
+
+    def plan_at(size: int, limit: int) -> plan_lib.MemoryPlan:
+        batch = prepared.sample_batch(size)
+        options: dict[str, Any] = {"memory_limit": limit, "measure": False, "place_batch": False, "target": target.spec}
+        return setup.program.plan(batch, candidates, trains=trains, **options)
+
+    result = batch_size_lib.search(plan_at, sizes, checks.byte_count(memory_limit), target.memory_limit)
+    if verbose and distributed.is_main_process():
+        print(f"find_batch_size for {target.spec}: {result}")
     return result
