@@ -50,15 +50,15 @@ def test_digits_cnn_reaches_95_percent_on_8_fake_devices(tmp_path):
     assert (tmp_path / "best").is_dir()
 
 
-def test_two_output_example_logs_keras_keys_and_learns():
+def run_example(script, *args, timeout=300):
+    """``examples/<script> args...`` in a fresh process (its own fake devices), output captured."""
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    result = subprocess.run(
-        [sys.executable, str(ROOT / "examples" / "digits_two_heads.py"), "--devices", "8", "--epochs", "10"],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=300,
-    )
+    command = [sys.executable, str(ROOT / "examples" / script), *args]
+    return subprocess.run(command, capture_output=True, text=True, env=env, timeout=timeout)
+
+
+def test_two_output_example_logs_keras_keys_and_learns():
+    result = run_example("digits_two_heads.py", "--devices", "8", "--epochs", "10")
     assert result.returncode == 0, result.stdout + result.stderr
     assert "logged digit_accuracy, digit_loss, even_accuracy, even_auc, even_loss, loss, val_digit_accuracy" in (
         result.stdout
@@ -116,15 +116,8 @@ def test_the_language_model_example_trains_in_a_short_mode(strategy):
 
 def test_finetune_digits_compares_the_three_ways_and_keeps_the_adapter_checkpoint_small():
     pytest.importorskip("safetensors")
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    result = subprocess.run(
-        # one device: the example's loading into FSDP is tested in test_weights.py; here its figures
-        [sys.executable, str(ROOT / "examples" / "finetune_digits.py"), "--devices", "1", "--strategy", "single"],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=300,
-    )
+    # one device: the example's loading into FSDP is tested in test_weights.py; here its figures
+    result = run_example("finetune_digits.py", "--devices", "1", "--strategy", "single")
     assert result.returncode == 0, result.stdout + result.stderr
     rows = {}
     for match in re.finditer(
