@@ -212,7 +212,8 @@ def main(argv=None):
     if args.plan_target:  # compiled for the target's devices, nothing placed here: FSDP and data x model
         candidates = [
             lambda devices: tk.FSDP(devices, rules=RULES["fsdp"]),
-            lambda devices: tk.Hybrid(data=2, model=len(devices) // 2, rules=RULES["tp"], devices=devices),
+            # the model axis no wider than the 4 heads it splits
+            lambda devices: tk.Hybrid(model=min(4, len(devices) // 2), rules=RULES["tp"], devices=devices),
         ]
         plan = trainer.plan((x[:8], y[:8]), batch_size=args.batch_size, target=args.plan_target, candidates=candidates)
         return plan
