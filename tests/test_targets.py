@@ -105,7 +105,10 @@ def test_a_256_device_target_plans_a_hybrid_mesh():
 def test_the_same_trainer_for_h100_x8_has_the_same_argument_bytes(v5e):
     _, plan, _ = v5e
     gpu = trainer_for(Wide()).plan(data(), target="h100 x8", candidates=["fsdp"], verbose=0)
-    assert gpu.rows[0].argument_bytes == pytest.approx(rows(plan)["FSDP"].argument_bytes, rel=0.01)
+    (row,) = gpu.rows
+    assert row.argument_bytes == pytest.approx(rows(plan)["FSDP"].argument_bytes, rel=0.01)
+    assert row.fits and row.peak_bytes > row.argument_bytes and row.flops > 0  # flops: XLA's HLO cost analysis
+    assert gpu.memory_limit == int(80e9 * 0.75)  # JAX preallocates 75% of the card
 
 
 def test_targets_are_spelled_as_the_docs_say():
