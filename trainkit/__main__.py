@@ -48,6 +48,9 @@ def load_function(spec: str):
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     os.environ.setdefault("JAX_PLATFORMS", "cpu")  # before JAX starts: the CUDA plugin's compiler needs it
+    import jax  # imported already (by trainkit), but its backends not started: the setting still applies
+
+    jax.config.update("jax_platforms", os.environ["JAX_PLATFORMS"])
     made = load_function(args.function)()
     if not (isinstance(made, tuple) and len(made) == 2):
         raise SystemExit(f"{args.function} must return (trainer, sample batch); received {type(made).__name__}")
