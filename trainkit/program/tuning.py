@@ -118,52 +118,36 @@ def find_batch_size(
 ) -> batch_size_lib.BatchSizeSearch:
     """:meth:`trainkit.Trainer.find_batch_size`: the train step planned (compiled, never run)
     at the sizes a bisection picks, under the setup's strategy or ``"auto"``'s candidates (for a
-    ``target``, its candidates on its devices, and sizes not capped by the sample's rows);
-    printed on the main process with ``verbose``."""
-    if target is not None:
-        with without_persistent_cache():
-            return _target_batch_size(setup, x, y, targets_lib.parse(target), max_batch_size, memory_limit, verbose)
-    memory_limit = checks.byte_count(memory_limit)
+    ``target``, its candidates on its compile-only devices, nothing placed, and sizes not capped
+    by the sample's rows); printed on the main process with ``verbose``."""
+    resolved = None if target is None else targets_lib.parse(target)
     prepared = data_lib.prepare(x, y)
-    if setup.session.state is not None:
+    if resolved is None and setup.session.state is not None:
         data_lib.check_same_inputs(setup.input_spec, prepared.spec)
     trains = prepared.has_targets or setup.custom_loss
     if prepared.has_targets:
         setup.build_objective(prepared)
-    candidates = [setup.strategy] if setup.strategy is not None else setup.auto_candidates()
-    unit = setup.batch_unit(setup.program.grad_accum_steps)
-    sizes = batch_size_lib.candidate_sizes(unit, int(max_batch_size), powers_of_two, rows=prepared.rows)
+    options: dict[str, Any] = {"measure": False}
+    if resolved is None:
+        candidates = [setup.strategy] if setup.strategy is not None else setup.auto_candidates()
+        unit, rows = setup.batch_unit(setup.program.grad_accum_steps), prepared.rows
+        default_limit, where = plan_lib.device_memory_limit(candidates[0].devices), ""
+    else:
+        candidates = target_candidates(None, resolved)
+        unit = max(c.num_batch_shards for c in candidates) * setup.program.grad_accum_steps
+        rows, default_limit, where = None, resolved.memory_limit, f" for {resolved.spec}"
+        options.update(place_batch=False, target=resolved.spec)
+    # a compile-only executable cannot be cached or read back
+    cache: contextlib.AbstractContextManager = (
+        contextlib.nullcontext() if resolved is None else without_persistent_cache()
+    )
+    sizes = batch_size_lib.candidate_sizes(unit, int(max_batch_size), powers_of_two, rows=rows)
 
     def plan_at(size: int, limit: int) -> plan_lib.MemoryPlan:
-        batch = prepared.sample_batch(size)
-        return setup.program.plan(batch, candidates, trains=trains, memory_limit=limit, measure=False)
+        return setup.program.plan(prepared.sample_batch(size), candidates, trains=trains, memory_limit=limit, **options)
 
-    default_limit = plan_lib.device_memory_limit(candidates[0].devices)
-    result = batch_size_lib.search(plan_at, sizes, memory_limit, default_limit)
+    with cache:
+        result = batch_size_lib.search(plan_at, sizes, checks.byte_count(memory_limit), default_limit)
     if verbose and distributed.is_main_process():
-        print(f"find_batch_size: {result}")
-    return result
-
-
-def _target_batch_size(
-    setup: Setup, x: Any, y: PyTree, target: targets_lib.Target, max_batch_size: int, memory_limit: Any, verbose: int
-) -> batch_size_lib.BatchSizeSearch:
-    """``find_batch_size`` for a target: the largest power-of-two batch whose step fits under
-    one of the target's candidates, planned on its compile-only devices."""
-    prepared = data_lib.prepare(x, y)
-    trains = prepared.has_targets or setup.custom_loss
-    if prepared.has_targets:
-        setup.build_objective(prepared)
-    candidates = target_candidates(None, target)
-    unit = max(c.num_batch_shards for c in candidates) * setup.program.grad_accum_steps
-    sizes = batch_size_lib.candidate_sizes(unit, int(max_batch_size), True, rows=None)
-
-    def plan_at(size: int, limit: int) -> plan_lib.MemoryPlan:
-        batch = prepared.sample_batch(size)
-        options: dict[str, Any] = {"memory_limit": limit, "measure": False, "place_batch": False, "target": target.spec}
-        return setup.program.plan(batch, candidates, trains=trains, **options)
-
-    result = batch_size_lib.search(plan_at, sizes, checks.byte_count(memory_limit), target.memory_limit)
-    if verbose and distributed.is_main_process():
-        print(f"find_batch_size for {target.spec}: {result}")
+        print(f"find_batch_size{where}: {result}")
     return result
