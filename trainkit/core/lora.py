@@ -21,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import re
+import sys
 from collections.abc import Mapping
 from typing import Any
 
@@ -39,15 +40,15 @@ def is_adapter(name: str) -> bool:
     return name.endswith(ADAPTER_SUFFIXES)
 
 
-def _with_aux() -> type:
-    from qwix._src.providers.ptq import WithAux  # qwix's quantised-parameter node
-
-    return WithAux
+#: the module of qwix's quantised-parameter node, ``WithAux``
+QWIX_PTQ = "qwix._src.providers.ptq"
 
 
 def is_quantized(leaf: Any) -> bool:
-    """Whether a parameter node is a qwix quantised array (its ``qvalue`` and ``scale`` inside)."""
-    return isinstance(leaf, _with_aux())
+    """Whether a parameter node is a qwix quantised array (its ``qvalue`` and ``scale`` inside).
+    Without qwix imported (no LoRA in this process) nothing is: qwix is not imported for it."""
+    ptq = sys.modules.get(QWIX_PTQ)
+    return ptq is not None and isinstance(leaf, ptq.WithAux)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -64,7 +64,7 @@ class Trainable:
             return True
         if self.spec is None:
             return self.extra is None
-        if callable(self.spec) and not isinstance(self.spec, str):
+        if callable(self.spec):
             return bool(self.spec(name, leaf))
         return any(p.search(name) for p in self._patterns)
 

@@ -295,17 +295,21 @@ class Setup:
         state = self.require_state()
         self.weights_source = source
         params, model_state = replaced(state.params, state.model_state, arrays)
-        if self.program.lora is not None:
+        if self.program.lora is not None:  # the base's kernels may be quantised nodes: replaced whole
             params = lora_lib.with_base(state.params, arrays)
         self.update_state(params=params, model_state=model_state)
 
     def named_weights(self) -> dict[str, np.ndarray]:
         """Host copies of the variables by name (``trainer.save_weights``); under LoRA those of
         the merged model."""
+        params, model_state = self._host_merged()
+        return {name: np.asarray(leaf) for name, leaf in named_variables(params, model_state).items()}
+
+    def _host_merged(self) -> tuple[PyTree, PyTree]:
+        """Host copies of the parameters (under LoRA the merged model's) and the model state."""
         state = self.require_state()
         host = distributed.fetch({"params": state.params, "model_state": state.model_state})
-        params = self.program.merged_params(host["params"])
-        return {name: np.asarray(leaf) for name, leaf in named_variables(params, host["model_state"]).items()}
+        return self.program.merged_params(host["params"]), host["model_state"]
 
     def merged(self) -> tuple[dict[str, PyTree], PyTree]:
         """Host variables of the model without LoRA's adapters, folded into its kernels
@@ -313,10 +317,8 @@ class Setup:
         zeros to initialise it with."""
         if self.program.lora is None:
             raise ValueError("merge_lora(): this trainer has no LoRA adapters (Trainer(lora=tk.LoRA(...))).")
-        state = self.require_state()
-        host = distributed.fetch({"params": state.params, "model_state": state.model_state})
-        variables = {"params": jax.tree.map(np.asarray, self.program.merged_params(host["params"]))}
-        variables.update(host["model_state"])
+        params, model_state = self._host_merged()
+        variables = {"params": jax.tree.map(np.asarray, params), **model_state}
         sample = jax.tree.map(lambda s: np.zeros(s.shape, s.dtype), data_lib.abstract_inputs(self.input_spec, 1))
         return variables, sample
 
