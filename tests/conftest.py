@@ -1,6 +1,7 @@
 """Fakes 8 CPU devices before JAX is imported; shared tiny models and data."""
 
 import os
+import re
 
 #: XLA:CPU's backend without its LLVM optimisation passes: the suite's tiny programs compile in
 #: about 0.7 of the time (measured on test_keras_fit_semantics + test_sharded: 86.6 -> 68.8 s) and
@@ -48,6 +49,20 @@ def subprocess_cache_env() -> dict[str, str]:
         "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
         "XLA_FLAGS": " ".join(TEST_XLA_FLAGS),  # no device count: the child sets its own
     }
+
+
+#: what JAX's CUDA plugin (the gpu-plan extra) prints on stderr at `import jax` on a machine
+#: without a GPU; no setting silences it (TF_CPP_MIN_LOG_LEVEL, GLOG_minloglevel tried)
+_CUDA_PLUGIN_NOISE = re.compile(
+    r"^(WARNING: All log messages before absl::InitializeLog\(\) is called are written to STDERR"
+    r"|[IW]\d{4} [\d:. ]+\d+ cudart_stub\.cc:\d+\] Could not find cuda drivers.*)$"
+)
+
+
+def own_stderr_lines(stderr: str) -> list[str]:
+    """The lines of a child's stderr that trainkit (or Python) wrote: without the CUDA plugin's
+    start-up notice, which CI's environment (with the gpu-plan extra) prints in every process."""
+    return [line for line in stderr.strip().splitlines() if not _CUDA_PLUGIN_NOISE.match(line)]
 
 
 class MLP(nn.Module):

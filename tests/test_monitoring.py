@@ -11,7 +11,7 @@ import time
 import numpy as np
 import optax
 import pytest
-from conftest import MLP, make_classification, saved_steps
+from conftest import MLP, make_classification, own_stderr_lines, saved_steps
 
 import trainkit as tk
 from trainkit.monitoring import throughput
@@ -322,5 +322,5 @@ def test_the_plot_command_names_a_file_it_cannot_read_in_one_line(tmp_path, cont
         text=True,
     )
     assert result.returncode == 2
-    lines = result.stderr.strip().splitlines()
+    lines = own_stderr_lines(result.stderr)
     assert len(lines) == 1 and lines[0].startswith(f"python -m trainkit.plot: cannot plot '{path}'"), result.stderr
