@@ -1,5 +1,6 @@
 """Faults that must lose nothing, each with a real process that is killed and run again."""
 
+import json
 import os
 import pathlib
 import random
@@ -92,6 +93,30 @@ def test_kill_9_at_a_random_step_then_rerun_finishes_bit_identical(tmp_path, req
     assert killed_at and killed_at[-1] < 52  # it died mid-run
     output = finish(backup, tmp_path / "out.npz", "--strategy", strategy)
     assert re.search(r"resuming from step \d+", output), output
+    assert_bit_identical(params(tmp_path / "out.npz"), reference)
+
+
+def journal_step(backup):
+    try:
+        return json.loads((backup / "goodput.json").read_text())["step"]
+    except (OSError, ValueError, KeyError):
+        return None
+
+
+def test_kill_9_after_the_last_backup_counts_the_recomputed_steps_as_lost(tmp_path, reference):
+    backup = tmp_path / "backup"
+    process = start(backup, tmp_path / "out.npz", "--sleep", "0.03", "--every", "20", "--journal-seconds", "0")
+    wait_for(lambda: committed_steps(backup) and (journal_step(backup) or 0) >= committed_steps(backup)[-1] + 5)
+    process.kill()  # SIGKILL, 5 or more steps after the backup
+    process.wait()
+    reached = journal_step(backup)
+    output = finish(backup, tmp_path / "out.npz")
+    resumed = int(re.search(r"resuming from step (\d+)", output).group(1))
+    assert reached - resumed >= 5, output
+    found = re.search(r"goodput: lost_steps=(\d+) restarts=(\d+) lost=([\d.e-]+)", output)
+    assert found, output
+    assert int(found.group(1)) == reached - resumed and int(found.group(2)) == 1, output
+    assert float(found.group(3)) >= 0.03 * (reached - resumed), output  # at least the sleeps of the lost steps
     assert_bit_identical(params(tmp_path / "out.npz"), reference)
 
 

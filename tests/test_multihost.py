@@ -59,10 +59,11 @@ def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("multihost")
     results = {}
     data = {1: "arrays,arrays-96-in-order", 2: ",".join(ADAPTERS)}
+    slow = {1: (), 2: ("--slow-input-process", 1)}  # dp's rows read slowly by process 1 (the same numbers)
     for nproc, devices in ((1, 8), (2, 4)):
         board = root / f"board{nproc}"
         code, output, _ = launch(
-            nproc, devices, root / f"{nproc}x{devices}.npz", "--data", data[nproc], "--tensorboard", board
+            nproc, devices, root / f"{nproc}x{devices}.npz", "--data", data[nproc], "--tensorboard", board, *slow[nproc]
         )
         assert code == 0, output
         results[nproc] = (load(root / f"{nproc}x{devices}.npz"), output, board)
@@ -104,6 +105,17 @@ def test_output_is_prefixed_and_only_process_0_draws_progress(runs):
     assert "[0] process 0 of 2 done" in output and "[1] process 1 of 2 done" in output
     epoch_lines = [line for line in output.splitlines() if "Epoch 1/3" in line]
     assert epoch_lines and all(line.startswith("[0] ") for line in epoch_lines)
+
+
+def test_the_goodput_ledger_names_the_process_with_the_slow_source(runs):
+    output = runs[2][1]
+    tables = output.split("[0] Where the time went:")
+    assert len(tables) == 4, output  # one per strategy, printed by process 0 only
+    dp = tables[1].split("Epoch 1/3")[0]  # dp's table: the first
+    assert re.search(r"\[0\] Process 1 spent the most in input: [\d.]+ s \(median process", dp), dp
+    assert re.search(r"\[0\] Step time per process \(median / p99\): 0: .+, 1: .+\.", dp), dp
+    for later in tables[2:]:  # fsdp, hybrid: both read arrays at the same pace
+        assert "spent the most in input" not in later.split("Epoch 1/3")[0], later
 
 
 def test_a_dead_process_is_reported_and_the_others_end(tmp_path):

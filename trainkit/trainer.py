@@ -346,11 +346,11 @@ class Trainer:
         )
         options: dict[str, Any] = {"validation_data": validation_data, "validation_split": validation_split}
         options.update(validation_batch_size=validation_batch_size, class_weight=class_weight, announce=bool(verbose))
-        prepared, config = self.setup.prepare_fit(config, x, y, sample_weight, batch_size, **options)
-        callback_list = CallbackList.for_run(callbacks, self, verbose, config.steps, config.epoch_count, fit=True)
-        self.session.keep_history(history := callback_list.require_history())
-        self.loop.fit(prepared.source, prepared.batch_size, callback_list, config)
-        return history
+        with self.session.ledger.running(distributed.take_startup_seconds()):  # history.goodput: where time went
+            prepared, config = self.setup.prepare_fit(config, x, y, sample_weight, batch_size, **options)
+            callback_list = CallbackList.for_run(callbacks, self, verbose, config.steps, config.epoch_count, fit=True)
+            self.loop.fit(prepared.source, prepared.batch_size, callback_list, config)
+        return callback_list.require_history()
 
     def evaluate(
         self,

@@ -64,6 +64,21 @@ def training_data(kind, x, y):
     raise ValueError(f"unknown --data {kind}")
 
 
+class SlowRows:
+    """The rows as a random-access source (shuffled and split as arrays are), each read taking
+    ``delay`` seconds: a slow input pipeline."""
+
+    def __init__(self, x, y, delay):
+        self.x, self.y, self.delay = x, y, delay
+
+    def __len__(self):
+        return len(self.x)
+
+    def __getitem__(self, index):
+        time.sleep(self.delay)
+        return self.x[index], self.y[index]
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("out")
@@ -81,6 +96,7 @@ def main():
     parser.add_argument("--tensorboard", default="", help="log each strategy's run to DIR/<strategy>")
     parser.add_argument("--steps-per-execution", type=int, default=1)
     parser.add_argument("--data", default="", help="adapters to train with (dp only), e.g. grain-map,torch-loader")
+    parser.add_argument("--slow-input-process", type=int, default=-1, help="dp reads its rows slowly on this process")
     args = parser.parse_args()
     if args.explicit_init:
         tk.distributed.initialize()
@@ -159,7 +175,11 @@ def main():
             trainer.load(args.load)
             trainer.fit((x, y), batch_size=16, epochs=3, initial_epoch=2, verbose=1)
         else:
-            history = trainer.fit((x, y), batch_size=16, epochs=2 if args.save else 3, verbose=1, callbacks=callbacks)
+            data = (x, y)
+            if name == "dp" and args.slow_input_process >= 0:  # the same rows; one process reads them slowly
+                delay = 0.004 if jax.process_index() == args.slow_input_process else 0.0
+                data = tk.sources.RandomAccessSource(SlowRows(x, y, delay))
+            history = trainer.fit(data, batch_size=16, epochs=2 if args.save else 3, verbose=1, callbacks=callbacks)
             results[f"{name}/loss"] = np.asarray(history.history["loss"])
         if name == "auto" and jax.process_index() == 0:
             rows = "; ".join(f"{r.name}={r.error or 'compiled'}" for r in trainer.last_plan.rows)

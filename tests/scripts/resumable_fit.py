@@ -6,6 +6,8 @@ Writes the final parameters to OUT.npz. ``--sleep`` slows each step (without cha
 numbers) so a test can interrupt it; ``--width`` makes the model, and so each save, larger.
 ``--data grain`` feeds a grain iterator (a shuffled, repeated stream; 13 steps per epoch)
 whose position is saved with each backup, and prints how many rows this run read.
+``--journal-seconds`` sets how often the goodput journal is rewritten (0: every step); the
+run prints its goodput ledger's lost steps, restarts and lost seconds at the end.
 ``--lora`` trains LoRA adapters on base weights loaded with ``tk.weights.load`` (the backups
 hold the adapters only).
 """
@@ -67,6 +69,7 @@ def main():
     parser.add_argument("--sleep", type=float, default=0.0)
     parser.add_argument("--width", type=int, default=32)
     parser.add_argument("--every", type=int, default=3)
+    parser.add_argument("--journal-seconds", type=float, default=10.0)
     parser.add_argument("--strategy", choices=["dp", "fsdp"], default="dp")
     parser.add_argument("--data", choices=["arrays", "grain"], default="arrays")
     parser.add_argument("--lora", action="store_true")
@@ -90,17 +93,22 @@ def main():
         tk.weights.load({k: v.astype(np.float32) for k, v in weights.items()}, into=trainer)
     slow = tk.callbacks.LambdaCallback(on_train_batch_begin=lambda batch, logs=None: time.sleep(args.sleep))
     grain = args.data == "grain"
-    trainer.fit(
+    backup = tk.callbacks.BackupAndRestore(args.backup, save_freq=args.every)
+    backup.journal_seconds = args.journal_seconds
+    history = trainer.fit(
         grain_stream(x, y) if grain else (x, y),
         epochs=4,
         steps_per_epoch=13 if grain else None,
         batch_size=None if grain else 16,
         verbose=0,
-        callbacks=[tk.callbacks.BackupAndRestore(args.backup, save_freq=args.every), slow],
+        callbacks=[backup, slow],
     )
     flat = {jax.tree_util.keystr(p): np.asarray(v) for p, v in jax.tree_util.tree_leaves_with_path(trainer.params)}
     np.savez(args.out, step=int(trainer.state.step), **flat)
     print(f"finished at step {int(trainer.state.step)}; read {Rows.read} rows", flush=True)
+    goodput = history.goodput
+    lost = goodput.buckets.get("lost", 0.0)
+    print(f"goodput: lost_steps={goodput.lost_steps} restarts={goodput.restarts} lost={lost}", flush=True)
 
 
 if __name__ == "__main__":

@@ -7,19 +7,24 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import signal
 import threading
+import time
 from typing import Any
 
 from trainkit import distributed
 from trainkit.callbacks.base import Callback, Logs
 from trainkit.callbacks.triggers import SaveFrequency
 from trainkit.checkpoint import Checkpointer, CheckpointError, checked_position, remove_checkpoints
+from trainkit.core.atomic import write_text
 from trainkit.loop import Position
 
 logger = logging.getLogger("trainkit")
+#: the goodput journal beside the backups: the last step the run reached and its ledger then
+JOURNAL = "goodput.json"
 
 
 class BackupAndRestore(Callback):
@@ -39,9 +44,18 @@ class BackupAndRestore(Callback):
     On SIGTERM the current step finishes, ``on_train_end`` writes a backup (synchronously) and
     ``fit`` raises :class:`trainkit.Preempted` (exit status 143); running the same command again
     resumes. When ``fit`` raises, pending writes are finished and the backup is kept.
+
+    The goodput ledger (``history.goodput``) is carried across a resume: each backup records
+    it, and ``goodput.json`` beside the backups the last step the run reached (rewritten at
+    most every ``journal_seconds``), so a resumed run counts the steps run after the last
+    backup as ``lost_steps`` and the time since that backup as ``lost``.
     """
 
+    #: how often (seconds) the goodput journal is rewritten while training (and after each backup)
+    journal_seconds: float = 10.0
+
     async_safe = True  # it saves in on_train_batch_begin, where the live state is the step's
+    goodput_bucket = "checkpoint"
 
     def __init__(
         self,
@@ -62,6 +76,7 @@ class BackupAndRestore(Callback):
         self.checkpointer: Checkpointer | None = None
         self.restored_step: int | None = None
         self._previous_handler: Any = None  # signal.signal's previous handler
+        self._journal_due = 0.0  # when the goodput journal is rewritten next (time.monotonic())
 
     def on_train_begin(self, logs: Logs | None = None) -> None:
         self.checkpointer = Checkpointer(self.backup_dir, max_to_keep=2 if self.double_checkpoint else 1)
@@ -96,6 +111,7 @@ class BackupAndRestore(Callback):
                 data_state=manifest.get("data_state"),
             )
             self.restored_step = self._checked = saved["global_step"]
+            self._carry_ledger(manifest, saved["global_step"])
             start = self.session.start
             assert start is not None  # set by resume_at just above
             logger.info(  # routine, as Keras (silent) resumes; logging.getLogger("trainkit") at INFO shows it
@@ -108,6 +124,41 @@ class BackupAndRestore(Callback):
             break
         if threading.current_thread() is threading.main_thread():
             self._previous_handler = signal.signal(signal.SIGTERM, self._on_sigterm)
+        self._journal_due = 0.0
+
+    def _journal_path(self) -> str:
+        return os.path.join(self.backup_dir, JOURNAL)
+
+    def _carry_ledger(self, manifest: dict, step: int) -> None:
+        """The interrupted runs' goodput ledger carried into this one: the backup's, and when the
+        journal shows the run went on past it, the steps after it as lost, and the time since it."""
+        saved = manifest.get("goodput")
+        if not isinstance(saved, dict):  # a backup written before ledgers (or outside fit)
+            return
+        try:
+            with open(self._journal_path()) as f:
+                journal = json.load(f)
+        except (OSError, ValueError):
+            journal = None
+        carried = dict(saved, restarts=saved.get("restarts", 0) + 1)
+        if isinstance(journal, dict) and journal.get("step", -1) >= step:
+            last = journal["ledger"]
+            lost = max(last["wall_seconds"] - saved["wall_seconds"], 0.0)  # everything done since the backup
+            buckets = dict(saved["buckets"], lost=saved["buckets"].get("lost", 0.0) + lost)
+            carried.update(buckets=buckets, wall_seconds=saved["wall_seconds"] + lost)
+            carried.update(lost_steps=last.get("lost_steps", 0) + journal["step"] - step)
+            carried.update(restarts=last.get("restarts", 0) + 1)
+        self.session.ledger.carry(carried)
+
+    def _write_journal(self, force: bool = False) -> None:
+        """The step reached and the ledger, beside the backups (main process; at most every
+        ``journal_seconds`` unless ``force``)."""
+        now = time.monotonic()
+        if not distributed.is_main_process() or (now < self._journal_due and not force):
+            return
+        self._journal_due = now + self.journal_seconds
+        record = {"step": self.model.global_step, "ledger": self.session.ledger.saved()}
+        write_text(self._journal_path(), json.dumps(record))
 
     def _open(self) -> Checkpointer:
         if self.checkpointer is None:
@@ -137,6 +188,7 @@ class BackupAndRestore(Callback):
     def _save(self, wait: bool = False) -> None:
         trainer = self.model
         self._open().save(trainer.global_step, trainer.session.require_state(), trainer.manifest(), wait=wait)
+        self._write_journal(force=True)
 
     def execution_cap(self) -> int | None:
         return self.save_freq.period
@@ -146,6 +198,8 @@ class BackupAndRestore(Callback):
         step = self.model.global_step  # the live state is at that step
         if self.save_freq.step_due(step, since=self._checked):  # at or after a multiple
             self._save()
+        else:
+            self._write_journal()
         self._checked = step
 
     def on_epoch_end(self, epoch: int, logs: Logs | None = None) -> None:

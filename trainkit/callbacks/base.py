@@ -74,6 +74,9 @@ class Callback:
     stops_on_non_finite: bool = False
     #: Profiles steps: the loop then marks each one (``jax.profiler.StepTraceAnnotation``).
     annotates_steps: bool = False
+    #: The goodput ledger's bucket for the time spent in this callback's hooks (``None``:
+    #: ``"callbacks/<class name>"``); the checkpoint callbacks' is ``"checkpoint"``.
+    goodput_bucket: str | None = None
 
     def execution_cap(self) -> int | None:
         """The most steps one compiled call may cover for this callback's batch hooks to mean

@@ -25,6 +25,7 @@ from trainkit import distributed
 from trainkit.callbacks.base import _ALIASES, _BATCH_END, Callback, Logs, overrides
 from trainkit.callbacks.history import History
 from trainkit.callbacks.progress import ProgressBar
+from trainkit.core.ledger import Ledger
 from trainkit.loop.hooks import Hook
 
 if TYPE_CHECKING:  # for the type checker only: nothing imports trainer.py at run time
@@ -64,32 +65,46 @@ def _not_a_callback(callback: Any) -> str:
     )
 
 
-Bound = list[tuple[Callback, Callable[..., Any]]]  # each callback implementing a hook, with its method
+#: each callback implementing a hook, with its method and its goodput ledger bucket
+Bound = list[tuple[Callback, Callable[..., Any], str]]
+
+
+def _bucket(callback: Callback) -> str:
+    return callback.goodput_bucket or f"callbacks/{type(callback).__name__}"
 
 
 class Dispatcher(Hook):
     """One hook of a :class:`CallbackList`: called on each callback that implements it, in
     list order, with a fresh dict of sorted ``logs`` (as Keras's ``pythonify_logs`` passes:
-    every callback of one call sees the same dict, so one may add a key for the next).
+    every callback of one call sees the same dict, so one may add a key for the next), each
+    call's time in the callback's bucket of the goodput ``ledger``.
     ``active``: some callback implements it (the loop then builds its arguments)."""
 
-    def __init__(self, bound: Bound):
-        self.bound = bound
+    def __init__(self, bound: Bound, ledger: Ledger):
+        self.bound, self.ledger = bound, ledger
         self.active = bool(bound)
 
     def __call__(self, logs: Logs | None = None) -> None:  # type: ignore[override]
-        logs = _keras_logs(logs)
-        for _, fn in self.bound:
-            fn(logs)
+        logs, switch = _keras_logs(logs), self.ledger.switch
+        for _, fn, bucket in self.bound:
+            previous = switch(bucket)
+            try:
+                fn(logs)
+            finally:
+                switch(previous)
 
 
 class IndexedDispatcher(Dispatcher):
     """A hook about one epoch or batch: ``hook(index, logs)``."""
 
     def __call__(self, index: int, logs: Logs | None = None) -> None:  # type: ignore[override]
-        logs = _keras_logs(logs)
-        for _, fn in self.bound:
-            fn(index, logs)
+        logs, switch = _keras_logs(logs), self.ledger.switch
+        for _, fn, bucket in self.bound:
+            previous = switch(bucket)
+            try:
+                fn(index, logs)
+            finally:
+                switch(previous)
 
 
 class BatchEndDispatcher(Dispatcher):
@@ -97,11 +112,15 @@ class BatchEndDispatcher(Dispatcher):
     called only once a callback that reads this hook's logs comes."""
 
     def __call__(self, index: int, logs: Logs | Callable[[], Logs] | None = None) -> None:  # type: ignore[override]
-        shared = None if callable(logs) else _keras_logs(logs)
-        for callback, fn in self.bound:
-            if shared is None and callback.reads_batch_logs():
-                shared = _keras_logs(logs() if callable(logs) else logs)
-            fn(index, {} if shared is None else shared)
+        shared, switch = None if callable(logs) else _keras_logs(logs), self.ledger.switch
+        for callback, fn, bucket in self.bound:
+            previous = switch(bucket)  # reading the metrics for it included: it asked for them
+            try:
+                if shared is None and callback.reads_batch_logs():
+                    shared = _keras_logs(logs() if callable(logs) else logs)
+                fn(index, {} if shared is None else shared)
+            finally:
+                switch(previous)
 
 
 class ExceptionDispatcher(Dispatcher):
@@ -109,7 +128,7 @@ class ExceptionDispatcher(Dispatcher):
     original error matters more)."""
 
     def __call__(self, exception: BaseException) -> None:  # type: ignore[override]
-        for _, fn in self.bound:
+        for _, fn, _ in self.bound:
             try:
                 fn(exception)
             except Exception as error:  # noqa: BLE001 - the original error matters more
@@ -132,10 +151,13 @@ class CallbackList:
         fit: bool = False,
     ) -> CallbackList:  # fmt: skip
         """Keras's callback list of a ``fit`` / ``evaluate`` / ``predict``: ``fit`` adds ``History``
-        and, when verbose on the main process, the progress bar."""
+        (kept as the trainer's history) and, when verbose on the main process, the progress bar."""
         progress = fit and bool(verbose) and distributed.is_main_process()
         params = {"verbose": verbose, "epochs": epochs, "steps": steps}
-        return cls(callbacks or (), trainer, params, add_history=fit, add_progress_bar=progress)
+        made = cls(callbacks or (), trainer, params, add_history=fit, add_progress_bar=progress)
+        if fit:  # the History that fit returns is the trainer's from now on
+            trainer.session.keep_history(made.require_history())
+        return made
 
     def __init__(
         self,
@@ -160,21 +182,22 @@ class CallbackList:
             if params is not None:
                 callback.set_params(params)
         self.async_train, self.async_test, self.async_predict = (self._runs_ahead(kind) for kind in _BATCH_END)
-        self.on_train_begin: Hook = Dispatcher(self._bound("on_train_begin"))
-        self.on_train_end: Hook = Dispatcher(self._bound("on_train_end"))
-        self.on_epoch_begin: Hook = IndexedDispatcher(self._bound("on_epoch_begin"))
-        self.on_epoch_end: Hook = IndexedDispatcher(self._bound("on_epoch_end"))
-        self.on_train_batch_begin: Hook = IndexedDispatcher(self._bound("on_train_batch_begin"))
-        self.on_train_batch_end: Hook = BatchEndDispatcher(self._bound("on_train_batch_end"))
-        self.on_test_begin: Hook = Dispatcher(self._bound("on_test_begin"))
-        self.on_test_end: Hook = Dispatcher(self._bound("on_test_end"))
-        self.on_test_batch_begin: Hook = IndexedDispatcher(self._bound("on_test_batch_begin"))
-        self.on_test_batch_end: Hook = BatchEndDispatcher(self._bound("on_test_batch_end"))
-        self.on_predict_begin: Hook = Dispatcher(self._bound("on_predict_begin"))
-        self.on_predict_end: Hook = Dispatcher(self._bound("on_predict_end"))
-        self.on_predict_batch_begin: Hook = IndexedDispatcher(self._bound("on_predict_batch_begin"))
-        self.on_predict_batch_end: Hook = BatchEndDispatcher(self._bound("on_predict_batch_end"))
-        self.on_exception: Hook = ExceptionDispatcher(self._bound("on_exception"))
+        ledger = trainer.session.ledger if trainer is not None else Ledger()  # a bare list: an idle clock
+        self.on_train_begin: Hook = Dispatcher(self._bound("on_train_begin"), ledger)
+        self.on_train_end: Hook = Dispatcher(self._bound("on_train_end"), ledger)
+        self.on_epoch_begin: Hook = IndexedDispatcher(self._bound("on_epoch_begin"), ledger)
+        self.on_epoch_end: Hook = IndexedDispatcher(self._bound("on_epoch_end"), ledger)
+        self.on_train_batch_begin: Hook = IndexedDispatcher(self._bound("on_train_batch_begin"), ledger)
+        self.on_train_batch_end: Hook = BatchEndDispatcher(self._bound("on_train_batch_end"), ledger)
+        self.on_test_begin: Hook = Dispatcher(self._bound("on_test_begin"), ledger)
+        self.on_test_end: Hook = Dispatcher(self._bound("on_test_end"), ledger)
+        self.on_test_batch_begin: Hook = IndexedDispatcher(self._bound("on_test_batch_begin"), ledger)
+        self.on_test_batch_end: Hook = BatchEndDispatcher(self._bound("on_test_batch_end"), ledger)
+        self.on_predict_begin: Hook = Dispatcher(self._bound("on_predict_begin"), ledger)
+        self.on_predict_end: Hook = Dispatcher(self._bound("on_predict_end"), ledger)
+        self.on_predict_batch_begin: Hook = IndexedDispatcher(self._bound("on_predict_batch_begin"), ledger)
+        self.on_predict_batch_end: Hook = BatchEndDispatcher(self._bound("on_predict_batch_end"), ledger)
+        self.on_exception: Hook = ExceptionDispatcher(self._bound("on_exception"), ledger)
 
     def _runs_ahead(self, kind: str) -> bool:
         """Every callback implementing a batch-end hook of ``kind`` is ``async_safe``."""
@@ -184,7 +207,7 @@ class CallbackList:
         """The callbacks implementing ``hook`` (or its Keras alias), with their methods."""
         alias = _ALIASES.get(hook)
         return [
-            (c, getattr(c, hook))
+            (c, getattr(c, hook), _bucket(c))
             for c in self.callbacks
             if overrides(c, hook) or (alias is not None and overrides(c, alias))
         ]

@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 from trainkit.callbacks.base import Callback, Logs
+from trainkit.core.ledger import Goodput
 
 
 class History(Callback):
@@ -16,15 +17,21 @@ class History(Callback):
     the epoch indices; ``params`` holds ``epochs``, ``steps`` and ``verbose``. ``fit`` adds it
     after the user's callbacks (as Keras does), so keys they add to the epoch logs are kept.
     With ``fit(validation_interval=N)``, ``validations`` lists one dict per validation:
-    ``{"step": s, "val_loss": ..., ...}`` (the epoch logs carry the latest one)."""
+    ``{"step": s, "val_loss": ..., ...}`` (the epoch logs carry the latest one).
+    ``goodput`` (trainkit's): where the ``fit``'s wall time went, a
+    :class:`~trainkit.core.ledger.Goodput` (docs/monitoring.md), once it ended."""
 
     def __init__(self) -> None:
         self.history: dict[str, list[float]] = {}
         self.epoch: list[int] = []
         self.validations: list[dict] = []
+        self.goodput: Goodput | None = None
 
     def on_train_begin(self, logs: Logs | None = None) -> None:
-        self.history, self.epoch, self.validations = {}, [], []
+        self.history, self.epoch, self.validations, self.goodput = {}, [], [], None
+
+    def on_train_end(self, logs: Logs | None = None) -> None:
+        self.goodput = self.session.ledger.last if self.trainer is not None else None
 
     def on_test_end(self, logs: Logs | None = None) -> None:
         step = self.session.validating_at if self.trainer is not None else None

@@ -51,6 +51,8 @@ class ModelCheckpoint(MonitorCallback):
     ``"epoch"`` it is ``async_safe``.
     """
 
+    goodput_bucket = "checkpoint"
+
     def __init__(
         self,
         filepath: str | os.PathLike,

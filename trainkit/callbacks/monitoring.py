@@ -132,7 +132,8 @@ class Logging(_Rate):
     metrics under run ``"train"`` and the validation metrics (without ``val_``) under
     ``"validation"``, at the global step; also the learning rate (when the optimizer injects
     it) and the throughput (examples/s, tokens/s with ``tokens_per_example``, TFLOP/s, and
-    MFU where the device's peak is known). The run's hyperparameters are logged once.
+    MFU where the device's peak is known). The run's hyperparameters are logged once, and at
+    the end of ``fit`` the goodput ledger (``goodput``, ``goodput/<bucket>`` seconds; run ``"train"``).
 
     >>> import tempfile
     >>> cb = Logging([loggers.CSVMetricsLogger(tempfile.mkdtemp() + "/metrics.csv")], update_freq=10)
@@ -220,6 +221,9 @@ class Logging(_Rate):
             self._send(step, validation, "validation")
 
     def on_train_end(self, logs: Logs | None = None) -> None:
+        goodput = self.session.ledger.last  # the fit's goodput ledger, closed before this hook
+        if goodput is not None and distributed.is_main_process():
+            self._send(self.model.global_step, goodput.scalars(), "train")
         if self.close_at_end and distributed.is_main_process():
             for item in list(self.loggers):
                 self._call(item, item.close)
@@ -288,7 +292,8 @@ class TensorBoard(_Rate):
     (``"batch"``: every step), ``evaluation_<metric>_vs_iterations`` at each validation,
     parameter histograms every ``histogram_freq`` epochs, ``epoch_steps_per_second`` with
     ``write_steps_per_second``, and a profile of ``profile_batch=(first, last)``. trainkit adds
-    ``epoch_examples_per_second`` (and TFLOP/s, MFU where known) and the run's hyperparameters.
+    ``epoch_examples_per_second`` (and TFLOP/s, MFU where known), the run's hyperparameters, and
+    the goodput ledger's ``goodput`` and ``goodput/<bucket>`` seconds at the end of ``fit``.
 
     >>> TensorBoard("/tmp/logs", update_freq="batch").update_freq
     1
@@ -389,6 +394,9 @@ class TensorBoard(_Rate):
     def on_train_end(self, logs: Logs | None = None) -> None:
         if self.profiler is not None:
             self.profiler.on_train_end(logs)
+        goodput = self.session.ledger.last  # None after an exception
+        if self.board is not None and goodput is not None:
+            self.board.log_metrics(self.model.global_step, goodput.scalars(), "train", prefix="")
         if self.board is not None:
             self.board.close()
             self.board = None

@@ -16,6 +16,7 @@ from rich.table import Column
 from rich.text import Text
 
 from trainkit.callbacks.base import Callback, Logs
+from trainkit.monitoring.goodput import report as goodput_report
 
 #: Seconds between two redraws of the live bar (rich's ``Live`` refreshes at about the same rate).
 REFRESH_SECONDS = 0.1
@@ -197,9 +198,14 @@ class ProgressBar(Callback):
         if self._progress is not None:  # stopped mid-epoch
             self._progress.stop()
             self._progress = None
+        goodput = self.session.ledger.last if self.trainer is not None else None
+        if self.verbose and goodput is not None:
+            (self.console or Console()).print(goodput_report(goodput), highlight=False, soft_wrap=True)
 
     def on_exception(self, exception: BaseException) -> None:
-        self.on_train_end()
+        if self._progress is not None:
+            self._progress.stop()
+            self._progress = None
 
 
 #: Keras's name for the progress bar.

@@ -29,6 +29,7 @@ from typing import Any, NamedTuple
 
 import jax
 
+from trainkit.core.ledger import Ledger
 from trainkit.core.state import TrainState
 from trainkit.core.totals import PackedTotals
 from trainkit.core.tree import PyTree
@@ -135,6 +136,7 @@ class Session:
         "_batch_spec",
         "_validating_at",
         "_history",
+        "_ledger",
     )
     _state: TrainState | None
     _leaves: tuple[list, Any] | None  # the state as the leaves a LeafStep returned, and its structure
@@ -151,9 +153,11 @@ class Session:
     _batch_spec: PyTree
     _validating_at: int | None
     _history: Any  # a trainkit.callbacks.History (a package core does not import)
+    _ledger: Ledger
 
     def __init__(self) -> None:
         self.restore(Snapshot())
+        self._ledger = Ledger()
 
     # ------------------------------------------------------------------ reads
     @property
@@ -251,6 +255,12 @@ class Session:
     def history(self) -> Any:
         """The ``History`` the last ``fit`` returned (``trainer.history``), ``None`` before."""
         return self._history
+
+    @property
+    def ledger(self) -> Ledger:
+        """The clock of the running ``fit``'s goodput ledger (idle between fits); its result, once
+        the loop ends, is :attr:`goodput`."""
+        return self._ledger
 
     # ------------------------------------------------------------------ writes
     def replace_state(self, state: TrainState, *, moves_position: bool = True) -> None:

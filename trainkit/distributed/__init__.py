@@ -22,6 +22,7 @@ from trainkit.distributed.processes import (
     process_count,
     process_index,
     requested_by_environment,
+    take_startup_seconds,
 )
 
 __all__ = [
@@ -40,4 +41,5 @@ __all__ = [
     "process_count",
     "process_index",
     "requested_by_environment",
+    "take_startup_seconds",
 ]

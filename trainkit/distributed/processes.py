@@ -15,6 +15,7 @@ import hashlib
 import json
 import os
 import sys
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -46,6 +47,23 @@ def is_initialized() -> bool:
     from jax._src import distributed as _distributed  # older JAX: no public check
 
     return _distributed.global_state.client is not None
+
+
+#: seconds this process spent starting (``jax.distributed``, the backend) not yet in a goodput ledger
+_STARTUP: dict[str, float] = {}
+
+
+def take_startup_seconds() -> dict[str, float]:
+    """The start-up seconds of this process not yet counted, once (the first ``fit``'s ledger
+    takes them): ``jax.distributed``'s connection, and the backend's start, which this starts
+    (timed) when nothing has yet."""
+    if not _backend_started():
+        start = time.perf_counter()
+        jax.devices()
+        _STARTUP["backend"] = _STARTUP.get("backend", 0.0) + time.perf_counter() - start
+    taken = dict(_STARTUP)
+    _STARTUP.clear()
+    return taken
 
 
 def _backend_started() -> bool:
@@ -145,6 +163,7 @@ def initialize(
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
     except Exception:  # noqa: BLE001 - a JAX without the option: its default
         pass
+    start = time.perf_counter()
     jax.distributed.initialize(
         coordinator_address,
         num_processes,
@@ -153,6 +172,7 @@ def initialize(
         heartbeat_timeout_seconds=heartbeat_timeout_seconds,
         initialization_timeout=initialization_timeout,
     )
+    _STARTUP["jax.distributed"] = time.perf_counter() - start
     _exit_fast_on_uncaught_errors()
 
 

@@ -28,6 +28,7 @@ from trainkit import data as data_lib
 from trainkit import distributed
 from trainkit.core import totals as metrics_lib
 from trainkit.core.leaf_step import LeafStep
+from trainkit.core.ledger import ProcessLedger
 from trainkit.core.session import FitView, Position, StepRecord
 from trainkit.core.state import abstract
 from trainkit.core.step import batches_at
@@ -76,6 +77,7 @@ class FitRun:
         train_fn = self.steps.function("train")
         logger.info("fit: %s, batch_size=%d, %s steps/epoch", self.strategy.describe(), self.batch_size, config.steps)
         logs: dict[str, float] = {}
+        session.ledger.switch("step")  # the setup is done: from here the loop's own time is the steps'
         try:
             self.watchdog.__enter__()
             callbacks.on_train_begin()
@@ -97,12 +99,14 @@ class FitRun:
                 if self.every is not None:
                     logs.update(self.validation_logs)
                 elif config.validation is not None and config.validates(epoch):
-                    val_logs = self.loop.evaluate(*config.validation, callbacks, read_ahead=config.read_ahead)
+                    with session.ledger.bucket("validation"):
+                        val_logs = self.loop.evaluate(*config.validation, callbacks, read_ahead=config.read_ahead)
                     logs.update({f"val_{k}": v for k, v in val_logs.items()})
                 session.moved(Position(epoch + 1, 0, session.position.step), session.data_state)
                 callbacks.on_epoch_end(epoch, logs)
                 if self.done():
                     break
+            self.close_ledger()
             callbacks.on_train_end(logs)
         except BaseException as error:
             callbacks.on_exception(error)
@@ -112,6 +116,19 @@ class FitRun:
         if session.preempted:
             raise Preempted(session.position.step)
         return logs
+
+    def close_ledger(self) -> None:
+        """The goodput ledger of this ``fit`` closed before ``on_train_end`` (whose hooks read
+        it: ``History.goodput``, the progress bar's table, the loggers); on several processes
+        each one's buckets and step times gathered, and the stragglers named."""
+        ledger = self.session.ledger
+        ledger.settle()
+        processes: tuple[ProcessLedger, ...] = ()
+        if jax.process_count() > 1:
+            mine = ledger.result(settle=False)
+            rows = distributed.gather_json([mine.buckets, mine.step_median, mine.step_p99])
+            processes = tuple(ProcessLedger(i, *row) for i, row in enumerate(rows))
+        ledger.close(processes)
 
     def done(self) -> bool:
         max_steps = self.config.max_steps
@@ -125,7 +142,8 @@ class FitRun:
     def epoch(self, train_fn: Callable, epoch: int, first: int, resume_state: Any) -> tuple[int, dict[str, float]]:
         """One epoch from batch ``first`` (the data continuing from ``resume_state`` when it can):
         the batches trained and the epoch's logs."""
-        config = self.config
+        config, ledger = self.config, self.session.ledger
+        previous = ledger.switch("input")  # the epoch's order and its reader: the data's time
         this_epoch = None if config.steps is None else config.steps - first
         due = [n for n in (this_epoch, self.steps_left()) if n is not None]
         batches: Iterator = data_lib.epoch_batches(
@@ -144,7 +162,9 @@ class FitRun:
         )
         if config.max_steps is not None:  # nothing read past the last step
             batches = itertools.islice(batches, self.steps_left())
-        with self.train_reader(batches) as reader:
+        reader = self.train_reader(batches)
+        ledger.switch(previous)
+        with reader:
             return self.train_epoch(train_fn, reader)
 
     def train_reader(self, batches: Iterator) -> Prefetcher:
@@ -170,8 +190,11 @@ class FitRun:
         self.tuner = self.make_tuner()
         ran, last = 0, None
         lag = self.loop.max_in_flight if self.callbacks.async_train else 0
+        completed = session.ledger.step_completed
+        completed(0.0, 0)  # an epoch begins: its first step's time is not measured from the last epoch's end
         for record, carry in in_order(EpochSteps(self, train_fn, iter(batches)).dispatch(), lag):
             carry.block_until_ready()  # at most `lag` executions queued behind this one
+            completed(time.perf_counter(), record.steps)
             ran, last = ran + record.steps, carry
             if batch_end.active:
                 session.about(record, carry)
@@ -253,7 +276,8 @@ class FitRun:
             return
         self.session.validating(step)
         try:
-            val_logs = self.loop.evaluate(*validation, self.callbacks, read_ahead=self.config.read_ahead)
+            with self.session.ledger.bucket("validation"):
+                val_logs = self.loop.evaluate(*validation, self.callbacks, read_ahead=self.config.read_ahead)
         finally:
             self.session.validating(None)
         self.validation_logs = {f"val_{k}": v for k, v in val_logs.items()}
@@ -288,9 +312,14 @@ class EpochSteps:
     def read(self) -> Span | Exception | None:
         """The next placed span; an error of the data is kept (noted with where it happened)
         and raised only after the span before it went through its hooks."""
+        ledger = self.run.session.ledger
+        previous = ledger.switch("input")  # the loop waits for the data
         try:
-            return self.place(next(self.items, None))
+            item = next(self.items, None)
+            ledger.switch(previous)
+            return self.place(item)
         except Exception as error:  # noqa: BLE001 - the loader's own error, re-raised as it is
+            ledger.switch(previous)
             position = self.run.session.position
             error.add_note(
                 f"trainkit: raised by the data while reading batch {position.batch} of epoch {self.epoch}; the "

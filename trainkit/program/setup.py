@@ -339,6 +339,8 @@ class Setup:
             digest = lora_lib.base_digest(distributed.fetch(self.require_state().params))
             lora = {**dataclasses.asdict(program.lora), "base_sha256": digest, "base_source": self.weights_source}
             settings["lora"] = lora
+        if self.session.ledger.active:  # the goodput ledger so far: a resume carries it on
+            settings["goodput"] = self.session.ledger.saved()
         return settings
 
     @contextlib.contextmanager

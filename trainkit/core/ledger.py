@@ -1,0 +1,311 @@
+"""``Ledger``: where a ``fit``'s wall time went, in buckets that add up to the whole.
+
+One clock, switched between buckets by whoever starts a different kind of work (the loop when
+it waits for the data, the callback list around each callback, the validation): the time since
+the last switch goes to the bucket that was running. JAX reports every trace, lowering and
+backend compile as a time span (``jax.monitoring``); the part of an interval those spans cover
+goes to ``"compile"`` instead, so compiles inside a validation or a first step are counted once,
+as compiles. Nothing here touches a device: a switch reads the clock and adds a float.
+
+Buckets: ``startup`` (the backend, ``jax.distributed``, the setup of ``fit`` before its first
+step), ``compile``, ``input`` (the loop blocked on the data), ``step`` (dispatching and running
+the training steps: the productive time), ``validation``, ``checkpoint`` (blocking checkpoint
+time), ``callbacks/<Class>`` (host work in a callback's hooks) and ``lost`` (step time of a run
+that was interrupted after its last checkpoint, recomputed after the resume).
+
+>>> ledger = Ledger()
+>>> with ledger.running():
+...     previous = ledger.switch("input"); _ = sum(range(10_000)); _ = ledger.switch(previous)
+>>> result = ledger.result()
+>>> sorted(result.buckets) == ["input", "startup"], abs(sum(result.buckets.values()) - result.wall_seconds) < 1e-9
+(True, True)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import jax
+
+#: JAX's events whose spans are compile time (tracing, lowering to MLIR, the backend's compile)
+COMPILE_EVENTS = (
+    "/jax/core/compile/jaxpr_trace_duration",
+    "/jax/core/compile/jaxpr_to_mlir_module_duration",
+    "/jax/core/compile/backend_compile_duration",
+)
+_BACKEND_COMPILE = COMPILE_EVENTS[2]
+_CACHE_EVENTS = {"/jax/compilation_cache/cache_hits": "hit", "/jax/compilation_cache/cache_misses": "miss"}
+#: the productive bucket: goodput = its seconds / the wall time
+PRODUCTIVE = "step"
+#: the order buckets are shown in (callback buckets follow, then ``lost``)
+ORDER = ("startup", "compile", "input", "step", "validation", "checkpoint")
+
+
+@dataclasses.dataclass
+class CompileRecord:
+    """One function's backend compiles in a ``fit``: seconds, and persistent-cache hits and
+    misses (both 0 when no persistent cache is on)."""
+
+    seconds: float = 0.0
+    compiles: int = 0
+    hits: int = 0
+    misses: int = 0
+
+
+class _Outcome(threading.local):
+    """A thread's last persistent-cache outcome (``"hit"`` / ``"miss"``), read by its next compile."""
+
+    value: str | None = None
+
+
+class _CompileSpans:
+    """What JAX's listeners report, from any thread: compile spans not yet given to an interval,
+    per-function records, and each thread's last cache outcome (read by its next backend compile)."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.pending: list[tuple[float, float]] = []
+        self.records: dict[str, CompileRecord] = {}
+        self.outcome = _Outcome()
+        self.listening = False
+
+    def listen(self) -> None:
+        if not self.listening:
+            self.listening = True
+            jax.monitoring.register_event_time_span_listener(self.on_span)
+            jax.monitoring.register_event_listener(self.on_event)
+
+    def on_event(self, event: str, **kwargs: str | int) -> None:
+        if event in _CACHE_EVENTS:
+            self.outcome.value = _CACHE_EVENTS[event]
+
+    def on_span(self, event: str, start_time: float, end_time: float, **kwargs: str | int) -> None:
+        if event not in COMPILE_EVENTS:
+            return
+        with self.lock:
+            self.pending.append((start_time, end_time))
+            if event == _BACKEND_COMPILE:
+                record = self.records.setdefault(str(kwargs.get("fun_name", "?")), CompileRecord())
+                record.seconds += end_time - start_time
+                record.compiles += 1
+                outcome = self.outcome.value
+                record.hits += outcome == "hit"
+                record.misses += outcome == "miss"
+                self.outcome.value = None
+            if len(self.pending) > 4096:  # no ledger is taking them (no fit runs): keep the newest
+                del self.pending[:2048]
+
+    def covered(self, start: float, end: float) -> float:
+        """Seconds of ``[start, end]`` that compile spans cover (their union); the spans are consumed."""
+        with self.lock:
+            spans, self.pending = sorted(self.pending), []
+        covered, reach = 0.0, start
+        for span_start, span_end in spans:
+            lo, hi = max(span_start, reach), min(span_end, end)
+            if hi > lo:
+                covered += hi - lo
+                reach = hi
+        return covered
+
+    def take_records(self) -> dict[str, CompileRecord]:
+        """The per-function records so far (a copy), cleared with ``clear``."""
+        with self.lock:
+            return {name: dataclasses.replace(record) for name, record in self.records.items()}
+
+    def clear(self) -> None:
+        """A new fit: the spans and records from before it are not its time."""
+        with self.lock:
+            self.pending, self.records = [], {}
+
+
+_SPANS = _CompileSpans()
+
+
+@dataclasses.dataclass(frozen=True)
+class ProcessLedger:
+    """One process's buckets and step-time spread (median, p99 seconds per step) in a
+    multi-process ``fit``."""
+
+    index: int
+    buckets: dict[str, float]
+    step_median: float | None
+    step_p99: float | None
+
+
+@dataclasses.dataclass(frozen=True)
+class Goodput:
+    """Where a ``fit``'s wall time went (``history.goodput``; see :class:`Ledger`): ``buckets``
+    maps each bucket to seconds, which add up to ``wall_seconds``; ``goodput`` is the step time
+    over the wall time. Carried across resumes: a run resumed by ``BackupAndRestore`` counts the
+    interrupted runs' time too (``restarts``), and the steps they ran after their last backup as
+    ``lost_steps`` (their time in the ``lost`` bucket). ``compiles``: each compiled function's
+    seconds and cache hits and misses (this ``fit``'s). ``processes``: each process's buckets
+    (several processes), and ``stragglers`` the process that spent the most in each bucket."""
+
+    buckets: dict[str, float]
+    wall_seconds: float
+    lost_steps: int = 0
+    restarts: int = 0
+    compiles: dict[str, CompileRecord] = dataclasses.field(default_factory=dict)
+    step_median: float | None = None
+    step_p99: float | None = None
+    processes: tuple[ProcessLedger, ...] = ()
+    stragglers: dict[str, int] = dataclasses.field(default_factory=dict)
+
+    @property
+    def goodput(self) -> float:
+        return self.buckets.get(PRODUCTIVE, 0.0) / self.wall_seconds if self.wall_seconds > 0 else 0.0
+
+    def top_loss(self) -> tuple[str, float] | None:
+        """The bucket other than ``step`` that took the most time, and its share of the wall."""
+        losses = [(seconds, name) for name, seconds in self.buckets.items() if name != PRODUCTIVE]
+        if not losses or self.wall_seconds <= 0:
+            return None
+        seconds, name = max(losses)
+        return name, seconds / self.wall_seconds
+
+    def scalars(self) -> dict[str, float]:
+        """What the loggers write: ``goodput`` and ``goodput/<bucket>`` seconds."""
+        return {"goodput": self.goodput, "goodput/wall": self.wall_seconds} | {
+            f"goodput/{name}": seconds for name, seconds in self.buckets.items()
+        }
+
+
+def ordered(buckets: dict[str, float]) -> list[str]:
+    """Bucket names in the order they are shown: the fixed ones, the callbacks', then ``lost``."""
+    fixed = [name for name in ORDER if name in buckets]
+    rest = sorted(name for name in buckets if name not in ORDER and name != "lost")
+    return fixed + rest + (["lost"] if "lost" in buckets else [])
+
+
+def percentile(values: list[float], q: float) -> float:
+    """The ``q`` quantile (0..1) of ``values``, nearest rank."""
+    ranked = sorted(values)
+    return ranked[min(len(ranked) - 1, max(0, round(q * (len(ranked) - 1))))]
+
+
+class Ledger:
+    """The clock of a running ``fit`` (the session holds one; see the module docstring).
+    Outside :meth:`running` a switch changes nothing but the bucket name it returns."""
+
+    def __init__(self) -> None:
+        self.active = False
+        self.current = "startup"
+        self.since = 0.0
+        self.seconds: dict[str, float] = {}
+        self.completed: list[tuple[float, int]] = []  # (perf_counter stamp, steps) of completed calls
+        self.carried: dict[str, Any] = {}  # the interrupted runs' ledger (:meth:`carry`)
+        self.started = self.prior = 0.0
+        self.last: Goodput | None = None  # the result of the last fit (:meth:`close`)
+
+    @contextlib.contextmanager
+    def running(self, startup: dict[str, float] | None = None) -> Iterator[Ledger]:
+        """Counts from now until the block ends (the ledger of one ``fit``). ``startup``: seconds
+        this process spent starting before it (``jax.distributed``, the backend), counted once."""
+        _SPANS.listen()
+        _SPANS.clear()
+        self.prior = sum((startup or {}).values())  # counted before this fit's clock started
+        self.seconds, self.completed, self.carried, self.last = {"startup": self.prior}, [], {}, None
+        self.active, self.current, self.since = True, "startup", time.time()
+        self.started = self.since
+        try:
+            yield self
+        finally:
+            self.settle()
+            self.active = False
+
+    def switch(self, bucket: str) -> str:
+        """From now the time goes to ``bucket``; returns the bucket that was running (switch
+        back to it when the work ends)."""
+        previous = self.current
+        if self.active:
+            now = time.time()  # JAX's spans are time.time()
+            compiled = _SPANS.covered(self.since, now) if _SPANS.pending else 0.0
+            seconds = self.seconds
+            seconds[previous] = seconds.get(previous, 0.0) + (now - self.since - compiled)
+            if compiled:
+                seconds["compile"] = seconds.get("compile", 0.0) + compiled
+            self.since = now
+        self.current = bucket
+        return previous
+
+    @contextlib.contextmanager
+    def bucket(self, name: str) -> Iterator[None]:
+        """The block's time goes to ``name``, then back to the bucket that ran before."""
+        previous = self.switch(name)
+        try:
+            yield
+        finally:
+            self.switch(previous)
+
+    def settle(self) -> None:
+        """Everything up to now counted (the running bucket stays)."""
+        self.switch(self.current)
+
+    def step_completed(self, stamp: float, steps: int = 1) -> None:
+        """A call of ``steps`` steps finished at ``stamp`` (``time.perf_counter()``); ``steps=0``
+        marks an epoch's start (no step time spans an epoch's end and the next one's start)."""
+        self.completed.append((stamp, steps))
+
+    def step_times(self) -> list[float]:
+        """Seconds per step between consecutive completed calls of one epoch (a fused call's
+        steps share its time)."""
+        pairs = self.completed
+        times: list[float] = []
+        for (before, _), (stamp, steps) in zip(pairs, pairs[1:]):
+            if steps and before:
+                times.extend([(stamp - before) / steps] * steps)
+        return times
+
+    def carry(self, interrupted: dict[str, Any]) -> None:
+        """The ledger of the runs before a resume (:meth:`saved`, with ``lost_steps`` and the
+        ``lost`` bucket filled in by whoever resumed): this run's result includes them."""
+        self.carried = interrupted
+
+    def saved(self, settle: bool = True) -> dict[str, Any]:
+        """This run's ledger so far, with the carried one, as JSON (for a manifest or journal);
+        ``settle=False``: up to the last switch."""
+        if settle:
+            self.settle()
+        carried = self.carried.get("buckets", {})
+        buckets = {name: carried.get(name, 0.0) + self.seconds.get(name, 0.0) for name in {*carried, *self.seconds}}
+        wall = self.carried.get("wall_seconds", 0.0) + self.prior + (self.since - self.started)
+        return {
+            "buckets": buckets,
+            "wall_seconds": wall,
+            "lost_steps": int(self.carried.get("lost_steps", 0)),
+            "restarts": int(self.carried.get("restarts", 0)),
+        }
+
+    def result(self, processes: tuple[ProcessLedger, ...] = (), settle: bool = True) -> Goodput:
+        """The ledger as a :class:`Goodput` (``processes``: every process's, when several ran;
+        ``settle=False``: up to the last switch)."""
+        saved = self.saved(settle)
+        buckets = {name: saved["buckets"][name] for name in ordered(saved["buckets"])}
+        times = self.step_times()
+        stragglers = {}
+        if processes:
+            for name in buckets:
+                stragglers[name] = max(processes, key=lambda p: p.buckets.get(name, 0.0)).index
+        return Goodput(
+            buckets=buckets,
+            wall_seconds=saved["wall_seconds"],
+            lost_steps=saved["lost_steps"],
+            restarts=saved["restarts"],
+            compiles=_SPANS.take_records(),
+            step_median=percentile(times, 0.5) if times else None,
+            step_p99=percentile(times, 0.99) if times else None,
+            processes=processes,
+            stragglers=stragglers,
+        )
+
+    def close(self, processes: tuple[ProcessLedger, ...] = ()) -> Goodput:
+        """The fit's result, kept as :attr:`last` (up to the last switch: call :meth:`settle`
+        before gathering ``processes``)."""
+        self.last = self.result(processes, settle=False)
+        return self.last
