@@ -5,6 +5,7 @@ from trainkit.callbacks.base import Callback, MonitorCallback
 from trainkit.callbacks.callback_list import CallbackList
 from trainkit.callbacks.csv_logger import CSVLogger
 from trainkit.callbacks.early_stopping import EarlyStopping
+from trainkit.callbacks.gradient_stats import GradientStats
 from trainkit.callbacks.history import History
 from trainkit.callbacks.lambda_callback import LambdaCallback
 from trainkit.callbacks.learning_rate import LearningRateScheduler, ReduceLROnPlateau
@@ -33,4 +34,5 @@ __all__ = [
     "TensorBoard",
     "Logging",
     "Profiler",
+    "GradientStats",
 ]

@@ -21,6 +21,7 @@ import warnings
 from typing import TYPE_CHECKING, Any
 
 from trainkit.core.session import Session
+from trainkit.core.statistics import StepStatistics
 
 if TYPE_CHECKING:  # for the type checker only: nothing imports trainer.py at run time
     from trainkit.trainer import Trainer
@@ -77,6 +78,11 @@ class Callback:
     #: The goodput ledger's bucket for the time spent in this callback's hooks (``None``:
     #: ``"callbacks/<class name>"``); the checkpoint callbacks' is ``"checkpoint"``.
     goodput_bucket: str | None = None
+
+    def step_statistics(self) -> StepStatistics | None:
+        """What this callback needs the compiled train step to measure (``GradientStats``'s
+        norms), read when ``fit`` begins; ``None``: nothing."""
+        return None
 
     def execution_cap(self) -> int | None:
         """The most steps one compiled call may cover for this callback's batch hooks to mean

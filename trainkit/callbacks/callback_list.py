@@ -26,6 +26,7 @@ from trainkit.callbacks.base import _ALIASES, _BATCH_END, Callback, Logs, overri
 from trainkit.callbacks.history import History
 from trainkit.callbacks.progress import ProgressBar
 from trainkit.core.ledger import Ledger
+from trainkit.core.statistics import StepStatistics
 from trainkit.loop.hooks import Hook
 
 if TYPE_CHECKING:  # for the type checker only: nothing imports trainer.py at run time
@@ -238,6 +239,16 @@ class CallbackList:
     def annotates_steps(self) -> bool:
         """Whether a callback profiles steps (the loop then marks each one)."""
         return any(c.annotates_steps for c in self.callbacks)
+
+    @property
+    def step_statistics(self) -> StepStatistics | None:
+        """What a callback needs the train step to measure (at most one callback may ask)."""
+        asked = [spec for spec in (c.step_statistics() for c in self.callbacks) if spec is not None]
+        if len(asked) > 1:
+            raise ValueError(
+                f"{len(asked)} callbacks ask the train step for statistics ({asked}); pass one GradientStats."
+            )
+        return asked[0] if asked else None
 
     @property
     def stops_on_non_finite(self) -> bool:

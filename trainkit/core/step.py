@@ -37,6 +37,7 @@ from clu.metrics import LastValue
 
 from trainkit.core.optimizers import learning_rate
 from trainkit.core.state import Batch, TrainState
+from trainkit.core.statistics import StepStatistics
 from trainkit.core.totals import (
     LABEL_ALARM,
     EpochTotals,
@@ -195,6 +196,7 @@ def make_train_step(
     log_grad_norm: bool = False,
     label_check: Callable[[PyTree], tuple[jax.Array, jax.Array] | None] | None = None,
     trainable: Trainable | None = None,
+    statistics: StepStatistics | None = None,
 ) -> Callable[[TrainState, Batch], tuple[TrainState, Metrics]]:
     """The pure training step; ``axis_name`` names the device axis under ``pmap``/``shard_map``.
 
@@ -209,6 +211,8 @@ def make_train_step(
     as a :class:`~trainkit.core.totals.LabelAlarm` metric, which the loop raises at its next read.
     ``trainable`` (a :class:`~trainkit.core.trainable.Trainable`): only its leaves are
     differentiated and updated (``tx`` is then its :meth:`~trainkit.core.trainable.Trainable.optimizer`).
+    ``statistics`` (a :class:`~trainkit.core.statistics.StepStatistics`): the norms of the
+    gradients, parameters and updates on its steps, as hidden ``_stats/...`` metrics.
     """
     trainable = trainable if trainable is not None else Trainable(None)
     freezes = trainable.freezes
@@ -253,6 +257,8 @@ def make_train_step(
         )
         if log_grad_norm:  # one more pass over the gradients (free when clipping by norm)
             metrics["grad_norm"] = LastValue(value=optax.tree.norm(grads))
+        if statistics is not None:  # on its steps only (a lax.cond)
+            metrics.update(statistics.metrics(state.step + 1, grads, updates, state.params))
         rate = learning_rate(opt_state)
         if rate is not None:
             metrics["learning_rate"] = LastValue(value=jnp.asarray(rate, jnp.float32))

@@ -74,6 +74,7 @@ class FitRun:
         names = list(self.steps.log_order)  # what the epoch logs will hold (Keras 2's params["metrics"])
         logged = tuple(names + ([f"val_{name}" for name in names] if config.validation else []))
         session.begin_fit(FitView(self.batch_size, logged), Position(config.initial_epoch, 0, session.position.step))
+        self.steps.use_statistics(callbacks.step_statistics)
         train_fn = self.steps.function("train")
         logger.info("fit: %s, batch_size=%d, %s steps/epoch", self.strategy.describe(), self.batch_size, config.steps)
         logs: dict[str, float] = {}

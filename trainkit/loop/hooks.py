@@ -16,6 +16,7 @@ from collections.abc import Callable, Iterator
 from typing import Any, Protocol
 
 from trainkit.core.session import Session
+from trainkit.core.statistics import StepStatistics
 from trainkit.core.totals import EpochTotals
 from trainkit.core.tree import PyTree
 from trainkit.data.prefetch import Prefetcher
@@ -46,6 +47,10 @@ class CompiledSteps(Protocol):
     def function(self, kind: str) -> Callable[..., Any]: ...
 
     def empty_totals(self, kind: str, host_batch: PyTree = None) -> EpochTotals: ...
+
+    def use_statistics(self, statistics: StepStatistics | None) -> None:
+        """The train step measures ``statistics`` (a callback's) from now on."""
+        ...
 
     def decide_steps(self, steps: int, reason: str) -> None:
         """``steps_per_execution="auto"`` picked ``steps`` batches per call, for ``reason``."""
@@ -99,6 +104,11 @@ class Hooks(Protocol):
 
     @property
     def stops_on_non_finite(self) -> bool: ...
+
+    @property
+    def step_statistics(self) -> StepStatistics | None:
+        """What a callback needs the train step to measure (``GradientStats``), or ``None``."""
+        ...
 
 
 class LoopView(Protocol):

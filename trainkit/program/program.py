@@ -35,6 +35,7 @@ from trainkit.core.model import ModelAdapter, param_axes, starting_variables, un
 from trainkit.core.precision import Precision, cast_floating
 from trainkit.core.remat import wrap_remat
 from trainkit.core.state import Batch, TrainState
+from trainkit.core.statistics import StepStatistics
 from trainkit.core.step import make_eval_step, make_multi_step, make_predict_step, make_train_step, with_totals
 from trainkit.core.totals import EpochTotals, pack
 from trainkit.core.trainable import Trainable, TrainableSpec
@@ -93,6 +94,8 @@ class Program:
         self.grad_accum_steps, self.log_grad_norm, self.seed = grad_accum_steps, log_grad_norm, seed
         self.variables = variables
         self.eager = eager
+        #: what the train step measures for a callback (``GradientStats``); set by the setup per ``fit``
+        self.statistics: StepStatistics | None = None
         self._param_axes: dict | None = None  # the model's partitioning annotations, once read
         self._abstract_states: dict[str, PyTree] = {}  # abstract_state by the first row's signature
 
@@ -215,6 +218,7 @@ class Program:
             log_grad_norm=self.log_grad_norm,
             label_check=self.objective.labels_out_of_range,
             trainable=self.trainable,
+            statistics=self.statistics,
         )
 
     def empty_totals(

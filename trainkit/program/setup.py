@@ -21,6 +21,7 @@ methods. It is the :class:`~trainkit.loop.CompiledSteps` the loop runs (``functi
 >>> program = Program(adapter=adapter, compute_loss=compute_loss, apply=adapter.apply, optimizer=optax.sgd(0.1),
 ...                   objective=objective, precision=get_precision("fp32"))
 >>> from trainkit.core.session import Session
+from trainkit.core.statistics import StepStatistics
 >>> session = Session()
 >>> setup = Setup(program, "single", session=session, steps_per_execution=1)
 >>> prepared = setup.prepare((np.ones((8, 3), np.float32), np.ones((8, 2), np.float32)), batch_size=4, targets=True)
@@ -52,6 +53,7 @@ from trainkit.core import optimizers, tree
 from trainkit.core.precision import NoLossScale
 from trainkit.core.session import Session
 from trainkit.core.state import TrainState, abstract, check_tree_matches
+from trainkit.core.statistics import StepStatistics
 from trainkit.core.totals import EpochTotals
 from trainkit.core.tree import PyTree
 from trainkit.core.variables import named_variables, replaced
@@ -779,6 +781,16 @@ class Setup:
         return key, None if name is None else named.get(name), None if under is None else named.get(under)
 
     # ------------------------------------------------------------------ compiled steps
+    def use_statistics(self, statistics: StepStatistics | None) -> None:
+        """The train step measures ``statistics`` for this ``fit``'s callbacks
+        (``GradientStats``); the training steps compile again when that changed."""
+        if statistics == self.program.statistics:
+            return
+        self.program.statistics = statistics
+        for kind in ("train", "train_steps"):
+            self._compiled.pop(kind, None)
+        self._totals.pop("train", None)
+
     def function(self, kind: str) -> Callable:
         """The compiled ``"train"``, ``"train_steps"``, ``"eval"`` or ``"predict"`` step
         (compiled once)."""

@@ -1,0 +1,127 @@
+"""GradientStats: norms computed inside the compiled step, equal to a hand computation and the
+same under every strategy and with fused steps."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from conftest import NoisyMLP, Wide, make_classification
+
+import trainkit as tk
+
+X, Y = make_classification(192, features=64)
+Y = Y % 8
+STRATEGIES = {
+    "single": lambda: tk.SingleDevice(),
+    "dp8": lambda: tk.DataParallel(),
+    "fsdp8": lambda: tk.FSDP(min_shard_size=64),
+    "hybrid2x4": lambda: tk.Hybrid(data=2, fsdp=4, min_shard_size=64),
+}
+
+
+class Recorder(tk.callbacks.Callback):
+    """Every batch log that carries the statistics (it comes after GradientStats)."""
+
+    async_safe = True
+
+    def __init__(self):
+        self.logged = {}
+
+    def reads_batch_logs(self):
+        return True
+
+    def on_train_batch_end(self, batch, logs=None):
+        if "grad_norm" in logs:
+            step = self.session.require_record().step
+            self.logged[step] = {k: v for k, v in logs.items() if "norm" in k or "ratio" in k}
+
+
+def measured(strategy, steps_per_execution=1, model=None):
+    trainer = tk.Trainer(
+        model or Wide(),
+        loss="sparse_categorical_crossentropy",
+        optimizer=optax.adam(1e-3),
+        strategy=STRATEGIES[strategy](),
+        steps_per_execution=steps_per_execution,
+    )
+    stats, recorder = tk.callbacks.GradientStats(every=3, per_layer="Dense"), Recorder()
+    history = trainer.fit(X, Y, batch_size=32, epochs=2, verbose=0, shuffle=False, callbacks=[stats, recorder])
+    return stats, recorder, history
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return measured("single")
+
+
+def test_the_norms_equal_a_hand_computation_on_one_device():
+    model = Wide()
+    trainer = tk.Trainer(model, loss="sparse_categorical_crossentropy", optimizer=optax.sgd(0.5), strategy="single")
+    trainer.init(X[:32])
+    params = jax.tree.map(np.asarray, trainer.params)
+    stats = tk.callbacks.GradientStats(every=1, per_layer="Dense_1")
+    trainer.fit(X[:32], Y[:32], batch_size=32, epochs=1, verbose=0, callbacks=[stats])
+
+    def loss(p):
+        logits = model.apply({"params": p}, X[:32])
+        return optax.softmax_cross_entropy_with_integer_labels(logits, Y[:32]).mean()
+
+    grads = jax.grad(loss)(params)
+    layer = lambda tree: jnp.sqrt(sum(jnp.sum(jnp.square(a)) for a in jax.tree.leaves(tree["Dense_1"])))  # noqa: E731
+    norm = lambda tree: jnp.sqrt(sum(jnp.sum(jnp.square(a)) for a in jax.tree.leaves(tree)))  # noqa: E731
+    updates = jax.tree.map(lambda g: -0.5 * g, grads)
+    expected = {
+        "grad_norm": norm(grads),
+        "param_norm": norm(params),
+        "update_norm": norm(updates),
+        "update_ratio": norm(updates) / norm(params),
+        "grad_norm/Dense_1": layer(grads),
+        "param_norm/Dense_1": layer(params),
+        "update_norm/Dense_1": layer(updates),
+        "update_ratio/Dense_1": layer(updates) / layer(params),
+    }
+    assert stats.steps == [1]
+    assert set(stats.values) == set(expected)
+    for name, value in expected.items():
+        np.testing.assert_allclose(stats.values[name], float(value), rtol=1e-5, err_msg=name)
+
+
+@pytest.mark.parametrize("strategy", ["dp8", "fsdp8", "hybrid2x4"])
+def test_every_strategy_measures_what_one_device_measures(reference, strategy):
+    stats, recorder, history = measured(strategy)
+    ref_stats, ref_recorder, ref_history = reference
+    assert stats.steps == ref_stats.steps == [3, 6, 9, 12]  # 6 steps an epoch, every 3rd
+    assert recorder.logged.keys() == ref_recorder.logged.keys() == {3, 6, 9, 12}
+    assert len(ref_recorder.logged[3]) == 4 * 4  # 4 kinds, global and for Dense_0..2
+    for step, values in ref_recorder.logged.items():
+        for name, value in values.items():
+            np.testing.assert_allclose(recorder.logged[step][name], value, rtol=1e-5, atol=1e-6, err_msg=(step, name))
+    np.testing.assert_allclose(history.history["grad_norm/Dense_2"], ref_history.history["grad_norm/Dense_2"], 1e-5)
+
+
+@pytest.mark.parametrize("strategy", ["single", "hybrid2x4"])
+def test_a_fused_call_keeps_the_statistics_of_the_step_that_was_due(reference, strategy):
+    stats, recorder, _ = measured(strategy, steps_per_execution=4)
+    ref_stats, ref_recorder, _ = reference
+    # 6 steps an epoch: a call of steps 1-4 (3 inside it), then 5 and 6 one by one; 7-10 (9 inside), 11, 12
+    assert stats.steps == [3, 6, 9, 12], stats.steps
+    for step in stats.steps:  # logged at the end of the call that held the step
+        logged = recorder.logged[min(s for s in recorder.logged if s >= step)]
+        for name, value in ref_recorder.logged[step].items():
+            np.testing.assert_allclose(logged[name], value, rtol=1e-5, atol=1e-6, err_msg=(step, name))
+
+
+def test_nothing_is_measured_or_logged_without_the_callback():
+    trainer = tk.Trainer(NoisyMLP(), loss="sparse_categorical_crossentropy", optimizer=optax.sgd(0.1))
+    x, y = make_classification(64)
+    history = trainer.fit(x, y, batch_size=16, epochs=1, verbose=0)
+    assert not [name for name in history.history if "norm" in name]
+    assert trainer.setup.program.statistics is None
+
+
+def test_bad_arguments_are_refused_before_training():
+    with pytest.raises(ValueError, match="every must be a positive number of steps"):
+        tk.callbacks.GradientStats(every=0)
+    with pytest.raises(ValueError, match="is not a regular expression"):
+        tk.callbacks.GradientStats(per_layer="(")

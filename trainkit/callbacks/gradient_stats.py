@@ -1,0 +1,107 @@
+"""``GradientStats``: norms of the gradients, parameters and updates, and the update/parameter
+ratio, globally and per module, computed inside the compiled train step under any strategy.
+
+>>> import numpy as np, optax, flax.linen as nn, trainkit as tk
+>>> class Net(nn.Module):
+...     @nn.compact
+...     def __call__(self, x):
+...         return nn.Dense(2, name="head")(nn.relu(nn.Dense(8, name="hidden")(x)))
+>>> x = np.random.default_rng(0).normal(size=(64, 3)).astype("float32"); y = (x[:, 0] > 0).astype("int32")
+>>> trainer = tk.Trainer(Net(), loss="sparse_categorical_crossentropy", optimizer=optax.sgd(0.1), strategy="single")
+>>> stats = GradientStats(every=2, per_layer="hidden")
+>>> history = trainer.fit((x, y), batch_size=16, epochs=2, verbose=0, callbacks=[stats])
+>>> sorted(name for name in history.history if "hidden" in name)
+['grad_norm/hidden', 'param_norm/hidden', 'update_norm/hidden', 'update_ratio/hidden']
+>>> stats.steps   # the steps measured
+[2, 4, 6, 8]
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+
+from trainkit import distributed
+from trainkit.callbacks.base import Callback, Logs
+from trainkit.core.statistics import PREFIX, StepStatistics
+from trainkit.loop.dispatch import host_metrics
+from trainkit.monitoring import loggers
+
+
+class GradientStats(Callback):
+    """Every ``every`` optimizer steps, the global norms of the gradients (after the all-reduce),
+    the parameters (before the update) and the updates, and ``update_norm / param_norm``; for
+    each module whose path matches the regex ``per_layer`` (``re.search``, e.g. ``"Dense"`` or
+    ``".*"``) the same per module, named ``grad_norm/<module path>``.
+
+    The train step computes them (a ``lax.cond``: only on those steps), also inside a fused
+    ``steps_per_execution`` call, and keeps them on the device with the epoch's metrics: they
+    reach the host only on the steps they are logged, so the loop never waits for the device
+    in between. They are added to that step's batch logs (callbacks after this one, ``Logging``
+    and ``TensorBoard`` with a matching ``update_freq``, see them) and the latest ones to every
+    epoch's logs (``history.history["grad_norm/hidden"]``). With ``log_dir``, each measured step
+    is written to TensorBoard there (``log_dir/train``): the scalars, and a histogram per kind
+    over the modules (``grad_norm_by_module``).
+
+    ``values`` holds the latest measurement, ``steps`` the steps measured in this ``fit``.
+    """
+
+    async_safe = True  # it reads the totals of the step it is about, which the device keeps
+
+    def __init__(self, every: int = 100, per_layer: str | None = None, log_dir: str | os.PathLike | None = None):
+        self.spec = StepStatistics(every, per_layer)
+        self.log_dir = None if log_dir is None else os.fspath(log_dir)
+        self.values: dict[str, float] = {}
+        self.steps: list[int] = []
+        self.board: loggers.TensorBoardLogger | None = None
+
+    def step_statistics(self) -> StepStatistics:
+        return self.spec
+
+    def on_train_begin(self, logs: Logs | None = None) -> None:
+        self.values, self.steps = {}, []
+        if self.log_dir is not None and distributed.is_main_process():
+            self.board = loggers.TensorBoardLogger(self.log_dir)
+
+    def _due(self) -> bool:
+        record = self.session.record
+        return record is not None and record.covers_multiple(self.spec.every)
+
+    def reads_batch_logs(self) -> bool:
+        return self._due()  # the batch logs are then shared: the values added reach the callbacks after this one
+
+    def on_train_batch_end(self, batch: int, logs: Logs | None = None) -> None:
+        carry = self.session.carry
+        if not self._due() or carry is None:
+            return
+        metrics = host_metrics(carry).metrics  # one device read, on this step only
+        measured = {name[len(PREFIX) :]: metric for name, metric in metrics.items() if name.startswith(PREFIX)}
+        self.values = {name: float(metric.value) for name, metric in measured.items()}
+        record = self.session.require_record()
+        self.steps.append(record.step // self.spec.every * self.spec.every)  # the last multiple it covers
+        if logs is not None:
+            logs.update(self.values)
+        if self.board is not None:
+            self.board.log_metrics(self.steps[-1], self.values, "train", prefix="")
+            self.board.log_histograms(self.steps[-1], self._by_module(), "train")
+
+    def _by_module(self) -> dict[str, np.ndarray]:
+        """Each kind's per-module values as one array (a histogram over the modules)."""
+        kinds: dict[str, list[float]] = {}
+        for name, value in self.values.items():
+            if "/" in name:
+                kinds.setdefault(f"{name.split('/', 1)[0]}_by_module", []).append(value)
+        return {kind: np.asarray(values) for kind, values in kinds.items()}
+
+    def on_epoch_end(self, epoch: int, logs: Logs | None = None) -> None:
+        if logs is not None:
+            logs.update(self.values)  # the latest measurement, for History and the epoch loggers
+
+    def on_train_end(self, logs: Logs | None = None) -> None:
+        if self.board is not None:
+            self.board.close()
+            self.board = None
+
+    def on_exception(self, exception: BaseException) -> None:
+        self.on_train_end()

@@ -1,0 +1,121 @@
+"""Statistics computed inside the train step: norms of the gradients, the parameters and the
+updates, and the update/parameter ratio, globally and per module, on the steps that log them.
+
+They ride in the epoch's device totals as :class:`DueValue` metrics (hidden: their names start
+with ``_``), so nothing reaches the host until a callback reads them (``tk.callbacks.GradientStats``
+on the steps it logs). Under every strategy they are the norms of the global arrays: the
+gradients after the all-reduce, the parameters however they are sharded.
+
+>>> import jax.numpy as jnp
+>>> spec = StepStatistics(every=2, per_layer="dense")
+>>> grads = {"dense": {"kernel": jnp.full((2, 2), 0.5)}, "head": {"bias": jnp.ones(3)}}
+>>> params = {"dense": {"kernel": jnp.ones((2, 2))}, "head": {"bias": jnp.zeros(3)}}
+>>> stats = spec.metrics(jnp.int32(4), grads, grads, params)
+>>> float(stats["_stats/grad_norm/dense"].compute()), float(stats["_stats/update_ratio/dense"].compute())
+(1.0, 0.5)
+>>> sorted(stats) == sorted(f"_stats/{n}{s}" for n in KINDS for s in ("", "/dense"))
+True
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+
+import clu.metrics
+import flax.struct
+import jax
+import jax.numpy as jnp
+
+from trainkit.core.tree import PyTree, leaf_name
+
+#: what is measured, each globally and per matching module
+KINDS = ("grad_norm", "param_norm", "update_norm", "update_ratio")
+#: the prefix of their (hidden) metric names in the step's totals
+PREFIX = "_stats/"
+
+
+@flax.struct.dataclass
+class DueValue(clu.metrics.Metric):
+    """A value measured on some steps only: a merge keeps the latest step that measured it
+    (``due`` > 0). ``compute()`` is that value (NaN when no step measured it)."""
+
+    value: jax.Array
+    due: jax.Array
+
+    def merge(self, other: DueValue) -> DueValue:
+        keep = other.due > 0
+        return DueValue(jnp.where(keep, other.value, self.value), jnp.maximum(self.due, other.due))
+
+    def compute(self) -> jax.Array:
+        return jnp.where(self.due > 0, self.value, jnp.nan)
+
+
+def module_of(name: str) -> str:
+    """The module path of a parameter's name (``"encoder/Dense_0/kernel"`` -> ``"encoder/Dense_0"``)."""
+    return name.rsplit("/", 1)[0] if "/" in name else name
+
+
+@dataclasses.dataclass(frozen=True)
+class StepStatistics:
+    """What the train step measures: every ``every`` optimizer steps (step numbers from 1), the
+    global norms and, for each module whose path matches the regex ``per_layer`` (``re.search``;
+    ``None``: none), the module's own."""
+
+    every: int = 100
+    per_layer: str | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.every, bool) or not isinstance(self.every, int) or self.every < 1:
+            raise ValueError(f"every must be a positive number of steps; received {self.every!r}.")
+        if self.per_layer is not None:
+            try:
+                re.compile(self.per_layer)
+            except re.error as error:
+                raise ValueError(f"per_layer={self.per_layer!r} is not a regular expression: {error}.") from error
+
+    def modules(self, params: PyTree) -> dict[str, list[int]]:
+        """The reported modules, each with the indices of its leaves in ``params``' leaves."""
+        if self.per_layer is None:
+            return {}
+        groups: dict[str, list[int]] = {}
+        pattern = re.compile(self.per_layer)
+        for index, (path, _) in enumerate(jax.tree_util.tree_leaves_with_path(params)):
+            module = module_of(leaf_name(path))
+            if pattern.search(module):
+                groups.setdefault(module, []).append(index)
+        return groups
+
+    def measured(self, grads: PyTree, updates: PyTree, params: PyTree) -> dict[str, jax.Array]:
+        """Every statistic of one step, by name (``grad_norm``, ``grad_norm/<module>``, ...)."""
+        leaves = {"grad": jax.tree.leaves(grads), "update": jax.tree.leaves(updates), "param": jax.tree.leaves(params)}
+        squares = {kind: [jnp.sum(jnp.square(leaf.astype(jnp.float32))) for leaf in xs] for kind, xs in leaves.items()}
+        out: dict[str, jax.Array] = {}
+        for suffix, indices in {"": None, **{f"/{m}": i for m, i in self.modules(params).items()}}.items():
+            norms = {
+                kind: jnp.sqrt(sum(values if indices is None else [values[i] for i in indices], jnp.float32(0)))
+                for kind, values in squares.items()
+            }
+            out[f"grad_norm{suffix}"] = norms["grad"]
+            out[f"param_norm{suffix}"] = norms["param"]
+            out[f"update_norm{suffix}"] = norms["update"]
+            out[f"update_ratio{suffix}"] = norms["update"] / jnp.maximum(norms["param"], jnp.finfo(jnp.float32).tiny)
+        return out
+
+    def metrics(self, step: jax.Array, grads: PyTree, updates: PyTree, params: PyTree) -> dict[str, DueValue]:
+        """The step's :class:`DueValue` metrics: measured when ``step`` is a multiple of
+        ``every`` (a ``lax.cond``: the other steps compute nothing), else zeros, not due."""
+        due = (step % self.every) == 0
+
+        def measure(operands):
+            return self.measured(*operands)
+
+        shapes = jax.eval_shape(measure, (grads, updates, params))
+        values = jax.lax.cond(
+            due,
+            measure,
+            lambda _: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes),
+            (grads, updates, params),
+        )
+        flag = due.astype(jnp.float32)
+        return {PREFIX + name: DueValue(value, flag) for name, value in values.items()}
