@@ -9,8 +9,9 @@ compiles, prints why it picked one, and ``--plan`` prints the whole table (every
 run as in Keras: ``EarlyStopping`` restores the best epoch's weights, ``ReduceLROnPlateau``
 halves the learning rate on a plateau, ``ModelCheckpoint`` keeps the best epoch in
 ``--out``/best (an orbax checkpoint ``trainer.load`` reads) and ``CSVLogger`` writes
-``--out``/log.csv; with the ``monitoring`` extra, ``TensorBoard`` writes ``--out``/tensorboard and
-``history.plot`` draws ``--out``/curves.png.
+``--out``/log.csv; with the ``monitoring`` extra, ``TensorBoard`` writes ``--out``/tensorboard
+(``GradientStats`` its per-layer norms to ``--out``/tensorboard/gradient_stats) and
+``history.plot`` draws ``--out``/curves.png. ``fit`` ends with where the time went.
 
 The 1,797 8x8 digit images ship inside scikit-learn (no download). A fifth is the test split,
 which no callback sees; a fifth of the rest is the validation split that ``EarlyStopping`` and
@@ -117,6 +118,9 @@ def main(argv=None) -> int:
     ]
     if importlib.util.find_spec("tensorboardX"):  # the monitoring extra: tensorboard --logdir OUT/tensorboard
         callbacks.append(tk.callbacks.TensorBoard(os.path.join(out, "tensorboard"), histogram_freq=5))
+        # norms of every layer's gradients, weights and updates, measured inside the step every 20 steps
+        board = os.path.join(out, "tensorboard", "gradient_stats")
+        callbacks.insert(0, tk.callbacks.GradientStats(every=20, per_layer=".*", log_dir=board))
     start = time.perf_counter()
     history = trainer.fit(
         (images[train], labels[train]),

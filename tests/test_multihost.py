@@ -142,7 +142,9 @@ def test_without_the_launcher_the_survivor_exits_with_an_error(tmp_path):
     processes = [
         subprocess.Popen(
             [sys.executable, str(SCRIPT), str(tmp_path / "out.npz"), "--strategies", "dp", "--die-at-step", "3"],
-            env=build_env(clean_env(), process_id=i, nproc=2, port=port, devices_per_proc=4),
+            env=build_env(
+                clean_env() | {"TRAINKIT_HEARTBEAT_TIMEOUT": "5"}, process_id=i, nproc=2, port=port, devices_per_proc=4
+            ),
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
@@ -152,7 +154,7 @@ def test_without_the_launcher_the_survivor_exits_with_an_error(tmp_path):
     ]
     assert processes[1].wait(timeout=180) == -9
     try:
-        output, _ = processes[0].communicate(timeout=120)  # heartbeat timeout: 20 s
+        output, _ = processes[0].communicate(timeout=120)  # heartbeat timeout: 5 s here
     except subprocess.TimeoutExpired:
         processes[0].kill()
         pytest.fail("process 0 kept waiting for the dead process")

@@ -10,6 +10,7 @@ from trainkit.checkpoint import CheckpointError
 from trainkit.core import optimizers
 from trainkit.core.lora import LoRA
 from trainkit.core.precision import Precision
+from trainkit.core.spikes import SpikeSkip
 from trainkit.core.state import TrainState
 from trainkit.data import sources
 from trainkit.loop import PREEMPTED_EXIT_CODE, Position, Preempted, StepRecord
@@ -24,6 +25,7 @@ __all__ = [
     "Trainer",
     "Precision",
     "LoRA",
+    "SpikeSkip",
     "CheckpointError",
     "Preempted",
     "PREEMPTED_EXIT_CODE",

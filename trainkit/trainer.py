@@ -32,6 +32,7 @@ from trainkit.core.lora import LoRA
 from trainkit.core.model import adapt_model
 from trainkit.core.precision import Precision, get_precision
 from trainkit.core.session import Session
+from trainkit.core.spikes import SpikeSkip
 from trainkit.core.state import Batch, TrainState
 from trainkit.core.totals import MetricFn
 from trainkit.core.trainable import TrainableSpec
@@ -75,6 +76,7 @@ class Trainer:
         trainable: the parameters that train (a regex over paths, a list, or ``(path, leaf) -> bool``);
             the others are frozen: no gradient, no optimizer state (docs/finetuning.md).
         lora: a ``tk.LoRA``: low-rank adapters (qwix) on the kernels it targets (linen or NNX); only they train.
+        skip_spikes: a ``tk.SpikeSkip``: an update whose loss spikes above its running average is not applied.
 
     Override :meth:`compute_loss` for a loss that is not ``loss(predictions, y)``. See
     docs/quickstart.md, docs/outputs.md and docs/precision_and_memory.md for each argument.
@@ -103,6 +105,7 @@ class Trainer:
         deterministic: bool = False,
         trainable: TrainableSpec = None,
         lora: LoRA | None = None,
+        skip_spikes: SpikeSkip | None = None,
     ):
         if deterministic:  # XLA reads its flags when the backend starts: before anything touches devices
             distributed.enable_determinism()
@@ -115,21 +118,11 @@ class Trainer:
         self.precision = get_precision(precision)
         self.grad_accum_steps, self.log_grad_norm = int(grad_accum_steps), bool(log_grad_norm)
         self.program = Program(
-            adapter=adapt_model(model),
-            remat=remat,
-            compute_loss=self.compute_loss,
-            apply=self.apply,
-            optimizer=optimizer,
-            objective=self.objective,
-            precision=self.precision,
-            grad_accum_steps=self.grad_accum_steps,
-            log_grad_norm=self.log_grad_norm,
-            eager=self.run_eagerly,
-            seed=self.seed,
-            variables=params,
-            trainable=trainable,
-            lora=lora,
-        )
+            adapter=adapt_model(model), remat=remat, compute_loss=self.compute_loss, apply=self.apply,
+            optimizer=optimizer, objective=self.objective, precision=self.precision, seed=self.seed,
+            grad_accum_steps=self.grad_accum_steps, log_grad_norm=self.log_grad_norm, eager=self.run_eagerly,
+            variables=params, trainable=trainable, lora=lora, spike_skip=skip_spikes,
+        )  # fmt: skip
         self.session = Session()  # the one holder of the live state, the position and the flags
         self.setup = Setup(
             self.program,
@@ -212,6 +205,8 @@ class Trainer:
         """What a checkpoint records besides the arrays (JSON; see docs/checkpointing.md)."""
         session, state = self.session, self.session.require_state()
         settings = {**self.setup.settings(), "batch_size": session.batch_size, "data_state": session.data_state}
+        if session.ledger.active:  # the goodput ledger so far: a resume carries it on (BackupAndRestore)
+            settings["goodput"] = session.ledger.saved()
         return checkpoint_lib.build_manifest(state, self.strategy, session.position, **settings)
 
     def save(

@@ -254,7 +254,7 @@ class Checkpointer:
             )
             return False
         self._last_saved = int(step)
-        state_dict = flax.serialization.to_state_dict(state)
+        state_dict = _present(flax.serialization.to_state_dict(state))
         if "lora" in manifest:  # the base is the weights it was loaded from: only the adapters are written
             state_dict, manifest = _adapters_part(state_dict, manifest)
         if weights_only:
@@ -428,7 +428,7 @@ class Checkpointer:
                 + (f" (and {len(problems) - 12} more)" if len(problems) > 12 else "")
                 + ". Restore with the model and optimizer that wrote it."
             )
-        target_dict = dict(parts)
+        target_dict = _present(parts)  # a part that is None (no spike skip) is not written, nor read
         if manifest.get("contents") == "weights":
             target_dict = {part: target_dict[part] for part in WEIGHTS}
         abstract = state_lib.abstract(target_dict)
@@ -442,9 +442,9 @@ class Checkpointer:
                 raise CheckpointError(
                     f"The checkpoint at step {step} in {self.directory!r} does not match this model and optimizer: "
                     f"the state's structure differs ({'; '.join(mismatch[:12])}). The optimizer (adam against "
-                    "adamw, a chain of another length) or the precision policy (fp16 keeps a loss scale) is not the "
-                    "one that wrote it: restore with the same optimizer and precision, or save_weights_only "
-                    "checkpoints to move weights between them."
+                    "adamw, a chain of another length), the precision policy (fp16 keeps a loss scale) or skip_spikes "
+                    "(a running average) is not the one that wrote it: restore with the same optimizer, precision "
+                    "and skip_spikes, or save_weights_only checkpoints to move weights between them."
                 ) from error
             _let_late_reads_finish()
             raise CheckpointError(
@@ -464,6 +464,7 @@ class Checkpointer:
                     f"The arrays of {where} hold the state of step {int(restored['step'])}, but its manifest says "
                     f"step {written}: the directory mixes files of different saves. Resume from another step."
                 )
+        restored = {**{part: None for part, value in parts.items() if value is None}, **restored}
         return flax.serialization.from_state_dict(target, restored), manifest
 
     def __enter__(self) -> Checkpointer:
@@ -499,6 +500,13 @@ _all_finite_jit = jax.jit(
         )
     )
 )
+
+
+def _present(state_dict: dict) -> dict:
+    """The parts of a state's dict that hold something: a part that is ``None`` (the spike
+    average of a trainer without ``skip_spikes``) is neither written nor read, so checkpoints
+    written before that part existed read back."""
+    return {part: value for part, value in state_dict.items() if value is not None}
 
 
 def all_finite(tree: PyTree) -> bool:

@@ -34,6 +34,8 @@ class TrainState:
         rng: a raw ``uint32[2]`` PRNG key; each step folds in its step number.
         loss_scale: the loss-scale state of the precision policy
             (:class:`trainkit.core.precision.NoLossScale` unless fp16).
+        spikes: the running average of ``Trainer(skip_spikes=...)``
+            (:class:`trainkit.core.spikes.SpikeState`), else ``None`` (no leaves; not saved).
     """
 
     if TYPE_CHECKING:  # flax.struct.dataclass adds it
@@ -46,6 +48,7 @@ class TrainState:
     model_state: PyTree
     rng: jax.Array
     loss_scale: PyTree = dataclasses.field(default_factory=NoLossScale)
+    spikes: PyTree = None
 
     @classmethod
     def create(cls, *, params: PyTree, opt_state: PyTree, model_state: PyTree, seed: int | jax.Array) -> TrainState:

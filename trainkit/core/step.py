@@ -36,6 +36,7 @@ import optax
 from clu.metrics import LastValue
 
 from trainkit.core.optimizers import learning_rate
+from trainkit.core.spikes import SPIKES, SpikeSkip
 from trainkit.core.state import Batch, TrainState
 from trainkit.core.statistics import StepStatistics
 from trainkit.core.totals import (
@@ -186,6 +187,32 @@ def _accumulated(
     return grads, model_state, metrics
 
 
+def _observed(
+    metrics: Metrics, new_state: TrainState, labels: tuple[jax.Array, jax.Array] | None, axis_name: str | None
+) -> None:
+    """The step's learning rate (when the optimizer injects it), its loss scale, and the labels
+    outside the classes ``labels`` counted (``(count, value)``), added to ``metrics``."""
+    rate = learning_rate(new_state.opt_state)
+    if rate is not None:
+        metrics["learning_rate"] = LastValue(value=jnp.asarray(rate, jnp.float32))
+    metrics.update(new_state.loss_scale.metrics())
+    if labels is not None:
+        metrics[LABEL_ALARM] = _label_alarm(labels[0], labels[1], new_state.step, axis_name)
+
+
+def _unless_spike(
+    spike_skip: SpikeSkip, state: TrainState, metrics: Metrics, grads: PyTree, new: PyTree
+) -> tuple[PyTree, PyTree]:
+    """``new`` (the updated parameters, optimizer and model state) unless this step's loss (or
+    gradient norm) spikes, else the state's own; the spike average after it. Adds the step's
+    :class:`~trainkit.core.spikes.SpikeReport` to ``metrics``."""
+    watched = metrics["loss"].compute() if spike_skip.on == "loss" else optax.tree.norm(grads)
+    spike, spikes = spike_skip.decide(state.spikes, watched)
+    old = (state.params, state.opt_state, state.model_state)
+    metrics[SPIKES] = spike_skip.report(spike, state.step + 1, watched, state.spikes)
+    return jax.tree.map(lambda before, after: jnp.where(spike, before, after), old, new), spikes
+
+
 def make_train_step(
     compute_loss: LossFn,
     tx: optax.GradientTransformation,
@@ -197,22 +224,18 @@ def make_train_step(
     label_check: Callable[[PyTree], tuple[jax.Array, jax.Array] | None] | None = None,
     trainable: Trainable | None = None,
     statistics: StepStatistics | None = None,
+    spike_skip: SpikeSkip | None = None,
 ) -> Callable[[TrainState, Batch], tuple[TrainState, Metrics]]:
     """The pure training step; ``axis_name`` names the device axis under ``pmap``/``shard_map``.
 
-    With ``grad_accum_steps=k`` the (per-device) batch is split into ``k`` micro-batches
-    that run one after another inside the step (a ``lax.scan``): peak activation memory falls
-    by about ``k`` while the update equals the update on the whole batch. ``state.loss_scale``
-    (a :mod:`trainkit.core.precision` loss scale) scales the loss before differentiation, unscales
-    the gradients and decides whether the update is applied: with a static or dynamic scale, a
-    step with non-finite gradients leaves the state unchanged (but for ``step``, the scale and
-    the rng) and its metrics count nothing. ``label_check(y)`` (the objective's
-    ``labels_out_of_range``) counts class ids outside the classes in the batch's targets: reported
-    as a :class:`~trainkit.core.totals.LabelAlarm` metric, which the loop raises at its next read.
-    ``trainable`` (a :class:`~trainkit.core.trainable.Trainable`): only its leaves are
-    differentiated and updated (``tx`` is then its :meth:`~trainkit.core.trainable.Trainable.optimizer`).
-    ``statistics`` (a :class:`~trainkit.core.statistics.StepStatistics`): the norms of the
-    gradients, parameters and updates on its steps, as hidden ``_stats/...`` metrics.
+    ``grad_accum_steps=k``: ``k`` micro-batches one after another (a ``lax.scan``), the update
+    that of the whole batch. ``state.loss_scale`` (:mod:`trainkit.core.precision`) scales the
+    loss, unscales the gradients and skips a step whose gradients are not finite (the state kept
+    but for ``step``, the scale and the rng; its metrics count nothing). ``label_check(y)``
+    counts class ids outside the classes (a ``LabelAlarm`` the loop raises). ``trainable``:
+    only its leaves are differentiated and updated. ``statistics`` (a ``StepStatistics``):
+    norms on its steps as hidden ``_stats/...`` metrics. ``spike_skip`` (a ``SpikeSkip``): an
+    update whose loss spikes above ``state.spikes``' average is not applied.
     """
     trainable = trainable if trainable is not None else Trainable(None)
     freezes = trainable.freezes
@@ -252,20 +275,19 @@ def make_train_step(
             new=(params, opt_state, model_state, metrics),
             old=(state.params, state.opt_state, state.model_state, skipped),
         )
+        spikes = state.spikes
+        if spike_skip is not None:  # the same choice as the loss scale's, on the loss (or the gradient norm)
+            (params, opt_state, model_state), spikes = _unless_spike(
+                spike_skip, state, metrics, grads, (params, opt_state, model_state)
+            )
         new_state = state.replace(
             step=state.step + 1, params=params, opt_state=opt_state, model_state=model_state, loss_scale=loss_scale
-        )
+        ).replace(spikes=spikes)
         if log_grad_norm:  # one more pass over the gradients (free when clipping by norm)
             metrics["grad_norm"] = LastValue(value=optax.tree.norm(grads))
         if statistics is not None:  # on its steps only (a lax.cond)
             metrics.update(statistics.metrics(state.step + 1, grads, updates, state.params))
-        rate = learning_rate(opt_state)
-        if rate is not None:
-            metrics["learning_rate"] = LastValue(value=jnp.asarray(rate, jnp.float32))
-        metrics.update(loss_scale.metrics())
-        found = None if label_check is None else label_check(batch.get("y"))
-        if found is not None:
-            metrics[LABEL_ALARM] = _label_alarm(*found, state.step + 1, axis_name)
+        _observed(metrics, new_state, None if label_check is None else label_check(batch.get("y")), axis_name)
         return new_state, metrics
 
     return train_step

@@ -136,7 +136,7 @@ def initialize(
     process_id: int | None = None,
     *,
     local_device_ids: Sequence[int] | None = None,
-    heartbeat_timeout_seconds: int = HEARTBEAT_TIMEOUT,
+    heartbeat_timeout_seconds: int | None = None,
     initialization_timeout: int = 300,
 ) -> None:
     """Connects this process to the others; call it first thing in the script.
@@ -163,6 +163,8 @@ def initialize(
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
     except Exception:  # noqa: BLE001 - a JAX without the option: its default
         pass
+    if heartbeat_timeout_seconds is None:  # TRAINKIT_HEARTBEAT_TIMEOUT, else HEARTBEAT_TIMEOUT
+        heartbeat_timeout_seconds = int(os.environ.get("TRAINKIT_HEARTBEAT_TIMEOUT", HEARTBEAT_TIMEOUT))
     start = time.perf_counter()
     jax.distributed.initialize(
         coordinator_address,

@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import logging
+import math
 import statistics
 import time
 import warnings
@@ -26,10 +27,12 @@ import jax
 
 from trainkit import data as data_lib
 from trainkit import distributed
+from trainkit.core import spikes as spikes_lib
 from trainkit.core import totals as metrics_lib
 from trainkit.core.leaf_step import LeafStep
 from trainkit.core.ledger import ProcessLedger
 from trainkit.core.session import FitView, Position, StepRecord
+from trainkit.core.spikes import SPIKES
 from trainkit.core.state import abstract
 from trainkit.core.step import batches_at
 from trainkit.core.totals import LABEL_ALARM, SKIPPED_WARNING, EpochTotals, PackedTotals, pack
@@ -42,6 +45,8 @@ from trainkit.loop.hooks import Hooks, LoopView
 from trainkit.loop.tuning import StepsTuner
 
 _NO_TRACE = contextlib.nullcontext()  # no profiler annotation: nothing built per step
+#: how often a running epoch's totals are read for a run of skipped spikes (``skip_spikes``)
+SPIKE_CHECK_SECONDS = 1.0
 logger = logging.getLogger("trainkit")
 
 
@@ -193,10 +198,14 @@ class FitRun:
         lag = self.loop.max_in_flight if self.callbacks.async_train else 0
         completed = session.ledger.step_completed
         completed(0.0, 0)  # an epoch begins: its first step's time is not measured from the last epoch's end
+        spike_check = time.monotonic() + SPIKE_CHECK_SECONDS if self.steps.spike_skip is not None else math.inf
         for record, carry in in_order(EpochSteps(self, train_fn, iter(batches)).dispatch(), lag):
             carry.block_until_ready()  # at most `lag` executions queued behind this one
             completed(time.perf_counter(), record.steps)
             ran, last = ran + record.steps, carry
+            if time.monotonic() >= spike_check:  # a long run of skipped spikes stops the run soon
+                self.watch_spikes(host_metrics(carry), start.step, start.batch, start.epoch)
+                spike_check = time.monotonic() + SPIKE_CHECK_SECONDS
             if batch_end.active:
                 session.about(record, carry)
                 batch_end(record.batch, lambda carry=carry: metrics_lib.compute(host_metrics(carry).metrics, order))
@@ -243,6 +252,7 @@ class FitRun:
         stops at it), and (once per run) ``SKIPPED_WARNING`` steps in a row skipped by the
         fp16 loss scale: the model is then not training at all. Labels outside the classes,
         which the step counted, stop the run with the batch that held them."""
+        self.watch_spikes(totals, start_step, start_batch, epoch, ended=True)
         alarm = totals.metrics.get(LABEL_ALARM)
         if alarm is not None and int(alarm.count):
             step = int(alarm.step)
@@ -269,6 +279,22 @@ class FitRun:
                 "the learning rate, or look for a NaN in the data.",
                 stacklevel=6,
             )
+
+    def watch_spikes(
+        self, totals: EpochTotals, start_step: int, start_batch: int, epoch: int, ended: bool = False
+    ) -> None:
+        """``skip_spikes``: a run of skipped updates as long as ``stop_after`` raised (checked at
+        most every ``SPIKE_CHECK_SECONDS`` and when the epoch ``ended``), and the epoch's skipped
+        updates logged once it ended."""
+        skip, report = self.steps.spike_skip, totals.metrics.get(SPIKES)
+        if skip is None or report is None:
+            return
+        where = f"batch {start_batch + int(report.step) - start_step - 1} of epoch {epoch}"
+        warning, error = spikes_lib.reported(report, where, skip.on)
+        if error is not None:
+            raise RuntimeError(error)
+        if warning is not None and ended:
+            logger.warning(warning)
 
     def validate_every(self, step: int) -> None:
         """``validation_interval``: after every N-th step is dispatched, validate on its state."""

@@ -16,6 +16,7 @@ from collections.abc import Callable, Iterator
 from typing import Any, Protocol
 
 from trainkit.core.session import Session
+from trainkit.core.spikes import SpikeSkip
 from trainkit.core.statistics import StepStatistics
 from trainkit.core.totals import EpochTotals
 from trainkit.core.tree import PyTree
@@ -47,6 +48,11 @@ class CompiledSteps(Protocol):
     def function(self, kind: str) -> Callable[..., Any]: ...
 
     def empty_totals(self, kind: str, host_batch: PyTree = None) -> EpochTotals: ...
+
+    @property
+    def spike_skip(self) -> SpikeSkip | None:
+        """The train step's ``skip_spikes`` (its skips are reported, and a long run of them stops ``fit``)."""
+        ...
 
     def use_statistics(self, statistics: StepStatistics | None) -> None:
         """The train step measures ``statistics`` (a callback's) from now on."""

@@ -34,6 +34,7 @@ from trainkit.core.lora import LoRA, is_adapter
 from trainkit.core.model import ModelAdapter, param_axes, starting_variables, under_logical_rules, with_lora
 from trainkit.core.precision import Precision, cast_floating
 from trainkit.core.remat import wrap_remat
+from trainkit.core.spikes import SpikeSkip
 from trainkit.core.state import Batch, TrainState
 from trainkit.core.statistics import StepStatistics
 from trainkit.core.step import make_eval_step, make_multi_step, make_predict_step, make_train_step, with_totals
@@ -64,6 +65,7 @@ class Program:
         lora: a :class:`~trainkit.core.lora.LoRA`: adapters on the adapter's linen module, which
             alone train (with ``trainable``'s parameters); the base frozen.
         eager: no compilation: :meth:`compile` returns the pure step (Keras's ``run_eagerly``).
+        spike_skip: a :class:`~trainkit.core.spikes.SpikeSkip`: spiking updates are not applied.
     """
 
     def __init__(
@@ -83,6 +85,7 @@ class Program:
         eager: bool = False,
         trainable: TrainableSpec = None,
         lora: LoRA | None = None,
+        spike_skip: SpikeSkip | None = None,
     ):
         self.lora, self.base_adapter = lora, adapter  # the model without adapters: what merge_lora and export give
         adapter = adapter if lora is None else with_lora(adapter, lora, seed)
@@ -94,10 +97,16 @@ class Program:
         self.grad_accum_steps, self.log_grad_norm, self.seed = grad_accum_steps, log_grad_norm, seed
         self.variables = variables
         self.eager = eager
+        self.spike_skip = spike_skip
         #: what the train step measures for a callback (``GradientStats``); set by the setup per ``fit``
         self.statistics: StepStatistics | None = None
         self._param_axes: dict | None = None  # the model's partitioning annotations, once read
         self._abstract_states: dict[str, PyTree] = {}  # abstract_state by the first row's signature
+
+    def measure(self, statistics: StepStatistics | None) -> None:
+        """What the train step measures from now on (a callback's ``GradientStats``); the setup
+        compiles its training steps again."""
+        self.statistics = statistics
 
     # ------------------------------------------------------------------ the initial state
     def init_state(self, variables: PyTree, first_row: PyTree) -> TrainState:
@@ -106,9 +115,10 @@ class Program:
         params, model_state = self.adapter.init(init_rng, first_row) if variables is None else variables
         params = cast_floating(params, self.precision.param_dtype)
         self.trainable.check(params)
+        spikes = None if self.spike_skip is None else self.spike_skip.initial()
         return TrainState.create(
             params=params, opt_state=self.optimizer.init(params), model_state=model_state, seed=state_rng
-        ).replace(loss_scale=self.precision.init_loss_scale())
+        ).replace(loss_scale=self.precision.init_loss_scale(), spikes=spikes)
 
     def starting_variables(self, first_row: PyTree) -> PyTree:
         return starting_variables(self.adapter, self.variables, first_row)
@@ -219,6 +229,7 @@ class Program:
             label_check=self.objective.labels_out_of_range,
             trainable=self.trainable,
             statistics=self.statistics,
+            spike_skip=self.spike_skip,
         )
 
     def empty_totals(

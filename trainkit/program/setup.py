@@ -21,7 +21,6 @@ methods. It is the :class:`~trainkit.loop.CompiledSteps` the loop runs (``functi
 >>> program = Program(adapter=adapter, compute_loss=compute_loss, apply=adapter.apply, optimizer=optax.sgd(0.1),
 ...                   objective=objective, precision=get_precision("fp32"))
 >>> from trainkit.core.session import Session
-from trainkit.core.statistics import StepStatistics
 >>> session = Session()
 >>> setup = Setup(program, "single", session=session, steps_per_execution=1)
 >>> prepared = setup.prepare((np.ones((8, 3), np.float32), np.ones((8, 2), np.float32)), batch_size=4, targets=True)
@@ -52,6 +51,7 @@ from trainkit.core import model as model_lib
 from trainkit.core import optimizers, tree
 from trainkit.core.precision import NoLossScale
 from trainkit.core.session import Session
+from trainkit.core.spikes import SpikeSkip
 from trainkit.core.state import TrainState, abstract, check_tree_matches
 from trainkit.core.statistics import StepStatistics
 from trainkit.core.totals import EpochTotals
@@ -341,8 +341,6 @@ class Setup:
             digest = lora_lib.base_digest(distributed.fetch(self.require_state().params))
             lora = {**dataclasses.asdict(program.lora), "base_sha256": digest, "base_source": self.weights_source}
             settings["lora"] = lora
-        if self.session.ledger.active:  # the goodput ledger so far: a resume carries it on
-            settings["goodput"] = self.session.ledger.saved()
         return settings
 
     @contextlib.contextmanager
@@ -781,12 +779,16 @@ class Setup:
         return key, None if name is None else named.get(name), None if under is None else named.get(under)
 
     # ------------------------------------------------------------------ compiled steps
+    @property
+    def spike_skip(self) -> SpikeSkip | None:
+        return self.program.spike_skip
+
     def use_statistics(self, statistics: StepStatistics | None) -> None:
         """The train step measures ``statistics`` for this ``fit``'s callbacks
         (``GradientStats``); the training steps compile again when that changed."""
         if statistics == self.program.statistics:
             return
-        self.program.statistics = statistics
+        self.program.measure(statistics)
         for kind in ("train", "train_steps"):
             self._compiled.pop(kind, None)
         self._totals.pop("train", None)
