@@ -23,6 +23,7 @@ that was interrupted after its last checkpoint, recomputed after the resume).
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import threading
@@ -42,6 +43,8 @@ _BACKEND_COMPILE = COMPILE_EVENTS[2]
 _CACHE_EVENTS = {"/jax/compilation_cache/cache_hits": "hit", "/jax/compilation_cache/cache_misses": "miss"}
 #: the productive bucket: goodput = its seconds / the wall time
 PRODUCTIVE = "step"
+#: the completed calls the step-time median and p99 are taken over (the most recent)
+RECENT_CALLS = 20_000
 #: the order buckets are shown in (callback buckets follow, then ``lost``)
 ORDER = ("startup", "compile", "input", "step", "validation", "checkpoint")
 
@@ -198,7 +201,8 @@ class Ledger:
         self.current = "startup"
         self.since = 0.0
         self.seconds: dict[str, float] = {}
-        self.completed: list[tuple[float, int]] = []  # (perf_counter stamp, steps) of completed calls
+        #: (perf_counter stamp, steps) of the last ``RECENT_CALLS`` completed calls (the step-time spread)
+        self.completed: collections.deque[tuple[float, int]] = collections.deque(maxlen=RECENT_CALLS)
         self.carried: dict[str, Any] = {}  # the interrupted runs' ledger (:meth:`carry`)
         self.started = self.prior = 0.0
         self.last: Goodput | None = None  # the result of the last fit (:meth:`close`)
@@ -210,7 +214,8 @@ class Ledger:
         _SPANS.listen()
         _SPANS.clear()
         self.prior = sum((startup or {}).values())  # counted before this fit's clock started
-        self.seconds, self.completed, self.carried, self.last = {"startup": self.prior}, [], {}, None
+        self.seconds, self.carried, self.last = {"startup": self.prior}, {}, None
+        self.completed.clear()
         self.active, self.current, self.since = True, "startup", time.time()
         self.started = self.since
         try:
@@ -254,8 +259,8 @@ class Ledger:
 
     def step_times(self) -> list[float]:
         """Seconds per step between consecutive completed calls of one epoch (a fused call's
-        steps share its time)."""
-        pairs = self.completed
+        steps share its time), over the last ``RECENT_CALLS`` calls."""
+        pairs = list(self.completed)
         times: list[float] = []
         for (before, _), (stamp, steps) in zip(pairs, pairs[1:]):
             if steps and before:
