@@ -8,10 +8,11 @@ import json
 import os
 import time
 
+import flax.linen as nn
 import numpy as np
 import optax
 import pytest
-from conftest import MLP, make_classification, own_stderr_lines, saved_steps
+from conftest import MLP, Wide, make_classification, own_stderr_lines, saved_steps
 
 import trainkit as tk
 from trainkit.monitoring import throughput
@@ -326,3 +327,54 @@ def test_the_plot_command_names_a_file_it_cannot_read_in_one_line(tmp_path, cont
     assert result.returncode == 2
     lines = own_stderr_lines(result.stderr)
     assert len(lines) == 1 and lines[0].startswith(f"python -m trainkit.plot: cannot plot '{path}'"), result.stderr
+
+
+@pytest.mark.parametrize("strategy", ["single", "dp", "fsdp", "hybrid"])
+def test_the_compiled_step_is_counted_per_device_and_in_total_under_every_strategy(strategy):
+    strategies = {
+        "single": tk.SingleDevice,
+        "dp": tk.DataParallel,
+        "fsdp": lambda: tk.FSDP(min_shard_size=64),
+        "hybrid": lambda: tk.Hybrid(data=2, fsdp=4, min_shard_size=64),
+    }
+    x, y = make_classification(64, features=64)
+    trainer = tk.Trainer(
+        Wide(), loss="sparse_categorical_crossentropy", optimizer=optax.sgd(0.1), strategy=strategies[strategy]()
+    )
+    trainer.fit(x, y, batch_size=64, epochs=1, verbose=0)
+    flops = tk.debug.compiled_step_flops(trainer)
+    devices = 1 if strategy == "single" else 8
+    assert flops.total == pytest.approx(flops.per_device * devices)
+    forward = 2 * 64 * (64 * 256 + 256 * 256 + 256 * 8)  # three matmuls on the global batch
+    assert 2.5 * forward < flops.total < 4 * forward, (flops, forward)  # forward, backward, update
+    assert 0.8 < flops.recomputed < 1.3, flops
+
+
+class Block(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        return nn.Dense(64)(nn.relu(nn.Dense(256)(x)))
+
+
+class Blocks(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        for _ in range(3):
+            x = x + Block()(x)
+        return nn.Dense(8)(x)
+
+
+def test_remat_shows_as_recomputed_work_in_the_compiled_count():
+    x, y = make_classification(64, features=64)
+    counts = {}
+    for remat in (None, ["Block"]):
+        trainer = tk.Trainer(
+            Blocks(), loss="sparse_categorical_crossentropy", optimizer=optax.sgd(0.1), strategy="single", remat=remat
+        )
+        trainer.fit(x, y, batch_size=64, epochs=1, verbose=0)
+        counts["remat" if remat else "none"] = tk.debug.compiled_step_flops(trainer)
+    # each block's forward once more, in the lowered step (jax.checkpoint's recomputation is in its
+    # gradient) and in the compiled one: neither is the model's own count under remat
+    assert counts["remat"].model > 1.1 * counts["none"].model, counts
+    assert counts["remat"].total > 1.1 * counts["none"].total, counts
+    assert 0.8 < counts["remat"].recomputed < 1.3, counts
