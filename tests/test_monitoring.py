@@ -378,3 +378,10 @@ def test_remat_shows_as_recomputed_work_in_the_compiled_count():
     assert counts["remat"].model > 1.1 * counts["none"].model, counts
     assert counts["remat"].total > 1.1 * counts["none"].total, counts
     assert 0.8 < counts["remat"].recomputed < 1.3, counts
+
+
+def test_the_loggers_throughput_counts_the_compiled_step(tmp_path):
+    logging = tk.callbacks.Logging([tk.loggers.CSVMetricsLogger(tmp_path / "metrics.csv")])
+    trainer, _ = fit([logging], epochs=1)
+    assert logging.meter.flops_per_step == tk.debug.compiled_step_flops(trainer).total
+    assert "tflops_per_second" in (tmp_path / "metrics.csv").read_text()

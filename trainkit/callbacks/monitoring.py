@@ -92,8 +92,9 @@ class _Rate(Callback):
         trainer = self.model
         devices = jax.devices()
         flops = None
-        try:
-            flops = debug.step_flops(trainer)
+        try:  # the compiled step's count, on all devices (docs/monitoring.md: where it differs from the model's)
+            counted = debug.compiled_step_flops(trainer)
+            flops = None if counted is None else counted.total
         except Exception:  # noqa: BLE001 - a strategy without .lower(): no FLOP figures
             logger.info("monitoring: the train step's flops are unknown; no TFLOP/s or MFU.", exc_info=True)
         precision = np.dtype(trainer.precision.compute_dtype).name
