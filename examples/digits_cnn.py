@@ -117,10 +117,10 @@ def main(argv=None) -> int:
         tk.callbacks.CSVLogger(os.path.join(out, "log.csv")),
     ]
     if importlib.util.find_spec("tensorboardX"):  # the monitoring extra: tensorboard --logdir OUT/tensorboard
-        callbacks.append(tk.callbacks.TensorBoard(os.path.join(out, "tensorboard"), histogram_freq=5))
         # norms of every layer's gradients, weights and updates, measured inside the step every 20 steps
         board = os.path.join(out, "tensorboard", "gradient_stats")
-        callbacks.insert(0, tk.callbacks.GradientStats(every=20, per_layer=".*", log_dir=board))
+        callbacks.append(tk.callbacks.GradientStats(every=20, per_layer=".*", log_dir=board))
+        callbacks.append(tk.callbacks.TensorBoard(os.path.join(out, "tensorboard"), histogram_freq=5))
     start = time.perf_counter()
     history = trainer.fit(
         (images[train], labels[train]),
