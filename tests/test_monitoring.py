@@ -380,8 +380,13 @@ def test_remat_shows_as_recomputed_work_in_the_compiled_count():
     assert 0.8 < counts["remat"].recomputed < 1.3, counts
 
 
-def test_the_loggers_throughput_counts_the_compiled_step(tmp_path):
+def test_the_loggers_throughput_counts_the_compiled_step_where_mfu_is_known(tmp_path, monkeypatch):
     logging = tk.callbacks.Logging([tk.loggers.CSVMetricsLogger(tmp_path / "metrics.csv")])
     trainer, _ = fit([logging], epochs=1)
-    assert logging.meter.flops_per_step == tk.debug.compiled_step_flops(trainer).total
+    assert logging.meter.flops_per_step == tk.debug.step_flops(trainer)  # a CPU: no peak, no second compile
     assert "tflops_per_second" in (tmp_path / "metrics.csv").read_text()
+    monkeypatch.setitem(throughput.PEAK_FLOPS, "cpu", (1e12, 1e12))  # as if this CPU had a data sheet
+    logging = tk.callbacks.Logging([tk.loggers.CSVMetricsLogger(tmp_path / "again.csv")])
+    trainer, _ = fit([logging], epochs=1)
+    assert logging.meter.flops_per_step == tk.debug.compiled_step_flops(trainer).total
+    assert "mfu" in (tmp_path / "again.csv").read_text()

@@ -243,7 +243,13 @@ class CallbackList:
     @property
     def step_statistics(self) -> StepStatistics | None:
         """What a callback needs the train step to measure (at most one callback may ask)."""
-        asked = [spec for spec in (c.step_statistics() for c in self.callbacks) if spec is not None]
+        return self.step_statistics_of(self.callbacks)
+
+    @staticmethod
+    def step_statistics_of(callbacks: Iterable[Callback]) -> StepStatistics | None:
+        """What one of ``callbacks`` needs the train step to measure (``GradientStats``), read
+        before anything compiles; two that ask are refused."""
+        asked = [spec for spec in (c.step_statistics() for c in callbacks) if spec is not None]
         if len(asked) > 1:
             raise ValueError(
                 f"{len(asked)} callbacks ask the train step for statistics ({asked}); pass one GradientStats."

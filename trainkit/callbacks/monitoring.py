@@ -91,14 +91,17 @@ class _Rate(Callback):
     def _start_meter(self) -> None:
         trainer = self.model
         devices = jax.devices()
-        flops = None
-        try:  # the compiled step's count, on all devices (docs/monitoring.md: where it differs from the model's)
-            counted = debug.compiled_step_flops(trainer)
-            flops = None if counted is None else counted.total
-        except Exception:  # noqa: BLE001 - a strategy without .lower(): no FLOP figures
-            logger.info("monitoring: the train step's flops are unknown; no TFLOP/s or MFU.", exc_info=True)
         precision = np.dtype(trainer.precision.compute_dtype).name
         peak = throughput.peak_flops(devices[0].device_kind, precision)
+        flops = None
+        try:  # where MFU is known, the compiled step's count (docs/monitoring.md); else the lowered step's
+            if peak is not None:
+                counted = debug.compiled_step_flops(trainer)  # a compile: a persistent-cache hit for a real model
+                flops = None if counted is None else counted.total
+            else:  # a CPU: TFLOP/s only, without compiling the step again
+                flops = debug.step_flops(trainer)
+        except Exception:  # noqa: BLE001 - a strategy without .lower(): no FLOP figures
+            logger.info("monitoring: the train step's flops are unknown; no TFLOP/s or MFU.", exc_info=True)
         self.meter = throughput.Meter(
             examples_per_step=trainer.session.batch_size or 0,
             tokens_per_example=self.tokens_per_example,

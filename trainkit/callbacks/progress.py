@@ -39,8 +39,13 @@ def keras_value(value: float) -> str:
 
 def format_logs(logs: Logs | None) -> str:
     """``loss: 0.6931 - accuracy: 0.5000``: the live bar's and the epoch line's digits, the
-    same as ``verbose=2`` prints (and Keras)."""
-    return " - ".join(f"{k}: {keras_value(v)}" for k, v in (logs or {}).items())
+    same as ``verbose=2`` prints (and Keras). Per-module values (a ``/`` in the name:
+    ``GradientStats``' ``grad_norm/Dense_0``) stay in the logs, off the line.
+
+    >>> format_logs({"loss": 0.25, "grad_norm": 1.5, "grad_norm/Dense_0": 1.0})
+    'loss: 0.2500 - grad_norm: 1.5000'
+    """
+    return " - ".join(f"{k}: {keras_value(v)}" for k, v in (logs or {}).items() if "/" not in k)
 
 
 class _Rate(TextColumn):
