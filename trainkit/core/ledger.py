@@ -318,8 +318,8 @@ class Ledger:
             self.settle()
             vars(self.last).update(vars(self.result(self.last.processes, settle=False)))
 
-    def close(self, processes: tuple[ProcessLedger, ...] = ()) -> Goodput:
+    def close(self, processes: tuple[ProcessLedger, ...] = ()) -> Goodput | None:
         """The fit's result, kept as :attr:`last` (up to the last switch: call :meth:`settle`
-        before gathering ``processes``)."""
-        self.last = self.result(processes, settle=False)
+        before gathering ``processes``); ``None`` when no ledger runs (a loop driven directly)."""
+        self.last = self.result(processes, settle=False) if self.active else None
         return self.last
