@@ -372,7 +372,15 @@ def test_a_full_disk_during_a_save_is_one_message_and_the_tracebacks_go_to_the_d
             [sys.executable, "-c", script, str(tmp_path / mode), mode], env=env, capture_output=True, text=True
         )
         assert "CheckpointError: Writing a checkpoint to" in runs[mode].stdout, runs[mode].stdout + runs[mode].stderr
-    assert "Traceback" not in runs["plain"].stderr, runs["plain"].stderr  # one message
+    # one message; but for tensorstore's late write completions reporting to orbax's closed event
+    # loop as the interpreter exits (RuntimeError('Event loop is closed'), printed by no hook
+    # trainkit can reach; about 1 run in 3 where JAX's TPU and CUDA plugins slow the exit)
+    stderr = re.sub(
+        r"Traceback \(most recent call last\):\n(?:  .*\n)+RuntimeError: Event loop is closed\n?",
+        "",
+        runs["plain"].stderr,
+    )
+    assert "Traceback" not in stderr, runs["plain"].stderr
     from trainkit.checkpoint.orbax_logs import ThreadTracebacksToDebug
 
     failure = (OSError, OSError("File too large"), None)
