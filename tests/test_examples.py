@@ -136,7 +136,9 @@ def test_finetune_digits_compares_the_three_ways_and_keeps_the_adapter_checkpoin
     share = float(re.search(r"for the full state \((\d+\.\d)%\)", result.stdout).group(1))
     assert share < 5.0, result.stdout
     gap = float(re.search(r"differ from the adapters' by at most ([\d.e+-]+)", result.stdout).group(1))
-    assert gap < 1e-5
+    # float32 reassociation: x @ (W + B A) against x @ W + (x @ B) @ A on logits of about 10
+    # (7.6e-6 on jax 0.10, 2.1e-5 on jax 0.12); a wrong merge differs by whole units
+    assert gap < 1e-4
     assert "kept at their initial values: head/bias, head/kernel" in result.stdout
 
 
