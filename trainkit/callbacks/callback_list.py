@@ -86,26 +86,26 @@ class Dispatcher(Hook):
         self.active = bool(bound)
 
     def __call__(self, logs: Logs | None = None) -> None:  # type: ignore[override]
-        logs, switch = _keras_logs(logs), self.ledger.switch
+        logs = _keras_logs(logs)
         for _, fn, bucket in self.bound:
-            previous = switch(bucket)
-            try:
-                fn(logs)
-            finally:
-                switch(previous)
+            self.timed(bucket, fn, logs)
+
+    def timed(self, bucket: str, fn: Callable[..., Any], *args: Any) -> None:
+        """``fn(*args)``, its time in ``bucket`` of the goodput ledger."""
+        previous = self.ledger.switch(bucket)
+        try:
+            fn(*args)
+        finally:
+            self.ledger.switch(previous)
 
 
 class IndexedDispatcher(Dispatcher):
     """A hook about one epoch or batch: ``hook(index, logs)``."""
 
     def __call__(self, index: int, logs: Logs | None = None) -> None:  # type: ignore[override]
-        logs, switch = _keras_logs(logs), self.ledger.switch
+        logs = _keras_logs(logs)
         for _, fn, bucket in self.bound:
-            previous = switch(bucket)
-            try:
-                fn(index, logs)
-            finally:
-                switch(previous)
+            self.timed(bucket, fn, index, logs)
 
 
 class BatchEndDispatcher(Dispatcher):
@@ -239,11 +239,6 @@ class CallbackList:
     def annotates_steps(self) -> bool:
         """Whether a callback profiles steps (the loop then marks each one)."""
         return any(c.annotates_steps for c in self.callbacks)
-
-    @property
-    def step_statistics(self) -> StepStatistics | None:
-        """What a callback needs the train step to measure (at most one callback may ask)."""
-        return self.step_statistics_of(self.callbacks)
 
     @staticmethod
     def step_statistics_of(callbacks: Iterable[Callback]) -> StepStatistics | None:

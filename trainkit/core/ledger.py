@@ -115,8 +115,8 @@ class _CompileSpans:
                 reach = hi
         return covered
 
-    def take_records(self) -> dict[str, CompileRecord]:
-        """The per-function records so far (a copy), cleared with ``clear``."""
+    def copied_records(self) -> dict[str, CompileRecord]:
+        """The per-function records so far (a copy; :meth:`clear` empties them)."""
         with self.lock:
             return {name: dataclasses.replace(record) for name, record in self.records.items()}
 
@@ -304,7 +304,7 @@ class Ledger:
             wall_seconds=saved["wall_seconds"],
             lost_steps=saved["lost_steps"],
             restarts=saved["restarts"],
-            compiles=_SPANS.take_records(),
+            compiles=_SPANS.copied_records(),
             step_median=percentile(times, 0.5) if times else None,
             step_p99=percentile(times, 0.99) if times else None,
             processes=processes,

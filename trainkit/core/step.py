@@ -280,9 +280,8 @@ def make_train_step(
             (params, opt_state, model_state), spikes = _unless_spike(
                 spike_skip, state, metrics, grads, (params, opt_state, model_state)
             )
-        new_state = state.replace(
-            step=state.step + 1, params=params, opt_state=opt_state, model_state=model_state, loss_scale=loss_scale
-        ).replace(spikes=spikes)
+        updated = {"params": params, "opt_state": opt_state, "model_state": model_state, "loss_scale": loss_scale}
+        new_state = state.replace(step=state.step + 1, spikes=spikes, **updated)
         if log_grad_norm:  # one more pass over the gradients (free when clipping by norm)
             metrics["grad_norm"] = LastValue(value=optax.tree.norm(grads))
         if statistics is not None:  # on its steps only (a lax.cond)

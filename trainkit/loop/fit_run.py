@@ -16,7 +16,6 @@ from __future__ import annotations
 import contextlib
 import itertools
 import logging
-import math
 import statistics
 import time
 import warnings
@@ -79,7 +78,6 @@ class FitRun:
         names = list(self.steps.log_order)  # what the epoch logs will hold (Keras 2's params["metrics"])
         logged = tuple(names + ([f"val_{name}" for name in names] if config.validation else []))
         session.begin_fit(FitView(self.batch_size, logged), Position(config.initial_epoch, 0, session.position.step))
-        self.steps.use_statistics(callbacks.step_statistics)
         train_fn = self.steps.function("train")
         logger.info("fit: %s, batch_size=%d, %s steps/epoch", self.strategy.describe(), self.batch_size, config.steps)
         logs: dict[str, float] = {}
@@ -199,12 +197,13 @@ class FitRun:
         lag = self.loop.max_in_flight if self.callbacks.async_train else 0
         completed = session.ledger.step_completed
         completed(0.0, 0)  # an epoch begins: its first step's time is not measured from the last epoch's end
-        spike_check = time.monotonic() + SPIKE_CHECK_SECONDS if self.steps.spike_skip is not None else math.inf
+        watch_spikes = self.steps.spike_skip is not None  # no clock read per step without skip_spikes
+        spike_check = time.monotonic() + SPIKE_CHECK_SECONDS
         for record, carry in in_order(EpochSteps(self, train_fn, iter(batches)).dispatch(), lag):
             carry.block_until_ready()  # at most `lag` executions queued behind this one
             completed(time.perf_counter(), record.steps)
             ran, last = ran + record.steps, carry
-            if time.monotonic() >= spike_check:  # a long run of skipped spikes stops the run soon
+            if watch_spikes and time.monotonic() >= spike_check:  # a long run of skipped spikes stops the run soon
                 self.watch_spikes(host_metrics(carry), start.step, start.batch, start.epoch)
                 spike_check = time.monotonic() + SPIKE_CHECK_SECONDS
             if batch_end.active:

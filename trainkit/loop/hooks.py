@@ -17,7 +17,6 @@ from typing import Any, Protocol
 
 from trainkit.core.session import Session
 from trainkit.core.spikes import SpikeSkip
-from trainkit.core.statistics import StepStatistics
 from trainkit.core.totals import EpochTotals
 from trainkit.core.tree import PyTree
 from trainkit.data.prefetch import Prefetcher
@@ -52,10 +51,6 @@ class CompiledSteps(Protocol):
     @property
     def spike_skip(self) -> SpikeSkip | None:
         """The train step's ``skip_spikes`` (its skips are reported, and a long run of them stops ``fit``)."""
-        ...
-
-    def use_statistics(self, statistics: StepStatistics | None) -> None:
-        """The train step measures ``statistics`` (a callback's) from now on."""
         ...
 
     def decide_steps(self, steps: int, reason: str) -> None:
@@ -110,11 +105,6 @@ class Hooks(Protocol):
 
     @property
     def stops_on_non_finite(self) -> bool: ...
-
-    @property
-    def step_statistics(self) -> StepStatistics | None:
-        """What a callback needs the train step to measure (``GradientStats``), or ``None``."""
-        ...
 
 
 class LoopView(Protocol):
