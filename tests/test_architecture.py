@@ -5,7 +5,10 @@ the setup assign no other object's attributes and snapshot nothing with ``vars``
 (with everything it inherits) stays small, no function is long, one ``PyTree`` alias."""
 
 import ast
+import importlib
 import pathlib
+import subprocess
+import sys
 
 import pytest
 
@@ -33,6 +36,9 @@ ALLOWED = {
 }
 #: modules that may import every package: the facade and the public namespace
 EVERYTHING = {"trainer", "__init__"}
+#: namespaces whose names are imported on first use (a ``LAZY`` table): the type checker reads
+#: the same names from their ``if TYPE_CHECKING:`` imports (the launcher starts without JAX)
+LAZY_NAMESPACES = {"__init__": "trainkit", "distributed": "trainkit.distributed"}
 FACADE_LIMIT = (
     400  # lines of trainer.py and every trainkit module it inherits from: Keras signatures in, delegation out
 )
@@ -91,7 +97,8 @@ def test_imports_point_down(name):
     if name not in EVERYTHING:
         assert "trainer" not in imports, f"{name} imports trainer.py: nothing may"
     for_types = imported(MODULES[name], typing_only=True)
-    assert for_types <= {"trainer"}, f"{name} imports {sorted(for_types - {'trainer'})} for types only; import them"
+    if name not in LAZY_NAMESPACES:  # those import for types exactly what they import lazily (checked below)
+        assert for_types <= {"trainer"}, f"{name} imports {sorted(for_types - {'trainer'})} for types only; import them"
     if name in EVERYTHING:
         return
     own = package_of(name)
@@ -125,6 +132,31 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
             if found:
                 return found
     return None
+
+
+@pytest.mark.parametrize("name", sorted(LAZY_NAMESPACES))
+def test_a_lazy_namespace_imports_for_types_what_it_imports_on_first_use(name):
+    """Each name of ``__all__`` is in the ``LAZY`` table, is imported for the type checker
+    under the same name, and resolves to that module's attribute."""
+    module = importlib.import_module(LAZY_NAMESPACES[name])
+    tree = ast.parse(MODULES[name].read_text())
+    checking = _type_checking_only(tree)
+    typed = {
+        alias.asname or alias.name
+        for node in ast.walk(tree)
+        if id(node) in checking and isinstance(node, ast.ImportFrom)
+        for alias in node.names
+    }
+    assert set(module.__all__) - {"__version__"} == set(module.LAZY) == typed
+    for public, (where, attribute) in module.LAZY.items():
+        target = importlib.import_module(where)
+        assert getattr(module, public) is (target if attribute is None else getattr(target, attribute)), public
+
+
+def test_the_launcher_and_import_trainkit_start_without_jax():
+    code = "import sys, trainkit, trainkit.distributed.launch; print(sorted({'jax', 'flax'} & set(sys.modules)))"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert result.stdout.strip() == "[]", result.stdout
 
 
 def test_no_import_cycle():
