@@ -22,7 +22,7 @@ example: $(VENV)/.installed
 	$(BIN)/python examples/digits_cnn.py --devices 8
 
 test: $(VENV)/.installed
-	$(BIN)/python -m pytest -n 2 --dist loadfile -q tests
+	$(BIN)/python -m pytest -n 2 --dist loadfile --no-loadscope-reorder -q tests
 
 lint: $(VENV)/.installed
 	$(BIN)/ruff check .

@@ -114,14 +114,14 @@ def test_a_remembered_short_run_pick_is_not_reused_by_a_run_that_would_compare(c
         fit_auto_for((x, y), batch_size=16, epochs=None, max_steps=int(from_steps), verbose=0)
 
 
-def test_three_fresh_runs_pick_the_same_strategy_also_under_load(tmp_path):
+def test_a_fresh_run_under_load_picks_the_strategy_the_first_run_planned(tmp_path):
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_NUM_CPU_DEVICES")}
     env[compile_cache.ENVIRONMENT] = str(tmp_path / "cache")
     env["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"  # every program cached, as a long one would be
     script = ROOT / "tests" / "scripts" / "auto_pick.py"
     picks, misses = [], []
-    for run in range(3):
-        # a busy machine for the later runs: a process spinning on each core
+    for run in range(2):
+        # a busy machine for the second run: a process spinning on each core
         hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(2 if run else 0)]
         try:
             command = [sys.executable, str(script)]
@@ -132,10 +132,10 @@ def test_three_fresh_runs_pick_the_same_strategy_also_under_load(tmp_path):
         assert result.returncode == 0, result.stderr[-3000:]
         picks.append(next(line for line in result.stdout.splitlines() if line.startswith("PICK")).split()[1:])
         misses.append(int(next(line for line in result.stdout.splitlines() if line.startswith("MISSES")).split()[1]))
-    assert picks[0][1] == "planned" and [p[1] for p in picks[1:]] == ["remembered", "remembered"]
+    assert picks[0][1] == "planned" and picks[1][1] == "remembered", picks
     assert len({p[0] for p in picks}) == 1, picks
     # a remembered pick builds its state as the planning run did: every program comes from the cache
-    assert misses[0] > 0 and misses[1:] == [0, 0], misses
+    assert misses[0] > 0 and misses[1] == 0, misses
 
 
 class OuterMLP(MLP):

@@ -170,16 +170,23 @@ def main():
                     time.sleep(300)
 
             callbacks.append(tk.callbacks.LambdaCallback(on_train_batch_begin=stall))
-        if args.load:
+        if args.save:  # each strategy's checkpoint after epoch 2 of 3, on every process
+
+            def save(epoch, logs=None):
+                if epoch == 1:
+                    trainer.save(os.path.join(args.save, name))  # noqa: B023
+
+            callbacks.append(tk.callbacks.LambdaCallback(on_epoch_end=save))
+        if args.load:  # a checkpoint of --save: its epoch 3
             trainer.init((x, y))
-            trainer.load(args.load)
+            trainer.load(os.path.join(args.load, name))
             trainer.fit((x, y), batch_size=16, epochs=3, initial_epoch=2, verbose=1)
         else:
             data = (x, y)
             if name == "dp" and args.slow_input_process >= 0:  # the same rows; one process reads them slowly
                 delay = 0.004 if jax.process_index() == args.slow_input_process else 0.0
                 data = tk.sources.RandomAccessSource(SlowRows(x, y, delay))
-            history = trainer.fit(data, batch_size=16, epochs=2 if args.save else 3, verbose=1, callbacks=callbacks)
+            history = trainer.fit(data, batch_size=16, epochs=3, verbose=1, callbacks=callbacks)
             results[f"{name}/loss"] = np.asarray(history.history["loss"])
         if name == "auto" and jax.process_index() == 0:
             rows = "; ".join(f"{r.name}={r.error or 'compiled'}" for r in trainer.last_plan.rows)
@@ -188,8 +195,6 @@ def main():
             if jax.process_index() == 0:
                 trainer.params  # noqa: B018 - the mistake under test
             time.sleep(30)  # process 1 does something else meanwhile
-        if args.save:
-            trainer.save(args.save)
         results[f"{name}/eval"] = np.asarray(trainer.evaluate((x, y), batch_size=24))
         results[f"{name}/predict"] = trainer.predict(x, batch_size=24)
         for path, leaf in jax.tree_util.tree_leaves_with_path(trainer.params):

@@ -254,7 +254,8 @@ class Checkpointer:
             )
             return False
         self._last_saved = int(step)
-        state_dict = _present(flax.serialization.to_state_dict(state))
+        # DataParallel's state on several processes is pmap's per-process replicas: one global array each
+        state_dict = _present(flax.serialization.to_state_dict(distributed.global_replicas(state)))
         if "lora" in manifest:  # the base is the weights it was loaded from: only the adapters are written
             state_dict, manifest = _adapters_part(state_dict, manifest)
         if weights_only:
