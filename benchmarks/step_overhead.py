@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import io
 import os
+import statistics
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
@@ -36,7 +37,7 @@ import steps_per_execution as spe  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P
 from rich.console import Console  # noqa: E402
-from timing import measure  # noqa: E402
+from timing import measure, measure_rounds, paired_ratio  # noqa: E402
 
 import trainkit as tk  # noqa: E402
 
@@ -242,14 +243,17 @@ def dispatch_bound(steps: int, repeats: int, k: int = 32) -> None:
     keras_run = spe.keras_fit(x, y, 1)
     if keras_run is not None:
         contenders["keras fit k=1"] = keras_run
-    rates = measure(contenders, steps, repeats)
+    rounds = measure_rounds(contenders, steps, repeats)
+    rates = {name: statistics.median(r) for name, r in rounds.items()}
     print(f"\ndispatch-bound MLP {spe.FEATURES}-{spe.HIDDEN}-{spe.CLASSES}, batch {spe.BATCH}, 1 device, {steps} steps")
-    header = f"{'contender':28} {'steps/s':>9} {'vs hand-written':>16}"
+    header = f"{'contender':28} {'steps/s':>9} {'vs hand-written':>16} {'paired':>7}"
     print(header + "\n" + "-" * len(header))
     for name, rate in rates.items():
-        base = rates[f"hand-written scan k={k}"] if f"k={k}" in name or "auto" in name else rates["hand-written jit"]
-        print(f"{name:28} {rate:9.0f} {rate / base:16.3f}")
-    print(f"(k={k} and k='auto' rows against the hand-written scan, the others against the hand-written jit loop)")
+        base = f"hand-written scan k={k}" if f"k={k}" in name or "auto" in name else "hand-written jit"
+        paired = paired_ratio(rounds, name, base)
+        print(f"{name:28} {rate:9.0f} {rate / rates[base]:16.3f} {paired:7.3f}")
+    print(f"(k={k} and k='auto' rows against the hand-written scan, the others against the hand-written jit loop;")
+    print(" 'paired': the median of each round's ratio, the runs compared seconds apart)")
     auto, fixed = rates["trainkit k='auto'"], rates[f"trainkit k={k}"]
     print(f"k='auto' / trainkit k={k}: {auto / fixed:.3f}")
 
