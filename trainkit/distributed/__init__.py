@@ -34,32 +34,6 @@ if TYPE_CHECKING:  # what __getattr__ imports on first use, for the type checker
         take_startup_seconds,
     )
 
-#: public name -> (module, attribute)
-LAZY: dict[str, tuple[str, str | None]] = {
-    "enable_determinism": ("trainkit.distributed.determinism", "enable_determinism")
-}
-LAZY |= {
-    name: ("trainkit.distributed.processes", name)
-    for name in (
-        "GATHER_TIMEOUT",
-        "HEARTBEAT_TIMEOUT",
-        "broadcast_int",
-        "check_same_configuration",
-        "environment_settings",
-        "fetch",
-        "gather_json",
-        "global_replicas",
-        "initialize",
-        "initialize_from_environment",
-        "is_initialized",
-        "is_main_process",
-        "process_count",
-        "process_index",
-        "requested_by_environment",
-        "take_startup_seconds",
-    )
-}
-
 __all__ = [
     "GATHER_TIMEOUT",
     "HEARTBEAT_TIMEOUT",
@@ -78,6 +52,15 @@ __all__ = [
     "process_index",
     "requested_by_environment",
     "take_startup_seconds",
-]  # the names of LAZY
+]
+
+#: public name -> (module, attribute): enable_determinism's module, else processes.py
+LAZY: dict[str, tuple[str, str | None]] = {
+    name: (
+        "trainkit.distributed.determinism" if name == "enable_determinism" else "trainkit.distributed.processes",
+        name,
+    )
+    for name in __all__
+}
 
 __getattr__ = lazy_attributes(globals(), LAZY)
