@@ -13,7 +13,8 @@ next, so that ``on_train_batch_end(i)`` sees the state after batch ``i``, as in 
 The dispatch-bound rows (an MLP 32-64-10, batch 32, one device, where the host loop is the
 cost) compare ``steps_per_execution=1`` (``verbose=0`` and the progress bar) with a
 hand-written jit loop that keeps its loss total on the device, ``steps_per_execution=32``
-with a hand-written ``lax.scan`` of 32 steps, and Keras 3's ``fit``.
+with a hand-written ``lax.scan`` of 32 steps, and Keras 3's ``fit``; one more k=1 row runs the
+step compiled with the state's small leaves unpacked (the A/B of ``core.leaf_step.Carry``).
 
     python benchmarks/step_overhead.py [--repeats 5] [--steps 60] [--dispatch-steps 2048] [--skip-models]
 """
@@ -40,6 +41,7 @@ from rich.console import Console  # noqa: E402
 from timing import measure, measure_rounds, paired_ratio  # noqa: E402
 
 import trainkit as tk  # noqa: E402
+from trainkit.core import leaf_step  # noqa: E402
 
 
 class MLP(nn.Module):
@@ -236,6 +238,7 @@ def dispatch_bound(steps: int, repeats: int, k: int = 32) -> None:
         "hand-written jit": spe.hand_written(x, y, 1),
         "trainkit k=1, verbose=0": spe.trainkit_fit(x, y, 1),
         "trainkit k=1, verbose=1": spe.trainkit_fit(x, y, 1, callbacks=[quiet_bar()]),
+        "trainkit k=1, unpacked": unpacked_fit(x, y),
         f"hand-written scan k={k}": spe.hand_written(x, y, k),
         f"trainkit k={k}": spe.trainkit_fit(x, y, k),
         "trainkit k='auto'": spe.trainkit_fit(x, y, "auto"),
@@ -256,6 +259,20 @@ def dispatch_bound(steps: int, repeats: int, k: int = 32) -> None:
     print(" 'paired': the median of each round's ratio, the runs compared seconds apart)")
     auto, fixed = rates["trainkit k='auto'"], rates[f"trainkit k={k}"]
     print(f"k='auto' / trainkit k={k}: {auto / fixed:.3f}")
+    packed = paired_ratio(rounds, "trainkit k=1, verbose=0", "trainkit k=1, unpacked")
+    print(f"k=1 with the small leaves packed / unpacked (paired): {packed:.3f}")
+
+
+def unpacked_fit(x: np.ndarray, y: np.ndarray):
+    """``trainkit_fit`` at k=1 with its step compiled before the small state leaves were packed
+    into one array (``trainkit.core.leaf_step.Carry``): the A/B of that change, in one run."""
+    run = spe.trainkit_fit(x, y, 1)
+    packing, leaf_step.SMALL_LEAF = leaf_step.SMALL_LEAF, 0
+    try:
+        run()  # compiles (the trainer keeps the compiled step for its later fits)
+    finally:
+        leaf_step.SMALL_LEAF = packing
+    return run
 
 
 if __name__ == "__main__":

@@ -5,11 +5,13 @@ the loop, the setup and the callbacks all see the same one."""
 import dataclasses
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
 
 import trainkit as tk
+from trainkit.core.leaf_step import LeafStep
 from trainkit.core.session import FitView, Position, Session, Snapshot, StepRecord
 from trainkit.core.state import TrainState
 
@@ -22,17 +24,21 @@ def test_a_snapshot_holds_every_value_of_the_session():
     assert fields == tuple(name for name in Session.__slots__ if name not in ("_leaves", "_ledger"))
 
 
-def test_a_state_kept_as_leaves_is_built_when_read_and_snapshotted_whole():
+def test_a_state_kept_as_carried_leaves_is_built_when_read_and_snapshotted_whole():
     session = Session()
-    state = TrainState.create(params={"w": np.ones(2)}, opt_state=(), model_state={}, seed=0)
-    leaves, treedef = jax.tree.flatten(state)
+    state = TrainState.create(params={"w": jnp.ones(40)}, opt_state=(), model_state={}, seed=0)
+    step = LeafStep.jit(lambda s, totals: (s.replace(step=s.step + 1), totals), state, donate_state=False)
+    assert step.carry.small == (0, 2)  # the step counter and the rng travel packed, w as it is
     session.replace_state(state)
-    session.stepped_leaves([leaves[0] + 1, *leaves[1:]], treedef)  # the step counter moved on
-    assert session.state_leaves()[0] == 1  # as they are, nothing built
+    carried, _ = step.call_carried(session.carried(step), 0)
+    session.stepped_carried(carried, step)
+    assert session.carried(step) is carried  # as they are, nothing built
     snapshot = session.snapshot()
     assert isinstance(snapshot.state, TrainState) and int(snapshot.state.step) == 1
     assert session.state is snapshot.state  # built once
-    session.stepped_leaves(leaves, treedef)
+    assert session.carried(step) is carried  # and still carried as they were
+    np.testing.assert_array_equal(snapshot.state.rng, state.rng)
+    session.stepped_carried(step.carried(jax.tree.leaves(state)), step)
     session.restore(snapshot)
     assert int(session.require_state().step) == 1
 

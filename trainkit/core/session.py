@@ -29,6 +29,7 @@ from typing import Any, NamedTuple
 
 import jax
 
+from trainkit.core.leaf_step import LeafStep
 from trainkit.core.ledger import Ledger
 from trainkit.core.state import TrainState
 from trainkit.core.totals import PackedTotals
@@ -139,7 +140,7 @@ class Session:
         "_ledger",
     )
     _state: TrainState | None
-    _leaves: tuple[list, Any] | None  # the state as the leaves a LeafStep returned, and its structure
+    _leaves: tuple[list, LeafStep] | None  # the state as the carried leaves a LeafStep returned, and that step
     _position: Position
     _record: StepRecord | None
     _carry: PackedTotals | None
@@ -163,10 +164,11 @@ class Session:
     @property
     def state(self) -> TrainState | None:
         """The live ``TrainState`` (``None`` before ``fit`` or ``init``); after steps that
-        returned leaves (:meth:`stepped_leaves`), built from them when first read."""
-        if self._leaves is not None:
-            leaves, treedef = self._leaves
-            self._state, self._leaves = jax.tree.unflatten(treedef, leaves), None
+        returned carried leaves (:meth:`stepped_carried`), built from them when first read (the
+        carried leaves kept: the next step takes them as they are)."""
+        if self._state is None and self._leaves is not None:
+            carried, step = self._leaves
+            self._state = step.state(carried)
         return self._state
 
     def require_state(self) -> TrainState:
@@ -175,12 +177,15 @@ class Session:
             raise RuntimeError("The trainer has no state yet: call fit(...) or init(sample_batch) first.")
         return state
 
-    def state_leaves(self) -> list:
-        """The live state's leaves, in its structure's order (what a
-        :class:`~trainkit.core.leaf_step.LeafStep` takes), without building the state."""
-        if self._leaves is not None:
+    def carried(self, step: LeafStep) -> list:
+        """The live state as the carried leaves ``step`` (a
+        :class:`~trainkit.core.leaf_step.LeafStep`) takes: as a step of the same layout returned
+        them (nothing built), else from the state."""
+        if self._leaves is not None and self._leaves[1].carry.key() == step.carry.key():
             return self._leaves[0]
-        return jax.tree.leaves(self.require_state())
+        carried = step.carried(jax.tree.leaves(self.require_state()))
+        self._leaves = (carried, step)
+        return carried
 
     @property
     def position(self) -> Position:
@@ -274,10 +279,10 @@ class Session:
         """The state after a dispatched step (the position moves with :meth:`moved`)."""
         self._state, self._leaves = state, None
 
-    def stepped_leaves(self, leaves: list, treedef: Any) -> None:
-        """The state after a dispatched step, as the leaves of a state of structure ``treedef``
-        (a :class:`~trainkit.core.leaf_step.LeafStep`'s); built into a ``TrainState`` when read."""
-        self._state, self._leaves = None, (leaves, treedef)
+    def stepped_carried(self, carried: list, step: LeafStep) -> None:
+        """The state after a dispatched step, as the carried leaves ``step`` (a
+        :class:`~trainkit.core.leaf_step.LeafStep`) returned; built into a ``TrainState`` when read."""
+        self._state, self._leaves = None, (carried, step)
 
     def begin_fit(self, view: FitView, position: Position) -> None:
         """A ``fit`` begins at ``position``: no stop, no resume, no record yet."""

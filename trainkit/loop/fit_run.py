@@ -30,7 +30,7 @@ from trainkit.core import spikes as spikes_lib
 from trainkit.core import totals as metrics_lib
 from trainkit.core.leaf_step import LeafStep
 from trainkit.core.ledger import ProcessLedger
-from trainkit.core.session import FitView, Position, StepRecord
+from trainkit.core.session import FitView, Position, Session, StepRecord
 from trainkit.core.spikes import SPIKES
 from trainkit.core.state import abstract
 from trainkit.core.step import batches_at
@@ -229,8 +229,9 @@ class FitRun:
         timed: it may compile); once it decided, the setup trains that many steps per call."""
         tuner = self.tuner
         assert tuner is not None  # only called while a tuner decides
-        state, totals = train_fn(self.session.state, totals, batch)
-        self.session.stepped(state)
+        call, carried, keep = carried_state(self.session, train_fn)
+        state, totals = call(carried(), totals, batch)
+        keep(state)
         back = time.perf_counter()
         totals.block_until_ready()
         ready = time.perf_counter()
@@ -366,7 +367,7 @@ class EpochSteps:
         The plain path (one call per batch) is written out here: it is the dispatch-bound loop."""
         run, epoch, annotate, train_fn = self.run, self.epoch, self.annotate, self.train_fn
         session, batch_begin, read_ahead = run.session, run.callbacks.on_train_batch_begin, run.read_ahead
-        call, carried, keep = self.carried_state(train_fn)
+        call, carried, keep = carried_state(self.run.session, train_fn)
         upcoming = self.read()
         while upcoming is not None:
             if isinstance(upcoming, Exception):
@@ -403,17 +404,6 @@ class EpochSteps:
             if not read_ahead:
                 upcoming = self.read()
 
-    def carried_state(self, train_fn: Callable) -> tuple[Callable, Callable[[], Any], Callable[[Any], None]]:
-        """How the plain path carries the state from call to call: ``(call, read, keep)``. A
-        :class:`~trainkit.core.leaf_step.LeafStep` takes and returns the state's leaves, which
-        the session keeps as they are (the ``TrainState`` is built only when something reads
-        it); any other step the state itself."""
-        session = self.run.session
-        if isinstance(train_fn, LeafStep):
-            treedef = train_fn.treedef
-            return train_fn.call_leaves, session.state_leaves, lambda leaves: session.stepped_leaves(leaves, treedef)
-        return train_fn, session.require_state, session.stepped
-
     def train_otherwise(self, placed: Any, fused: bool, totals: PackedTotals, record: StepRecord) -> PackedTotals:
         """A span not trained one plain call per batch: one fused call (``steps_per_execution``),
         or timed single steps while ``steps_per_execution="auto"`` decides."""
@@ -422,8 +412,19 @@ class EpochSteps:
             for batch in placed:
                 totals = run.timed_step(self.train_fn, totals, batch)
             return totals
-        call, carried, keep = self.carried_state(run.steps.function("train_steps"))
+        call, carried, keep = carried_state(self.run.session, run.steps.function("train_steps"))
         with jax.profiler.StepTraceAnnotation("train", step_num=record.step) if self.annotate else _NO_TRACE:
             state, totals = call(carried(), totals, placed)
         keep(state)
         return totals
+
+
+def carried_state(session: Session, train_fn: Callable) -> tuple[Callable, Callable[[], Any], Callable[[Any], None]]:
+    """How the loop carries the state from call to call: ``(call, read, keep)``. A
+    :class:`~trainkit.core.leaf_step.LeafStep` takes and returns the state's carried leaves,
+    which the session keeps as they are (the ``TrainState`` is built only when something reads
+    it); any other step the state itself."""
+    if isinstance(train_fn, LeafStep):
+        carried = lambda: session.carried(train_fn)  # noqa: E731
+        return train_fn.call_carried, carried, lambda leaves: session.stepped_carried(leaves, train_fn)
+    return train_fn, session.require_state, session.stepped

@@ -565,8 +565,8 @@ def plan_step(
         strategy, compiled = row.strategy, row.compiled
         assert compiled is not None  # only rows that compiled and fit are measured
         state = strategy.put_state(the_host_state(strategy))
-        if isinstance(row.function, LeafStep):  # its executable takes the state's leaves
-            state = jax.tree.leaves(state)
+        if isinstance(row.function, LeafStep):  # its executable takes the state's carried leaves
+            state = row.function.carried(jax.tree.leaves(state))
         batch = strategy.put_batch(strategy.local_rows(host_batch))
         return time_steps(compiled, state, batch, steps, strategy.put_replicated(totals) if trains else None)
 

@@ -20,7 +20,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from trainkit import distributed
-from trainkit.core.leaf_step import LeafStep, over_leaves
+from trainkit.core.leaf_step import Carry, LeafStep, over_carried
 from trainkit.core.tree import PyTree
 from trainkit.strategies.base import Strategy, make_mesh
 
@@ -85,16 +85,17 @@ class DataParallel(Strategy):
         device, one row per example."""
         trains = kind in ("train", "train_steps")
         out_axes = (None, None) if trains else None if kind == "eval" else 0
-        treedef = jax.tree.structure(abstract_state)
+        leaves, treedef = jax.tree.flatten(abstract_state)
+        carry = Carry(leaves, [True] * len(leaves))  # pmap's state is whole on every device
         compiled = jax.pmap(
-            over_leaves(fn, treedef) if trains else fn,  # a training step over the state's leaves (LeafStep)
+            over_carried(fn, treedef, carry) if trains else fn,  # a training step over the state's leaves (LeafStep)
             axis_name=self.axis_name,
             in_axes=(None, 0) if kind == "predict" else (None, None, 0),  # (state, [totals,] batch)
             out_axes=out_axes,
             devices=self.devices,
             donate_argnums=(0,) if trains else (),
         )
-        return LeafStep(compiled, treedef) if trains else compiled
+        return LeafStep(compiled, treedef, carry, self.put_replicated) if trains else compiled
 
     def fetch_rows(self, tree: PyTree) -> PyTree:
         if jax.process_count() > 1:  # pmap's per-device outputs come back as this process's part

@@ -191,8 +191,8 @@ class ShardedStrategy(Strategy):
         state, totals = self.state_sharding(abstract_state), self.replicated()
         batch = self.stacked_batch_sharding if kind == "train_steps" else self.batch_sharding
         if kind in ("train", "train_steps"):  # over the state's leaves: the loop threads them (LeafStep)
-            treedef = jax.tree.structure(abstract_state)
-            return LeafStep.jit(fn, treedef, in_shardings=(state, totals, batch), out_shardings=(state, totals))
+            ins, outs = (state, totals, batch), (state, totals)
+            return LeafStep.jit(fn, abstract_state, in_shardings=ins, out_shardings=outs, replicated=totals)
         if kind == "eval":
             return jax.jit(fn, in_shardings=(state, totals, batch), out_shardings=totals)
         return jax.jit(fn, in_shardings=(state, batch), out_shardings=self.batch_sharding)
