@@ -181,8 +181,9 @@ class Session:
         """The live state as the carried leaves ``step`` (a
         :class:`~trainkit.core.leaf_step.LeafStep`) takes: as a step of the same layout returned
         them (nothing built), else from the state."""
-        if self._leaves is not None and self._leaves[1].carry.key() == step.carry.key():
-            return self._leaves[0]
+        leaves = self._leaves
+        if leaves is not None and (leaves[1] is step or leaves[1].carry.key() == step.carry.key()):
+            return leaves[0]
         carried = step.carried(jax.tree.leaves(self.require_state()))
         self._leaves = (carried, step)
         return carried

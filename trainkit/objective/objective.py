@@ -334,7 +334,7 @@ class Objective:
 
     def labels_out_of_range(self, targets: PyTree) -> tuple[jax.Array, jax.Array] | None:
         """Inside a step: how many class ids of the targets lie outside their output's classes,
-        and one of them (0 when none), for the outputs with a sparse loss that
+        and one of them (the largest; 0 when none), for the outputs with a sparse loss that
         :meth:`check_targets` saw (``None``: none). The host checks the first batch of an
         iterable and every label of arrays; this checks every batch, where it trains."""
         if not self.sparse_labels:
@@ -343,9 +343,11 @@ class Objective:
         for key, (classes, rank) in self.sparse_labels.items():
             labels = jnp.asarray(_pick(targets, key, "targets"))
             labels = labels[..., 0] if labels.ndim == rank + 1 and labels.shape[-1] == 1 else labels
+            labels = labels.reshape(-1).astype(jnp.int32)
             bad = (labels < 0) | (labels >= classes)
-            first = jnp.argmax(bad.reshape(-1))
-            value = jnp.where(count > 0, value, labels.reshape(-1)[first].astype(jnp.int32))
+            # the largest bad label and the count: two sibling reductions XLA fuses into one loop
+            largest = jnp.where(bad, labels, jnp.iinfo(jnp.int32).min).max()
+            value = jnp.where(count > 0, value, largest)
             count = count + bad.sum(dtype=jnp.int32)
         return count, jnp.where(count > 0, value, 0)
 
