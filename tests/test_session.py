@@ -11,7 +11,7 @@ import optax
 import pytest
 
 import trainkit as tk
-from trainkit.core.leaf_step import LeafStep
+from trainkit.core.leaf_step import Carry, LeafStep
 from trainkit.core.session import FitView, Position, Session, Snapshot, StepRecord
 from trainkit.core.state import TrainState
 
@@ -133,3 +133,25 @@ def _args():
         "optimizer": optax.inject_hyperparams(optax.adam)(learning_rate=1e-2),
         "strategy": "single",
     }
+
+
+def test_only_small_replicated_counters_and_keys_travel_packed():
+    """``Carry`` packs replicated leaves of at most 2 elements of 32 bits (the step, a raw key,
+    Adam's count, a loss scale); never a sharded leaf, a parameter-sized one, a typed key, a
+    weak-typed value (rebuilt strong it would trace a new program) or a 64/16-bit one."""
+    leaves = [
+        jnp.zeros((), jnp.int32),  # 0: a counter
+        jax.random.PRNGKey(0),  # 1: a raw key
+        jnp.ones(3),  # 2: too big
+        jnp.float32(2.0),  # 3: a float scalar
+        jax.random.key(0),  # 4: a typed key
+        jnp.asarray(1.0),  # 5: weak-typed
+        jnp.zeros((), jnp.bfloat16),  # 6: 16 bits
+        jnp.zeros((), jnp.int32),  # 7: sharded (not replicated)
+    ]
+    carry = Carry(leaves, [True] * 7 + [False])
+    assert carry.small == (0, 1, 3) and carry.big == (2, 4, 5, 6, 7)
+    values = [np.int32(7), np.array([3, 4], np.uint32), None, np.float32(-0.5)]
+    host = carry.unpacked([None] * 5 + [carry.packed(values + [None] * 4)[-1]])
+    assert [np.asarray(host[i]).tolist() for i in carry.small] == [7, [3, 4], -0.5]
+    assert Carry(leaves[:1] + leaves[2:3], [True, True]).small == ()  # one small leaf: nothing to pack
