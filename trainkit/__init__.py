@@ -95,11 +95,8 @@ __all__ = [
     "__version__",
 ]  # the names of LAZY, and the version
 
-#: the packages below trainkit, reachable as attributes (``tk.distributed``) as before
-SUBPACKAGES = (
-    *("callbacks", "checkpoint", "core", "data", "distributed", "export"),
-    *("loop", "monitoring", "objective", "program", "strategies", "weights"),
-)
+#: the packages below trainkit not in ``__all__``, reachable as attributes (``tk.distributed``) as before
+SUBPACKAGES = ("checkpoint", "core", "distributed", "loop", "monitoring", "objective", "program")
 
 __getattr__ = lazy_attributes(globals(), LAZY | {name: (f"trainkit.{name}", None) for name in SUBPACKAGES})
 
