@@ -199,6 +199,19 @@ def test_processes_holding_different_rows_are_stopped_at_the_start(tmp_path):
     assert seconds < 60
 
 
+@pytest.mark.parametrize("strategy", ["dp", "fsdp"])
+def test_weights_saved_by_two_processes_are_those_of_one(runs, strategy):
+    """``save_weights`` after the fixture's runs (called on every process; under DataParallel
+    each holds pmap's replicas): one file, the final parameters, as one process writes it."""
+    load_file = pytest.importorskip("safetensors.numpy").load_file
+    one, two = (load_file(runs[n][3] / f"{strategy}.safetensors") for n in (1, 2))
+    params = {k.split("/", 1)[1]: v for k, v in runs[1][0].items() if k.startswith(f"{strategy}/['")}
+    assert sorted(one) == sorted(two) and len(one) == len(params) == 4
+    assert sorted(np.asarray(v).size for v in one.values()) == sorted(np.asarray(v).size for v in params.values())
+    for name in one:
+        np.testing.assert_allclose(two[name], one[name], rtol=2e-5, atol=2e-6, err_msg=name)
+
+
 @pytest.mark.parametrize("save, load_", [(2, (1, 8)), (1, (2, 4))])
 def test_a_checkpoint_moves_between_process_counts(runs, tmp_path, save, load_):
     """A checkpoint written by ``save`` processes (the fixture's run, after epoch 2; under

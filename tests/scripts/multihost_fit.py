@@ -188,6 +188,8 @@ def main():
                 data = tk.sources.RandomAccessSource(SlowRows(x, y, delay))
             history = trainer.fit(data, batch_size=16, epochs=3, verbose=1, callbacks=callbacks)
             results[f"{name}/loss"] = np.asarray(history.history["loss"])
+            if args.save:  # and its final weights, written by every process together
+                trainer.save_weights(os.path.join(args.save, f"{name}.safetensors"))
         if name == "auto" and jax.process_index() == 0:
             rows = "; ".join(f"{r.name}={r.error or 'compiled'}" for r in trainer.last_plan.rows)
             print(f"plan rows: {rows}", flush=True)
