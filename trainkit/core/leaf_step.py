@@ -202,11 +202,9 @@ class LeafStep:
         if not self.carry.small:
             return list(carried)
         packed = carried[-1]
-        leaves = self.carry.unpacked([None] * len(self.carry.big) + [_host(packed)])
+        leaves = self.carry.unpacked([*carried[:-1], _host(packed)])
         for i in self.carry.small:
             leaves[i] = self._placed_like(leaves[i], packed)
-        for i, value in zip(self.carry.big, carried, strict=False):
-            leaves[i] = value
         return leaves
 
     def _placed_like(self, value: np.ndarray, like: Any) -> Any:

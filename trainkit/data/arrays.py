@@ -25,6 +25,7 @@ from trainkit.data.batching import (
     example_spec,
     full_batch,
     pad_batch,
+    rows_of,
     take,
     to_host,
 )
@@ -92,19 +93,13 @@ class ArrayDataset(Source):
             self.num_examples, batch_size, shuffle, seed, epoch, start, process_index, process_count
         ):
             if plain:  # single arrays: gathered without a tree walk; a full batch needs no padding
-                x = _gather(self.x, rows)
-                y = None if self.y is None else _gather(self.y, rows)
-                w = None if self.sample_weight is None else _gather(self.sample_weight, rows)
+                x = rows_of(self.x, rows)
+                y = None if self.y is None else rows_of(self.y, rows)
+                w = None if self.sample_weight is None else rows_of(self.sample_weight, rows)
                 yield full_batch(x, y, w) if len(x) == local else pad_batch(x, y, w, local)
                 continue
             tx, ty, tw = (None if t is None else take(t, rows) for t in parts)
             yield pad_batch(tx, ty, tw, local)
-
-
-def _gather(array: np.ndarray, rows: slice | np.ndarray) -> np.ndarray:
-    """``array[rows]``; for row indices ``ndarray.take``, the same copy about 2 us quicker per
-    batch of 32 rows than fancy indexing (which matters when a step is shorter than its dispatch)."""
-    return array.take(rows, axis=0) if isinstance(rows, np.ndarray) else array[rows]
 
 
 def _arrays_only(dataset: Source, what: str) -> ArrayDataset:
