@@ -182,11 +182,12 @@ def main():
             trainer.load(os.path.join(args.load, name))
             trainer.fit((x, y), batch_size=16, epochs=3, initial_epoch=2, verbose=1)
         else:
-            data = (x, y)
+            data, read_ahead = (x, y), True
             if name == "dp" and args.slow_input_process >= 0:  # the same rows; one process reads them slowly
                 delay = 0.004 if jax.process_index() == args.slow_input_process else 0.0
                 data = tk.sources.RandomAccessSource(SlowRows(x, y, delay))
-            history = trainer.fit(data, batch_size=16, epochs=3, verbose=1, callbacks=callbacks)
+                read_ahead = False  # every read in the loop's thread: a slow step (2 cores) never hides it
+            history = trainer.fit(data, batch_size=16, epochs=3, verbose=1, callbacks=callbacks, read_ahead=read_ahead)
             results[f"{name}/loss"] = np.asarray(history.history["loss"])
             if args.save:  # and its final weights, written by every process together
                 trainer.save_weights(os.path.join(args.save, f"{name}.safetensors"))
