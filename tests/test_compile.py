@@ -49,6 +49,37 @@ def test_one_compile_per_step_kind_in_a_fit_and_none_in_the_next(compiles, strat
     assert compiles[before:] == [], compiles[before:]  # the same batch size: nothing new
 
 
+def test_a_new_seed_loads_the_initial_state_another_seed_compiled(tmp_path):
+    """The seed's key is an argument of the compiled init, not a constant in it: a seed sweep
+    with the persistent cache compiles the init once; each seed still gets its own numbers,
+    those of ``jax.random.PRNGKey(seed)`` as before."""
+    x, y = make_classification(32)
+    from jax._src import compilation_cache as jax_compilation_cache
+
+    jax.config.update("jax_compilation_cache_dir", str(tmp_path))
+    jax_compilation_cache.reset_cache()
+    try:
+        trainers = [
+            tk.Trainer(
+                MLP(), loss="sparse_categorical_crossentropy", optimizer=optax.adam(1e-2), strategy="fsdp", seed=s
+            )
+            for s in (0, 7)
+        ]
+        for trainer in trainers:
+            trainer.init((x, y))
+    finally:
+        jax.config.update("jax_compilation_cache_dir", None)
+        jax_compilation_cache.reset_cache()
+    assert len(list(tmp_path.glob("jit_init_state-*"))) == 1, os.listdir(tmp_path)  # one program for both seeds
+    for seed, trainer in zip((0, 7), trainers):
+        init_key, state_key = jax.random.split(jax.random.PRNGKey(seed))
+        params_key, dropout_key = jax.random.split(init_key)
+        expected = MLP().init({"params": params_key, "dropout": dropout_key}, x[:1])["params"]
+        for a, b in zip(jax.tree.leaves(expected), jax.tree.leaves(trainer.params)):
+            np.testing.assert_array_equal(a, b)
+        np.testing.assert_array_equal(jax.device_get(trainer.state.rng), state_key)
+
+
 def run_script(cache_setting, tmp_path):
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_NUM_CPU_DEVICES")}
     env["TRAINKIT_COMPILATION_CACHE"] = cache_setting
@@ -151,3 +182,13 @@ def test_a_truncated_cache_entry_is_replaced_instead_of_failing_every_run(tmp_pa
     assert "Error reading persistent compilation cache" not in third.stderr, third.stderr
     compiled, hits = map(int, re.search(r"compiles=(\d+) cache_hits=(\d+)", third.stdout).groups())
     assert hits == compiled > 0  # rewritten by the second run, read back whole by the third
+
+
+@pytest.mark.parametrize("x64", [False, True])
+def test_the_host_seed_key_is_jax_s_key_for_every_seed(x64):
+    from trainkit.core.state import seed_key
+
+    seeds = [0, 7, -1, -5, 2**31 - 1, 2**31, -(2**31), -(2**31) - 1, 2**32 + 5, 2**40 + 3, 2**63 - 1, -(2**63)]
+    with jax.enable_x64(x64):
+        for seed in seeds:
+            np.testing.assert_array_equal(seed_key(seed), jax.random.key_data(jax.random.PRNGKey(seed)), err_msg=seed)

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any, Self
 import flax.struct
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from trainkit.core import tree
 from trainkit.core.precision import NoLossScale
@@ -55,6 +56,21 @@ class TrainState:
         """A fresh state at step 0 whose rng comes from ``seed``."""
         rng = jax.random.PRNGKey(seed) if isinstance(seed, int) else seed
         return cls(step=jnp.zeros((), jnp.int32), params=params, opt_state=opt_state, model_state=model_state, rng=rng)
+
+
+def seed_key(seed: int) -> np.ndarray:
+    """``jax.random.key_data(jax.random.PRNGKey(seed))``, computed on the host (nothing
+    compiled) for JAX's default threefry keys: ``[high word, low word]`` of the seed, the high
+    word 0 unless 64-bit integers are on (JAX keeps only a Python int's low 32 bits then).
+
+    >>> seed_key(-1).tolist(), seed_key(2**32 + 5).tolist()
+    ([0, 4294967295], [0, 5])
+    """
+    if jax.config.jax_default_prng_impl != "threefry2x32":  # type: ignore[attr-defined]  # another layout
+        return np.asarray(jax.random.key_data(jax.random.PRNGKey(seed)))
+    wrapped = int(seed) % 2**64
+    high = wrapped >> 32 if jax.config.jax_enable_x64 else 0  # type: ignore[attr-defined]
+    return np.array([high, wrapped & 0xFFFFFFFF], np.uint32)
 
 
 def abstract(tree: PyTree) -> PyTree:

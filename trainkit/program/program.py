@@ -35,7 +35,7 @@ from trainkit.core.model import ModelAdapter, param_axes, starting_variables, un
 from trainkit.core.precision import Precision, cast_floating
 from trainkit.core.remat import wrap_remat
 from trainkit.core.spikes import SpikeSkip
-from trainkit.core.state import Batch, TrainState
+from trainkit.core.state import Batch, TrainState, seed_key
 from trainkit.core.statistics import StepStatistics
 from trainkit.core.step import make_eval_step, make_multi_step, make_predict_step, make_train_step, with_totals
 from trainkit.core.totals import EpochTotals, pack
@@ -109,9 +109,11 @@ class Program:
         self.statistics = statistics
 
     # ------------------------------------------------------------------ the initial state
-    def init_state(self, variables: PyTree, first_row: PyTree) -> TrainState:
-        """The state at step 0 (pure: run it under ``jit`` or ``eval_shape``)."""
-        init_rng, state_rng = jax.random.split(jax.random.PRNGKey(self.seed))
+    def init_state(self, variables: PyTree, first_row: PyTree, key: jax.Array) -> TrainState:
+        """The state at step 0 from the seed's ``key`` (:meth:`seed_key`), an argument rather
+        than a constant, so one compiled init serves every seed (pure: run it under ``jit`` or
+        ``eval_shape``)."""
+        init_rng, state_rng = jax.random.split(key)
         params, model_state = self.adapter.init(init_rng, first_row) if variables is None else variables
         params = cast_floating(params, self.precision.param_dtype)
         self.trainable.check(params)
@@ -120,13 +122,17 @@ class Program:
             params=params, opt_state=self.optimizer.init(params), model_state=model_state, seed=state_rng
         ).replace(loss_scale=self.precision.init_loss_scale(), spikes=spikes)
 
+    def seed_key(self) -> np.ndarray:
+        """``jax.random.PRNGKey(seed)``'s raw key on the host: the init's key argument."""
+        return seed_key(self.seed)
+
     def starting_variables(self, first_row: PyTree) -> PyTree:
         return starting_variables(self.adapter, self.variables, first_row)
 
     def create_state(self, strategy: Strategy, first_row: PyTree) -> TrainState:
         """The state built directly in ``strategy``'s shardings (an annotated strategy: see
         :meth:`annotated`)."""
-        return strategy.create_state(self.init_state, self.starting_variables(first_row), first_row)
+        return strategy.create_state(self.init_state, self.starting_variables(first_row), first_row, self.seed_key())
 
     def annotated(self, strategy: Strategy, first_row: PyTree) -> Strategy:
         """``strategy`` configured with the model's parameter annotations when it maps logical
@@ -254,10 +260,11 @@ class Program:
         ``variables`` when they were already resolved; traced once per input signature (the
         first batch is traced for its outputs, "auto"'s remembered decision and the plan)."""
         if variables is not None:
-            return jax.eval_shape(self.init_state, variables, first_row)
+            return jax.eval_shape(self.init_state, variables, first_row, self.seed_key())
         key = repr((jax.tree.structure(first_row), tree.signature(first_row)))
         if key not in self._abstract_states:
-            self._abstract_states[key] = jax.eval_shape(self.init_state, self.starting_variables(first_row), first_row)
+            variables = self.starting_variables(first_row)
+            self._abstract_states[key] = jax.eval_shape(self.init_state, variables, first_row, self.seed_key())
         return self._abstract_states[key]
 
     def plan(
@@ -271,7 +278,7 @@ class Program:
         candidates = candidates if candidates is not None else plan_lib.default_candidates()
         candidates = [self.annotated(strategy, first_row) for strategy in candidates]
         abstract_state = self.abstract_state(first_row, variables)
-        init_state = self.init_state
+        init_state, key = self.init_state, self.seed_key()
         # traced as one device of a named axis when a candidate has one (a BatchNorm may reduce over it)
         axis = next((strategy.axis_name for strategy in candidates if strategy.axis_name is not None), None)
         plan = plan_lib.plan_step(
@@ -281,8 +288,8 @@ class Program:
             totals=pack(self.empty_totals(kind, abstract_state, host_batch, axis)) if trains else None,
             compile_step=lambda strategy, abstract: self.candidate_step(kind, strategy, abstract, first_row),
             # one init_fn object for both, so that the second finds the first's executable
-            create_state=lambda strategy: strategy.create_state(init_state, variables, first_row),
-            precompile_state=lambda strategy: strategy.precompile_state(init_state, variables, first_row),
+            create_state=lambda strategy: strategy.create_state(init_state, variables, first_row, key),
+            precompile_state=lambda strategy: strategy.precompile_state(init_state, variables, first_row, key),
             micro_batches=self.grad_accum_steps if trains else 1,
             trains=trains,
             **options,
