@@ -64,6 +64,10 @@ def training_data(kind, x, y):
     raise ValueError(f"unknown --data {kind}")
 
 
+#: the strategies whose checkpoint and final weights ``--save`` writes (test_multihost reads these)
+SAVED = ("dp", "fsdp")
+
+
 class SlowRows:
     """The rows as a random-access source (shuffled and split as arrays are), each read taking
     ``delay`` seconds: a slow input pipeline."""
@@ -170,7 +174,8 @@ def main():
                     time.sleep(300)
 
             callbacks.append(tk.callbacks.LambdaCallback(on_train_batch_begin=stall))
-        if args.save:  # each strategy's checkpoint after epoch 2 of 3, on every process
+        saves = bool(args.save) and name in SAVED  # the strategies the tests resume or read
+        if saves:  # a checkpoint after epoch 2 of 3, on every process
 
             def save(epoch, logs=None):
                 if epoch == 1:
@@ -189,7 +194,7 @@ def main():
                 read_ahead = False  # every read in the loop's thread: a slow step (2 cores) never hides it
             history = trainer.fit(data, batch_size=16, epochs=3, verbose=1, callbacks=callbacks, read_ahead=read_ahead)
             results[f"{name}/loss"] = np.asarray(history.history["loss"])
-            if args.save:  # and its final weights, written by every process together
+            if saves:  # and its final weights, written by every process together
                 trainer.save_weights(os.path.join(args.save, f"{name}.safetensors"))
         if name == "auto" and jax.process_index() == 0:
             rows = "; ".join(f"{r.name}={r.error or 'compiled'}" for r in trainer.last_plan.rows)
