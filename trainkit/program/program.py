@@ -110,7 +110,7 @@ class Program:
 
     # ------------------------------------------------------------------ the initial state
     def init_state(self, variables: PyTree, first_row: PyTree, key: jax.Array) -> TrainState:
-        """The state at step 0 from the seed's ``key`` (:meth:`seed_key`), an argument rather
+        """The state at step 0 from the seed's ``key`` (``seed_key(seed)``), an argument rather
         than a constant, so one compiled init serves every seed (pure: run it under ``jit`` or
         ``eval_shape``)."""
         init_rng, state_rng = jax.random.split(key)
@@ -122,17 +122,15 @@ class Program:
             params=params, opt_state=self.optimizer.init(params), model_state=model_state, seed=state_rng
         ).replace(loss_scale=self.precision.init_loss_scale(), spikes=spikes)
 
-    def seed_key(self) -> np.ndarray:
-        """``jax.random.PRNGKey(seed)``'s raw key on the host: the init's key argument."""
-        return seed_key(self.seed)
-
     def starting_variables(self, first_row: PyTree) -> PyTree:
         return starting_variables(self.adapter, self.variables, first_row)
 
     def create_state(self, strategy: Strategy, first_row: PyTree) -> TrainState:
         """The state built directly in ``strategy``'s shardings (an annotated strategy: see
         :meth:`annotated`)."""
-        return strategy.create_state(self.init_state, self.starting_variables(first_row), first_row, self.seed_key())
+        return strategy.create_state(
+            self.init_state, self.starting_variables(first_row), first_row, seed_key(self.seed)
+        )
 
     def annotated(self, strategy: Strategy, first_row: PyTree) -> Strategy:
         """``strategy`` configured with the model's parameter annotations when it maps logical
@@ -260,11 +258,11 @@ class Program:
         ``variables`` when they were already resolved; traced once per input signature (the
         first batch is traced for its outputs, "auto"'s remembered decision and the plan)."""
         if variables is not None:
-            return jax.eval_shape(self.init_state, variables, first_row, self.seed_key())
+            return jax.eval_shape(self.init_state, variables, first_row, seed_key(self.seed))
         key = repr((jax.tree.structure(first_row), tree.signature(first_row)))
         if key not in self._abstract_states:
             variables = self.starting_variables(first_row)
-            self._abstract_states[key] = jax.eval_shape(self.init_state, variables, first_row, self.seed_key())
+            self._abstract_states[key] = jax.eval_shape(self.init_state, variables, first_row, seed_key(self.seed))
         return self._abstract_states[key]
 
     def plan(
@@ -278,7 +276,7 @@ class Program:
         candidates = candidates if candidates is not None else plan_lib.default_candidates()
         candidates = [self.annotated(strategy, first_row) for strategy in candidates]
         abstract_state = self.abstract_state(first_row, variables)
-        init_state, key = self.init_state, self.seed_key()
+        init_state, key = self.init_state, seed_key(self.seed)
         # traced as one device of a named axis when a candidate has one (a BatchNorm may reduce over it)
         axis = next((strategy.axis_name for strategy in candidates if strategy.axis_name is not None), None)
         plan = plan_lib.plan_step(
