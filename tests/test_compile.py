@@ -100,8 +100,7 @@ def test_a_second_run_loads_its_steps_from_the_cache_directory(tmp_path):
 
 
 def test_the_cache_is_on_by_default_in_the_user_cache_directory_and_off_by_one_setting(tmp_path):
-    run_script("", tmp_path / "off")  # "" is off too
-    run_script("off", tmp_path / "off")
+    run_script("off", tmp_path / "off")  # "" is off too: test_a_directory_the_user_gave_jax_is_kept
     assert not (tmp_path / "off" / "xdg").exists()
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "TRAINKIT_COMPILATION_CACHE")}
     env.update(XDG_CACHE_HOME=str(tmp_path / "xdg"), JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0")
@@ -121,7 +120,7 @@ def test_a_directory_the_user_gave_jax_is_kept(tmp_path, monkeypatch):
         jax.config.update("jax_compilation_cache_dir", previous)
     assert compile_cache.directory_for("OFF") is None
     assert compile_cache.directory_for(None) == compile_cache.default_directory()
-    assert np.all([compile_cache.directory_for(v) is None for v in ("0", "false", "no", "none", " ")])
+    assert np.all([compile_cache.directory_for(v) is None for v in ("0", "false", "no", "none", " ", "", "OFF ")])
 
 
 def test_auto_trains_with_the_plans_executable_and_initial_state_compiling_neither_again(compiles):

@@ -21,8 +21,12 @@ SCRIPT = pathlib.Path(__file__).parent / "scripts" / "resumable_fit.py"
 PREEMPTED_EXIT_CODE = 143
 
 
-def start(backup, out, *extra):
+def start(backup, out, *extra, optimised=False):
+    """The script in a new process, compiled as the tests compile (``optimised``: as users do,
+    which pays where a run's time is spent running large steps rather than compiling small ones)."""
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"} | subprocess_cache_env()
+    if optimised:
+        env["XLA_FLAGS"] = ""
     return subprocess.Popen(
         [sys.executable, str(SCRIPT), str(backup), str(out), *extra],
         stdout=subprocess.PIPE,
@@ -32,11 +36,19 @@ def start(backup, out, *extra):
     )
 
 
-def finish(backup, out, *extra):
-    process = start(backup, out, *extra)
+def finish(backup, out, *extra, optimised=False):
+    process = start(backup, out, *extra, optimised=optimised)
     output, _ = process.communicate(timeout=300)
     assert process.returncode == 0, output
     return output
+
+
+def uninterrupted(root, *extra, optimised=False):
+    """The parameters of a run never interrupted and without backups (so the saves of the runs
+    compared with it must change no number)."""
+    finish(root / "backup", root / "ref.npz", "--no-backup", *extra, optimised=optimised)
+    assert not (root / "backup").exists()
+    return params(root / "ref.npz")
 
 
 def committed_steps(backup):
@@ -76,16 +88,12 @@ def assert_bit_identical(a, b):
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
-    root = tmp_path_factory.mktemp("reference")
-    finish(root / "backup", root / "ref.npz")
-    return params(root / "ref.npz")
+    return uninterrupted(tmp_path_factory.mktemp("reference"))
 
 
 @pytest.fixture(scope="module")
 def fsdp_reference(tmp_path_factory):
-    root = tmp_path_factory.mktemp("fsdp_reference")
-    finish(root / "backup", root / "ref.npz", "--strategy", "fsdp")
-    return params(root / "ref.npz")
+    return uninterrupted(tmp_path_factory.mktemp("fsdp_reference"), "--strategy", "fsdp")
 
 
 @pytest.mark.parametrize("strategy", ["dp", "fsdp"])
@@ -112,8 +120,9 @@ def test_kill_9_at_a_random_step_then_rerun_finishes_bit_identical(tmp_path, req
 def test_kill_9_mid_epoch_of_a_grain_iterator_resumes_bit_identical_without_replaying(tmp_path):
     pytest.importorskip("grain")
     root = tmp_path / "reference"
-    output = finish(root / "backup", root / "ref.npz", "--data", "grain")
+    output = finish(root / "backup", root / "ref.npz", "--no-backup", "--data", "grain")
     assert "finished at step 52; read 832 rows" in output  # 52 batches of 16
+    reference = params(root / "ref.npz")
     backup = tmp_path / "backup"
     process = start(backup, tmp_path / "out.npz", "--sleep", "0.03", "--data", "grain", "--every", "1")
     wait_for(lambda: [s for s in committed_steps(backup) if 14 <= s <= 40])  # in the second epoch or later
@@ -125,15 +134,14 @@ def test_kill_9_mid_epoch_of_a_grain_iterator_resumes_bit_identical_without_repl
     # The iterator continued from its saved position: only the remaining batches were read
     # (and the one read to learn the shapes, before the backup was found).
     assert f"read {(52 - resumed) * 16 + 16} rows" in output, output
-    assert_bit_identical(params(tmp_path / "out.npz"), params(root / "ref.npz"))
+    assert_bit_identical(params(tmp_path / "out.npz"), reference)
 
 
 def test_kill_9_in_the_middle_of_a_save_keeps_the_previous_checkpoint(tmp_path):
     backup = tmp_path / "backup"
     wide = ("--width", "60000")  # about 1 MB of parameters and 2 MB of Adam state per save
-    reference_dir = tmp_path / "reference"
-    finish(reference_dir / "backup", reference_dir / "ref.npz", *wide)
-    process = start(backup, tmp_path / "out.npz", *wide)
+    reference = uninterrupted(tmp_path / "reference", *wide, optimised=True)
+    process = start(backup, tmp_path / "out.npz", *wide, optimised=True)
     first = wait_for(lambda: committed_steps(backup))[-1]
 
     def saving_a_later_step():
@@ -146,10 +154,10 @@ def test_kill_9_in_the_middle_of_a_save_keeps_the_previous_checkpoint(tmp_path):
     complete = committed_steps(backup)
     half_written = int(in_progress[0].split(".")[0])
     assert half_written not in complete  # the half-written save never became a checkpoint
-    output = finish(backup, tmp_path / "out.npz", *wide)
+    output = finish(backup, tmp_path / "out.npz", *wide, optimised=True)
     resumed = int(re.search(r"resuming from step (\d+)", output).group(1))
     assert resumed == complete[-1] < half_written
-    assert_bit_identical(params(tmp_path / "out.npz"), params(reference_dir / "ref.npz"))
+    assert_bit_identical(params(tmp_path / "out.npz"), reference)
 
 
 def test_sigterm_finishes_the_step_writes_a_backup_and_exits_143(tmp_path, reference):

@@ -251,9 +251,9 @@ def test_lora_refuses_what_it_cannot_do():
 def test_a_lora_run_killed_with_sigkill_resumes_bit_identical(tmp_path):
     """BackupAndRestore of a LoRA run: the backups hold the adapters; a kill -9 and a rerun
     (which loads the same base first) finish with the uninterrupted run's parameters, bit for bit."""
-    from test_faults import assert_bit_identical, committed_steps, finish, params, start, wait_for
+    from test_faults import assert_bit_identical, committed_steps, finish, params, start, uninterrupted, wait_for
 
-    finish(tmp_path / "reference", tmp_path / "reference.npz", "--lora")
+    reference = uninterrupted(tmp_path / "reference", "--lora")
     backup = tmp_path / "backup"
     process = start(backup, tmp_path / "out.npz", "--sleep", "0.03", "--lora")
     wait_for(lambda: committed_steps(backup))
@@ -263,7 +263,7 @@ def test_a_lora_run_killed_with_sigkill_resumes_bit_identical(tmp_path):
     assert committed_steps(backup) and committed_steps(backup)[-1] < 52  # it died mid-run
     output = finish(backup, tmp_path / "out.npz", "--lora")
     assert re.search(r"resuming from step \d+", output), output
-    assert_bit_identical(params(tmp_path / "out.npz"), params(tmp_path / "reference.npz"))
+    assert_bit_identical(params(tmp_path / "out.npz"), reference)
 
 
 def test_lora_on_an_nnx_module_trains_only_its_adapters_and_merges(tmp_path):

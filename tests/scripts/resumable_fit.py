@@ -1,6 +1,6 @@
 """A training run with BackupAndRestore, for the fault tests: it is killed and run again.
 
-    python resumable_fit.py BACKUP_DIR OUT.npz [--sleep S] [--width W] [--lora]
+    python resumable_fit.py BACKUP_DIR OUT.npz [--sleep S] [--width W] [--lora] [--no-backup]
 
 Writes the final parameters to OUT.npz. ``--sleep`` slows each step (without changing the
 numbers) so a test can interrupt it; ``--width`` makes the model, and so each save, larger.
@@ -8,8 +8,9 @@ numbers) so a test can interrupt it; ``--width`` makes the model, and so each sa
 whose position is saved with each backup, and prints how many rows this run read.
 ``--journal-seconds`` sets how often the goodput journal is rewritten (0: every step); the
 run prints its goodput ledger's lost steps, restarts and lost seconds at the end.
-``--lora`` trains LoRA adapters on base weights loaded with ``tk.weights.load`` (the backups
-hold the adapters only).
+``--no-backup`` trains without BackupAndRestore: the tests' uninterrupted reference, which also
+checks that the saves change no number. ``--lora`` trains LoRA adapters on base weights loaded
+with ``tk.weights.load`` (the backups hold the adapters only).
 """
 
 import argparse
@@ -18,7 +19,8 @@ import os
 import sys
 import time
 
-os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+# the test's compiler settings (tests/conftest.py's subprocess_cache_env) kept, with 8 devices
+os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import flax.linen as nn  # noqa: E402
@@ -73,6 +75,7 @@ def main():
     parser.add_argument("--strategy", choices=["dp", "fsdp"], default="dp")
     parser.add_argument("--data", choices=["arrays", "grain"], default="arrays")
     parser.add_argument("--lora", action="store_true")
+    parser.add_argument("--no-backup", dest="backup_saves", action="store_false")
     args = parser.parse_args()
     rng = np.random.default_rng(0)
     x = rng.normal(size=(200, 5)).astype(np.float32)
@@ -101,9 +104,10 @@ def main():
         steps_per_epoch=13 if grain else None,
         batch_size=None if grain else 16,
         verbose=0,
-        callbacks=[backup, slow],
+        callbacks=[backup, slow] if args.backup_saves else [slow],
     )
     flat = {jax.tree_util.keystr(p): np.asarray(v) for p, v in jax.tree_util.tree_leaves_with_path(trainer.params)}
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     np.savez(args.out, step=int(trainer.state.step), **flat)
     print(f"finished at step {int(trainer.state.step)}; read {Rows.read} rows", flush=True)
     goodput = history.goodput
