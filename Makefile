@@ -12,7 +12,9 @@ $(BIN)/python:
 	$(BIN)/python -m pip install --quiet --upgrade pip
 
 $(VENV)/.installed: pyproject.toml | $(BIN)/python
-	$(BIN)/python -m pip install --quiet -e ".[dev,examples,data,monitoring]"
+	# ml_dtypes 0.7 with numpy < 2.5 (all Python 3.11 has) spends 0.6 s registering its ufunc loops at
+	# every `import jax`; 0.6 does not (docs/performance.md, "Import time"): the suite starts ~100 processes
+	$(BIN)/python -m pip install --quiet -e ".[dev,examples,data,monitoring]" "ml_dtypes<0.7; python_version < '3.12'"
 	# the "onnx" export's packages without jax2onnx's pin of orbax-checkpoint<0.11.37: the suite runs on the newest orbax
 	$(BIN)/python -m pip install --quiet "onnx>=1.20" "onnx-ir>=0.2" "onnxruntime>=1.24" equinox dm-pix einops
 	$(BIN)/python -m pip install --quiet --no-deps "jax2onnx>=0.17"
