@@ -114,10 +114,10 @@ def test_the_language_model_example_trains_in_a_short_mode(strategy):
     assert expected in result.stdout, result.stdout
 
 
-def test_finetune_digits_compares_the_three_ways_and_keeps_the_adapter_checkpoint_small():
+def test_finetune_digits_compares_the_three_ways_and_keeps_the_adapter_checkpoint_small(tmp_path):
     pytest.importorskip("safetensors")
     # one device: the example's loading into FSDP is tested in test_weights.py; here its figures
-    result = run_example("finetune_digits.py", "--devices", "1", "--strategy", "single")
+    result = run_example("finetune_digits.py", "--devices", "1", "--strategy", "single", "--out", str(tmp_path))
     assert result.returncode == 0, result.stdout + result.stderr
     rows = {}
     for match in re.finditer(
@@ -140,6 +140,7 @@ def test_finetune_digits_compares_the_three_ways_and_keeps_the_adapter_checkpoin
     # (7.6e-6 on jax 0.10, 2.1e-5 on jax 0.12); a wrong merge differs by whole units
     assert gap < 1e-4
     assert "kept at their initial values: head/bias, head/kernel" in result.stdout
+    assert f"published as {tmp_path / 'digits0-4.safetensors'}" in result.stdout  # in --out, not a new temp dir
 
 
 @pytest.mark.parametrize(
