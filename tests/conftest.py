@@ -29,13 +29,18 @@ assert len(jax.devices()) == 8, "tests need 8 fake CPU devices (set before jax i
 # compiled step comes from an earlier run. trainkit's own cache setting stays "off" above, so
 # "auto" remembers no pick across tests (see `shared_compilation_cache`).
 import shutil  # noqa: E402
+import sys  # noqa: E402
 import tempfile  # noqa: E402
 
 from jax._src import compilation_cache as jax_compilation_cache  # noqa: E402
 
-COMPILATION_CACHE = tempfile.mkdtemp(prefix="trainkit-tests-jax-cache-")
-jax.config.update("jax_compilation_cache_dir", COMPILATION_CACHE)
-jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+#: "" in a process multiprocessing spawned: a data worker (grain's, torch's) that imported a test
+#: module to unpickle a source defined there compiles nothing and would leave the directory behind
+COMPILATION_CACHE = ""
+if "--multiprocessing-fork" not in sys.orig_argv:
+    COMPILATION_CACHE = tempfile.mkdtemp(prefix="trainkit-tests-jax-cache-")
+    jax.config.update("jax_compilation_cache_dir", COMPILATION_CACHE)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
 #: modules that count compiles or set up compilation caches of their own: no shared cache there
 OWN_COMPILATION_CACHE = {"test_compile", "test_auto_reproducible"}
 
@@ -165,7 +170,8 @@ def shared_compilation_cache(request, monkeypatch):
 
 
 def pytest_unconfigure(config):
-    shutil.rmtree(COMPILATION_CACHE, ignore_errors=True)
+    if COMPILATION_CACHE:
+        shutil.rmtree(COMPILATION_CACHE, ignore_errors=True)
 
 
 #: The test files by their serial seconds in a measured run (2026-12-02: 214, 156, 108, 102, 70,
