@@ -44,11 +44,11 @@ def finish(backup, out, *extra, optimised=False):
 
 
 def uninterrupted(root, *extra, optimised=False):
-    """The parameters of a run never interrupted and without backups (so the saves of the runs
-    compared with it must change no number)."""
-    finish(root / "backup", root / "ref.npz", "--no-backup", *extra, optimised=optimised)
+    """The parameters and output of a run never interrupted and without backups (so the saves of
+    the runs compared with it must change no number)."""
+    output = finish(root / "backup", root / "ref.npz", "--no-backup", *extra, optimised=optimised)
     assert not (root / "backup").exists()
-    return params(root / "ref.npz")
+    return params(root / "ref.npz"), output
 
 
 def committed_steps(backup):
@@ -88,12 +88,12 @@ def assert_bit_identical(a, b):
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
-    return uninterrupted(tmp_path_factory.mktemp("reference"))
+    return uninterrupted(tmp_path_factory.mktemp("reference"))[0]
 
 
 @pytest.fixture(scope="module")
 def fsdp_reference(tmp_path_factory):
-    return uninterrupted(tmp_path_factory.mktemp("fsdp_reference"), "--strategy", "fsdp")
+    return uninterrupted(tmp_path_factory.mktemp("fsdp_reference"), "--strategy", "fsdp")[0]
 
 
 @pytest.mark.parametrize("strategy", ["dp", "fsdp"])
@@ -119,10 +119,8 @@ def test_kill_9_at_a_random_step_then_rerun_finishes_bit_identical(tmp_path, req
 
 def test_kill_9_mid_epoch_of_a_grain_iterator_resumes_bit_identical_without_replaying(tmp_path):
     pytest.importorskip("grain")
-    root = tmp_path / "reference"
-    output = finish(root / "backup", root / "ref.npz", "--no-backup", "--data", "grain")
+    reference, output = uninterrupted(tmp_path / "reference", "--data", "grain")
     assert "finished at step 52; read 832 rows" in output  # 52 batches of 16
-    reference = params(root / "ref.npz")
     backup = tmp_path / "backup"
     process = start(backup, tmp_path / "out.npz", "--sleep", "0.03", "--data", "grain", "--every", "1")
     wait_for(lambda: [s for s in committed_steps(backup) if 14 <= s <= 40])  # in the second epoch or later
@@ -140,7 +138,7 @@ def test_kill_9_mid_epoch_of_a_grain_iterator_resumes_bit_identical_without_repl
 def test_kill_9_in_the_middle_of_a_save_keeps_the_previous_checkpoint(tmp_path):
     backup = tmp_path / "backup"
     wide = ("--width", "60000")  # about 1 MB of parameters and 2 MB of Adam state per save
-    reference = uninterrupted(tmp_path / "reference", *wide, optimised=True)
+    reference, _ = uninterrupted(tmp_path / "reference", *wide, optimised=True)
     process = start(backup, tmp_path / "out.npz", *wide, optimised=True)
     first = wait_for(lambda: committed_steps(backup))[-1]
 

@@ -253,7 +253,7 @@ def test_a_lora_run_killed_with_sigkill_resumes_bit_identical(tmp_path):
     (which loads the same base first) finish with the uninterrupted run's parameters, bit for bit."""
     from test_faults import assert_bit_identical, committed_steps, finish, params, start, uninterrupted, wait_for
 
-    reference = uninterrupted(tmp_path / "reference", "--lora")
+    reference, _ = uninterrupted(tmp_path / "reference", "--lora")
     backup = tmp_path / "backup"
     process = start(backup, tmp_path / "out.npz", "--sleep", "0.03", "--lora")
     wait_for(lambda: committed_steps(backup))
