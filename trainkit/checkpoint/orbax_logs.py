@@ -1,6 +1,8 @@
 """What orbax logs (through absl's logger) that trainkit says better itself: a write that failed
 in one of orbax's threads is logged there with its whole traceback, once per thread (a full
-disk printed 119 to 215 lines after the one ``CheckpointError`` that names the failure). Those
+disk printed 119 to 215 lines after the one ``CheckpointError`` that names the failure), and
+asyncio logs the writes still in flight when orbax's event loop gave up on the first failure
+(``Task exception was never retrieved``, a traceback through orbax's serialization). Those
 records become debug records (``logging.DEBUG``), shown only where trainkit's logger is at DEBUG;
 orbax's notice that a directory opened to read is read only is dropped while trainkit reads.
 
@@ -16,25 +18,39 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import traceback
 from collections.abc import Iterator
 
-_ABSL, _TRAINKIT = logging.getLogger("absl"), logging.getLogger("trainkit")
+_ABSL, _ASYNCIO, _TRAINKIT = logging.getLogger("absl"), logging.getLogger("asyncio"), logging.getLogger("trainkit")
+_ORBAX = f"{os.sep}orbax{os.sep}"
+
+
+def _through_orbax(record: logging.LogRecord) -> bool:
+    """Whether ``record`` carries a traceback that orbax logged or that passes through orbax's code."""
+    if not record.exc_info:
+        return False
+    if _ORBAX in record.pathname:
+        return True
+    frames = traceback.extract_tb(record.exc_info[2]) if record.exc_info[2] is not None else []
+    return any(_ORBAX in frame.filename for frame in frames)
 
 
 class ThreadTracebacksToDebug(logging.Filter):
-    """Moves an orbax record with a traceback (an error in one of its threads) to DEBUG."""
+    """Moves a record with a traceback from orbax's threads or event loop to DEBUG."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        if record.exc_info and f"{os.sep}orbax{os.sep}" in record.pathname and record.levelno > logging.DEBUG:
+        if record.levelno > logging.DEBUG and _through_orbax(record):
             record.levelno, record.levelname = logging.DEBUG, "DEBUG"
             return _TRAINKIT.isEnabledFor(logging.DEBUG)  # shown where trainkit's debug logging is on
         return True
 
 
 def install() -> None:
-    """Adds :class:`ThreadTracebacksToDebug` to absl's logger, once per process."""
-    if not any(isinstance(f, ThreadTracebacksToDebug) for f in _ABSL.filters):
-        _ABSL.addFilter(ThreadTracebacksToDebug())
+    """Adds :class:`ThreadTracebacksToDebug` to absl's logger (orbax's threads) and asyncio's
+    (orbax's event loop), once per process."""
+    for logger in (_ABSL, _ASYNCIO):
+        if not any(isinstance(f, ThreadTracebacksToDebug) for f in logger.filters):
+            logger.addFilter(ThreadTracebacksToDebug())
 
 
 class _ReadOnlyNotice(logging.Filter):
