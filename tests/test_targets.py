@@ -158,3 +158,27 @@ def test_find_batch_size_for_a_target_grows_with_its_memory():
     large = trainer.find_batch_size(x, y, memory_limit="12 MiB", **options)
     assert 8 <= small.batch_size < large.batch_size <= 2048, (small, large)
     assert trainer.state is None  # nothing placed here
+
+
+def test_compiles_for_a_target_neither_read_nor_write_the_persistent_cache():
+    """A compile-only executable cannot be read back: written to the cache, the next run's plan
+    warned ``Error reading persistent compilation cache entry`` for each function. The cache is
+    on here (min compile time 0) and in use by the process before the plan, and used again after."""
+    requests: list[str] = []
+
+    def count(event: str, **kwargs) -> None:
+        if event == "/jax/compilation_cache/compile_requests_use_cache":
+            requests.append(event)
+
+    trainer = trainer_for(nn.Dense(10))
+    x, y = data(16, 64)
+    trainer.fit(x, y, batch_size=8, epochs=1, verbose=0)  # the cache in use before the plan
+    jax.monitoring.register_event_listener(count)
+    try:
+        trainer.find_batch_size(x, y, target="tpu v5e:2x2", max_batch_size=64, memory_limit="1 GiB", verbose=0)
+        trainer.plan((x, y), target="tpu v5e:2x2", verbose=0)
+        assert requests == []
+        jax.jit(lambda v: v * 3 + 1)(np.arange(7.0))  # a new function compiled here: through the cache again
+        assert requests
+    finally:
+        jax.monitoring.unregister_event_listener(count)

@@ -17,6 +17,7 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 import jax
+from jax.experimental.compilation_cache import compilation_cache as jax_compilation_cache
 
 from trainkit import data as data_lib
 from trainkit import distributed
@@ -61,13 +62,19 @@ def plan(
 
 @contextlib.contextmanager
 def without_persistent_cache() -> Iterator[None]:
-    """JAX's persistent compilation cache off while the block runs (a target's compiles), as it was after."""
+    """JAX's persistent compilation cache off while the block runs (a target's compiles), as it
+    was after. JAX decides once per process whether the cache is used (at the first compile), so
+    the setting alone changes nothing once anything compiled: the decision is reset on the way in
+    and out. Without that, a target's executable was written to the cache and, in the next run,
+    read back with a warning (``Error reading persistent compilation cache entry``)."""
     before = jax.config.jax_enable_compilation_cache  # type: ignore[attr-defined]  # set at runtime
     jax.config.update("jax_enable_compilation_cache", False)
+    jax_compilation_cache.reset_cache()
     try:
         yield
     finally:
         jax.config.update("jax_enable_compilation_cache", before)
+        jax_compilation_cache.reset_cache()
 
 
 def target_candidates(given: Sequence[Any] | None, target: targets_lib.Target) -> list[Strategy]:
