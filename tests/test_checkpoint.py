@@ -162,9 +162,11 @@ def test_a_non_finite_loss_is_never_checkpointed(tmp_path):
     x[20] = np.inf
     checkpoint = ModelCheckpoint(tmp_path / "nan", monitor="loss")
     trainer = make()
-    with pytest.warns(UserWarning, match="not saving step 2 to .*: the loss is nan"):
+    with pytest.warns(UserWarning, match="not saving step 2 to .*: the loss is nan") as caught:
         trainer.fit((x, y), batch_size=16, epochs=1, shuffle=False, verbose=0, callbacks=[checkpoint])
     assert saved_steps(tmp_path / "nan") == []
+    # every warning (the loop's and the callback's) points at the user's fit call, not trainkit's lines
+    assert {w.filename for w in caught} == {__file__}, [(w.filename, w.lineno) for w in caught]
 
 
 def test_unwritable_directory_is_reported_before_training(tmp_path):

@@ -1,6 +1,7 @@
 """The default path trusted (#32): what a newcomer from Keras or Flax meets first either gives
 the right result or stops with an error that names the fix."""
 
+import sys
 import warnings
 
 import flax.linen as nn
@@ -154,8 +155,9 @@ def test_max_steps_with_epochs_left_out_trains_until_max_steps(data):
 def test_a_batch_larger_than_the_data_is_one_batch_of_all_rows(data):
     x, y = data
     capped = classifier(strategy=tk.DataParallel())
-    with pytest.warns(UserWarning, match=r"batch_size=30000000 is more than the 40 rows.*padded to 40"):
+    with pytest.warns(UserWarning, match=r"batch_size=30000000 is more than the 40 rows.*padded to 40") as caught:
         history = capped.fit(x, y, batch_size=30_000_000, shuffle=False, verbose=0)
+    assert caught[0].filename == __file__  # the user's line, not trainkit's
     assert capped.session.batch_size == 40  # 40 rows, a multiple of the 8 devices: no padding at all
     whole = classifier(strategy=tk.DataParallel()).fit(x, y, batch_size=40, shuffle=False, verbose=0)
     np.testing.assert_allclose(history.history["loss"], whole.history["loss"], rtol=1e-6)
@@ -193,8 +195,9 @@ def test_auto_never_picks_a_strategy_that_changes_what_batchnorm_computes(data):
 
 def test_an_explicit_data_parallel_says_its_statistics_are_per_device(data):
     x, y = data
-    with pytest.warns(UserWarning, match=r"own batch statistics under DataParallel.*axis_name='data'"):
+    with pytest.warns(UserWarning, match=r"own batch statistics under DataParallel.*axis_name='data'") as caught:
         classifier(_BatchNormed(), strategy=tk.DataParallel()).fit(x, y, batch_size=8, verbose=0)
+    assert (caught[0].filename, caught[0].lineno) == (__file__, sys._getframe().f_lineno - 1)  # the fit line
     with warnings.catch_warnings():
         warnings.simplefilter("error", UserWarning)
         classifier(_BatchNormed("data"), strategy=tk.DataParallel()).fit(x, y, batch_size=8, verbose=0)

@@ -17,11 +17,11 @@ of the batch a hook is about, ``resume_at`` / ``request_stop`` / ``preempt``), a
 
 from __future__ import annotations
 
-import warnings
 from typing import TYPE_CHECKING, Any
 
 from trainkit.core.session import Session
 from trainkit.core.statistics import StepStatistics
+from trainkit.core.warn import warn_user
 
 if TYPE_CHECKING:  # for the type checker only: nothing imports trainer.py at run time
     from trainkit.trainer import Trainer
@@ -222,11 +222,10 @@ class MonitorCallback(Callback):
             self.mode = self._auto_mode()
         logs = logs or {}
         if self.monitor not in logs:
-            warnings.warn(
+            warn_user(
                 f"{type(self).__name__} monitors {self.monitor!r}, which is not among the logged metrics: "
                 f"{', '.join(sorted(logs)) or '(none)'}. Pass one of these as monitor= "
-                "(validation metrics need validation_data).",
-                stacklevel=3,
+                "(validation metrics need validation_data)."
             )
             return None
         return float(logs[self.monitor])

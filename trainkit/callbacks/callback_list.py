@@ -17,7 +17,6 @@ True
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
@@ -27,6 +26,7 @@ from trainkit.callbacks.history import History
 from trainkit.callbacks.progress import ProgressBar
 from trainkit.core.ledger import Ledger
 from trainkit.core.statistics import StepStatistics
+from trainkit.core.warn import warn_user
 from trainkit.loop.hooks import Hook
 
 if TYPE_CHECKING:  # for the type checker only: nothing imports trainer.py at run time
@@ -133,7 +133,7 @@ class ExceptionDispatcher(Dispatcher):
             try:
                 fn(exception)
             except Exception as error:  # noqa: BLE001 - the original error matters more
-                warnings.warn(f"on_exception of {fn} raised {error!r} while handling {exception!r}", stacklevel=2)
+                warn_user(f"on_exception of {fn} raised {error!r} while handling {exception!r}")
 
 
 class CallbackList:

@@ -7,12 +7,12 @@ epochs (Keras 3's callbacks), through the optimizer state of ``optax.inject_hype
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Callable
 
 import numpy as np
 
 from trainkit.callbacks.base import Callback, Logs, MonitorCallback
+from trainkit.core.warn import warn_user
 
 
 class ReduceLROnPlateau(MonitorCallback):
@@ -54,10 +54,9 @@ class ReduceLROnPlateau(MonitorCallback):
         logs["learning_rate"] = self.model.learning_rate
         current = logs.get(self.monitor)
         if current is None:
-            warnings.warn(
+            warn_user(
                 f"Learning rate reduction is conditioned on metric `{self.monitor}` which is not "
-                f"available. Available metrics are: {','.join(logs)}.",
-                stacklevel=2,
+                f"available. Available metrics are: {','.join(logs)}."
             )
             return
         if self.in_cooldown():

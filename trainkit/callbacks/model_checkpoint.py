@@ -12,12 +12,12 @@ from __future__ import annotations
 import logging
 import math
 import os
-import warnings
 
 from trainkit import distributed
 from trainkit.callbacks.base import Logs, MonitorCallback
 from trainkit.callbacks.triggers import SaveFrequency
 from trainkit.checkpoint import Checkpointer, check_writable, remove_checkpoints
+from trainkit.core.warn import warn_user
 
 logger = logging.getLogger("trainkit")
 
@@ -113,11 +113,10 @@ class ModelCheckpoint(MonitorCallback):
                     "holds, {epoch}, {batch} or a logged metric such as {val_loss:.2f}."
                 )
             if logged is not None and name not in known:  # a callback may still add it, as in Keras
-                warnings.warn(
+                warn_user(
                     f'ModelCheckpoint filepath "{self.filepath}" names {{{name}}}, which fit does not log: the logs '
                     f"hold {sorted(known)} (validation metrics need validation_data). Unless a callback before this "
-                    "one adds it to the logs, the first save will fail with a KeyError: fix the name now.",
-                    stacklevel=3,
+                    "one adds it to the logs, the first save will fail with a KeyError: fix the name now."
                 )
 
     def on_epoch_begin(self, epoch: int, logs: Logs | None = None) -> None:
@@ -162,7 +161,7 @@ class ModelCheckpoint(MonitorCallback):
             return True
         current = logs.get(self.monitor)
         if current is None:
-            warnings.warn(f"Can save best model only with {self.monitor} available.", stacklevel=3)
+            warn_user(f"Can save best model only with {self.monitor} available.")
             return True
         best = "None" if self.best is None else f"{self.best:.5f}"
         if self._is_improvement(current, self.best):
@@ -194,10 +193,9 @@ class ModelCheckpoint(MonitorCallback):
         filepath = self._get_file_path(epoch, batch, logs)
         loss = logs.get("loss")
         if loss is not None and not math.isfinite(loss):
-            warnings.warn(
+            warn_user(
                 f"ModelCheckpoint: not saving step {self.model.global_step} to {filepath}: the loss is "
-                f"{loss}. The last good checkpoint stays.",
-                stacklevel=3,
+                f"{loss}. The last good checkpoint stays."
             )
             return
         if self._should_save_model(epoch, logs, filepath):

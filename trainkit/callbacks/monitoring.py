@@ -11,7 +11,6 @@ from __future__ import annotations
 import logging
 import os
 import time
-import warnings
 from collections.abc import Callable
 from typing import Any, cast
 
@@ -24,6 +23,7 @@ from trainkit.core import optimizers
 from trainkit.core.redact import redacted
 from trainkit.core.session import Session
 from trainkit.core.tree import leaf_name
+from trainkit.core.warn import warn_user
 from trainkit.monitoring import debug, loggers, throughput
 
 logger = logging.getLogger("trainkit")
@@ -176,10 +176,9 @@ class Logging(_Rate):
             if dropped:
                 self.loggers = [other for other in self.loggers if other is not item]
             reason = f"{type(error).__name__}: {redacted(str(error))}"  # a server's URL may carry a password
-            warnings.warn(
+            warn_user(
                 f"Logging: {type(item).__name__}.{method.__name__} failed ({reason}); "
-                + ("training goes on" + (f", without this logger ({failures} failures in a row)." if dropped else ".")),
-                stacklevel=2,
+                + ("training goes on" + (f", without this logger ({failures} failures in a row)." if dropped else "."))
             )
         else:
             self._failures[id(item)] = 0

@@ -7,9 +7,9 @@ True
 from __future__ import annotations
 
 import math
-import warnings
 
 from trainkit.callbacks.base import Callback, Logs
+from trainkit.core.warn import warn_user
 from trainkit.loop import first_non_finite
 
 
@@ -44,5 +44,5 @@ class TerminateOnNaN(Callback):
         where = f"batch {batch} of epoch {record.epoch} (step {step}, counting from 1)"
         if self.raise_error:
             raise RuntimeError(f"NaN or Inf loss encountered at {where}. Loss value: {loss}. Terminating training.")
-        warnings.warn(f"TerminateOnNaN: the loss became {loss} at {where}; stopping training.", stacklevel=2)
+        warn_user(f"TerminateOnNaN: the loss became {loss} at {where}; stopping training.")
         self.model.stop_training = True

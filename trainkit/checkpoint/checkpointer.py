@@ -29,7 +29,6 @@ import socket
 import sys
 import threading
 import time
-import warnings
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -44,6 +43,7 @@ from trainkit.core import lora as lora_lib
 from trainkit.core import state as state_lib
 from trainkit.core import tree
 from trainkit.core.tree import PyTree
+from trainkit.core.warn import warn_user
 from trainkit.distributed import filesystem
 from trainkit.version import __version__
 
@@ -247,10 +247,9 @@ class Checkpointer:
             if step in self.steps():
                 self._manager.delete(int(step))
         if not allow_non_finite and not all_finite(state.params):
-            warnings.warn(
+            warn_user(
                 f"Not saving step {step} to {self.directory!r}: its parameters are not all finite (NaN or inf). "
-                "The last finite checkpoint is kept.",
-                stacklevel=3,
+                "The last finite checkpoint is kept."
             )
             return False
         self._last_saved = int(step)
@@ -348,7 +347,7 @@ class Checkpointer:
             if problem is None:
                 good.append(step)
             else:
-                warnings.warn(f"Skipping checkpoint step {step} in {self.directory!r}: {problem}", stacklevel=3)
+                warn_user(f"Skipping checkpoint step {step} in {self.directory!r}: {problem}")
         return good
 
     def _verify(self, step: int) -> str | None:
@@ -401,7 +400,7 @@ class Checkpointer:
                 if "does not match this model" in str(error) or "other base weights" in str(error):
                     raise
                 errors.append(str(error))
-                warnings.warn(f"Skipping checkpoint step {candidate}: {error}", stacklevel=2)
+                warn_user(f"Skipping checkpoint step {candidate}: {error}")
         raise CheckpointError(
             f"No checkpoint in {self.directory!r} reads back: " + " | ".join(errors or ["every step is corrupt"])
         )
@@ -589,10 +588,9 @@ def _set_aside_unreadable_steps(directory: str, read_only: bool) -> None:
         return
     for name in bad:
         os.replace(os.path.join(directory, name), os.path.join(directory, name + SET_ASIDE))
-        warnings.warn(
+        warn_user(
             f"Checkpoint step {name} in {directory!r} is corrupt (its {STEP_RECORD} is not JSON); it was moved "
-            f"to {name + SET_ASIDE}, and the other steps are used.",
-            stacklevel=4,
+            f"to {name + SET_ASIDE}, and the other steps are used."
         )
 
 

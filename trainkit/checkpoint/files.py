@@ -16,11 +16,11 @@ from __future__ import annotations
 import os
 import shutil
 import sys
-import warnings
 from typing import Any
 
 from trainkit.checkpoint.checkpointer import Checkpointer, CheckpointError, all_finite
 from trainkit.core.tree import PyTree
+from trainkit.core.warn import warn_user
 
 
 def save(
@@ -103,8 +103,7 @@ def remove_checkpoints(directory: str | os.PathLike) -> None:
     elif os.path.exists(path):
         shutil.rmtree(path, **on_error)
     if failures:
-        warnings.warn(
+        warn_user(
             f"Could not delete all of {path!r}: {'; '.join(failures[:5])}. A later run given this directory would find "
-            "these files: delete them by hand.",
-            stacklevel=2,
+            "these files: delete them by hand."
         )

@@ -24,7 +24,6 @@ False
 from __future__ import annotations
 
 import dataclasses
-import warnings
 from typing import Any, NamedTuple
 
 import jax
@@ -34,6 +33,7 @@ from trainkit.core.ledger import Ledger
 from trainkit.core.state import TrainState
 from trainkit.core.totals import PackedTotals
 from trainkit.core.tree import PyTree
+from trainkit.core.warn import warn_user
 
 
 class Position(NamedTuple):
@@ -344,11 +344,10 @@ class Session:
         if data_state is None:
             return
         if len(data_state) != jax.process_count() or self._start != position:
-            warnings.warn(
+            warn_user(
                 f"The data iterator's saved position was written by {len(data_state)} process(es) with batch size "
                 f"{saved_batch_size}; this run has {jax.process_count()} with {self.batch_size}. The iterator "
-                "restarts and skips the batches already trained instead.",
-                stacklevel=3,
+                "restarts and skips the batches already trained instead."
             )
             return
         self._resume_state = self._data_state = data_state[jax.process_index()]

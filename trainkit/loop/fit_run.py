@@ -18,7 +18,6 @@ import itertools
 import logging
 import statistics
 import time
-import warnings
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
@@ -36,6 +35,7 @@ from trainkit.core.state import abstract
 from trainkit.core.step import batches_at
 from trainkit.core.totals import LABEL_ALARM, SKIPPED_WARNING, EpochTotals, PackedTotals, pack
 from trainkit.core.tree import PyTree
+from trainkit.core.warn import warn_user
 from trainkit.data.prefetch import Prefetcher
 from trainkit.data.spans import Span, executions, room_until
 from trainkit.distributed.watchdog import StallWatchdog
@@ -94,10 +94,9 @@ class FitRun:
                 if session.preempted:
                     break
                 if ran == 0 and first == 0:
-                    warnings.warn(
+                    warn_user(
                         f"The data ran out at epoch {epoch}: no batch was left. Training stops; "
-                        "pass steps_per_epoch that the data can serve, or a re-iterable dataset.",
-                        stacklevel=4,
+                        "pass steps_per_epoch that the data can serve, or a re-iterable dataset."
                     )
                     break
                 if self.every is not None:
@@ -261,11 +260,10 @@ class FitRun:
             raise ValueError(self.steps.labels_message(int(alarm.count), int(alarm.value), where))
         bad = int(totals.first_non_finite)
         if self.warn_non_finite and bad:
-            warnings.warn(
+            warn_user(
                 f"The loss is {float(totals.first_non_finite_loss)} at step {start_step + bad} (batch "
                 f"{start_batch + bad - 1} of epoch {epoch}); training goes on. Add "
-                "tk.callbacks.TerminateOnNaN() to stop at the first non-finite loss.",
-                stacklevel=6,
+                "tk.callbacks.TerminateOnNaN() to stop at the first non-finite loss."
             )
         if totals.skipped_run is None:  # no loss scale: no step is skipped
             return
@@ -273,12 +271,11 @@ class FitRun:
         assert totals.skipped_alarm is not None and totals.skipped_scale is not None  # carried with a loss scale
         alarm = int(totals.skipped_alarm)
         if alarm:
-            warnings.warn(
+            warn_user(
                 f"The last {SKIPPED_WARNING} steps (up to step {start_step + alarm}) were all skipped: their "
                 f"gradients were not finite at every loss scale down to {float(totals.skipped_scale):g}, so the "
                 "parameters did not change. The loss or the model overflows in fp16: use precision='bf16', lower "
-                "the learning rate, or look for a NaN in the data.",
-                stacklevel=6,
+                "the learning rate, or look for a NaN in the data."
             )
 
     def watch_spikes(

@@ -36,7 +36,6 @@ import functools
 import hashlib
 import logging
 import math
-import warnings
 from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
 
@@ -57,6 +56,7 @@ from trainkit.core.statistics import StepStatistics
 from trainkit.core.totals import EpochTotals
 from trainkit.core.tree import PyTree
 from trainkit.core.variables import named_variables, replaced
+from trainkit.core.warn import warn_user
 from trainkit.data import FitConfig, Validation
 from trainkit.distributed import compile_cache
 from trainkit.program import plan as plan_lib
@@ -413,10 +413,7 @@ class Setup:
         (BatchNorm under ``DataParallel``), and how to get the same ones."""
         reason = self.program.changes_result(self.require_strategy(), first_x)
         if reason is not None:
-            warnings.warn(
-                f"{reason}. SingleDevice, FSDP and Hybrid (and strategy='auto') normalise by the whole batch.",
-                stacklevel=4,
-            )
+            warn_user(f"{reason}. SingleDevice, FSDP and Hybrid (and strategy='auto') normalise by the whole batch.")
 
     def batch_unit(self, micro_batches: int = 1) -> int:
         """The smallest global batch the strategy (under ``"auto"``: every candidate) splits
@@ -436,10 +433,9 @@ class Setup:
         if capped >= size:
             return prepared
         if said:
-            warnings.warn(
+            warn_user(
                 f"batch_size={size} is more than the {rows} rows of the data: trained as one batch of all of them, "
-                f"padded to {capped} (a multiple of the {unit} parts the devices split it into), as Keras does.",
-                stacklevel=4,
+                f"padded to {capped} (a multiple of the {unit} parts the devices split it into), as Keras does."
             )
         return prepared._replace(batch_size=capped)
 
