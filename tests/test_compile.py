@@ -121,6 +121,10 @@ def test_a_directory_the_user_gave_jax_is_kept(tmp_path, monkeypatch):
     assert compile_cache.directory_for("OFF") is None
     assert compile_cache.directory_for(None) == compile_cache.default_directory()
     assert np.all([compile_cache.directory_for(v) is None for v in ("0", "false", "no", "none", " ", "", "OFF ")])
+    # "on" is the default directory, never a folder named "on" in the working directory
+    assert {compile_cache.directory_for(v) for v in ("on", "1", "true", "Yes", " ON")} == {
+        compile_cache.default_directory()
+    }
 
 
 def test_auto_trains_with_the_plans_executable_and_initial_state_compiling_neither_again(compiles):

@@ -1,15 +1,18 @@
 """JAX's persistent compilation cache, on by default: a second run of the same script loads its
 compiled steps from disk instead of compiling them again.
 
-One setting, the environment variable ``TRAINKIT_COMPILATION_CACHE``: unset, the cache lives in
-``$XDG_CACHE_HOME/trainkit/jax`` (``~/.cache/trainkit/jax``); ``off`` (or ``0``, ``false``)
-turns it off; any other value is the directory to use. ``configure(...)`` does the same from
-code. A cache directory the user already gave JAX (``jax_compilation_cache_dir``) is left as
-it is. A directory that cannot be used (read-only, or a file) turns the cache off with one
-warning, and an entry a full disk left truncated is deleted before JAX reads it (JAX never
-replaces an existing entry, so every later run would warn and compile again).
+One setting, the environment variable ``TRAINKIT_COMPILATION_CACHE``: unset (or ``on``, ``1``,
+``true``, ``yes``), the cache lives in ``$XDG_CACHE_HOME/trainkit/jax``
+(``~/.cache/trainkit/jax``); ``off`` (or ``0``, ``false``) turns it off; any other value is the
+directory to use. ``configure(...)`` does the same from code. A cache directory the user
+already gave JAX (``jax_compilation_cache_dir``) is left as it is. A directory that cannot be
+used (read-only, or a file) turns the cache off with one warning, and an entry a full disk left
+truncated is deleted before JAX reads it (JAX never replaces an existing entry, so every later
+run would warn and compile again).
 
 >>> directory_for("off") is None
+True
+>>> directory_for("on") == directory_for(None) == default_directory()
 True
 >>> directory_for("/tmp/my-cache")
 '/tmp/my-cache'
@@ -27,6 +30,8 @@ from trainkit.distributed import filesystem
 
 ENVIRONMENT = "TRAINKIT_COMPILATION_CACHE"
 OFF = ("off", "0", "false", "no", "none")
+#: the default directory, not a directory of that name in the working directory
+ON = ("on", "1", "true", "yes", "default")
 _configured: str | None = None
 _refused: set[str] = set()  # unusable directories already warned about
 #: A file in the cache directory whose time says when its entries were last read back whole.
@@ -39,8 +44,8 @@ def default_directory() -> str:
 
 
 def directory_for(setting: str | None) -> str | None:
-    """The cache directory a setting names (``None``: off); an unset setting is the default."""
-    if setting is None:
+    """The cache directory a setting names (``None``: off); an unset setting, or ``"on"``, is the default."""
+    if setting is None or setting.strip().lower() in ON:
         return default_directory()
     if setting.strip().lower() in OFF or not setting.strip():
         return None
