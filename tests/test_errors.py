@@ -123,3 +123,18 @@ def test_state_needed_before_params():
     trainer = tk.Trainer(MLP(), loss="mse", optimizer=optax.sgd(0.1), strategy="dp")
     with pytest.raises(RuntimeError, match="call fit"):
         trainer.params  # noqa: B018
+
+
+@pytest.mark.parametrize("value", ["10s", "0", "-5", "inf", "ten"])
+def test_a_timeout_setting_that_is_not_seconds_names_the_variable(value, monkeypatch):
+    from trainkit.distributed import environment
+    from trainkit.distributed.watchdog import StallWatchdog
+
+    monkeypatch.setenv("TRAINKIT_STALL_TIMEOUT", value)
+    with pytest.raises(ValueError, match=rf"TRAINKIT_STALL_TIMEOUT='{value}' is not a number of seconds"):
+        StallWatchdog()  # what every fit builds: the run stops at its start, naming the variable
+    monkeypatch.setenv("TRAINKIT_GATHER_TIMEOUT", value)
+    with pytest.raises(ValueError, match="TRAINKIT_GATHER_TIMEOUT=.*e.g. TRAINKIT_GATHER_TIMEOUT=60"):
+        environment.seconds("TRAINKIT_GATHER_TIMEOUT", 60)
+    monkeypatch.setenv("TRAINKIT_STALL_TIMEOUT", " 6.5 ")
+    assert StallWatchdog().timeout == 6.5

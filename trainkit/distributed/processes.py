@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import sys
 import time
@@ -22,6 +23,8 @@ from typing import Any
 import jax
 import numpy as np
 from jax.sharding import PartitionSpec as P
+
+from trainkit.distributed import environment
 
 #: Seconds without a heartbeat after which JAX's coordination service declares a process dead
 #: and stops the others (JAX's own default is 100).
@@ -165,7 +168,7 @@ def initialize(
     except Exception:  # noqa: BLE001 - a JAX without the option: its default
         pass
     if heartbeat_timeout_seconds is None:  # TRAINKIT_HEARTBEAT_TIMEOUT, else HEARTBEAT_TIMEOUT
-        heartbeat_timeout_seconds = int(os.environ.get("TRAINKIT_HEARTBEAT_TIMEOUT", HEARTBEAT_TIMEOUT))
+        heartbeat_timeout_seconds = math.ceil(environment.seconds("TRAINKIT_HEARTBEAT_TIMEOUT", HEARTBEAT_TIMEOUT))
     start = time.perf_counter()
     jax.distributed.initialize(
         coordinator_address,
@@ -220,7 +223,7 @@ def _everyone_gathers() -> None:
     client = _distributed.global_state.client
     if client is None:
         return
-    timeout = float(os.environ.get("TRAINKIT_GATHER_TIMEOUT", GATHER_TIMEOUT))
+    timeout = environment.seconds("TRAINKIT_GATHER_TIMEOUT", GATHER_TIMEOUT)
     try:
         client.wait_at_barrier(f"trainkit-gather-{_gathers}", int(timeout * 1000))
     except Exception as error:  # noqa: BLE001 - DEADLINE_EXCEEDED and friends

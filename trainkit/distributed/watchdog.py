@@ -24,6 +24,8 @@ from typing import Any
 
 import jax
 
+from trainkit.distributed import environment
+
 #: Seconds without progress before a peer that is behind is declared stalled
 #: (``TRAINKIT_STALL_TIMEOUT`` overrides it).
 STALL_TIMEOUT = 600.0
@@ -43,7 +45,7 @@ class StallWatchdog:
     """Publishes this process's step and watches the others' (see the module docstring)."""
 
     def __init__(self, timeout: float | None = None):
-        self.timeout = float(os.environ.get("TRAINKIT_STALL_TIMEOUT", timeout or STALL_TIMEOUT))
+        self.timeout = environment.seconds("TRAINKIT_STALL_TIMEOUT", timeout or STALL_TIMEOUT)
         self.client: Any = _client() if jax.process_count() > 1 else None  # JAX's coordination client
         self.active = self.client is not None
         self._step, self._moved = -1, time.monotonic()
