@@ -3,6 +3,7 @@ and the pick is remembered next to the compilation cache, so the next run of the
 picks the same at once, also on a busy machine."""
 
 import json
+import math
 import os
 import pathlib
 import subprocess
@@ -17,6 +18,7 @@ from conftest import MLP, make_classification
 
 import trainkit as tk
 from trainkit.distributed import compile_cache
+from trainkit.program import budget as budget_lib
 from trainkit.program.setup import Setup
 
 ROOT = pathlib.Path(__file__).parent.parent
@@ -94,11 +96,15 @@ def test_a_remembered_pick_builds_its_state_as_the_planning_run_did(cache_in, mo
 
 
 def test_a_remembered_short_run_pick_is_not_reused_by_a_run_that_would_compare(cache_in, monkeypatch):
+    # a host of 8 cores: a split could always gain, so some run length repays comparing. On the
+    # 2 cores here the measured step may keep both busy, and then no run ever would
+    # (compare_from_steps is inf, tested in test_auto_budget): nothing to check here
+    monkeypatch.setattr(budget_lib, "host_cores", lambda: 8)
     x, y = make_classification(64)
     first = tk.Trainer(MLP(), loss="sparse_categorical_crossentropy", optimizer=optax.adam(1e-2))
     first.fit((x, y), batch_size=16, epochs=1, verbose=0)
     from_steps = first.last_plan.compare_from_steps
-    assert from_steps is not None and from_steps > 4
+    assert from_steps is not None and 8 < from_steps < math.inf, from_steps
 
     def fit_auto_for(*args, **kwargs):
         tk.Trainer(MLP(), loss="sparse_categorical_crossentropy", optimizer=optax.adam(1e-2)).fit(*args, **kwargs)
