@@ -45,9 +45,10 @@ def default_directory() -> str:
 
 def directory_for(setting: str | None) -> str | None:
     """The cache directory a setting names (``None``: off); an unset setting, or ``"on"``, is the default."""
-    if setting is None or setting.strip().lower() in ON:
+    word = "on" if setting is None else setting.strip().lower()
+    if setting is None or word in ON:
         return default_directory()
-    if setting.strip().lower() in OFF or not setting.strip():
+    if word in OFF or not word:
         return None
     return os.path.expanduser(setting)
 
