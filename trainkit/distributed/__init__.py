@@ -15,12 +15,12 @@ from trainkit.distributed.lazy import lazy_attributes
 
 if TYPE_CHECKING:  # what __getattr__ imports on first use, for the type checker
     from trainkit.distributed.determinism import enable_determinism
+    from trainkit.distributed.engines import Job, JobError, detect_job, environment_settings, local_devices
     from trainkit.distributed.processes import (
         GATHER_TIMEOUT,
         HEARTBEAT_TIMEOUT,
         broadcast_int,
         check_same_configuration,
-        environment_settings,
         fetch,
         gather_json,
         global_replicas,
@@ -28,6 +28,7 @@ if TYPE_CHECKING:  # what __getattr__ imports on first use, for the type checker
         initialize_from_environment,
         is_initialized,
         is_main_process,
+        job,
         process_count,
         process_index,
         requested_by_environment,
@@ -37,8 +38,11 @@ if TYPE_CHECKING:  # what __getattr__ imports on first use, for the type checker
 __all__ = [
     "GATHER_TIMEOUT",
     "HEARTBEAT_TIMEOUT",
+    "Job",
+    "JobError",
     "broadcast_int",
     "check_same_configuration",
+    "detect_job",
     "enable_determinism",
     "environment_settings",
     "fetch",
@@ -48,19 +52,21 @@ __all__ = [
     "initialize_from_environment",
     "is_initialized",
     "is_main_process",
+    "job",
+    "local_devices",
     "process_count",
     "process_index",
     "requested_by_environment",
     "take_startup_seconds",
 ]
 
-#: public name -> (module, attribute): enable_determinism's module, else processes.py
+#: the modules of the names not in processes.py
+_MODULES = {"enable_determinism": "determinism"} | dict.fromkeys(
+    ["Job", "JobError", "detect_job", "environment_settings", "local_devices"], "engines"
+)
+#: public name -> (module, attribute)
 LAZY: dict[str, tuple[str, str | None]] = {
-    name: (
-        "trainkit.distributed.determinism" if name == "enable_determinism" else "trainkit.distributed.processes",
-        name,
-    )
-    for name in __all__
+    name: (f"trainkit.distributed.{_MODULES.get(name, 'processes')}", name) for name in __all__
 }
 
 __getattr__ = lazy_attributes(globals(), LAZY)

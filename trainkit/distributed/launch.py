@@ -1,8 +1,10 @@
 """Start a multi-process run on this machine: ``python -m trainkit.launch --nproc 2 script.py``.
 
 Each process gets ``JAX_COORDINATOR_ADDRESS`` (loopback), ``JAX_NUM_PROCESSES`` and
-``JAX_PROCESS_ID`` (and with ``--devices-per-proc K`` that many fake CPU devices), so the
-unchanged script connects through ``tk.distributed.initialize``. Output lines are prefixed with
+``JAX_PROCESS_ID``, ``LOCAL_RANK`` and ``LOCAL_WORLD_SIZE`` (each takes its share of the
+machine's GPUs: 2 processes on 8 GPUs take 4 each, also inside a SLURM allocation), and with
+``--devices-per-proc K`` that many fake CPU devices, so the unchanged script connects through
+``tk.distributed.initialize``. Output lines are prefixed with
 the process index. If a process fails, the launcher says which, ends the others and exits with
 its code; for a cluster, see docs/multihost.md.
 
@@ -45,6 +47,9 @@ def build_env(base: dict, *, process_id: int, nproc: int, port: int, devices_per
         JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}",
         JAX_NUM_PROCESSES=str(nproc),
         JAX_PROCESS_ID=str(process_id),
+        LOCAL_RANK=str(process_id),  # all on this machine: each takes its share of its GPUs
+        LOCAL_WORLD_SIZE=str(nproc),
+        TRAINKIT_LAUNCH="1",
         PYTHONUNBUFFERED="1",
     )
     if devices_per_proc:

@@ -1,9 +1,10 @@
 """Multi-process training on JAX's own multi-controller runtime (``jax.distributed``).
 
-Every process runs the same script; ``initialize`` connects them (explicit arguments, the
-``JAX_COORDINATOR_ADDRESS`` / ``JAX_NUM_PROCESSES`` / ``JAX_PROCESS_ID`` environment, or JAX's
-cluster detection for SLURM, Open MPI and TPU pods). The Trainer calls it itself when the
-environment asks for it. ``python -m trainkit.launch`` starts local processes for a try-out.
+Every process runs the same script; ``initialize`` connects them (explicit arguments, or the
+job the engine that started the process describes: trainkit's launcher, JAX's or torchrun's
+variables, SLURM, Open MPI, Kubernetes, Ray Train, TPU pods; see :mod:`.engines`). The Trainer
+calls it itself when the process is one of several. ``python -m trainkit.launch`` starts local
+processes for a try-out.
 
 >>> is_main_process(), process_count() >= 1
 (True, True)
@@ -24,7 +25,7 @@ import jax
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from trainkit.distributed import environment
+from trainkit.distributed import engines, environment, ray_train
 
 #: Seconds without a heartbeat after which JAX's coordination service declares a process dead
 #: and stops the others (JAX's own default is 100).
@@ -79,59 +80,43 @@ def _backend_started() -> bool:
         return False
 
 
-def environment_settings(env: dict | None = None) -> tuple[str, int, int] | None:
-    """``(coordinator_address, num_processes, process_id)`` from the environment a launcher set:
-    JAX's own ``JAX_COORDINATOR_ADDRESS`` / ``JAX_NUM_PROCESSES`` / ``JAX_PROCESS_ID``
-    (``trainkit.launch``), torchrun's ``MASTER_ADDR`` / ``MASTER_PORT`` / ``WORLD_SIZE`` /
-    ``RANK``, or ``JAX_MASTER_ADDR`` / ``JAX_PORT`` as some JAX guides write them (with
-    ``JAX_NUM_PROCESSES`` or ``WORLD_SIZE``, and ``JAX_PROCESS_ID`` or ``RANK``). ``None`` when
-    none is set; a ``ValueError`` naming what is missing when one is half set.
-
-    With torchrun the coordinator listens on ``MASTER_PORT + 1``: ``MASTER_PORT`` itself is
-    torchrun's own rendezvous store, already bound on the first node.
-
-    >>> environment_settings({"MASTER_ADDR": "node0", "MASTER_PORT": "29500", "WORLD_SIZE": "4", "RANK": "2"})
-    ('node0:29501', 4, 2)
-    """
-    env = dict(os.environ) if env is None else env
-    count = env.get("JAX_NUM_PROCESSES") or env.get("WORLD_SIZE")
-    index = env.get("JAX_PROCESS_ID") or env.get("RANK")
-    if env.get("JAX_COORDINATOR_ADDRESS"):
-        address, source = env["JAX_COORDINATOR_ADDRESS"], "JAX_COORDINATOR_ADDRESS"
-        count, index = env.get("JAX_NUM_PROCESSES"), env.get("JAX_PROCESS_ID")
-        names = ("JAX_NUM_PROCESSES", "JAX_PROCESS_ID")
-    elif env.get("JAX_MASTER_ADDR") or env.get("JAX_PORT"):
-        address, source = _address(env, "JAX_MASTER_ADDR", "JAX_PORT", 0), "JAX_MASTER_ADDR / JAX_PORT"
-        names = ("JAX_NUM_PROCESSES (or WORLD_SIZE)", "JAX_PROCESS_ID (or RANK)")
-    elif env.get("MASTER_ADDR") or env.get("MASTER_PORT"):
-        address, source = _address(env, "MASTER_ADDR", "MASTER_PORT", 1), "torchrun's MASTER_ADDR / MASTER_PORT"
-        names = ("WORLD_SIZE", "RANK")
-    else:
-        return None
-    missing = [name for name, value in zip(names, (count, index)) if value in (None, "")]
-    if missing:
-        raise ValueError(
-            f"The environment sets {source} but not {' and '.join(missing)}: a multi-process job needs the "
-            "coordinator address, the number of processes and this process's index. Set all three (or none)."
-        )
-    assert count is not None and index is not None  # checked just above
-    return address, int(count), int(index)
-
-
-def _address(env: dict, host_name: str, port_name: str, offset: int) -> str:
-    missing = [name for name in (host_name, port_name) if not env.get(name)]
-    if missing:
-        present = port_name if missing[0] == host_name else host_name
-        raise ValueError(
-            f"The environment sets {present} but not {missing[0]}: the coordinator needs both a host and a port."
-        )
-    return f"{env[host_name]}:{int(env[port_name]) + offset}"
-
-
 def requested_by_environment() -> bool:
-    """Whether the environment describes a multi-process job (see :func:`environment_settings`)."""
-    settings = environment_settings()
-    return settings is not None and settings[1] > 1
+    """Whether this process is one of several of a job (see :func:`job`)."""
+    found = job()
+    return found is not None and found.several
+
+
+def job() -> engines.Job | None:
+    """The multi-process job this process belongs to, as the engine that started it describes it
+    (:func:`trainkit.distributed.engines.detect_job`, a Ray Train worker group, a TPU pod);
+    ``None`` for a process on its own. Raises :class:`~trainkit.distributed.engines.JobError`
+    when the environment says this process is one of several tasks but not how to join them.
+
+    >>> job() is None
+    True
+    """
+    found = engines.detect_job()
+    if found is not None:
+        return found
+    if os.environ.get(engines.OPT_OUT, "").strip().lower() in ("off", "0", "false", "no"):
+        return None
+    return ray_train.worker_job() or _tpu_pod_job()
+
+
+def _tpu_pod_job() -> engines.Job | None:
+    """A host of a multi-host TPU slice, as JAX's own TPU detection (GCE's metadata, GKE's
+    ``TPU_WORKER_HOSTNAMES``) sees it; asked only on a TPU VM."""
+    from jax._src import cloud_tpu_init
+
+    if not cloud_tpu_init.running_in_cloud_tpu_vm:
+        return None
+    from jax._src import clusters
+
+    for cluster in clusters.ClusterEnv._cluster_types:
+        if cluster.name in ("gcetpu", "gketpu") and cluster.is_env_present():
+            count = cluster.get_process_count()
+            return engines.Job("tpu", count, None, None, detection=cluster.name) if count > 1 else None
+    return None
 
 
 def initialize(
@@ -143,11 +128,15 @@ def initialize(
     heartbeat_timeout_seconds: int | None = None,
     initialization_timeout: int = 300,
 ) -> None:
-    """Connects this process to the others; call it first thing in the script.
+    """Connects this process to the others; call it first thing in the script (the Trainer calls
+    it itself when the process is one of several: :func:`initialize_from_environment`).
 
-    Arguments left out come from the environment (:func:`environment_settings`: JAX's own
-    variables, torchrun's, or ``JAX_MASTER_ADDR`` / ``JAX_PORT``), and if none is set from JAX's
-    cluster detection (SLURM, Open MPI, TPU pods). On CPU the collectives run over gloo. A second call is a no-op.
+    Arguments left out come from the engine that started the process (:func:`job`: trainkit's
+    launcher, JAX's or torchrun's variables, SLURM, Open MPI, Kubernetes, Ray Train, a TPU pod),
+    else from JAX's cluster detection. When the coordinator, the count and this process's index
+    are known, JAX's detection does not run. Each process takes its share of the node's GPUs
+    (:func:`~trainkit.distributed.engines.local_devices`); on CPU the collectives run over gloo.
+    Process 0 prints the layout in force. A second call is a no-op.
     """
     if is_initialized():
         return
@@ -158,11 +147,15 @@ def initialize(
             "ran a jitted function). Call tk.distributed.initialize() (or create the Trainer) at "
             "the top of the script, before any other JAX call."
         )
-    settings = environment_settings()
-    if settings is not None:
-        coordinator_address = coordinator_address or settings[0]
-        num_processes = settings[1] if num_processes is None else num_processes
-        process_id = settings[2] if process_id is None else process_id
+    found = job() or engines.Job("jax", None, None, None, detection=None)  # JAX's own detection
+    coordinator_address = coordinator_address or found.coordinator_address
+    num_processes = found.num_processes if num_processes is None else num_processes
+    process_id = found.process_id if process_id is None else process_id
+    if found.engine == "ray" and coordinator_address is None:
+        coordinator_address = ray_train.coordinator_address()
+    known = None not in (coordinator_address, num_processes, process_id)
+    if local_device_ids is None and known:
+        local_device_ids = engines.local_devices(found)
     try:
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
     except Exception:  # noqa: BLE001 - a JAX without the option: its default
@@ -175,11 +168,27 @@ def initialize(
         num_processes,
         process_id,
         local_device_ids=local_device_ids,
+        cluster_detection_method="deactivate" if known else found.detection,
         heartbeat_timeout_seconds=heartbeat_timeout_seconds,
         initialization_timeout=initialization_timeout,
     )
     _STARTUP["jax.distributed"] = time.perf_counter() - start
     _exit_fast_on_uncaught_errors()
+    _announce(found.engine)
+
+
+def _announce(engine: str) -> None:
+    """On process 0: the layout in force, the first line of a multi-process run."""
+    start = time.perf_counter()
+    devices = jax.local_devices()
+    _STARTUP["backend"] = _STARTUP.get("backend", 0.0) + time.perf_counter() - start
+    if jax.process_index() == 0:
+        kinds = sorted({device.platform for device in devices})
+        print(
+            f"trainkit: {jax.process_count()} processes ({engine}) x {len(devices)} local "
+            f"{'/'.join(kinds)} devices each = {jax.device_count()} devices",
+            flush=True,
+        )
 
 
 def _exit_fast_on_uncaught_errors() -> None:
@@ -202,8 +211,10 @@ def _exit_fast_on_uncaught_errors() -> None:
 
 
 def initialize_from_environment() -> None:
-    """``initialize()`` when the environment describes a multi-process job and it has not run."""
-    if requested_by_environment() and not is_initialized():
+    """``initialize()`` when this process is one of several of a job (:func:`job`) and it has
+    not run; a :class:`~trainkit.distributed.engines.JobError` naming the fix when it is one of
+    several tasks that cannot join (never N silent copies)."""
+    if not is_initialized() and requested_by_environment():
         initialize()
 
 

@@ -1,0 +1,168 @@
+"""Which job a process belongs to, read from what each engine sets (the variables below are those
+srun, mpirun, torchrun, Kubeflow Trainer and trainkit's launcher were seen to set on this machine,
+tests/engines runs the engines themselves), the refusals that prevent N silent copies, and the
+GPUs each process takes. A pod's environment with JAX's variables set trains (JAX's Kubernetes
+detection, which crashed it, does not run)."""
+
+import os
+import pathlib
+import re
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from conftest import subprocess_cache_env
+
+from trainkit.distributed import Job, JobError, detect_job, local_devices
+
+ROOT = pathlib.Path(__file__).parent.parent
+SCRIPT = ROOT / "tests" / "scripts" / "engine_fit.py"
+
+#: srun -n2 (SLURM 22.05), task 1 of 2 on one node
+SRUN = {
+    "SLURM_JOB_ID": "1",
+    "SLURM_LOCALID": "1",
+    "SLURM_NODEID": "0",
+    "SLURM_NTASKS": "2",
+    "SLURM_PROCID": "1",
+    "SLURM_STEP_ID": "0",
+    "SLURM_STEP_NODELIST": "localhost",
+    "SLURM_STEP_NUM_TASKS": "2",
+    "SLURM_STEP_TASKS_PER_NODE": "2",
+}
+#: mpirun -np 2 (Open MPI 4.1), rank 1
+MPIRUN = {
+    "OMPI_COMM_WORLD_LOCAL_RANK": "1",
+    "OMPI_COMM_WORLD_LOCAL_SIZE": "2",
+    "OMPI_COMM_WORLD_RANK": "1",
+    "OMPI_COMM_WORLD_SIZE": "2",
+    "OMPI_MCA_orte_hnp_uri": "1671954432.0;tcp://127.0.0.1:37941",
+}
+#: a Kubeflow TrainJob's JAX runtime (one process per pod) in a pod
+POD = {
+    "KUBERNETES_SERVICE_HOST": "127.0.0.1",
+    "KUBERNETES_SERVICE_PORT": "443",
+    "JAX_COORDINATOR_ADDRESS": "trainjob-node-0-0.trainjob:1234",
+    "JAX_NUM_PROCESSES": "4",
+    "JAX_PROCESS_ID": "2",
+}
+
+
+@pytest.mark.parametrize(
+    "env, expected",
+    [
+        (SRUN, Job("slurm", 2, 1, "localhost:61441", 1, 2)),
+        (
+            SRUN | {"JAX_COORDINATOR_PORT": "7000", "SLURM_STEP_NODELIST": "gpu[03-04]"},
+            Job("slurm", 2, 1, "gpu03:7000", 1, 2),
+        ),
+        (MPIRUN, Job("openmpi", 2, 1, "127.0.0.1:64128", 1, 2)),
+        (POD, Job("kubernetes", 4, 2, "trainjob-node-0-0.trainjob:1234")),
+        (
+            {"JAX_COORDINATOR_ADDRESS": "127.0.0.1:9", "JAX_NUM_PROCESSES": "2", "JAX_PROCESS_ID": "0",
+             "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "2", "TRAINKIT_LAUNCH": "1"} | SRUN,
+            Job("trainkit.launch", 2, 0, "127.0.0.1:9", 0, 2),
+        ),
+        (
+            {"MASTER_ADDR": "h", "MASTER_PORT": "29500", "WORLD_SIZE": "8", "RANK": "5", "LOCAL_RANK": "1",
+             "LOCAL_WORLD_SIZE": "4"},
+            Job("torchrun", 8, 5, "h:29501", 1, 4),
+        ),
+        # sbatch's own script (not a step of srun): one process
+        ({"SLURM_JOB_ID": "2", "SLURM_NTASKS": "2", "SLURM_PROCID": "0", "SLURM_LOCALID": "0"}, None),
+        (SRUN | {"TRAINKIT_DISTRIBUTED": "off"}, None),
+        ({}, None),
+    ],
+    ids=["srun", "srun-port", "mpirun", "pod", "launch-in-allocation", "torchrun", "batch-script", "opt-out", "alone"],
+)  # fmt: skip
+def test_each_engine_s_environment_is_one_job(env, expected):
+    assert detect_job(env) == expected
+
+
+@pytest.mark.parametrize(
+    "env, says",
+    [
+        ({"OMPI_COMM_WORLD_SIZE": "4", "OMPI_COMM_WORLD_RANK": "3"}, "rank 3 of 4 started by mpirun"),
+        ({"PMI_SIZE": "2", "PMI_RANK": "0"}, "started by an MPI launcher (PMI) (PMI_SIZE=2), but mpi4py"),
+        ({"WORLD_SIZE": "2", "RANK": "1"}, "MASTER_ADDR and MASTER_PORT are not set"),
+        ({"JAX_NUM_PROCESSES": "2", "JAX_PROCESS_ID": "1"}, "JAX_COORDINATOR_ADDRESS is not set"),
+        ({k: v for k, v in SRUN.items() if k != "SLURM_STEP_NODELIST"}, "a SLURM_STEP_* or SLURM_LOCALID"),
+        ({"KUBERNETES_SERVICE_HOST": "127.0.0.1", "JOB_COMPLETION_INDEX": "1"}, "pod 1 of an indexed Kubernetes Job"),
+    ],
+    ids=["open-mpi-5", "mpich", "torchrun-half", "jax-half", "srun-half", "indexed-job"],
+)
+def test_a_task_that_cannot_join_refuses_naming_the_fix(env, says, monkeypatch):
+    if "PMI_SIZE" in env:  # with mpi4py, JAX's opt-in detection joins it
+        monkeypatch.setattr("importlib.util.find_spec", lambda name: None)
+    if "JOB_COMPLETION_INDEX" in env:  # with the kubernetes package, JAX's detection reads the pods
+        monkeypatch.setattr("importlib.util.find_spec", lambda name: None)
+    with pytest.raises(JobError, match=re.escape(says)) as error:
+        detect_job(env)
+    assert "JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES and JAX_PROCESS_ID" in str(error.value)
+    assert "TRAINKIT_DISTRIBUTED=off" in str(error.value)
+    assert detect_job(env | {"TRAINKIT_DISTRIBUTED": "off"}) is None
+
+
+def test_an_indexed_job_without_jax_s_variables_is_left_to_jax_s_kubernetes_detection():
+    pytest.importorskip("kubernetes")
+    job = detect_job({"KUBERNETES_SERVICE_HOST": "127.0.0.1", "JOB_COMPLETION_INDEX": "3"})
+    assert job == Job("kubernetes", None, 3, None, detection=None) and job.several
+
+
+@pytest.mark.parametrize(
+    "layout, visible, expected",
+    [
+        ("one process per GPU", ("0,1,2,3,4,5,6,7", 5, 8), [5]),
+        ("one process per node", ("0,1,2,3,4,5,6,7", 0, 1), None),
+        ("launcher: 2 processes on 8 GPUs", ("0,1,2,3,4,5,6,7", 1, 2), [4, 5, 6, 7]),
+        ("--gpus-per-task=1 (the engine binds)", ("3", 3, 8), None),
+        ("Ray: 2 GPUs per worker, 4 workers", ("4,5", 2, 4), None),
+        ("no GPU", ("", 1, 2), None),
+    ],
+)
+def test_each_process_takes_its_share_of_the_node_s_gpus(layout, visible, expected):
+    devices, local_id, local_count = visible
+    job = Job("slurm", 16, 0, "n:1", local_id, local_count)
+    assert local_devices(job, {"CUDA_VISIBLE_DEVICES": devices}) == expected, layout
+
+
+def test_gpus_that_do_not_split_evenly_are_refused():
+    with pytest.raises(JobError, match="3 processes of this openmpi job share this node's 8 GPUs"):
+        local_devices(Job("openmpi", 3, 0, "n:1", 0, 3), {"CUDA_VISIBLE_DEVICES": "0,1,2,3,4,5,6,7"})
+    assert local_devices(Job("openmpi", 3, 0, "n:1", 0, 3), {"CUDA_VISIBLE_DEVICES": "0,1,2,3,4,5,6,7",
+                                                             "JAX_LOCAL_DEVICE_IDS": "0"}) is None  # fmt: skip
+
+
+def test_a_pod_s_environment_with_jax_s_variables_trains(tmp_path):
+    """With the ``kubernetes`` package installed and ``KUBERNETES_SERVICE_HOST`` set (any pod),
+    JAX's own detection ran even with all three ``JAX_*`` values given and died with
+    ``ConfigException: Service token file does not exist``; trainkit turns it off when it knows
+    the job. Two processes (a launcher's environment, plus a pod's variables) train."""
+    pytest.importorskip("kubernetes")
+    from trainkit.distributed.launch import build_env, free_port
+
+    port = free_port()
+    base = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_NUM_CPU_DEVICES")}
+    base |= subprocess_cache_env() | {"KUBERNETES_SERVICE_HOST": "127.0.0.1", "KUBERNETES_SERVICE_PORT": "443"}
+    processes = [
+        subprocess.Popen(
+            [sys.executable, str(SCRIPT), str(tmp_path / "out.npz"), "--strategies", "fsdp"],
+            env={
+                k: v
+                for k, v in build_env(base, process_id=i, nproc=2, port=port, devices_per_proc=2).items()
+                if k != "TRAINKIT_LAUNCH"
+            },  # fmt: skip
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            cwd=ROOT,
+        )
+        for i in range(2)
+    ]
+    outputs = [p.communicate(timeout=300)[0] for p in processes]
+    assert [p.returncode for p in processes] == [0, 0], outputs
+    assert "trainkit: 2 processes (kubernetes) x 2 local cpu devices each = 4 devices" in outputs[0], outputs[0]
+    assert "trainkit: 2 processes" not in outputs[1]  # process 0 prints the layout
+    with np.load(tmp_path / "out.npz") as result:
+        assert result["fsdp/loss"].shape == (4,)
