@@ -5,7 +5,7 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: example test lint bench clean
+.PHONY: example test test-engines lint bench clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -24,7 +24,13 @@ example: $(VENV)/.installed
 	$(BIN)/python examples/digits_cnn.py --devices 8
 
 test: $(VENV)/.installed
-	$(BIN)/python -m pytest -n 2 --dist loadfile --no-loadscope-reorder -q tests
+	$(BIN)/python -m pytest -n 2 --dist loadfile --no-loadscope-reorder -q tests --ignore=tests/engines
+
+# SLURM, Open MPI and Ray, run for real (docs/clusters.md): root, `apt-get install slurm-wlm openmpi-bin`
+# and the ray extra; each engine skips with the reason where it is missing. .ci/run installs them.
+test-engines: $(VENV)/.installed
+	$(BIN)/python -m pip install --quiet -e ".[ray]"
+	$(BIN)/python -m pytest -q -s tests/engines
 
 lint: $(VENV)/.installed
 	$(BIN)/ruff check .

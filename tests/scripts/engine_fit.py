@@ -8,7 +8,8 @@ strategy's final parameters, losses and the goodput ledger's lost steps to OUT.n
 
 ``--backup DIR`` adds ``BackupAndRestore(DIR/<strategy>, save_freq=4)``; ``--die-at STEP`` makes
 process 1 die (SIGKILL, or ``os._exit(1)`` with ``--exit``) at that step, once per ``--once FILE``
-(the file is written before dying: a restarted run trains through); ``--visible-devices`` prints
+(the file is written before dying: a restarted run trains through; with ``--backup`` it dies once
+the previous backup is on disk, so a resume loses exactly the steps since); ``--visible-devices`` prints
 the GPUs each process was given (JAX's ``jax_cuda_visible_devices``) and trains nothing.
 """
 
@@ -49,11 +50,18 @@ def train(out: str, strategies: str = "dp,fsdp", backup: str = "", die_at: int =
 
         callbacks: list = []
         if backup:
-            callbacks.append(tk.callbacks.BackupAndRestore(os.path.join(backup, name), save_freq=4))
+            saves = tk.callbacks.BackupAndRestore(os.path.join(backup, name), save_freq=4)
+            saves.journal_seconds = 0  # the goodput journal at every step: the lost steps counted exactly
+            callbacks.append(saves)
         if die_at:
 
             def die(batch, logs=None):
                 if jax.process_index() == 1 and trainer.global_step == die_at and not (once and os.path.exists(once)):  # noqa: B023
+                    if backup:  # the backup of the step before is on disk, not still being written
+                        written = os.path.join(backup, name, str(die_at - die_at % 4))  # noqa: B023
+                        deadline = time.monotonic() + 120
+                        while not os.path.isdir(written) and time.monotonic() < deadline:
+                            time.sleep(0.05)
                     if once:
                         pathlib.Path(once).write_text("died once")
                     print(f"process 1 dies now at {time.time():.3f}", flush=True)
@@ -83,7 +91,7 @@ def visible_devices() -> None:
     tk.distributed.initialize()
     import jax
 
-    print(f"process {jax.process_index()} visible devices {jax.config.jax_cuda_visible_devices}", flush=True)
+    print(f"process {jax.process_index()} visible devices {jax.config.read('jax_cuda_visible_devices')}", flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:

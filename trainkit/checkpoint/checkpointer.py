@@ -152,6 +152,19 @@ def check_writable(directory: str) -> None:
         )
 
 
+def _barriers_off_the_devices() -> ocp.options.MultiprocessingOptions:
+    """orbax's options with its barriers on the coordination service, not the devices. By default
+    orbax synchronises the processes with a device collective (``sync_global_devices``); from
+    trainkit's writer thread, while the loop's steps run their own collectives, the processes
+    could order the two differently and wait for each other forever (a mid-epoch backup of a
+    multi-process run hung at its first save). Naming every process as active makes orbax wait
+    at a coordination-service barrier instead, as its ``experimental_orbax_use_distributed_barrier``
+    flag would; one process: orbax's defaults."""
+    if jax.process_count() == 1:
+        return ocp.options.MultiprocessingOptions()
+    return ocp.options.MultiprocessingOptions(active_processes=set(range(jax.process_count())))
+
+
 class Checkpointer:
     """An orbax ``CheckpointManager`` over one directory, for ``TrainState`` + manifest.
 
@@ -202,8 +215,10 @@ class Checkpointer:
             enable_async_checkpointing=False,  # trainkit's writer thread is the async part
             cleanup_tmp_directories=not read_only,
             read_only=read_only,
-            create=not read_only,
+            create=not read_only and jax.process_count() == 1,  # check_writable made it; orbax refuses to with
+            # active_processes (_barriers_off_the_devices)
             **({"save_interval_steps": 0} if read_only else {}),
+            multiprocessing_options=_barriers_off_the_devices(),
         )
         try:
             self._alias = _glob_free_alias(self.directory)
