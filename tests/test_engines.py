@@ -166,3 +166,30 @@ def test_a_pod_s_environment_with_jax_s_variables_trains(tmp_path):
     assert "trainkit: 2 processes" not in outputs[1]  # process 0 prints the layout
     with np.load(tmp_path / "out.npz") as result:
         assert result["fsdp/loss"].shape == (4,)
+
+
+def test_explicit_arguments_join_where_the_environment_alone_would_be_refused(tmp_path):
+    """Open MPI 5's ranks (no launcher address) connected by ``initialize(address, count, id)``."""
+    from trainkit.distributed.launch import free_port
+
+    port = free_port()
+    code = (
+        "import sys, trainkit as tk, jax\n"
+        f"tk.distributed.initialize('127.0.0.1:{port}', 2, int(sys.argv[1]))\n"
+        "print('joined', jax.process_index(), jax.process_count(), flush=True)\n"
+    )
+    base = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_NUM_CPU_DEVICES")}
+    processes = [
+        subprocess.Popen(
+            [sys.executable, "-c", code, str(rank)],
+            env=base | {"OMPI_COMM_WORLD_SIZE": "2", "OMPI_COMM_WORLD_RANK": str(rank), "JAX_PLATFORMS": "cpu"},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            cwd=ROOT,
+        )
+        for rank in range(2)
+    ]
+    outputs = [p.communicate(timeout=120)[0] for p in processes]
+    assert [p.returncode for p in processes] == [0, 0], outputs
+    assert "joined 1 2" in outputs[1], outputs[1]

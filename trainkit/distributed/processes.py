@@ -147,7 +147,13 @@ def initialize(
             "ran a jitted function). Call tk.distributed.initialize() (or create the Trainer) at "
             "the top of the script, before any other JAX call."
         )
-    found = job() or engines.Job("jax", None, None, None, detection=None)  # JAX's own detection
+    try:
+        found = job()
+    except engines.JobError:
+        if None in (coordinator_address, num_processes, process_id):
+            raise
+        found = None  # the arguments say how to join
+    found = found or engines.Job("jax", None, None, None, detection=None)  # else JAX's own detection
     coordinator_address = coordinator_address or found.coordinator_address
     num_processes = found.num_processes if num_processes is None else num_processes
     process_id = found.process_id if process_id is None else process_id
