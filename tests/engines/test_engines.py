@@ -148,6 +148,19 @@ def test_a_failed_slurm_job_run_again_resumes_bit_identical_counting_the_lost_st
     assert int(result["dp/lost_steps"]) == 2 and int(result["fsdp/lost_steps"]) == 0  # steps 9 and 10
 
 
+def test_the_guide_s_sbatch_script_trains_the_digits_as_one_job(slurm, tmp_path):
+    """examples/clusters/slurm.sbatch (shown in docs/clusters.md), submitted as written."""
+    log = tmp_path / "slurm.out"
+    script = ROOT / "examples" / "clusters" / "slurm.sbatch"
+    env = slurm | {"PATH": f"{pathlib.Path(sys.executable).parent}:{os.environ['PATH']}"}
+    digits = ["--epochs", "1", "--min-accuracy", "0", "--verbose", "2", "--out", str(tmp_path / "run")]
+    code, output, _ = run(["sbatch", "--wait", f"--output={log}", str(script), *digits], env)
+    printed = log.read_text() if log.exists() else ""
+    assert code == 0, output + printed
+    assert "trainkit: 2 processes (slurm) x 2 local cpu devices each = 4 devices" in printed, printed
+    assert re.search(r"test accuracy[^\n]*\d", printed, re.I), printed
+
+
 def visible_devices(output: str) -> dict[str, str]:
     return dict(re.findall(r"process (\d) visible devices (\S+)", output))
 
@@ -225,6 +238,17 @@ def test_a_ray_train_jax_trainer_on_cpu_workers_trains_the_launchers_bits(ray, r
     assert "Connecting to JAX distributed service on 127.0.0.1:" in output, output
     assert_same_bits(load(tmp_path / "out.npz"), reference)
     FIGURES["ray: run"], FIGURES["ray: first step"] = seconds, first_step_seconds(output, started)
+
+
+def test_the_guide_s_ray_example_trains_the_digits_as_one_job(ray, tmp_path):
+    """examples/clusters/ray_digits.py (shown in docs/clusters.md), run as written."""
+    env, address = ray
+    example = ROOT / "examples" / "clusters" / "ray_digits.py"
+    digits = ["--epochs", "1", "--min-accuracy", "0", "--verbose", "2", "--out", str(tmp_path / "run")]
+    code, output, _ = run([sys.executable, str(example), *digits], env | {"RAY_ADDRESS": address}, timeout=400)
+    assert code == 0, output
+    assert "trainkit: 2 processes (ray) x 2 local cpu devices each = 4 devices" in output, output
+    assert re.search(r"test accuracy[^\n]*\d", output, re.I), output
 
 
 def test_a_killed_ray_worker_ends_the_run(ray, tmp_path):
