@@ -193,3 +193,17 @@ def test_explicit_arguments_join_where_the_environment_alone_would_be_refused(tm
     outputs = [p.communicate(timeout=120)[0] for p in processes]
     assert [p.returncode for p in processes] == [0, 0], outputs
     assert "joined 1 2" in outputs[1], outputs[1]
+
+
+def test_the_launcher_inside_a_multi_task_job_refuses():
+    """``srun -n2 python -m trainkit.launch --nproc 2``: two launchers, two independent jobs."""
+    from trainkit.distributed.launch import refuse_inside_a_job
+
+    with pytest.raises(SystemExit, match=r"task 1 of a slurm job of 2 processes: each task would start its own"):
+        refuse_inside_a_job(2, SRUN)
+    refuse_inside_a_job(2, SRUN | {"SLURM_NTASKS": "1", "SLURM_STEP_NUM_TASKS": "1", "SLURM_PROCID": "0"})
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "OMPI_"))} | SRUN
+    result = subprocess.run(
+        [sys.executable, "-m", "trainkit.launch", "--nproc", "2", str(SCRIPT)], env=env, capture_output=True, text=True
+    )
+    assert result.returncode == 1 and "independent copies" in result.stderr, result.stderr

@@ -224,7 +224,28 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("script", help="the Python script every process runs")
     parser.add_argument("args", nargs=argparse.REMAINDER, help="the script's arguments")
     args = parser.parse_args(argv)
+    refuse_inside_a_job(args.nproc)
     return launch([sys.executable, args.script, *args.args], args.nproc, args.devices_per_proc, args.port)
+
+
+def refuse_inside_a_job(nproc: int, env: dict[str, str] | None = None) -> None:
+    """A ``SystemExit`` naming the fix when the launcher is itself one task of a multi-process job
+    (``srun -n2 python -m trainkit.launch ...``): each task would start its own job on its
+    machine, N silent copies. ``srun -n1`` (one launcher in an allocation) is fine.
+
+    >>> refuse_inside_a_job(2, {"SLURM_JOB_ID": "1", "SLURM_STEP_NODELIST": "n1", "SLURM_NTASKS": "1",
+    ...                         "SLURM_PROCID": "0", "SLURM_LOCALID": "0"})
+    """
+    from trainkit.distributed import engines  # the launcher's one trainkit import: no JAX
+
+    job = engines.detect_job(os.environ if env is None else env)
+    if job is not None and job.several:
+        raise SystemExit(
+            f"python -m trainkit.launch is task {job.process_id} of a {job.engine} job of {job.num_processes} "
+            f"processes: each task would start its own {nproc}-process job on its machine, {job.num_processes} "
+            f"independent copies. Let {job.engine} start the processes (e.g. srun -n{nproc} python script.py, no "
+            "launcher), or start one launcher (srun -n1 python -m trainkit.launch ...)."
+        )
 
 
 if __name__ == "__main__":
