@@ -191,7 +191,9 @@ def test_every_strategy_places_the_values_of_one_device_each_holding_its_shard(t
     sharded.init(x)
     tk.weights.load(path, into=sharded, layout="torch")
     jax.tree.map(np.testing.assert_array_equal, single.get_weights(), sharded.get_weights())
-    np.testing.assert_allclose(sharded.predict(x), single.predict(x), atol=1e-6)
+    # the same weights; the outputs as close as the suite's other cross-strategy comparisons (one device's batch of 16
+    # and 8 devices' batches of 2 round differently: 1.6e-6 with today's packages)
+    np.testing.assert_allclose(sharded.predict(x), single.predict(x), rtol=2e-5, atol=2e-6)
     kernel = sharded.state.params["conv"]["kernel"]
     shard_bytes = {s.data.nbytes for s in kernel.addressable_shards}
     assert shard_bytes == {np.prod(kernel.sharding.shard_shape(kernel.shape)) * kernel.dtype.itemsize}
