@@ -134,6 +134,17 @@ def test_gpus_that_do_not_split_evenly_are_refused():
                                                              "JAX_LOCAL_DEVICE_IDS": "0"}) is None  # fmt: skip
 
 
+def run_together(runs: list[tuple[list[str], dict[str, str]]], timeout: float = 300) -> list[str]:
+    """Starts one process per ``(command, environment)`` at once; their outputs, once all exited 0."""
+    processes = [
+        subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT)
+        for command, env in runs
+    ]
+    outputs = [p.communicate(timeout=timeout)[0] for p in processes]
+    assert [p.returncode for p in processes] == [0] * len(runs), outputs
+    return outputs
+
+
 def test_a_pod_s_environment_with_jax_s_variables_trains(tmp_path):
     """With the ``kubernetes`` package installed and ``KUBERNETES_SERVICE_HOST`` set (any pod),
     JAX's own detection ran even with all three ``JAX_*`` values given and died with
@@ -145,23 +156,9 @@ def test_a_pod_s_environment_with_jax_s_variables_trains(tmp_path):
     port = free_port()
     base = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_NUM_CPU_DEVICES")}
     base |= subprocess_cache_env() | {"KUBERNETES_SERVICE_HOST": "127.0.0.1", "KUBERNETES_SERVICE_PORT": "443"}
-    processes = [
-        subprocess.Popen(
-            [sys.executable, str(SCRIPT), str(tmp_path / "out.npz"), "--strategies", "fsdp"],
-            env={
-                k: v
-                for k, v in build_env(base, process_id=i, nproc=2, port=port, devices_per_proc=2).items()
-                if k != "TRAINKIT_LAUNCH"
-            },  # fmt: skip
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            cwd=ROOT,
-        )
-        for i in range(2)
-    ]
-    outputs = [p.communicate(timeout=300)[0] for p in processes]
-    assert [p.returncode for p in processes] == [0, 0], outputs
+    envs = [build_env(base, process_id=i, nproc=2, port=port, devices_per_proc=2) for i in range(2)]
+    command = [sys.executable, str(SCRIPT), str(tmp_path / "out.npz"), "--strategies", "fsdp"]
+    outputs = run_together([(command, {k: v for k, v in env.items() if k != "TRAINKIT_LAUNCH"}) for env in envs])
     assert "trainkit: 2 processes (kubernetes) x 2 local cpu devices each = 4 devices" in outputs[0], outputs[0]
     assert "trainkit: 2 processes" not in outputs[1]  # process 0 prints the layout
     with np.load(tmp_path / "out.npz") as result:
@@ -179,19 +176,10 @@ def test_explicit_arguments_join_where_the_environment_alone_would_be_refused(tm
         "print('joined', jax.process_index(), jax.process_count(), flush=True)\n"
     )
     base = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_NUM_CPU_DEVICES")}
-    processes = [
-        subprocess.Popen(
-            [sys.executable, "-c", code, str(rank)],
-            env=base | {"OMPI_COMM_WORLD_SIZE": "2", "OMPI_COMM_WORLD_RANK": str(rank), "JAX_PLATFORMS": "cpu"},
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            cwd=ROOT,
-        )
-        for rank in range(2)
+    ranks = [
+        {"OMPI_COMM_WORLD_SIZE": "2", "OMPI_COMM_WORLD_RANK": str(rank), "JAX_PLATFORMS": "cpu"} for rank in range(2)
     ]
-    outputs = [p.communicate(timeout=120)[0] for p in processes]
-    assert [p.returncode for p in processes] == [0, 0], outputs
+    outputs = run_together([([sys.executable, "-c", code, str(rank)], base | ranks[rank]) for rank in range(2)])
     assert "joined 1 2" in outputs[1], outputs[1]
 
 
