@@ -215,8 +215,8 @@ class Checkpointer:
             enable_async_checkpointing=False,  # trainkit's writer thread is the async part
             cleanup_tmp_directories=not read_only,
             read_only=read_only,
-            create=not read_only and jax.process_count() == 1,  # check_writable made it; orbax refuses to with
-            # active_processes (_barriers_off_the_devices)
+            # with several processes check_writable has made it: orbax refuses `create` with active_processes
+            create=not read_only and jax.process_count() == 1,
             **({"save_interval_steps": 0} if read_only else {}),
             multiprocessing_options=_barriers_off_the_devices(),
         )

@@ -115,7 +115,7 @@ def detect_job(env: Mapping[str, str] | None = None) -> Job | None:
     trainkit.distributed.engines.JobError: This process is rank 1 of 2 started by mpirun (OMPI_COMM_WORLD_SIZE=2), ...
     """
     env = os.environ if env is None else env
-    if env.get(OPT_OUT, "").strip().lower() in ("off", "0", "false", "no"):
+    if opted_out(env):
         return None
     settings = environment_settings(env)
     if settings is not None:
@@ -129,6 +129,16 @@ def detect_job(env: Mapping[str, str] | None = None) -> Job | None:
             return job
     _refuse_partial(env)
     return None
+
+
+def opted_out(env: Mapping[str, str] | None = None) -> bool:
+    """Whether ``TRAINKIT_DISTRIBUTED=off`` (or ``0``, ``false``, ``no``) asks every task to train on its own.
+
+    >>> opted_out({"TRAINKIT_DISTRIBUTED": "Off"}), opted_out({})
+    (True, False)
+    """
+    env = os.environ if env is None else env
+    return env.get(OPT_OUT, "").strip().lower() in ("off", "0", "false", "no")
 
 
 def _explicit_engine(env: Mapping[str, str]) -> str:

@@ -12,6 +12,8 @@ processes for a try-out.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import hashlib
 import json
 import math
@@ -96,16 +98,16 @@ def job() -> engines.Job | None:
     True
     """
     found = engines.detect_job()
-    if found is not None:
+    if found is not None or engines.opted_out():
         return found
-    if os.environ.get(engines.OPT_OUT, "").strip().lower() in ("off", "0", "false", "no"):
-        return None
     return ray_train.worker_job() or _tpu_pod_job()
 
 
+@functools.cache
 def _tpu_pod_job() -> engines.Job | None:
     """A host of a multi-host TPU slice, as JAX's own TPU detection (GCE's metadata, GKE's
-    ``TPU_WORKER_HOSTNAMES``) sees it; asked only on a TPU VM."""
+    ``TPU_WORKER_HOSTNAMES``) sees it; asked only on a TPU VM, once per process (the slice does
+    not change; every Trainer asks)."""
     from jax._src import cloud_tpu_init
 
     if not cloud_tpu_init.running_in_cloud_tpu_vm:
@@ -140,13 +142,6 @@ def initialize(
     """
     if is_initialized():
         return
-    if _backend_started():
-        raise RuntimeError(
-            "tk.distributed.initialize() must run before anything touches JAX's devices, but the "
-            "backend has already started (something called jax.devices(), created an array or "
-            "ran a jitted function). Call tk.distributed.initialize() (or create the Trainer) at "
-            "the top of the script, before any other JAX call."
-        )
     try:
         found = job()
     except engines.JobError:
@@ -154,9 +149,30 @@ def initialize(
             raise
         found = None  # the arguments say how to join
     found = found or engines.Job("jax", None, None, None, detection=None)  # else JAX's own detection
-    coordinator_address = coordinator_address or found.coordinator_address
-    num_processes = found.num_processes if num_processes is None else num_processes
-    process_id = found.process_id if process_id is None else process_id
+    given = dataclasses.replace(
+        found,
+        coordinator_address=coordinator_address or found.coordinator_address,
+        num_processes=found.num_processes if num_processes is None else num_processes,
+        process_id=found.process_id if process_id is None else process_id,
+    )
+    _join(given, local_device_ids, heartbeat_timeout_seconds, initialization_timeout)
+
+
+def _join(
+    found: engines.Job,
+    local_device_ids: Sequence[int] | None = None,
+    heartbeat_timeout_seconds: int | None = None,
+    initialization_timeout: int = 300,
+) -> None:
+    """``jax.distributed.initialize`` for ``found`` (its values already merged with the arguments)."""
+    if _backend_started():
+        raise RuntimeError(
+            "tk.distributed.initialize() must run before anything touches JAX's devices, but the "
+            "backend has already started (something called jax.devices(), created an array or "
+            "ran a jitted function). Call tk.distributed.initialize() (or create the Trainer) at "
+            "the top of the script, before any other JAX call."
+        )
+    coordinator_address, num_processes, process_id = found.coordinator_address, found.num_processes, found.process_id
     if found.engine == "ray" and coordinator_address is None:
         coordinator_address = ray_train.coordinator_address()
     known = None not in (coordinator_address, num_processes, process_id)
@@ -219,9 +235,12 @@ def _exit_fast_on_uncaught_errors() -> None:
 def initialize_from_environment() -> None:
     """``initialize()`` when this process is one of several of a job (:func:`job`) and it has
     not run; a :class:`~trainkit.distributed.engines.JobError` naming the fix when it is one of
-    several tasks that cannot join (never N silent copies)."""
-    if not is_initialized() and requested_by_environment():
-        initialize()
+    several tasks that cannot join (never N silent copies). The job is read once."""
+    if is_initialized():
+        return
+    found = job()
+    if found is not None and found.several:
+        _join(found)
 
 
 #: Seconds every process waits for the others before gathering a sharded array: a gather
