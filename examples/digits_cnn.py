@@ -53,6 +53,9 @@ def parse_args(argv=None):
     parser.add_argument("--min-accuracy", type=float, default=0.95, help="exit non-zero below this test accuracy")
     parser.add_argument("--verbose", type=int, default=1, help="0, 1 or 2, as Keras's fit")
     parser.add_argument("--out", default=None, help="checkpoint and CSV log directory (default: a new temp dir)")
+    parser.add_argument(
+        "--backup", default=None, help="BackupAndRestore's folder: run again to resume (under Ray: Ray's checkpoints)"
+    )
     return parser.parse_args(argv)
 
 
@@ -116,6 +119,8 @@ def main(argv=None) -> int:
         tk.callbacks.ModelCheckpoint(os.path.join(out, "best"), monitor="val_accuracy", save_best_only=True),
         tk.callbacks.CSVLogger(os.path.join(out, "log.csv")),
     ]
+    if args.backup:  # an interrupted run, started again, resumes where the last backup left off
+        callbacks.append(tk.callbacks.BackupAndRestore(args.backup))
     if importlib.util.find_spec("tensorboardX"):  # the monitoring extra: tensorboard --logdir OUT/tensorboard
         # norms of every layer's gradients, weights and updates, measured inside the step every 20 steps
         board = os.path.join(out, "tensorboard", "gradient_stats")

@@ -1,4 +1,4 @@
-"""The Kubernetes manifests of examples/clusters (a Kubeflow TrainJob and a JobSet), validated offline
+"""The Kubernetes manifests of examples/clusters (a Kubeflow TrainJob, a JobSet, a GKE TPU slice), validated offline
 against the published API models (``kubeflow-trainer-api``: pydantic models of TrainJob and JobSet,
 typed down to the core pod spec). Those models ignore unknown keys, so every key is also checked
 against the fields of the model it belongs to: a misspelt ``numNode`` fails here, not on a cluster.
@@ -43,7 +43,7 @@ def unknown_keys_in(annotation: typing.Any, value: typing.Any, path: str) -> lis
     return []
 
 
-@pytest.mark.parametrize("name", ["trainjob.yaml", "jobset.yaml"])
+@pytest.mark.parametrize("name", ["trainjob.yaml", "jobset.yaml", "gke_tpu.yaml"])
 def test_each_manifest_is_valid_against_its_published_schema(name):
     manifest = yaml.safe_load((CLUSTERS / name).read_text())
     model = KINDS[manifest["kind"]]
@@ -80,7 +80,23 @@ def test_a_misspelt_key_or_a_wrong_type_is_found():
         models.TrainerV1alpha1TrainJob.from_dict(manifest)
 
 
-@pytest.mark.parametrize("name", ["trainjob.yaml", "jobset.yaml", "slurm.sbatch", "ray_digits.py"])
+@pytest.mark.parametrize("name", ["trainjob.yaml", "jobset.yaml", "gke_tpu.yaml", "slurm.sbatch", "ray_digits.py"])
 def test_the_clusters_guide_shows_the_files_as_they_are(name):
     guide = (CLUSTERS.parent.parent / "docs" / "clusters.md").read_text()
     assert (CLUSTERS / name).read_text().strip() in guide, f"docs/clusters.md does not show examples/clusters/{name}"
+
+
+def test_the_tpu_jobset_takes_every_chip_of_its_slice_one_pod_per_host():
+    """A v5e slice of topology 2x4 has 8 chips on 2 hosts of 4: one pod per host, each asking for
+    its host's 4 chips, pinned to that slice's node pool; no JAX_* variable (GKE's TPU_WORKER_*
+    and JAX's TPU detection name the hosts)."""
+    manifest = yaml.safe_load((CLUSTERS / "gke_tpu.yaml").read_text())
+    job = manifest["spec"]["replicatedJobs"][0]
+    pods = job["template"]["spec"]
+    pod = pods["template"]["spec"]
+    chips = int(pod["containers"][0]["resources"]["limits"]["google.com/tpu"])
+    topology = [int(side) for side in pod["nodeSelector"]["cloud.google.com/gke-tpu-topology"].split("x")]
+    assert pods["parallelism"] == pods["completions"] and job["replicas"] == 1
+    assert pods["parallelism"] * chips == topology[0] * topology[1], "every chip of the slice, once"
+    assert pod["nodeSelector"]["cloud.google.com/gke-tpu-accelerator"] == "tpu-v5-lite-podslice"
+    assert not any(env["name"].startswith("JAX_") for env in pod["containers"][0].get("env", []))

@@ -223,12 +223,33 @@ def ray():
         yield env, address
 
 
+#: Ray's controller collects the workers' reports every 2 s by default, and each report waits for
+#: it: the runs that back up every 4 steps ask for every 0.25 s
+EVERY_QUARTER_SECOND = {"RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.25"}
+
+
 def ray_fit(ray, tmp_path, **options) -> tuple[int, str, float, float]:
     env, address = ray
+    env = env | EVERY_QUARTER_SECOND if options.get("backup") else env
     started = time.time()
     command = [sys.executable, str(RAY_DRIVER), address, str(tmp_path / "storage"), str(tmp_path / "out.npz")]
     code, output, seconds = run([*command, json.dumps(options)], env, timeout=400)
     return code, output, seconds, started
+
+
+def ray_records(tmp_path) -> dict:
+    """What Ray recorded of the run (tests/scripts/ray_fit.py): every report's ``metrics`` and
+    ``checkpoint`` (``reports``), the ``checkpoints``' names and the last ``checkpoint``'s."""
+    return json.loads((tmp_path / "out.npz.ray.json").read_text())
+
+
+def assert_epochs_reported(reports: list[dict], reference: dict[str, np.ndarray], strategies=("dp", "fsdp")) -> None:
+    """Each fit reported its 4 epochs' losses (the uninterrupted run's), its epoch and step, in order."""
+    epoch_ends = [r["metrics"] for r in reports if "loss" in r["metrics"]]
+    expected = [(name, epoch) for name in strategies for epoch in range(4)]
+    assert [(m["epoch"], m["step"]) for m in epoch_ends] == [(e, 12 * e + 12) for _, e in expected], reports
+    losses = [float(reference[f"{name}/loss"][epoch]) for name, epoch in expected]
+    np.testing.assert_allclose([m["loss"] for m in epoch_ends], losses, rtol=1e-6)
 
 
 def test_a_ray_train_jax_trainer_on_cpu_workers_trains_the_launchers_bits(ray, reference, tmp_path):
@@ -237,7 +258,27 @@ def test_a_ray_train_jax_trainer_on_cpu_workers_trains_the_launchers_bits(ray, r
     assert "trainkit: 2 processes (ray) x 2 local cpu devices each = 4 devices" in output, output
     assert "Connecting to JAX distributed service on 127.0.0.1:" in output, output
     assert_same_bits(load(tmp_path / "out.npz"), reference)
+    recorded = ray_records(tmp_path)  # every epoch's metrics reached Ray; no backup, no checkpoint
+    assert_epochs_reported(recorded["reports"], reference)
+    assert recorded["checkpoints"] == [] and recorded["checkpoint"] is None, recorded
     FIGURES["ray: run"], FIGURES["ray: first step"] = seconds, first_step_seconds(output, started)
+
+
+def test_a_worker_group_on_fresh_machines_resumes_from_ray_s_checkpoint(ray, reference, tmp_path):
+    """Each worker group writes its backups to a folder of its own (as fresh machines would), so
+    the group Ray starts after a worker's exit at step 10 finds nothing there: it resumes from
+    Ray's checkpoint of step 8 (the backups Ray recorded), bit-identical to the uninterrupted run."""
+    options = {"backup": str(tmp_path / "backup"), "fresh_backup": True, "die_at": 10, "exit_code": True}
+    code, output, _, _ = ray_fit(ray, tmp_path, **options, once=str(tmp_path / "died"))
+    assert code == 0, output
+    assert "process 1 dies now" in output, output
+    result = load(tmp_path / "out.npz")
+    assert_same_bits(result, reference, resumed_in="dp")
+    assert int(result["dp/restored_step"]) == 8 and int(result["fsdp/restored_step"]) == -1, output
+    recorded = ray_records(tmp_path)
+    every_backup = [f"trainkit-{name}-step-{step}" for name in ("dp", "fsdp") for step in range(4, 48, 4)]
+    assert recorded["checkpoints"] == sorted(every_backup), recorded  # step 8 of dp reported once
+    assert recorded["checkpoint"] == "trainkit-fsdp-step-44", recorded
 
 
 def test_the_guide_s_ray_example_trains_the_digits_as_one_job(ray, tmp_path):
@@ -245,10 +286,12 @@ def test_the_guide_s_ray_example_trains_the_digits_as_one_job(ray, tmp_path):
     env, address = ray
     example = ROOT / "examples" / "clusters" / "ray_digits.py"
     digits = ["--epochs", "1", "--min-accuracy", "0", "--verbose", "2", "--out", str(tmp_path / "run")]
+    digits += ["--backup", str(tmp_path / "backup")]
     code, output, _ = run([sys.executable, str(example), *digits], env | {"RAY_ADDRESS": address}, timeout=400)
     assert code == 0, output
     assert "trainkit: 2 processes (ray) x 2 local cpu devices each = 4 devices" in output, output
     assert re.search(r"test accuracy[^\n]*\d", output, re.I), output
+    assert re.search(r"Ray recorded \S+/trainkit-backup-step-\d+ with val_accuracy 0\.\d{3}", output), output
 
 
 def test_a_killed_ray_worker_ends_the_run(ray, tmp_path):
@@ -272,6 +315,28 @@ def test_a_lost_ray_worker_costs_only_the_steps_since_the_last_backup(ray, refer
     result = load(tmp_path / "out.npz")
     assert_same_bits(result, reference, resumed_in="dp")
     assert int(result["dp/lost_steps"]) == 2 and int(result["fsdp/lost_steps"]) == 0
+
+
+def test_ray_s_preemption_notice_writes_a_backup_and_the_fit_goes_on(ray, reference, tmp_path):
+    """At step 14 the node is announced to be reclaimed (``ray drain-node``, reason preemption):
+    Ray's notice makes BackupAndRestore write a backup at once (backups are otherwise at epoch
+    ends: 12, 24, ...), Ray records it, and the fit ends with the uninterrupted run's bits. The
+    last test of the Ray head: a drained node takes no new work (Ray's watcher looks every 0.2 s)."""
+    env, address = ray
+    options = {"strategies": "dp", "backup": str(tmp_path / "backup"), "save_freq": "epoch", "drain_at": 14}
+    polled = env | {"RAY_TRAIN_PREEMPTION_POLL_INTERVAL_S": "0.2"}
+    code, output, _, _ = ray_fit((polled, address), tmp_path, **options)
+    assert code == 0, output
+    assert "node drained at step 14" in output, output
+    noticed = re.search(r"Ray announced a preemption; writing a backup of step (\d+)", output)
+    assert noticed and 14 < int(noticed.group(1)) < 24, output
+    FIGURES["ray: drain to backup (steps)"] = int(noticed.group(1)) - 14  # each step after the drain >= 0.1 s
+    recorded = ray_records(tmp_path)
+    epoch_ends = [f"trainkit-dp-step-{step}" for step in (12, 24, 36, 48)]
+    assert recorded["checkpoints"] == sorted([*epoch_ends, f"trainkit-dp-step-{noticed.group(1)}"]), recorded
+    result = load(tmp_path / "out.npz")
+    for key in (k for k in reference if k.startswith("dp/") and not k.endswith("lost_steps")):
+        np.testing.assert_array_equal(result[key], reference[key], err_msg=key)
 
 
 def test_zz_figures():

@@ -11,6 +11,12 @@ process 1 die (SIGKILL, or ``os._exit(1)`` with ``--exit``) at that step, once p
 (the file is written before dying: a restarted run trains through; with ``--backup`` it dies once
 the previous backup is on disk, so a resume loses exactly the steps since); ``--visible-devices`` prints
 the GPUs each process was given (JAX's ``jax_cuda_visible_devices``) and trains nothing.
+
+Under Ray Train only (``train``'s arguments): ``fresh_backup`` puts each worker group's backups in a
+folder of its own (a fresh machine's: only Ray's checkpoint can resume it; process 1 dies once Ray's
+controller has recorded the backup before ``die_at``); ``drain_at`` makes rank
+0 announce its node's preemption (``ray drain-node``) at that step, and the steps after it wait
+0.1 s each so that Ray's notice arrives within the fit.
 """
 
 from __future__ import annotations
@@ -23,7 +29,7 @@ import time
 
 
 def train(out: str, strategies: str = "dp,fsdp", backup: str = "", die_at: int = 0, exit_code: bool = False,
-          once: str = "") -> dict:  # fmt: skip
+          once: str = "", save_freq: int | str = 4, fresh_backup: bool = False, drain_at: int = 0) -> dict:  # fmt: skip
     import flax.linen as nn
     import numpy as np
     import optax
@@ -42,6 +48,12 @@ def train(out: str, strategies: str = "dp,fsdp", backup: str = "", die_at: int =
     y = ((x[:, 0] > 0).astype(np.int32) + (x[:, 1] > 0.5)).astype(np.int32)
     make = {"dp": lambda: tk.DataParallel(), "fsdp": lambda: tk.FSDP(min_shard_size=16)}
     results: dict = {}
+    if fresh_backup:  # this worker group's own folder, as on fresh machines
+        import uuid
+
+        from ray.train.collective import broadcast_from_rank_zero
+
+        backup = os.path.join(backup, broadcast_from_rank_zero(uuid.uuid4().hex))
     for name in strategies.split(","):
         trainer = tk.Trainer(
             Net(), loss="sparse_categorical_crossentropy", optimizer=optax.adam(0.01), strategy=make[name](), seed=3
@@ -50,9 +62,11 @@ def train(out: str, strategies: str = "dp,fsdp", backup: str = "", die_at: int =
 
         callbacks: list = []
         if backup:
-            saves = tk.callbacks.BackupAndRestore(os.path.join(backup, name), save_freq=4)
+            saves = tk.callbacks.BackupAndRestore(os.path.join(backup, name), save_freq=save_freq)
             saves.journal_seconds = 0  # the goodput journal at every step: the lost steps counted exactly
             callbacks.append(saves)
+        if drain_at:
+            callbacks += [tk.callbacks.RayTrainReport(check_seconds=0), drain(drain_at, lambda: trainer.global_step)]  # noqa: B023
         if die_at:
 
             def die(batch, logs=None):
@@ -62,6 +76,10 @@ def train(out: str, strategies: str = "dp,fsdp", backup: str = "", die_at: int =
                         deadline = time.monotonic() + 120
                         while not os.path.isdir(written) and time.monotonic() < deadline:
                             time.sleep(0.05)
+                    if fresh_backup:  # and Ray's controller has recorded it (reports are registered as it polls)
+                        import ray.train
+
+                        ray.train.get_all_reported_checkpoints()
                     if once:
                         pathlib.Path(once).write_text("died once")
                     print(f"process 1 dies now at {time.time():.3f}", flush=True)
@@ -77,12 +95,38 @@ def train(out: str, strategies: str = "dp,fsdp", backup: str = "", die_at: int =
         history = trainer.fit((x, y), batch_size=16, epochs=4, verbose=0, callbacks=callbacks)
         results[f"{name}/loss"] = np.asarray(history.history["loss"])
         results[f"{name}/lost_steps"] = np.asarray(history.goodput.lost_steps)
+        if backup:
+            results[f"{name}/restored_step"] = np.asarray(-1 if saves.restored_step is None else saves.restored_step)
         for path, leaf in jax.tree_util.tree_leaves_with_path(trainer.params):
             results[f"{name}/{jax.tree_util.keystr(path)}"] = np.asarray(leaf)
     print(f"process {jax.process_index()} of {jax.process_count()} done", flush=True)
     if jax.process_index() == 0 and out:
         np.savez(out, **results)
     return results
+
+
+def drain(at: int, step):
+    """A callback: at step ``at``, rank 0 tells Ray its node is being reclaimed (``ray drain-node``
+    with reason preemption, an hour's deadline); from then on each step waits 0.1 s."""
+    import subprocess
+
+    import jax
+    import ray
+
+    import trainkit as tk
+
+    def on_train_batch_begin(batch, logs=None):
+        if step() == at and jax.process_index() == 0:
+            context = ray.get_runtime_context()
+            command = [os.path.join(os.path.dirname(sys.executable), "ray"), "drain-node", "--address"]
+            command += [context.gcs_address, "--node-id", context.get_node_id(), "--reason"]
+            command += ["DRAIN_NODE_REASON_PREEMPTION", "--reason-message", "spot reclaim (test)"]
+            subprocess.run([*command, "--deadline-remaining-seconds", "3600"], check=True)
+            print(f"node drained at step {at}", flush=True)
+        if step() >= at:
+            time.sleep(0.1)
+
+    return tk.callbacks.LambdaCallback(on_train_batch_begin=on_train_batch_begin)
 
 
 def visible_devices() -> None:

@@ -12,6 +12,7 @@ from trainkit.callbacks.learning_rate import LearningRateScheduler, ReduceLROnPl
 from trainkit.callbacks.model_checkpoint import ModelCheckpoint
 from trainkit.callbacks.monitoring import Logging, Profiler, TensorBoard
 from trainkit.callbacks.progress import ProgbarLogger, ProgressBar
+from trainkit.callbacks.ray_train_report import RayTrainReport
 from trainkit.callbacks.swap_ema_weights import SwapEMAWeights
 from trainkit.callbacks.terminate_on_nan import TerminateOnNaN
 
@@ -35,4 +36,5 @@ __all__ = [
     "Logging",
     "Profiler",
     "GradientStats",
+    "RayTrainReport",
 ]

@@ -20,6 +20,7 @@ from trainkit.callbacks.base import Callback, Logs
 from trainkit.callbacks.triggers import SaveFrequency
 from trainkit.checkpoint import Checkpointer, CheckpointError, checked_position, remove_checkpoints
 from trainkit.core.atomic import write_text
+from trainkit.distributed import ray_train
 from trainkit.loop import Position
 
 logger = logging.getLogger("trainkit")
@@ -44,6 +45,12 @@ class BackupAndRestore(Callback):
     On SIGTERM the current step finishes, ``on_train_end`` writes a backup (synchronously) and
     ``fit`` raises :class:`trainkit.Preempted` (exit status 143); running the same command again
     resumes. When ``fit`` raises, pending writes are finished and the backup is kept.
+
+    Inside a Ray Train worker, each backup is also Ray's checkpoint (:class:`RayTrainReport`),
+    and a ``backup_dir`` without a newer backup first receives Ray's latest checkpoint of a
+    folder of the same name (``ray.train.get_checkpoint()``): a worker group on fresh machines
+    resumes. Several fits in one ``train_loop_per_worker`` give their backups folders of
+    different names.
 
     The goodput ledger (``history.goodput``) is carried across a resume: each backup records
     it, and ``goodput.json`` beside the backups the last step the run reached (rewritten at
@@ -79,6 +86,8 @@ class BackupAndRestore(Callback):
         self._journal_due = 0.0  # when the goodput journal is rewritten next (time.monotonic())
 
     def on_train_begin(self, logs: Logs | None = None) -> None:
+        if ray_train.worker_job() is not None:
+            ray_train.restore_latest(self.backup_dir)
         self.checkpointer = Checkpointer(self.backup_dir, max_to_keep=2 if self.double_checkpoint else 1)
         self.restored_step = None
         self._checked = self.model.global_step - 1  # the last step a save was decided for
@@ -189,6 +198,27 @@ class BackupAndRestore(Callback):
         trainer = self.model
         self._open().save(trainer.global_step, trainer.session.require_state(), trainer.manifest(), wait=wait)
         self._write_journal(force=True)
+
+    @property
+    def last_backup(self) -> int | None:
+        """The step of the last backup this fit started writing (``None`` before the first)."""
+        return self.checkpointer.last_saved if self.checkpointer is not None else None
+
+    def written(self) -> int | None:
+        """Waits until the backups started are on disk; returns the step of the last one."""
+        if self.checkpointer is None:
+            return None
+        self.checkpointer.wait()
+        return self.checkpointer.last_saved
+
+    def backup_now(self) -> int:
+        """Writes a backup of the current step, unless one was already started, and waits until
+        it is on disk (a preemption notice's save); returns its step."""
+        if self.last_backup != self.model.global_step:
+            self._save(wait=True)
+        written = self.written()
+        assert written is not None  # just saved
+        return written
 
     def execution_cap(self) -> int | None:
         return self.save_freq.period

@@ -21,12 +21,15 @@ from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
 from trainkit import distributed
+from trainkit.callbacks.backup_and_restore import BackupAndRestore
 from trainkit.callbacks.base import _ALIASES, _BATCH_END, Callback, Logs, overrides
 from trainkit.callbacks.history import History
 from trainkit.callbacks.progress import ProgressBar
+from trainkit.callbacks.ray_train_report import RayTrainReport
 from trainkit.core.ledger import Ledger
 from trainkit.core.statistics import StepStatistics
 from trainkit.core.warn import warn_user
+from trainkit.distributed import ray_train
 from trainkit.loop.hooks import Hook
 
 if TYPE_CHECKING:  # for the type checker only: nothing imports trainer.py at run time
@@ -64,6 +67,26 @@ def _not_a_callback(callback: Any) -> str:
         f"Callbacks must subclass trainkit.callbacks.Callback; received {cls.__name__}. "
         "A Keras callback's code runs unchanged once its class derives from tk.callbacks.Callback."
     )
+
+
+def with_ray_report(callbacks: list[Callback]) -> list[Callback]:
+    """``callbacks`` with a :class:`RayTrainReport` (appended, after the user's callbacks, unless
+    one is listed) reporting the list's ``BackupAndRestore``: one per fit, as Ray records one
+    run's checkpoints."""
+    backups = [c for c in callbacks if isinstance(c, BackupAndRestore)]
+    if len(backups) > 1:
+        raise ValueError(
+            f"This fit has {len(backups)} BackupAndRestore callbacks; inside a Ray Train worker their backups "
+            "become Ray's checkpoints, one series per fit. Keep one BackupAndRestore."
+        )
+    reports = [c for c in callbacks if isinstance(c, RayTrainReport)]
+    if not reports:
+        reports = [RayTrainReport()]
+        callbacks = [*callbacks, *reports]
+    for report in reports:
+        if report.backup is None and backups:
+            report.backup = backups[0]
+    return callbacks
 
 
 #: each callback implementing a hook, with its method and its goodput ledger bucket
@@ -152,10 +175,14 @@ class CallbackList:
         fit: bool = False,
     ) -> CallbackList:  # fmt: skip
         """Keras's callback list of a ``fit`` / ``evaluate`` / ``predict``: ``fit`` adds ``History``
-        (kept as the trainer's history) and, when verbose on the main process, the progress bar."""
+        (kept as the trainer's history) and, when verbose on the main process, the progress bar;
+        inside a Ray Train worker, ``fit`` also reports to Ray (:func:`with_ray_report`)."""
         progress = fit and bool(verbose) and distributed.is_main_process()
         params = {"verbose": verbose, "epochs": epochs, "steps": steps}
-        made = cls(callbacks or (), trainer, params, add_history=fit, add_progress_bar=progress)
+        listed = cls.checked(callbacks)
+        if fit and ray_train.worker_job() is not None:
+            listed = with_ray_report(listed)
+        made = cls(listed, trainer, params, add_history=fit, add_progress_bar=progress)
         if fit:  # the History that fit returns is the trainer's from now on
             trainer.session.keep_history(made.require_history())
         return made
