@@ -4,7 +4,6 @@ refusal outside a worker, the callback list that adds it, BackupAndRestore's bac
 folder. Under a real Ray head: tests/engines (``make test-engines``)."""
 
 import flax.linen as nn
-import numpy as np
 import optax
 import pytest
 from conftest import saved_steps
@@ -15,15 +14,9 @@ from trainkit.callbacks.callback_list import with_ray_report
 from trainkit.distributed import ray_train
 
 
-@pytest.fixture(scope="module")
-def data():
-    rng = np.random.default_rng(0)
-    x = rng.normal(size=(32, 4)).astype("float32")
-    return x, (x[:, 0] > 0).astype("int32")
-
-
 def make():
-    return tk.Trainer(nn.Dense(2), loss="sparse_categorical_crossentropy", optimizer=optax.sgd(0.1), strategy="single")
+    """A logistic regression for the suite's shared data (conftest's ``data``: 100 rows, 3 classes)."""
+    return tk.Trainer(nn.Dense(3), loss="sparse_categorical_crossentropy", optimizer=optax.sgd(0.1), strategy="single")
 
 
 @pytest.mark.parametrize("seconds", [-1, True, "5", float("nan")])
@@ -64,7 +57,7 @@ def test_backup_now_writes_the_current_step_once_and_waits(data, tmp_path):
     trainer = make()
     trainer.fit(*data, batch_size=8, epochs=1, verbose=0, callbacks=[saver, LambdaCallback(on_train_batch_begin=now)])
     assert written == [3, 3, 3, [3]]
-    assert saver.written() == 4 and saved_steps(tmp_path / "backup") == [4]  # the epoch end's replaced it
+    assert saver.written() == 13 and saved_steps(tmp_path / "backup") == [13]  # the epoch end's replaced it
 
 
 def test_a_ray_checkpoint_belongs_to_the_backup_folder_of_its_name(tmp_path):
