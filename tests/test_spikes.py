@@ -99,8 +99,25 @@ def test_a_run_of_spikes_stops_fit_naming_the_fix():
         ({"factor": 1.0}, "it must be above 1"),
         ({"window": 0}, "positive number of steps"),
         ({"on": "accuracy"}, "watches 'loss' or 'grad_norm'"),
+        ({"warmup": 0}, r"SpikeSkip\(warmup=0\): it must be a positive number of steps \(the first step's value"),
+        ({"warmup": -2}, r"warmup=-2"),
+        ({"warmup": 2.5}, r"warmup=2.5"),
+        ({"warmup": True}, r"warmup=True"),
     ],
 )
 def test_bad_arguments_are_refused(arguments, message):
     with pytest.raises(ValueError, match=message):
         tk.SpikeSkip(**arguments)
+
+
+def test_the_first_measured_value_is_never_a_spike():
+    """Even a policy whose warm-up is left to the window (``window=1``: ``window // 10`` is 0)
+    compares from the second step on: the first has no average to exceed. Every update is applied
+    on a clean run (a spike skipped from the start would leave the weights at their initial values)."""
+    skip = tk.SpikeSkip(factor=4.0, window=1)
+    assert skip.first_decision == 1
+    first, state = skip.decide(skip.initial(), jax.numpy.float32(123.0))
+    assert not bool(first) and float(state.mean) == 123.0
+    fitted = trainer(skip=skip)
+    fitted.fit(X, Y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
+    assert int(fitted.state.spikes.skipped) == 0 and fitted.global_step == 8

@@ -96,9 +96,13 @@ class SpikeSkip:
     def __post_init__(self) -> None:
         if not self.factor > 1:
             raise ValueError(f"SpikeSkip(factor={self.factor!r}): it must be above 1 (a spike exceeds the average).")
-        for name, value in (("window", self.window), ("stop_after", self.stop_after)):
+        counted = [("window", self.window), ("stop_after", self.stop_after)]
+        for name, value in counted + ([("warmup", self.warmup)] if self.warmup is not None else []):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"SpikeSkip({name}={value!r}): it must be a positive number of steps.")
+                raise ValueError(
+                    f"SpikeSkip({name}={value!r}): it must be a positive number of steps"
+                    + (" (the first step's value is measured before any is compared)." if name == "warmup" else ".")
+                )
         if self.on not in ("loss", "grad_norm"):
             raise ValueError(f"SpikeSkip(on={self.on!r}): it watches 'loss' or 'grad_norm'.")
 
@@ -114,7 +118,7 @@ class SpikeSkip:
     def decide(self, state: SpikeState, value: jax.Array) -> tuple[jax.Array, SpikeState]:
         """Whether the update with this ``value`` is skipped, and the state after it."""
         value = value.astype(jnp.float32)
-        ready = state.seen >= self.first_decision
+        ready = state.seen >= max(1, self.first_decision)  # a first value is never a spike: no average yet
         spike = ~jnp.isfinite(value) | (ready & (value > self.factor * state.mean))
         weight = 1.0 / jnp.minimum(state.seen + 1, self.window).astype(jnp.float32)
         mean = jnp.where(spike, state.mean, state.mean + (value - state.mean) * weight)

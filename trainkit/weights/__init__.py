@@ -28,9 +28,9 @@ from trainkit.core.tree import PyTree, leaf_name
 from trainkit.weights import torch_layout
 from trainkit.weights.load import Target, check_options, match, place, refuse
 from trainkit.weights.report import LoadReport
-from trainkit.weights.sources import open_source
+from trainkit.weights.sources import WeightFileError, open_source
 
-__all__ = ["load", "save", "LoadReport", "Loaded", "Target", "Loadable"]
+__all__ = ["load", "save", "LoadReport", "Loaded", "Target", "Loadable", "WeightFileError"]
 
 logger = logging.getLogger("trainkit")
 

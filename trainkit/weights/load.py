@@ -94,6 +94,9 @@ def match(
                 f"Two source entries fill {mapped.name}: {reads[mapped.name].entry!r} and {original!r}. "
                 "Change rename= so that each variable has one source entry."
             )
+        if mapped.axes is not None and len(entry.shape) != len(mapped.axes):  # no transpose fits: as stored
+            mismatched.append((mapped.name, entry.shape, target.shape))
+            continue
         shape = entry.shape if mapped.axes is None else tuple(entry.shape[a] for a in mapped.axes)
         if shape != target.shape:
             mismatched.append((mapped.name, shape, target.shape))

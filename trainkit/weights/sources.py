@@ -98,20 +98,84 @@ class SafetensorsSource:
         return np.array(array[index])  # a copy: only the part read leaves the file
 
 
-def _safetensors_header(path: str) -> dict[str, tuple[int, Entry]]:
-    """``{name: (absolute byte offset, entry)}`` from a safetensors file's header."""
+#: the longest header safetensors' own reader accepts (bytes)
+MAX_HEADER = 100_000_000
+
+
+class WeightFileError(ValueError):
+    """A weight file that cannot be trusted: names the file, the entry and what to do."""
+
+
+def _refuse(path: str, what: str) -> WeightFileError:
+    return WeightFileError(
+        f"{path} is not a valid safetensors file: {what}. Nothing was loaded; write the file again "
+        "(safetensors' save_file, or trainer.save_weights) or download it again."
+    )
+
+
+def _read_header(path: str) -> tuple[dict, int, int]:
+    """The header's JSON object, where the data after it starts and its byte count."""
+    size = os.path.getsize(path)
     with open(path, "rb") as file:
-        (length,) = struct.unpack("<Q", file.read(8))
-        header = json.loads(file.read(length))
-    found = {}
+        prefix = file.read(8)
+        if len(prefix) < 8:
+            raise _refuse(path, f"it is {size} bytes long, shorter than the 8 bytes that give the header's length")
+        (length,) = struct.unpack("<Q", prefix)
+        if length > min(MAX_HEADER, size - 8):
+            raise _refuse(path, f"its header would be {length} bytes long, in a file of {size} bytes")
+        raw = file.read(length)
+    try:
+        header = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError) as error:
+        raise _refuse(path, f"its header is not JSON ({error})") from None
+    if not isinstance(header, dict):
+        raise _refuse(path, f"its header is a JSON {type(header).__name__}, not an object of tensors")
+    return header, 8 + length, size - 8 - length
+
+
+def _checked_entry(path: str, name: str, info: Any, data_size: int) -> tuple[int, int, Entry]:
+    """An entry's byte range in the data and its shape and dtype, each checked as safetensors'
+    own reader checks them."""
+    if not isinstance(info, dict) or not {"dtype", "shape", "data_offsets"} <= info.keys():
+        raise _refuse(path, f"entry {name!r} lacks its dtype, shape or data_offsets")
+    dtype, shape, offsets = info["dtype"], info["shape"], info["data_offsets"]
+    if dtype not in SAFETENSORS_DTYPES:
+        raise WeightFileError(f"{path}: {name!r} has dtype {dtype}, which trainkit does not read.")
+    integers = all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in [*shape, *offsets])
+    if not isinstance(shape, list) or not isinstance(offsets, list) or len(offsets) != 2 or not integers:
+        raise _refuse(
+            path, f"entry {name!r} has shape {shape!r} and data_offsets {offsets!r}, not non-negative integers"
+        )
+    begin, end = offsets
+    entry = Entry(tuple(shape), np.dtype(SAFETENSORS_DTYPES[dtype]))
+    needed = int(np.prod(shape, dtype=np.int64)) * entry.dtype.itemsize
+    if not begin <= end <= data_size or end - begin != needed:
+        raise _refuse(
+            path,
+            f"entry {name!r} spans bytes {begin} to {end} of {data_size}, where its shape {tuple(shape)} of {dtype} "
+            f"needs {needed} bytes",
+        )
+    return begin, end, entry
+
+
+def _safetensors_header(path: str) -> dict[str, tuple[int, Entry]]:
+    """``{name: (absolute byte offset, entry)}`` from a safetensors file's header, checked as
+    safetensors' own reader checks it: every range inside the file and as long as its shape
+    needs, the ranges back to back in order, covering the data exactly (no overlap, no gap)."""
+    header, start, data_size = _read_header(path)
+    spans = []
     for name, info in header.items():
-        if name == "__metadata__":
-            continue
-        if info["dtype"] not in SAFETENSORS_DTYPES:
-            raise ValueError(f"{path}: {name!r} has dtype {info['dtype']}, which trainkit does not read.")
-        begin, _ = info["data_offsets"]
-        found[name] = (8 + length + begin, Entry(tuple(info["shape"]), np.dtype(SAFETENSORS_DTYPES[info["dtype"]])))
-    return found
+        if name != "__metadata__":
+            spans.append((*_checked_entry(path, name, info, data_size), name))
+    position, previous = 0, None
+    for begin, end, _, name in sorted(spans, key=lambda span: (span[0], span[1])):
+        if begin != position:
+            what = f"overlaps {previous!r}" if begin < position else f"leaves bytes {position} to {begin} unused"
+            raise _refuse(path, f"entry {name!r} (bytes {begin} to {end}) {what}")
+        position, previous = end, name
+    if position != data_size:
+        raise _refuse(path, f"its tensors end at byte {position} of its {data_size} bytes of data")
+    return {name: (start + begin, entry) for begin, _, entry, name in spans}
 
 
 class OrbaxSource:
@@ -166,23 +230,69 @@ def flat_arrays(tree: PyTree) -> dict[str, Any]:
     return {leaf_name(path): leaf for path, leaf in jax.tree_util.tree_leaves_with_path(tree)}
 
 
+#: PyTorch's pickled files: never read (unpickling runs the file's code)
+PICKLES = (".pt", ".pth", ".bin", ".ckpt", ".pkl")
+#: what every refusal of a source says to pass
+KINDS = "a .safetensors file, a folder of them, an orbax checkpoint of a params tree, a .npz or a dict of arrays"
+
+
+def _trainkit_checkpoint(path: str) -> bool:
+    """Whether ``path`` is a trainkit checkpoint (a step folder with ``state`` and ``meta``, or a
+    folder of such steps)."""
+    steps = [path, *(os.path.join(path, name) for name in os.listdir(path) if name.isdigit())]
+    return any(
+        os.path.isdir(os.path.join(step, "state")) and os.path.isdir(os.path.join(step, "meta")) for step in steps
+    )
+
+
+def _npz_source(path: str) -> ArraySource:
+    try:
+        with np.load(path) as archive:  # allow_pickle=False: an object array is refused, never unpickled
+            return ArraySource({name: archive[name] for name in archive.files}, path)
+    except Exception as error:  # noqa: BLE001 - zipfile, numpy and OS errors alike: one message
+        raise WeightFileError(
+            f"{path} is not a readable .npz of arrays ({type(error).__name__}: {error}). Nothing was loaded; "
+            "write it again with np.savez(path, **arrays) (numbers only: object arrays are not read)."
+        ) from None
+
+
+def _folder_source(path: str) -> WeightSource:
+    shards = sorted(glob.glob(os.path.join(path, "*.safetensors")))
+    if shards:
+        return SafetensorsSource(shards, f"{path} ({len(shards)} safetensors shards)")
+    if _trainkit_checkpoint(path):
+        raise WeightFileError(
+            f"{path} is a trainkit checkpoint (a training state and its manifest), not published weights: "
+            f"load it with trainer.load({path!r}) (after trainer.init(sample_batch))."
+        )
+    try:
+        return OrbaxSource(path, path)
+    except Exception as error:  # noqa: BLE001 - orbax raises many kinds for a folder that is not its
+        found = sorted(os.listdir(path))
+        held = f"it holds {', '.join(found[:5])}{', ...' if len(found) > 5 else ''}" if found else "it is empty"
+        raise WeightFileError(
+            f"No weights in the folder {path} ({held}; no .safetensors file, and orbax cannot read it as a "
+            f"checkpoint: {type(error).__name__}). Pass {KINDS}."
+        ) from None
+
+
 def open_source(source: Any) -> WeightSource:
     """The source of ``source``: a path (``.safetensors`` file, folder of shards, orbax
-    checkpoint folder, ``.npz``) or a dict of arrays (nested, or flat with ``/`` names)."""
+    checkpoint folder, ``.npz``) or a dict of arrays (nested, or flat with ``/`` names). A file or
+    folder that cannot be trusted raises :class:`WeightFileError` naming it, before anything is read."""
     if isinstance(source, Mapping):
         return ArraySource(flat_arrays(source), "a dict of arrays")
     path = os.fspath(source)
     if not os.path.exists(path):
-        raise FileNotFoundError(
-            f"No weights at {path!r}: pass a .safetensors file, a folder of them, an orbax "
-            "checkpoint, a .npz or a dict of arrays."
+        raise FileNotFoundError(f"No weights at {path!r}: pass {KINDS}.")
+    if os.path.isdir(path):
+        return _folder_source(path)
+    if path.endswith(".npz"):
+        return _npz_source(path)
+    if path.lower().endswith(PICKLES):
+        raise WeightFileError(
+            f"{path} is a PyTorch pickle, which trainkit does not read (unpickling runs code from the file). Convert "
+            "it once: safetensors.torch.save_file(torch.load(path, weights_only=True), 'model.safetensors'), then "
+            "load that (layout='torch' translates PyTorch's names and layouts)."
         )
-    if os.path.isfile(path):
-        if path.endswith(".npz"):
-            with np.load(path) as archive:
-                return ArraySource({name: archive[name] for name in archive.files}, path)
-        return SafetensorsSource([path], path)
-    shards = sorted(glob.glob(os.path.join(path, "*.safetensors")))
-    if shards:
-        return SafetensorsSource(shards, f"{path} ({len(shards)} safetensors shards)")
-    return OrbaxSource(path, path)
+    return SafetensorsSource([path], path)
