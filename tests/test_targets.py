@@ -119,6 +119,13 @@ def test_targets_are_spelled_as_the_docs_say():
     for wrong in ("tpu v9:2x2", "v5e:4x4", "h100 8", "a100 x8"):
         with pytest.raises(ValueError, match="Unknown target"):
             targets.parse(wrong)
+    for empty in ("tpu v5e:0x4", "tpu v4:2x0x2", "tpu v5e:99999x99999", "tpu v6e:32x32"):
+        with pytest.raises(ValueError, match=r"chips: a TPU v\w+ slice has 1 to \d+, every side at least 1"):
+            targets.parse(empty)
+    for empty in ("h100 x0", "h100 0x8", "h100 x16"):
+        with pytest.raises(ValueError, match=r"an H100 host has 1 to 8, and a target at least 1 host"):
+            targets.parse(empty)
+    assert targets.parse("tpu v5e:16x16").device_count == 256 and targets.parse("h100 4x8").device_count == 32
     if importlib.util.find_spec("jax_plugins") is None:
         with pytest.raises(ImportError, match=r"pip install 'trainkit\[gpu-plan\]'"):
             targets.parse("h100 x8").devices()

@@ -120,17 +120,39 @@ def _require(module: str, extra: str, what: str) -> None:
         raise ImportError(f"A plan for this target needs {what}: pip install 'trainkit[{extra}]' (pinned to your jax).")
 
 
+#: the most chips one slice of each TPU family has (Google Cloud's TPU pages); an H100 host's GPUs
+MOST_CHIPS = {"v4": 4096, "v5e": 256, "v5p": 8960, "v6e": 256}
+GPUS_PER_HOST = 8
+
+
+def _slice(spec: str, family: str, dims: str) -> Target:
+    """A TPU slice, refused (with the shapes that exist) when a side is 0 or it has more chips
+    than any slice of its family."""
+    sides = [int(d) for d in dims.split("x")]
+    count = math.prod(sides)
+    if not 0 < count <= MOST_CHIPS[family]:
+        raise ValueError(
+            f"Target {spec!r} has {count} chips: a TPU {family} slice has 1 to {MOST_CHIPS[family]}, every side at "
+            f"least 1 (e.g. \"tpu {family}:{'2x2' if len(sides) == 2 else '2x2x1'}\"). Spell it {SPELLINGS}."
+        )
+    return Target(spec, "tpu", CHIPS[family], f"{family}:{dims}", count, max(1, count // 4))
+
+
 def parse(spec: str) -> Target:
-    """A target from its spelling (see ``SPELLINGS``); a clear error otherwise."""
+    """A target from its spelling (see ``SPELLINGS``); a clear error otherwise, before anything
+    is compiled (a slice of 0 or too many chips, a host of 0 or more than 8 GPUs)."""
     text = " ".join(str(spec).lower().split())
     tpu = re.fullmatch(r"tpu (v4|v5e|v5p|v6e):(\d+(?:x\d+){1,2})", text)
     if tpu:
-        family, dims = tpu.groups()
-        count = math.prod(int(d) for d in dims.split("x"))
-        return Target(spec, "tpu", CHIPS[family], f"{family}:{dims}", count, max(1, count // 4))
+        return _slice(spec, *tpu.groups())
     gpu = re.fullmatch(r"h100 (?:(\d+)x|x)(\d+)", text)
     if gpu:
         hosts, per_host = int(gpu.group(1) or 1), int(gpu.group(2))
+        if hosts < 1 or not 1 <= per_host <= GPUS_PER_HOST:
+            raise ValueError(
+                f"Target {spec!r} has {hosts} host(s) of {per_host} GPUs: an H100 host has 1 to {GPUS_PER_HOST}, and "
+                f"a target at least 1 host (e.g. \"h100 x8\", \"h100 2x8\"). Spell it {SPELLINGS}."
+            )
         return Target(spec, "cuda", CHIPS["h100"], f"{hosts}x1x{per_host}", hosts * per_host, hosts)
     raise ValueError(f"Unknown target {spec!r}: spell it {SPELLINGS}. Known chips: {sorted(CHIPS)}.")
 
