@@ -7,6 +7,7 @@ import time
 
 import flax.linen as nn
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
@@ -216,6 +217,15 @@ def test_an_adapter_checkpoint_holds_the_adapters_and_refuses_another_base(lora_
     other.set_weights(jax.tree.map(lambda a: a * 1.01, other.get_weights()))  # another base
     with pytest.raises(tk.CheckpointError, match="trained on other base weights"):
         other.load(tmp_path / "lora")
+    plain = tk.Trainer(Body(), loss="sparse_categorical_crossentropy", optimizer=optax.adam(1e-2), strategy="single")
+    plain.init(x)
+    tk.weights.load(path, into=plain)
+    with pytest.raises(tk.CheckpointError, match=r"holds LoRA adapters \(tk.LoRA\(rank=2, .*this trainer has none"):
+        plain.load(tmp_path / "lora")
+    quantised = lora_trainer(path, quantize_base="int8")
+    floats_into_int8 = r"stored in floats \(no quantize_base\); this trainer's base is stored quantised as int8"
+    with pytest.raises(tk.CheckpointError, match=floats_into_int8):
+        quantised.load(tmp_path / "lora")
 
 
 def ocp_tree(directory):
@@ -235,6 +245,44 @@ def test_qlora_trains_with_the_base_stored_quantised(base_weights):
     history = trainer.fit(x, y, batch_size=16, epochs=4, verbose=0)
     assert history.history["loss"][-1] < history.history["loss"][0]
     assert str(trainer.state.params["hidden"]["kernel"].array.qvalue.dtype) == "uint4"
+
+
+def test_lora_settings_that_cannot_work_are_named(base_weights):
+    with pytest.raises(ValueError, match=r"LoRA\(targets='\('\) is not a regular expression .*module paths"):
+        tk.LoRA(targets="(")
+    _, path = base_weights
+    with pytest.raises(
+        ValueError, match=r"lora=tk.LoRA\(targets='Attention'\) matches no module .*nothing would train"
+    ):
+        lora_trainer(path, targets="Attention")
+    with pytest.raises(ValueError, match=r"trainable='\[' is not a regular expression"):
+        tk.Trainer(Body(), loss="mse", optimizer=optax.sgd(0.1), trainable="[")
+
+
+class WithCounter(nn.Module):
+    """A Dense layer beside an integer parameter (a lookup table of ids, say)."""
+
+    @nn.compact
+    def __call__(self, x):
+        self.param("ids", lambda _: jnp.arange(3, dtype=jnp.int32))
+        return nn.Dense(2)(x)
+
+
+def test_an_integer_parameter_is_refused_unless_frozen_naming_trainable():
+    x, y = make_classification(16)
+    trainer = tk.Trainer(
+        WithCounter(), loss="sparse_categorical_crossentropy", optimizer=optax.sgd(0.1), strategy="single"
+    )
+    with pytest.raises(
+        ValueError, match=r"not floats and cannot be trained .*\['ids \(int32\)'\]. Freeze them with trainable="
+    ):
+        trainer.fit(x, y % 2, batch_size=8, epochs=1, verbose=0)
+    frozen = tk.Trainer(
+        WithCounter(), loss="sparse_categorical_crossentropy", optimizer=optax.sgd(0.1), strategy="single",
+        trainable=r"Dense",
+    )  # fmt: skip
+    frozen.fit(x, y % 2, batch_size=8, epochs=1, verbose=0)
+    np.testing.assert_array_equal(frozen.get_weights()["params"]["ids"], np.arange(3))
 
 
 def test_lora_refuses_what_it_cannot_do():

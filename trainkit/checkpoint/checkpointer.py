@@ -412,7 +412,7 @@ class Checkpointer:
             try:
                 return self._restore(target, candidate)
             except CheckpointError as error:
-                if "does not match this model" in str(error) or "other base weights" in str(error):
+                if any(reason in str(error) for reason in ("does not match this model", "other base weights", "LoRA")):
                     raise
                 errors.append(str(error))
                 warn_user(f"Skipping checkpoint step {candidate}: {error}")
@@ -680,10 +680,28 @@ def _adapters_part(state_dict: dict, manifest: dict) -> tuple[dict, dict]:
 
 
 def _check_base(manifest: dict, params: PyTree, where: str) -> None:
-    """Refuses adapters trained on other base weights than the live ones (their SHA-256)."""
+    """Refuses adapters restored into a trainer without adapters, into a base stored another way
+    (int8, nf4, float), or trained on other base weights than the live ones (their SHA-256)."""
+    saved = manifest["lora"]
+    settings = ", ".join(f"{key}={saved.get(key)!r}" for key in ("rank", "alpha", "targets", "quantize_base"))
+    if not lora_lib.adapters_only(flax.serialization.to_state_dict(params)):
+        raise CheckpointError(
+            f"The checkpoint at {where} holds LoRA adapters (tk.LoRA({settings})), but this trainer has none: create "
+            f"it with Trainer(..., lora=tk.LoRA({settings})), load the base weights into it, then restore."
+        )
+    stored, live_stored = saved.get("quantize_base"), lora_lib.quantization(params)
+    if stored != live_stored:
+
+        def name(kind: str | None) -> str:
+            return f"quantised as {kind}" if kind else "in floats (no quantize_base)"
+
+        raise CheckpointError(
+            f"The adapters at {where} were trained on a base stored {name(stored)}; this trainer's base is stored "
+            f"{name(live_stored)}: create it with tk.LoRA({settings}), then restore."
+        )
     if any(isinstance(leaf, jax.ShapeDtypeStruct) for leaf in jax.tree.leaves(params)):
-        return  # an abstract target: nothing to compare
-    recorded, live = manifest["lora"].get("base_sha256"), lora_lib.base_digest(distributed.fetch(params))
+        return  # an abstract target: no values to compare
+    recorded, live = saved.get("base_sha256"), lora_lib.base_digest(distributed.fetch(params))
     if recorded != live:
         source = manifest["lora"].get("base_source") or "weights not recorded"
         raise CheckpointError(

@@ -71,7 +71,13 @@ class LoRA:
             raise ValueError(f"LoRA alpha must be positive; received {self.alpha!r}.")
         if self.quantize_base not in QUANTIZED:
             raise ValueError(f"quantize_base={self.quantize_base!r} is not one of {QUANTIZED}.")
-        re.compile(self.targets)
+        try:
+            re.compile(self.targets)
+        except (re.error, TypeError) as error:
+            raise ValueError(
+                f"LoRA(targets={self.targets!r}) is not a regular expression ({error}). targets is searched "
+                "(re.search) in module paths such as 'Block_0/Dense_1', e.g. targets='Dense|attention'."
+            ) from None
 
     @property
     def scale(self) -> float:
@@ -148,6 +154,19 @@ def adapters_only(params: Mapping) -> dict:
         elif isinstance(key, str) and is_adapter(key):
             kept[key] = value
     return kept
+
+
+def quantization(params: PyTree) -> str | None:
+    """How a LoRA base is stored: ``"int8"`` or ``"nf4"`` (qwix's quantised kernels), ``None``
+    for float kernels.
+
+    >>> quantization({"d": {"kernel": 1.0}}) is None
+    True
+    """
+    for leaf in jax.tree.leaves(params, is_leaf=is_quantized):
+        if is_quantized(leaf):
+            return str(leaf.array.qtype)
+    return None
 
 
 def with_adapters(params: Mapping, adapters: Mapping) -> dict:

@@ -31,18 +31,32 @@ TrainableSpec = str | Sequence[str] | Callable[[str, Any], bool] | None
 TRAIN, FREEZE = "trainable", "frozen"
 
 
+def _compiled(pattern: str) -> re.Pattern:
+    try:
+        return re.compile(pattern)
+    except re.error as error:
+        raise ValueError(
+            f"trainable={pattern!r} is not a regular expression ({error}); it is searched (re.search) in parameter "
+            "paths such as 'Dense_0/kernel'."
+        ) from None
+
+
 class Trainable:
     """A checked trainable spec (see the module docstring); ``Trainable.of(None)`` trains all.
     ``extra``: a further predicate on paths that also trains a leaf (LoRA's adapters)."""
 
-    def __init__(self, spec: TrainableSpec, extra: Callable[[str], bool] | None = None):
-        self.spec, self.extra = spec, extra
+    def __init__(self, spec: TrainableSpec, extra: Callable[[str], bool] | None = None, extra_name: str = ""):
+        self.spec, self.extra, self.extra_name = (
+            spec,
+            extra,
+            extra_name or "the extra trainable paths match no parameter",
+        )
         if isinstance(spec, str):
-            patterns = [re.compile(spec)]
+            patterns = [_compiled(spec)]
         elif spec is None or callable(spec):
             patterns = []
         elif isinstance(spec, Sequence) and all(isinstance(p, str) for p in spec):
-            patterns = [re.compile(p) for p in spec]
+            patterns = [_compiled(p) for p in spec]
         else:
             raise TypeError(
                 f"trainable= takes a regex over parameter paths, a list of them, or a callable (path, leaf) -> bool; "
@@ -51,8 +65,10 @@ class Trainable:
         self._patterns = patterns
 
     @classmethod
-    def of(cls, spec: TrainableSpec | Trainable, extra: Callable[[str], bool] | None = None) -> Trainable:
-        return spec if isinstance(spec, Trainable) else cls(spec, extra)
+    def of(
+        cls, spec: TrainableSpec | Trainable, extra: Callable[[str], bool] | None = None, extra_name: str = ""
+    ) -> Trainable:
+        return spec if isinstance(spec, Trainable) else cls(spec, extra, extra_name)
 
     @property
     def freezes(self) -> bool:
@@ -73,10 +89,28 @@ class Trainable:
         return jax.tree_util.tree_map_with_path(lambda path, leaf: self.trains(leaf_name(path), leaf), params)
 
     def check(self, params: PyTree) -> None:
-        """Refuses a spec that trains nothing (a typo'd regex would freeze the whole model)."""
+        """Refuses a spec that trains nothing (a typo'd regex would freeze the whole model) and
+        a trained parameter that is not a float (no gradient exists for it)."""
+        named = [(leaf_name(path), leaf) for path, leaf in jax.tree_util.tree_leaves_with_path(params)]
+        integers = [
+            f"{name} ({np.dtype(leaf.dtype)})"
+            for name, leaf in named
+            if self.trains(name, leaf) and not jnp.issubdtype(leaf.dtype, jnp.inexact)
+        ]
+        if integers:
+            raise ValueError(
+                f"The model has parameters that are not floats and cannot be trained (no gradient exists for "
+                f"them): {integers[:4]}. Freeze them with trainable= (a regex of the parameters that train, e.g. "
+                "trainable=r'kernel|bias'), or keep such values in another collection than 'params'."
+            )
         if not self.freezes or any(jax.tree.leaves(self.mask(params))):
             return
-        names = [leaf_name(path) for path, _ in jax.tree_util.tree_leaves_with_path(params)]
+        names = [name for name, _ in named]
+        if self.spec is None:  # only the extra paths train (LoRA's adapters), and none exists
+            raise ValueError(
+                f"{self.extra_name}, so nothing would train. The model's parameters are named by their paths, "
+                f"e.g. {names[:4]}."
+            )
         raise ValueError(
             f"trainable={self.spec!r} matches none of the model's parameters, so nothing would train. Parameters "
             f"are named by their paths, e.g. {names[:4]}; trainable= is searched in them (re.search)."

@@ -91,7 +91,8 @@ class Program:
         adapter = adapter if lora is None else with_lora(adapter, lora, seed)
         self.run_model, self.remat = precision.wrap_apply(wrap_remat(adapter, remat)), remat
         self.adapter, self.compute_loss, self.apply = adapter, compute_loss, apply or self.run_model
-        self.trainable = Trainable.of(trainable, extra=None if lora is None else is_adapter)
+        adapters = "" if lora is None else f"lora=tk.LoRA(targets={lora.targets!r}) matches no module (no adapter made)"
+        self.trainable = Trainable.of(trainable, extra=None if lora is None else is_adapter, extra_name=adapters)
         self.optimizer = self.trainable.optimizer(optimizer)  # set_to_zero (no state) for frozen leaves
         self.objective, self.precision = objective, precision
         self.grad_accum_steps, self.log_grad_norm, self.seed = grad_accum_steps, log_grad_norm, seed

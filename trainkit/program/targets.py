@@ -133,7 +133,7 @@ def _slice(spec: str, family: str, dims: str) -> Target:
     if not 0 < count <= MOST_CHIPS[family]:
         raise ValueError(
             f"Target {spec!r} has {count} chips: a TPU {family} slice has 1 to {MOST_CHIPS[family]}, every side at "
-            f"least 1 (e.g. \"tpu {family}:{'2x2' if len(sides) == 2 else '2x2x1'}\"). Spell it {SPELLINGS}."
+            f'least 1 (e.g. "tpu {family}:{"2x2" if len(sides) == 2 else "2x2x1"}"). Spell it {SPELLINGS}.'
         )
     return Target(spec, "tpu", CHIPS[family], f"{family}:{dims}", count, max(1, count // 4))
 
@@ -151,7 +151,7 @@ def parse(spec: str) -> Target:
         if hosts < 1 or not 1 <= per_host <= GPUS_PER_HOST:
             raise ValueError(
                 f"Target {spec!r} has {hosts} host(s) of {per_host} GPUs: an H100 host has 1 to {GPUS_PER_HOST}, and "
-                f"a target at least 1 host (e.g. \"h100 x8\", \"h100 2x8\"). Spell it {SPELLINGS}."
+                f'a target at least 1 host (e.g. "h100 x8", "h100 2x8"). Spell it {SPELLINGS}.'
             )
         return Target(spec, "cuda", CHIPS["h100"], f"{hosts}x1x{per_host}", hosts * per_host, hosts)
     raise ValueError(f"Unknown target {spec!r}: spell it {SPELLINGS}. Known chips: {sorted(CHIPS)}.")
