@@ -390,3 +390,22 @@ def test_the_loggers_throughput_counts_the_compiled_step_where_mfu_is_known(tmp_
     trainer, _ = fit([logging], epochs=1)
     assert logging.meter.flops_per_step == tk.debug.compiled_step_flops(trainer).total
     assert "mfu" in (tmp_path / "again.csv").read_text()
+
+
+@pytest.mark.parametrize(
+    "text, secret",
+    [
+        ("http://alice:p@ss@host:5000/api", "p@ss"),  # a raw @ in the password: the URL's last @ ends it
+        ("GitLab said 401 for private_token=glpat-123abc", "glpat-123abc"),
+        ("token endpoint: client_id=app&client_secret=s3cr3tv4lue", "s3cr3tv4lue"),
+        ("headers {'Authorization: Bearer eyJhbGciOi.payload'}", "eyJhbGciOi.payload"),
+        ("Authorization: Basic YWxpY2U6czNjcjN0", "YWxpY2U6czNjcjN0"),
+        ("refresh_token=rt-987 expired", "rt-987"),
+    ],
+)
+def test_every_credential_spelling_is_masked(text, secret):
+    from trainkit.core.redact import redacted
+
+    shown = redacted(text)
+    assert secret not in shown and "***" in shown, shown
+    assert redacted("the token expired at the basic step") == "the token expired at the basic step"  # prose kept

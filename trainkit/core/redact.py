@@ -7,27 +7,35 @@ query parameters, in any message that may quote a URL (a tracking server's, a bu
 'GET https://host/api?run=3&access_token=***&x=1 -> 401'
 >>> redacted("s3://token@bucket/runs")
 's3://***@bucket/runs'
+>>> redacted("http://alice:p@ss@host:5000/ private_token=abc Authorization: Bearer eyJ.x")
+'http://alice:***@host:5000/ private_token=*** Authorization: Bearer ***'
 """
 
 from __future__ import annotations
 
 import re
 
-_USERINFO = re.compile(r"(?P<scheme>\b[a-zA-Z][a-zA-Z0-9+.-]*://)(?P<user>[^/@\s:'\"]*)(?P<password>:[^/@\s'\"]*)?@")
+#: a URL's user-info runs to the authority's last ``@`` (a raw ``@`` in a password, as URL parsers read it)
+_USERINFO = re.compile(r"(?P<scheme>\b[a-zA-Z][a-zA-Z0-9+.-]*://)(?P<user>[^/@\s:'\"?#]*)(?P<password>:[^/\s'\"?#]*)?@")
 _TOKEN = re.compile(
-    r"(?P<name>[?&;](?:access_token|token|api_key|apikey|key|secret|password|passwd|sig|signature|auth|"
-    r"credential|x-amz-signature|x-amz-credential|x-amz-security-token)=)[^&\s'\"#]+",
+    r"(?P<name>\b(?:access_token|token|private_token|refresh_token|id_token|session_token|client_secret|api_key|"
+    r"apikey|key|secret|password|passwd|sig|signature|auth|credential|x-amz-signature|x-amz-credential|"
+    r"x-amz-security-token)=)[^&\s'\"#]+",
     re.IGNORECASE,
 )
+#: an HTTP authorization header's credentials, or a bearer token quoted alone
+_AUTHORIZATION = re.compile(r"(?P<name>\bauthorization:\s*(?:bearer|basic|token)\s+|\bbearer\s+)[^\s'\"]+", re.IGNORECASE)
 
 
 def redacted(text: str) -> str:
-    """``text`` with URL passwords (``user:***@``), bare user-info tokens (``***@``) and
-    token-like query values (``token=***``) masked."""
+    """``text`` with URL passwords (``user:***@``), bare user-info tokens (``***@``),
+    token-like values (``token=***``, ``client_secret=***``) and authorization credentials
+    (``Authorization: Bearer ***``) masked."""
 
     def userinfo(match: re.Match) -> str:
         if match["password"]:
             return f"{match['scheme']}{match['user']}:***@"
         return f"{match['scheme']}***@"
 
-    return _TOKEN.sub(lambda m: f"{m['name']}***", _USERINFO.sub(userinfo, text))
+    masked = _TOKEN.sub(lambda m: f"{m['name']}***", _USERINFO.sub(userinfo, text))
+    return _AUTHORIZATION.sub(lambda m: f"{m['name']}***", masked)
