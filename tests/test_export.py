@@ -22,7 +22,7 @@ from trainkit.export import formats, signature
 SERVE = Path(__file__).parent / "scripts" / "serve_export.py"
 ROWS = (1, 7, 33)  # the export traced none of these: its batch axis is symbolic
 TOLERANCE = {"jax": 1e-5, "tf_saved_model": 1e-4, "onnx": 1e-4}
-HEADER = tk.export.jax_format.HEADER_BYTES
+HEADER, HEADER_MAGIC = tk.export.jax_format.HEADER_BYTES, tk.export.jax_format.MAGIC
 
 
 class CNN(nn.Module):
@@ -161,6 +161,12 @@ def test_export_refuses_an_unknown_format_and_names_a_missing_package(monkeypatc
         ImportError, match=r"format='onnx' needs the package 'jax2onnx_not_installed'.*trainkit\[export\]"
     ):
         trainer.export(tmp_path / "m.onnx", format="onnx")
+    with pytest.raises(ImportError, match=r"format='onnx' needs"):  # the suffix names the format
+        trainer.export(tmp_path / "m.onnx")
+    with pytest.raises(
+        ValueError, match=r"the file's suffix '.onnx' names the 'onnx' format.*m.jax\) or pass format='onnx'"
+    ):
+        trainer.export(tmp_path / "m.onnx", format="jax")
     assert not (tmp_path / "m.onnx").exists()
 
 
@@ -171,23 +177,44 @@ def test_load_refuses_a_file_that_is_no_export(tmp_path):
 
 
 def test_a_damaged_jax_export_is_refused_at_load_and_a_plain_serialization_still_loads(models, tmp_path):
+    """The file is what ``jax.export.deserialize`` reads; its sidecar (``m.jax.json``) holds the
+    digest that ``tk.export.load`` checks; a file with the header trainkit wrote before still loads."""
     trainer = models["cnn"][0]
     path = tmp_path / "m.jax"
     trainer.export(path, verbose=False)
     good = path.read_bytes()
+    x = np.ones((2, 8, 8, 1), np.float32)
+    plain = jax.export.deserialize(bytearray(good))  # no slicing: a standard JAX loader reads it
+    np.testing.assert_allclose(plain.call(x), trainer.predict(x, batch_size=8), atol=1e-5)
     header = tk.export.jax_format.header(path)
     assert header["sha256"] and header["inputs"] == ["input"] and header["outputs"] == ["output"]
-    middle = HEADER + (len(good) - HEADER) // 2
+    assert json.loads((tmp_path / "m.jax.json").read_text())["payload_bytes"] == len(good)
+    middle = len(good) // 2
     for damaged in (good[:-100], good[:middle] + bytes([good[middle] ^ 1]) + good[middle + 1 :]):  # cut, a flipped bit
         path.write_bytes(damaged)
         with pytest.raises(ValueError, match="is damaged: its model is"):
             tk.export.load(path)
-    path.write_bytes(good[:40] + b"{" + good[41:])  # the header itself
-    with pytest.raises(ValueError, match="header is damaged"):
+    path.write_bytes(good)
+    sidecar = (tmp_path / "m.jax.json").read_text()
+    (tmp_path / "m.jax.json").write_text(sidecar[:20])
+    with pytest.raises(ValueError, match=r"m.jax.json, the description of .*m.jax, is damaged"):
         tk.export.load(path)
-    path.write_bytes(good[HEADER:])  # what trainkit wrote before the header: still read
-    x = np.ones((2, 8, 8, 1), np.float32)
+    (tmp_path / "m.jax.json").unlink()  # the model alone: loads, unchecked
     np.testing.assert_allclose(tk.export.load(path)(x), trainer.predict(x, batch_size=8), atol=1e-5)
+    described = json.loads(sidecar)  # a file written with the 4,096-byte header (trainkit before the sidecar)
+    path.write_bytes((HEADER_MAGIC + json.dumps(described).encode()).ljust(HEADER, b" ") + good)
+    np.testing.assert_allclose(tk.export.load(path)(x), trainer.predict(x, batch_size=8), atol=1e-5)
+    path.write_bytes((HEADER_MAGIC + json.dumps(described).encode()).ljust(HEADER, b" ") + good[:-1])
+    with pytest.raises(ValueError, match="is damaged: its model is"):
+        tk.export.load(path)
+
+
+def test_a_zero_row_batch_gives_zero_rows_as_the_docs_say(models, tmp_path):
+    trainer = models["cnn"][0]
+    trainer.export(tmp_path / "m.jax", verbose=False)
+    served = tk.export.load(tmp_path / "m.jax")
+    out = np.asarray(served(np.ones((0, 8, 8, 1), np.float32)))
+    assert out.shape == (0, *trainer.predict(np.ones((1, 8, 8, 1), np.float32)).shape[1:])
 
 
 def test_a_failed_export_leaves_the_previous_one_whole(models, tmp_path):
@@ -209,9 +236,9 @@ def test_a_failed_export_leaves_the_previous_one_whole(models, tmp_path):
         resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
         signal.signal(signal.SIGXFSZ, previous)
     assert path.read_bytes() == good  # the previous export, whole
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["m.jax", "m.jax.data"]  # nothing half-written left
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m.jax", "m.jax.data", "m.jax.json"]  # nothing half-written
     trainer.export(path, verbose=False)  # a later export that succeeds removes the stale sidecar
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["m.jax"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m.jax", "m.jax.json"]
 
 
 def test_the_dict_and_list_inputs_keep_their_structure(tmp_path):

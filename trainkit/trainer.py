@@ -265,9 +265,13 @@ class Trainer:
         options.update(batch_size=batch_size, steps=steps, verbose=verbose, target=target)
         return tuning.plan(self.setup, sample_batch, **options)
 
-    def export(self, filepath: str | os.PathLike, format: str = "jax", verbose: bool = True, **options: Any) -> None:
+    def export(
+        self, filepath: str | os.PathLike, format: str | None = None, verbose: bool = True, **options: Any
+    ) -> None:
         """Keras 3's ``model.export``: ``predict``'s function with a symbolic batch axis, as ``"jax"``,
-        ``"tf_saved_model"`` or ``"onnx"`` (float32); under LoRA the merged model (docs/export.md)."""
+        ``"tf_saved_model"`` or ``"onnx"`` (float32); the format follows the file's suffix (``.onnx``,
+        ``.jax``), else ``format`` (default ``"jax"``); under LoRA the merged model (docs/export.md)."""
+        format = export_lib.resolve_format(filepath, format)
         float32 = export_lib.computes_float32(format, self.precision.compute_dtype, type(self).apply is Trainer.apply)
         export_lib.export(filepath, lambda: self.setup.inference(float32), format, verbose=verbose, **options)
 

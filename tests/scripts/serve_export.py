@@ -27,7 +27,7 @@ def runner(fmt, path, names):
     if fmt == "jax":
         import jax
 
-        exported = jax.export.deserialize(bytearray(open(path, "rb").read()[4096:]))  # past trainkit's header
+        exported = jax.export.deserialize(bytearray(open(path, "rb").read()))  # a plain jax.export serialization
         return lambda x: flat(exported.call(x)), flat_inputs
     if fmt == "tf_saved_model":
         import tensorflow as tf

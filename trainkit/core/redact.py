@@ -24,7 +24,9 @@ _TOKEN = re.compile(
     re.IGNORECASE,
 )
 #: an HTTP authorization header's credentials, or a bearer token quoted alone
-_AUTHORIZATION = re.compile(r"(?P<name>\bauthorization:\s*(?:bearer|basic|token)\s+|\bbearer\s+)[^\s'\"]+", re.IGNORECASE)
+_AUTHORIZATION = re.compile(
+    r"(?P<name>\bauthorization:\s*(?:bearer|basic|token)\s+|\bbearer\s+)[^\s'\"]+", re.IGNORECASE
+)
 
 
 def redacted(text: str) -> str:

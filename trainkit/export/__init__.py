@@ -9,7 +9,7 @@
 (5, 3)
 """
 
-from trainkit.export.formats import FORMATS, check_format, computes_float32, export, write
+from trainkit.export.formats import FORMATS, check_format, computes_float32, export, resolve_format, write
 from trainkit.export.jax_format import LoadedModel, load
 
-__all__ = ["FORMATS", "LoadedModel", "check_format", "computes_float32", "export", "load", "write"]
+__all__ = ["FORMATS", "LoadedModel", "check_format", "computes_float32", "export", "load", "resolve_format", "write"]

@@ -56,6 +56,32 @@ def computes_float32(format: str, compute_dtype: Any, model_call: bool) -> bool:
     return True
 
 
+#: the suffixes that name a format (a SavedModel is a folder: no suffix)
+SUFFIXES = {".jax": "jax", ".onnx": "onnx"}
+
+
+def resolve_format(path: str | os.PathLike, format: str | None) -> str:
+    """The format of an export to ``path``: its suffix's (``.onnx``, ``.jax``), else ``format``
+    (default ``"jax"``); a ``format`` the suffix contradicts is refused.
+
+    >>> resolve_format("m.onnx", None), resolve_format("served", "tf_saved_model"), resolve_format("m", None)
+    ('onnx', 'tf_saved_model', 'jax')
+    """
+    suffix = os.path.splitext(os.fspath(path))[1].lower()
+    named = SUFFIXES.get(suffix)
+    if format is not None and named is not None and format != named:
+        raise ValueError(
+            f"export({os.fspath(path)!r}, format={format!r}): the file's suffix {suffix!r} names the {named!r} format. "
+            f"Name the file for its format (e.g. {os.path.splitext(os.fspath(path))[0]}{_suffix_of(format)}) or pass "
+            f"format={named!r}."
+        )
+    return format or named or "jax"
+
+
+def _suffix_of(format: str) -> str:
+    return next((suffix for suffix, name in SUFFIXES.items() if name == format), "/ (a folder)")
+
+
 def check_format(format: str) -> None:
     """Refuses an unknown format, or one whose optional package is missing, naming the fix."""
     if format not in FORMATS:
@@ -73,7 +99,7 @@ def write(
     function: Callable,
     variables: PyTree,
     spec: PyTree,
-    format: str = "jax",
+    format: str | None = None,
     *,
     verbose: bool = True,
     **options,
@@ -81,7 +107,9 @@ def write(
     """Exports ``function(variables, x)`` (pure; ``variables`` host arrays) for inputs of the
     per-example ``spec`` with a symbolic batch axis, in ``format``, to ``path`` (written by the
     main process; ``options`` go to the format: ``platforms=[...]`` for ``"jax"`` and
-    ``"tf_saved_model"``, ``opset=`` for ``"onnx"``)."""
+    ``"tf_saved_model"``, ``opset=`` for ``"onnx"``); ``format`` follows ``path``'s suffix
+    (:func:`resolve_format`)."""
+    format = resolve_format(path, format)
     check_format(format)
     if not distributed.is_main_process():
         return
@@ -89,7 +117,9 @@ def write(
     start = time.perf_counter()
     # written beside the target and renamed into place: a failed export leaves the previous one
     # whole (a missing parent folder is created)
-    with atomic.staged(path) as temporary:
+    # moved (or a stale one removed) with it
+    sidecars = (*atomic.SIDECARS, jax_format.SIDECAR) if format == "jax" else atomic.SIDECARS
+    with atomic.staged(path, sidecars) as temporary:
         written = save(temporary, function, variables, symbolic_inputs(spec), **options)
     if verbose:
         details = ", ".join(f"{k} {v}" for k, v in written.items())
@@ -99,12 +129,13 @@ def write(
 def export(
     path: str | os.PathLike,
     inference: Callable[[], tuple[Callable, PyTree, PyTree]],
-    format: str = "jax",
+    format: str | None = None,
     *,
     verbose: bool = True,
     **options,
 ) -> None:
     """:meth:`trainkit.Trainer.export`: ``format`` checked first, then what ``inference()``
     returns (the function, its host variables, the per-example input spec) written by :func:`write`."""
+    format = resolve_format(path, format)
     check_format(format)  # before anything is fetched or traced
     write(path, *inference(), format, verbose=verbose, **options)

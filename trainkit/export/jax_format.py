@@ -1,13 +1,12 @@
 """The ``"jax"`` format: the bytes of ``jax.export.export(...).serialize()``, the variables
-inside as constants, so that a process with neither trainkit nor the model's code runs it,
-behind a fixed-size header that lets :func:`load` check them before anything runs.
+inside as constants, so that a process with neither trainkit nor the model's code runs it:
+``jax.export.deserialize(bytearray(open(path, "rb").read())).call(x)``.
 
-The file is ``HEADER_BYTES`` (4096) of header, then the payload: the header starts with
-``MAGIC`` and holds, as JSON padded with spaces, the payload's length and SHA-256 digest, its
-calling convention version, platforms and input and output names. Without trainkit:
-``jax.export.deserialize(bytearray(open(path, "rb").read()[4096:])).call(x)``. :func:`load`
-refuses a file whose payload does not match its digest (a flipped byte, a truncated copy),
-names what differs, and still reads a plain serialization (trainkit before the header).
+Beside it, ``<path>.json`` (the sidecar) holds the payload's length and SHA-256 digest, its
+calling convention version, platforms and input and output names: :func:`load` checks the file
+against it before anything runs, refuses a file that does not match (a flipped byte, a truncated
+copy) naming what differs, and loads a file without a sidecar as it is. Files of trainkit
+before the sidecar (a 4,096-byte header starting with ``MAGIC`` before the payload) still load.
 
 >>> import numpy as np, os, tempfile
 >>> path = os.path.join(tempfile.mkdtemp(), "double.jax")
@@ -16,7 +15,7 @@ names what differs, and still reads a plain serialization (trainkit before the h
 True
 >>> load(path)(np.ones((4, 3), np.float32)).shape
 (4, 3)
->>> header(path)["payload_bytes"] == os.path.getsize(path) - HEADER_BYTES
+>>> header(path)["payload_bytes"] == os.path.getsize(path)
 True
 """
 
@@ -29,13 +28,17 @@ import os
 from collections.abc import Callable, Sequence
 
 import jax
+import numpy as np
 
 from trainkit.core.tree import PyTree
 from trainkit.export.signature import leaf_names, output_names
 
-#: The first bytes of a trainkit ``"jax"`` export, and the header's fixed size.
+#: The first bytes of a trainkit ``"jax"`` export written with a header (before the sidecar), and
+#: the header's fixed size.
 MAGIC = b"TRAINKIT-JAX-EXPORT\n"
 HEADER_BYTES = 4096
+#: the sidecar's suffix: ``model.jax.json`` describes ``model.jax``
+SIDECAR = ".json"
 
 
 def save(
@@ -46,12 +49,13 @@ def save(
     platforms: Sequence[str] | None = None,
 ) -> dict:
     """Exports ``function(variables, x)`` for the symbolic ``inputs``, the variables inside as
-    constants (for ``platforms``, default the current backend), into ``path``; returns what was
-    written (bytes, calling convention, platforms)."""
+    constants (for ``platforms``, default the current backend), into ``path``, and its
+    description into ``path + ".json"``; returns what was written (bytes, calling convention,
+    platforms)."""
     exported = jax.export.export(jax.jit(functools.partial(function, variables)), platforms=platforms)(inputs)
     data = bytes(exported.serialize())
     described = {
-        "format": 1,
+        "format": 2,
         "payload_bytes": len(data),
         "sha256": hashlib.sha256(data).hexdigest(),
         "calling_convention_version": exported.calling_convention_version,
@@ -59,60 +63,85 @@ def save(
         "inputs": leaf_names(inputs, "input"),
         "outputs": output_names(function, variables, inputs),
     }
-    text = MAGIC + json.dumps(described).encode()
-    if len(text) > HEADER_BYTES:  # thousands of input names: the names are left out, the digest kept
-        text = MAGIC + json.dumps({**described, "inputs": None, "outputs": None}).encode()
     with open(path, "wb") as file:
-        file.write(text.ljust(HEADER_BYTES, b" ") + data)
-    return {"bytes": HEADER_BYTES + len(data), **{k: described[k] for k in ("calling_convention_version", "platforms")}}
+        file.write(data)
+    with open(os.fspath(path) + SIDECAR, "w") as file:
+        json.dump(described, file, indent=1)
+    return {"bytes": len(data), **{k: described[k] for k in ("calling_convention_version", "platforms")}}
 
 
-def header(path: str | os.PathLike) -> dict:
-    """The header of a ``"jax"`` export (``{}`` for a plain serialization without one)."""
-    with open(path, "rb") as file:
-        head = file.read(HEADER_BYTES)
-    if not head.startswith(MAGIC):
-        return {}
-    try:
-        described = json.loads(head[len(MAGIC) :].decode())
-    except ValueError as error:
-        raise ValueError(f"{path}: its header is damaged ({error}); export the model again.") from error
+def _checked(described: object, where: str) -> dict:
     if not (
         isinstance(described, dict)
         and isinstance(described.get("payload_bytes"), int)
         and isinstance(described.get("sha256"), str)
     ):
-        raise ValueError(f"{path}: its header is damaged (no payload length and digest); export the model again.")
+        raise ValueError(f"{where} is damaged (no payload length and digest); export the model again.")
     return described
 
 
+def _headed(path: str | os.PathLike) -> bool:
+    with open(path, "rb") as file:
+        return file.read(len(MAGIC)) == MAGIC
+
+
+def header(path: str | os.PathLike) -> dict:
+    """What the sidecar (or, for an older file, the header) says of a ``"jax"`` export; ``{}``
+    for a plain serialization without either."""
+    sidecar = os.fspath(path) + SIDECAR
+    if os.path.isfile(sidecar) and not _headed(path):
+        try:
+            with open(sidecar) as file:
+                return _checked(json.load(file), f"{sidecar}, the description of {path},")
+        except (OSError, ValueError) as error:
+            if isinstance(error, ValueError) and "is damaged" in str(error):
+                raise
+            raise ValueError(
+                f"{sidecar}, the description of {path}, is damaged ({error}); export the model again."
+            ) from error
+    if not _headed(path):
+        return {}
+    with open(path, "rb") as file:
+        head = file.read(HEADER_BYTES)
+    try:
+        described = json.loads(head[len(MAGIC) :].decode())
+    except ValueError as error:
+        raise ValueError(f"{path}: its header is damaged ({error}); export the model again.") from error
+    return _checked(described, f"{path}: its header")
+
+
 def payload(path: str | os.PathLike) -> bytearray:
-    """The ``jax.export`` bytes of a ``"jax"`` export, checked against its header's length and
-    digest (a plain serialization is returned as it is)."""
+    """The ``jax.export`` bytes of a ``"jax"`` export, checked against the length and digest its
+    sidecar (or older header) records; a plain serialization is returned as it is."""
     described = header(path)
     with open(path, "rb") as file:
         data = bytearray(file.read())
     if not described:
         return data
-    body = data[HEADER_BYTES:]
+    body = data[HEADER_BYTES:] if data.startswith(MAGIC) else data
     digest = hashlib.sha256(body).hexdigest()
     if len(body) != described.get("payload_bytes") or digest != described.get("sha256"):
         raise ValueError(
             f"{path} is damaged: its model is {len(body)} bytes with SHA-256 {digest[:16]}..., but it was written "
             f"as {described.get('payload_bytes')} bytes with {str(described.get('sha256'))[:16]}...; copy it again "
-            "from where it was exported, or export the model again."
+            "(with its .json beside it) from where it was exported, or export the model again."
         )
     return body
 
 
 class LoadedModel:
     """A ``"jax"`` export read back: call it with inputs of the structure it was exported with
-    (any batch size); ``exported`` is the ``jax.export.Exported``."""
+    (any batch size, 0 rows too: the outputs then have 0 rows); ``exported`` is the
+    ``jax.export.Exported``."""
 
     def __init__(self, exported: jax.export.Exported, path: str):
         self.exported, self.path = exported, path
 
     def __call__(self, x: PyTree) -> PyTree:
+        leaves = jax.tree.leaves(x)
+        if leaves and all(np.shape(leaf)[:1] == (0,) for leaf in leaves):  # 0 rows: jax.export's sizes start at 1
+            one = jax.tree.map(lambda leaf: np.zeros((1, *np.shape(leaf)[1:]), np.asarray(leaf).dtype), x)
+            return jax.tree.map(lambda out: out[:0], self.exported.call(one))  # rows are independent
         return self.exported.call(x)
 
     @property
