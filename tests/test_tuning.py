@@ -127,6 +127,15 @@ def _adam_trainer(strategy="fsdp"):
     return tk.Trainer(NoisyMLP(), loss="sparse_categorical_crossentropy", optimizer=optimizer, strategy=strategy)
 
 
+def test_a_loss_that_is_nan_from_the_first_batch_says_why_there_is_no_suggestion():
+    x, y = make_classification(64)
+    x[:, 0] = np.nan  # NaN in every input row
+    trainer = _adam_trainer("single")
+    with pytest.warns(UserWarning, match=r"suggests no rate: the loss was nan at the first batch .*NaN in the inputs"):
+        result = trainer.find_learning_rate(x, y, batch_size=32, steps=10)
+    assert result.suggestion is None and result.stopped_early
+
+
 def test_find_learning_rate_leaves_the_state_bit_identical():
     x, y = make_classification(256)
     trainer, untouched = _adam_trainer(), _adam_trainer()

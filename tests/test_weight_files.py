@@ -133,3 +133,41 @@ def test_a_torch_weight_of_another_rank_is_reported_and_strict_false_loads_the_r
     assert loaded.report.mismatched == (("head/kernel", stored, (2, 3)),)
     np.testing.assert_array_equal(loaded.tree["head"]["bias"], np.full(3, 7, np.float32))
     np.testing.assert_array_equal(loaded.tree["head"]["kernel"], np.zeros((2, 3), np.float32))
+
+
+def test_a_staging_folder_left_by_a_kill_is_removed_by_the_next_write(tmp_path, data):
+    """A ``save_weights`` killed with SIGKILL half-way leaves its staging folder; the next write
+    to the same file removes it (and one of an older trainkit, unnamed, once an hour old), keeps
+    a live writer's, and the old file survives the kill whole."""
+    import os
+    import subprocess
+    import sys
+    import time
+
+    import flax.linen as nn
+    import optax
+
+    from trainkit.core import atomic
+
+    target = tmp_path / "w.safetensors"
+    target.write_bytes(b"the previous weights")
+    killed = (
+        "import os; from trainkit.core import atomic\n"
+        f"with atomic.staged({str(target)!r}) as t:\n"
+        "    open(t, 'wb').write(b'half'); os.kill(os.getpid(), 9)"
+    )
+    result = subprocess.run([sys.executable, "-c", killed], capture_output=True, timeout=120)
+    assert result.returncode == -9, result.stderr
+    left = [p.name for p in tmp_path.iterdir() if ".writing-" in p.name]
+    assert len(left) == 1 and target.read_bytes() == b"the previous weights"
+    legacy, young = tmp_path / ".w.safetensors.writing-abcd1234", tmp_path / ".w.safetensors.writing-efgh5678"
+    legacy.mkdir(), young.mkdir()
+    os.utime(legacy, (time.time() - 2 * atomic.UNNAMED_STALE_SECONDS,) * 2)
+    live = tmp_path / f".w.safetensors.writing-{os.getpid()}@{atomic._host()}-ijkl9012"
+    live.mkdir()
+    trainer = tk.Trainer(
+        nn.Dense(3), loss="sparse_categorical_crossentropy", optimizer=optax.sgd(0.1), strategy="single"
+    )
+    trainer.init(data[0][:4])
+    trainer.save_weights(target)
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([young.name, live.name, "w.safetensors"])

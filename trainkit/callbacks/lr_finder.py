@@ -25,6 +25,7 @@ import numpy as np
 
 from trainkit.callbacks.base import Callback
 from trainkit.core import atomic
+from trainkit.core.warn import warn_user
 
 if TYPE_CHECKING:  # for the type checker only: nothing imports trainer.py at run time
     from trainkit.trainer import Trainer
@@ -186,6 +187,26 @@ def iter_once(x: Any) -> bool:
     return isinstance(x, collections.abc.Iterator)  # not iter(x): a loader's __iter__ may start workers
 
 
+def no_suggestion(raw: list[float], tried: list[float], min_lr: float) -> str:
+    """Why a range test suggests no rate, and what to do.
+
+    >>> no_suggestion([float("nan")], [1e-7], 1e-7)[:60]
+    'find_learning_rate suggests no rate: the loss was nan at the '
+    """
+    if raw and not math.isfinite(raw[0]):
+        return (
+            f"find_learning_rate suggests no rate: the loss was {raw[0]} at the first batch (learning rate {min_lr:g}), "
+            "before any rate could matter. A NaN or infinite loss from the start comes from the data or the loss "
+            "(NaN in the inputs or targets, labels outside the classes, log of 0): check a batch with "
+            "trainer.evaluate(x[:32], y[:32]) and np.isfinite(x).all()."
+        )
+    return (
+        f"find_learning_rate suggests no rate: the loss diverged after {len(raw)} of the rates tried "
+        f"(up to {tried[-1] if tried else min_lr:g}), too few to find the steepest descent. Lower min_lr, or raise "
+        "steps= for more points."
+    )
+
+
 def find_learning_rate(
     trainer: Trainer,
     x: Any,
@@ -223,4 +244,6 @@ def find_learning_rate(
     smoothed = smooth(test.raw, smoothing)
     suggestions = {rule: suggest_by(rule, tried, smoothed) for rule in RULES}
     losses = [float(v) for v in smoothed]
+    if suggestions[RULE] is None:
+        warn_user(no_suggestion(test.raw, tried, min_lr))
     return LearningRateSearch(tried, losses, test.raw, suggestions[RULE], test.stopped_early, suggestions)

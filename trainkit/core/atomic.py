@@ -19,8 +19,11 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import shutil
+import socket
 import tempfile
+import time
 from collections.abc import Iterator, Sequence
 
 #: Files a writer may put beside its output under the output's name plus a suffix (ONNX keeps
@@ -28,16 +31,66 @@ from collections.abc import Iterator, Sequence
 SIDECARS = (".data",)
 
 
+#: a staging folder's name: the target's, this process's id and host, mkdtemp's random part
+_STAGING = re.compile(r"^\.(?P<name>.+)\.writing-(?:(?P<pid>\d+)@(?P<host>[^/]*)-)?[A-Za-z0-9_]{8}$")
+#: a staging folder of an older trainkit (no process named) is stale after this many seconds
+UNNAMED_STALE_SECONDS = 3600.0
+
+
+def _host() -> str:
+    return re.sub(r"[^A-Za-z0-9_.]", "_", socket.gethostname())
+
+
+def _dead(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:  # another user's live process
+        return False
+    return False
+
+
+def remove_stale_staging(target: str) -> list[str]:
+    """Removes the staging folders beside ``target`` that a killed write left (``kill -9``,
+    a lost machine): those of a process of this host that no longer runs, and unnamed ones
+    older than an hour. Returns their names.
+
+    >>> import tempfile
+    >>> folder = tempfile.mkdtemp()
+    >>> os.mkdir(os.path.join(folder, ".model.jax.writing-999999999@" + _host() + "-abcd1234"))
+    >>> remove_stale_staging(os.path.join(folder, "model.jax")), os.listdir(folder)
+    (['.model.jax.writing-999999999@...-abcd1234'], [])
+    """
+    parent, base = os.path.split(target)
+    removed = []
+    for name in os.listdir(parent) if os.path.isdir(parent) else []:
+        found = _STAGING.match(name)
+        if not found or found["name"] != base:
+            continue
+        path = os.path.join(parent, name)
+        if found["pid"] is not None:
+            stale = found["host"] == _host() and _dead(int(found["pid"]))
+        else:
+            stale = time.time() - os.path.getmtime(path) > UNNAMED_STALE_SECONDS
+        if stale:
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(name)
+    return removed
+
+
 @contextlib.contextmanager
 def staged(path: str | os.PathLike, sidecars: Sequence[str] = SIDECARS) -> Iterator[str]:
     """A temporary path (in a new folder beside ``path``) to write ``path``'s file or folder
     to; moved into place when the block ends without an error, else removed with everything
     written there. Sidecars written beside it (``<name><suffix>``) are moved first; an old
-    sidecar the new output does not have is removed, so nothing stale is read with it."""
+    sidecar the new output does not have is removed, so nothing stale is read with it. Staging
+    folders that killed writes to the same target left are removed first."""
     target = os.path.abspath(os.fspath(path))
     parent = os.path.dirname(target)
     os.makedirs(parent, exist_ok=True)
-    staging = tempfile.mkdtemp(dir=parent, prefix=f".{os.path.basename(target)}.writing-")
+    remove_stale_staging(target)
+    staging = tempfile.mkdtemp(dir=parent, prefix=f".{os.path.basename(target)}.writing-{os.getpid()}@{_host()}-")
     try:
         temporary = os.path.join(staging, os.path.basename(target))
         yield temporary
