@@ -196,6 +196,13 @@ def no_suggestion(raw: list[float], tried: list[float], min_lr: float) -> str:
     if raw and not math.isfinite(raw[0]):
         return (
             f"find_learning_rate suggests no rate: the loss was {raw[0]} at the first batch "
+            f"(learning rate {min_lr:g}), before any rate could matter. A NaN or infinite loss "
+            "from the start comes from the data or the loss (NaN in the inputs or targets, labels "
+            "outside the classes, log of 0): check a batch with trainer.evaluate(x[:32], y[:32]) "
+            "and np.isfinite(x).all()."
+        )
+    return (
+            f"find_learning_rate suggests no rate: the loss was {raw[0]} at the first batch "
             f"(learning rate {min_lr:g}), before any rate could matter. A NaN or infinite loss from the start "
             "comes from the data or the loss (NaN in the inputs or targets, labels outside the classes, log of 0): check a batch with "
             "trainer.evaluate(x[:32], y[:32]) and np.isfinite(x).all()."
