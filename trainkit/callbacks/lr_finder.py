@@ -190,8 +190,8 @@ def iter_once(x: Any) -> bool:
 def no_suggestion(raw: list[float], tried: list[float], min_lr: float) -> str:
     """Why a range test suggests no rate, and what to do.
 
-    >>> no_suggestion([float("nan")], [1e-7], 1e-7)[:60]
-    'find_learning_rate suggests no rate: the loss was nan at the '
+    >>> no_suggestion([float("nan")], [1e-7], 1e-7)[:59]
+    'find_learning_rate suggests no rate: the loss was nan at th'
     """
     if raw and not math.isfinite(raw[0]):
         return (
@@ -200,12 +200,6 @@ def no_suggestion(raw: list[float], tried: list[float], min_lr: float) -> str:
             "from the start comes from the data or the loss (NaN in the inputs or targets, labels "
             "outside the classes, log of 0): check a batch with trainer.evaluate(x[:32], y[:32]) "
             "and np.isfinite(x).all()."
-        )
-    return (
-            f"find_learning_rate suggests no rate: the loss was {raw[0]} at the first batch "
-            f"(learning rate {min_lr:g}), before any rate could matter. A NaN or infinite loss from the start "
-            "comes from the data or the loss (NaN in the inputs or targets, labels outside the classes, log of 0): check a batch with "
-            "trainer.evaluate(x[:32], y[:32]) and np.isfinite(x).all()."
         )
     return (
         f"find_learning_rate suggests no rate: the loss diverged after {len(raw)} of the rates tried "
