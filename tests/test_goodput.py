@@ -138,3 +138,48 @@ def test_compile_spans_inside_an_interval_count_once_as_compile():
     assert result.buckets["compile"] > 0 and result.buckets["validation"] >= 0
     assert sum(result.buckets.values()) == pytest.approx(result.wall_seconds, rel=1e-9)
     assert sum(r.compiles for r in result.compiles.values()) == 1, result.compiles
+
+
+class NoOpA(tk.callbacks.Callback):
+    def on_train_batch_end(self, batch, logs=None):
+        pass
+
+
+class NoOpB(NoOpA):
+    pass
+
+
+def test_reading_the_batch_logs_is_the_loops_time_not_the_first_callbacks():
+    """Two identical no-op batch callbacks cost the same: the wait for the step and the read of
+    its metrics, which the first one used to be charged with, are the loop's (``step``)."""
+    history = trainer(strategy="single").fit(X, Y, batch_size=2, epochs=2, verbose=0, callbacks=[NoOpA(), NoOpB()])
+    first, second = (history.goodput.buckets[f"callbacks/{name}"] for name in ("NoOpA", "NoOpB"))
+    assert first < 3 * second + 0.01 * history.goodput.buckets["step"], (first, second, history.goodput.buckets)
+
+
+class FailAt(tk.callbacks.Callback):
+    def __init__(self, step):
+        self.step = step
+
+    def on_train_batch_begin(self, batch, logs=None):
+        if self.trainer.global_step == self.step:
+            raise RuntimeError(f"failed at step {self.step}")
+
+
+def test_a_fit_that_raises_keeps_its_ledger_to_the_failure(tmp_path):
+    import json
+
+    fitting = trainer(strategy="single")
+    backup = tk.callbacks.BackupAndRestore(tmp_path / "backup", save_freq=4)
+    backup.journal_seconds = 3600  # only the failure's journal counts here
+    with pytest.raises(RuntimeError, match="failed at step 10"):
+        fitting.fit(X, Y, batch_size=16, epochs=3, verbose=0, callbacks=[backup, FailAt(10)])
+    last = fitting.session.ledger.last
+    assert last is not None and last.wall_seconds > 0 and last.buckets["step"] > 0, last
+    journal = json.loads((tmp_path / "backup" / "goodput.json").read_text())
+    assert journal["step"] == 10, journal  # not 8, the last backup's
+    resumed = trainer(strategy="single")
+    history = resumed.fit(
+        X, Y, batch_size=16, epochs=3, verbose=0, callbacks=[tk.callbacks.BackupAndRestore(tmp_path / "backup")]
+    )
+    assert history.goodput.lost_steps == 2 and history.goodput.restarts == 1, history.goodput

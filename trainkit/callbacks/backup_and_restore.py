@@ -258,3 +258,4 @@ class BackupAndRestore(Callback):
         self._restore_handler()
         if self.checkpointer is not None:
             self.checkpointer.close()  # finishes the writes already started; the backup stays
+            self._write_journal(force=True)  # the failed run's ledger to the failure: a resume counts what was lost

@@ -133,15 +133,16 @@ class IndexedDispatcher(Dispatcher):
 
 class BatchEndDispatcher(Dispatcher):
     """A batch-end hook: ``logs`` may be a function that computes them (reading the device),
-    called only once a callback that reads this hook's logs comes."""
+    called only once a callback that reads this hook's logs comes, its time the loop's (not
+    charged to that callback: waiting for the step and reading its metrics is the loop's work)."""
 
     def __call__(self, index: int, logs: Logs | Callable[[], Logs] | None = None) -> None:  # type: ignore[override]
         shared, switch = None if callable(logs) else _keras_logs(logs), self.ledger.switch
         for callback, fn, bucket in self.bound:
-            previous = switch(bucket)  # reading the metrics for it included: it asked for them
+            if shared is None and callback.reads_batch_logs():  # the loop's work (waiting for the step, reading
+                shared = _keras_logs(logs() if callable(logs) else logs)  # its metrics): in the loop's bucket
+            previous = switch(bucket)
             try:
-                if shared is None and callback.reads_batch_logs():
-                    shared = _keras_logs(logs() if callable(logs) else logs)
                 fn(index, {} if shared is None else shared)
             finally:
                 switch(previous)

@@ -113,6 +113,8 @@ class FitRun:
             callbacks.on_train_end(logs)
             session.ledger.amend()  # history.goodput covers on_train_end's hooks too
         except BaseException as error:
+            session.ledger.settle()
+            session.ledger.close()  # the failed fit's ledger, to the failure (this process's: no collective here)
             callbacks.on_exception(error)
             raise
         finally:
