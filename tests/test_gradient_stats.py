@@ -102,9 +102,9 @@ def test_every_strategy_measures_what_one_device_measures(reference, strategy):
 
 @pytest.mark.parametrize("strategy", ["hybrid2x4"])
 def test_a_fused_call_keeps_the_statistics_of_the_step_that_was_due(reference, strategy):
-    stats, recorder, _ = measured(strategy, steps_per_execution=4)
+    stats, recorder, _ = measured(strategy, steps_per_execution=2)
     ref_stats, ref_recorder, _ = reference
-    # 6 steps an epoch: a call of steps 1-4 (3 inside it), then 5 and 6 one by one; 7-10 (9 inside), 11, 12
+    # 6 steps an epoch in calls of 2: steps 3 and 9 inside calls (3-4, 9-10), 6 and 12 at their ends
     assert stats.steps == [3, 6, 9, 12], stats.steps
     for step in stats.steps:  # logged at the end of the call that held the step
         logged = recorder.logged[min(s for s in recorder.logged if s >= step)]
@@ -118,6 +118,13 @@ def test_nothing_is_measured_or_logged_without_the_callback():
     history = trainer.fit(x, y, batch_size=16, epochs=1, verbose=0)
     assert not [name for name in history.history if "norm" in name]
     assert trainer.setup.program.statistics is None
+
+
+def test_a_fused_call_longer_than_every_is_refused_naming_both():
+    """A call of 4 steps with every=3 could hold steps 9 and 12 and keep only 12: refused before
+    the first step, naming the settings that work."""
+    with pytest.raises(ValueError, match=r"GradientStats\(every=3\) with steps_per_execution=4: .*Pass every >= 4"):
+        measured("single", steps_per_execution=4)
 
 
 def test_bad_arguments_are_refused_before_training():

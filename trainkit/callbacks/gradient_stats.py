@@ -36,7 +36,8 @@ class GradientStats(Callback):
     ``".*"``) the same per module, named ``grad_norm/<module path>``.
 
     The train step computes them (a ``lax.cond``: only on those steps), also inside a fused
-    ``steps_per_execution`` call, and keeps them on the device with the epoch's metrics: they
+    ``steps_per_execution`` call (of at most ``every`` steps, so that no measured step is
+    missed: a larger explicit ``steps_per_execution`` is refused), and keeps them on the device with the epoch's metrics: they
     reach the host only on the steps they are logged, so the loop never waits for the device
     in between. They are added to that step's batch logs (callbacks after this one, ``Logging``
     and ``TensorBoard`` with a matching ``update_freq``, see them) and the latest ones to every
@@ -59,7 +60,20 @@ class GradientStats(Callback):
     def step_statistics(self) -> StepStatistics:
         return self.spec
 
+    def execution_cap(self) -> int | None:
+        """``every``: a fused call of at most ``every`` steps covers at most one measured step
+        (``steps_per_execution="auto"`` stays within it)."""
+        return self.spec.every
+
     def on_train_begin(self, logs: Logs | None = None) -> None:
+        fused = self.model.steps_per_execution
+        if not self.model.setup.tunes_steps and fused > self.spec.every:
+            raise ValueError(
+                f"GradientStats(every={self.spec.every}) with steps_per_execution={fused}: one fused call of {fused} "
+                f"steps can cover two measured steps and would keep only the last. Pass every >= {fused} (e.g. "
+                f"every={fused * max(1, -(-self.spec.every // fused))}) or steps_per_execution <= {self.spec.every} "
+                '(or "auto", which stays within every).'
+            )
         self.values, self.steps = {}, []
         if self.log_dir is not None and distributed.is_main_process():
             self.board = loggers.TensorBoardLogger(self.log_dir)
