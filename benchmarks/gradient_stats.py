@@ -1,0 +1,80 @@
+"""The cost of ``GradientStats`` when it measures rarely: steps/s of ``fit`` with
+``GradientStats(every=100)`` (global norms, and per module with ``per_layer=".*"``) against the
+same ``fit`` without it, on a dispatch-bound model (an MLP 32-64-10, batch 32, one CPU device:
+the host loop is the cost) and on a compute-bound one (an MLP 784-512-512-10, batch 128).
+Measured side by side, alternating, in one run; reported as time ratios (with / without).
+Target: at most 1.05x at every=100.
+
+    python benchmarks/gradient_stats.py [--repeats 5] [--steps 1000]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import flax.linen as nn  # noqa: E402
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
+from timing import measure_rounds, paired_ratio  # noqa: E402
+
+import trainkit as tk  # noqa: E402
+
+TARGET = 1.05
+
+
+class MLP(nn.Module):
+    widths: tuple[int, ...]
+
+    @nn.compact
+    def __call__(self, x):
+        for width in self.widths[:-1]:
+            x = nn.relu(nn.Dense(width)(x))
+        return nn.Dense(self.widths[-1])(x)
+
+
+CASES = {
+    "dispatch-bound MLP 32-64-10, batch 32": ((64, 10), 32, 32),
+    "MLP 784-512-512-10, batch 128": ((512, 512, 10), 784, 128),
+}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=1000)
+    args = parser.parse_args()
+    print(f"GradientStats(every=100), {args.steps} steps a run, {args.repeats} paired rounds; time with / without")
+    for name, (widths, features, batch) in CASES.items():
+        rng = np.random.default_rng(0)
+        x = rng.normal(size=(batch * args.steps, features)).astype(np.float32)
+        y = rng.integers(0, widths[-1], len(x)).astype(np.int32)
+
+        def run(callbacks):
+            trainer = tk.Trainer(
+                MLP(widths), loss="sparse_categorical_crossentropy", optimizer=optax.adam(1e-3), strategy="single"
+            )
+            trainer.fit(x[:batch], y[:batch], batch_size=batch, epochs=1, verbose=0, callbacks=callbacks())  # compiled
+
+            def go():
+                trainer.fit(x, y, batch_size=batch, epochs=1, verbose=0, shuffle=False, callbacks=callbacks())
+
+            return go
+
+        contenders = {
+            "without": run(lambda: []),
+            "global": run(lambda: [tk.callbacks.GradientStats(every=100)]),
+            "per module": run(lambda: [tk.callbacks.GradientStats(every=100, per_layer=".*")]),
+        }
+        rounds = measure_rounds(contenders, args.steps, args.repeats)
+        for kind in ("global", "per module"):
+            ratio = 1 / paired_ratio(rounds, kind, "without")  # time ratio: rates inverted
+            verdict = "meets" if ratio <= TARGET else "misses"
+            print(f"{name:40s} {kind:10s} x{ratio:.3f}  ({verdict} the {TARGET}x target)")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
