@@ -89,9 +89,9 @@ class GradientStats(Callback):
         carry = self.session.carry
         if not self._due() or carry is None:
             return
-        metrics = host_metrics(carry).metrics  # one device read, on this step only
-        measured = {name[len(PREFIX) :]: metric for name, metric in metrics.items() if name.startswith(PREFIX)}
-        self.values = {name: float(metric.value) for name, metric in measured.items()}
+        vector = host_metrics(carry).metrics[PREFIX + "values"]  # one device read, on this step only
+        names = self.spec.names(self.session.require_state().params)
+        self.values = {name: float(value) for name, value in zip(names, np.asarray(vector.value), strict=True)}
         record = self.session.require_record()
         self.steps.append(record.step // self.spec.every * self.spec.every)  # the last multiple it covers
         if logs is not None:
