@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import os
+from collections.abc import Callable
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
@@ -41,6 +42,19 @@ CASES = {
 }
 
 
+def contender(widths: tuple[int, ...], x: np.ndarray, y: np.ndarray, batch: int, callbacks) -> Callable[[], None]:
+    """One epoch of ``fit`` over ``x`` with fresh ``callbacks()``, compiled before it is timed."""
+    trainer = tk.Trainer(
+        MLP(widths), loss="sparse_categorical_crossentropy", optimizer=optax.adam(1e-3), strategy="single"
+    )
+    trainer.fit(x[:batch], y[:batch], batch_size=batch, epochs=1, verbose=0, callbacks=callbacks())
+
+    def run() -> None:
+        trainer.fit(x, y, batch_size=batch, epochs=1, verbose=0, shuffle=False, callbacks=callbacks())
+
+    return run
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--repeats", type=int, default=5)
@@ -51,29 +65,19 @@ def main() -> int:
         rng = np.random.default_rng(0)
         x = rng.normal(size=(batch * args.steps, features)).astype(np.float32)
         y = rng.integers(0, widths[-1], len(x)).astype(np.int32)
-
-        def run(callbacks):
-            trainer = tk.Trainer(
-                MLP(widths), loss="sparse_categorical_crossentropy", optimizer=optax.adam(1e-3), strategy="single"
-            )
-            trainer.fit(x[:batch], y[:batch], batch_size=batch, epochs=1, verbose=0, callbacks=callbacks())  # compiled
-
-            def go():
-                trainer.fit(x, y, batch_size=batch, epochs=1, verbose=0, shuffle=False, callbacks=callbacks())
-
-            return go
-
         contenders = {
-            "without": run(lambda: []),
-            "without, again": run(lambda: []),  # the noise floor: a second trainer with no statistics
-            "global": run(lambda: [tk.callbacks.GradientStats(every=100)]),
-            "per module": run(lambda: [tk.callbacks.GradientStats(every=100, per_layer=".*")]),
+            "without": contender(widths, x, y, batch, lambda: []),
+            "without, again": contender(widths, x, y, batch, lambda: []),  # the noise floor: a second trainer
+            "global": contender(widths, x, y, batch, lambda: [tk.callbacks.GradientStats(every=100)]),
+            "per module": contender(
+                widths, x, y, batch, lambda: [tk.callbacks.GradientStats(every=100, per_layer=".*")]
+            ),
         }
         rounds = measure_rounds(contenders, args.steps, args.repeats)
         for kind in ("without, again", "global", "per module"):
             ratio = 1 / paired_ratio(rounds, kind, "without")  # time ratio: rates inverted
             verdict = "meets" if ratio <= TARGET else "misses"
-            print(f"{name:40s} {kind:10s} x{ratio:.3f}  ({verdict} the {TARGET}x target)")
+            print(f"{name:40s} {kind:14s} x{ratio:.3f}  ({verdict} the {TARGET}x target)")
     return 0
 
 
