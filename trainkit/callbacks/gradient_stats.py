@@ -37,13 +37,14 @@ class GradientStats(Callback):
 
     The train step computes them (a ``lax.cond``: only on those steps), also inside a fused
     ``steps_per_execution`` call (of at most ``every`` steps, so that no measured step is
-    missed: a larger explicit ``steps_per_execution`` is refused), and keeps them on the device
-    with the epoch's metrics (one vector): they reach the host only on the steps they are
-    logged, so the loop never waits for the device in between. They are added to that step's batch logs (callbacks after this one, ``Logging``
-    and ``TensorBoard`` with a matching ``update_freq``, see them) and the latest ones to every
-    epoch's logs (``history.history["grad_norm/hidden"]``). With ``log_dir``, each measured step
-    is written to TensorBoard there (``log_dir/train``): the scalars, and a histogram per kind
-    over the modules (``grad_norm_by_module``).
+    missed: a larger explicit ``steps_per_execution`` is refused), and keeps them on the
+    device with the epoch's metrics (one vector): they reach the host only on the steps they
+    are logged, so the loop never waits for the device in between. They are added to that
+    step's batch logs (callbacks after this one, ``Logging`` and ``TensorBoard`` with a
+    matching ``update_freq``, see them) and the latest ones to every epoch's logs
+    (``history.history["grad_norm/hidden"]``). With ``log_dir``, each measured step is written
+    to TensorBoard there (``log_dir/train``): the scalars, and a histogram per kind over the
+    modules (``grad_norm_by_module``).
 
     ``values`` holds the latest measurement, ``steps`` the steps measured in this ``fit``.
     """

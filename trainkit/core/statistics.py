@@ -1,10 +1,11 @@
 """Statistics computed inside the train step: norms of the gradients, the parameters and the
 updates, and the update/parameter ratio, globally and per module, on the steps that log them.
 
-They ride in the epoch's device totals as one :class:`DueValue` metric, a vector in the order of
-:meth:`StepStatistics.names` (hidden: its name starts with ``_``), so nothing reaches the host until a callback reads them (``tk.callbacks.GradientStats``
-on the steps it logs). Under every strategy they are the norms of the global arrays: the
-gradients after the all-reduce, the parameters however they are sharded.
+They ride in the epoch's device totals as one :class:`DueValue` metric, a vector in the order
+of :meth:`StepStatistics.names` (hidden: its name starts with ``_``), so nothing reaches the
+host until a callback reads them (``tk.callbacks.GradientStats`` on the steps it logs). Under
+every strategy they are the norms of the global arrays: the gradients after the all-reduce, the
+parameters however they are sharded.
 
 >>> import jax.numpy as jnp
 >>> spec = StepStatistics(every=2, per_layer="dense")
