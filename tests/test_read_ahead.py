@@ -173,3 +173,33 @@ def test_find_batch_size_keeps_the_first_batch_of_a_map_iterator_for_fit():
     reference.fit(batches, shuffle=False, verbose=0)
     assert trainer.global_step == 4
     tree_allclose(trainer.params, reference.params, rtol=0, atol=0)
+
+
+def test_a_real_sqlite_cursor_read_ahead_fails_naming_read_ahead_false(tmp_path):
+    """sqlite3 refuses a connection used outside the thread that made it; the error raised by
+    fit names the fix, and with ``read_ahead=False`` the same generator trains."""
+    import sqlite3
+
+    x, y = make_classification(4 * ROWS)
+
+    def rows_from(connection):
+        cursor = connection.execute("SELECT x, y FROM rows ORDER BY id")
+        while chunk := cursor.fetchmany(ROWS):
+            yield np.stack([np.frombuffer(r[0], np.float32) for r in chunk]), np.array([r[1] for r in chunk], np.int32)
+
+    def database():
+        connection = sqlite3.connect(tmp_path / "rows.db")
+        connection.execute("CREATE TABLE IF NOT EXISTS rows (id INTEGER PRIMARY KEY, x BLOB, y INTEGER)")
+        if not connection.execute("SELECT COUNT(*) FROM rows").fetchone()[0]:
+            connection.executemany(
+                "INSERT INTO rows (x, y) VALUES (?, ?)", [(r.tobytes(), int(t)) for r, t in zip(x, y)]
+            )
+            connection.commit()
+        return connection
+
+    with pytest.raises(RuntimeError, match=r"read-ahead thread \(ProgrammingError: SQLite objects created in a thread.*"
+                       r"pass read_ahead=False to fit"):  # fmt: skip
+        make_trainer().fit(rows_from(database()), steps_per_epoch=4, shuffle=False, verbose=0)
+    trainer = make_trainer()
+    trainer.fit(rows_from(database()), steps_per_epoch=4, shuffle=False, verbose=0, read_ahead=False)
+    assert trainer.global_step == 4

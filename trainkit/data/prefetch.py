@@ -22,8 +22,19 @@ _END = object()
 
 
 class _Raised:
+    """An error of the reading thread, raised by the consumer in order; one that says the data
+    is tied to the thread that made it (sqlite's "objects created in a thread can only be used in
+    that same thread") names the fix."""
+
     def __init__(self, error: BaseException):
         self.error = error
+        if isinstance(error, Exception) and "thread" in str(error).lower():
+            self.error = RuntimeError(
+                f"Reading the data failed in trainkit's read-ahead thread ({type(error).__name__}: {error}). The "
+                "data is read ahead in a background thread by default; a source tied to the thread that made it (an "
+                "sqlite3 connection, some database cursors) must be read in yours: pass read_ahead=False to fit."
+            )
+            self.error.__cause__ = error
 
 
 def _delivered(item: Any, items: queue.Queue) -> Any:
