@@ -362,6 +362,8 @@ def test_a_full_disk_during_a_save_is_one_message_and_the_tracebacks_go_to_the_d
             trainer.save(sys.argv[1])
         except tk.checkpoint.CheckpointError as error:
             print("CheckpointError:", str(error)[:80])
+        import os
+        print("left:", sorted(os.listdir(sys.argv[1])))
         """
     )
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_NUM_CPU_DEVICES")}
@@ -372,6 +374,7 @@ def test_a_full_disk_during_a_save_is_one_message_and_the_tracebacks_go_to_the_d
             [sys.executable, "-c", script, str(tmp_path / mode), mode], env=env, capture_output=True, text=True
         )
         assert "CheckpointError: Writing a checkpoint to" in runs[mode].stdout, runs[mode].stdout + runs[mode].stderr
+        assert "orbax-checkpoint-tmp" not in runs[mode].stdout, runs[mode].stdout  # the half-written step removed
     # one message; but for tensorstore's late write completions reporting to orbax's closed event
     # loop as the interpreter exits (RuntimeError('Event loop is closed'), printed by no hook
     # trainkit can reach; about 1 run in 3 where JAX's TPU and CUDA plugins slow the exit). The

@@ -25,6 +25,7 @@ import json
 import logging
 import os
 import re
+import shutil
 import socket
 import sys
 import threading
@@ -295,7 +296,18 @@ class Checkpointer:
                 force=True,
             )
         except Exception as error:  # orbax and tensorstore raise many kinds
+            self._remove_partial(int(step))
             raise self._write_error(error) from error
+
+    def _remove_partial(self, step: int) -> None:
+        """The half-written ``<step>.orbax-checkpoint-tmp...`` folder of a failed write removed
+        (process 0; the next writer would remove it too), so a full disk gets its space back."""
+        if not distributed.is_main_process():
+            return
+        prefix = f"{step}.orbax-checkpoint-tmp"
+        for name in os.listdir(self.directory) if os.path.isdir(self.directory) else []:
+            if name.startswith(prefix):
+                shutil.rmtree(os.path.join(self.directory, name), ignore_errors=True)
 
     def _collect_errors(self, block: bool = False) -> None:
         pending, self._pending = self._pending, []
