@@ -14,11 +14,17 @@ queue still names the batch trained last.)
 from __future__ import annotations
 
 import queue
+import re
 import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
 _END = object()
+
+
+#: what a source tied to the thread that made it says when read in another (sqlite3's "objects
+#: created in a thread can only be used in that same thread", database clients' "another thread")
+THREAD_TIED = re.compile(r"created in a thread|(same|another|different|other|owning) thread", re.IGNORECASE)
 
 
 class _Raised:
@@ -28,7 +34,7 @@ class _Raised:
 
     def __init__(self, error: BaseException):
         self.error = error
-        if isinstance(error, Exception) and "thread" in str(error).lower():
+        if isinstance(error, Exception) and THREAD_TIED.search(str(error)):
             self.error = RuntimeError(
                 f"Reading the data failed in trainkit's read-ahead thread ({type(error).__name__}: {error}). The "
                 "data is read ahead in a background thread by default; a source tied to the thread that made it (an "
