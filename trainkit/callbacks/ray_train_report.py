@@ -80,9 +80,10 @@ class RayTrainReport(Callback):
     def _report(self, logs: Logs | None, always: bool) -> None:
         """Reports the backup written since the last report, if any (with ``logs``); else, when
         ``always``, the metrics alone."""
-        step = self.backup.written() if self.backup is not None else None
-        if step is not None and step > self._reported:
-            assert self.backup is not None
+        started = self.backup.last_backup if self.backup is not None else None  # no wait unless a new one
+        if self.backup is not None and started is not None and started > self._reported:
+            step = self.backup.written()  # on disk before Ray copies it
+            assert step is not None  # one was started
             ray_train.report(self._metrics(logs), self.backup.backup_dir, step)
             self._reported = step
         elif always:

@@ -715,7 +715,7 @@ def _check_base(manifest: dict, params: PyTree, where: str) -> None:
         return  # an abstract target: no values to compare
     recorded, live = saved.get("base_sha256"), lora_lib.base_digest(distributed.fetch(params))
     if recorded != live:
-        source = manifest["lora"].get("base_source") or "weights not recorded"
+        source = saved.get("base_source") or "weights not recorded"
         raise CheckpointError(
             f"The adapters at {where} were trained on other base weights ({source}, SHA-256 {str(recorded)[:12]}...) "
             f"than this trainer holds (SHA-256 {live[:12]}...): load the same base weights first "

@@ -90,15 +90,13 @@ def header(path: str | os.PathLike) -> dict:
     for a plain serialization without either."""
     sidecar = os.fspath(path) + SIDECAR
     if os.path.isfile(sidecar) and not _headed(path):
+        where = f"{sidecar}, the description of {path},"
         try:
             with open(sidecar) as file:
-                return _checked(json.load(file), f"{sidecar}, the description of {path},")
+                described = json.load(file)
         except (OSError, ValueError) as error:
-            if isinstance(error, ValueError) and "is damaged" in str(error):
-                raise
-            raise ValueError(
-                f"{sidecar}, the description of {path}, is damaged ({error}); export the model again."
-            ) from error
+            raise ValueError(f"{where} is damaged ({error}); export the model again.") from error
+        return _checked(described, where)
     if not _headed(path):
         return {}
     with open(path, "rb") as file:
