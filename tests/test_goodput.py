@@ -66,7 +66,7 @@ def test_a_source_that_sleeps_lands_its_time_in_the_input_bucket():
 def test_a_slow_callback_lands_in_host_time_under_its_class_name():
     history = trainer(strategy="single").fit(X, Y, batch_size=32, epochs=3, verbose=0, callbacks=[SlowEpochEnd()])
     seconds = history.goodput.buckets["callbacks/SlowEpochEnd"]
-    assert 0.3 <= seconds < 0.3 * 1.1, seconds
+    assert 0.3 <= seconds < 0.3 * 1.5, seconds  # three 0.1 s sleeps; a loaded machine oversleeps
     assert history.goodput.top_loss()[0] in ("callbacks/SlowEpochEnd", "compile", "startup")
 
 
