@@ -74,6 +74,42 @@ def test_plan_allocates_no_state():
     assert (256, 256) not in new, new
 
 
+def shapes_of(*arrays):
+    return tuple(jax.ShapeDtypeStruct(a.shape, a.dtype) for a in arrays)
+
+
+def test_a_plan_from_shapes_is_the_plan_from_arrays(plan):
+    from_shapes = make_trainer().plan(shapes_of(*data()), candidates=WITH_HYBRIDS, verbose=0)
+    for a, b in zip(plan.rows, from_shapes.rows, strict=True):
+        assert (a.name, a.fits, a.argument_bytes, a.total_bytes, a.flops) == (
+            b.name,
+            b.fits,
+            b.argument_bytes,
+            b.total_bytes,
+            b.flops,
+        )
+    assert from_shapes.recommended.name == plan.recommended.name
+
+
+def test_a_4_gib_batch_of_shapes_plans_without_being_built():
+    import resource
+
+    x, y = jax.ShapeDtypeStruct((2**24, 64), np.float32), jax.ShapeDtypeStruct((2**24,), np.int32)  # 4 GiB of x
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    result = make_trainer().plan((x, y), candidates=[tk.FSDP()], memory_limit="64GiB", verbose=0)
+    grown = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - peak
+    assert result.rows[0].fits and result.rows[0].argument_bytes > 2**32 // 8, result.rows[0]  # its batch shard
+    assert grown < 2**30, f"the peak memory grew {grown / 2**30:.1f} GiB"
+
+
+def test_shapes_are_planned_not_measured_and_not_mixed_with_arrays():
+    x, y = data()
+    with pytest.raises(ValueError, match="measure=True times steps on data.*jax.ShapeDtypeStruct"):
+        make_trainer().plan(shapes_of(x, y), measure=True, verbose=0)
+    with pytest.raises(TypeError, match="mixes jax.ShapeDtypeStruct leaves with arrays"):
+        make_trainer().plan((shapes_of(x)[0], y), verbose=0)
+
+
 def test_a_small_memory_limit_excludes_the_replicated_strategies(plan):
     rows = {r.name: r for r in plan.rows}
     # between what FSDP needs and what replicated data parallelism needs

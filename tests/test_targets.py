@@ -104,6 +104,17 @@ def test_a_256_device_target_plans_a_hybrid_mesh():
     assert plan.rows[0].error is None and plan.rows[0].strategy.mesh.shape == {"data": 64, "fsdp": 4}
 
 
+def test_a_pod_sized_batch_plans_from_shapes_as_from_arrays(v5e):
+    _, plan, _ = v5e
+    x, y = (jax.ShapeDtypeStruct(a.shape, a.dtype) for a in data())
+    (row,) = trainer_for(Wide()).plan((x, y), target="tpu v5e:2x4", candidates=["fsdp"], verbose=0).rows
+    assert (row.argument_bytes, row.total_bytes) == (rows(plan)["FSDP"].argument_bytes, rows(plan)["FSDP"].total_bytes)
+    tokens = jax.ShapeDtypeStruct((2**16, 2048), np.int32)  # 65,536 sequences of 2,048 tokens, never built
+    plan = trainer_for(nn.Embed(512, 8)).plan((tokens, tokens), target="tpu v5e:16x16", candidates=["fsdp"], verbose=0)
+    (row,) = plan.rows
+    assert row.error is None and row.argument_bytes >= 2 * 2**16 * 2048 * 4 / 256, row
+
+
 @pytest.mark.skipif(importlib.util.find_spec("jax_plugins") is None, reason="the gpu-plan extra is not installed")
 def test_the_same_trainer_for_h100_x8_has_the_same_argument_bytes(v5e):
     _, plan, _ = v5e

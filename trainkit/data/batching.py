@@ -161,6 +161,27 @@ def rows_of(array: Any, rows: np.ndarray | slice) -> np.ndarray:
     return np.asarray(array[rows])
 
 
+def abstract_batch(x: PyTree, y: PyTree, w: PyTree, batch_size: int) -> Batch:
+    """:func:`pad_batch`'s result as ``jax.ShapeDtypeStruct`` leaves of ``batch_size`` rows,
+    built from the shapes of ``x``, ``y`` and ``w`` (any rows) without touching their values.
+
+    >>> batch = abstract_batch(np.zeros((3, 2)), np.zeros(3, np.int32), None, 1024)
+    >>> batch["x"].shape, batch["y"].dtype.name, batch["mask"].shape
+    ((1024, 2), 'int32', (1024,))
+    """
+
+    def rows(a: Any, dtype: Any = None) -> jax.ShapeDtypeStruct:
+        return jax.ShapeDtypeStruct((batch_size, *np.shape(a)[1:]), a.dtype if dtype is None else dtype)
+
+    batch: Batch = {"x": _map(rows, x)}
+    if y is not None:
+        batch["y"] = _map(rows, y)
+    if w is not None:
+        batch["sample_weight"] = rows(w, np.float32)
+    batch["mask"] = jax.ShapeDtypeStruct((batch_size,), np.float32)
+    return batch
+
+
 def pad_batch(x, y, w, batch_size: int, *, copy: bool = False) -> Batch:
     """A batch dict padded with zero rows to ``batch_size`` and a float ``mask`` of real rows;
     ``copy``: arrays of its own even when nothing is padded (a pipeline's batch may live in the

@@ -16,7 +16,17 @@ import jax
 
 from trainkit.data.adapters import adapt
 from trainkit.data.arrays import ArrayDataset
-from trainkit.data.batching import Batch, PyTree, check_batch_size, is_array_tree, num_rows, pad_batch, split_xyw, take
+from trainkit.data.batching import (
+    Batch,
+    PyTree,
+    abstract_batch,
+    check_batch_size,
+    is_array_tree,
+    num_rows,
+    pad_batch,
+    split_xyw,
+    take,
+)
 from trainkit.data.iterable import IterableDataset
 from trainkit.data.source import DataSource, Source, UserSource
 
@@ -55,11 +65,14 @@ class Prepared(NamedTuple):
     def has_targets(self) -> bool:
         return self.source.has_targets
 
-    def sample_batch(self, batch_size: int | None = None) -> Batch:
+    def sample_batch(self, batch_size: int | None = None, abstract: bool = False) -> Batch:
         """The first batch padded to ``batch_size`` (default: this call's) global rows, for
-        planning and lowering."""
+        planning and lowering; ``abstract``: its ``jax.ShapeDtypeStruct`` leaves only (nothing
+        read past the first batch, nothing padded: a plan for devices that are not here)."""
         x, y, w = self.first
         size = self.batch_size if batch_size is None else batch_size
+        if abstract:
+            return abstract_batch(x, y, w, size)
         if size > num_rows(x):  # a larger plan batch than the first batch read: read that many
             x, y, w = self.source.first(size)
         x, y, w = (None if t is None else take(t, slice(0, size)) for t in (x, y, w))

@@ -537,7 +537,7 @@ def plan_step(
     initialiser = next((c for c in candidates if measure and floor(c) <= HEADROOM * limit), None)
 
     def lower(strategy: Strategy):
-        check_batch_size(len(host_batch["mask"]), strategy.num_batch_shards, micro_batches=micro_batches)
+        check_batch_size(np.shape(host_batch["mask"])[0], strategy.num_batch_shards, micro_batches=micro_batches)
         abstract = _abstract_in(strategy, abstract_state, limit)
         function: Any = compile_step(strategy, abstract)  # jitted or pmapped: it lowers
         placed = jax.tree.map(

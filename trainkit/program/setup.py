@@ -679,12 +679,17 @@ class Setup:
             self.objective.check_targets(targets, self.output_spec(prepared.first_x))
 
     # ------------------------------------------------------------------ the plan and "auto"
-    def plan(self, prepared: data_lib.Prepared, candidates, *, verbose: int = 0, **options) -> plan_lib.MemoryPlan:
-        """:meth:`trainkit.Trainer.plan` of a prepared input."""
+    def plan(
+        self, prepared: data_lib.Prepared, candidates, *, verbose: int = 0, abstract: bool = False, **options
+    ) -> plan_lib.MemoryPlan:
+        """:meth:`trainkit.Trainer.plan` of a prepared input (``abstract``: compiled on its shapes
+        alone, nothing placed)."""
         trains = prepared.has_targets or self.custom_loss
         if prepared.has_targets:
             self.build_objective(prepared)
-        result = self.program.plan(prepared.sample_batch(), candidates, trains=trains, **options)
+        if abstract:
+            options["place_batch"] = False
+        result = self.program.plan(prepared.sample_batch(abstract=abstract), candidates, trains=trains, **options)
         if verbose:
             result.print()
         return result

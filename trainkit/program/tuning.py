@@ -23,6 +23,7 @@ from trainkit import data as data_lib
 from trainkit import distributed
 from trainkit.core import checks
 from trainkit.core.tree import PyTree
+from trainkit.data import shapes as shapes_lib
 from trainkit.program import batch_size as batch_size_lib
 from trainkit.program import plan as plan_lib
 from trainkit.program import targets as targets_lib
@@ -44,9 +45,17 @@ def plan(
 ) -> plan_lib.MemoryPlan:
     """:meth:`trainkit.Trainer.plan`: the sample batch (any form ``fit`` takes) prepared and
     the train step (predict step without targets) compiled under each candidate; for a
-    ``target`` (:mod:`trainkit.program.targets`) on its compile-only devices, nothing placed."""
-    prepared = data_lib.prepare(sample_batch, batch_size=batch_size, default_batch_size=None)
+    ``target`` (:mod:`trainkit.program.targets`) on its compile-only devices, nothing placed.
+    A batch of ``jax.ShapeDtypeStruct`` is planned from its shapes, never built."""
+    shapes = shapes_lib.is_shapes(sample_batch)
+    if shapes and measure:
+        raise ValueError(
+            "measure=True times steps on data, but the sample batch is jax.ShapeDtypeStruct shapes: pass arrays "
+            "to measure, or plan from shapes with measure=False (the compiler's estimate)."
+        )
+    prepared = data_lib.prepare(shapes_lib.stand_in(sample_batch), batch_size=batch_size, default_batch_size=None)
     options: dict[str, Any] = {"measure": measure, "memory_limit": checks.byte_count(memory_limit), "steps": steps}
+    options["abstract"] = shapes or target is not None
     if target is not None:
         resolved = targets_lib.parse(target)
         if measure:
@@ -128,7 +137,8 @@ def find_batch_size(
     ``target``, its candidates on its compile-only devices, nothing placed, and sizes not capped
     by the sample's rows); printed on the main process with ``verbose``."""
     resolved = None if target is None else targets_lib.parse(target)
-    prepared = data_lib.prepare(x, y)
+    shapes = shapes_lib.is_shapes((x, y))
+    prepared = data_lib.prepare(shapes_lib.stand_in(x), shapes_lib.stand_in(y))
     if resolved is None and setup.session.state is not None:
         data_lib.check_same_inputs(setup.input_spec, prepared.spec)
     trains = prepared.has_targets or setup.custom_loss
@@ -149,9 +159,13 @@ def find_batch_size(
         contextlib.nullcontext() if resolved is None else without_persistent_cache()
     )
     sizes = batch_size_lib.candidate_sizes(unit, int(max_batch_size), powers_of_two, rows=rows)
+    abstract = shapes or resolved is not None
+    if abstract:
+        options["place_batch"] = False
 
     def plan_at(size: int, limit: int) -> plan_lib.MemoryPlan:
-        return setup.program.plan(prepared.sample_batch(size), candidates, trains=trains, memory_limit=limit, **options)
+        batch = prepared.sample_batch(size, abstract=abstract)
+        return setup.program.plan(batch, candidates, trains=trains, memory_limit=limit, **options)
 
     with cache:
         result = batch_size_lib.search(plan_at, sizes, checks.byte_count(memory_limit), default_limit)

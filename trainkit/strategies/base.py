@@ -118,9 +118,15 @@ class Strategy:
         count = jax.process_count()
         if count == 1:
             return global_batch
-        rows = len(jax.tree.leaves(global_batch)[0]) // count
+        rows = np.shape(jax.tree.leaves(global_batch)[0])[0] // count
         index = jax.process_index()
-        return jax.tree.map(lambda a: a[index * rows : (index + 1) * rows], global_batch)
+
+        def part(a: Any) -> Any:
+            if isinstance(a, jax.ShapeDtypeStruct):  # an abstract batch (a plan from shapes): its part's shape
+                return jax.ShapeDtypeStruct((rows, *a.shape[1:]), a.dtype)
+            return a[index * rows : (index + 1) * rows]
+
+        return jax.tree.map(part, global_batch)
 
     @staticmethod
     def real_rows(local_mask: np.ndarray) -> int:

@@ -14,6 +14,7 @@ averaged (``lax.pmean``). Every ``pmap`` call of trainkit lives in this file.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import jax
 import numpy as np
@@ -54,6 +55,21 @@ class DataParallel(Strategy):
         """This process's rows -> ``(devices, rows_per_device, ...)``, split over ``data``."""
         local = len(self.mesh.local_devices)  # all of them on one process
         return self._put(jax.tree.map(lambda a: np.reshape(a, (local, a.shape[0] // local) + a.shape[1:]), host_batch))
+
+    def abstract_batch(self, host_batch: PyTree) -> PyTree:
+        """:meth:`put_batch`'s shapes as ``jax.ShapeDtypeStruct`` (a plan for devices that are not
+        here, or from shapes): ``(devices, rows_per_device, ...)``, nothing copied or placed."""
+        local = len(self.mesh.local_devices)
+        sharding = NamedSharding(self.mesh, PartitionSpec(self.axis_name))
+
+        def split(a: Any) -> jax.ShapeDtypeStruct:
+            shape = np.shape(a)
+            rows = (shape[0] // local, *shape[1:])
+            if jax.process_count() == 1:  # pmap splits host arrays itself: per-device parts, unplaced
+                return jax.ShapeDtypeStruct((local, *rows), a.dtype)
+            return jax.ShapeDtypeStruct((self.mesh.size, *rows), a.dtype, sharding=sharding)
+
+        return jax.tree.map(split, host_batch)
 
     def put_batches(self, host_batches: PyTree) -> PyTree:
         """``(k, rows, ...)`` stacked batches -> ``(devices, k, rows_per_device, ...)``."""
