@@ -5,6 +5,10 @@ asyncio logs the writes still in flight when orbax's event loop gave up on the f
 (``Task exception was never retrieved``, a traceback through orbax's serialization). Those
 records become debug records (``logging.DEBUG``), shown only where trainkit's logger is at DEBUG;
 orbax's notice that a directory opened to read is read only is dropped while trainkit reads.
+The writes still in flight in tensorstore's threads when that loop closed report to the closed
+loop as they finish (often as the interpreter exits), each a ``RuntimeError: Event loop is
+closed`` that tensorstore hands to ``sys.unraisablehook``: a chained hook makes those debug
+records too, and passes every other unraisable exception on.
 
 >>> import logging
 >>> where, failure = "/x/orbax/checkpoint/future.py", (OSError, OSError("disk full"), None)
@@ -18,8 +22,10 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import sys
 import traceback
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 _ABSL, _ASYNCIO, _TRAINKIT = logging.getLogger("absl"), logging.getLogger("asyncio"), logging.getLogger("trainkit")
 _ORBAX = f"{os.sep}orbax{os.sep}"
@@ -45,12 +51,41 @@ class ThreadTracebacksToDebug(logging.Filter):
         return True
 
 
+def _completion_after_close(unraisable: Any) -> bool:
+    """Whether an unraisable exception is a completion reported to a closed asyncio event loop
+    (``call_soon_threadsafe`` raising ``RuntimeError('Event loop is closed')``)."""
+    error = unraisable.exc_value
+    if not isinstance(error, RuntimeError) or str(error) != "Event loop is closed":
+        return False
+    frames = traceback.extract_tb(unraisable.exc_traceback) if unraisable.exc_traceback is not None else []
+    return bool(frames) and frames[-1].name == "_check_closed" and any(f.name == "call_soon_threadsafe" for f in frames)
+
+
+class LateCompletionsToDebug:
+    """A ``sys.unraisablehook`` that makes a completion reported to a closed event loop a debug
+    record of trainkit's logger and hands every other unraisable exception to ``previous``."""
+
+    def __init__(self, previous: Callable[[Any], object]):
+        self.previous = previous
+
+    def __call__(self, unraisable: Any) -> None:
+        if not _completion_after_close(unraisable):
+            self.previous(unraisable)
+            return
+        with contextlib.suppress(Exception):  # at interpreter exit, logging may be gone
+            failure = (unraisable.exc_type, unraisable.exc_value, unraisable.exc_traceback)
+            _TRAINKIT.debug("a write finished after orbax's event loop closed on a failed write", exc_info=failure)
+
+
 def install() -> None:
     """Adds :class:`ThreadTracebacksToDebug` to absl's logger (orbax's threads) and asyncio's
-    (orbax's event loop), once per process."""
+    (orbax's event loop), and :class:`LateCompletionsToDebug` before ``sys.unraisablehook``,
+    once per process."""
     for logger in (_ABSL, _ASYNCIO):
         if not any(isinstance(f, ThreadTracebacksToDebug) for f in logger.filters):
             logger.addFilter(ThreadTracebacksToDebug())
+    if not isinstance(sys.unraisablehook, LateCompletionsToDebug):
+        sys.unraisablehook = LateCompletionsToDebug(sys.unraisablehook)
 
 
 class _ReadOnlyNotice(logging.Filter):
