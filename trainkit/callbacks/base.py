@@ -92,6 +92,13 @@ class Callback:
         hooks = ("on_train_batch_begin", "on_train_batch_end", "on_batch_begin", "on_batch_end")
         return 1 if not self.async_safe and any(overrides(self, h) for h in hooks) else None
 
+    def batch_end_period(self) -> int | None:
+        """Every how many optimizer steps this callback's ``on_train_batch_end`` does anything
+        (``None``: at every batch, as Keras calls it). When every callback with that hook gives
+        one, the loop calls the hook only for the batches (or fused calls) that cover a multiple
+        of their greatest common divisor: the other batches cost no call at all."""
+        return None
+
     def reads_batch_logs(self) -> bool:
         """Whether the coming batch-end hook reads its ``logs`` (by default it does, as in
         Keras). The metrics stay on the device until a callback reads them, so a callback that

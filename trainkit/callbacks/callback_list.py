@@ -17,6 +17,7 @@ True
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
@@ -134,7 +135,15 @@ class IndexedDispatcher(Dispatcher):
 class BatchEndDispatcher(Dispatcher):
     """A batch-end hook: ``logs`` may be a function that computes them (reading the device),
     called only once a callback that reads this hook's logs comes, its time the loop's (not
-    charged to that callback: waiting for the step and reading its metrics is the loop's work)."""
+    charged to that callback: waiting for the step and reading its metrics is the loop's work).
+    ``periodic`` (the train hook): its ``period`` is the greatest common divisor of the
+    callbacks' :meth:`~trainkit.callbacks.Callback.batch_end_period` (``None`` when one has none)."""
+
+    def __init__(self, bound: Bound, ledger: Ledger, periodic: bool = False):
+        super().__init__(bound, ledger)
+        periods = [callback.batch_end_period() for callback, _, _ in bound] if periodic else [None]
+        if periods and all(p is not None for p in periods):
+            self.period = math.gcd(*(int(p) for p in periods if p is not None))
 
     def __call__(self, index: int, logs: Logs | Callable[[], Logs] | None = None) -> None:  # type: ignore[override]
         shared, switch = None if callable(logs) else _keras_logs(logs), self.ledger.switch
@@ -217,7 +226,7 @@ class CallbackList:
         self.on_epoch_begin: Hook = IndexedDispatcher(self._bound("on_epoch_begin"), ledger)
         self.on_epoch_end: Hook = IndexedDispatcher(self._bound("on_epoch_end"), ledger)
         self.on_train_batch_begin: Hook = IndexedDispatcher(self._bound("on_train_batch_begin"), ledger)
-        self.on_train_batch_end: Hook = BatchEndDispatcher(self._bound("on_train_batch_end"), ledger)
+        self.on_train_batch_end: Hook = BatchEndDispatcher(self._bound("on_train_batch_end"), ledger, periodic=True)
         self.on_test_begin: Hook = Dispatcher(self._bound("on_test_begin"), ledger)
         self.on_test_end: Hook = Dispatcher(self._bound("on_test_end"), ledger)
         self.on_test_batch_begin: Hook = IndexedDispatcher(self._bound("on_test_batch_begin"), ledger)

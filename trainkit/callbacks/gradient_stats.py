@@ -57,6 +57,7 @@ class GradientStats(Callback):
         self.values: dict[str, float] = {}
         self.steps: list[int] = []
         self.board: loggers.TensorBoardLogger | None = None
+        self._names: list[str] | None = None  # the statistics' names, read at the first measured step
 
     def step_statistics(self) -> StepStatistics:
         return self.spec
@@ -75,13 +76,16 @@ class GradientStats(Callback):
                 f"every={fused * max(1, -(-self.spec.every // fused))}) or steps_per_execution <= {self.spec.every} "
                 '(or "auto", which stays within every).'
             )
-        self.values, self.steps = {}, []
+        self.values, self.steps, self._names = {}, [], None
         if self.log_dir is not None and distributed.is_main_process():
             self.board = loggers.TensorBoardLogger(self.log_dir)
 
     def _due(self) -> bool:
         record = self.session.record
         return record is not None and record.covers_multiple(self.spec.every)
+
+    def batch_end_period(self) -> int | None:
+        return self.spec.every  # its batch-end hook acts on the measured steps only
 
     def reads_batch_logs(self) -> bool:
         return self._due()  # the batch logs are then shared: the values added reach the callbacks after this one
@@ -91,7 +95,9 @@ class GradientStats(Callback):
         if not self._due() or carry is None:
             return
         vector = host_metrics(carry).metrics[PREFIX + "values"]  # one device read, on this step only
-        names = self.spec.names(self.session.require_state().params)
+        if self._names is None:  # the parameters' structure is the fit's: read once (building the state costs ms)
+            self._names = self.spec.names(self.session.require_state().params)
+        names = self._names
         self.values = {name: float(value) for name, value in zip(names, np.asarray(vector.value), strict=True)}
         record = self.session.require_record()
         self.steps.append(record.step // self.spec.every * self.spec.every)  # the last multiple it covers

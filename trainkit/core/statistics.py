@@ -35,6 +35,8 @@ from trainkit.core.tree import PyTree, leaf_name
 KINDS = ("grad_norm", "param_norm", "update_norm", "update_ratio")
 #: the prefix of their (hidden) metric names in the step's totals
 PREFIX = "_stats/"
+#: when a compiled train step measures (:meth:`StepStatistics.metrics`)
+WHEN = ("due", "always", "never")
 
 
 @flax.struct.dataclass
@@ -110,17 +112,31 @@ class StepStatistics:
             out[f"update_ratio{suffix}"] = norms["update"] / jnp.maximum(norms["param"], jnp.finfo(jnp.float32).tiny)
         return out
 
-    def metrics(self, step: jax.Array, grads: PyTree, updates: PyTree, params: PyTree) -> dict[str, DueValue]:
+    def metrics(
+        self, step: jax.Array, grads: PyTree, updates: PyTree, params: PyTree, when: str = "due"
+    ) -> dict[str, DueValue]:
         """The step's statistics as one :class:`DueValue` (``PREFIX + "values"``: a vector in the
-        order of :meth:`names`): measured when ``step`` is a multiple of ``every`` (a
-        ``lax.cond``: the other steps compute nothing), else zeros, not due. One vector, not a
+        order of :meth:`names`), due when ``step`` is a multiple of ``every``. ``when`` (one of
+        :data:`WHEN`) is what the compiled step does: ``"due"`` measures on due steps only (a
+        ``lax.cond``: the other steps compute nothing; steps fused into one call), ``"always"``
+        measures (the variant the loop calls on due steps), ``"never"`` reports nothing (the
+        variant it calls on the others: no branch, nothing computed or merged; the totals keep
+        the last measurement). One vector, not a
         metric per statistic: on a dispatch-bound step each scalar the step carries costs XLA
         its own small kernels (24 scalars: +90 us a step on a CPU)."""
-        due = (step % self.every) == 0
+        if when not in WHEN:
+            raise ValueError(f"when={when!r}: one of {WHEN}.")
+        if when == "never":  # nothing reported: the epoch's totals keep the last measurement as it is
+            return {}
         count = len(self.names(params))
+        due = (step % self.every) == 0
 
         def measure(operands: tuple) -> jax.Array:
             return jnp.stack(list(self.measured(*operands).values()))
 
-        values = jax.lax.cond(due, measure, lambda _: jnp.zeros((count,), jnp.float32), (grads, updates, params))
+        operands = (grads, updates, params)
+        if when == "always":
+            values = measure(operands)
+        else:
+            values = jax.lax.cond(due, measure, lambda _: jnp.zeros((count,), jnp.float32), operands)
         return {PREFIX + "values": DueValue(values, due.astype(jnp.float32))}

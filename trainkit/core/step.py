@@ -224,6 +224,7 @@ def make_train_step(
     label_check: Callable[[PyTree], tuple[jax.Array, jax.Array] | None] | None = None,
     trainable: Trainable | None = None,
     statistics: StepStatistics | None = None,
+    statistics_when: str = "due",
     spike_skip: SpikeSkip | None = None,
 ) -> Callable[[TrainState, Batch], tuple[TrainState, Metrics]]:
     """The pure training step; ``axis_name`` names the device axis under ``pmap``/``shard_map``.
@@ -234,7 +235,8 @@ def make_train_step(
     but for ``step``, the scale and the rng; its metrics count nothing). ``label_check(y)``
     counts class ids outside the classes (a ``LabelAlarm`` the loop raises). ``trainable``:
     only its leaves are differentiated and updated. ``statistics`` (a ``StepStatistics``):
-    norms on its steps as hidden ``_stats/...`` metrics. ``spike_skip`` (a ``SpikeSkip``): an
+    norms on its steps as hidden ``_stats/...`` metrics, measured as ``statistics_when`` says
+    (``"due"``, ``"always"``, ``"never"``: :meth:`StepStatistics.metrics`). ``spike_skip`` (a ``SpikeSkip``): an
     update whose loss spikes above ``state.spikes``' average is not applied.
     """
     trainable = trainable if trainable is not None else Trainable(None)
@@ -284,8 +286,8 @@ def make_train_step(
         new_state = state.replace(step=state.step + 1, spikes=spikes, **updated)
         if log_grad_norm:  # one more pass over the gradients (free when clipping by norm)
             metrics["grad_norm"] = LastValue(value=optax.tree.norm(grads))
-        if statistics is not None:  # on its steps only (a lax.cond)
-            metrics.update(statistics.metrics(state.step + 1, grads, updates, state.params))
+        if statistics is not None:  # on its steps only
+            metrics.update(statistics.metrics(state.step + 1, grads, updates, state.params, statistics_when))
         _observed(metrics, new_state, None if label_check is None else label_check(batch.get("y")), axis_name)
         return new_state, metrics
 

@@ -14,6 +14,7 @@ split into batches.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, Self
 
@@ -191,11 +192,14 @@ class EpochTotals:
     def add(self, metrics: dict) -> EpochTotals:
         """This carry with one more step's metrics merged (pure and traceable: it runs inside
         the compiled step). A metric's first step replaces the zeros, so a merge needs no
-        identity element (``LastValue``, a maximum)."""
+        identity element (``LastValue``, a maximum); a metric the carry holds and the step does
+        not report is kept as it is."""
         index = self.steps + 1
         merged = merge(self.metrics, metrics)
         started = self.steps > 0
         merged = jax.tree.map(lambda m, b: jnp.where(started, m, b), merged, metrics)
+        # a metric this step does not report (statistics measured on other steps) is carried as it is
+        merged.update({name: metric for name, metric in (self.metrics or {}).items() if name not in metrics})
         loss = metrics["loss"]
         value = loss.total / jnp.maximum(loss.count, 1.0)
         new_bad = (self.first_non_finite == 0) & ~jnp.isfinite(loss.total)
@@ -277,7 +281,7 @@ class PackedTotals:
         treedef, places = self.layout
         leaves = []
         for index, offset, shape, dtype in places:
-            bits = self.arrays[index][offset : offset + int(np.prod(shape, dtype=np.int64))]
+            bits = self.arrays[index][offset : offset + math.prod(shape)]  # math.prod: 10x np.prod's speed
             leaves.append(_from_bits(bits, np.dtype(dtype)).reshape(shape))
         return jax.tree.unflatten(treedef, leaves)
 
@@ -285,6 +289,12 @@ class PackedTotals:
         """Waits for the step that computed these (its outputs are ready together)."""
         self.arrays[0].block_until_ready()
         return self
+
+
+#: prefixes of the metrics packed in arrays of their own: reported on some steps only (the
+#: statistics, :mod:`trainkit.core.statistics`), so that a step that does not report them passes
+#: their array through whole instead of slicing it out of and back into the others
+APART = ("_stats/",)
 
 
 def _storage(dtype: np.dtype) -> np.dtype:
@@ -306,19 +316,26 @@ def _from_bits(bits: Any, dtype: np.dtype) -> Any:
     return bits != 0 if dtype == np.bool_ else jax.lax.bitcast_convert_type(bits, dtype)
 
 
+def _apart(path: tuple) -> bool:
+    """Whether a leaf at ``path`` in the totals belongs to a metric packed apart (:data:`APART`)."""
+    return any(isinstance(key, jax.tree_util.DictKey) and str(key.key).startswith(APART) for key in path)
+
+
 def pack(totals: EpochTotals) -> PackedTotals:
-    """``totals`` as :class:`PackedTotals` (pure and traceable; NumPy in, NumPy out)."""
-    leaves, treedef = jax.tree.flatten(totals)
-    storages = tuple(sorted({_storage(np.dtype(leaf.dtype)) for leaf in leaves}, key=str))
+    """``totals`` as :class:`PackedTotals` (pure and traceable; NumPy in, NumPy out). The
+    metrics named with an :data:`APART` prefix go in arrays of their own, after the others."""
+    with_paths, treedef = jax.tree_util.tree_flatten_with_path(totals)
+    leaves = [leaf for _, leaf in with_paths]
+    groups = [(_apart(path), _storage(np.dtype(leaf.dtype))) for path, leaf in with_paths]
+    keys = sorted(set(groups), key=lambda group: (group[0], str(group[1])))
     xp = np if all(isinstance(leaf, (np.ndarray, np.generic)) for leaf in leaves) else jnp
     places: list[tuple[int, int, tuple[int, ...], str]] = []
-    parts: list[list[Any]] = [[] for _ in storages]
-    sizes = [0] * len(storages)
-    for leaf in leaves:
-        dtype = np.dtype(leaf.dtype)
-        index = storages.index(_storage(dtype))
+    parts: list[list[Any]] = [[] for _ in keys]
+    sizes = [0] * len(keys)
+    for leaf, group in zip(leaves, groups, strict=True):
+        dtype, index = np.dtype(leaf.dtype), keys.index(group)
         places.append((index, sizes[index], tuple(np.shape(leaf)), dtype.str))
-        sizes[index] += int(np.prod(np.shape(leaf), dtype=np.int64))
-        parts[index].append(_to_bits(leaf, storages[index]))
+        sizes[index] += math.prod(np.shape(leaf))
+        parts[index].append(_to_bits(leaf, group[1]))
     arrays = tuple(xp.concatenate(group) for group in parts)
     return PackedTotals(arrays, (treedef, tuple(places)))

@@ -199,6 +199,7 @@ class FitRun:
         completed = session.ledger.step_completed
         completed(0.0, 0)  # an epoch begins: its first step's time is not measured from the last epoch's end
         watch_spikes = self.steps.spike_skip is not None  # no clock read per step without skip_spikes
+        period = batch_end.period  # called for the records covering a multiple of it only (None: every batch)
         spike_check = time.monotonic() + SPIKE_CHECK_SECONDS
         for record, carry in in_order(EpochSteps(self, train_fn, iter(batches)).dispatch(), lag):
             carry.block_until_ready()  # at most `lag` executions queued behind this one
@@ -207,7 +208,7 @@ class FitRun:
             if watch_spikes and time.monotonic() >= spike_check:  # a long run of skipped spikes stops the run soon
                 self.watch_spikes(host_metrics(carry), start.step, start.batch, start.epoch)
                 spike_check = time.monotonic() + SPIKE_CHECK_SECONDS
-            if batch_end.active:
+            if batch_end.active and (period is None or record.step // period > (record.step - record.steps) // period):
                 session.about(record, carry)
                 batch_end(record.batch, lambda carry=carry: metrics_lib.compute(host_metrics(carry).metrics, order))
         if last is None:
@@ -322,6 +323,16 @@ class EpochSteps:
         self.first_host: PyTree = None
         self.spec_seen = run.session.batch_spec is not None
         self.annotate = run.loop.annotate_steps or run.callbacks.annotates_steps
+        self.every = run.steps.measured_every  # statistics due every this many steps (None: never)
+        self._measured: tuple[Callable, Callable] | None = None
+
+    def measured(self) -> tuple[Callable, Callable]:
+        """The train step that measures the statistics, for their due steps (compiled at the
+        first): ``(function, call)``, its call taking the state as the loop carries it."""
+        if self._measured is None:
+            function = self.run.steps.function("train_measured")
+            self._measured = function, carried_state(self.run.session, function)[0]
+        return self._measured
 
     def place(self, item: Span | None) -> Span | None:
         """A span of host batches on the devices: one stacked batch (``fused``) or a list."""
@@ -384,12 +395,19 @@ class EpochSteps:
                 state = carried()
                 for number, batch in enumerate(placed, start=position.step + 1):
                     with jax.profiler.StepTraceAnnotation("train", step_num=number):
-                        state, totals = call(state, totals, batch)
+                        due = self.every is not None and number % self.every == 0
+                        state, totals = (self.measured()[1] if due else call)(state, totals, batch)
                 keep(state)
-            else:  # the span's batches one call each; no hook reads the state in between
+            elif self.every is None:  # the span's batches one call each; no hook reads the state in between
                 state = carried()
                 for batch in placed:
                     state, totals = call(state, totals, batch)
+                keep(state)
+            else:  # the same, the statistics' due steps through the step that measures them
+                state, number, every = carried(), position.step, self.every
+                for batch in placed:
+                    number += 1
+                    state, totals = (call if number % every else self.measured()[1])(state, totals, batch)
                 keep(state)
             self.totals = totals
             run.watchdog.progress(record.step)
@@ -408,8 +426,9 @@ class EpochSteps:
         or timed single steps while ``steps_per_execution="auto"`` decides."""
         run = self.run
         if not fused:
-            for batch in placed:
-                totals = run.timed_step(self.train_fn, totals, batch)
+            for number, batch in enumerate(placed, start=record.step - record.steps + 1):
+                due = self.every is not None and number % self.every == 0
+                totals = run.timed_step(self.measured()[0] if due else self.train_fn, totals, batch)
             return totals
         call, carried, keep = carried_state(self.run.session, run.steps.function("train_steps"))
         with jax.profiler.StepTraceAnnotation("train", step_num=record.step) if self.annotate else _NO_TRACE:

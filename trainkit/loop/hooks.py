@@ -27,7 +27,7 @@ from trainkit.strategies import Strategy
 class CompiledSteps(Protocol):
     """The loop's view of a trainer's setup (:class:`trainkit.program.setup.Setup` is one): the
     strategy that places batches and fetches outputs; the compiled steps by kind (``"train"``,
-    ``"train_steps"``, ``"eval"``, ``"predict"``) and the host zeros of the metric totals the
+    ``"train_measured"``, ``"train_steps"``, ``"eval"``, ``"predict"``) and the host zeros of the metric totals the
     training and eval steps carry; the order of the logged metrics; the batches per compiled
     training call, which ``steps_per_execution="auto"`` decides while the loop runs."""
 
@@ -45,6 +45,12 @@ class CompiledSteps(Protocol):
     def require_strategy(self) -> Strategy: ...
 
     def function(self, kind: str) -> Callable[..., Any]: ...
+
+    @property
+    def measured_every(self) -> int | None:
+        """Every how many steps the train step measures statistics (``None``: never): the loop
+        calls the ``"train_measured"`` step on those steps, the ``"train"`` step on the others."""
+        ...
 
     def empty_totals(self, kind: str, host_batch: PyTree = None) -> EpochTotals: ...
 
@@ -64,9 +70,12 @@ class CompiledSteps(Protocol):
 
 class Hook:
     """One hook of every callback that implements it (a subclass's ``__call__`` takes the hook's
-    arguments); ``active``: whether any does (the loop then builds its arguments)."""
+    arguments); ``active``: whether any does (the loop then builds its arguments); ``period``
+    (the train batch-end hook): the loop calls it only for the steps that cover a multiple of
+    it (``None``: every batch)."""
 
     active: bool = False
+    period: int | None = None
 
     def __call__(self, *args: Any, **kwargs: Any) -> None:
         raise NotImplementedError

@@ -178,26 +178,30 @@ class Program:
 
     # ------------------------------------------------------------------ compiled steps
     def compile(self, kind: str, strategy: Strategy, abstract_state: PyTree) -> Callable:
-        """The ``"train"``, ``"train_steps"`` (several steps over stacked batches), ``"eval"``
-        or ``"predict"`` step compiled by ``strategy`` (with ``eager``: the pure step itself,
-        run op by op on one device)."""
+        """The ``"train"``, ``"train_measured"`` (the train step that measures the statistics,
+        called on their due steps), ``"train_steps"`` (several steps over stacked batches),
+        ``"eval"`` or ``"predict"`` step compiled by ``strategy`` (with ``eager``: the pure step
+        itself, run op by op on one device); a strategy compiles both train steps as ``"train"``."""
         if self.eager:
             return self.step(kind, None)
         step = self.step(kind, strategy.axis_name)
         if strategy.logical_rules:  # nn.with_logical_constraint in the model
             step = under_logical_rules(step, strategy.mesh, strategy.logical_rules)
-        return strategy.compile(kind, step, abstract_state)
+        return strategy.compile("train" if kind == "train_measured" else kind, step, abstract_state)
 
     def step(self, kind: str, axis: str | None) -> Callable:
         """The pure step a strategy compiles (not compiled): ``"train"`` ``(state, totals,
-        batch) -> (state, totals)``, ``"train_steps"`` the same over stacked batches, ``"eval"``
+        batch) -> (state, totals)`` (with statistics, ``"train_measured"`` measures them and
+        ``"train"`` does not), ``"train_steps"`` the same over stacked batches (measuring on
+        the due steps), ``"eval"``
         ``(state, totals, batch) -> totals`` (``totals``: the epoch's
         :class:`~trainkit.core.totals.EpochTotals`), ``"predict"`` ``(state, batch) -> outputs``."""
         if kind == "train_steps":
-            return make_multi_step(self.step("train", axis), unrolled=self.eager)
+            return make_multi_step(with_totals(self.metrics_step("train", axis, "due")), unrolled=self.eager)
         if kind == "predict":
             return make_predict_step(self.apply)
-        return with_totals(self.metrics_step(kind, axis), trains=kind == "train")
+        when = "always" if kind == "train_measured" else "never"
+        return with_totals(self.metrics_step(kind, axis, when), trains=kind != "eval")
 
     def outputs(self, state: TrainState, x: PyTree) -> PyTree:
         """The model's outputs for inputs ``x`` in inference mode, as the predict step computes
@@ -219,9 +223,11 @@ class Program:
         call: a trainer's ``apply`` override is not in it)."""
         return make_predict_step(Precision().wrap_apply(self.adapter.apply))(state, {"x": x})
 
-    def metrics_step(self, kind: str, axis: str | None) -> Callable:
+    def metrics_step(self, kind: str, axis: str | None, statistics_when: str = "due") -> Callable:
         """The ``"train"`` step ``(state, batch) -> (state, metrics)`` or the ``"eval"`` step
-        ``(state, batch) -> metrics``, before their metrics are merged into the totals."""
+        ``(state, batch) -> metrics``, before their metrics are merged into the totals; the
+        statistics (``GradientStats``) measured as ``statistics_when`` says
+        (:meth:`~trainkit.core.statistics.StepStatistics.metrics`)."""
         if kind == "eval":
             return make_eval_step(self.compute_loss, self.objective.metric_fns, axis)
         return make_train_step(
@@ -234,6 +240,7 @@ class Program:
             label_check=self.objective.labels_out_of_range,
             trainable=self.trainable,
             statistics=self.statistics,
+            statistics_when=statistics_when,
             spike_skip=self.spike_skip,
         )
 

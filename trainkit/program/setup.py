@@ -790,13 +790,19 @@ class Setup:
         if statistics == self.program.statistics:
             return
         self.program.measure(statistics)
-        for kind in ("train", "train_steps"):
+        for kind in ("train", "train_measured", "train_steps"):
             self._compiled.pop(kind, None)
         self._totals.pop("train", None)
 
+    @property
+    def measured_every(self) -> int | None:
+        """The train step's statistics are due every this many steps (``None``: none measured):
+        the loop then calls ``"train_measured"`` on those steps and ``"train"`` on the others."""
+        return None if self.program.statistics is None else self.program.statistics.every
+
     def function(self, kind: str) -> Callable:
-        """The compiled ``"train"``, ``"train_steps"``, ``"eval"`` or ``"predict"`` step
-        (compiled once)."""
+        """The compiled ``"train"``, ``"train_measured"``, ``"train_steps"``, ``"eval"`` or
+        ``"predict"`` step (compiled once)."""
         if kind not in self._compiled:
             self._compiled[kind] = self.program.compile(kind, self.require_strategy(), abstract(self.require_state()))
         return self._compiled[kind]
