@@ -55,9 +55,8 @@ class Trainer:
 
     Args:
         model: a ``flax.linen.Module`` or ``flax.nnx.Module`` (``train`` / ``deterministic`` set for you).
-        loss: a Keras name (cross-entropies by name take logits), a loss object
-            (``tk.losses.BinaryCrossentropy(from_logits=False)``, or a Keras one) or a callable
-            ``loss(predictions, targets)``; several outputs: one, a list or a dict by output.
+        loss: a Keras name (cross-entropies by name take logits), a loss object (``tk.losses...``, or a Keras one)
+            or a callable ``loss(predictions, targets)``; several outputs: one, a list or a dict by output.
         optimizer: any ``optax.GradientTransformation``.
         metrics: Keras names, metric objects (``tk.metrics.AUC()``) or callables; by output: a dict.
         weighted_metrics: metrics that sample weights and ``class_weight`` apply to.
@@ -73,8 +72,8 @@ class Trainer:
         run_eagerly: every step op by op on one device (``print`` and pdb work); ``jit_compile=False`` too.
         mixes_rows: the model mixes a batch's rows on purpose (else checked before training).
         deterministic: XLA's deterministic GPU ops, and no choice by timing (docs/tuning.md).
-        trainable: the parameters that train (a regex over paths, a list, or ``(path, leaf) -> bool``);
-            the others are frozen: no gradient, no optimizer state (docs/finetuning.md).
+        trainable: the parameters that train (a regex over paths, a list, or ``(path, leaf) -> bool``); the others
+            frozen, a BatchNorm of them in inference mode unless ``frozen_statistics=False`` (docs/finetuning.md).
         lora: a ``tk.LoRA``: low-rank adapters (qwix) on the kernels it targets (linen or NNX); only they train.
         skip_spikes: a ``tk.SpikeSkip``: an update whose loss spikes above its running average is not applied.
 
@@ -106,6 +105,7 @@ class Trainer:
         trainable: TrainableSpec = None,
         lora: LoRA | None = None,
         skip_spikes: SpikeSkip | None = None,
+        frozen_statistics: bool = True,
     ):
         if deterministic:  # XLA reads its flags when the backend starts: before anything touches devices
             distributed.enable_determinism()
@@ -118,10 +118,10 @@ class Trainer:
         self.precision = get_precision(precision)
         self.grad_accum_steps, self.log_grad_norm = int(grad_accum_steps), bool(log_grad_norm)
         self.program = Program(
-            adapter=adapt_model(model), remat=remat, compute_loss=self.compute_loss, apply=self.apply,
-            optimizer=optimizer, objective=self.objective, precision=self.precision, seed=self.seed,
-            grad_accum_steps=self.grad_accum_steps, log_grad_norm=self.log_grad_norm, eager=self.run_eagerly,
-            variables=params, trainable=trainable, lora=lora, spike_skip=skip_spikes,
+            adapter=adapt_model(model), remat=remat, compute_loss=self.compute_loss, apply=self.apply, seed=self.seed,
+            optimizer=optimizer, objective=self.objective, precision=self.precision, eager=self.run_eagerly,
+            grad_accum_steps=self.grad_accum_steps, log_grad_norm=self.log_grad_norm, variables=params, lora=lora,
+            trainable=trainable, spike_skip=skip_spikes, frozen_statistics=frozen_statistics,
         )  # fmt: skip
         self.session = Session()  # the one holder of the live state, the position and the flags
         self.setup = Setup(

@@ -26,6 +26,7 @@ import numpy as np
 from flax import linen as nn
 from flax import nnx
 
+from trainkit.core.frozen_statistics import freeze_nnx_layers
 from trainkit.core.lora import LoRA
 from trainkit.core.state import check_tree_matches
 from trainkit.core.tree import PyTree, leaf_name
@@ -274,6 +275,8 @@ class NNXModel:
     def apply(self, params, model_state, x, *, rng, train):
         module = self.merge(params, model_state)
         module.train() if train else module.eval()
+        if train:
+            freeze_nnx_layers(module)  # the frozen BatchNorms (core/frozen_statistics.py) stay in inference mode
         if self._rng_tags:  # every stream, whatever the user's Rngs named it: new masks each step
             nnx.reseed(module, **{tag: _stream_key(rng, tag) for tag in self._rng_tags})
         args, kwargs = _split_inputs(x, self._parameters)

@@ -30,6 +30,7 @@ import numpy as np
 import optax
 
 from trainkit.core import cost, tree
+from trainkit.core import frozen_statistics as frozen_lib
 from trainkit.core.lora import LoRA, is_adapter
 from trainkit.core.model import ModelAdapter, param_axes, starting_variables, under_logical_rules, with_lora
 from trainkit.core.precision import Precision, cast_floating
@@ -66,6 +67,8 @@ class Program:
             alone train (with ``trainable``'s parameters); the base frozen.
         eager: no compilation: :meth:`compile` returns the pure step (Keras's ``run_eagerly``).
         spike_skip: a :class:`~trainkit.core.spikes.SpikeSkip`: spiking updates are not applied.
+        frozen_statistics: a ``BatchNorm`` whose parameters are all frozen runs in inference mode
+            in training (:mod:`trainkit.core.frozen_statistics`); ``False``: its statistics train.
     """
 
     def __init__(
@@ -86,6 +89,7 @@ class Program:
         trainable: TrainableSpec = None,
         lora: LoRA | None = None,
         spike_skip: SpikeSkip | None = None,
+        frozen_statistics: bool = True,
     ):
         self.lora, self.base_adapter = lora, adapter  # the model without adapters: what merge_lora and export give
         adapter = adapter if lora is None else with_lora(adapter, lora, seed)
@@ -99,10 +103,30 @@ class Program:
         self.variables = variables
         self.eager = eager
         self.spike_skip = spike_skip
+        self.frozen_statistics = bool(frozen_statistics)
+        self._frozen_layers: frozenset[str] | None = None  # the frozen BatchNorms, found at the first trace
         #: what the train step measures for a callback (``GradientStats``); set by the setup per ``fit``
         self.statistics: StepStatistics | None = None
         self._param_axes: dict | None = None  # the model's partitioning annotations, once read
         self._abstract_states: dict[str, PyTree] = {}  # abstract_state by the first row's signature
+
+    def frozen_layers(self, params: PyTree, model_state: PyTree, x: PyTree) -> frozenset[str]:
+        """The ``BatchNorm`` layers whose parameters are all frozen, which train in inference mode
+        (empty with ``frozen_statistics=False`` or nothing frozen); found once (traced)."""
+        if self._frozen_layers is None:
+            found: frozenset[str] = frozenset()
+            if self.frozen_statistics and self.trainable.freezes:
+                calls = self.adapter.module_calls(params, model_state, x)
+                paths = ["/".join(map(str, call.path)) for call in calls if call.kind == "BatchNorm"]
+                found = frozen_lib.frozen_layers(paths, params, self.trainable.trains)
+            self._frozen_layers = found
+        return self._frozen_layers
+
+    def training_loss(self, params: PyTree, batch: Batch, rng: jax.Array, *, model_state: PyTree, train: bool):
+        """``compute_loss`` with the frozen ``BatchNorm`` layers in inference mode when it trains."""
+        layers = self.frozen_layers(params, model_state, batch["x"]) if train else frozenset()
+        with frozen_lib.statistics_frozen(layers):
+            return self.compute_loss(params, batch, rng, model_state=model_state, train=train)
 
     def measure(self, statistics: StepStatistics | None) -> None:
         """What the train step measures from now on (a callback's ``GradientStats``); the setup
@@ -152,6 +176,8 @@ class Program:
             return None
         state = self.abstract_state(first_row) if state is None else state
         layers = self.adapter.batch_statistics_layers(state.params, state.model_state, first_row, axis)
+        frozen = self.frozen_layers(state.params, state.model_state, first_row)  # they compute no statistics
+        layers = [layer for layer in layers if layer.split(" (")[0] not in frozen]
         if not layers:
             return None
         verb = "normalise" if len(layers) > 1 else "normalises"
@@ -231,7 +257,7 @@ class Program:
         if kind == "eval":
             return make_eval_step(self.compute_loss, self.objective.metric_fns, axis)
         return make_train_step(
-            self.compute_loss,
+            self.training_loss,
             self.optimizer,
             self.objective.metric_fns,
             axis,

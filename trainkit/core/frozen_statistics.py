@@ -1,0 +1,105 @@
+"""Frozen means frozen: a batch-statistics layer (``BatchNorm``) whose parameters are all frozen
+(``Trainer(trainable=...)``, a LoRA base) runs in inference mode while the model trains, as
+Keras runs a ``BatchNorm`` with ``trainable=False``: it normalises by its running averages and
+never updates them, so a frozen backbone's ``batch_stats`` stay as they were loaded.
+``Trainer(frozen_statistics=False)`` keeps them training (batch statistics, running averages
+updated).
+
+The layers are found once from the parameters' paths; while a training step is traced,
+:func:`statistics_frozen` makes them run with ``use_running_average=True`` (a linen method
+interceptor; for NNX, :func:`freeze_nnx_layers` on the merged module).
+
+>>> import flax.linen as nn, jax, jax.numpy as jnp
+>>> class Net(nn.Module):
+...     @nn.compact
+...     def __call__(self, x, train=False):
+...         return nn.Dense(2, name="head")(nn.BatchNorm(use_running_average=not train, name="bn")(x))
+>>> variables = Net().init(jax.random.PRNGKey(0), jnp.ones((4, 3)))
+>>> with statistics_frozen(frozenset({"bn"})):
+...     _, updates = Net().apply(variables, jnp.arange(12.0).reshape(4, 3), train=True, mutable=["batch_stats"])
+>>> bool((updates["batch_stats"]["bn"]["mean"] == 0).all())  # not updated: the layer ran in inference mode
+True
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import flax.linen as nn
+import jax
+from flax import nnx
+
+from trainkit.core.tree import PyTree, leaf_name
+
+_FROZEN: contextvars.ContextVar[frozenset[str]] = contextvars.ContextVar("frozen_statistics", default=frozenset())
+
+
+def frozen_layers(layer_paths: list[str], params: PyTree, trains: Callable[[str, Any], bool]) -> frozenset[str]:
+    """Of the batch-statistics layers at ``layer_paths`` (``"block/BatchNorm_0"``), those that
+    have parameters and none of them trains."""
+    own: dict[str, list[bool]] = {}
+    for path, leaf in jax.tree_util.tree_leaves_with_path(params):
+        name = leaf_name(path)
+        module = name.rsplit("/", 1)[0] if "/" in name else ""
+        own.setdefault(module, []).append(trains(name, leaf))
+    return frozenset(p for p in layer_paths if own.get(p) and not any(own[p]))
+
+
+def _interceptor(call: Callable, args: tuple, kwargs: dict, context: Any) -> Any:
+    module = context.module
+    if (
+        context.method_name == "__call__"
+        and isinstance(module, nn.BatchNorm)
+        and "/".join(map(str, module.path)) in _FROZEN.get()
+    ):
+        if module.use_running_average is None:  # given at call time: given True instead
+            return call(*args[:1], **{**kwargs, "use_running_average": True})
+        before = module.use_running_average  # given to the constructor: True while this call runs
+        object.__setattr__(module, "use_running_average", True)  # a linen module is a frozen dataclass
+        try:
+            return call(*args, **kwargs)
+        finally:
+            object.__setattr__(module, "use_running_average", before)
+    return call(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def statistics_frozen(layers: frozenset[str]) -> Iterator[None]:
+    """While it lasts (a step being traced), the batch-statistics layers at ``layers`` run in
+    inference mode: linen's through a method interceptor, NNX's when :func:`freeze_nnx_layers`
+    sees the merged module."""
+    if not layers:
+        yield
+        return
+    token = _FROZEN.set(layers)
+    try:
+        with nn.intercept_methods(_interceptor):
+            yield
+    finally:
+        _FROZEN.reset(token)
+
+
+def freeze_nnx_layers(module: nnx.Module) -> None:
+    """Switches the NNX ``BatchNorm`` layers :func:`statistics_frozen` names to inference mode
+    (called after ``module.train()``)."""
+    layers = _FROZEN.get()
+    if not layers:
+        return
+    for path, layer in nnx.iter_modules(module):
+        if isinstance(layer, nnx.BatchNorm) and "/".join(map(str, path)) in layers:
+            layer.use_running_average = True
+
+
+def with_frozen_statistics(compute_loss: Callable, layers: frozenset[str]) -> Callable:
+    """``compute_loss`` whose training calls run the ``layers`` in inference mode."""
+    if not layers:
+        return compute_loss
+
+    def frozen(*args: Any, **kwargs: Any) -> Any:
+        with statistics_frozen(layers):
+            return compute_loss(*args, **kwargs)
+
+    return frozen
