@@ -127,7 +127,8 @@ def test_a_torch_weight_of_another_rank_is_reported_and_strict_false_loads_the_r
     path = tmp_path / "torch.safetensors"
     save_file({"head.weight": np.ones(stored, np.float32), "head.bias": np.full(3, 7, np.float32)}, path)
     into = {"head": {"kernel": np.zeros((2, 3), np.float32), "bias": np.zeros(3, np.float32)}}
-    with pytest.raises(ValueError, match=re.escape(f"head/kernel: shape {stored} in the source, (2, 3) in the model")):
+    quoted = f"head/kernel: shape {stored} in the source (as stored), (2, 3) in the model"
+    with pytest.raises(ValueError, match=re.escape(quoted)):
         tk.weights.load(path, into=into, layout="torch")
     loaded = tk.weights.load(path, into=into, layout="torch", strict=False)
     assert loaded.report.mismatched == (("head/kernel", stored, (2, 3)),)

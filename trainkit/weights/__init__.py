@@ -28,7 +28,7 @@ from trainkit.core.tree import PyTree, leaf_name
 from trainkit.weights import torch_layout
 from trainkit.weights.load import Target, check_options, match, place, refuse
 from trainkit.weights.report import LoadReport
-from trainkit.weights.sources import WeightFileError, open_source
+from trainkit.weights.sources import PICKLES, WeightFileError, open_source
 
 __all__ = ["load", "save", "LoadReport", "Loaded", "Target", "Loadable", "WeightFileError"]
 
@@ -67,6 +67,7 @@ def load(
     layout: str = "flax",
     strict: bool = True,
     keep_initial: Sequence[str] = (),
+    as_is: Sequence[str] = (),
 ) -> Any:
     """Loads ``source`` into a trainer's variables (call ``trainer.init(sample)`` first) and
     returns the :class:`LoadReport`; or into a tree of arrays or ``jax.ShapeDtypeStruct`` (with
@@ -77,7 +78,8 @@ def load(
     source name; ``layout="torch"``: PyTorch's names and layouts translated; ``strict``: refuse
     (naming each) missing, unexpected and reshaped entries and casts that lose values, before
     anything is read; ``keep_initial``: regexes of variables left at their initial values (a new
-    head), whatever the source has for them."""
+    head), whatever the source has for them; ``as_is``: regexes of source entries that
+    ``layout="torch"`` loads untransposed (Hugging Face's ``Conv1D``: see docs/finetuning.md)."""
     opened = open_source(source)
     if isinstance(into, Mapping):
         leaves = {leaf_name(path): leaf for path, leaf in jax.tree_util.tree_leaves_with_path(into)}
@@ -90,7 +92,7 @@ def load(
                 f"into= takes a trainkit.Trainer or a tree (dict) of arrays; received {type(into).__name__}."
             ) from None
         targets = holder.weight_targets()
-    report, reads = match(opened, targets, rename=rename, layout=layout, keep_initial=keep_initial)
+    report, reads = match(opened, targets, rename=rename, layout=layout, keep_initial=keep_initial, as_is=as_is)
     if strict:
         refuse(report, opened.description)
     elif report.problems():
@@ -124,6 +126,13 @@ def save(
     ``rename`` pairs apply to the written names last."""
     if format != "safetensors":
         raise ValueError(f"format={format!r}: weights are written as 'safetensors'.")
+    suffix = os.path.splitext(os.fspath(path))[1].lower()
+    if suffix in PICKLES:
+        raise ValueError(
+            f"save_weights writes a safetensors file, but {os.fspath(path)!r} ends in {suffix!r}, which readers take "
+            "for a pickle (torch.load would fail on it). Name it .safetensors; in PyTorch, read it with "
+            "safetensors.torch.load_file(path) and model.load_state_dict(...)."
+        )
     check_options(layout, rename, ())
     import safetensors.numpy
 

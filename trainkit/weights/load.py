@@ -46,14 +46,21 @@ class Read(NamedTuple):
     axes: tuple[int, ...] | None
 
 
-def check_options(layout: str, rename: Sequence[tuple[str, str]], keep_initial: Sequence[str]) -> None:
+def check_options(
+    layout: str, rename: Sequence[tuple[str, str]], patterns: Sequence[str], argument: str = "keep_initial"
+) -> None:
     if layout not in LAYOUTS:
         raise ValueError(f"layout={layout!r} is not one of {LAYOUTS}: 'torch' translates PyTorch's names and layouts.")
     for rule in rename:
         if not (isinstance(rule, (tuple, list)) and len(rule) == 2 and all(isinstance(r, str) for r in rule)):
             raise ValueError(f"rename takes (regex, replacement) pairs of strings; received {rule!r}.")
-    if isinstance(keep_initial, str):
-        raise ValueError(f"keep_initial takes a list of regexes; received the string {keep_initial!r}: wrap it in [].")
+    if isinstance(patterns, str):
+        raise ValueError(f"{argument} takes a list of regexes; received the string {patterns!r}: wrap it in [].")
+    for pattern in patterns:
+        try:
+            re.compile(pattern)
+        except (re.error, TypeError) as error:
+            raise ValueError(f"{argument}: {pattern!r} is not a regular expression ({error}).") from None
 
 
 def match(
@@ -63,17 +70,22 @@ def match(
     rename: Sequence[tuple[str, str]] = (),
     layout: str = "flax",
     keep_initial: Sequence[str] = (),
+    as_is: Sequence[str] = (),
 ) -> tuple[LoadReport, dict[str, Read]]:
     """The report of loading ``source`` into ``targets`` and the reads that would do it.
     ``rename``: ``(regex, replacement)`` pairs applied in order (``re.sub``) to each source name,
     before the layout's translation; ``keep_initial``: regexes (``re.search``) of variables left
-    at their initial values, whatever the source has for them."""
+    at their initial values, whatever the source has for them, each matching one at least;
+    ``as_is``: regexes of source entries (their names in the file) that ``layout="torch"``
+    loads in their stored layout (Hugging Face's ``Conv1D`` weights are ``(in, out)``, as Flax's)."""
     check_options(layout, rename, keep_initial)
+    check_options(layout, (), as_is, argument="as_is")
     rules = [(re.compile(pattern), replacement) for pattern, replacement in rename]
     keep = [re.compile(pattern) for pattern in keep_initial]
+    stored = [re.compile(pattern) for pattern in as_is]
     shapes = {name: target.shape for name, target in targets.items()}
     reads: dict[str, Read] = {}
-    unexpected, unmatched, ignored, mismatched, casts, lossy = [], [], [], [], [], []
+    unexpected, unmatched, ignored, mismatched, casts, lossy, square = [], [], [], [], [], [], []
     for original, entry in source.entries.items():
         name = original
         for pattern, replacement in rules:
@@ -82,6 +94,8 @@ def match(
         if mapped is None:
             ignored.append(original)
             continue
+        if mapped.axes is not None and any(p.search(original) for p in stored):
+            mapped = torch_layout.Mapped(mapped.name, None)
         target = targets.get(mapped.name)
         if target is None:
             unexpected.append(original)
@@ -99,14 +113,23 @@ def match(
             continue
         shape = entry.shape if mapped.axes is None else tuple(entry.shape[a] for a in mapped.axes)
         if shape != target.shape:
-            mismatched.append((mapped.name, shape, target.shape))
+            mismatched.append((mapped.name, entry.shape, target.shape))  # the source's shape as stored
             continue
+        if mapped.axes is not None and len(shape) == 2 and shape[0] == shape[1]:
+            square.append(original)  # transposed, and no shape can tell whether it should be
         if entry.dtype != target.dtype:
             casts.append((mapped.name, str(entry.dtype), str(target.dtype)))
             if loses_values(entry.dtype, target.dtype):
                 lossy.append(mapped.name)
         reads[mapped.name] = Read(original, mapped.axes)
     kept = [name for name in targets if any(k.search(name) for k in keep)]
+    for pattern in keep:
+        if not any(pattern.search(name) for name in targets):
+            examples = ", ".join(list(targets)[:6])
+            raise ValueError(
+                f"keep_initial={pattern.pattern!r} matches none of the model's variables, so the source would fill "
+                f"what it meant to keep new. Its variables are named like: {examples} (re.search on these names)."
+            )
     settled = set(reads) | set(kept) | {name for name, _, _ in mismatched}
     missing = [name for name in targets if name not in settled]
     report = LoadReport(
@@ -118,9 +141,23 @@ def match(
         lossy=tuple(lossy),
         kept_initial=tuple(kept),
         ignored=tuple(ignored),
-        hint=_rename_hint(unmatched, missing),
+        hint=_rename_hint(unmatched, missing) or _as_is_hint(mismatched, layout),
+        transposed_square=tuple(square),
     )
     return report, reads
+
+
+def _as_is_hint(mismatched: list[tuple[str, tuple, tuple]], layout: str) -> str:
+    """Under ``layout="torch"``: when 2-D entries would fit as stored (``(in, out)``, as Hugging
+    Face's ``Conv1D`` stores them), how to load them that way."""
+    stored = [name for name, source, model in mismatched if len(source) == 2 and source == model]
+    if layout != "torch" or not stored:
+        return ""
+    return (
+        f"{len(stored)} weight(s) ({', '.join(stored[:3])}{', ...' if len(stored) > 3 else ''}) fit as stored: they "
+        "are (in, out) already, as Hugging Face's Conv1D keeps them. Pass as_is=[regex of their source names] "
+        "(e.g. as_is=[r'\\.c_(attn|proj|fc)\\.weight$'] for GPT-2) to load them untransposed."
+    )
 
 
 def _rename_hint(unmatched: list[str], missing: list[str]) -> str:

@@ -4,7 +4,7 @@ that differ, dtype casts, and what ``keep_initial`` leaves alone.
 
 >>> report = LoadReport(loaded=("fc/kernel",), missing=("head/kernel",), mismatched=(("fc/bias", (3,), (2,)),))
 >>> print(report.problems())
-['missing from the source: head/kernel', 'fc/bias: shape (3,) in the source, (2,) in the model']
+['missing from the source: head/kernel', 'fc/bias: shape (3,) in the source (as stored), (2,) in the model']
 """
 
 from __future__ import annotations
@@ -25,12 +25,15 @@ class LoadReport:
         loaded: variables the source fills.
         missing: variables the source has nothing for.
         unexpected: source entries that fill no variable.
-        mismatched: ``(variable, source shape, model shape)``, shapes in the model's layout.
+        mismatched: ``(variable, source shape, model shape)``, the source's shape as stored.
         casts: ``(variable, source dtype, model dtype)`` of loaded entries of another dtype.
         lossy: the casts that lose values (a narrower float, float to integer).
         kept_initial: variables ``keep_initial`` left at their initial values.
         ignored: source entries the layout has no place for (torch's ``num_batches_tracked``).
-        hint: a rename that would match the names, when one prefix explains them.
+        hint: a rename that would match the names, when one prefix explains them (or, under
+            ``layout="torch"``, ``as_is`` for weights that fit as stored).
+        transposed_square: square 2-D source entries ``layout="torch"`` transposed: their shape
+            cannot tell whether they are ``(out, in)`` (then right) or ``(in, out)`` (pass ``as_is``).
     """
 
     loaded: tuple[str, ...] = ()
@@ -42,12 +45,14 @@ class LoadReport:
     kept_initial: tuple[str, ...] = ()
     ignored: tuple[str, ...] = ()
     hint: str = ""
+    transposed_square: tuple[str, ...] = ()
 
     def problems(self) -> list[str]:
         """What ``strict=True`` refuses, one line each."""
         lines = [f"missing from the source: {name}" for name in self.missing]
         lines += [f"not in the model: {name}" for name in self.unexpected]
-        lines += [f"{name}: shape {src} in the source, {dst} in the model" for name, src, dst in self.mismatched]
+        shapes = self.mismatched
+        lines += [f"{name}: shape {src} in the source (as stored), {dst} in the model" for name, src, dst in shapes]
         casts = {name: (src, dst) for name, src, dst in self.casts}
         lines += [f"{name}: {casts[name][0]} in the source loses values as {casts[name][1]}" for name in self.lossy]
         return lines
@@ -59,6 +64,11 @@ class LoadReport:
                 parts.append(f"{label}: {', '.join(names)}")
         if self.casts:
             parts.append("cast: " + ", ".join(f"{name} {src}->{dst}" for name, src, dst in self.casts))
+        if self.transposed_square:
+            parts.append(
+                "transposed as (out, in), which their square shapes cannot confirm (check them, or as_is=[...]): "
+                + ", ".join(self.transposed_square)
+            )
         return "; ".join(parts + self.problems()) + (f". {self.hint}" if self.hint else "")
 
 
