@@ -260,8 +260,18 @@ class CallbackList:
     def checked(callbacks: Iterable[Callback] | None) -> list[Callback]:
         """``callbacks`` as a list, each a trainkit callback, or a ``TypeError`` saying what to
         pass (before anything is built)."""
+        if isinstance(callbacks, Callback):
+            raise TypeError(
+                f"callbacks takes a list of callbacks, as in Keras; received one {type(callbacks).__name__}: "
+                f"pass callbacks=[{type(callbacks).__name__}(...)]."
+            )
         callbacks = list(callbacks or ())
         for callback in callbacks:
+            if isinstance(callback, type) and issubclass(callback, Callback):
+                raise TypeError(
+                    f"callbacks received the class {callback.__name__}, not a callback: instantiate it, "
+                    f"callbacks=[tk.callbacks.{callback.__name__}(...)]."
+                )
             if not isinstance(callback, Callback):
                 raise TypeError(_not_a_callback(callback))
         return callbacks

@@ -20,11 +20,13 @@ from __future__ import annotations
 
 import os
 
+import jax
 import numpy as np
 
 from trainkit import distributed
 from trainkit.callbacks.base import Callback, Logs
-from trainkit.core.statistics import PREFIX, StepStatistics
+from trainkit.core.statistics import PREFIX, StepStatistics, module_of
+from trainkit.core.tree import leaf_name
 from trainkit.loop.dispatch import host_metrics
 from trainkit.monitoring import loggers
 
@@ -77,6 +79,14 @@ class GradientStats(Callback):
                 '(or "auto", which stays within every).'
             )
         self.values, self.steps, self._names = {}, [], None
+        if self.spec.per_layer is not None:
+            params = self.session.require_state().params
+            if not self.spec.modules(params):
+                paths = sorted({module_of(leaf_name(p)) for p, _ in jax.tree_util.tree_leaves_with_path(params)})
+                raise ValueError(
+                    f"GradientStats(per_layer={self.spec.per_layer!r}) matches no module path, so no module's norms "
+                    f"would be reported. The model's modules: {', '.join(paths[:8])} (re.search on these paths)."
+                )
         if self.log_dir is not None and distributed.is_main_process():
             self.board = loggers.TensorBoardLogger(self.log_dir)
 

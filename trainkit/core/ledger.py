@@ -140,6 +140,23 @@ class ProcessLedger:
     step_p99: float | None
 
 
+class Buckets(dict):
+    """Seconds by bucket; a bucket no second went to reads as a ``KeyError`` naming those that exist.
+
+    >>> try:
+    ...     Buckets({"step": 1.0})["compilation"]
+    ... except KeyError as error:
+    ...     print(str(error)[:60])
+    "no bucket 'compilation': this fit's buckets are ['step'] (s
+    """
+
+    def __missing__(self, key: str) -> float:
+        raise KeyError(
+            f"no bucket {key!r}: this fit's buckets are {sorted(self)} (see trainkit.core.ledger; a bucket no time "
+            "went to is absent, .get(name, 0.0) reads it as 0)"
+        )
+
+
 @dataclasses.dataclass
 class Goodput:
     """Where a ``fit``'s wall time went (``history.goodput``; see :class:`Ledger`): ``buckets``
@@ -161,6 +178,9 @@ class Goodput:
     step_p99: float | None = None
     processes: tuple[ProcessLedger, ...] = ()
     stragglers: dict[str, int] = dataclasses.field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.buckets = Buckets(self.buckets)
 
     @property
     def goodput(self) -> float:

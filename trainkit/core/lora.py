@@ -139,6 +139,32 @@ def _merge(node: Any, scale: float) -> Any:
     return merged
 
 
+def idle_settings(lora: LoRA, params: PyTree) -> list[str]:
+    """What of ``lora``'s settings does nothing on these parameters (one line each): adapters of
+    a rank at least the kernel's smaller side (more parameters than a full fine-tune of it), a
+    ``quantize_base`` that quantised no kernel."""
+    notes = []
+    named = {leaf_name(path): np.shape(leaf) for path, leaf in jax.tree_util.tree_leaves_with_path(params)}
+    wide = []
+    for name, a in named.items():  # a: (in, rank), b: (rank, out)
+        b = named.get(name.removesuffix(ADAPTER_SUFFIXES[0]) + ADAPTER_SUFFIXES[1])
+        if name.endswith(ADAPTER_SUFFIXES[0]) and b is not None and len(a) == len(b) == 2:
+            if lora.rank >= min(a[0], b[1]):
+                wide.append(name.rsplit("/", 1)[0])
+    if wide:
+        notes.append(
+            f"LoRA rank={lora.rank} is at least the smaller side of the kernels of {', '.join(wide[:4])}"
+            f"{', ...' if len(wide) > 4 else ''}: their adapters hold more parameters than the kernels. Lower rank, "
+            "or train those layers fully (trainable=...)."
+        )
+    if lora.quantize_base is not None and quantization(params) is None:
+        notes.append(
+            f"LoRA(quantize_base={lora.quantize_base!r}) quantised no kernel: no Dense kernel of this model matches "
+            f"targets={lora.targets!r}, so the base stays in floating point."
+        )
+    return notes
+
+
 def adapters_only(params: Mapping) -> dict:
     """The adapters of a parameter tree (nested dicts, as a checkpoint holds it), nothing else.
 

@@ -31,6 +31,7 @@ import optax
 
 from trainkit.core import cost, tree
 from trainkit.core import frozen_statistics as frozen_lib
+from trainkit.core import lora as lora_lib
 from trainkit.core.lora import LoRA, is_adapter
 from trainkit.core.model import ModelAdapter, param_axes, starting_variables, under_logical_rules, with_lora
 from trainkit.core.precision import Precision, cast_floating
@@ -42,6 +43,7 @@ from trainkit.core.step import make_eval_step, make_multi_step, make_predict_ste
 from trainkit.core.totals import EpochTotals, pack
 from trainkit.core.trainable import Trainable, TrainableSpec
 from trainkit.core.tree import PyTree
+from trainkit.core.warn import warn_user
 from trainkit.program import plan as plan_lib
 from trainkit.strategies import Strategy
 
@@ -102,7 +104,13 @@ class Program:
         self.grad_accum_steps, self.log_grad_norm, self.seed = grad_accum_steps, log_grad_norm, seed
         self.variables = variables
         self.eager = eager
+        if spike_skip is not None and not isinstance(spike_skip, SpikeSkip):
+            raise TypeError(
+                f"skip_spikes takes a tk.SpikeSkip; received {spike_skip!r}. Pass skip_spikes=tk.SpikeSkip() (the "
+                "defaults) or tk.SpikeSkip(factor=..., warmup=...)."
+            )
         self.spike_skip = spike_skip
+        self._settings_checked = False  # idle_settings warned about (at the first trace of the state)
         self.frozen_statistics = bool(frozen_statistics)
         self._frozen_layers: frozenset[str] | None = None  # the frozen BatchNorms, found at the first trace
         #: what the train step measures for a callback (``GradientStats``); set by the setup per ``fit``
@@ -142,10 +150,24 @@ class Program:
         params, model_state = self.adapter.init(init_rng, first_row) if variables is None else variables
         params = cast_floating(params, self.precision.param_dtype)
         self.trainable.check(params)
+        if not self._settings_checked:  # once per trainer (the state is traced more than once)
+            self._settings_checked = True
+            for note in self.idle_settings(params):
+                warn_user(note)
         spikes = None if self.spike_skip is None else self.spike_skip.initial()
         return TrainState.create(
             params=params, opt_state=self.optimizer.init(params), model_state=model_state, seed=state_rng
         ).replace(loss_scale=self.precision.init_loss_scale(), spikes=spikes)
+
+    def idle_settings(self, params: PyTree) -> list[str]:
+        """What would train nothing or do nothing on these parameters, one line each."""
+        notes = [] if self.lora is None else lora_lib.idle_settings(self.lora, params)
+        if not jax.tree.leaves(params):
+            notes.append(
+                "The model has no parameters, so fit trains nothing (every update and gradient statistic is 0). A "
+                "linen module creates its layers in setup() or an @nn.compact __call__; an NNX module in __init__."
+            )
+        return notes
 
     def starting_variables(self, first_row: PyTree) -> PyTree:
         return starting_variables(self.adapter, self.variables, first_row)
