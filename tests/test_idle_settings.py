@@ -58,3 +58,13 @@ def test_keras_habits_get_errors_that_name_the_fix():
     history = trainer().fit(X, Y, epochs=1, verbose=0)
     with pytest.raises(KeyError, match=r"no bucket 'compilation': this fit's buckets are \[.*'compile'"):
         history.goodput.buckets["compilation"]
+
+
+def test_a_train_flag_under_another_name_is_named():
+    class Moded(nn.Module):
+        @nn.compact
+        def __call__(self, x, mode=False):
+            return nn.Dense(3)(nn.Dropout(0.5, deterministic=not mode)(nn.Dense(8)(x)))
+
+    with pytest.raises(ValueError, match=r"Dropout_0 \(Dropout\), switched by `mode`.*none of the flags trainkit sets"):
+        trainer(Moded()).fit(X, Y, epochs=1, verbose=0)

@@ -152,7 +152,16 @@ class LinenModel:
             return isinstance(module, nn.Dropout) and module.rate > 0 and module.deterministic is not True
 
         called = self._called(params, model_state, x)
-        return [_layer_name(path, module) for path, module, _ in called if switches(module)]
+        found = [_layer_name(path, module) for path, module, _ in called if switches(module)]
+        if found:
+            return found
+        for name, parameter in self._parameters.items():  # a train flag under another name (``mode``)
+            if isinstance(parameter.default, bool) and parameter.kind is not parameter.VAR_KEYWORD:
+                flipped = self._called(params, model_state, x, flags={name: not parameter.default})
+                found = [_layer_name(p, m) for p, m, _ in flipped if switches(m)]
+                if found:
+                    return [f"{layer}, switched by `{name}`" for layer in found]
+        return []
 
     def batch_statistics_layers(self, params: PyTree, model_state: PyTree, x: PyTree, axis: str) -> list[str]:
         """The BatchNorm layers of a training step that normalise by the statistics of the rows
@@ -161,11 +170,19 @@ class LinenModel:
         return [_layer_name(path, m) for path, m, _ in called if isinstance(m, nn.BatchNorm) and m.axis_name != axis]
 
     def _called(
-        self, params: PyTree, model_state: PyTree, x: PyTree, *, train: bool = False, axis: str | None = None
+        self,
+        params: PyTree,
+        model_state: PyTree,
+        x: PyTree,
+        *,
+        train: bool = False,
+        axis: str | None = None,
+        flags: dict[str, bool] | None = None,
     ) -> list[tuple[tuple, nn.Module, PyTree]]:
         """Every module whose ``__call__`` a forward pass enters, once each, parents before their
         children: its path, the module and its output's shapes (traced, nothing computed; as
-        one device of a named ``axis``, which a layer may reduce over)."""
+        one device of a named ``axis``, which a layer may reduce over; ``flags``: keywords of
+        ``__call__`` passed as given, the train flags left out)."""
         calls: dict[tuple, tuple | None] = {}
 
         def record(call, args, kwargs, context):
@@ -179,6 +196,10 @@ class LinenModel:
 
         def forward(params, model_state, x):
             with nn.intercept_methods(record):
+                if flags:
+                    args, kwargs = _split_inputs(x, self._parameters)
+                    variables, rngs = {"params": params, **model_state}, {"dropout": jax.random.PRNGKey(0)}
+                    return self.module.apply(variables, *args, **kwargs, **flags, rngs=rngs)
                 return self.apply(params, model_state, x, rng=jax.random.PRNGKey(0), train=train)[0]
 
         if axis is not None:

@@ -656,7 +656,7 @@ class Setup:
             unswitched = self.program.adapter.unswitched_layers(state.params, state.model_state, first_x)
             if unswitched:
                 raise ValueError(
-                    f"The model has layers that train differently from how they evaluate ({', '.join(unswitched)}), "
+                    f"The model has layers that train differently from how they evaluate ({'; '.join(unswitched)}), "
                     f"but its __call__ takes none of the flags trainkit sets ({model_lib.TRAIN_FLAG_NAMES}), so they "
                     "would stay in one mode for training and evaluation alike. Rename the model's flag, e.g. "
                     "`def __call__(self, x, train: bool = False)` with nn.Dropout(rate, deterministic=not train) and "
