@@ -133,6 +133,10 @@ def test_targets_are_spelled_as_the_docs_say():
     for empty in ("tpu v5e:0x4", "tpu v4:2x0x2", "tpu v5e:99999x99999", "tpu v6e:32x32"):
         with pytest.raises(ValueError, match=r"chips: a TPU v\w+ slice has 1 to \d+, every side at least 1"):
             targets.parse(empty)
+    for shape in ("tpu v5e:4x5", "tpu v5e:4x4x4", "tpu v5p:2x2", "tpu v5p:3x2x2"):
+        with pytest.raises(ValueError, match=r"is not a v5[ep] slice: its slices have [23] sides, each a power of two"):
+            targets.parse(shape)
+    assert targets.parse("tpu v5p:4x4x12").device_count == 192  # a 3-D torus side may be a multiple of 4
     for empty in ("h100 x0", "h100 0x8", "h100 x16"):
         with pytest.raises(ValueError, match=r"an H100 host has 1 to 8, and a target at least 1 host"):
             targets.parse(empty)

@@ -103,6 +103,23 @@ def torch_outputs(net, x):
 
 
 @needs_torch
+def test_a_state_dict_of_torch_tensors_loads_as_its_file_does():
+    torch.manual_seed(1)
+    net = TorchMLP().eval()
+    x = np.random.default_rng(0).normal(size=(8, 5)).astype(np.float32)
+    trainer = trainer_for(FlaxMLP())
+    trainer.init(x)
+    report = tk.weights.load(net.state_dict(), into=trainer, layout="torch")  # tensors, not arrays
+    assert report.loaded == ("fc1/bias", "fc1/kernel", "fc2/bias", "fc2/kernel")
+    np.testing.assert_allclose(trainer.predict(x), torch_outputs(net, x), atol=1e-5)
+    bf16 = {name: tensor.to(torch.bfloat16) for name, tensor in net.state_dict().items()}
+    into = {"fc1": {"kernel": np.zeros((5, 16), np.float32)}}
+    loaded = tk.weights.load(bf16, into=into, layout="torch", strict=False)
+    expected = net.state_dict()["fc1.weight"].to(torch.bfloat16).float().numpy().T
+    np.testing.assert_array_equal(loaded.tree["fc1"]["kernel"], expected)
+
+
+@needs_torch
 def test_a_torch_mlp_gives_torchs_outputs(tmp_path):
     torch.manual_seed(1)
     net = TorchMLP().eval()

@@ -122,6 +122,8 @@ def _require(module: str, extra: str, what: str) -> None:
 
 #: the most chips one slice of each TPU family has (Google Cloud's TPU pages); an H100 host's GPUs
 MOST_CHIPS = {"v4": 4096, "v5e": 256, "v5p": 8960, "v6e": 256}
+#: the sides of a family's slices: a 2-D mesh (v5e, v6e) or a 3-D torus (v4, v5p)
+SIDES = {"v4": 3, "v5e": 2, "v5p": 3, "v6e": 2}
 GPUS_PER_HOST = 8
 
 
@@ -135,7 +137,19 @@ def _slice(spec: str, family: str, dims: str) -> Target:
             f"Target {spec!r} has {count} chips: a TPU {family} slice has 1 to {MOST_CHIPS[family]}, every side at "
             f'least 1 (e.g. "tpu {family}:{"2x2" if len(sides) == 2 else "2x2x1"}"). Spell it {SPELLINGS}.'
         )
+    if len(sides) != SIDES[family] or not all(_side_exists(side, len(sides)) for side in sides):
+        example = "4x4" if SIDES[family] == 2 else "2x2x2"
+        raise ValueError(
+            f"Target {spec!r} is not a {family} slice: its slices have {SIDES[family]} sides, each a power of two"
+            f"{' (or a multiple of 4)' if SIDES[family] == 3 else ''} (e.g. \"tpu {family}:{example}\"). "
+            f"Spell it {SPELLINGS}."
+        )
     return Target(spec, "tpu", CHIPS[family], f"{family}:{dims}", count, max(1, count // 4))
+
+
+def _side_exists(side: int, sides: int) -> bool:
+    """Whether a slice side of this length exists: a power of two (a multiple of 4 on a 3-D torus too)."""
+    return side & (side - 1) == 0 or (sides == 3 and side % 4 == 0)
 
 
 def parse(spec: str) -> Target:

@@ -15,6 +15,7 @@ import glob
 import json
 import os
 import struct
+import sys
 from collections.abc import Mapping
 from typing import Any, NamedTuple, Protocol
 
@@ -225,6 +226,18 @@ def _plain(tree: Any) -> Any:
     return tree
 
 
+def host_array(leaf: Any) -> Any:
+    """A dict's value as an array NumPy reads: a PyTorch tensor (a ``state_dict()``) detached to
+    NumPy on the host, bf16 as ``ml_dtypes.bfloat16``; anything else as it is."""
+    torch = sys.modules.get("torch")
+    if torch is None or not isinstance(leaf, torch.Tensor):
+        return leaf
+    tensor = leaf.detach().cpu()
+    if tensor.dtype == torch.bfloat16:  # NumPy has no bf16: its bits, viewed as ml_dtypes'
+        return tensor.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
+    return tensor.numpy()
+
+
 def flat_arrays(tree: PyTree) -> dict[str, Any]:
     """``{"a/b": array}`` for a nested dict (or any pytree) of arrays; a flat dict's keys kept."""
     return {leaf_name(path): leaf for path, leaf in jax.tree_util.tree_leaves_with_path(tree)}
@@ -281,7 +294,7 @@ def open_source(source: Any) -> WeightSource:
     checkpoint folder, ``.npz``) or a dict of arrays (nested, or flat with ``/`` names). A file or
     folder that cannot be trusted raises :class:`WeightFileError` naming it, before anything is read."""
     if isinstance(source, Mapping):
-        return ArraySource(flat_arrays(source), "a dict of arrays")
+        return ArraySource({name: host_array(a) for name, a in flat_arrays(source).items()}, "a dict of arrays")
     path = os.fspath(source)
     if not os.path.exists(path):
         raise FileNotFoundError(f"No weights at {path!r}: pass {KINDS}.")
