@@ -141,7 +141,7 @@ def _slice(spec: str, family: str, dims: str) -> Target:
         example = "4x4" if SIDES[family] == 2 else "2x2x2"
         raise ValueError(
             f"Target {spec!r} is not a {family} slice: its slices have {SIDES[family]} sides, each a power of two"
-            f"{' (or a multiple of 4)' if SIDES[family] == 3 else ''} (e.g. \"tpu {family}:{example}\"). "
+            f'{" (or a multiple of 4)" if SIDES[family] == 3 else ""} (e.g. "tpu {family}:{example}"). '
             f"Spell it {SPELLINGS}."
         )
     return Target(spec, "tpu", CHIPS[family], f"{family}:{dims}", count, max(1, count // 4))
