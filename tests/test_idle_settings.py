@@ -68,3 +68,12 @@ def test_a_train_flag_under_another_name_is_named():
 
     with pytest.raises(ValueError, match=r"Dropout_0 \(Dropout\), switched by `mode`.*none of the flags trainkit sets"):
         trainer(Moded()).fit(X, Y, epochs=1, verbose=0)
+
+
+def test_more_keras_habits_get_errors_that_name_the_fix():
+    with pytest.raises(TypeError, match=r"A Trainer is compiled when made: tk.Trainer\(model, loss=..., optimizer="):
+        trainer().compile(optimizer="adam", loss="mse")
+    with pytest.raises(ValueError, match=r"received the targets twice.*Pass fit\(\(x, y\)\) or fit\(x, y\)"):
+        trainer().fit((X, Y), Y, verbose=0)
+    with pytest.raises(ValueError, match=r"y is a Python list of 64 values, not an array.*np.asarray\(y\)"):
+        trainer().fit(X, list(Y), verbose=0)

@@ -136,8 +136,7 @@ class Trainer:
         self.loop = Loop(self.session, self.setup)
 
     def apply(self, params: PyTree, model_state: PyTree, x: PyTree, *, rng: jax.Array, train: bool):
-        """Runs the model: ``(outputs, new_model_state)`` under the precision policy and remat
-        setting. Pure; usable inside ``compute_loss``."""
+        """``(outputs, new_model_state)`` under the precision policy and remat; pure (use it in ``compute_loss``)."""
         return self.program.run_model(params, model_state, x, rng=rng, train=train)
 
     def compute_loss(
@@ -161,13 +160,16 @@ class Trainer:
     learning_rate = Delegated[float]("setup.learning_rate", "The learning rate (optax.inject_hyperparams); settable.",
                                      setter="setup.set_learning_rate")  # fmt: skip
 
+    def compile(self, *args: Any, **kwargs: Any) -> None:
+        """Keras's ``model.compile``: a Trainer takes its loss, optimizer and metrics when it is made."""
+        raise TypeError("A Trainer is compiled when made: tk.Trainer(model, loss=..., optimizer=..., metrics=[...]).")
+
     def update_state(self, **fields: PyTree) -> TrainState:
         """The one way to write the live state: fields placed in the shardings of those they replace."""
         return self.setup.update_state(**fields)
 
     def init(self, sample_batch: Any) -> TrainState:
-        """The state from a sample batch (any form ``fit`` takes), the strategy chosen first under
-        ``"auto"`` (by the compiler's estimate: ``fit`` times candidates); kept by a second call."""
+        """The state from a sample batch (as ``fit`` takes), the strategy chosen first under ``"auto"``."""
         return self.setup.init(sample_batch)
 
     params = Delegated[PyTree]("setup.host_params", "Host NumPy copies of the parameters.")
@@ -189,8 +191,7 @@ class Trainer:
         self.setup.set_weights(variables)
 
     def save_weights(self, filepath: str | os.PathLike, *, format="safetensors", layout="flax", rename=()) -> None:
-        """The variables (under LoRA the merged model's) as one safetensors file; ``layout="torch"``:
-        PyTorch's names and layouts, for ``load_state_dict`` (docs/finetuning.md)."""
+        """The variables (LoRA's merged) as safetensors; ``layout="torch"`` for PyTorch (docs/finetuning.md)."""
         weights_lib.save(self.setup.named_weights(), filepath, format=format, layout=layout, rename=rename)
 
     def merge_lora(self) -> Trainer:
@@ -227,9 +228,8 @@ class Trainer:
         return step
 
     def load(self, directory: str | os.PathLike | checkpoint_lib.Checkpointer, step: int | None = None) -> dict:
-        """Restores the latest checkpoint (or ``step``) into this trainer's strategy, from any
-        strategy or device count, or only the variables of a ``save_weights_only`` one; call
-        ``init(sample_batch)`` first. Returns the manifest."""
+        """Restores the latest checkpoint (or ``step``), saved under any strategy or device count (or the
+        variables of a ``save_weights_only`` one), after ``init(sample_batch)``; returns the manifest."""
         state, manifest = checkpoint_lib.restore(directory, self.session.require_state(), step)
         self.session.replace_state(state, moves_position=manifest.get("contents") != "weights")
         checkpoint_lib.explain_restore(manifest, self.strategy, self.session.batch_size)

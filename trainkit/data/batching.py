@@ -92,9 +92,11 @@ def example_spec(x: PyTree) -> PyTree:
 
 
 def _is_number_list(tree: PyTree) -> bool:
-    """A Python list or tuple whose leaves are all Python numbers (a column or table of values)."""
+    """A Python list or tuple whose leaves are all numbers, Python's or NumPy's scalars
+    (``list(y)`` of an array), a column or table of values."""
     leaves = jax.tree.leaves(tree)
-    return isinstance(tree, (list, tuple)) and bool(leaves) and all(isinstance(v, (int, float)) for v in leaves)
+    numbers = (int, float, np.number, np.bool_)
+    return isinstance(tree, (list, tuple)) and bool(leaves) and all(isinstance(v, numbers) for v in leaves)
 
 
 def check_no_number_lists(parts: dict[str, PyTree]) -> None:

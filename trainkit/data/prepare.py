@@ -88,6 +88,11 @@ def as_dataset(data: Any, y: PyTree = None, sample_weight: PyTree = None) -> Sou
     if isinstance(data, DataSource) and y is None and sample_weight is None:
         return UserSource(data)
     if y is not None or sample_weight is not None:
+        if isinstance(data, tuple) and len(data) in (2, 3) and data[1] is y:
+            raise ValueError(
+                "fit received the targets twice: x is a tuple (x, y, ...) and y is given again, so the tuple would be "
+                "read as the model's inputs. Pass fit((x, y)) or fit(x, y)."
+            )
         return ArrayDataset(data, y, sample_weight)
     adapted = adapt(data)
     if adapted is not None:
