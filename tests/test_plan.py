@@ -110,6 +110,26 @@ def test_shapes_are_planned_not_measured_and_not_mixed_with_arrays():
         make_trainer().plan((shapes_of(x)[0], y), verbose=0)
 
 
+def test_a_long_reason_is_printed_whole_under_the_table_and_the_figures_stay(plan):
+    import dataclasses
+    import io
+
+    from rich.console import Console
+
+    reason = "RESOURCE_EXHAUSTED: " + "a long compiler message " * 12 + "END"
+    rows = [dataclasses.replace(r, error=reason) if r.name == "SingleDevice" else r for r in plan.rows]
+    out = io.StringIO()
+    dataclasses.replace(plan, rows=rows).print(Console(width=80, file=out, color_system=None))
+    text = out.getvalue()
+    from trainkit.program.plan import _mib
+
+    for row in [r for r in plan.rows if r.name.startswith(("DataParallel", "FSDP"))]:  # figures whole at 80 columns
+        line = next(line for line in text.splitlines() if "│" in line and row.name[:6] in line)
+        for figure in (row.argument_bytes, row.temp_bytes, row.total_bytes):
+            assert f" {_mib(figure)} " in line, (row.name, line)
+    assert "END" in " ".join(text.split()) and "see below" in text, text
+
+
 def test_a_small_memory_limit_excludes_the_replicated_strategies(plan):
     rows = {r.name: r for r in plan.rows}
     # between what FSDP needs and what replicated data parallelism needs

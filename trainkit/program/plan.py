@@ -256,29 +256,35 @@ class MemoryPlan:
         title = (
             f"trainkit plan{where}: MiB per device of {self.memory_limit / 2**20:,.0f}; {kind} ms/step; <- auto's pick"
         )
-        table = Table(title=title)
-        table.add_column("strategy", no_wrap=True)
         columns = ("args", "temp", "total", "GFLOP", "comm", "ms") + (("compile s",) if self.target else ())
-        for column in columns:
-            table.add_column(column, justify="right", no_wrap=True)
-        table.add_column("", no_wrap=True)
         blank = [""] * len(columns)
+        rows: list[tuple[str, list[str], str]] = []
         for r in self.rows:
-            if r.error:
-                table.add_row(r.name, *blank, f"[red]{r.error[: 200 if self.target else 60]}[/red]")
-                continue
-            if r.skipped:
-                table.add_row(r.name, *blank, "[dim]not compiled: the run is too short to repay it[/dim]")
-                continue
-            verdict = "[bold green]<-[/bold green]" if r.recommended else ("" if r.fits else "[red]too big[/red]")
-            cells = [_mib(r.argument_bytes), _mib(r.temp_bytes), _mib(r.total_bytes), _short(r.flops / 1e9)]
-            cells += [_mib(r.collective_bytes), _short(r.seconds * 1e3)]
-            cells += [f"{r.compile_seconds:.1f}"] if self.target else []
-            table.add_row(r.name, *cells, verdict)
+            if r.error:  # the reason is printed in full under the table: a long one would squeeze the figures
+                rows.append((r.name, blank, "[red]see below[/red]"))
+            elif r.skipped:
+                rows.append((r.name, blank, "[dim]not compiled: the run is too short to repay it[/dim]"))
+            else:
+                verdict = "[bold green]<-[/bold green]" if r.recommended else ("" if r.fits else "[red]too big[/red]")
+                cells = [_mib(r.argument_bytes), _mib(r.temp_bytes), _mib(r.total_bytes), _short(r.flops / 1e9)]
+                cells += [_mib(r.collective_bytes), _short(r.seconds * 1e3)]
+                cells += [f"{r.compile_seconds:.1f}"] if self.target else []
+                rows.append((r.name, cells, verdict))
+        table = Table(title=title)
+        table.add_column("strategy", overflow="fold")  # wraps before a figure is cut: the figures keep their width
+        for index, column in enumerate(columns):
+            width = max([len(column), *(len(cells[index]) for _, cells, _ in rows)])
+            table.add_column(column, justify="right", no_wrap=True, min_width=width)
+        table.add_column("")
+        for name, cells, verdict in rows:
+            table.add_row(name, *cells, verdict)
         return table
 
     def print(self, console: Console | None = None) -> None:
         (console or Console()).print(self.table())
+        for r in self.rows:  # each reason whole, wrapped to the console's width
+            if r.error:
+                (console or Console()).print(f"{r.name}: {r.error}", highlight=False, markup=False)
         (console or Console()).print(self.reason())
         if self.state_bytes:
             parts = ", ".join(f"{name} {_mib(size)} MiB" for name, size in self.state_bytes.items())
