@@ -130,6 +130,19 @@ def test_a_long_reason_is_printed_whole_under_the_table_and_the_figures_stay(pla
     assert "END" in " ".join(text.split()) and "see below" in text, text
 
 
+def test_first_fit_stops_compiling_at_the_first_candidate_that_fits(plan):
+    rows = {r.name: r for r in plan.rows}
+    limit = int((rows["FSDP(fsdp=8)"].total_bytes + rows["DataParallel(data=8)"].total_bytes) / 2 / tk.plan.HEADROOM)
+    order = [tk.SingleDevice(), tk.DataParallel(), tk.FSDP(), tk.Hybrid(data=2, fsdp=4)]
+    result = make_trainer().plan(data(), candidates=order, memory_limit=limit, first_fit=True, verbose=0)
+    found = {r.name: r for r in result.rows}
+    assert not found["SingleDevice"].fits and not found["DataParallel(data=8)"].fits
+    assert found["FSDP(fsdp=8)"].fits and found["FSDP(fsdp=8)"].recommended
+    hybrid = found["Hybrid(data=2, fsdp=4)"]
+    assert hybrid.function is None and hybrid.skipped.startswith("not compiled (first_fit=True: FSDP(fsdp=8) fits)")
+    assert "not compiled: first_fit" in str(result)
+
+
 def test_a_small_memory_limit_excludes_the_replicated_strategies(plan):
     rows = {r.name: r for r in plan.rows}
     # between what FSDP needs and what replicated data parallelism needs

@@ -160,8 +160,7 @@ class Trainer:
     learning_rate = Delegated[float]("setup.learning_rate", "The learning rate (optax.inject_hyperparams); settable.",
                                      setter="setup.set_learning_rate")  # fmt: skip
 
-    def compile(self, *args: Any, **kwargs: Any) -> None:
-        """Keras's ``model.compile``: a Trainer takes its loss, optimizer and metrics when it is made."""
+    def compile(self, *args: Any, **kwargs: Any) -> None:  # Keras's habit: the loss and optimizer come when made
         raise TypeError("A Trainer is compiled when made: tk.Trainer(model, loss=..., optimizer=..., metrics=[...]).")
 
     def update_state(self, **fields: PyTree) -> TrainState:
@@ -258,11 +257,12 @@ class Trainer:
         steps: int = plan_lib.MEASURE_STEPS,
         verbose: int = 1,
         target: str | None = None,
+        first_fit: bool = False,
     ) -> plan_lib.MemoryPlan:
-        """The real step compiled under each candidate: bytes, flops, traffic, estimated (or ``measure``d) time,
-        ``"auto"``'s pick; for absent devices with ``target="tpu v5e:4x4"`` (docs/targets.md)."""
+        """The real step compiled under each candidate (``first_fit``: up to the first that fits): bytes, flops,
+        traffic, estimated (or ``measure``d) time, ``"auto"``'s pick; ``target="tpu v5e:4x4"``: docs/targets.md."""
         options: dict[str, Any] = {"candidates": candidates, "measure": measure, "memory_limit": memory_limit}
-        options.update(batch_size=batch_size, steps=steps, verbose=verbose, target=target)
+        options.update(batch_size=batch_size, steps=steps, verbose=verbose, target=target, first_fit=first_fit)
         return tuning.plan(self.setup, sample_batch, **options)
 
     def export(

@@ -263,7 +263,8 @@ class MemoryPlan:
             if r.error:  # the reason is printed in full under the table: a long one would squeeze the figures
                 rows.append((r.name, blank, "[red]see below[/red]"))
             elif r.skipped:
-                rows.append((r.name, blank, "[dim]not compiled: the run is too short to repay it[/dim]"))
+                why = "first_fit" if r.skipped.startswith(FIRST_FIT_SKIP) else "the run is too short to repay it"
+                rows.append((r.name, blank, f"[dim]not compiled: {why}[/dim]"))
             else:
                 verdict = "[bold green]<-[/bold green]" if r.recommended else ("" if r.fits else "[red]too big[/red]")
                 cells = [_mib(r.argument_bytes), _mib(r.temp_bytes), _mib(r.total_bytes), _short(r.flops / 1e9)]
@@ -339,6 +340,10 @@ def default_candidates(devices: Sequence[jax.Device] | None = None) -> list[Stra
     return candidates
 
 
+#: a candidate ``first_fit`` did not compile: the reason begins so
+FIRST_FIT_SKIP = "not compiled (first_fit=True:"
+
+
 def make_plan(
     candidates: Sequence[Strategy],
     lower: Callable[[Strategy], tuple[Any, Callable | None]],
@@ -348,9 +353,12 @@ def make_plan(
     alongside: Callable[[], Any] | None = None,
     run_steps: int | None = None,
     announce: Callable[[PlanRow], None] | None = None,
+    first_fit: bool = False,
 ) -> MemoryPlan:
     """Compiles ``lower(strategy)`` (a ``jax.stages.Lowered`` and the jitted step it came from,
-    kept as the row's ``function``) for each candidate and picks one.
+    kept as the row's ``function``) for each candidate and picks one; with ``first_fit``, one
+    at a time in order, stopping at the first that fits (the rest ``skipped``: a slow target's
+    compiles are minutes each).
 
     ``lower`` may raise for a candidate that cannot run this configuration (a batch it cannot
     split, or ``jax.pmap``'s lowering of abstract arguments, which fails across processes); the
@@ -380,6 +388,13 @@ def make_plan(
                 _time(first, measure)
                 compare_from = _skip_unprofitable(first, waiting, run_steps)
                 waiting = [row for row in waiting if row.skipped is None]
+        if first_fit:
+            while waiting and not any(row.fits for row in rows):
+                _compile_rows(pool, [waiting.pop(0)], lower, limit, announce)
+            fitted = next((row.name for row in rows if row.fits), "")
+            for row in waiting:
+                row.skipped = f"{FIRST_FIT_SKIP} {fitted} fits)"
+            waiting = []
         _compile_rows(pool, waiting, lower, limit, announce)
         _wait(side)
     if measure is not None:
@@ -522,6 +537,7 @@ def plan_step(
     place_batch: bool = True,
     announce: Callable[[PlanRow], None] | None = None,
     target: str | None = None,
+    first_fit: bool = False,
 ) -> MemoryPlan:
     """Lowers and compiles a step on ``host_batch`` (a padded global batch) under each candidate.
 
@@ -580,7 +596,7 @@ def plan_step(
     if initialiser is not None and precompile_state is not None:
         alongside = lambda: precompile_state(initialiser)  # noqa: E731
     options: dict[str, Any] = {"memory_limit": memory_limit, "alongside": alongside, "run_steps": run_steps}
-    options["announce"] = announce
+    options.update(announce=announce, first_fit=first_fit)
     result = make_plan(candidates, lower, measure=run if measure else None, **options)
     state, under = host_state[0] if host_state else (None, None)
     return dataclasses.replace(result, initial_state=state, initialised_under=under, target=target)

@@ -42,10 +42,12 @@ def plan(
     steps: int = plan_lib.MEASURE_STEPS,
     verbose: int = 1,
     target: str | None = None,
+    first_fit: bool = False,
 ) -> plan_lib.MemoryPlan:
     """:meth:`trainkit.Trainer.plan`: the sample batch (any form ``fit`` takes) prepared and
     the train step (predict step without targets) compiled under each candidate; for a
-    ``target`` (:mod:`trainkit.program.targets`) on its compile-only devices, nothing placed.
+    ``target`` (:mod:`trainkit.program.targets`) on its compile-only devices, nothing placed;
+    ``first_fit``: the candidates compiled in order, up to the first that fits.
     A batch of ``jax.ShapeDtypeStruct`` is planned from its shapes, never built."""
     shapes = shapes_lib.is_shapes(sample_batch)
     if shapes and measure:
@@ -56,6 +58,7 @@ def plan(
     prepared = data_lib.prepare(shapes_lib.stand_in(sample_batch), batch_size=batch_size, default_batch_size=None)
     options: dict[str, Any] = {"measure": measure, "memory_limit": checks.byte_count(memory_limit), "steps": steps}
     options["abstract"] = shapes or target is not None
+    options["first_fit"] = first_fit
     if target is not None:
         resolved = targets_lib.parse(target)
         if measure:
