@@ -96,6 +96,13 @@ def test_a_model_too_large_for_16_gib_is_refused_with_the_compilers_reason():
     assert plan.recommended is None
 
 
+def test_data_parallel_on_a_slice_of_4_hosts_is_left_out_with_the_reason():
+    plan = trainer_for(nn.Dense(10)).plan(data(64, 32), target="tpu v5e:4x4", candidates=["dp"], verbose=0)
+    (row,) = plan.rows
+    assert row.left_out and "libtpu cannot compile jax.pmap's program for a slice of 4 hosts" in row.error, row.error
+    assert plan.recommended is None  # no candidate left: the plan says so rather than "too big"
+
+
 def test_a_256_device_target_plans_a_hybrid_mesh():
     target = targets.parse("tpu v5e:16x16")
     names = [repr(s) for s in target_candidates(None, target)]

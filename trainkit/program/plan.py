@@ -452,6 +452,8 @@ def _compile_rows(
                 analyse(row, future.result())
             except Exception as error:  # noqa: BLE001
                 row.error = _failure(error)
+                if row.strategy.axis_name is not None and "Unexpected device_id" in str(error):
+                    row.error, row.left_out = _PMAP_ACROSS_HOSTS.format(hosts=_hosts(row.strategy)), True
             row.compile_seconds = time.perf_counter() - started
         row.fits = row.error is None and row.total_bytes <= HEADROOM * limit
 
@@ -500,6 +502,17 @@ def pick(fitting: Sequence[PlanRow]) -> PlanRow:
     """
     fastest = min(row.seconds for row in fitting)
     return next(row for row in fitting if row.seconds <= fastest * (1 + CLEAR_MARGIN))
+
+
+#: why a ``jax.pmap`` candidate is left out of a plan for a compile-only slice of many hosts
+_PMAP_ACROSS_HOSTS = (
+    "not a candidate here: libtpu cannot compile jax.pmap's program for a slice of {hosts} hosts without them "
+    "(its all-reduce numbers devices per host); FSDP and Hybrid hold the same data parallelism under jit"
+)
+
+
+def _hosts(strategy: Strategy) -> int:
+    return len({device.process_index for device in strategy.devices})
 
 
 def _failure(error: Exception) -> str:
