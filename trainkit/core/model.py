@@ -381,6 +381,8 @@ def call_error_hint(error: Exception) -> str:
 
     >>> call_error_hint(ValueError('Parameter "deterministic" must be passed to the constructor or at call time.'))[:31]
     "Give the model's __call__ a tra"
+    >>> "channels-first" in call_error_hint(ZeroDivisionError("integer division or modulo by zero"))
+    True
     """
     message = str(error)
     if any(word in message for word in ("deterministic", "use_running_average", '"batch_stats" is immutable')):
@@ -394,7 +396,8 @@ def call_error_hint(error: Exception) -> str:
             f"The model looked up {message}, which its inputs lack: a dict given as x is passed to the model as it "
             "is (or as keyword arguments when every key names an argument of __call__); check the dict's keys."
         )
-    if any(word in message.lower() for word in ("shape", "dimension", "rank", "dot_general", "incompatible")):
+    shape_words = ("shape", "dimension", "rank", "dot_general", "incompatible", "division by zero")
+    if isinstance(error, ZeroDivisionError) or any(word in message.lower() for word in shape_words):
         return (
             "Check the input shape the model expects: a missing channel axis (images of shape (N, H, W) for a "
             "Conv: pass x[..., None]), or channels-first data (torch's (N, C, H, W): Flax's Conv takes "
