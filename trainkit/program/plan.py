@@ -554,15 +554,14 @@ def plan_step(
 ) -> MemoryPlan:
     """Lowers and compiles a step on ``host_batch`` (a padded global batch) under each candidate.
 
-    ``compile_step(strategy, abstract_state)`` returns the jitted step (``(state, totals,
-    batch) -> (state, totals)`` when ``trains``, with ``totals`` the host zeros of the metric
-    totals it carries, else ``(state, batch) -> outputs``); the abstract state
-    carries each candidate's shardings, so nothing is allocated unless ``measure``, which builds
+    ``compile_step(strategy, abstract_state)`` returns the jitted step (``(state, totals, batch) ->
+    (state, totals)`` when ``trains``, with ``totals`` the host zeros of the metric totals it carries,
+    else ``(state, batch) -> outputs``); the abstract state carries each candidate's shardings,
+    so nothing is allocated unless ``measure``, which builds
     one state with ``create_state`` (under the first candidate whose state alone fits; its
     initialisation compiled beside the steps by ``precompile_state``) and copies it into each
-    candidate's shardings. Each row keeps its jitted step as ``row.function``; a ``compile_step``
-    that raises :class:`NotACandidate` (a candidate that would compute another result) leaves
-    the reason in the row, marked ``left_out``.
+    candidate's shardings. Each row keeps its jitted step as ``row.function``; a ``compile_step`` that
+    raises :class:`NotACandidate` (it would compute another result) leaves the reason in the row, ``left_out``.
     """
     limit = int(memory_limit) if memory_limit is not None else device_memory_limit(candidates[0].devices)
 
@@ -609,8 +608,8 @@ def plan_step(
     if initialiser is not None and precompile_state is not None:
         alongside = lambda: precompile_state(initialiser)  # noqa: E731
     options: dict[str, Any] = {"memory_limit": memory_limit, "alongside": alongside, "run_steps": run_steps}
-    options.update(announce=announce, first_fit=first_fit)
-    result = make_plan(candidates, lower, measure=run if measure else None, **options)
+    measured = run if measure else None
+    result = make_plan(candidates, lower, measure=measured, announce=announce, first_fit=first_fit, **options)
     state, under = host_state[0] if host_state else (None, None)
     return dataclasses.replace(result, initial_state=state, initialised_under=under, target=target)
 

@@ -122,14 +122,7 @@ def match(
             if loses_values(entry.dtype, target.dtype):
                 lossy.append(mapped.name)
         reads[mapped.name] = Read(original, mapped.axes)
-    kept = [name for name in targets if any(k.search(name) for k in keep)]
-    for pattern in keep:
-        if not any(pattern.search(name) for name in targets):
-            examples = ", ".join(list(targets)[:6])
-            raise ValueError(
-                f"keep_initial={pattern.pattern!r} matches none of the model's variables, so the source would fill "
-                f"what it meant to keep new. Its variables are named like: {examples} (re.search on these names)."
-            )
+    kept = _kept(keep, targets)
     settled = set(reads) | set(kept) | {name for name, _, _ in mismatched}
     missing = [name for name in targets if name not in settled]
     report = LoadReport(
@@ -145,6 +138,19 @@ def match(
         transposed_square=tuple(square),
     )
     return report, reads
+
+
+def _kept(keep: list[re.Pattern], targets: Mapping[str, Target]) -> list[str]:
+    """The variables ``keep_initial`` keeps; a pattern matching none is refused (a typo would load
+    the published head where a new one was meant)."""
+    for pattern in keep:
+        if not any(pattern.search(name) for name in targets):
+            examples = ", ".join(list(targets)[:6])
+            raise ValueError(
+                f"keep_initial={pattern.pattern!r} matches none of the model's variables, so the source would fill "
+                f"what it meant to keep new. Its variables are named like: {examples} (re.search on these names)."
+            )
+    return [name for name in targets if any(k.search(name) for k in keep)]
 
 
 def _as_is_hint(mismatched: list[tuple[str, tuple, tuple]], layout: str) -> str:
