@@ -32,6 +32,7 @@ import flax.linen as nn
 import jax
 from flax import nnx
 
+from trainkit.core.statistics import module_of
 from trainkit.core.tree import PyTree, leaf_name
 
 _FROZEN: contextvars.ContextVar[frozenset[str]] = contextvars.ContextVar("frozen_statistics", default=frozenset())
@@ -43,8 +44,7 @@ def frozen_layers(layer_paths: list[str], params: PyTree, trains: Callable[[str,
     own: dict[str, list[bool]] = {}
     for path, leaf in jax.tree_util.tree_leaves_with_path(params):
         name = leaf_name(path)
-        module = name.rsplit("/", 1)[0] if "/" in name else ""
-        own.setdefault(module, []).append(trains(name, leaf))
+        own.setdefault(module_of(name), []).append(trains(name, leaf))
     return frozenset(p for p in layer_paths if own.get(p) and not any(own[p]))
 
 

@@ -29,6 +29,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from trainkit.core.statistics import module_of
 from trainkit.core.tree import PyTree, leaf_name
 
 ADAPTER_SUFFIXES = ("_lora_a", "_lora_b")
@@ -148,9 +149,9 @@ def idle_settings(lora: LoRA, params: PyTree) -> list[str]:
     wide = []
     for name, a in named.items():  # a: (in, rank), b: (rank, out)
         b = named.get(name.removesuffix(ADAPTER_SUFFIXES[0]) + ADAPTER_SUFFIXES[1])
-        if name.endswith(ADAPTER_SUFFIXES[0]) and b is not None and len(a) == len(b) == 2:
-            if lora.rank >= min(a[0], b[1]):
-                wide.append(name.rsplit("/", 1)[0])
+        pair = name.endswith(ADAPTER_SUFFIXES[0]) and b is not None and len(a) == len(b) == 2
+        if pair and b is not None and lora.rank >= min(a[0], b[1]):
+            wide.append(module_of(name))
     if wide:
         notes.append(
             f"LoRA rank={lora.rank} is at least the smaller side of the kernels of {', '.join(wide[:4])}"

@@ -208,7 +208,7 @@ class FitRun:
             if watch_spikes and time.monotonic() >= spike_check:  # a long run of skipped spikes stops the run soon
                 self.watch_spikes(host_metrics(carry), start.step, start.batch, start.epoch)
                 spike_check = time.monotonic() + SPIKE_CHECK_SECONDS
-            if batch_end.active and (period is None or record.step // period > (record.step - record.steps) // period):
+            if batch_end.active and (period is None or record.covers_multiple(period)):
                 session.about(record, carry)
                 batch_end(record.batch, lambda carry=carry: metrics_lib.compute(host_metrics(carry).metrics, order))
         if last is None:

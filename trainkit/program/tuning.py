@@ -64,7 +64,7 @@ def plan(
         if measure:
             raise ValueError(f"measure=True times steps on this machine's devices; {target!r} is compiled, not run.")
         candidates = target_candidates(candidates, resolved)
-        options.update(memory_limit=options["memory_limit"] or resolved.memory_limit, place_batch=False, target=target)
+        options.update(memory_limit=options["memory_limit"] or resolved.memory_limit, target=target)  # abstract
         if verbose and distributed.is_main_process():
             options["announce"] = _progress(resolved)
         with without_persistent_cache():  # a compile-only executable cannot be cached or read back
@@ -156,7 +156,7 @@ def find_batch_size(
         candidates = target_candidates(None, resolved)
         unit = max(c.num_batch_shards for c in candidates) * setup.program.grad_accum_steps
         rows, default_limit, where = None, resolved.memory_limit, f" for {resolved.spec}"
-        options.update(place_batch=False, target=resolved.spec)
+        options.update(target=resolved.spec)  # abstract: nothing placed (below)
     # a compile-only executable cannot be cached or read back
     cache: contextlib.AbstractContextManager = (
         contextlib.nullcontext() if resolved is None else without_persistent_cache()
