@@ -1,0 +1,98 @@
+"""docs/finetuning.md's Hugging Face recipes on real `transformers` models (where installed): a
+GPT-2 written by ``save_pretrained`` loads into the recipe's Flax GPT-2 with PyTorch's logits,
+trains, and goes back to ``GPT2LMHeadModel.from_pretrained`` with the trainer's logits; the
+Llama-style recipe's names and shapes are those a real ``LlamaForCausalLM`` writes."""
+
+import pathlib
+import re
+import shutil
+
+import numpy as np
+import optax
+import pytest
+
+import trainkit as tk
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+GUIDE = pathlib.Path(__file__).parent.parent / "docs" / "finetuning.md"
+
+
+@pytest.fixture(scope="module")
+def recipes() -> dict:
+    """The guide's first three blocks run as written (the imports, the GPT-2 and Llama recipes)."""
+    namespace: dict = {}
+    for block in re.findall(r"```python\n(.*?)```", GUIDE.read_text(), re.S)[:3]:
+        exec(compile(block, str(GUIDE), "exec"), namespace)
+    assert {"GPT2", "names_in", "names_out", "conv1d_weights", "LlamaLayer", "llama"} <= namespace.keys()
+    return namespace
+
+
+def _logits(model, tokens: np.ndarray) -> np.ndarray:
+    with torch.no_grad():
+        return model(torch.from_numpy(tokens.astype(np.int64))).logits.numpy()
+
+
+def test_a_saved_gpt2_loads_with_pytorchs_logits_and_goes_back_to_from_pretrained(recipes, tmp_path):
+    config = transformers.GPT2Config(n_embd=16, n_layer=2, n_head=2, n_positions=32, vocab_size=64)
+    torch.manual_seed(0)
+    published = transformers.GPT2LMHeadModel(config).eval()
+    published.save_pretrained(tmp_path / "gpt2")
+    tokens = np.random.default_rng(1).integers(0, 64, size=(8, 33)).astype(np.int32)
+
+    gpt2 = tk.Trainer(
+        recipes["GPT2"](),
+        loss="sparse_categorical_crossentropy",
+        optimizer=optax.adamw(1e-3),
+        strategy=tk.FSDP(min_shard_size=1),
+    )
+    gpt2.init(tokens[:, :-1])
+    report = tk.weights.load(
+        tmp_path / "gpt2" / "model.safetensors",
+        into=gpt2,
+        layout="torch",
+        rename=recipes["names_in"],
+        as_is=recipes["conv1d_weights"],
+    )
+    assert len(report.loaded) == 28 and not report.unexpected and not report.transposed_square
+    np.testing.assert_allclose(gpt2.predict(tokens[:, :-1], verbose=0), _logits(published, tokens[:, :-1]), atol=1e-5)
+
+    gpt2.fit(tokens[:, :-1], tokens[:, 1:], batch_size=8, epochs=2, verbose=0)
+    (tmp_path / "tuned").mkdir()
+    gpt2.save_weights(tmp_path / "tuned" / "model.safetensors", rename=recipes["names_out"])
+    shutil.copy(tmp_path / "gpt2" / "config.json", tmp_path / "tuned")
+    tuned = transformers.GPT2LMHeadModel.from_pretrained(tmp_path / "tuned").eval()
+    ours = gpt2.predict(tokens[:, :-1], verbose=0)
+    assert np.abs(ours - _logits(published, tokens[:, :-1])).max() > 1e-3  # it trained
+    np.testing.assert_allclose(ours, _logits(tuned, tokens[:, :-1]), atol=1e-5)
+
+
+def test_the_llama_recipes_names_and_shapes_are_a_real_llamas(recipes, tmp_path):
+    config = transformers.LlamaConfig(
+        vocab_size=32,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=1,
+        tie_word_embeddings=False,
+    )
+    transformers.LlamaForCausalLM(config).save_pretrained(tmp_path / "llama")
+    from safetensors.numpy import load_file
+
+    stored = load_file(tmp_path / "llama" / "model.safetensors")
+    assert {name: stored[name].shape for name in recipes["llama"]} == {
+        name: value.shape for name, value in recipes["llama"].items()
+    }
+    layer = tk.Trainer(recipes["LlamaLayer"](), loss="mse", optimizer=optax.adam(1e-3), strategy="single")
+    layer.init(np.zeros((2, 16), np.float32))
+    report = tk.weights.load(
+        {name: stored[name] for name in recipes["llama"]},
+        into=layer,
+        layout="torch",
+        rename=[(r"^model\.layers\.0\.(self_attn\.)?", "")],
+    )
+    assert len(report.loaded) == 6
+    q_proj = stored["model.layers.0.self_attn.q_proj.weight"]
+    np.testing.assert_array_equal(layer.get_weights()["params"]["q_proj"]["kernel"], q_proj.T)
