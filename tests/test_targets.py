@@ -4,6 +4,7 @@ installed), nothing placed on this machine's devices. Skipped without the ``tpu-
 
 import gc
 import importlib.util
+import re
 
 import flax.linen as nn
 import jax
@@ -12,7 +13,7 @@ import optax
 import pytest
 
 import trainkit as tk
-from trainkit.program import targets
+from trainkit.program import compile_estimate, targets
 from trainkit.program.tuning import target_candidates
 
 pytest.importorskip("libtpu")
@@ -175,7 +176,18 @@ def test_the_command_line_prints_the_table_for_a_target(tmp_path):
         [*command, "--batch", "256", "--candidates", "fsdp,dp"], capture_output=True, text=True, env=env, timeout=300
     )
     assert result.returncode == 0, result.stdout + result.stderr
-    assert "compiling FSDP(fsdp=4) for tpu v5e:2x2 (4 TPU v5e) ..." in result.stdout
+    # each candidate announced once lowered, with its size and an estimate; the second's scaled by the first's time
+    announced = re.findall(
+        r"compiling (.+) for tpu v5e:2x2 \(4 TPU v5e\): ([\d,]+) operations, about (\d+) (s|min)", result.stdout
+    )
+    assert [name for name, *_ in announced] == ["FSDP(fsdp=4)", "DataParallel(data=4)"], result.stdout
+    assert all(int(ops.replace(",", "")) > 20 for _, ops, *_ in announced)
+    taken = float(re.search(r"FSDP\(fsdp=4\): compiled in ([\d.]+) s", result.stdout)[1])
+    (_, fsdp_ops, _, _), (_, dp_ops, about, unit) = announced
+    first = compile_estimate.CompileRates()
+    first.observe(int(fsdp_ops.replace(",", "")), "tpu", taken)
+    expected = first.estimate(int(dp_ops.replace(",", "")), "tpu")  # from the printed (rounded) time
+    assert abs(int(about) * (60 if unit == "min" else 1) - expected) <= 1 + 0.05 * expected, (about, unit, expected)
     assert "for tpu v5e:2x2 (compiled here, not run)" in result.stdout and "picked" in result.stdout
 
 

@@ -35,6 +35,7 @@ from trainkit.core.leaf_step import LeafStep
 from trainkit.core.state import TrainState
 from trainkit.data import check_batch_size
 from trainkit.program import budget as budget_lib
+from trainkit.program import compile_estimate
 from trainkit.program import targets as targets_lib
 from trainkit.strategies import FSDP, DataParallel, Hybrid, SingleDevice, Strategy
 
@@ -163,6 +164,7 @@ class PlanRow:
     left_out: bool = False  # NotACandidate: it would compute another result
     skipped: str | None = None  # not compiled: it could not repay its compile within the run (budget)
     compile_seconds: float = 0.0  # lowering and compiling it, in wall seconds
+    program_ops: int = 0  # the lowered program's operations (StableHLO), counted before it compiles
     timing: budget_lib.Timing | None = None
     compiled: jax.stages.Compiled | None = dataclasses.field(default=None, repr=False)
     function: Callable[..., Any] | None = dataclasses.field(default=None, repr=False)  # the step that was lowered
@@ -428,21 +430,35 @@ def _compile_rows(
     """Lowers each row's candidate and compiles it in ``pool``: XLA compiles without the GIL, so
     each candidate compiles in a thread while the next one is traced and lowered (tracing is
     Python, so it stays on this thread). Fills each row, its ``compile_seconds`` and ``fits``.
-    With ``announce`` (a progress line) one at a time: announced, compiled, announced again."""
+    With ``announce`` (a progress line) one at a time: announced once lowered (its
+    ``program_ops`` counted, nothing compiled yet), and again once compiled."""
     if announce is not None:
         for row in rows:
-            announce(row)
-            _compile_rows(pool, [row], lower, limit)
+            _compile_rows_now(pool, [row], lower, limit, lowered=announce)
             announce(row)
         return
+    _compile_rows_now(pool, rows, lower, limit)
+
+
+def _compile_rows_now(
+    pool: concurrent.futures.ThreadPoolExecutor,
+    rows: Sequence[PlanRow],
+    lower: Callable[[Strategy], tuple[Any, Callable | None]],
+    limit: int,
+    lowered: Callable[[PlanRow], None] | None = None,
+) -> None:
+    """:func:`_compile_rows`' work; ``lowered(row)`` is told of each row lowered, before it compiles."""
     compiling = {}
     for row in rows:
         started = time.perf_counter()
         try:
-            lowered, row.function = lower(row.strategy)
-            if not hasattr(lowered, "compile"):
+            program, row.function = lower(row.strategy)
+            if not hasattr(program, "compile"):
                 raise TypeError(f"{type(row.strategy).__name__}.compile('train', ...)'s result cannot be lowered")
-            compiling[id(row)] = (started, pool.submit(lowered.compile))
+            if lowered is not None:
+                row.program_ops = compile_estimate.program_ops(program)
+                lowered(row)
+            compiling[id(row)] = (started, pool.submit(program.compile))
         except Exception as error:  # noqa: BLE001 - a candidate that cannot compile is a row, not a crash
             row.error, row.left_out = _failure(error), isinstance(error, NotACandidate)
     for row in rows:

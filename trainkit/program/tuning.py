@@ -13,7 +13,7 @@ train step fits (docs/tuning.md). Functions of a :class:`~trainkit.program.setup
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import jax
@@ -25,6 +25,7 @@ from trainkit.core import checks
 from trainkit.core.tree import PyTree
 from trainkit.data import shapes as shapes_lib
 from trainkit.program import batch_size as batch_size_lib
+from trainkit.program import compile_estimate
 from trainkit.program import plan as plan_lib
 from trainkit.program import targets as targets_lib
 from trainkit.program.setup import Setup
@@ -112,13 +113,20 @@ def target_candidates(given: Sequence[Any] | None, target: targets_lib.Target) -
     return chosen
 
 
-def _progress(target: targets_lib.Target):
-    """A progress line per candidate: which one is compiling for ``target``, then its time."""
+def _progress(target: targets_lib.Target) -> Callable[[plan_lib.PlanRow], None]:
+    """A progress line per candidate: which one is compiling for ``target`` and about how long it
+    will take (its program's size at the rate of the compiles before it), then its time."""
+    rates = compile_estimate.CompileRates()
 
     def announce(row: plan_lib.PlanRow) -> None:
-        if row.compiled is None and row.error is None:
-            print(f"compiling {row.name} for {target.spec} ({len(row.strategy.devices)} {target.chip.name}) ...")
+        devices = f"{len(row.strategy.devices)} {target.chip.name}"
+        if row.compiled is None and row.error is None:  # lowered, not compiled yet
+            about = compile_estimate.duration(rates.estimate(row.program_ops, target.platform))
+            print(
+                f"compiling {row.name} for {target.spec} ({devices}): {row.program_ops:,} operations, about {about} ..."
+            )
         else:
+            rates.observe(row.program_ops, target.platform, row.compile_seconds)
             print(f"  {row.name}: compiled in {row.compile_seconds:.1f} s" + (f" ({row.error})" if row.error else ""))
 
     return announce
