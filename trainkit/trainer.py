@@ -133,7 +133,7 @@ class Trainer:
             mixes_rows=mixes_rows,
             deterministic=deterministic,
         )
-        self.loop = Loop(self.session, self.setup)
+        self.state_access, self.loop = self.setup.state_access, Loop(self.session, self.setup)
 
     def apply(self, params: PyTree, model_state: PyTree, x: PyTree, *, rng: jax.Array, train: bool):
         """``(outputs, new_model_state)`` under the precision policy and remat; pure (use it in ``compute_loss``)."""
@@ -157,25 +157,25 @@ class Trainer:
 
     stop_training = Delegated[bool]("session.stop_requested", "Keras's flag: True stops before the next batch.",
                                     setter="session.set_stop_requested")  # fmt: skip
-    learning_rate = Delegated[float]("setup.learning_rate", "The learning rate (optax.inject_hyperparams); settable.",
-                                     setter="setup.set_learning_rate")  # fmt: skip
+    learning_rate = Delegated[float]("state_access.learning_rate", "The (inject_hyperparams) learning rate; settable.",
+                                     setter="state_access.set_learning_rate")  # fmt: skip
 
     def compile(self, *args: Any, **kwargs: Any) -> None:  # Keras's habit: the loss and optimizer come when made
         raise TypeError("A Trainer is compiled when made: tk.Trainer(model, loss=..., optimizer=..., metrics=[...]).")
 
     def update_state(self, **fields: PyTree) -> TrainState:
         """The one way to write the live state: fields placed in the shardings of those they replace."""
-        return self.setup.update_state(**fields)
+        return self.state_access.update_state(**fields)
 
     def init(self, sample_batch: Any) -> TrainState:
         """The state from a sample batch (as ``fit`` takes), the strategy chosen first under ``"auto"``."""
         return self.setup.init(sample_batch)
 
-    params = Delegated[PyTree]("setup.host_params", "Host NumPy copies of the parameters.")
+    params = Delegated[PyTree]("state_access.host_params", "Host NumPy copies of the parameters.")
 
     def count_params(self) -> int:
         """The number of scalars in all variables (parameters and model state), as Keras counts."""
-        return self.setup.count_params()
+        return self.state_access.count_params()
 
     def summary(self, sample: Any = None, console: Any = None) -> None:
         """Keras's ``summary()``: modules, output shapes, parameters, step FLOPs; a ``sample`` initialises first."""
@@ -183,19 +183,19 @@ class Trainer:
 
     def get_weights(self) -> PyTree:
         """Host copies of all variables: ``{"params": ..., **model_state}``."""
-        return self.setup.weights()
+        return self.state_access.weights()
 
     def set_weights(self, variables: PyTree) -> None:
         """Puts variables from :meth:`get_weights` back into the live state (same shapes)."""
-        self.setup.set_weights(variables)
+        self.state_access.set_weights(variables)
 
     def save_weights(self, filepath: str | os.PathLike, *, format="safetensors", layout="flax", rename=()) -> None:
         """The variables (LoRA's merged) as safetensors; ``layout="torch"`` for PyTorch (docs/finetuning.md)."""
-        weights_lib.save(self.setup.named_weights(), filepath, format=format, layout=layout, rename=rename)
+        weights_lib.save(self.state_access.named_weights(), filepath, format=format, layout=layout, rename=rename)
 
     def merge_lora(self) -> Trainer:
         """A trainer of the model without adapters, folded into its kernels: the same predictions."""
-        (loss, metrics, weighted, loss_weights), (variables, sample) = self.objective.spec, self.setup.merged()
+        (loss, metrics, weighted, loss_weights), (variables, sample) = self.objective.spec, self.state_access.merged()
         options = {"metrics": metrics, "weighted_metrics": weighted, "loss_weights": loss_weights, "seed": self.seed}
         options.update(strategy=self.strategy or "auto", precision=self.precision, remat=self.remat, params=variables)
         (merged := type(self)(self.model, loss=loss, optimizer=self.optimizer, **options)).init(sample)
@@ -204,7 +204,7 @@ class Trainer:
     def manifest(self) -> dict:
         """What a checkpoint records besides the arrays (JSON; see docs/checkpointing.md)."""
         session, state = self.session, self.session.require_state()
-        settings = {**self.setup.settings(), "batch_size": session.batch_size, "data_state": session.data_state}
+        settings = {**self.state_access.settings(), "batch_size": session.batch_size, "data_state": session.data_state}
         if session.ledger.active:  # the goodput ledger so far: a resume carries it on (BackupAndRestore)
             settings["goodput"] = session.ledger.saved()
         return checkpoint_lib.build_manifest(state, self.strategy, session.position, **settings)
@@ -222,7 +222,7 @@ class Trainer:
         the current step and returns it, once on disk. An existing step is replaced, or with
         ``overwrite=False`` refused; non-finite parameters are refused unless ``allow_non_finite``."""
         options: dict[str, Any] = {"max_to_keep": max_to_keep, "weights_only": weights_only, "overwrite": overwrite}
-        state, step = self.setup.require_state(), self.global_step
+        state, step = self.session.require_state(), self.global_step
         checkpoint_lib.save(filepath, step, state, self.manifest(), allow_non_finite=allow_non_finite, **options)
         return step
 

@@ -44,7 +44,7 @@ class ReduceLROnPlateau(MonitorCallback):
 
     def on_train_begin(self, logs: Logs | None = None) -> None:
         self.best, self.cooldown_counter, self.wait = None, 0, 0
-        self.model.setup.require_settable_learning_rate()  # fails now, not after an epoch, if it cannot be set
+        self.model.state_access.require_settable_learning_rate()  # fails now, not after an epoch, if it cannot be set
 
     def in_cooldown(self) -> bool:
         return self.cooldown_counter > 0

@@ -234,7 +234,7 @@ def find_learning_rate(
             "iterator)."
         )
     trainer.init(x if y is None else (x, y))
-    trainer.setup.require_settable_learning_rate()  # no inject_hyperparams, or a schedule: refused before any step
+    trainer.state_access.require_settable_learning_rate()  # no inject_hyperparams, or a schedule: refused first
     lrs = np.geomspace(min_lr, max_lr, steps)
     test = RangeTest(lrs, early_stop_threshold, smoothing)
     with trainer.setup.kept(), warnings.catch_warnings():  # the session and the setup's decisions put back

@@ -29,7 +29,7 @@ T = TypeVar("T")
 class Delegated(Generic[T]):
     """The attribute at the dotted ``path`` of the instance (``"session.state"``), read on every
     access; written only through the method at the dotted ``setter`` path, when one is given
-    (``"setup.set_learning_rate"``); ``doc`` is what ``help()`` shows."""
+    (``"state_access.set_learning_rate"``); ``doc`` is what ``help()`` shows."""
 
     def __init__(self, path: str, doc: str = "", *, setter: str | None = None):
         self.path, self.__doc__ = path, doc

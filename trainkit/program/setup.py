@@ -45,26 +45,24 @@ import optax
 
 from trainkit import data as data_lib
 from trainkit import distributed
-from trainkit.core import lora as lora_lib
 from trainkit.core import model as model_lib
-from trainkit.core import optimizers, tree
+from trainkit.core import tree
 from trainkit.core.precision import NoLossScale
 from trainkit.core.session import Session
 from trainkit.core.spikes import SpikeSkip
-from trainkit.core.state import TrainState, abstract, check_tree_matches
+from trainkit.core.state import TrainState, abstract
 from trainkit.core.statistics import StepStatistics
 from trainkit.core.totals import EpochTotals
 from trainkit.core.tree import PyTree
-from trainkit.core.variables import named_variables, replaced
 from trainkit.core.warn import warn_user
 from trainkit.data import FitConfig, Validation
 from trainkit.distributed import compile_cache
 from trainkit.program import plan as plan_lib
 from trainkit.program import remembered as remembered_lib
 from trainkit.program.program import Program
+from trainkit.program.state_access import StateAccess
 from trainkit.strategies import Auto, SingleDevice, Strategy, check_steps_per_execution, resolve_strategy
 from trainkit.version import __version__
-from trainkit.weights import Target
 
 logger = logging.getLogger("trainkit")
 
@@ -174,11 +172,10 @@ class Setup:
         steps = check_steps_per_execution(1 if steps_per_execution == "auto" else steps_per_execution, strategy_now)
         self.decisions = Decisions(strategy_now, steps, tunes)
         self.session = session
-        self.weights_source = ""  # where the last tk.weights.load read the variables from
+        self.state_access = StateAccess(program, session, self.require_strategy, lambda: self.decisions.input_spec)
         self._compiled: dict[str, Any] = {}
         self._totals: dict[str, EpochTotals] = {}  # host zeros of the totals each kind of step carries
         self._outputs: PyTree = None  # the model's output shapes, once traced
-        self._scheduled_rate: bool | None = None  # whether a schedule sets the injected learning rate
         self._computation = ""  # a digest of the model's traced forward pass (what "auto" remembers a pick for)
 
     # ------------------------------------------------------------------ what it decided
@@ -220,141 +217,21 @@ class Setup:
     def labels_message(self, count: int, value: int, where: str) -> str:
         return self.objective.labels_message(count, value, where)
 
-    def require_state(self) -> TrainState:
-        return self.session.require_state()
-
     def describe_strategy(self) -> str:
         """The chosen strategy, or the ``"auto"`` it will be chosen by."""
         strategy = self.decisions.strategy or self.auto
         assert strategy is not None  # one of the two, by construction
         return strategy.describe()
 
-    def update_state(self, **fields: PyTree) -> TrainState:
-        """The one way to write the live state: fields (host or device values) placed in the
-        shardings of those they replace; unchanged arrays stay as they are."""
-        state = self.require_state()
-        placed = self.require_strategy().put_like(state.replace(**fields), state)
-        self.session.replace_state(placed, moves_position=False)
-        return placed
-
-    @property
-    def learning_rate(self) -> float:
-        return float(distributed.fetch(optimizers.require_learning_rate(self.require_state().opt_state)))
-
-    def set_learning_rate(self, value: float) -> None:
-        """The optimizer's learning rate (``optax.inject_hyperparams``) set in the live state."""
-        self.require_settable_learning_rate()
-        self.update_state(opt_state=optimizers.set_learning_rate(self.require_state().opt_state, value))
-
-    def require_settable_learning_rate(self) -> None:
-        """Refuses, before anything changes, a learning rate that setting would not change: one
-        the optimizer does not expose, or a schedule ``optax.inject_hyperparams`` recomputes at
-        every update (traced once: the optimizer does not change)."""
-        state = self.require_state()
-        if self._scheduled_rate is None:
-            self._scheduled_rate = optimizers.rate_is_scheduled(self.program.optimizer, state.opt_state, state.params)
-        if self._scheduled_rate:
-            raise ValueError(
-                "The learning rate is a schedule given to optax.inject_hyperparams (learning_rate=<a schedule>): the "
-                "optimizer recomputes it from its step count at every update, so setting it (trainer.learning_rate, "
-                "LearningRateScheduler, ReduceLROnPlateau, find_learning_rate) would change nothing. To set it, pass "
-                "a number, e.g. optax.inject_hyperparams(optax.sgd)(learning_rate=1e-3); or keep the schedule and do "
-                "not set the rate."
-            )
-
-    @property
-    def host_params(self) -> PyTree:
-        """Host NumPy copies of the parameters."""
-        return jax.tree.map(np.asarray, distributed.fetch(self.require_state().params))
-
-    def weights(self) -> PyTree:
-        """Host copies of all variables: ``{"params": ..., **model_state}`` (Keras's ``get_weights``)."""
-        state = self.require_state()
-        host = distributed.fetch({"params": state.params, "model_state": state.model_state})
-        return {"params": host["params"], **host["model_state"]}
-
-    def set_weights(self, variables: PyTree) -> None:
-        """Variables from :meth:`weights` put back into the live state (same shapes)."""
-        state, variables = self.require_state(), dict(variables)
-        params = variables.pop("params")
-        check_tree_matches("set_weights", (state.params, state.model_state), (params, variables))
-        self.update_state(params=params, model_state=variables)
-
-    def weight_targets(self) -> dict[str, Target]:
-        """The variables published weights load into, by name (``tk.weights.load``), each with its
-        live shape, dtype and sharding; under LoRA the base model's (a quantised kernel as the
-        float array it stands for; no adapters)."""
-        state = self.require_state()
-        named = named_variables(state.params, state.model_state, is_leaf=lora_lib.is_quantized)
-        return {
-            name: Target(*lora_lib.float_view(leaf)) for name, leaf in named.items() if not lora_lib.is_adapter(name)
-        }
-
-    def put_weights(self, arrays: dict[str, Any], source: str = "") -> None:
-        """Loaded variables (placed in the live shardings) written into the live state (under
-        QLoRA the base kernels quantised as the live ones are); ``source`` names where they came
-        from (an adapter checkpoint records it)."""
-        state = self.require_state()
-        self.weights_source = source
-        params, model_state = replaced(state.params, state.model_state, arrays)
-        if self.program.lora is not None:  # the base's kernels may be quantised nodes: replaced whole
-            params = lora_lib.with_base(state.params, arrays)
-        self.update_state(params=params, model_state=model_state)
-
-    def named_weights(self) -> dict[str, np.ndarray]:
-        """Host copies of the variables by name (``trainer.save_weights``); under LoRA those of
-        the merged model."""
-        params, model_state = self._host_merged()
-        return {name: np.asarray(leaf) for name, leaf in named_variables(params, model_state).items()}
-
-    def _host_merged(self) -> tuple[PyTree, PyTree]:
-        """Host copies of the parameters (under LoRA the merged model's) and the model state."""
-        state = self.require_state()
-        host = distributed.fetch({"params": state.params, "model_state": state.model_state})
-        return self.program.merged_params(host["params"]), host["model_state"]
-
-    def merged(self) -> tuple[dict[str, PyTree], PyTree]:
-        """Host variables of the model without LoRA's adapters, folded into its kernels
-        (``trainer.merge_lora``): ``{"params": ..., **model_state}``, and a one-row input of
-        zeros to initialise it with."""
-        if self.program.lora is None:
-            raise ValueError("merge_lora(): this trainer has no LoRA adapters (Trainer(lora=tk.LoRA(...))).")
-        params, model_state = self._host_merged()
-        variables = {"params": jax.tree.map(np.asarray, params), **model_state}
-        sample = jax.tree.map(lambda s: np.zeros(s.shape, s.dtype), data_lib.abstract_inputs(self.input_spec, 1))
-        return variables, sample
-
-    def count_params(self) -> int:
-        """The scalars in all variables (parameters and model state), as Keras counts."""
-        state = self.require_state()
-        return int(sum(np.prod(leaf.shape) for leaf in jax.tree.leaves((state.params, state.model_state))))
-
-    def settings(self) -> dict:
-        """The settings a checkpoint's manifest records besides the position."""
-        program = self.program
-        settings: dict[str, Any] = {
-            "precision": str(program.precision.compute_dtype),
-            "seed": program.seed,
-            "grad_accum_steps": program.grad_accum_steps,
-        }
-        if program.lora is not None:  # an adapter checkpoint names the base it adapts
-            digest = lora_lib.base_digest(distributed.fetch(self.require_state().params))
-            lora = {**dataclasses.asdict(program.lora), "base_sha256": digest, "base_source": self.weights_source}
-            settings["lora"] = lora
-        return settings
-
     @contextlib.contextmanager
     def kept(self) -> Iterator[None]:
         """Everything a trial ``fit`` changes put back exactly on exit, raised or not: the
-        session (one snapshot; its state a host copy, placed again in its shardings) and the
-        decisions (one value)."""
-        session, decisions, strategy = self.session, self.decisions, self.require_strategy()
-        snapshot = session.snapshot()
-        host = distributed.fetch(session.require_state())
+        session (:meth:`StateAccess.kept`) and the decisions (one value)."""
+        decisions = self.decisions
         try:
-            yield
+            with self.state_access.kept():
+                yield
         finally:
-            session.restore(dataclasses.replace(snapshot, state=strategy.put_state(host)))
             self.decisions = decisions
 
     # ------------------------------------------------------------------ the input
@@ -449,7 +326,7 @@ class Setup:
             return
         rows = min(CHECKED_ROWS, data_lib.num_rows(first_x))
         x = data_lib.take(first_x, slice(0, rows))
-        forward, state = jax.jit(self.program.outputs), self.require_state()
+        forward, state = jax.jit(self.program.outputs), self.session.require_state()
         outputs = jax.tree.map(np.asarray, forward(state, x))
         if rows > 1 and not self.mixes_rows:  # the first row alone (repeated) must get its own outputs
             alone = jax.tree.map(np.asarray, forward(state, data_lib.take(x, np.zeros(rows, np.int64))))
@@ -543,7 +420,7 @@ class Setup:
             config,
             steps=steps,
             validation=validation,
-            warn_non_finite=config.warn_non_finite and isinstance(self.require_state().loss_scale, NoLossScale),
+            warn_non_finite=config.warn_non_finite and isinstance(self.session.require_state().loss_scale, NoLossScale),
             continuing=data_lib.continues_across_epochs(source, batch_size, config.steps_per_epoch),
         )
 
@@ -560,7 +437,7 @@ class Setup:
         """What an export runs: ``predict``'s function ``(variables, x) -> outputs`` (eval mode,
         the precision policy, or with ``float32`` float32 computation), host copies of the
         variables it reads, and the per-example inputs."""
-        host = distributed.fetch(self.require_state().replace(opt_state=()))  # no optimizer state
+        host = distributed.fetch(self.session.require_state().replace(opt_state=()))  # no optimizer state
         program = self.program
         variables = {"params": program.merged_params(host.params), "model_state": host.model_state, "rng": host.rng}
         outputs: Callable[[TrainState, PyTree], PyTree]
@@ -607,7 +484,7 @@ class Setup:
         if sample_batch is not None and data_lib.prepare(sample_batch, default_batch_size=None).source.has_targets:
             step_batch = self.placed_sample(sample_batch)
         x = data_lib.abstract_inputs(self.input_spec, SUMMARY_ROWS)
-        return SummaryInputs(x, self.require_state(), step_batch)
+        return SummaryInputs(x, self.session.require_state(), step_batch)
 
     def init(self, sample_batch: Any) -> TrainState:
         """The state for a sample batch (see :meth:`trainkit.Trainer.init`)."""
@@ -616,7 +493,7 @@ class Setup:
             self.choose_strategy(prepared, measure=False)  # "auto" times candidates only to train (fit)
             self.create_state(prepared)
         data_lib.check_same_inputs(self.input_spec, prepared.spec)
-        return self.require_state()
+        return self.session.require_state()
 
     def create_state(self, prepared: data_lib.Prepared) -> None:
         """The state at step 0, placed by the strategy, the model initialised on the first real
@@ -761,7 +638,7 @@ class Setup:
         facts = {
             "state": tree.signature(program.abstract_state(prepared.first_x)),
             "batch": [prepared.batch_size, str(prepared.spec), prepared.has_targets or self.custom_loss],
-            "settings": self.settings(),
+            "settings": self.state_access.settings(),
             "remat": repr(program.remat),
             "log_grad_norm": program.log_grad_norm,
             "devices": [len(devices), devices[0].platform, devices[0].device_kind, jax.process_count()],
@@ -804,7 +681,9 @@ class Setup:
         """The compiled ``"train"``, ``"train_measured"``, ``"train_steps"``, ``"eval"`` or
         ``"predict"`` step (compiled once)."""
         if kind not in self._compiled:
-            self._compiled[kind] = self.program.compile(kind, self.require_strategy(), abstract(self.require_state()))
+            self._compiled[kind] = self.program.compile(
+                kind, self.require_strategy(), abstract(self.session.require_state())
+            )
         return self._compiled[kind]
 
     def empty_totals(self, kind: str, host_batch: PyTree = None) -> EpochTotals:
@@ -814,6 +693,6 @@ class Setup:
         if key not in self._totals:
             if host_batch is None:
                 raise ValueError("Pass a sample batch, e.g. trainer.lowered_text((x[:32], y[:32])), or call fit first.")
-            state, axis = abstract(self.require_state()), self.require_strategy().axis_name
+            state, axis = abstract(self.session.require_state()), self.require_strategy().axis_name
             self._totals[key] = self.program.empty_totals(key, state, host_batch, axis)
         return self._totals[key]

@@ -36,7 +36,7 @@ logger = logging.getLogger("trainkit")
 
 
 class Loadable(Protocol):
-    """What holds a trainer's variables for loading and saving (its setup): the variables by
+    """What holds a trainer's variables for loading and saving (its ``state_access``): the variables by
     name as targets, the loaded arrays put in, the host values by name."""
 
     def weight_targets(self) -> dict[str, Target]: ...
@@ -46,10 +46,10 @@ class Loadable(Protocol):
     def named_weights(self) -> dict[str, np.ndarray]: ...
 
 
-class HasSetup(Protocol):
+class HasStateAccess(Protocol):
     """A :class:`trainkit.Trainer` as this module sees it."""
 
-    setup: Loadable
+    state_access: Loadable
 
 
 class Loaded(NamedTuple):
@@ -61,7 +61,7 @@ class Loaded(NamedTuple):
 
 def load(
     source: Any,
-    into: HasSetup | PyTree,
+    into: HasStateAccess | PyTree,
     *,
     rename: Sequence[tuple[str, str]] = (),
     layout: str = "flax",
@@ -86,7 +86,7 @@ def load(
         targets = {name: _target(leaf) for name, leaf in leaves.items()}
     else:
         try:
-            holder = into.setup
+            holder = into.state_access
         except AttributeError:
             raise TypeError(
                 f"into= takes a trainkit.Trainer or a tree (dict) of arrays; received {type(into).__name__}."

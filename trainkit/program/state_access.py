@@ -1,0 +1,179 @@
+"""``StateAccess``: the live state's reads and edits, for the trainer, ``tk.weights`` and the
+callbacks: the one way to write it (:meth:`StateAccess.update_state`, placed in the shardings
+of what it replaces), the learning rate, the variables got, set, loaded and saved, LoRA's
+merged variables, the parameter count, what a checkpoint's manifest records of them, and a
+trial's edits put back (:meth:`StateAccess.kept`). The state itself is the session's.
+
+>>> import numpy as np, optax, flax.linen as nn, trainkit as tk
+>>> trainer = tk.Trainer(nn.Dense(2), loss="mse", optimizer=optax.sgd(0.1), strategy="single")
+>>> _ = trainer.init((np.ones((4, 3), np.float32), np.ones((4, 2), np.float32)))
+>>> access = trainer.state_access
+>>> access.count_params(), sorted(access.weight_targets())
+(8, ['bias', 'kernel'])
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import jax
+import numpy as np
+
+from trainkit import data as data_lib
+from trainkit import distributed
+from trainkit.core import lora as lora_lib
+from trainkit.core import optimizers
+from trainkit.core.session import Session
+from trainkit.core.state import TrainState, check_tree_matches
+from trainkit.core.tree import PyTree
+from trainkit.core.variables import named_variables, replaced
+from trainkit.program.program import Program
+from trainkit.strategies import Strategy
+from trainkit.weights import Target
+
+
+class StateAccess:
+    """Reads and edits of ``session``'s live state for ``program``'s model, placed by the
+    strategy ``strategy()`` returns (the setup's, chosen by the time a state exists); ``inputs()``:
+    the per-example inputs the state was built for."""
+
+    def __init__(
+        self, program: Program, session: Session, strategy: Callable[[], Strategy], inputs: Callable[[], PyTree]
+    ):
+        self.program, self.session, self._strategy, self._inputs = program, session, strategy, inputs
+        self.weights_source = ""  # where the last tk.weights.load read the variables from
+        self._scheduled_rate: bool | None = None  # whether a schedule sets the injected learning rate
+
+    def require_state(self) -> TrainState:
+        return self.session.require_state()
+
+    def update_state(self, **fields: PyTree) -> TrainState:
+        """The one way to write the live state: fields (host or device values) placed in the
+        shardings of those they replace; unchanged arrays stay as they are."""
+        state = self.require_state()
+        placed = self._strategy().put_like(state.replace(**fields), state)
+        self.session.replace_state(placed, moves_position=False)
+        return placed
+
+    # ------------------------------------------------------------------ the learning rate
+    @property
+    def learning_rate(self) -> float:
+        return float(distributed.fetch(optimizers.require_learning_rate(self.require_state().opt_state)))
+
+    def set_learning_rate(self, value: float) -> None:
+        """The optimizer's learning rate (``optax.inject_hyperparams``) set in the live state."""
+        self.require_settable_learning_rate()
+        self.update_state(opt_state=optimizers.set_learning_rate(self.require_state().opt_state, value))
+
+    def require_settable_learning_rate(self) -> None:
+        """Refuses, before anything changes, a learning rate that setting would not change: one
+        the optimizer does not expose, or a schedule ``optax.inject_hyperparams`` recomputes at
+        every update (traced once: the optimizer does not change)."""
+        state = self.require_state()
+        if self._scheduled_rate is None:
+            self._scheduled_rate = optimizers.rate_is_scheduled(self.program.optimizer, state.opt_state, state.params)
+        if self._scheduled_rate:
+            raise ValueError(
+                "The learning rate is a schedule given to optax.inject_hyperparams (learning_rate=<a schedule>): the "
+                "optimizer recomputes it from its step count at every update, so setting it (trainer.learning_rate, "
+                "LearningRateScheduler, ReduceLROnPlateau, find_learning_rate) would change nothing. To set it, pass "
+                "a number, e.g. optax.inject_hyperparams(optax.sgd)(learning_rate=1e-3); or keep the schedule and do "
+                "not set the rate."
+            )
+
+    # ------------------------------------------------------------------ the variables
+    @property
+    def host_params(self) -> PyTree:
+        """Host NumPy copies of the parameters."""
+        return jax.tree.map(np.asarray, distributed.fetch(self.require_state().params))
+
+    def weights(self) -> PyTree:
+        """Host copies of all variables: ``{"params": ..., **model_state}`` (Keras's ``get_weights``)."""
+        state = self.require_state()
+        host = distributed.fetch({"params": state.params, "model_state": state.model_state})
+        return {"params": host["params"], **host["model_state"]}
+
+    def set_weights(self, variables: PyTree) -> None:
+        """Variables from :meth:`weights` put back into the live state (same shapes)."""
+        state, variables = self.require_state(), dict(variables)
+        params = variables.pop("params")
+        check_tree_matches("set_weights", (state.params, state.model_state), (params, variables))
+        self.update_state(params=params, model_state=variables)
+
+    def weight_targets(self) -> dict[str, Target]:
+        """The variables published weights load into, by name (``tk.weights.load``), each with its
+        live shape, dtype and sharding; under LoRA the base model's (a quantised kernel as the
+        float array it stands for; no adapters)."""
+        state = self.require_state()
+        named = named_variables(state.params, state.model_state, is_leaf=lora_lib.is_quantized)
+        return {
+            name: Target(*lora_lib.float_view(leaf)) for name, leaf in named.items() if not lora_lib.is_adapter(name)
+        }
+
+    def put_weights(self, arrays: dict[str, Any], source: str = "") -> None:
+        """Loaded variables (placed in the live shardings) written into the live state (under
+        QLoRA the base kernels quantised as the live ones are); ``source`` names where they came
+        from (an adapter checkpoint records it)."""
+        state = self.require_state()
+        self.weights_source = source
+        params, model_state = replaced(state.params, state.model_state, arrays)
+        if self.program.lora is not None:  # the base's kernels may be quantised nodes: replaced whole
+            params = lora_lib.with_base(state.params, arrays)
+        self.update_state(params=params, model_state=model_state)
+
+    def named_weights(self) -> dict[str, np.ndarray]:
+        """Host copies of the variables by name (``trainer.save_weights``); under LoRA those of
+        the merged model."""
+        params, model_state = self._host_merged()
+        return {name: np.asarray(leaf) for name, leaf in named_variables(params, model_state).items()}
+
+    def _host_merged(self) -> tuple[PyTree, PyTree]:
+        """Host copies of the parameters (under LoRA the merged model's) and the model state."""
+        state = self.require_state()
+        host = distributed.fetch({"params": state.params, "model_state": state.model_state})
+        return self.program.merged_params(host["params"]), host["model_state"]
+
+    def merged(self) -> tuple[dict[str, PyTree], PyTree]:
+        """Host variables of the model without LoRA's adapters, folded into its kernels
+        (``trainer.merge_lora``): ``{"params": ..., **model_state}``, and a one-row input of
+        zeros to initialise it with."""
+        if self.program.lora is None:
+            raise ValueError("merge_lora(): this trainer has no LoRA adapters (Trainer(lora=tk.LoRA(...))).")
+        params, model_state = self._host_merged()
+        variables = {"params": jax.tree.map(np.asarray, params), **model_state}
+        sample = jax.tree.map(lambda s: np.zeros(s.shape, s.dtype), data_lib.abstract_inputs(self._inputs(), 1))
+        return variables, sample
+
+    def count_params(self) -> int:
+        """The scalars in all variables (parameters and model state), as Keras counts."""
+        state = self.require_state()
+        return int(sum(np.prod(leaf.shape) for leaf in jax.tree.leaves((state.params, state.model_state))))
+
+    def settings(self) -> dict:
+        """The settings a checkpoint's manifest records besides the position."""
+        program = self.program
+        settings: dict[str, Any] = {
+            "precision": str(program.precision.compute_dtype),
+            "seed": program.seed,
+            "grad_accum_steps": program.grad_accum_steps,
+        }
+        if program.lora is not None:  # an adapter checkpoint names the base it adapts
+            digest = lora_lib.base_digest(distributed.fetch(self.require_state().params))
+            lora = {**dataclasses.asdict(program.lora), "base_sha256": digest, "base_source": self.weights_source}
+            settings["lora"] = lora
+        return settings
+
+    @contextlib.contextmanager
+    def kept(self) -> Iterator[None]:
+        """Everything a trial changes in the session put back exactly on exit, raised or not
+        (one snapshot; its state a host copy, placed again in its shardings)."""
+        session, strategy = self.session, self._strategy()
+        snapshot = session.snapshot()
+        host = distributed.fetch(session.require_state())
+        try:
+            yield
+        finally:
+            session.restore(dataclasses.replace(snapshot, state=strategy.put_state(host)))
