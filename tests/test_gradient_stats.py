@@ -117,7 +117,7 @@ def test_nothing_is_measured_or_logged_without_the_callback():
     x, y = make_classification(64)
     history = trainer.fit(x, y, batch_size=16, epochs=1, verbose=0)
     assert not [name for name in history.history if "norm" in name]
-    assert trainer.setup.program.statistics is None
+    assert trainer.setup.compiled.statistics is None
 
 
 def test_a_fused_call_longer_than_every_is_refused_naming_both():

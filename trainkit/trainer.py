@@ -346,7 +346,7 @@ class Trainer:
         options: dict[str, Any] = {"validation_data": validation_data, "validation_split": validation_split}
         options.update(validation_batch_size=validation_batch_size, class_weight=class_weight, announce=bool(verbose))
         with self.session.ledger.running(distributed.take_startup_seconds()):  # history.goodput: where time went
-            self.setup.use_statistics(CallbackList.step_statistics_of(callbacks))  # compiled into the train step
+            self.setup.compiled.use_statistics(CallbackList.step_statistics_of(callbacks))  # in the train step
             prepared, config = self.setup.prepare_fit(config, x, y, sample_weight, batch_size, **options)
             callback_list = CallbackList.for_run(callbacks, self, verbose, config.steps, config.epoch_count, fit=True)
             self.loop.fit(prepared.source, prepared.batch_size, callback_list, config)

@@ -114,7 +114,6 @@ class Program:
         self.frozen_statistics = bool(frozen_statistics)
         self._frozen_layers: frozenset[str] | None = None  # the frozen BatchNorms, found at the first trace
         #: what the train step measures for a callback (``GradientStats``); set by the setup per ``fit``
-        self.statistics: StepStatistics | None = None
         self._param_axes: dict | None = None  # the model's partitioning annotations, once read
         self._abstract_states: dict[str, PyTree] = {}  # abstract_state by the first row's signature
 
@@ -135,11 +134,6 @@ class Program:
         layers = self.frozen_layers(params, model_state, batch["x"]) if train else frozenset()
         with frozen_lib.statistics_frozen(layers):
             return self.compute_loss(params, batch, rng, model_state=model_state, train=train)
-
-    def measure(self, statistics: StepStatistics | None) -> None:
-        """What the train step measures from now on (a callback's ``GradientStats``); the setup
-        compiles its training steps again."""
-        self.statistics = statistics
 
     # ------------------------------------------------------------------ the initial state
     def init_state(self, variables: PyTree, first_row: PyTree, key: jax.Array) -> TrainState:
@@ -209,13 +203,20 @@ class Program:
             f"build them with axis_name={axis!r} (nn.BatchNorm(..., axis_name={axis!r}))"
         )
 
-    def candidate_step(self, kind: str, strategy: Strategy, abstract_state: PyTree, first_row: PyTree) -> Callable:
+    def candidate_step(
+        self,
+        kind: str,
+        strategy: Strategy,
+        abstract_state: PyTree,
+        first_row: PyTree,
+        statistics: StepStatistics | None = None,
+    ) -> Callable:
         """``compile(kind, ...)`` for a plan's candidate; :class:`~trainkit.program.plan.NotACandidate`
         for a candidate whose training step would compute another result than ``SingleDevice``'s."""
         reason = self.changes_result(strategy, first_row, abstract_state) if kind == "train" else None
         if reason is not None:
             raise plan_lib.NotACandidate(reason)
-        return self.compile(kind, strategy, abstract_state)
+        return self.compile(kind, strategy, abstract_state, statistics)
 
     def step_flops(self, abstract_state: PyTree, host_batch: Batch) -> float | None:
         """The floating-point operations of one train step on ``host_batch`` (a padded global
@@ -225,19 +226,22 @@ class Program:
         return cost.flops(jax.jit(self.step("train", None)).lower(abstract_state, totals, host_batch))
 
     # ------------------------------------------------------------------ compiled steps
-    def compile(self, kind: str, strategy: Strategy, abstract_state: PyTree) -> Callable:
+    def compile(
+        self, kind: str, strategy: Strategy, abstract_state: PyTree, statistics: StepStatistics | None = None
+    ) -> Callable:
         """The ``"train"``, ``"train_measured"`` (the train step that measures the statistics,
         called on their due steps), ``"train_steps"`` (several steps over stacked batches),
         ``"eval"`` or ``"predict"`` step compiled by ``strategy`` (with ``eager``: the pure step
-        itself, run op by op on one device); a strategy compiles both train steps as ``"train"``."""
+        itself, run op by op on one device); a strategy compiles both train steps as ``"train"``.
+        ``statistics``: what the training steps measure (a ``fit``'s ``GradientStats``)."""
         if self.eager:
-            return self.step(kind, None)
-        step = self.step(kind, strategy.axis_name)
+            return self.step(kind, None, statistics)
+        step = self.step(kind, strategy.axis_name, statistics)
         if strategy.logical_rules:  # nn.with_logical_constraint in the model
             step = under_logical_rules(step, strategy.mesh, strategy.logical_rules)
         return strategy.compile("train" if kind == "train_measured" else kind, step, abstract_state)
 
-    def step(self, kind: str, axis: str | None) -> Callable:
+    def step(self, kind: str, axis: str | None, statistics: StepStatistics | None = None) -> Callable:
         """The pure step a strategy compiles (not compiled): ``"train"`` ``(state, totals,
         batch) -> (state, totals)`` (with statistics, ``"train_measured"`` measures them and
         ``"train"`` does not), ``"train_steps"`` the same over stacked batches (measuring on
@@ -245,11 +249,13 @@ class Program:
         ``(state, totals, batch) -> totals`` (``totals``: the epoch's
         :class:`~trainkit.core.totals.EpochTotals`), ``"predict"`` ``(state, batch) -> outputs``."""
         if kind == "train_steps":
-            return make_multi_step(with_totals(self.metrics_step("train", axis, "due")), unrolled=self.eager)
+            return make_multi_step(
+                with_totals(self.metrics_step("train", axis, "due", statistics)), unrolled=self.eager
+            )
         if kind == "predict":
             return make_predict_step(self.apply)
         when = "always" if kind == "train_measured" else "never"
-        return with_totals(self.metrics_step(kind, axis, when), trains=kind != "eval")
+        return with_totals(self.metrics_step(kind, axis, when, statistics), trains=kind != "eval")
 
     def outputs(self, state: TrainState, x: PyTree) -> PyTree:
         """The model's outputs for inputs ``x`` in inference mode, as the predict step computes
@@ -271,7 +277,9 @@ class Program:
         call: a trainer's ``apply`` override is not in it)."""
         return make_predict_step(Precision().wrap_apply(self.adapter.apply))(state, {"x": x})
 
-    def metrics_step(self, kind: str, axis: str | None, statistics_when: str = "due") -> Callable:
+    def metrics_step(
+        self, kind: str, axis: str | None, statistics_when: str = "due", statistics: StepStatistics | None = None
+    ) -> Callable:
         """The ``"train"`` step ``(state, batch) -> (state, metrics)`` or the ``"eval"`` step
         ``(state, batch) -> metrics``, before their metrics are merged into the totals; the
         statistics (``GradientStats``) measured as ``statistics_when`` says
@@ -287,20 +295,25 @@ class Program:
             log_grad_norm=self.log_grad_norm,
             label_check=self.objective.labels_out_of_range,
             trainable=self.trainable,
-            statistics=self.statistics,
+            statistics=statistics,
             statistics_when=statistics_when,
             spike_skip=self.spike_skip,
         )
 
     def empty_totals(
-        self, kind: str, abstract_state: PyTree, host_batch: Batch, axis: str | None = None
+        self,
+        kind: str,
+        abstract_state: PyTree,
+        host_batch: Batch,
+        axis: str | None = None,
+        statistics: StepStatistics | None = None,
     ) -> EpochTotals:
         """Host zeros of the totals the ``kind`` step (``"train"``, ``"train_steps"`` or
         ``"eval"``) carries, shaped by tracing its metrics on one host batch; under a named
         device ``axis`` (which the model may use too: ``BatchNorm(axis_name=...)``) traced as
         one device of it."""
         kind = "eval" if kind == "eval" else "train"
-        step = self.metrics_step(kind, axis)
+        step = self.metrics_step(kind, axis, statistics=statistics)
         if axis is not None:
             one = jax.tree.map(lambda a: jax.ShapeDtypeStruct((1, *np.shape(a)), a.dtype), host_batch)
             outputs = jax.eval_shape(jax.vmap(step, in_axes=(None, 0), axis_name=axis), abstract_state, one)
@@ -322,7 +335,13 @@ class Program:
         return self._abstract_states[key]
 
     def plan(
-        self, host_batch: Batch, candidates: Sequence[Strategy] | None, *, trains: bool, **options
+        self,
+        host_batch: Batch,
+        candidates: Sequence[Strategy] | None,
+        *,
+        trains: bool,
+        statistics: StepStatistics | None = None,
+        **options,
     ) -> plan_lib.MemoryPlan:
         """:func:`trainkit.program.plan.plan_step` of the train step (or, when ``trains`` is false, the
         predict step) on a padded global batch."""
@@ -339,8 +358,10 @@ class Program:
             host_batch,
             candidates,
             abstract_state=abstract_state,
-            totals=pack(self.empty_totals(kind, abstract_state, host_batch, axis)) if trains else None,
-            compile_step=lambda strategy, abstract: self.candidate_step(kind, strategy, abstract, first_row),
+            totals=pack(self.empty_totals(kind, abstract_state, host_batch, axis, statistics)) if trains else None,
+            compile_step=lambda strategy, abstract: self.candidate_step(
+                kind, strategy, abstract, first_row, statistics
+            ),
             # one init_fn object for both, so that the second finds the first's executable
             create_state=lambda strategy: strategy.create_state(init_state, variables, first_row, key),
             precompile_state=lambda strategy: strategy.precompile_state(init_state, variables, first_row, key),

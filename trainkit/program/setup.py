@@ -51,7 +51,6 @@ from trainkit.core.precision import NoLossScale
 from trainkit.core.session import Session
 from trainkit.core.spikes import SpikeSkip
 from trainkit.core.state import TrainState, abstract
-from trainkit.core.statistics import StepStatistics
 from trainkit.core.totals import EpochTotals
 from trainkit.core.tree import PyTree
 from trainkit.core.warn import warn_user
@@ -59,6 +58,7 @@ from trainkit.data import FitConfig, Validation
 from trainkit.distributed import compile_cache
 from trainkit.program import plan as plan_lib
 from trainkit.program import remembered as remembered_lib
+from trainkit.program.compiled import CompiledFunctions
 from trainkit.program.program import Program
 from trainkit.program.state_access import StateAccess
 from trainkit.strategies import Auto, SingleDevice, Strategy, check_steps_per_execution, resolve_strategy
@@ -173,8 +173,7 @@ class Setup:
         self.decisions = Decisions(strategy_now, steps, tunes)
         self.session = session
         self.state_access = StateAccess(program, session, self.require_strategy, lambda: self.decisions.input_spec)
-        self._compiled: dict[str, Any] = {}
-        self._totals: dict[str, EpochTotals] = {}  # host zeros of the totals each kind of step carries
+        self.compiled = CompiledFunctions(program, self.require_strategy, session.require_state)
         self._outputs: PyTree = None  # the model's output shapes, once traced
         self._computation = ""  # a digest of the model's traced forward pass (what "auto" remembers a pick for)
 
@@ -566,7 +565,8 @@ class Setup:
             self.build_objective(prepared)
         if abstract:
             options["place_batch"] = False
-        result = self.program.plan(prepared.sample_batch(abstract=abstract), candidates, trains=trains, **options)
+        batch, statistics = prepared.sample_batch(abstract=abstract), self.compiled.statistics
+        result = self.program.plan(batch, candidates, trains=trains, statistics=statistics, **options)
         if verbose:
             result.print()
         return result
@@ -609,7 +609,7 @@ class Setup:
             compile_cache.active_directory(), key, best.name, result.reason(), built_by, result.compare_from_steps
         )
         if best.function is not None and (prepared.has_targets or self.custom_loss):
-            self._compiled["train"] = best.function  # compiled during the plan: not compiled again
+            self.compiled.adopt("train", best.function)  # compiled during the plan: not compiled again
         logger.info("strategy='auto' %s", result.reason())
         if announce and distributed.is_main_process():
             print(f"strategy='auto' {result.reason()}")
@@ -656,43 +656,17 @@ class Setup:
         named = {plan_lib.short_name(c): c for c in candidates}
         return key, None if name is None else named.get(name), None if under is None else named.get(under)
 
-    # ------------------------------------------------------------------ compiled steps
+    # ------------------------------------------------------------------ compiled steps (the loop's view)
     @property
     def spike_skip(self) -> SpikeSkip | None:
-        return self.program.spike_skip
-
-    def use_statistics(self, statistics: StepStatistics | None) -> None:
-        """The train step measures ``statistics`` for this ``fit``'s callbacks
-        (``GradientStats``); the training steps compile again when that changed."""
-        if statistics == self.program.statistics:
-            return
-        self.program.measure(statistics)
-        for kind in ("train", "train_measured", "train_steps"):
-            self._compiled.pop(kind, None)
-        self._totals.pop("train", None)
+        return self.compiled.spike_skip
 
     @property
     def measured_every(self) -> int | None:
-        """The train step's statistics are due every this many steps (``None``: none measured):
-        the loop then calls ``"train_measured"`` on those steps and ``"train"`` on the others."""
-        return None if self.program.statistics is None else self.program.statistics.every
+        return self.compiled.measured_every
 
     def function(self, kind: str) -> Callable:
-        """The compiled ``"train"``, ``"train_measured"``, ``"train_steps"``, ``"eval"`` or
-        ``"predict"`` step (compiled once)."""
-        if kind not in self._compiled:
-            self._compiled[kind] = self.program.compile(
-                kind, self.require_strategy(), abstract(self.session.require_state())
-            )
-        return self._compiled[kind]
+        return self.compiled.function(kind)
 
     def empty_totals(self, kind: str, host_batch: PyTree = None) -> EpochTotals:
-        """Host zeros of the metric totals the ``kind`` step carries (``"train"``,
-        ``"train_steps"`` or ``"eval"``), shaped once by tracing its metrics on a host batch."""
-        key = "eval" if kind == "eval" else "train"
-        if key not in self._totals:
-            if host_batch is None:
-                raise ValueError("Pass a sample batch, e.g. trainer.lowered_text((x[:32], y[:32])), or call fit first.")
-            state, axis = abstract(self.session.require_state()), self.require_strategy().axis_name
-            self._totals[key] = self.program.empty_totals(key, state, host_batch, axis)
-        return self._totals[key]
+        return self.compiled.empty_totals(kind, host_batch)

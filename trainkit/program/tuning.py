@@ -176,7 +176,10 @@ def find_batch_size(
 
     def plan_at(size: int, limit: int) -> plan_lib.MemoryPlan:
         batch = prepared.sample_batch(size, abstract=abstract)
-        return setup.program.plan(batch, candidates, trains=trains, memory_limit=limit, **options)
+        statistics = setup.compiled.statistics  # the last fit's, as its steps are compiled
+        return setup.program.plan(
+            batch, candidates, trains=trains, memory_limit=limit, statistics=statistics, **options
+        )
 
     with cache:
         result = batch_size_lib.search(plan_at, sizes, checks.byte_count(memory_limit), default_limit)

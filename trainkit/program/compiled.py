@@ -1,0 +1,79 @@
+"""``CompiledFunctions``: a setup's compiled steps and the host zeros of the totals they carry,
+each compiled (or traced) once and kept under what it computes: its kind (``"train"``,
+``"train_measured"``, ``"train_steps"``, ``"eval"``, ``"predict"``) and the statistics a
+``fit`` asks the training steps to measure (a ``GradientStats``). A fit that asks for other
+statistics gets its own steps; nothing is recompiled when a later fit asks for the earlier ones
+again, and the program itself never changes.
+
+>>> import numpy as np, optax, flax.linen as nn, trainkit as tk
+>>> trainer = tk.Trainer(nn.Dense(2), loss="mse", optimizer=optax.sgd(0.1), strategy="single")
+>>> _ = trainer.fit(np.ones((8, 3), np.float32), np.ones((8, 2), np.float32), batch_size=4, verbose=0)
+>>> compiled = trainer.setup.compiled
+>>> compiled.function("train") is compiled.function("train"), compiled.measured_every is None
+(True, True)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from trainkit.core.spikes import SpikeSkip
+from trainkit.core.state import TrainState, abstract
+from trainkit.core.statistics import StepStatistics
+from trainkit.core.totals import EpochTotals
+from trainkit.core.tree import PyTree
+from trainkit.program.program import Program
+from trainkit.strategies import Strategy
+
+
+class CompiledFunctions:
+    """The compiled steps of ``program`` under the strategy ``strategy()`` returns, for the
+    state ``state()`` (its shapes; the setup's live state once it exists)."""
+
+    def __init__(self, program: Program, strategy: Callable[[], Strategy], state: Callable[[], TrainState]):
+        self.program, self._strategy, self._state = program, strategy, state
+        self.statistics: StepStatistics | None = None  # what this fit's training steps measure
+        self._functions: dict[tuple[str, StepStatistics | None], Callable[..., Any]] = {}
+        self._totals: dict[tuple[str, StepStatistics | None], EpochTotals] = {}
+
+    def use_statistics(self, statistics: StepStatistics | None) -> None:
+        """The training steps measure ``statistics`` for this ``fit``'s callbacks (``GradientStats``)."""
+        self.statistics = statistics
+
+    @property
+    def measured_every(self) -> int | None:
+        """The train step's statistics are due every this many steps (``None``: none measured):
+        the loop then calls ``"train_measured"`` on those steps and ``"train"`` on the others."""
+        return None if self.statistics is None else self.statistics.every
+
+    @property
+    def spike_skip(self) -> SpikeSkip | None:
+        return self.program.spike_skip
+
+    def _key(self, kind: str) -> tuple[str, StepStatistics | None]:
+        return kind, (None if kind in ("eval", "predict") else self.statistics)
+
+    def function(self, kind: str) -> Callable[..., Any]:
+        """The compiled ``"train"``, ``"train_measured"``, ``"train_steps"``, ``"eval"`` or
+        ``"predict"`` step (compiled once for this fit's statistics)."""
+        key = self._key(kind)
+        if key not in self._functions:
+            state = abstract(self._state())
+            self._functions[key] = self.program.compile(kind, self._strategy(), state, self.statistics)
+        return self._functions[key]
+
+    def adopt(self, kind: str, function: Callable[..., Any]) -> None:
+        """``function``, compiled elsewhere (the plan ``"auto"`` chose from), as the ``kind`` step."""
+        self._functions[self._key(kind)] = function
+
+    def empty_totals(self, kind: str, host_batch: PyTree = None) -> EpochTotals:
+        """Host zeros of the metric totals the ``kind`` step carries (``"train"``,
+        ``"train_steps"`` or ``"eval"``), shaped once by tracing its metrics on a host batch."""
+        key = self._key("eval" if kind == "eval" else "train")
+        if key not in self._totals:
+            if host_batch is None:
+                raise ValueError("Pass a sample batch, e.g. trainer.lowered_text((x[:32], y[:32])), or call fit first.")
+            state, axis = abstract(self._state()), self._strategy().axis_name
+            self._totals[key] = self.program.empty_totals(key[0], state, host_batch, axis, key[1])
+        return self._totals[key]
