@@ -283,6 +283,44 @@ def test_pmap_lives_in_data_parallel_only():
     assert users == ["strategies.data_parallel"]
 
 
+FEATURES = "core.features"
+#: the one module that lists the train step's features (Program.step_features)
+FEATURE_REGISTRY = "program.program"
+STEP_PARAMETERS_LIMIT = 5  # make_train_step's parameters: the rest are features on one seam
+
+
+def feature_rules(modules: dict[str, set[str]]) -> list[str]:
+    """What breaks "a new feature touches its own file and the place it is registered": the
+    core step importing a feature, a feature importing another, any module but the registry
+    importing one (``modules``: a module's name to what it imports)."""
+    broken = []
+    features = {name for name in modules if name.startswith(FEATURES + ".")}
+    for name, imports in sorted(modules.items()):
+        used = sorted(imports & features)
+        if name in features:
+            others = [i for i in used if i != name]
+            broken += [f"{name} imports the feature {i}: features know only the seam" for i in others]
+        elif used and name != FEATURE_REGISTRY:
+            broken.append(f"{name} imports {used}: only {FEATURE_REGISTRY} registers features")
+    return broken
+
+
+def test_each_step_feature_is_its_own_module_registered_in_one_place():
+    graph = {name: imported(path) for name, path in MODULES.items()}
+    assert [name for name in graph if name.startswith(FEATURES + ".")], "no feature modules found"
+    assert not feature_rules(graph), feature_rules(graph)
+    assert "core.step_feature" in graph["core.step"] and not graph["core.step"] & {
+        n for n in graph if n.startswith(FEATURES)
+    }
+    step = next(
+        node
+        for node in ast.walk(ast.parse(MODULES["core.step"].read_text()))
+        if isinstance(node, ast.FunctionDef) and node.name == "make_train_step"
+    )
+    count = len(step.args.args) + len(step.args.kwonlyargs)
+    assert count <= STEP_PARAMETERS_LIMIT, f"make_train_step takes {count} parameters (at most {STEP_PARAMETERS_LIMIT})"
+
+
 def test_the_rules_can_fail(tmp_path):
     bad = tmp_path / "bad.py"
     bad.write_text("from trainkit import trainer\nfrom trainkit.strategies import base\n")
@@ -300,3 +338,8 @@ def test_the_rules_can_fail(tmp_path):
     assert long_functions(ast.parse("def f():\n" + "    x = 1\n" * 80)) == ["f (81 lines, line 1)"]
     assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
     assert find_cycle({"a": {"b"}, "b": set()}) is None
+    spread = {"core.features.a": {"core.features.b"}, "core.features.b": set(), "loop.x": {"core.features.a"}}
+    assert feature_rules(spread) == [
+        "core.features.a imports the feature core.features.b: features know only the seam",
+        "loop.x imports ['core.features.a']: only program.program registers features",
+    ]

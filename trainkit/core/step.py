@@ -24,6 +24,7 @@ gradient is exactly the single-device gradient.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable, Mapping
 from functools import partial
@@ -36,20 +37,9 @@ import optax
 from clu.metrics import LastValue
 
 from trainkit.core.optimizers import learning_rate
-from trainkit.core.spikes import SPIKES, SpikeSkip
 from trainkit.core.state import Batch, TrainState
-from trainkit.core.statistics import StepStatistics
-from trainkit.core.totals import (
-    LABEL_ALARM,
-    EpochTotals,
-    LabelAlarm,
-    LossAverage,
-    MetricFn,
-    PackedTotals,
-    WeightedAverage,
-    batch_state,
-    pack,
-)
+from trainkit.core.step_feature import StepFeature, StepUpdate
+from trainkit.core.totals import EpochTotals, LossAverage, MetricFn, PackedTotals, WeightedAverage, batch_state, pack
 from trainkit.core.trainable import Trainable
 from trainkit.core.tree import PyTree
 
@@ -134,16 +124,6 @@ def _batch_metrics(metric_fns: Mapping[str, MetricFn], predictions, batch: Batch
     return metrics
 
 
-def _label_alarm(count: jax.Array, value: jax.Array, step: jax.Array, axis_name: str | None) -> LabelAlarm:
-    """The step's :class:`LabelAlarm` from this device's count and one bad label (under a
-    named axis: the count summed over the devices, the largest bad label kept)."""
-    if axis_name is not None:
-        value = jax.lax.pmax(jnp.where(count > 0, value, jnp.iinfo(jnp.int32).min), axis_name)
-        count = jax.lax.psum(count, axis_name)
-    found = count > 0
-    return LabelAlarm(count, jnp.where(found, value, 0), jnp.where(found, step, 0).astype(jnp.int32))
-
-
 def _microbatches(batch: Batch, k: int) -> Batch:
     """``(k, rows / k, ...)``: micro-batch ``j`` holds rows ``j, j + k, j + 2k, ...``. Strided,
     not contiguous: every device's (contiguous) part of a sharded batch contributes equally to
@@ -187,30 +167,23 @@ def _accumulated(
     return grads, model_state, metrics
 
 
-def _observed(
-    metrics: Metrics, new_state: TrainState, labels: tuple[jax.Array, jax.Array] | None, axis_name: str | None
-) -> None:
-    """The step's learning rate (when the optimizer injects it), its loss scale, and the labels
-    outside the classes ``labels`` counted (``(count, value)``), added to ``metrics``."""
+def _observed(metrics: Metrics, new_state: TrainState) -> Metrics:
+    """The step's learning rate (when the optimizer injects it) and its loss scale, added to ``metrics``."""
     rate = learning_rate(new_state.opt_state)
     if rate is not None:
-        metrics["learning_rate"] = LastValue(value=jnp.asarray(rate, jnp.float32))
-    metrics.update(new_state.loss_scale.metrics())
-    if labels is not None:
-        metrics[LABEL_ALARM] = _label_alarm(labels[0], labels[1], new_state.step, axis_name)
+        metrics = {**metrics, "learning_rate": LastValue(value=jnp.asarray(rate, jnp.float32))}
+    return {**metrics, **new_state.loss_scale.metrics()}
 
 
-def _unless_spike(
-    spike_skip: SpikeSkip, state: TrainState, metrics: Metrics, grads: PyTree, new: PyTree
-) -> tuple[PyTree, PyTree]:
-    """``new`` (the updated parameters, optimizer and model state) unless this step's loss (or
-    gradient norm) spikes, else the state's own; the spike average after it. Adds the step's
-    :class:`~trainkit.core.spikes.SpikeReport` to ``metrics``."""
-    watched = metrics["loss"].compute() if spike_skip.on == "loss" else optax.tree.norm(grads)
-    spike, spikes = spike_skip.decide(state.spikes, watched)
-    old = (state.params, state.opt_state, state.model_state)
-    metrics[SPIKES] = spike_skip.report(spike, state.step + 1, watched, state.spikes)
-    return jax.tree.map(lambda before, after: jnp.where(spike, before, after), old, new), spikes
+@dataclasses.dataclass(frozen=True)
+class TrainStepOptions:
+    """How :func:`make_train_step` trains besides the loss and optimizer: ``grad_accum_steps``
+    micro-batches per update, the ``trainable`` leaves (``None``: all), and the step's
+    ``features`` (:mod:`trainkit.core.step_feature`), run in order after the update."""
+
+    grad_accum_steps: int = 1
+    trainable: Trainable | None = None
+    features: tuple[StepFeature, ...] = ()
 
 
 def make_train_step(
@@ -218,28 +191,20 @@ def make_train_step(
     tx: optax.GradientTransformation,
     metric_fns: Mapping[str, MetricFn],
     axis_name: str | None = None,
-    *,
-    grad_accum_steps: int = 1,
-    log_grad_norm: bool = False,
-    label_check: Callable[[PyTree], tuple[jax.Array, jax.Array] | None] | None = None,
-    trainable: Trainable | None = None,
-    statistics: StepStatistics | None = None,
-    statistics_when: str = "due",
-    spike_skip: SpikeSkip | None = None,
+    options: TrainStepOptions = TrainStepOptions(),
 ) -> Callable[[TrainState, Batch], tuple[TrainState, Metrics]]:
     """The pure training step; ``axis_name`` names the device axis under ``pmap``/``shard_map``.
 
-    ``grad_accum_steps=k``: ``k`` micro-batches one after another (a ``lax.scan``), the update
-    that of the whole batch. ``state.loss_scale`` (:mod:`trainkit.core.precision`) scales the
-    loss, unscales the gradients and skips a step whose gradients are not finite (the state kept
-    but for ``step``, the scale and the rng; its metrics count nothing). ``label_check(y)``
-    counts class ids outside the classes (a ``LabelAlarm`` the loop raises). ``trainable``:
-    only its leaves are differentiated and updated. ``statistics`` (a ``StepStatistics``):
-    norms on its steps as hidden ``_stats/...`` metrics, measured as ``statistics_when`` says
-    (``"due"``, ``"always"``, ``"never"``: :meth:`StepStatistics.metrics`). ``spike_skip`` (a ``SpikeSkip``): an
-    update whose loss spikes above ``state.spikes``' average is not applied.
+    ``options.grad_accum_steps=k``: ``k`` micro-batches one after another (a ``lax.scan``), the
+    update that of the whole batch. ``state.loss_scale`` (:mod:`trainkit.core.precision`) scales
+    the loss, unscales the gradients and skips a step whose gradients are not finite (the state
+    kept but for ``step``, the scale and the rng; its metrics count nothing).
+    ``options.trainable``: only its leaves are differentiated and updated. ``options.features``
+    (spike skipping, the gradient norm, gradient statistics, the label check: see
+    :mod:`trainkit.core.features`) each map the step's :class:`StepUpdate` to the next.
     """
-    trainable = trainable if trainable is not None else Trainable(None)
+    grad_accum_steps, features = options.grad_accum_steps, options.features
+    trainable = options.trainable if options.trainable is not None else Trainable(None)
     freezes = trainable.freezes
 
     def micro_step(params, model_state, batch, rng, batch_rows, loss_scale):
@@ -277,19 +242,13 @@ def make_train_step(
             new=(params, opt_state, model_state, metrics),
             old=(state.params, state.opt_state, state.model_state, skipped),
         )
-        spikes = state.spikes
-        if spike_skip is not None:  # the same choice as the loss scale's, on the loss (or the gradient norm)
-            (params, opt_state, model_state), spikes = _unless_spike(
-                spike_skip, state, metrics, grads, (params, opt_state, model_state)
-            )
         updated = {"params": params, "opt_state": opt_state, "model_state": model_state, "loss_scale": loss_scale}
-        new_state = state.replace(step=state.step + 1, spikes=spikes, **updated)
-        if log_grad_norm:  # one more pass over the gradients (free when clipping by norm)
-            metrics["grad_norm"] = LastValue(value=optax.tree.norm(grads))
-        if statistics is not None:  # on its steps only
-            metrics.update(statistics.metrics(state.step + 1, grads, updates, state.params, statistics_when))
-        _observed(metrics, new_state, None if label_check is None else label_check(batch.get("y")), axis_name)
-        return new_state, metrics
+        update = StepUpdate(
+            state, state.replace(step=state.step + 1, **updated), grads, updates, metrics, batch, axis_name
+        )
+        for feature in features:
+            update = feature(update)
+        return update.after, _observed(update.metrics, update.after)
 
     return train_step
 

@@ -32,6 +32,10 @@ import optax
 from trainkit.core import cost, tree
 from trainkit.core import frozen_statistics as frozen_lib
 from trainkit.core import lora as lora_lib
+from trainkit.core.features.grad_norm import global_grad_norm
+from trainkit.core.features.gradient_statistics import measure_statistics
+from trainkit.core.features.label_check import check_labels
+from trainkit.core.features.spike_skipping import skip_spikes
 from trainkit.core.lora import LoRA, is_adapter
 from trainkit.core.model import ModelAdapter, param_axes, starting_variables, under_logical_rules, with_lora
 from trainkit.core.precision import Precision, cast_floating
@@ -39,7 +43,15 @@ from trainkit.core.remat import wrap_remat
 from trainkit.core.spikes import SpikeSkip
 from trainkit.core.state import Batch, TrainState, seed_key
 from trainkit.core.statistics import StepStatistics
-from trainkit.core.step import make_eval_step, make_multi_step, make_predict_step, make_train_step, with_totals
+from trainkit.core.step import (
+    TrainStepOptions,
+    make_eval_step,
+    make_multi_step,
+    make_predict_step,
+    make_train_step,
+    with_totals,
+)
+from trainkit.core.step_feature import StepFeature
 from trainkit.core.totals import EpochTotals, pack
 from trainkit.core.trainable import Trainable, TrainableSpec
 from trainkit.core.tree import PyTree
@@ -286,19 +298,25 @@ class Program:
         (:meth:`~trainkit.core.statistics.StepStatistics.metrics`)."""
         if kind == "eval":
             return make_eval_step(self.compute_loss, self.objective.metric_fns, axis)
-        return make_train_step(
-            self.training_loss,
-            self.optimizer,
-            self.objective.metric_fns,
-            axis,
-            grad_accum_steps=self.grad_accum_steps,
-            log_grad_norm=self.log_grad_norm,
-            label_check=self.objective.labels_out_of_range,
-            trainable=self.trainable,
-            statistics=statistics,
-            statistics_when=statistics_when,
-            spike_skip=self.spike_skip,
+        options = TrainStepOptions(
+            self.grad_accum_steps, self.trainable, self.step_features(statistics, statistics_when)
         )
+        return make_train_step(self.training_loss, self.optimizer, self.objective.metric_fns, axis, options)
+
+    def step_features(self, statistics: StepStatistics | None, when: str = "due") -> tuple[StepFeature, ...]:
+        """The train step's features (:mod:`trainkit.core.features`) this trainer's settings
+        ask for, in the order they run: spike skipping, the global gradient norm, the
+        statistics a fit measures (as ``when`` says), the label check. The one place a feature
+        is registered."""
+        features: list[StepFeature] = []
+        if self.spike_skip is not None:  # first: the others see the update it keeps
+            features.append(skip_spikes(self.spike_skip))
+        if self.log_grad_norm:
+            features.append(global_grad_norm)
+        if statistics is not None:
+            features.append(measure_statistics(statistics, when))
+        features.append(check_labels(self.objective.labels_out_of_range))
+        return tuple(features)
 
     def empty_totals(
         self,
