@@ -46,7 +46,6 @@ import optax
 from trainkit import data as data_lib
 from trainkit import distributed
 from trainkit.core import model as model_lib
-from trainkit.core import tree
 from trainkit.core.precision import NoLossScale
 from trainkit.core.session import Session
 from trainkit.core.spikes import SpikeSkip
@@ -56,13 +55,12 @@ from trainkit.core.tree import PyTree
 from trainkit.core.warn import warn_user
 from trainkit.data import FitConfig, Validation
 from trainkit.distributed import compile_cache
+from trainkit.program import auto as auto_lib
 from trainkit.program import plan as plan_lib
-from trainkit.program import remembered as remembered_lib
 from trainkit.program.compiled import CompiledFunctions
 from trainkit.program.program import Program
 from trainkit.program.state_access import StateAccess
 from trainkit.strategies import Auto, SingleDevice, Strategy, check_steps_per_execution, resolve_strategy
-from trainkit.version import __version__
 
 logger = logging.getLogger("trainkit")
 
@@ -294,7 +292,7 @@ class Setup:
     def batch_unit(self, micro_batches: int = 1) -> int:
         """The smallest global batch the strategy (under ``"auto"``: every candidate) splits
         into equal device parts, times ``micro_batches`` (gradient accumulation)."""
-        strategies = [self.strategy] if self.strategy is not None else self.auto_candidates()
+        strategies = [self.strategy] if self.strategy is not None else auto_lib.candidates(self.require_auto())
         return math.lcm(*(s.num_batch_shards for s in strategies)) * micro_batches
 
     def capped_at_data(self, prepared: data_lib.Prepared, micro_batches: int, said: bool) -> data_lib.Prepared:
@@ -574,87 +572,30 @@ class Setup:
     def choose_strategy(
         self, prepared: data_lib.Prepared, announce: bool = False, measure: bool = True, run_steps: int | None = None
     ) -> None:
-        """Under ``"auto"``: the strategy the compiled plan recommends, before anything else is
-        compiled or placed (also for ``evaluate`` and ``predict`` before ``fit``); ranked by
-        the compiler's estimate, no step run, unless ``measure`` and the ``Auto`` measure.
-        ``run_steps``: the steps of the run it is chosen for (``None``: unknown), which bounds
-        the candidates worth compiling (``Auto(always_compare=True)``: all of them)."""
+        """Under ``"auto"``: the strategy :func:`trainkit.program.auto.choose` picks, before
+        anything else is compiled or placed (also for ``evaluate`` and ``predict`` before
+        ``fit``), applied; ``announce``: said on the main process."""
         if self.strategy is not None:
             return
-        auto = self.require_auto()
-        measure = measure and auto.measure
-        run_steps = None if auto.always_compare else run_steps
-        key, remembered, under = self.remembered_pick(prepared, measure, run_steps)
-        if remembered is not None:
-            self.decide(strategy=remembered)
-            if under is not None and plan_lib.short_name(under) != plan_lib.short_name(remembered):
-                self.decide(initialise_under=under)
-            logger.info("strategy='auto' picked %s, as an earlier run of this setup did", remembered.describe())
-            if announce and distributed.is_main_process():
-                print(f"strategy='auto' picked {plan_lib.short_name(remembered)}, as an earlier run of this setup did")
-            return
-        result = self.plan(
-            prepared, auto.candidates, measure=measure, memory_limit=auto.memory_limit, run_steps=run_steps
-        )
-        best = result.recommended
-        if best is None:
-            raise ValueError(
-                f"strategy='auto' found no strategy that runs this model and batch: {result.reason()}. "
-                "Lower the batch size, pass remat='full' or grad_accum_steps=k, or pass "
-                f"strategy=tk.strategies.Auto(memory_limit=...) or a strategy.\n{result}"
-            )
-        self.decide(strategy=best.strategy, plan=result)
-        built_by = None if result.initialised_under is None else plan_lib.short_name(result.initialised_under)
-        remembered_lib.remember(
-            compile_cache.active_directory(), key, best.name, result.reason(), built_by, result.compare_from_steps
-        )
-        if best.function is not None and (prepared.has_targets or self.custom_loss):
-            self.compiled.adopt("train", best.function)  # compiled during the plan: not compiled again
-        logger.info("strategy='auto' %s", result.reason())
+        choice = auto_lib.choose(self, prepared, measure, run_steps)
+        self.decide(strategy=choice.strategy, initialise_under=choice.initialise_under)
+        if choice.plan is not None:
+            self.decide(plan=choice.plan)
+        if choice.train_step is not None:
+            self.compiled.adopt("train", choice.train_step)  # compiled during the plan: not compiled again
+        logger.info("strategy='auto' %s", choice.reason)
         if announce and distributed.is_main_process():
-            print(f"strategy='auto' {result.reason()}")
-
-    def auto_candidates(self) -> list[Strategy]:
-        """The strategies ``"auto"`` chooses from: its own, or the default ones of all devices."""
-        auto = self.require_auto()
-        return list(auto.candidates) if auto.candidates is not None else plan_lib.default_candidates()
+            print(f"strategy='auto' {choice.reason}")
 
     def require_auto(self) -> Auto:
         if self.auto is None:
             raise RuntimeError("The strategy was given, not strategy='auto': there is nothing to choose.")
         return self.auto
 
-    def remembered_pick(
-        self, prepared: data_lib.Prepared, measure: bool, run_steps: int | None = None
-    ) -> tuple[str, Strategy | None, Strategy | None]:
-        """The key of this setup's ``"auto"`` decision (measured or estimated), the candidate an
-        earlier run picked for it (``None``: none remembered, not by every process alike, or
-        picked without comparing candidates a run of ``run_steps`` steps would compare) and the
-        one whose initialisation built that run's state (``None``: the pick's own)."""
-        program, auto = self.program, self.require_auto()
-        candidates = self.auto_candidates()
-        self.output_spec(prepared.first_x)  # traced once: its digest is part of the key
-        devices = candidates[0].devices
-        facts = {
-            "state": tree.signature(program.abstract_state(prepared.first_x)),
-            "batch": [prepared.batch_size, str(prepared.spec), prepared.has_targets or self.custom_loss],
-            "settings": self.state_access.settings(),
-            "remat": repr(program.remat),
-            "log_grad_norm": program.log_grad_norm,
-            "devices": [len(devices), devices[0].platform, devices[0].device_kind, jax.process_count()],
-            "candidates": [plan_lib.short_name(c) for c in candidates],
-            "auto": [measure, auto.memory_limit],
-            "versions": [jax.__version__, __version__],
-            "computation": self._computation,  # the same shapes may compute something else (an einsum more)
-            "rules": 3,  # how candidates are chosen: 2 leaves out those that change a result, 3 compares what pays
-        }
-        key = remembered_lib.decision_key(facts)
-        decision = remembered_lib.recall(compile_cache.active_directory(), key, run_steps)
-        name, under = (None, None) if decision is None else (decision["strategy"], decision.get("initialised_under"))
-        if len(set(map(str, distributed.gather_json([name, under])))) > 1:  # the processes must agree, or all plan
-            name = under = None
-        named = {plan_lib.short_name(c): c for c in candidates}
-        return key, None if name is None else named.get(name), None if under is None else named.get(under)
+    def computation(self, first_x: PyTree) -> str:
+        """A digest of the model's forward pass traced on ``first_x`` (what ``"auto"`` remembers a pick for)."""
+        self.output_spec(first_x)  # traced once
+        return self._computation
 
     # ------------------------------------------------------------------ compiled steps (the loop's view)
     @property

@@ -24,6 +24,7 @@ from trainkit import distributed
 from trainkit.core import checks
 from trainkit.core.tree import PyTree
 from trainkit.data import shapes as shapes_lib
+from trainkit.program import auto as auto_lib
 from trainkit.program import batch_size as batch_size_lib
 from trainkit.program import compile_estimate
 from trainkit.program import plan as plan_lib
@@ -157,7 +158,7 @@ def find_batch_size(
         setup.build_objective(prepared)
     options: dict[str, Any] = {"measure": False}
     if resolved is None:
-        candidates = [setup.strategy] if setup.strategy is not None else setup.auto_candidates()
+        candidates = [setup.strategy] if setup.strategy is not None else auto_lib.candidates(setup.require_auto())
         unit, rows = setup.batch_unit(setup.program.grad_accum_steps), prepared.rows
         default_limit, where = plan_lib.device_memory_limit(candidates[0].devices), ""
     else:
