@@ -42,8 +42,8 @@ from trainkit.loop import Loop
 from trainkit.monitoring import debug
 from trainkit.monitoring import summary as summary_lib
 from trainkit.objective import Objective, losses
+from trainkit.program import inputs, tuning
 from trainkit.program import plan as plan_lib
-from trainkit.program import tuning
 from trainkit.program.batch_size import BatchSizeSearch
 from trainkit.program.program import Program
 from trainkit.program.setup import Setup, check_trainer_arguments
@@ -347,7 +347,7 @@ class Trainer:
         options.update(validation_batch_size=validation_batch_size, class_weight=class_weight, announce=bool(verbose))
         with self.session.ledger.running(distributed.take_startup_seconds()):  # history.goodput: where time went
             self.setup.compiled.use_statistics(CallbackList.step_statistics_of(callbacks))  # in the train step
-            prepared, config = self.setup.prepare_fit(config, x, y, sample_weight, batch_size, **options)
+            prepared, config = inputs.prepare_fit(self.setup, config, x, y, sample_weight, batch_size, **options)
             callback_list = CallbackList.for_run(callbacks, self, verbose, config.steps, config.epoch_count, fit=True)
             self.loop.fit(prepared.source, prepared.batch_size, callback_list, config)
         return callback_list.require_history()
@@ -365,26 +365,26 @@ class Trainer:
     ) -> float | list[float] | dict[str, float]:
         """The loss and metrics over the whole dataset, exact on any device count; as Keras, the
         loss alone or ``[loss, *metrics]``, or with ``return_dict`` the dict (prints nothing)."""
-        dataset, batch_size, total = self.setup.prepare_run(x, y, sample_weight, batch_size, steps, targets=True)
-        logs = self.loop.evaluate(dataset, batch_size, steps, CallbackList.for_run(callbacks, self, verbose, total))
+        dataset, size, total = inputs.prepare_run(self.setup, x, y, sample_weight, batch_size, steps, targets=True)
+        logs = self.loop.evaluate(dataset, size, steps, CallbackList.for_run(callbacks, self, verbose, total))
         return self.objective.keras_result(logs, return_dict)
 
     def train_on_batch(self, x: Any, y=None, sample_weight=None, class_weight=None, return_dict=False) -> Any:
         """One optimizer step on exactly these rows (Keras's ``train_on_batch``), padded to a
         size the devices can split; returns that batch's loss and metrics like :meth:`evaluate`."""
-        size = self.setup.one_batch_size(x)
+        size = inputs.one_batch_size(self.setup, x)
         options = {"sample_weight": sample_weight, "class_weight": class_weight, "shuffle": False, "verbose": 0}
         history = self.fit(x, y, batch_size=size, epochs=1, **options)
         return self.objective.keras_result({k: v[-1] for k, v in history.history.items()}, return_dict)
 
     def test_on_batch(self, x: Any, y: PyTree = None, sample_weight: PyTree = None, return_dict: bool = False) -> Any:
         """The loss and metrics of exactly these rows (Keras's ``test_on_batch``)."""
-        size = self.setup.one_batch_size(x)
+        size = inputs.one_batch_size(self.setup, x)
         return self.evaluate(x, y, sample_weight=sample_weight, batch_size=size, return_dict=return_dict)
 
     def predict_on_batch(self, x: Any) -> PyTree:
         """The outputs of exactly these rows (Keras's ``predict_on_batch``)."""
-        return self.predict(x, batch_size=self.setup.one_batch_size(x))
+        return self.predict(x, batch_size=inputs.one_batch_size(self.setup, x))
 
     def predict(
         self,
@@ -396,5 +396,5 @@ class Trainer:
     ) -> PyTree:
         """Outputs with exactly one row per input row (an array, or a pytree for several
         outputs); ``x`` as ``fit`` takes it (targets ignored), a tuple of arrays the inputs."""
-        dataset, batch_size, total = self.setup.prepare_run(x, None, None, batch_size, steps, targets=False)
+        dataset, batch_size, total = inputs.prepare_run(self.setup, x, None, None, batch_size, steps, targets=False)
         return self.loop.predict(dataset, batch_size, steps, CallbackList.for_run(callbacks, self, verbose, total))

@@ -23,9 +23,9 @@ methods. It is the :class:`~trainkit.loop.CompiledSteps` the loop runs (``functi
 >>> from trainkit.core.session import Session
 >>> session = Session()
 >>> setup = Setup(program, "single", session=session, steps_per_execution=1)
->>> prepared = setup.prepare((np.ones((8, 3), np.float32), np.ones((8, 2), np.float32)), batch_size=4, targets=True)
->>> session.state.params["kernel"].shape, prepared.batch_size, setup.decisions.steps_per_execution
-((3, 2), 4, 1)
+>>> state = setup.init((np.ones((8, 3), np.float32), np.ones((8, 2), np.float32)))
+>>> session.state.params["kernel"].shape, setup.strategy.describe(), setup.decisions.steps_per_execution
+((3, 2), 'SingleDevice(cpu:0)', 1)
 """
 
 from __future__ import annotations
@@ -35,7 +35,6 @@ import dataclasses
 import functools
 import hashlib
 import logging
-import math
 from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
 
@@ -46,14 +45,11 @@ import optax
 from trainkit import data as data_lib
 from trainkit import distributed
 from trainkit.core import model as model_lib
-from trainkit.core.precision import NoLossScale
 from trainkit.core.session import Session
 from trainkit.core.spikes import SpikeSkip
 from trainkit.core.state import TrainState, abstract
 from trainkit.core.totals import EpochTotals
 from trainkit.core.tree import PyTree
-from trainkit.core.warn import warn_user
-from trainkit.data import FitConfig, Validation
 from trainkit.distributed import compile_cache
 from trainkit.program import auto as auto_lib
 from trainkit.program import plan as plan_lib
@@ -64,8 +60,6 @@ from trainkit.strategies import Auto, SingleDevice, Strategy, check_steps_per_ex
 
 logger = logging.getLogger("trainkit")
 
-#: Rows of the first batch that :meth:`Setup.check_outputs` runs the model on.
-CHECKED_ROWS = 32
 #: The examples ``summary`` traces the model with (a leading axis of this size is the batch).
 SUMMARY_ROWS = 2
 
@@ -83,13 +77,6 @@ def check_trainer_arguments(optimizer: Any, grad_accum_steps: Any, jit_compile: 
         raise ValueError(f"grad_accum_steps must be a positive integer; received {grad_accum_steps!r}.")
     if jit_compile not in (True, False, "auto"):
         raise ValueError(f"jit_compile must be True, False or 'auto'; received {jit_compile!r}.")
-
-
-def _same_rows(rows: np.ndarray, first: np.ndarray) -> bool:
-    """Every row of ``rows`` equals ``first`` to the precision of their dtype (non-finite alike)."""
-    low = np.dtype(rows.dtype).itemsize < 4  # bf16 / fp16 outputs
-    rows, first = rows.astype(np.float64), first.astype(np.float64)
-    return bool(np.allclose(rows, first, rtol=1e-2 if low else 1e-4, atol=1e-2 if low else 1e-5, equal_nan=True))
 
 
 class SummaryInputs(NamedTuple):
@@ -232,195 +219,6 @@ class Setup:
             self.decisions = decisions
 
     # ------------------------------------------------------------------ the input
-    def prepare(
-        self,
-        data: Any,
-        y: PyTree = None,
-        sample_weight: PyTree = None,
-        batch_size: int | None = None,
-        *,
-        targets: bool,
-        training: bool = False,
-        announce: bool = False,
-        config: dict | None = None,
-        run_steps: Callable[[data_lib.Prepared], int | None] | None = None,
-    ) -> data_lib.Prepared:
-        """The input resolved once, checked across processes, the objective built and checked on
-        it, the strategy chosen and the state created from it. ``run_steps``: the steps the run
-        trains on this input (``fit``), which bounds what ``"auto"`` spends comparing."""
-        prepared = data_lib.prepare(data, y, sample_weight, batch_size, needs_targets=targets and not self.custom_loss)
-        micro_batches = self.program.grad_accum_steps if training else 1
-        prepared = self.capped_at_data(prepared, micro_batches, said=training and batch_size is not None)
-        program, batch_size = self.program, prepared.batch_size
-        distributed.check_same_configuration(
-            {  # before anything that needs the processes to agree
-                "batch_size": batch_size,
-                "seed": program.seed,
-                "grad_accum_steps": program.grad_accum_steps,
-                "steps_per_execution": "auto" if self.tunes_steps else self.steps_per_execution,  # or collectives hang
-                "strategy": self.describe_strategy(),
-                "precision": str(program.precision.compute_dtype),
-                "inputs": str(prepared.spec),
-                "rows": prepared.rows,  # different counts would hang a collective
-                "batches": prepared.source.steps(batch_size),
-                **(config or {}),
-            }
-        )
-        if self.session.state is not None:
-            data_lib.check_same_inputs(self.input_spec, prepared.spec)
-        self.output_spec(prepared.first_x)  # the model traced on the first batch, before anything compiles
-        if targets and prepared.has_targets:
-            self.build_objective(prepared, every=True)
-        if self.strategy is None:
-            data_lib.check_batch_size(batch_size, 1, micro_batches=micro_batches)
-            self.choose_strategy(prepared, announce, run_steps=None if run_steps is None else run_steps(prepared))
-        data_lib.check_batch_size(batch_size, self.require_strategy().num_batch_shards, micro_batches=micro_batches)
-        if self.session.state is None:
-            if training and self.auto is None:  # "auto" leaves such a strategy out; a given one is said once
-                self.warn_changed_result(prepared.first_x)
-            self.create_state(prepared)
-            self.check_outputs(prepared.first_x)
-        return prepared
-
-    def warn_changed_result(self, first_x: PyTree) -> None:
-        """Says once when the given strategy trains this model on other numbers than one device
-        (BatchNorm under ``DataParallel``), and how to get the same ones."""
-        reason = self.program.changes_result(self.require_strategy(), first_x)
-        if reason is not None:
-            warn_user(f"{reason}. SingleDevice, FSDP and Hybrid (and strategy='auto') normalise by the whole batch.")
-
-    def batch_unit(self, micro_batches: int = 1) -> int:
-        """The smallest global batch the strategy (under ``"auto"``: every candidate) splits
-        into equal device parts, times ``micro_batches`` (gradient accumulation)."""
-        strategies = [self.strategy] if self.strategy is not None else auto_lib.candidates(self.require_auto())
-        return math.lcm(*(s.num_batch_shards for s in strategies)) * micro_batches
-
-    def capped_at_data(self, prepared: data_lib.Prepared, micro_batches: int, said: bool) -> data_lib.Prepared:
-        """As Keras: a batch size above the rows of the data is one batch of all the rows, here
-        rounded up to what the devices split (the rest padded and masked, so nothing changes but
-        the time and memory the padding would take); ``said``: a warning names the cap."""
-        rows, size = prepared.rows, prepared.batch_size
-        if rows is None or data_lib.own_batch_size(prepared.source) is not None:
-            return prepared
-        unit = self.batch_unit(micro_batches)
-        capped = -(-rows // unit) * unit
-        if capped >= size:
-            return prepared
-        if said:
-            warn_user(
-                f"batch_size={size} is more than the {rows} rows of the data: trained as one batch of all of them, "
-                f"padded to {capped} (a multiple of the {unit} parts the devices split it into), as Keras does."
-            )
-        return prepared._replace(batch_size=capped)
-
-    def check_outputs(self, first_x: PyTree) -> None:
-        """Before the first update, on up to ``CHECKED_ROWS`` rows of the first batch in eval
-        mode (one compiled forward pass, called twice): that the model treats the leading axis
-        as the batch (the first row gets the same outputs among copies of itself), and that a loss taking
-        logits does not receive probabilities (a model ported from Keras with its final
-        softmax or sigmoid, which would train on another loss)."""
-        if self.custom_loss or jax.process_count() > 1:
-            return
-        rows = min(CHECKED_ROWS, data_lib.num_rows(first_x))
-        x = data_lib.take(first_x, slice(0, rows))
-        forward, state = jax.jit(self.program.outputs), self.session.require_state()
-        outputs = jax.tree.map(np.asarray, forward(state, x))
-        if rows > 1 and not self.mixes_rows:  # the first row alone (repeated) must get its own outputs
-            alone = jax.tree.map(np.asarray, forward(state, data_lib.take(x, np.zeros(rows, np.int64))))
-            pairs = zip(*map(jax.tree.leaves, (outputs, alone)))
-            if not all(_same_rows(b, a[:1]) for a, b in pairs):
-                raise ValueError(
-                    f"The model mixes the rows of a batch: the first row of the first batch (inputs "
-                    f"{data_lib.describe_shapes(x)}) gets other outputs in a batch of copies of itself than among "
-                    "the other rows. Flax layers read the leading axis as the batch only when the input has the "
-                    "rank they expect: a Conv given images without their channel axis ((N, H, W) instead of "
-                    "(N, H, W, C)) convolves over the batch. Fix the input shape (x[..., None]), or, for a "
-                    "model that mixes rows on purpose, pass Trainer(mixes_rows=True)."
-                )
-        for loss, reading in self.objective.probability_outputs(outputs):
-            raise ValueError(
-                f"The model's outputs look like probabilities (each of the first {rows} rows non-negative and "
-                f"summing to 1, or in [0, 1] for one output), but the loss {loss} takes logits: trainkit's "
-                "cross-entropies by name are Keras's with from_logits=True, so this would train on another loss "
-                f"than Keras does. Pass loss={reading} (Keras's default, from_logits=False), or remove the "
-                "model's final softmax / sigmoid."
-            )
-
-    def one_batch_size(self, data: Any) -> int:
-        """A batch size holding all rows of ``data`` that the devices can split (``*_on_batch``)."""
-        return data_lib.one_batch_size(data, self.strategy.num_batch_shards if self.strategy is not None else 1)
-
-    def prepare_run(
-        self, data: Any, y: PyTree, sample_weight: PyTree, batch_size: int | None, steps: int | None, *, targets: bool
-    ) -> tuple[data_lib.Source, int, int | None]:
-        """``evaluate``'s input (``targets``) or ``predict``'s prepared: its source, batch size
-        and the number of steps the run takes."""
-        data_lib.check_positive(steps=steps)
-        if not targets and isinstance(data, tuple) and len(data) > 1 and data_lib.is_array_tree(data):
-            data = (data,)  # Keras: predict's x is the inputs, whatever their structure
-        prepared = self.prepare(data, y, sample_weight, batch_size, targets=targets)
-        source, batch_size = prepared.source, prepared.batch_size
-        return source, batch_size, source.steps(batch_size) if steps is None else steps
-
-    def prepare_fit(
-        self,
-        config: FitConfig,
-        data: Any,
-        y: PyTree,
-        sample_weight: PyTree,
-        batch_size: int | None,
-        *,
-        validation_data: Any = None,
-        validation_split: float = 0.0,
-        validation_batch_size: int | None = None,
-        class_weight: dict | None = None,
-        announce: bool = False,
-    ) -> tuple[data_lib.Prepared, FitConfig]:
-        """``fit``'s training data prepared (Keras's ``validation_split`` and ``class_weight``
-        applied), and ``config`` completed: the epoch's steps, the validation data (in batches
-        of ``validation_batch_size``, else the training batch size; an iterable's batches are
-        its own), the non-finite warning, the first-step check. ``announce``: print the
-        strategy ``"auto"`` picks."""
-        source = data_lib.as_dataset(data, y, sample_weight)
-        if validation_split and validation_data is None:
-            source, validation_data = data_lib.split_validation(source, validation_split)
-        if class_weight is not None:
-            source = data_lib.with_class_weight(source, class_weight)
-        settings = config.loop_settings()
-
-        def epoch_steps(prepared: data_lib.Prepared) -> int | None:
-            return data_lib.epoch_steps(
-                prepared.source, prepared.batch_size, config.steps_per_epoch, config.epochs or 1
-            )
-
-        prepared = self.prepare(
-            source,
-            batch_size=batch_size,
-            targets=True,
-            training=True,
-            announce=announce,
-            config=settings,
-            run_steps=lambda prepared: config.planned_steps(epoch_steps(prepared)),
-        )
-        source, batch_size = prepared.source, prepared.batch_size
-        steps = epoch_steps(prepared)
-        config = config.until_max_steps(steps, source.one_shot)
-        validation = None
-        if validation_data is not None:
-            checked = data_lib.as_dataset(validation_data)
-            data_lib.check_validation_runs(checked, config.validation_runs(), config.validation_steps)
-            own_size = isinstance(checked, data_lib.IterableDataset)  # an iterable's batches are its own
-            size = validation_batch_size or (None if own_size else batch_size)
-            validating = self.prepare(checked, batch_size=size, targets=True)
-            validation = Validation(validating.source, validating.batch_size, config.validation_steps)
-        return prepared, dataclasses.replace(
-            config,
-            steps=steps,
-            validation=validation,
-            warn_non_finite=config.warn_non_finite and isinstance(self.session.require_state().loss_scale, NoLossScale),
-            continuing=data_lib.continues_across_epochs(source, batch_size, config.steps_per_epoch),
-        )
-
     def placed_sample(self, sample_batch: Any) -> PyTree:
         """A sample batch (any form ``fit`` takes) placed by the strategy, for lowering; ``None``
         for ``None`` or before the state exists."""

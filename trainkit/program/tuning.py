@@ -26,7 +26,7 @@ from trainkit.core.tree import PyTree
 from trainkit.data import shapes as shapes_lib
 from trainkit.program import auto as auto_lib
 from trainkit.program import batch_size as batch_size_lib
-from trainkit.program import compile_estimate
+from trainkit.program import compile_estimate, inputs
 from trainkit.program import plan as plan_lib
 from trainkit.program import targets as targets_lib
 from trainkit.program.setup import Setup
@@ -159,7 +159,7 @@ def find_batch_size(
     options: dict[str, Any] = {"measure": False}
     if resolved is None:
         candidates = [setup.strategy] if setup.strategy is not None else auto_lib.candidates(setup.require_auto())
-        unit, rows = setup.batch_unit(setup.program.grad_accum_steps), prepared.rows
+        unit, rows = inputs.batch_unit(setup, setup.program.grad_accum_steps), prepared.rows
         default_limit, where = plan_lib.device_memory_limit(candidates[0].devices), ""
     else:
         candidates = target_candidates(None, resolved)

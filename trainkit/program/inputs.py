@@ -1,0 +1,281 @@
+"""The input of ``fit``, ``evaluate`` and ``predict`` resolved once and checked before anything
+compiles: the same configuration on every process, the objective built and its targets checked,
+a batch size the devices can split, the model's outputs checked on the first batch (rows kept,
+no probabilities where a loss takes logits); under ``"auto"`` the strategy chosen and the state
+created from the first batch. ``fit``'s training and validation data are one :class:`FitData`;
+the validation data are prepared by the data layer and checked against what training built
+(inputs, targets, a batch the devices split), not prepared as a second training input.
+
+>>> import numpy as np, optax, flax.linen as nn, trainkit as tk
+>>> trainer = tk.Trainer(nn.Dense(2), loss="mse", optimizer=optax.sgd(0.1), strategy="single")
+>>> x, y = np.ones((8, 3), np.float32), np.ones((8, 2), np.float32)
+>>> fit_data = prepare_fit(trainer.setup, FitConfig.checked(has_validation=True), x, y, None, 4, validation_data=(x, y))
+>>> fit_data.train.batch_size, fit_data.validation.batch_size, trainer.state.params["kernel"].shape
+(4, 4, (3, 2))
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+import numpy as np
+
+from trainkit import data as data_lib
+from trainkit import distributed
+from trainkit.core.precision import NoLossScale
+from trainkit.core.tree import PyTree
+from trainkit.core.warn import warn_user
+from trainkit.data import FitConfig, Validation
+from trainkit.program import auto as auto_lib
+from trainkit.program.setup import Setup
+
+#: Rows of the first batch that :func:`check_outputs` runs the model on.
+CHECKED_ROWS = 32
+
+
+class FitData(NamedTuple):
+    """``fit``'s input prepared: the training data and the completed configuration, which
+    carries the validation data (``config.validation``) and the epoch's steps."""
+
+    train: data_lib.Prepared
+    config: FitConfig
+
+    @property
+    def validation(self) -> Validation | None:
+        return self.config.validation
+
+
+def _same_rows(rows: np.ndarray, first: np.ndarray) -> bool:
+    """Every row of ``rows`` equals ``first`` to the precision of their dtype (non-finite alike)."""
+    low = np.dtype(rows.dtype).itemsize < 4  # bf16 / fp16 outputs
+    rows, first = rows.astype(np.float64), first.astype(np.float64)
+    return bool(np.allclose(rows, first, rtol=1e-2 if low else 1e-4, atol=1e-2 if low else 1e-5, equal_nan=True))
+
+
+def prepare(
+    setup: Setup,
+    data: Any,
+    y: PyTree = None,
+    sample_weight: PyTree = None,
+    batch_size: int | None = None,
+    *,
+    targets: bool,
+    training: bool = False,
+    announce: bool = False,
+    config: dict | None = None,
+    run_steps: Callable[[data_lib.Prepared], int | None] | None = None,
+) -> data_lib.Prepared:
+    """The input resolved once, checked across processes, the objective built and checked on
+    it, the strategy chosen and the state created from it. ``run_steps``: the steps the run
+    trains on this input (``fit``), which bounds what ``"auto"`` spends comparing."""
+    prepared = data_lib.prepare(data, y, sample_weight, batch_size, needs_targets=targets and not setup.custom_loss)
+    micro_batches = setup.program.grad_accum_steps if training else 1
+    prepared = capped_at_data(setup, prepared, micro_batches, said=training and batch_size is not None)
+    program, batch_size = setup.program, prepared.batch_size
+    distributed.check_same_configuration(
+        {  # before anything that needs the processes to agree
+            "batch_size": batch_size,
+            "seed": program.seed,
+            "grad_accum_steps": program.grad_accum_steps,
+            "steps_per_execution": "auto" if setup.tunes_steps else setup.steps_per_execution,  # or collectives hang
+            "strategy": setup.describe_strategy(),
+            "precision": str(program.precision.compute_dtype),
+            "inputs": str(prepared.spec),
+            "rows": prepared.rows,  # different counts would hang a collective
+            "batches": prepared.source.steps(batch_size),
+            **(config or {}),
+        }
+    )
+    if setup.session.state is not None:
+        data_lib.check_same_inputs(setup.input_spec, prepared.spec)
+    setup.output_spec(prepared.first_x)  # the model traced on the first batch, before anything compiles
+    if targets and prepared.has_targets:
+        setup.build_objective(prepared, every=True)
+    if setup.strategy is None:
+        data_lib.check_batch_size(batch_size, 1, micro_batches=micro_batches)
+        setup.choose_strategy(prepared, announce, run_steps=None if run_steps is None else run_steps(prepared))
+    data_lib.check_batch_size(batch_size, setup.require_strategy().num_batch_shards, micro_batches=micro_batches)
+    if setup.session.state is None:
+        if training and setup.auto is None:  # "auto" leaves such a strategy out; a given one is said once
+            warn_changed_result(setup, prepared.first_x)
+        setup.create_state(prepared)
+        check_outputs(setup, prepared.first_x)
+    return prepared
+
+
+def warn_changed_result(setup: Setup, first_x: PyTree) -> None:
+    """Says once when the given strategy trains this model on other numbers than one device
+    (BatchNorm under ``DataParallel``), and how to get the same ones."""
+    reason = setup.program.changes_result(setup.require_strategy(), first_x)
+    if reason is not None:
+        warn_user(f"{reason}. SingleDevice, FSDP and Hybrid (and strategy='auto') normalise by the whole batch.")
+
+
+def batch_unit(setup: Setup, micro_batches: int = 1) -> int:
+    """The smallest global batch the strategy (under ``"auto"``: every candidate) splits
+    into equal device parts, times ``micro_batches`` (gradient accumulation)."""
+    strategies = [setup.strategy] if setup.strategy is not None else auto_lib.candidates(setup.require_auto())
+    return math.lcm(*(s.num_batch_shards for s in strategies)) * micro_batches
+
+
+def capped_at_data(setup: Setup, prepared: data_lib.Prepared, micro_batches: int, said: bool) -> data_lib.Prepared:
+    """As Keras: a batch size above the rows of the data is one batch of all the rows, here
+    rounded up to what the devices split (the rest padded and masked, so nothing changes but
+    the time and memory the padding would take); ``said``: a warning names the cap."""
+    rows, size = prepared.rows, prepared.batch_size
+    if rows is None or data_lib.own_batch_size(prepared.source) is not None:
+        return prepared
+    unit = batch_unit(setup, micro_batches)
+    capped = -(-rows // unit) * unit
+    if capped >= size:
+        return prepared
+    if said:
+        warn_user(
+            f"batch_size={size} is more than the {rows} rows of the data: trained as one batch of all of them, "
+            f"padded to {capped} (a multiple of the {unit} parts the devices split it into), as Keras does."
+        )
+    return prepared._replace(batch_size=capped)
+
+
+def check_outputs(setup: Setup, first_x: PyTree) -> None:
+    """Before the first update, on up to ``CHECKED_ROWS`` rows of the first batch in eval
+    mode (one compiled forward pass, called twice): that the model treats the leading axis
+    as the batch (the first row gets the same outputs among copies of itself), and that a loss taking
+    logits does not receive probabilities (a model ported from Keras with its final
+    softmax or sigmoid, which would train on another loss)."""
+    if setup.custom_loss or jax.process_count() > 1:
+        return
+    rows = min(CHECKED_ROWS, data_lib.num_rows(first_x))
+    x = data_lib.take(first_x, slice(0, rows))
+    forward, state = jax.jit(setup.program.outputs), setup.session.require_state()
+    outputs = jax.tree.map(np.asarray, forward(state, x))
+    if rows > 1 and not setup.mixes_rows:  # the first row alone (repeated) must get its own outputs
+        alone = jax.tree.map(np.asarray, forward(state, data_lib.take(x, np.zeros(rows, np.int64))))
+        pairs = zip(*map(jax.tree.leaves, (outputs, alone)))
+        if not all(_same_rows(b, a[:1]) for a, b in pairs):
+            raise ValueError(
+                f"The model mixes the rows of a batch: the first row of the first batch (inputs "
+                f"{data_lib.describe_shapes(x)}) gets other outputs in a batch of copies of itself than among "
+                "the other rows. Flax layers read the leading axis as the batch only when the input has the "
+                "rank they expect: a Conv given images without their channel axis ((N, H, W) instead of "
+                "(N, H, W, C)) convolves over the batch. Fix the input shape (x[..., None]), or, for a "
+                "model that mixes rows on purpose, pass Trainer(mixes_rows=True)."
+            )
+    for loss, reading in setup.objective.probability_outputs(outputs):
+        raise ValueError(
+            f"The model's outputs look like probabilities (each of the first {rows} rows non-negative and "
+            f"summing to 1, or in [0, 1] for one output), but the loss {loss} takes logits: trainkit's "
+            "cross-entropies by name are Keras's with from_logits=True, so this would train on another loss "
+            f"than Keras does. Pass loss={reading} (Keras's default, from_logits=False), or remove the "
+            "model's final softmax / sigmoid."
+        )
+
+
+def one_batch_size(setup: Setup, data: Any) -> int:
+    """A batch size holding all rows of ``data`` that the devices can split (``*_on_batch``)."""
+    return data_lib.one_batch_size(data, setup.strategy.num_batch_shards if setup.strategy is not None else 1)
+
+
+def prepare_run(
+    setup: Setup,
+    data: Any,
+    y: PyTree,
+    sample_weight: PyTree,
+    batch_size: int | None,
+    steps: int | None,
+    *,
+    targets: bool,
+) -> tuple[data_lib.Source, int, int | None]:
+    """``evaluate``'s input (``targets``) or ``predict``'s prepared: its source, batch size
+    and the number of steps the run takes."""
+    data_lib.check_positive(steps=steps)
+    if not targets and isinstance(data, tuple) and len(data) > 1 and data_lib.is_array_tree(data):
+        data = (data,)  # Keras: predict's x is the inputs, whatever their structure
+    prepared = prepare(setup, data, y, sample_weight, batch_size, targets=targets)
+    source, batch_size = prepared.source, prepared.batch_size
+    return source, batch_size, source.steps(batch_size) if steps is None else steps
+
+
+def prepare_fit(
+    setup: Setup,
+    config: FitConfig,
+    data: Any,
+    y: PyTree,
+    sample_weight: PyTree,
+    batch_size: int | None,
+    *,
+    validation_data: Any = None,
+    validation_split: float = 0.0,
+    validation_batch_size: int | None = None,
+    class_weight: dict | None = None,
+    announce: bool = False,
+) -> FitData:
+    """``fit``'s training data prepared (Keras's ``validation_split`` and ``class_weight``
+    applied), and ``config`` completed: the epoch's steps, the validation data (in batches
+    of ``validation_batch_size``, else the training batch size; an iterable's batches are
+    its own; :func:`prepare_validation`), the non-finite warning, the first-step check.
+    ``announce``: print the strategy ``"auto"`` picks."""
+    source = data_lib.as_dataset(data, y, sample_weight)
+    if validation_split and validation_data is None:
+        source, validation_data = data_lib.split_validation(source, validation_split)
+    if class_weight is not None:
+        source = data_lib.with_class_weight(source, class_weight)
+    settings = config.loop_settings()
+
+    def epoch_steps(prepared: data_lib.Prepared) -> int | None:
+        return data_lib.epoch_steps(prepared.source, prepared.batch_size, config.steps_per_epoch, config.epochs or 1)
+
+    prepared = prepare(
+        setup,
+        source,
+        batch_size=batch_size,
+        targets=True,
+        training=True,
+        announce=announce,
+        config=settings,
+        run_steps=lambda prepared: config.planned_steps(epoch_steps(prepared)),
+    )
+    source, batch_size = prepared.source, prepared.batch_size
+    steps = epoch_steps(prepared)
+    config = config.until_max_steps(steps, source.one_shot)
+    validation = None
+    if validation_data is not None:
+        checked = data_lib.as_dataset(validation_data)
+        data_lib.check_validation_runs(checked, config.validation_runs(), config.validation_steps)
+        own_size = isinstance(checked, data_lib.IterableDataset)  # an iterable's batches are its own
+        validating = prepare_validation(setup, checked, validation_batch_size or (None if own_size else batch_size))
+        validation = Validation(validating.source, validating.batch_size, config.validation_steps)
+    return FitData(
+        prepared,
+        dataclasses.replace(
+            config,
+            steps=steps,
+            validation=validation,
+            warn_non_finite=config.warn_non_finite
+            and isinstance(setup.session.require_state().loss_scale, NoLossScale),
+            continuing=data_lib.continues_across_epochs(source, batch_size, config.steps_per_epoch),
+        ),
+    )
+
+
+def prepare_validation(setup: Setup, data: Any, batch_size: int | None) -> data_lib.Prepared:
+    """Validation data prepared by the data layer and checked against what training built (not
+    prepared as a second training input): the same per-example inputs, its targets checked
+    against the objective and the model's outputs (every label of arrays), a batch the devices
+    split, and the same on every process."""
+    prepared = data_lib.prepare(data, batch_size=batch_size, needs_targets=not setup.custom_loss)
+    prepared = capped_at_data(setup, prepared, 1, said=False)
+    batches = prepared.source.steps(prepared.batch_size)
+    facts = {"batch_size": prepared.batch_size, "inputs": str(prepared.spec), "rows": prepared.rows}
+    distributed.check_same_configuration(
+        {f"validation {name}": value for name, value in facts.items()} | {"validation batches": batches}
+    )
+    data_lib.check_same_inputs(setup.input_spec, prepared.spec)
+    if prepared.has_targets:
+        setup.build_objective(prepared, every=True)
+    data_lib.check_batch_size(prepared.batch_size, setup.require_strategy().num_batch_shards)
+    return prepared
