@@ -19,7 +19,8 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from typing import Any
+
+import clu.metrics
 
 from trainkit.core.state import Batch, TrainState
 from trainkit.core.tree import PyTree
@@ -36,11 +37,11 @@ class StepUpdate:
     after: TrainState
     grads: PyTree
     updates: PyTree
-    metrics: dict[str, Any]
+    metrics: dict[str, clu.metrics.Metric]
     batch: Batch
     axis_name: str | None = None
 
-    def with_metrics(self, **metrics: Any) -> StepUpdate:
+    def with_metrics(self, **metrics: clu.metrics.Metric) -> StepUpdate:
         """This update with ``metrics`` added (a new dict: the value is never edited)."""
         return dataclasses.replace(self, metrics={**self.metrics, **metrics})
 

@@ -13,7 +13,7 @@ here changes it.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 import jax
@@ -21,6 +21,7 @@ import jax
 from trainkit import data as data_lib
 from trainkit import distributed
 from trainkit.core import tree
+from trainkit.core.tree import PyTree
 from trainkit.distributed import compile_cache
 from trainkit.program import plan as plan_lib
 from trainkit.program import remembered as remembered_lib
@@ -39,12 +40,18 @@ class Planner(Protocol):
 
     def require_auto(self) -> Auto: ...
 
-    def computation(self, first_x: Any) -> str:
+    def computation(self, first_x: PyTree) -> str:
         """A digest of the model's forward pass traced on ``first_x``."""
         ...
 
     def plan(
-        self, prepared: data_lib.Prepared, candidates: Any, *, measure: bool, memory_limit: Any, run_steps: int | None
+        self,
+        prepared: data_lib.Prepared,
+        candidates: Sequence[Strategy] | None,
+        *,
+        measure: bool,
+        memory_limit: int | None,
+        run_steps: int | None,
     ) -> plan_lib.MemoryPlan: ...
 
 

@@ -18,7 +18,8 @@ step for ``v5e:4x4`` took 575 s here), and that shows in the scale from the firs
 from __future__ import annotations
 
 import re
-from typing import Any
+
+import jax
 
 #: per platform: (seconds of any compile, seconds per StableHLO operation), before any compile
 #: of the plan was seen (``benchmarks/compile_rate.py`` on a 2-core machine)
@@ -27,7 +28,7 @@ DEFAULT_RATES = {"tpu": (5.0, 5e-3), "cuda": (4.0, 1e-3), "gpu": (4.0, 1e-3), "c
 _OPERATION = re.compile(r"^\s*(?:%[\w#:, %]+=\s*)?\"?[a-z_]+\.[a-z_]", re.M)
 
 
-def program_ops(lowered: Any) -> int:
+def program_ops(lowered: jax.stages.Lowered) -> int:
     """The operations of a ``jax.stages.Lowered`` program (its StableHLO, one per line that
     starts an operation); 0 where it has no text form.
 
