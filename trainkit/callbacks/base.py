@@ -17,16 +17,16 @@ of the batch a hook is about, ``resume_at`` / ``request_stop`` / ``preempt``), a
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from trainkit.core.session import Session
 from trainkit.core.statistics import StepStatistics
 from trainkit.core.warn import warn_user
+from trainkit.loop.hooks import Logs
 
 if TYPE_CHECKING:  # for the type checker only: nothing imports trainer.py at run time
     from trainkit.trainer import Trainer
 
-Logs = dict[str, Any]
 
 #: Every hook, with the aliases ``on_batch_begin`` / ``on_batch_end`` of the train-batch hooks.
 HOOKS = (

@@ -31,7 +31,7 @@ from trainkit.core.ledger import Ledger
 from trainkit.core.statistics import StepStatistics
 from trainkit.core.warn import warn_user
 from trainkit.distributed import ray_train
-from trainkit.loop.hooks import Hook
+from trainkit.loop.hooks import BatchEndHook, ExceptionHook, IndexedHook, RunHook
 
 if TYPE_CHECKING:  # for the type checker only: nothing imports trainer.py at run time
     from trainkit.trainer import Trainer
@@ -98,21 +98,12 @@ def _bucket(callback: Callback) -> str:
     return callback.goodput_bucket or f"callbacks/{type(callback).__name__}"
 
 
-class Dispatcher(Hook):
-    """One hook of a :class:`CallbackList`: called on each callback that implements it, in
-    list order, with a fresh dict of sorted ``logs`` (as Keras's ``pythonify_logs`` passes:
-    every callback of one call sees the same dict, so one may add a key for the next), each
-    call's time in the callback's bucket of the goodput ``ledger``.
-    ``active``: some callback implements it (the loop then builds its arguments)."""
+class BoundCalls:
+    """The callbacks' functions of one hook (``bound``), each call's time in the callback's
+    bucket of the goodput ``ledger``."""
 
     def __init__(self, bound: Bound, ledger: Ledger):
         self.bound, self.ledger = bound, ledger
-        self.active = bool(bound)
-
-    def __call__(self, logs: Logs | None = None) -> None:  # type: ignore[override]
-        logs = _keras_logs(logs)
-        for _, fn, bucket in self.bound:
-            self.timed(bucket, fn, logs)
 
     def timed(self, bucket: str, fn: Callable[..., Any], *args: Any) -> None:
         """``fn(*args)``, its time in ``bucket`` of the goodput ledger."""
@@ -123,16 +114,35 @@ class Dispatcher(Hook):
             self.ledger.switch(previous)
 
 
-class IndexedDispatcher(Dispatcher):
-    """A hook about one epoch or batch: ``hook(index, logs)``."""
+class Dispatcher(RunHook):
+    """One hook of a :class:`CallbackList` about a whole run: called on each callback that
+    implements it, in list order, with a fresh dict of sorted ``logs`` (as Keras's
+    ``pythonify_logs`` passes: every callback of one call sees the same dict, so one may add a
+    key for the next), each call's time in the callback's bucket of the goodput ``ledger``.
+    ``active``: some callback implements it (the loop then builds its arguments)."""
 
-    def __call__(self, index: int, logs: Logs | None = None) -> None:  # type: ignore[override]
+    def __init__(self, bound: Bound, ledger: Ledger):
+        self.calls, self.active = BoundCalls(bound, ledger), bool(bound)
+
+    def __call__(self, logs: Logs | None = None) -> None:
         logs = _keras_logs(logs)
-        for _, fn, bucket in self.bound:
-            self.timed(bucket, fn, index, logs)
+        for _, fn, bucket in self.calls.bound:
+            self.calls.timed(bucket, fn, logs)
 
 
-class BatchEndDispatcher(Dispatcher):
+class IndexedDispatcher(IndexedHook):
+    """A hook about one epoch or batch: ``hook(index, logs)`` (as :class:`Dispatcher`)."""
+
+    def __init__(self, bound: Bound, ledger: Ledger):
+        self.calls, self.active = BoundCalls(bound, ledger), bool(bound)
+
+    def __call__(self, index: int, logs: Logs | None = None) -> None:
+        logs = _keras_logs(logs)
+        for _, fn, bucket in self.calls.bound:
+            self.calls.timed(bucket, fn, index, logs)
+
+
+class BatchEndDispatcher(BatchEndHook):
     """A batch-end hook: ``logs`` may be a function that computes them (reading the device),
     called only once a callback that reads this hook's logs comes, its time the loop's (not
     charged to that callback: waiting for the step and reading its metrics is the loop's work).
@@ -140,14 +150,14 @@ class BatchEndDispatcher(Dispatcher):
     callbacks' :meth:`~trainkit.callbacks.Callback.batch_end_period` (``None`` when one has none)."""
 
     def __init__(self, bound: Bound, ledger: Ledger, periodic: bool = False):
-        super().__init__(bound, ledger)
+        self.calls, self.active = BoundCalls(bound, ledger), bool(bound)
         periods = [callback.batch_end_period() for callback, _, _ in bound] if periodic else [None]
         if periods and all(p is not None for p in periods):
             self.period = math.gcd(*(int(p) for p in periods if p is not None))
 
-    def __call__(self, index: int, logs: Logs | Callable[[], Logs] | None = None) -> None:  # type: ignore[override]
-        shared, switch = None if callable(logs) else _keras_logs(logs), self.ledger.switch
-        for callback, fn, bucket in self.bound:
+    def __call__(self, index: int, logs: Logs | Callable[[], Logs] | None = None) -> None:
+        shared, switch = None if callable(logs) else _keras_logs(logs), self.calls.ledger.switch
+        for callback, fn, bucket in self.calls.bound:
             if shared is None and callback.reads_batch_logs():  # the loop's work (waiting for the step, reading
                 shared = _keras_logs(logs() if callable(logs) else logs)  # its metrics): in the loop's bucket
             previous = switch(bucket)
@@ -157,12 +167,15 @@ class BatchEndDispatcher(Dispatcher):
                 switch(previous)
 
 
-class ExceptionDispatcher(Dispatcher):
+class ExceptionDispatcher(ExceptionHook):
     """``on_exception(error)``: a callback that raises while handling it only warns (the
     original error matters more)."""
 
-    def __call__(self, exception: BaseException) -> None:  # type: ignore[override]
-        for _, fn, _ in self.bound:
+    def __init__(self, bound: Bound, ledger: Ledger):
+        self.calls, self.active = BoundCalls(bound, ledger), bool(bound)
+
+    def __call__(self, exception: BaseException) -> None:
+        for _, fn, _ in self.calls.bound:
             try:
                 fn(exception)
             except Exception as error:  # noqa: BLE001 - the original error matters more
@@ -221,21 +234,23 @@ class CallbackList:
                 callback.set_params(params)
         self.async_train, self.async_test, self.async_predict = (self._runs_ahead(kind) for kind in _BATCH_END)
         ledger = trainer.session.ledger if trainer is not None else Ledger()  # a bare list: an idle clock
-        self.on_train_begin: Hook = Dispatcher(self._bound("on_train_begin"), ledger)
-        self.on_train_end: Hook = Dispatcher(self._bound("on_train_end"), ledger)
-        self.on_epoch_begin: Hook = IndexedDispatcher(self._bound("on_epoch_begin"), ledger)
-        self.on_epoch_end: Hook = IndexedDispatcher(self._bound("on_epoch_end"), ledger)
-        self.on_train_batch_begin: Hook = IndexedDispatcher(self._bound("on_train_batch_begin"), ledger)
-        self.on_train_batch_end: Hook = BatchEndDispatcher(self._bound("on_train_batch_end"), ledger, periodic=True)
-        self.on_test_begin: Hook = Dispatcher(self._bound("on_test_begin"), ledger)
-        self.on_test_end: Hook = Dispatcher(self._bound("on_test_end"), ledger)
-        self.on_test_batch_begin: Hook = IndexedDispatcher(self._bound("on_test_batch_begin"), ledger)
-        self.on_test_batch_end: Hook = BatchEndDispatcher(self._bound("on_test_batch_end"), ledger)
-        self.on_predict_begin: Hook = Dispatcher(self._bound("on_predict_begin"), ledger)
-        self.on_predict_end: Hook = Dispatcher(self._bound("on_predict_end"), ledger)
-        self.on_predict_batch_begin: Hook = IndexedDispatcher(self._bound("on_predict_batch_begin"), ledger)
-        self.on_predict_batch_end: Hook = BatchEndDispatcher(self._bound("on_predict_batch_end"), ledger)
-        self.on_exception: Hook = ExceptionDispatcher(self._bound("on_exception"), ledger)
+        self.on_train_begin: RunHook = Dispatcher(self._bound("on_train_begin"), ledger)
+        self.on_train_end: RunHook = Dispatcher(self._bound("on_train_end"), ledger)
+        self.on_epoch_begin: IndexedHook = IndexedDispatcher(self._bound("on_epoch_begin"), ledger)
+        self.on_epoch_end: IndexedHook = IndexedDispatcher(self._bound("on_epoch_end"), ledger)
+        self.on_train_batch_begin: IndexedHook = IndexedDispatcher(self._bound("on_train_batch_begin"), ledger)
+        self.on_train_batch_end: BatchEndHook = BatchEndDispatcher(
+            self._bound("on_train_batch_end"), ledger, periodic=True
+        )
+        self.on_test_begin: RunHook = Dispatcher(self._bound("on_test_begin"), ledger)
+        self.on_test_end: RunHook = Dispatcher(self._bound("on_test_end"), ledger)
+        self.on_test_batch_begin: IndexedHook = IndexedDispatcher(self._bound("on_test_batch_begin"), ledger)
+        self.on_test_batch_end: BatchEndHook = BatchEndDispatcher(self._bound("on_test_batch_end"), ledger)
+        self.on_predict_begin: RunHook = Dispatcher(self._bound("on_predict_begin"), ledger)
+        self.on_predict_end: RunHook = Dispatcher(self._bound("on_predict_end"), ledger)
+        self.on_predict_batch_begin: IndexedHook = IndexedDispatcher(self._bound("on_predict_batch_begin"), ledger)
+        self.on_predict_batch_end: BatchEndHook = BatchEndDispatcher(self._bound("on_predict_batch_end"), ledger)
+        self.on_exception: ExceptionHook = ExceptionDispatcher(self._bound("on_exception"), ledger)
 
     def _runs_ahead(self, kind: str) -> bool:
         """Every callback implementing a batch-end hook of ``kind`` is ``async_safe``."""

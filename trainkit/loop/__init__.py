@@ -11,7 +11,7 @@ from trainkit.core.totals import SKIPPED_WARNING
 from trainkit.data.fit_config import FitConfig, Validation, validates
 from trainkit.loop.dispatch import PREEMPTED_EXIT_CODE, Preempted, first_non_finite
 from trainkit.loop.fit_run import FitRun
-from trainkit.loop.hooks import CompiledSteps, Hook, Hooks
+from trainkit.loop.hooks import BatchEndHook, CompiledSteps, ExceptionHook, Hook, Hooks, IndexedHook, Logs, RunHook
 from trainkit.loop.loop import Loop
 
 __all__ = [
@@ -21,6 +21,11 @@ __all__ = [
     "FitConfig",
     "FitRun",
     "Hook",
+    "RunHook",
+    "IndexedHook",
+    "BatchEndHook",
+    "ExceptionHook",
+    "Logs",
     "Hooks",
     "Loop",
     "Position",

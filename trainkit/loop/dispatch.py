@@ -15,7 +15,7 @@ import numpy as np
 
 from trainkit import distributed
 from trainkit.core.session import Session
-from trainkit.core.totals import EpochTotals, PackedTotals
+from trainkit.core.totals import EpochTotals, PackedTotals, compute
 from trainkit.core.tree import PyTree
 
 #: Exit status of a run stopped by SIGTERM (preemption) after writing its backup: 128 + SIGTERM.
@@ -46,6 +46,11 @@ def in_order(dispatched: Iterator, lag: int) -> Iterator:
         if len(pending) > lag:
             yield pending.popleft()
     yield from pending
+
+
+def logs_of(totals: PackedTotals, order: tuple[str, ...]) -> dict[str, float]:
+    """The logs of device ``totals``: read to the host (:func:`host_metrics`) and computed in ``order``."""
+    return compute(host_metrics(totals).metrics, order)
 
 
 def host_metrics(totals: PackedTotals) -> EpochTotals:

@@ -14,6 +14,7 @@ the flags) is the session's, changed only through its methods.
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 import logging
 import statistics
@@ -39,7 +40,7 @@ from trainkit.core.warn import warn_user
 from trainkit.data.prefetch import Prefetcher
 from trainkit.data.spans import Span, executions, room_until
 from trainkit.distributed.watchdog import StallWatchdog
-from trainkit.loop.dispatch import Preempted, host_metrics, in_order, process_slice
+from trainkit.loop.dispatch import Preempted, host_metrics, in_order, logs_of, process_slice
 from trainkit.loop.hooks import Hooks, LoopView
 from trainkit.loop.tuning import StepsTuner
 
@@ -210,7 +211,7 @@ class FitRun:
                 spike_check = time.monotonic() + SPIKE_CHECK_SECONDS
             if batch_end.active and (period is None or record.covers_multiple(period)):
                 session.about(record, carry)
-                batch_end(record.batch, lambda carry=carry: metrics_lib.compute(host_metrics(carry).metrics, order))
+                batch_end(record.batch, functools.partial(logs_of, carry, order))
         if last is None:
             return 0, {}
         host = host_metrics(last)

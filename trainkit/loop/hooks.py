@@ -2,12 +2,12 @@
 the callbacks' hooks it calls (``Hooks``, a :class:`trainkit.callbacks.CallbackList`'s side).
 Both are protocols, so the loop imports neither the setup nor the callbacks.
 
->>> class Printed(Hook):
+>>> class Printed(IndexedHook):
 ...     active = True
-...     def __call__(self, *args, **kwargs):
-...         print("hook", *args)
->>> Printed()(3)
-hook 3
+...     def __call__(self, index, logs=None):
+...         print("hook", index, logs)
+>>> Printed()(3, {"loss": 0.5})
+hook 3 {'loss': 0.5}
 """
 
 from __future__ import annotations
@@ -68,16 +68,46 @@ class CompiledSteps(Protocol):
         ...
 
 
+#: a hook's ``logs``: metric names to values (Keras's)
+Logs = dict[str, Any]
+
+
 class Hook:
-    """One hook of every callback that implements it (a subclass's ``__call__`` takes the hook's
-    arguments); ``active``: whether any does (the loop then builds its arguments); ``period``
-    (the train batch-end hook): the loop calls it only for the steps that cover a multiple of
-    it (``None``: every batch)."""
+    """One hook of every callback that implements it; ``active``: whether any does (the loop
+    then builds its arguments); ``period`` (the train batch-end hook): the loop calls it only
+    for the steps that cover a multiple of it (``None``: every batch). Each kind below has its
+    hook's exact call."""
 
     active: bool = False
     period: int | None = None
 
-    def __call__(self, *args: Any, **kwargs: Any) -> None:
+
+class RunHook(Hook):
+    """A hook about a whole run: ``on_train_begin(logs)``, ``on_test_end(logs)``, ..."""
+
+    def __call__(self, logs: Logs | None = None) -> None:
+        raise NotImplementedError
+
+
+class IndexedHook(Hook):
+    """A hook about one epoch or batch: ``on_epoch_begin(epoch, logs)``, ``on_train_batch_begin(batch, logs)``."""
+
+    def __call__(self, index: int, logs: Logs | None = None) -> None:
+        raise NotImplementedError
+
+
+class BatchEndHook(Hook):
+    """A batch-end hook; its ``logs`` may be a function that computes them (reading the device
+    only when a callback reads them)."""
+
+    def __call__(self, index: int, logs: Logs | Callable[[], Logs] | None = None) -> None:
+        raise NotImplementedError
+
+
+class ExceptionHook(Hook):
+    """``on_exception(error)``: the error that ends the run."""
+
+    def __call__(self, exception: BaseException) -> None:
         raise NotImplementedError
 
 
@@ -87,21 +117,21 @@ class Hooks(Protocol):
     ahead), the most steps one call may cover, whether one profiles steps, and whether one stops
     at a non-finite loss."""
 
-    on_train_begin: Hook
-    on_train_end: Hook
-    on_epoch_begin: Hook
-    on_epoch_end: Hook
-    on_train_batch_begin: Hook
-    on_train_batch_end: Hook
-    on_test_begin: Hook
-    on_test_end: Hook
-    on_test_batch_begin: Hook
-    on_test_batch_end: Hook
-    on_predict_begin: Hook
-    on_predict_end: Hook
-    on_predict_batch_begin: Hook
-    on_predict_batch_end: Hook
-    on_exception: Hook
+    on_train_begin: RunHook
+    on_train_end: RunHook
+    on_epoch_begin: IndexedHook
+    on_epoch_end: IndexedHook
+    on_train_batch_begin: IndexedHook
+    on_train_batch_end: BatchEndHook
+    on_test_begin: RunHook
+    on_test_end: RunHook
+    on_test_batch_begin: IndexedHook
+    on_test_batch_end: BatchEndHook
+    on_predict_begin: RunHook
+    on_predict_end: RunHook
+    on_predict_batch_begin: IndexedHook
+    on_predict_batch_end: BatchEndHook
+    on_exception: ExceptionHook
     async_train: bool
     async_test: bool
     async_predict: bool

@@ -13,6 +13,7 @@ them and never compiles, places or saves anything, and it holds no run's state: 
 
 from __future__ import annotations
 
+import functools
 import itertools
 from collections.abc import Iterator
 from typing import Any
@@ -25,7 +26,7 @@ from trainkit.core.session import Session
 from trainkit.core.totals import pack
 from trainkit.core.tree import PyTree
 from trainkit.data.prefetch import Prefetcher
-from trainkit.loop.dispatch import concatenate, host_metrics, in_order, process_slice
+from trainkit.loop.dispatch import concatenate, host_metrics, in_order, logs_of, process_slice
 from trainkit.loop.fit_run import FitRun
 from trainkit.loop.hooks import CompiledSteps, Hooks
 
@@ -121,7 +122,7 @@ class Loop:
         for _, last, _, totals in self._inference("test", dataset, batch_size, steps, callbacks, read_ahead):
             totals.block_until_ready()  # a bounded queue of dispatched batches
             if batch_end.active:
-                batch_end(last, lambda totals=totals: metrics_lib.compute(host_metrics(totals).metrics, order))
+                batch_end(last, functools.partial(logs_of, totals, order))
         logs = {} if totals is None else metrics_lib.compute(host_metrics(totals).metrics, order)
         callbacks.on_test_end(logs)
         return logs
