@@ -63,7 +63,7 @@ def _trained_two_heads():
 
 def _cases(trainer, make_x, path):
     """Inputs of sizes the export never saw and predict's outputs for them, saved for the server."""
-    spec = trainer.setup.input_spec
+    spec = trainer.setup.decided.input_spec
     names = {"inputs": signature.leaf_names(spec, "input"), "structure": "array" if tk.data.is_spec(spec) else "tuple"}
     cases = {"count": len(ROWS)}
     for i, rows in enumerate(ROWS):
@@ -127,7 +127,7 @@ def test_load_runs_the_jax_format_at_any_batch_size(trained, tmp_path):
     trainer, _ = trained
     trainer.export(tmp_path / "m.jax", verbose=False)
     loaded = tk.export.load(tmp_path / "m.jax")
-    spec = trainer.setup.input_spec
+    spec = trainer.setup.decided.input_spec
     x = jax.tree.map(lambda s: np.ones((3, *s[0]), s[1]), spec, is_leaf=tk.data.is_spec)
     expected = trainer.predict(x, batch_size=8)
     got = loaded(x)

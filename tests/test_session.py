@@ -111,12 +111,12 @@ def test_a_trial_fit_puts_the_session_and_the_decisions_back():
     y = (x.sum(axis=1) > 0).astype("int32")
     trainer = tk.Trainer(_mlp(), **_args())
     trainer.fit((x, y), batch_size=16, epochs=1, verbose=0)
-    before, decisions = trainer.session.snapshot(), trainer.setup.decisions
+    before, decisions = trainer.session.snapshot(), trainer.setup.decided.value
     host = jax.tree.map(np.asarray, jax.device_get(trainer.state))
     trainer.find_learning_rate(x, y, batch_size=16, steps=5)
     after = trainer.session.snapshot()
     assert dataclasses.replace(after, state=None) == dataclasses.replace(before, state=None)
-    assert trainer.setup.decisions == decisions
+    assert trainer.setup.decided.value == decisions
     for a, b in zip(jax.tree.leaves(host), jax.tree.leaves(jax.device_get(trainer.state))):
         np.testing.assert_array_equal(a, b)
 

@@ -133,7 +133,7 @@ class Trainer:
             mixes_rows=mixes_rows,
             deterministic=deterministic,
         )
-        self.state_access, self.loop = self.setup.state_access, Loop(self.session, self.setup)
+        self.state_access, self.loop = self.setup.state_access, Loop(self.session, self.setup.compiled)
 
     def apply(self, params: PyTree, model_state: PyTree, x: PyTree, *, rng: jax.Array, train: bool):
         """``(outputs, new_model_state)`` under the precision policy and remat; pure (use it in ``compute_loss``)."""
@@ -149,9 +149,9 @@ class Trainer:
         return self.objective.loss(predictions, batch["y"]), (predictions, model_state)
 
     state = Delegated[TrainState | None]("session.state", "The live TrainState (None before fit or init).")
-    strategy = Delegated[Strategy | None]("setup.strategy", 'The strategy (under "auto": None until planned).')
-    last_plan = Delegated[plan_lib.MemoryPlan | None]("setup.last_plan", 'The plan strategy="auto" chose from.')
-    steps_per_execution = Delegated[int]("setup.steps_per_execution", "Batches per compiled training call.")
+    strategy = Delegated[Strategy | None]("setup.decided.strategy", 'The strategy (under "auto": None until planned).')
+    last_plan = Delegated[plan_lib.MemoryPlan | None]("setup.decided.last_plan", 'The plan strategy="auto" chose from.')
+    steps_per_execution = Delegated[int]("setup.decided.steps_per_execution", "Batches per compiled training call.")
     global_step = Delegated[int]("session.position.step", "Optimizer steps applied (dispatched) so far.")
     history = Delegated[History | None]("session.history", "The History the last fit returned (None before).")
 
@@ -236,7 +236,7 @@ class Trainer:
 
     def function(self, kind: str) -> Callable:
         """The compiled ``"train"``, ``"eval"`` or ``"predict"`` step (compiled once)."""
-        return self.setup.function(kind)
+        return self.setup.compiled.function(kind)
 
     def lowered_text(self, sample_batch: Any = None) -> str:
         """The train step as StableHLO (default: for the last ``fit``'s batch shape)."""

@@ -25,7 +25,7 @@ from trainkit.strategies import Strategy
 
 
 class CompiledSteps(Protocol):
-    """The loop's view of a trainer's setup (:class:`trainkit.program.setup.Setup` is one): the
+    """The loop's view of a trainer's setup (:class:`trainkit.program.compiled.CompiledFunctions`): the
     strategy that places batches and fetches outputs; the compiled steps by kind (``"train"``,
     ``"train_measured"``, ``"train_steps"``, ``"eval"``, ``"predict"``) and the host zeros of the metric totals the
     training and eval steps carry; the order of the logged metrics; the batches per compiled

@@ -140,7 +140,7 @@ def lower_train_step(trainer: Any, batch: Any = None) -> jax.stages.Lowered:
         raise TypeError(
             f"{type(trainer.strategy).__name__}.compile('train', ...) returned a function without .lower()."
         )
-    return function.lower(abstract(trainer.state), pack(trainer.setup.empty_totals("train")), batch)
+    return function.lower(abstract(trainer.state), pack(trainer.setup.compiled.empty_totals("train")), batch)
 
 
 def step_flops(trainer: Any, batch: Any = None) -> float | None:

@@ -23,16 +23,19 @@ from trainkit.core.state import TrainState, abstract
 from trainkit.core.statistics import StepStatistics
 from trainkit.core.totals import EpochTotals
 from trainkit.core.tree import PyTree
+from trainkit.program.decisions import Decided
 from trainkit.program.program import Program
 from trainkit.strategies import Strategy
 
 
 class CompiledFunctions:
-    """The compiled steps of ``program`` under the strategy ``strategy()`` returns, for the
-    state ``state()`` (its shapes; the setup's live state once it exists)."""
+    """The compiled steps of ``program`` under the strategy ``decided`` holds, for the state
+    ``state()`` (its shapes; the setup's live state once it exists): the
+    :class:`~trainkit.loop.CompiledSteps` the loop runs, with the decisions it reads and the
+    one it makes (``steps_per_execution="auto"``'s pick)."""
 
-    def __init__(self, program: Program, strategy: Callable[[], Strategy], state: Callable[[], TrainState]):
-        self.program, self._strategy, self._state = program, strategy, state
+    def __init__(self, program: Program, decided: Decided, state: Callable[[], TrainState]):
+        self.program, self.decided, self._state = program, decided, state
         self.statistics: StepStatistics | None = None  # what this fit's training steps measure
         self._functions: dict[tuple[str, StepStatistics | None], Callable[..., Any]] = {}
         self._totals: dict[tuple[str, StepStatistics | None], EpochTotals] = {}
@@ -51,6 +54,27 @@ class CompiledFunctions:
     def spike_skip(self) -> SpikeSkip | None:
         return self.program.spike_skip
 
+    @property
+    def log_order(self) -> tuple[str, ...]:
+        return self.program.objective.log_order
+
+    def labels_message(self, count: int, value: int, where: str) -> str:
+        return self.program.objective.labels_message(count, value, where)
+
+    @property
+    def steps_per_execution(self) -> int:
+        return self.decided.steps_per_execution
+
+    @property
+    def tunes_steps(self) -> bool:
+        return self.decided.tunes_steps
+
+    def require_strategy(self) -> Strategy:
+        return self.decided.require_strategy()
+
+    def decide_steps(self, steps: int, reason: str) -> None:
+        self.decided.decide_steps(steps, reason)
+
     def _key(self, kind: str) -> tuple[str, StepStatistics | None]:
         return kind, (None if kind in ("eval", "predict") else self.statistics)
 
@@ -60,7 +84,7 @@ class CompiledFunctions:
         key = self._key(kind)
         if key not in self._functions:
             state = abstract(self._state())
-            self._functions[key] = self.program.compile(kind, self._strategy(), state, self.statistics)
+            self._functions[key] = self.program.compile(kind, self.decided.require_strategy(), state, self.statistics)
         return self._functions[key]
 
     def adopt(self, kind: str, function: Callable[..., Any]) -> None:
@@ -74,6 +98,6 @@ class CompiledFunctions:
         if key not in self._totals:
             if host_batch is None:
                 raise ValueError("Pass a sample batch, e.g. trainer.lowered_text((x[:32], y[:32])), or call fit first.")
-            state, axis = abstract(self._state()), self._strategy().axis_name
+            state, axis = abstract(self._state()), self.decided.require_strategy().axis_name
             self._totals[key] = self.program.empty_totals(key[0], state, host_batch, axis, key[1])
         return self._totals[key]

@@ -81,7 +81,9 @@ def prepare(
             "batch_size": batch_size,
             "seed": program.seed,
             "grad_accum_steps": program.grad_accum_steps,
-            "steps_per_execution": "auto" if setup.tunes_steps else setup.steps_per_execution,  # or collectives hang
+            "steps_per_execution": "auto"
+            if setup.decided.tunes_steps
+            else setup.decided.steps_per_execution,  # or collectives hang
             "strategy": setup.describe_strategy(),
             "precision": str(program.precision.compute_dtype),
             "inputs": str(prepared.spec),
@@ -91,14 +93,16 @@ def prepare(
         }
     )
     if setup.session.state is not None:
-        data_lib.check_same_inputs(setup.input_spec, prepared.spec)
+        data_lib.check_same_inputs(setup.decided.input_spec, prepared.spec)
     setup.output_spec(prepared.first_x)  # the model traced on the first batch, before anything compiles
     if targets and prepared.has_targets:
         setup.build_objective(prepared, every=True)
-    if setup.strategy is None:
+    if setup.decided.strategy is None:
         data_lib.check_batch_size(batch_size, 1, micro_batches=micro_batches)
         setup.choose_strategy(prepared, announce, run_steps=None if run_steps is None else run_steps(prepared))
-    data_lib.check_batch_size(batch_size, setup.require_strategy().num_batch_shards, micro_batches=micro_batches)
+    data_lib.check_batch_size(
+        batch_size, setup.decided.require_strategy().num_batch_shards, micro_batches=micro_batches
+    )
     if setup.session.state is None:
         if training and setup.auto is None:  # "auto" leaves such a strategy out; a given one is said once
             warn_changed_result(setup, prepared.first_x)
@@ -110,7 +114,7 @@ def prepare(
 def warn_changed_result(setup: Setup, first_x: PyTree) -> None:
     """Says once when the given strategy trains this model on other numbers than one device
     (BatchNorm under ``DataParallel``), and how to get the same ones."""
-    reason = setup.program.changes_result(setup.require_strategy(), first_x)
+    reason = setup.program.changes_result(setup.decided.require_strategy(), first_x)
     if reason is not None:
         warn_user(f"{reason}. SingleDevice, FSDP and Hybrid (and strategy='auto') normalise by the whole batch.")
 
@@ -118,7 +122,9 @@ def warn_changed_result(setup: Setup, first_x: PyTree) -> None:
 def batch_unit(setup: Setup, micro_batches: int = 1) -> int:
     """The smallest global batch the strategy (under ``"auto"``: every candidate) splits
     into equal device parts, times ``micro_batches`` (gradient accumulation)."""
-    strategies = [setup.strategy] if setup.strategy is not None else auto_lib.candidates(setup.require_auto())
+    strategies = (
+        [setup.decided.strategy] if setup.decided.strategy is not None else auto_lib.candidates(setup.require_auto())
+    )
     return math.lcm(*(s.num_batch_shards for s in strategies)) * micro_batches
 
 
@@ -177,7 +183,9 @@ def check_outputs(setup: Setup, first_x: PyTree) -> None:
 
 def one_batch_size(setup: Setup, data: Any) -> int:
     """A batch size holding all rows of ``data`` that the devices can split (``*_on_batch``)."""
-    return data_lib.one_batch_size(data, setup.strategy.num_batch_shards if setup.strategy is not None else 1)
+    return data_lib.one_batch_size(
+        data, setup.decided.strategy.num_batch_shards if setup.decided.strategy is not None else 1
+    )
 
 
 def prepare_run(
@@ -274,8 +282,8 @@ def prepare_validation(setup: Setup, data: Any, batch_size: int | None) -> data_
     distributed.check_same_configuration(
         {f"validation {name}": value for name, value in facts.items()} | {"validation batches": batches}
     )
-    data_lib.check_same_inputs(setup.input_spec, prepared.spec)
+    data_lib.check_same_inputs(setup.decided.input_spec, prepared.spec)
     if prepared.has_targets:
         setup.build_objective(prepared, every=True)
-    data_lib.check_batch_size(prepared.batch_size, setup.require_strategy().num_batch_shards)
+    data_lib.check_batch_size(prepared.batch_size, setup.decided.require_strategy().num_batch_shards)
     return prepared

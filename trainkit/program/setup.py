@@ -1,13 +1,12 @@
-"""``Setup``: everything a trainer sets up before its first step, from the input resolved once.
-
-It is a builder: it checks the input before compiling (the same configuration on every
-process, the objective built and its targets checked on the first batch, a batch size the
-devices can split), chooses the strategy (by the compiled plan under ``"auto"``), creates the
-state and compiles the steps. What it decided is one frozen :class:`Decisions` value, replaced
-whole; the live ``TrainState`` is not its own but the trainer's
-:class:`~trainkit.core.session.Session`'s, which it reads and replaces through the session's
-methods. It is the :class:`~trainkit.loop.CompiledSteps` the loop runs (``function(kind)``,
-``require_strategy()``, ``log_order``, ``steps_per_execution``).
+"""``Setup``: a trainer's parts before its first step, composed: what it decided
+(:class:`~trainkit.program.decisions.Decided`, one frozen value replaced whole), the live
+state's reads and edits (:class:`~trainkit.program.state_access.StateAccess`), the compiled
+steps the loop runs (:class:`~trainkit.program.compiled.CompiledFunctions`, the loop's
+``CompiledSteps``). The setup itself applies ``"auto"``'s choice
+(:func:`trainkit.program.auto.choose`), creates the state from the first batch, traces the
+model's outputs once and builds the objective; :mod:`trainkit.program.inputs` resolves and
+checks the input through it. The live ``TrainState`` is the trainer's
+:class:`~trainkit.core.session.Session`'s, replaced through the session's methods.
 
 >>> import numpy as np, optax, flax.linen as nn
 >>> from trainkit.core.model import adapt_model
@@ -24,7 +23,7 @@ methods. It is the :class:`~trainkit.loop.CompiledSteps` the loop runs (``functi
 >>> session = Session()
 >>> setup = Setup(program, "single", session=session, steps_per_execution=1)
 >>> state = setup.init((np.ones((8, 3), np.float32), np.ones((8, 2), np.float32)))
->>> session.state.params["kernel"].shape, setup.strategy.describe(), setup.decisions.steps_per_execution
+>>> session.state.params["kernel"].shape, setup.decided.require_strategy().describe(), setup.decided.steps_per_execution
 ((3, 2), 'SingleDevice(cpu:0)', 1)
 """
 
@@ -46,14 +45,13 @@ from trainkit import data as data_lib
 from trainkit import distributed
 from trainkit.core import model as model_lib
 from trainkit.core.session import Session
-from trainkit.core.spikes import SpikeSkip
 from trainkit.core.state import TrainState, abstract
-from trainkit.core.totals import EpochTotals
 from trainkit.core.tree import PyTree
 from trainkit.distributed import compile_cache
 from trainkit.program import auto as auto_lib
 from trainkit.program import plan as plan_lib
 from trainkit.program.compiled import CompiledFunctions
+from trainkit.program.decisions import Decided, Decisions
 from trainkit.program.program import Program
 from trainkit.program.state_access import StateAccess
 from trainkit.strategies import Auto, SingleDevice, Strategy, check_steps_per_execution, resolve_strategy
@@ -90,22 +88,6 @@ class SummaryInputs(NamedTuple):
     step_batch: PyTree = None
     flops: float | None = None
     flops_rows: int | None = None
-
-
-@dataclasses.dataclass(frozen=True)
-class Decisions:
-    """What a setup decided, one frozen value replaced whole (:meth:`Setup.decide`): the
-    ``strategy`` (``None`` under ``"auto"`` until planned), the batches per training call and
-    whether ``steps_per_execution="auto"`` still tunes them, the ``plan`` ``"auto"`` chose from,
-    the inputs the state was built for, and a remembered pick's way to build the state (the
-    candidate whose initialisation built the planning run's state)."""
-
-    strategy: Strategy | None
-    steps_per_execution: int
-    tunes_steps: bool
-    plan: plan_lib.MemoryPlan | None = None
-    input_spec: PyTree = None
-    initialise_under: Strategy | None = None
 
 
 class Setup:
@@ -155,55 +137,19 @@ class Setup:
         # "auto": 1 until the loop timed the first steps and picked (see trainkit.loop.tuning)
         tunes = steps_per_execution == "auto" and not program.eager
         steps = check_steps_per_execution(1 if steps_per_execution == "auto" else steps_per_execution, strategy_now)
-        self.decisions = Decisions(strategy_now, steps, tunes)
+        self.decided = Decided(Decisions(strategy_now, steps, tunes))
         self.session = session
-        self.state_access = StateAccess(program, session, self.require_strategy, lambda: self.decisions.input_spec)
-        self.compiled = CompiledFunctions(program, self.require_strategy, session.require_state)
+        self.state_access = StateAccess(
+            program, session, self.decided.require_strategy, lambda: self.decided.input_spec
+        )
+        self.compiled = CompiledFunctions(program, self.decided, session.require_state)
         self._outputs: PyTree = None  # the model's output shapes, once traced
         self._computation = ""  # a digest of the model's traced forward pass (what "auto" remembers a pick for)
 
     # ------------------------------------------------------------------ what it decided
-    def decide(self, **changes: Any) -> None:
-        """A new :class:`Decisions` value with ``changes`` (the old one is never edited)."""
-        self.decisions = dataclasses.replace(self.decisions, **changes)
-
-    @property
-    def strategy(self) -> Strategy | None:
-        """The strategy (under ``"auto"``: ``None`` until planned)."""
-        return self.decisions.strategy
-
-    def require_strategy(self) -> Strategy:
-        strategy = self.decisions.strategy
-        if strategy is None:
-            raise RuntimeError("No strategy is chosen yet: call fit(...) or init(sample_batch) first.")
-        return strategy
-
-    @property
-    def steps_per_execution(self) -> int:
-        return self.decisions.steps_per_execution
-
-    @property
-    def tunes_steps(self) -> bool:
-        return self.decisions.tunes_steps
-
-    @property
-    def last_plan(self) -> plan_lib.MemoryPlan | None:
-        return self.decisions.plan
-
-    @property
-    def input_spec(self) -> PyTree:
-        return self.decisions.input_spec
-
-    @property
-    def log_order(self) -> tuple[str, ...]:
-        return self.objective.log_order
-
-    def labels_message(self, count: int, value: int, where: str) -> str:
-        return self.objective.labels_message(count, value, where)
-
     def describe_strategy(self) -> str:
         """The chosen strategy, or the ``"auto"`` it will be chosen by."""
-        strategy = self.decisions.strategy or self.auto
+        strategy = self.decided.value.strategy or self.auto
         assert strategy is not None  # one of the two, by construction
         return strategy.describe()
 
@@ -211,12 +157,12 @@ class Setup:
     def kept(self) -> Iterator[None]:
         """Everything a trial ``fit`` changes put back exactly on exit, raised or not: the
         session (:meth:`StateAccess.kept`) and the decisions (one value)."""
-        decisions = self.decisions
+        decisions = self.decided.value
         try:
             with self.state_access.kept():
                 yield
         finally:
-            self.decisions = decisions
+            self.decided.restore(decisions)
 
     # ------------------------------------------------------------------ the input
     def placed_sample(self, sample_batch: Any) -> PyTree:
@@ -225,8 +171,8 @@ class Setup:
         if sample_batch is None or self.session.state is None:
             return None
         host_batch = data_lib.prepare(sample_batch, default_batch_size=None).sample_batch()
-        self.empty_totals("train", host_batch)  # shaped before anything lowers the train step
-        return self.require_strategy().put_batch(host_batch)
+        self.compiled.empty_totals("train", host_batch)  # shaped before anything lowers the train step
+        return self.decided.require_strategy().put_batch(host_batch)
 
     def inference(self, float32: bool = False) -> tuple[Callable, PyTree, PyTree]:
         """What an export runs: ``predict``'s function ``(variables, x) -> outputs`` (eval mode,
@@ -244,16 +190,7 @@ class Setup:
         def predict(variables: PyTree, x: PyTree) -> PyTree:
             return outputs(host.replace(**variables), x)
 
-        return predict, variables, self.input_spec
-
-    def decide_steps(self, steps: int, reason: str) -> None:
-        """``steps_per_execution="auto"`` picked ``steps`` batches per call: trained from the
-        next span on, and recorded on the plan ``"auto"`` chose from (``trainer.last_plan``
-        prints it), when there is one."""
-        plan = self.last_plan
-        if plan is not None:
-            plan = dataclasses.replace(plan, decided={**plan.decided, "steps_per_execution='auto'": reason})
-        self.decide(steps_per_execution=steps, tunes_steps=False, plan=plan)
+        return predict, variables, self.decided.input_spec
 
     def summary_inputs(self, sample_batch: Any) -> SummaryInputs | None:
         """What ``summary`` shows (``None``: no state and no sample to trace): abstract inputs of
@@ -261,7 +198,7 @@ class Setup:
         lowering the train step when it has targets. A sample initialises a trainer with a
         strategy; under ``"auto"``, before anything chose one, the model and step are traced
         on it without choosing (no candidate compiled or timed)."""
-        if sample_batch is not None and self.session.state is None and self.strategy is None:
+        if sample_batch is not None and self.session.state is None and self.decided.strategy is None:
             prepared = data_lib.prepare(sample_batch, default_batch_size=None)
             state = self.program.abstract_state(prepared.first_x)
             x = data_lib.abstract_inputs(prepared.spec, SUMMARY_ROWS)
@@ -278,7 +215,7 @@ class Setup:
         step_batch = None
         if sample_batch is not None and data_lib.prepare(sample_batch, default_batch_size=None).source.has_targets:
             step_batch = self.placed_sample(sample_batch)
-        x = data_lib.abstract_inputs(self.input_spec, SUMMARY_ROWS)
+        x = data_lib.abstract_inputs(self.decided.input_spec, SUMMARY_ROWS)
         return SummaryInputs(x, self.session.require_state(), step_batch)
 
     def init(self, sample_batch: Any) -> TrainState:
@@ -287,27 +224,27 @@ class Setup:
         if self.session.state is None:
             self.choose_strategy(prepared, measure=False)  # "auto" times candidates only to train (fit)
             self.create_state(prepared)
-        data_lib.check_same_inputs(self.input_spec, prepared.spec)
+        data_lib.check_same_inputs(self.decided.input_spec, prepared.spec)
         return self.session.require_state()
 
     def create_state(self, prepared: data_lib.Prepared) -> None:
         """The state at step 0, placed by the strategy, the model initialised on the first real
         batch's inputs (as training will call it)."""
-        plan, program, first_x = self.last_plan, self.program, prepared.first_x
+        plan, program, first_x = self.decided.last_plan, self.program, prepared.first_x
         if plan is not None and plan.initial_state is not None:
             # "auto" measured its candidates from this very state: no second init compile
-            state = self.require_strategy().put_state(plan.initial_state)
-            self.decide(plan=dataclasses.replace(plan, initial_state=None))  # host memory back
+            state = self.decided.require_strategy().put_state(plan.initial_state)
+            self.decided.decide(plan=dataclasses.replace(plan, initial_state=None))  # host memory back
         else:
-            strategy = program.annotated(self.require_strategy(), first_x)
-            self.decide(strategy=strategy)
-            under = self.decisions.initialise_under
+            strategy = program.annotated(self.decided.require_strategy(), first_x)
+            self.decided.decide(strategy=strategy)
+            under = self.decided.value.initialise_under
             if under is None:
                 state = program.create_state(strategy, first_x)
             else:  # as the run that remembered this pick built its state: that init is in the compile cache
                 built = program.create_state(program.annotated(under, first_x), first_x)
                 state = strategy.put_state(distributed.fetch(built))
-        self.decide(input_spec=prepared.spec)
+        self.decided.decide(input_spec=prepared.spec)
         self.session.replace_state(state)
 
     def output_spec(self, first_x: PyTree) -> PyTree:
@@ -373,12 +310,12 @@ class Setup:
         """Under ``"auto"``: the strategy :func:`trainkit.program.auto.choose` picks, before
         anything else is compiled or placed (also for ``evaluate`` and ``predict`` before
         ``fit``), applied; ``announce``: said on the main process."""
-        if self.strategy is not None:
+        if self.decided.strategy is not None:
             return
         choice = auto_lib.choose(self, prepared, measure, run_steps)
-        self.decide(strategy=choice.strategy, initialise_under=choice.initialise_under)
+        self.decided.decide(strategy=choice.strategy, initialise_under=choice.initialise_under)
         if choice.plan is not None:
-            self.decide(plan=choice.plan)
+            self.decided.decide(plan=choice.plan)
         if choice.train_step is not None:
             self.compiled.adopt("train", choice.train_step)  # compiled during the plan: not compiled again
         logger.info("strategy='auto' %s", choice.reason)
@@ -394,18 +331,3 @@ class Setup:
         """A digest of the model's forward pass traced on ``first_x`` (what ``"auto"`` remembers a pick for)."""
         self.output_spec(first_x)  # traced once
         return self._computation
-
-    # ------------------------------------------------------------------ compiled steps (the loop's view)
-    @property
-    def spike_skip(self) -> SpikeSkip | None:
-        return self.compiled.spike_skip
-
-    @property
-    def measured_every(self) -> int | None:
-        return self.compiled.measured_every
-
-    def function(self, kind: str) -> Callable:
-        return self.compiled.function(kind)
-
-    def empty_totals(self, kind: str, host_batch: PyTree = None) -> EpochTotals:
-        return self.compiled.empty_totals(kind, host_batch)

@@ -152,13 +152,17 @@ def find_batch_size(
     shapes = shapes_lib.is_shapes((x, y))
     prepared = data_lib.prepare(shapes_lib.stand_in(x), shapes_lib.stand_in(y))
     if resolved is None and setup.session.state is not None:
-        data_lib.check_same_inputs(setup.input_spec, prepared.spec)
+        data_lib.check_same_inputs(setup.decided.input_spec, prepared.spec)
     trains = prepared.has_targets or setup.custom_loss
     if prepared.has_targets:
         setup.build_objective(prepared)
     options: dict[str, Any] = {"measure": False}
     if resolved is None:
-        candidates = [setup.strategy] if setup.strategy is not None else auto_lib.candidates(setup.require_auto())
+        candidates = (
+            [setup.decided.strategy]
+            if setup.decided.strategy is not None
+            else auto_lib.candidates(setup.require_auto())
+        )
         unit, rows = inputs.batch_unit(setup, setup.program.grad_accum_steps), prepared.rows
         default_limit, where = plan_lib.device_memory_limit(candidates[0].devices), ""
     else:
