@@ -17,7 +17,7 @@ import logging
 import os
 import re
 from collections.abc import Mapping, Sequence
-from typing import Any, NamedTuple, Protocol
+from typing import Any, NamedTuple, Protocol, overload
 
 import jax
 import numpy as np
@@ -59,16 +59,42 @@ class Loaded(NamedTuple):
     report: LoadReport
 
 
+@overload
 def load(
     source: Any,
-    into: HasStateAccess | PyTree,
+    into: HasStateAccess,
     *,
     rename: Sequence[tuple[str, str]] = (),
     layout: str = "flax",
     strict: bool = True,
     keep_initial: Sequence[str] = (),
     as_is: Sequence[str] = (),
-) -> Any:
+) -> LoadReport: ...
+
+
+@overload
+def load(
+    source: Any,
+    into: Mapping[str, Any],
+    *,
+    rename: Sequence[tuple[str, str]] = (),
+    layout: str = "flax",
+    strict: bool = True,
+    keep_initial: Sequence[str] = (),
+    as_is: Sequence[str] = (),
+) -> Loaded: ...
+
+
+def load(
+    source: Any,
+    into: HasStateAccess | Mapping[str, Any],
+    *,
+    rename: Sequence[tuple[str, str]] = (),
+    layout: str = "flax",
+    strict: bool = True,
+    keep_initial: Sequence[str] = (),
+    as_is: Sequence[str] = (),
+) -> LoadReport | Loaded:
     """Loads ``source`` into a trainer's variables (call ``trainer.init(sample)`` first) and
     returns the :class:`LoadReport`; or into a tree of arrays or ``jax.ShapeDtypeStruct`` (with
     shardings: placed in them; without: NumPy) and returns :class:`Loaded`.
