@@ -117,6 +117,23 @@ def data():
     return make_classification(100)
 
 
+def strategy_table(min_shard_size: int, *, dp4: bool = False, model_rules=None) -> dict:
+    """The suite's strategies by name, each a function that builds it (a strategy holds devices:
+    one per test): one device, data parallel on 8 (and ``dp4``: on 4), FSDP on 8 and a 2 x 4
+    Hybrid of data x FSDP (leaves of ``min_shard_size`` elements and more sharded), and with
+    ``model_rules`` a 2 x 4 Hybrid of data x model. Every strategy is checked against "single"."""
+    import trainkit as tk  # here: the conftest sets JAX's and trainkit's environment before trainkit is imported
+
+    table = {"single": lambda: tk.SingleDevice(), "dp8": lambda: tk.DataParallel()}
+    if dp4:
+        table["dp4"] = lambda: tk.DataParallel(jax.devices()[:4])
+    table["fsdp8"] = lambda: tk.FSDP(min_shard_size=min_shard_size)
+    table["hybrid2x4_fsdp"] = lambda: tk.Hybrid(data=2, fsdp=4, min_shard_size=min_shard_size)
+    if model_rules is not None:
+        table["hybrid2x4_model"] = lambda: tk.Hybrid(data=2, model=4, rules=model_rules)
+    return table
+
+
 def tree_allclose(a, b, rtol=1e-5, atol=1e-6):
     la, lb = jax.tree.leaves(a), jax.tree.leaves(b)
     assert jax.tree.structure(a) == jax.tree.structure(b)

@@ -6,18 +6,13 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from conftest import NoisyMLP, Wide, make_classification
+from conftest import NoisyMLP, Wide, make_classification, strategy_table
 
 import trainkit as tk
 
 X, Y = make_classification(192, features=64)
 Y = Y % 8
-STRATEGIES = {
-    "single": lambda: tk.SingleDevice(),
-    "dp8": lambda: tk.DataParallel(),
-    "fsdp8": lambda: tk.FSDP(min_shard_size=64),
-    "hybrid2x4": lambda: tk.Hybrid(data=2, fsdp=4, min_shard_size=64),
-}
+STRATEGIES = strategy_table(min_shard_size=64)
 
 
 class Recorder(tk.callbacks.Callback):
@@ -87,7 +82,7 @@ def test_the_norms_equal_a_hand_computation_on_one_device():
         np.testing.assert_allclose(stats.values[name], float(value), rtol=1e-5, err_msg=name)
 
 
-@pytest.mark.parametrize("strategy", ["dp8", "fsdp8", "hybrid2x4"])
+@pytest.mark.parametrize("strategy", ["dp8", "fsdp8", "hybrid2x4_fsdp"])
 def test_every_strategy_measures_what_one_device_measures(reference, strategy):
     stats, recorder, history = measured(strategy)
     ref_stats, ref_recorder, ref_history = reference
@@ -100,7 +95,7 @@ def test_every_strategy_measures_what_one_device_measures(reference, strategy):
     np.testing.assert_allclose(history.history["grad_norm/Dense_2"], ref_history.history["grad_norm/Dense_2"], 1e-5)
 
 
-@pytest.mark.parametrize("strategy", ["hybrid2x4"])
+@pytest.mark.parametrize("strategy", ["hybrid2x4_fsdp"])
 def test_a_fused_call_keeps_the_statistics_of_the_step_that_was_due(reference, strategy):
     stats, recorder, _ = measured(strategy, steps_per_execution=2)
     ref_stats, ref_recorder, _ = reference

@@ -7,22 +7,15 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from conftest import MLP, make_classification, tree_allclose
+from conftest import MLP, make_classification, strategy_table, tree_allclose
 from jax.sharding import PartitionSpec as P
 
 import trainkit as tk
 
 MLP_TENSOR_RULES = [(r"Dense_0/kernel", P(None, "model")), (r"Dense_1/kernel", P("model", None))]
 
-STRATEGIES = {
-    "single": lambda: tk.SingleDevice(),
-    "dp8": lambda: tk.DataParallel(),
-    "dp4": lambda: tk.DataParallel(jax.devices()[:4]),
-    # min_shard_size=16: the tiny MLP's leaves are really sharded
-    "fsdp8": lambda: tk.FSDP(min_shard_size=16),
-    "hybrid2x4_fsdp": lambda: tk.Hybrid(data=2, fsdp=4, min_shard_size=16),
-    "hybrid2x4_model": lambda: tk.Hybrid(data=2, model=4, rules=MLP_TENSOR_RULES),
-}
+# min_shard_size=16: the tiny MLP's leaves are really sharded
+STRATEGIES = strategy_table(min_shard_size=16, dp4=True, model_rules=MLP_TENSOR_RULES)
 SHARDED = ["dp8", "dp4", "fsdp8", "hybrid2x4_fsdp", "hybrid2x4_model"]
 
 

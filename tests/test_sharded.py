@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from conftest import Wide, tree_allclose
+from conftest import Wide, strategy_table, tree_allclose
 from jax.sharding import PartitionSpec as P
 
 import trainkit as tk
@@ -47,13 +47,7 @@ def mixed_data(n=44, seed=0):
     return {"pixels": pixels, "tokens": tokens}, y
 
 
-STRATEGIES = {
-    "single": lambda: tk.SingleDevice(),
-    "dp8": lambda: tk.DataParallel(),
-    "fsdp8": lambda: tk.FSDP(min_shard_size=64),
-    "hybrid2x4_fsdp": lambda: tk.Hybrid(data=2, fsdp=4, min_shard_size=64),
-    "hybrid2x4_model": lambda: tk.Hybrid(data=2, model=4, rules=TENSOR_RULES),
-}
+STRATEGIES = strategy_table(min_shard_size=64, model_rules=TENSOR_RULES)
 
 
 def train(model, strategy, data, optimizer=None):

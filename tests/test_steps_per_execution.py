@@ -8,7 +8,7 @@ import jax
 import numpy as np
 import optax
 import pytest
-from conftest import MLP, NoisyMLP, make_classification
+from conftest import MLP, NoisyMLP, make_classification, strategy_table
 from test_compile import compiles  # noqa: F401 - the compile-counting fixture
 
 import trainkit as tk
@@ -16,12 +16,7 @@ from trainkit.callbacks import Callback
 
 N, BATCH, K = 330, 32, 4  # 11 batches per epoch: two fused executions and a last span of 3 single steps
 
-STRATEGIES = {
-    "single": lambda: "single",
-    "dp": lambda: "dp",
-    "fsdp": lambda: tk.FSDP(min_shard_size=16),
-    "hybrid": lambda: tk.Hybrid(data=2, fsdp=4, min_shard_size=16),
-}
+STRATEGIES = strategy_table(min_shard_size=16)
 
 
 @pytest.fixture(scope="module")
