@@ -40,7 +40,8 @@ import orbax.checkpoint as ocp
 
 from trainkit import distributed
 from trainkit.checkpoint import orbax_logs
-from trainkit.core import lora as lora_lib
+from trainkit.checkpoint.errors import CheckpointError
+from trainkit.checkpoint.parts import Parts
 from trainkit.core import state as state_lib
 from trainkit.core import tree
 from trainkit.core.tree import PyTree
@@ -83,13 +84,6 @@ def _flush_at_exit() -> None:
 
 
 getattr(threading, "_register_atexit", atexit.register)(_flush_at_exit)
-
-#: The parts of a state that ``weights_only`` checkpoints hold.
-WEIGHTS = ("params", "model_state")
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint could not be written or does not fit the model being restored."""
 
 
 def _node_kind(text: str) -> str:
@@ -271,15 +265,7 @@ class Checkpointer:
         self._last_saved = int(step)
         # DataParallel's state on several processes is pmap's per-process replicas: one global array each
         state_dict = _present(flax.serialization.to_state_dict(distributed.global_replicas(state)))
-        if "lora" in manifest:  # the base is the weights it was loaded from: only the adapters are written
-            state_dict, manifest = _adapters_part(state_dict, manifest)
-        if weights_only:
-            state_dict = {part: state_dict[part] for part in WEIGHTS}
-            manifest = dict(
-                manifest,
-                contents="weights",
-                tree={part: value for part, value in manifest.get("tree", {}).items() if part in WEIGHTS},
-            )
+        state_dict, manifest = Parts.written_as(manifest, weights_only).written(state_dict, manifest)
         if self.enable_async:
             state_dict = _snapshot(state_dict)
         self._pending.append(_WRITER.submit(self._write, step, state_dict, manifest, metrics))
@@ -439,10 +425,9 @@ class Checkpointer:
             raise CheckpointError(
                 f"The manifest of step {step} in {self.directory!r} is unreadable ({type(error).__name__}: {error})."
             ) from error
-        problems, parts = [], flax.serialization.to_state_dict(target)
-        if "lora" in manifest:
-            _check_base(manifest, target.params, f"step {step} in {self.directory!r}")
-            parts = {**parts, "params": lora_lib.adapters_only(parts["params"])}
+        policy = Parts.of(manifest)
+        policy.check(manifest, target, f"step {step} in {self.directory!r}")
+        problems, parts = [], policy.stored(flax.serialization.to_state_dict(target))
         for part in ("params", "opt_state", "model_state"):
             if part in manifest.get("tree", {}):
                 current = tree.signature(parts[part])
@@ -455,9 +440,7 @@ class Checkpointer:
                 + (f" (and {len(problems) - 12} more)" if len(problems) > 12 else "")
                 + ". Restore with the model and optimizer that wrote it."
             )
-        target_dict = _present(parts)  # a part that is None (no spike skip) is not written, nor read
-        if manifest.get("contents") == "weights":
-            target_dict = {part: target_dict[part] for part in WEIGHTS}
+        target_dict = policy.read(_present(parts))  # a part that is None (no spike skip) is not written, nor read
         abstract = state_lib.abstract(target_dict)
         try:
             restored = self._manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract)))[
@@ -478,12 +461,8 @@ class Checkpointer:
                 f"The arrays of step {step} in {os.path.join(self.directory, str(step), 'state')!r} are corrupt or "
                 f"incomplete ({type(error).__name__}: {str(error)[:300]})."
             ) from error
-        if "lora" in manifest:  # the adapters restored into the live base
-            full = flax.serialization.to_state_dict(target)["params"]
-            restored = {**restored, "params": lora_lib.with_adapters(full, restored["params"])}
-        if manifest.get("contents") == "weights":
-            restored = {**flax.serialization.to_state_dict(target), **restored}
-        elif "position" in manifest:  # a whole state: its step is the manifest's
+        restored = policy.restored(restored, flax.serialization.to_state_dict(target))
+        if not policy.weights_only and "position" in manifest:  # a whole state: its step is the manifest's
             where = f"step {step} in {self.directory!r}"
             written = checked_position(manifest, where)["global_step"]
             if int(restored["step"]) != written:
@@ -681,46 +660,6 @@ def _unlock(handle) -> None:
             fcntl.flock(handle, fcntl.LOCK_UN)
         finally:
             handle.close()
-
-
-def _adapters_part(state_dict: dict, manifest: dict) -> tuple[dict, dict]:
-    """A LoRA trainer's state as its checkpoint holds it: the adapters of the parameters (and
-    everything else: the optimizer state is the adapters' alone), the manifest's tree to match."""
-    params = lora_lib.adapters_only(state_dict["params"])
-    written = dict(manifest.get("tree", {}), params=tree.signature(params))
-    return {**state_dict, "params": params}, {**manifest, "tree": written}
-
-
-def _check_base(manifest: dict, params: PyTree, where: str) -> None:
-    """Refuses adapters restored into a trainer without adapters, into a base stored another way
-    (int8, nf4, float), or trained on other base weights than the live ones (their SHA-256)."""
-    saved = manifest["lora"]
-    settings = ", ".join(f"{key}={saved.get(key)!r}" for key in ("rank", "alpha", "targets", "quantize_base"))
-    if not lora_lib.adapters_only(flax.serialization.to_state_dict(params)):
-        raise CheckpointError(
-            f"The checkpoint at {where} holds LoRA adapters (tk.LoRA({settings})), but this trainer has none: create "
-            f"it with Trainer(..., lora=tk.LoRA({settings})), load the base weights into it, then restore."
-        )
-    stored, live_stored = saved.get("quantize_base"), lora_lib.quantization(params)
-    if stored != live_stored:
-
-        def name(kind: str | None) -> str:
-            return f"quantised as {kind}" if kind else "in floats (no quantize_base)"
-
-        raise CheckpointError(
-            f"The adapters at {where} were trained on a base stored {name(stored)}; this trainer's base is stored "
-            f"{name(live_stored)}: create it with tk.LoRA({settings}), then restore."
-        )
-    if any(isinstance(leaf, jax.ShapeDtypeStruct) for leaf in jax.tree.leaves(params)):
-        return  # an abstract target: no values to compare
-    recorded, live = saved.get("base_sha256"), lora_lib.base_digest(distributed.fetch(params))
-    if recorded != live:
-        source = saved.get("base_source") or "weights not recorded"
-        raise CheckpointError(
-            f"The adapters at {where} were trained on other base weights ({source}, SHA-256 {str(recorded)[:12]}...) "
-            f"than this trainer holds (SHA-256 {live[:12]}...): load the same base weights first "
-            "(tk.weights.load(source, into=trainer)), then restore."
-        )
 
 
 def build_manifest(state: PyTree, strategy: Any, position: Any, data_state: Any = None, **settings: Any) -> dict:
