@@ -432,22 +432,10 @@ def _compile_rows(
     Python, so it stays on this thread). Fills each row, its ``compile_seconds`` and ``fits``.
     With ``announce`` (a progress line) one at a time: announced once lowered (its
     ``program_ops`` counted, nothing compiled yet), and again once compiled."""
-    if announce is not None:
+    if announce is not None and len(rows) > 1:
         for row in rows:
-            _compile_rows_now(pool, [row], lower, limit, lowered=announce)
-            announce(row)
+            _compile_rows(pool, [row], lower, limit, announce)
         return
-    _compile_rows_now(pool, rows, lower, limit)
-
-
-def _compile_rows_now(
-    pool: concurrent.futures.ThreadPoolExecutor,
-    rows: Sequence[PlanRow],
-    lower: Callable[[Strategy], tuple[Any, Callable | None]],
-    limit: int,
-    lowered: Callable[[PlanRow], None] | None = None,
-) -> None:
-    """:func:`_compile_rows`' work; ``lowered(row)`` is told of each row lowered, before it compiles."""
     compiling = {}
     for row in rows:
         started = time.perf_counter()
@@ -455,9 +443,9 @@ def _compile_rows_now(
             program, row.function = lower(row.strategy)
             if not hasattr(program, "compile"):
                 raise TypeError(f"{type(row.strategy).__name__}.compile('train', ...)'s result cannot be lowered")
-            if lowered is not None:
+            if announce is not None:
                 row.program_ops = compile_estimate.program_ops(program)
-                lowered(row)
+                announce(row)
             compiling[id(row)] = (started, pool.submit(program.compile))
         except Exception as error:  # noqa: BLE001 - a candidate that cannot compile is a row, not a crash
             row.error, row.left_out = _failure(error), isinstance(error, NotACandidate)
@@ -472,6 +460,8 @@ def _compile_rows_now(
                     row.error, row.left_out = _PMAP_ACROSS_HOSTS.format(hosts=_hosts(row.strategy)), True
             row.compile_seconds = time.perf_counter() - started
         row.fits = row.error is None and row.total_bytes <= HEADROOM * limit
+        if announce is not None:
+            announce(row)
 
 
 def _skip_unprofitable(first: PlanRow, rows: Sequence[PlanRow], run_steps: int) -> float | None:
