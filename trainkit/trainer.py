@@ -336,13 +336,11 @@ class Trainer:
         ``epochs`` left out (``None``) is Keras's 1, or with ``max_steps`` as many as reach it.
         ``read_ahead=False`` reads the data only in this thread (a generator tied to its thread)."""
         callbacks = CallbackList.checked(callbacks)  # before anything is built
-        config = FitConfig.checked(
-            has_validation=validation_data is not None or bool(validation_split),
-            **{"epochs": epochs, "initial_epoch": initial_epoch, "steps_per_epoch": steps_per_epoch},
-            **{"max_steps": max_steps, "shuffle": shuffle, "seed": self.seed, "validation_freq": validation_freq},
-            **{"validation_interval": validation_interval, "validation_steps": validation_steps},
-            read_ahead=read_ahead,
-        )
+        config = FitConfig(
+            epochs=epochs, initial_epoch=initial_epoch, steps_per_epoch=steps_per_epoch, max_steps=max_steps,
+            shuffle=shuffle, seed=self.seed, validation_freq=validation_freq, validation_steps=validation_steps,
+            validation_interval=validation_interval, read_ahead=read_ahead,
+        ).checked(has_validation=validation_data is not None or bool(validation_split))  # fmt: skip
         options: dict[str, Any] = {"validation_data": validation_data, "validation_split": validation_split}
         options.update(validation_batch_size=validation_batch_size, class_weight=class_weight, announce=bool(verbose))
         with self.session.ledger.running(distributed.take_startup_seconds()):  # history.goodput: where time went

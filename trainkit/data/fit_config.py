@@ -1,7 +1,7 @@
 """The frozen ``FitConfig`` of one ``fit`` (Keras's arguments, checked before anything runs) and
 its ``Validation`` data; here, where both the setup (``program``) and the ``loop`` may import it.
 
->>> config = FitConfig.checked(epochs=3, validation_freq=2)
+>>> config = FitConfig(epochs=3, validation_freq=2).checked()
 >>> config.epochs, config.validates(1), config.validates(2)
 (3, True, False)
 """
@@ -9,7 +9,7 @@ its ``Validation`` data; here, where both the setup (``program``) and the ``loop
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 from trainkit.data.batching import check_positive, check_shuffle
 from trainkit.data.epochs import epochs_until
@@ -69,11 +69,11 @@ class FitConfig:
     continuing: bool = False
     read_ahead: bool = True
 
-    @classmethod
-    def checked(cls, *, has_validation: bool = False, **settings: Any) -> FitConfig:
-        """A config from ``fit``'s arguments, each refused with a clear error before anything
-        runs (``has_validation``: validation data was given)."""
-        config = cls(**settings)
+    def checked(self, *, has_validation: bool = False) -> FitConfig:
+        """This config from ``fit``'s arguments, each refused with a clear error before anything
+        runs (``has_validation``: validation data was given), ``epochs=None`` without
+        ``max_steps`` read as Keras's one epoch."""
+        config = self
         if config.epochs is None and config.max_steps is None:  # Keras's default: one epoch
             config = dataclasses.replace(config, epochs=1)
         check_positive(

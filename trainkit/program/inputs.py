@@ -9,7 +9,8 @@ the validation data are prepared by the data layer and checked against what trai
 >>> import numpy as np, optax, flax.linen as nn, trainkit as tk
 >>> trainer = tk.Trainer(nn.Dense(2), loss="mse", optimizer=optax.sgd(0.1), strategy="single")
 >>> x, y = np.ones((8, 3), np.float32), np.ones((8, 2), np.float32)
->>> fit_data = prepare_fit(trainer.setup, FitConfig.checked(has_validation=True), x, y, None, 4, validation_data=(x, y))
+>>> config = FitConfig().checked(has_validation=True)
+>>> fit_data = prepare_fit(trainer.setup, config, x, y, None, 4, validation_data=(x, y))
 >>> fit_data.train.batch_size, fit_data.validation.batch_size, trainer.state.params["kernel"].shape
 (4, 4, (3, 2))
 """
