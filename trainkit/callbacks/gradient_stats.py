@@ -71,7 +71,7 @@ class GradientStats(Callback):
 
     def on_train_begin(self, logs: Logs | None = None) -> None:
         fused = self.model.steps_per_execution
-        if not self.model.setup.decided.tunes_steps and fused > self.spec.every:
+        if fused > self.spec.every:  # "auto" trains 1 step per call until it decides, then within every
             raise ValueError(
                 f"GradientStats(every={self.spec.every}) with steps_per_execution={fused}: one fused call of {fused} "
                 f"steps can cover two measured steps and would keep only the last. Pass every >= {fused} (e.g. "

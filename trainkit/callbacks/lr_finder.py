@@ -220,7 +220,7 @@ def find_learning_rate(
     early_stop_threshold: float | None = EARLY_STOP_THRESHOLD,
     smoothing: float = SMOOTHING,
 ) -> LearningRateSearch:
-    """:meth:`trainkit.Trainer.find_learning_rate` on ``trainer`` (whose ``setup.kept()`` puts
+    """:meth:`trainkit.Trainer.find_learning_rate` on ``trainer`` (whose ``state_access.kept()`` puts
     its session and decisions back)."""
     if not 0 < min_lr < max_lr < math.inf:
         raise ValueError(f"Pass finite rates 0 < min_lr < max_lr; received min_lr={min_lr}, max_lr={max_lr}.")
@@ -237,7 +237,7 @@ def find_learning_rate(
     trainer.state_access.require_settable_learning_rate()  # no inject_hyperparams, or a schedule: refused first
     lrs = np.geomspace(min_lr, max_lr, steps)
     test = RangeTest(lrs, early_stop_threshold, smoothing)
-    with trainer.setup.kept(), warnings.catch_warnings():  # the session and the setup's decisions put back
+    with trainer.state_access.kept(), warnings.catch_warnings():  # the session and the setup's decisions put back
         # a diverging loss ends the search (stopped_early), not "training goes on" as the loop says of a fit
         warnings.filterwarnings("ignore", message=r"The loss is .* training goes on")
         trainer.fit(x, y, batch_size=batch_size, epochs=steps, steps_per_epoch=1, verbose=0, callbacks=[test])

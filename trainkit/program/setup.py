@@ -29,12 +29,11 @@ checks the input through it. The live ``TrainState`` is the trainer's
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 import hashlib
 import logging
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
@@ -139,9 +138,7 @@ class Setup:
         steps = check_steps_per_execution(1 if steps_per_execution == "auto" else steps_per_execution, strategy_now)
         self.decided = Decided(Decisions(strategy_now, steps, tunes))
         self.session = session
-        self.state_access = StateAccess(
-            program, session, self.decided.require_strategy, lambda: self.decided.input_spec
-        )
+        self.state_access = StateAccess(program, session, self.decided)
         self.compiled = CompiledFunctions(program, self.decided, session.require_state)
         self._outputs: PyTree = None  # the model's output shapes, once traced
         self._computation = ""  # a digest of the model's traced forward pass (what "auto" remembers a pick for)
@@ -152,17 +149,6 @@ class Setup:
         strategy = self.decided.value.strategy or self.auto
         assert strategy is not None  # one of the two, by construction
         return strategy.describe()
-
-    @contextlib.contextmanager
-    def kept(self) -> Iterator[None]:
-        """Everything a trial ``fit`` changes put back exactly on exit, raised or not: the
-        session (:meth:`StateAccess.kept`) and the decisions (one value)."""
-        decisions = self.decided.value
-        try:
-            with self.state_access.kept():
-                yield
-        finally:
-            self.decided.restore(decisions)
 
     # ------------------------------------------------------------------ the input
     def placed_sample(self, sample_batch: Any) -> PyTree:

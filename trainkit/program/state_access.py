@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import jax
@@ -30,20 +30,17 @@ from trainkit.core.session import Session
 from trainkit.core.state import TrainState, check_tree_matches
 from trainkit.core.tree import PyTree
 from trainkit.core.variables import named_variables, replaced
+from trainkit.program.decisions import Decided
 from trainkit.program.program import Program
-from trainkit.strategies import Strategy
 from trainkit.weights import Target
 
 
 class StateAccess:
     """Reads and edits of ``session``'s live state for ``program``'s model, placed by the
-    strategy ``strategy()`` returns (the setup's, chosen by the time a state exists); ``inputs()``:
-    the per-example inputs the state was built for."""
+    strategy ``decided`` holds (chosen by the time a state exists), for the inputs it records."""
 
-    def __init__(
-        self, program: Program, session: Session, strategy: Callable[[], Strategy], inputs: Callable[[], PyTree]
-    ):
-        self.program, self.session, self._strategy, self._inputs = program, session, strategy, inputs
+    def __init__(self, program: Program, session: Session, decided: Decided):
+        self.program, self.session, self.decided = program, session, decided
         self.weights_source = ""  # where the last tk.weights.load read the variables from
         self._scheduled_rate: bool | None = None  # whether a schedule sets the injected learning rate
 
@@ -54,7 +51,7 @@ class StateAccess:
         """The one way to write the live state: fields (host or device values) placed in the
         shardings of those they replace; unchanged arrays stay as they are."""
         state = self.require_state()
-        placed = self._strategy().put_like(state.replace(**fields), state)
+        placed = self.decided.require_strategy().put_like(state.replace(**fields), state)
         self.session.replace_state(placed, moves_position=False)
         return placed
 
@@ -144,7 +141,9 @@ class StateAccess:
             raise ValueError("merge_lora(): this trainer has no LoRA adapters (Trainer(lora=tk.LoRA(...))).")
         params, model_state = self._host_merged()
         variables = {"params": jax.tree.map(np.asarray, params), **model_state}
-        sample = jax.tree.map(lambda s: np.zeros(s.shape, s.dtype), data_lib.abstract_inputs(self._inputs(), 1))
+        sample = jax.tree.map(
+            lambda s: np.zeros(s.shape, s.dtype), data_lib.abstract_inputs(self.decided.input_spec, 1)
+        )
         return variables, sample
 
     def count_params(self) -> int:
@@ -168,12 +167,14 @@ class StateAccess:
 
     @contextlib.contextmanager
     def kept(self) -> Iterator[None]:
-        """Everything a trial changes in the session put back exactly on exit, raised or not
-        (one snapshot; its state a host copy, placed again in its shardings)."""
-        session, strategy = self.session, self._strategy()
+        """Everything a trial ``fit`` changes put back exactly on exit, raised or not: the
+        session (one snapshot; its state a host copy, placed again in its shardings) and the
+        decisions (one value)."""
+        session, decisions, strategy = self.session, self.decided.value, self.decided.require_strategy()
         snapshot = session.snapshot()
         host = distributed.fetch(session.require_state())
         try:
             yield
         finally:
             session.restore(dataclasses.replace(snapshot, state=strategy.put_state(host)))
+            self.decided.restore(decisions)
