@@ -115,7 +115,7 @@ def main(argv=None) -> int:
         tuned.fit(new_train, batch_size=64, epochs=args.epochs, verbose=0)
         seconds = time.perf_counter() - start
         accuracy = tuned.evaluate(new_test, return_dict=True)["accuracy"]
-        trained, _ = tuned.setup.program.trainable.partition(tuned.state.params)
+        trained, _ = tuned.program.trainable.partition(tuned.state.params)
         optimizer_bytes = sum(leaf.nbytes for leaf in jax.tree.leaves(tuned.state.opt_state))
         rows.append(
             f"{name:24} {accuracy:8.4f} {sum(np.size(a) for a in trained):>10,} "

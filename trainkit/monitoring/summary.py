@@ -10,7 +10,7 @@ sizes, and the train step's FLOPs from XLA's cost analysis.
 >>> trainer = tk.Trainer(Two(), loss="mse", optimizer=optax.sgd(0.1), strategy="single")
 >>> _ = trainer.init((np.zeros((4, 2), np.float32), np.zeros((4, 1), np.float32)))
 >>> inputs = trainer.setup.summary_inputs(None)
->>> [tuple(row) for row in summary_rows(trainer.setup.program.adapter, inputs.state, inputs.x)]
+>>> [tuple(row) for row in summary_rows(trainer.program.adapter, inputs.state, inputs.x)]
 [('Dropout_0', 'Dropout', '(None, 2)', 0), ('Dense_0', 'Dense', '(None, 1)', 3)]
 """
 
@@ -111,7 +111,7 @@ def summary_view(trainer: Any, inputs: Any) -> Group:
             "or call it after fit(...) or init(...)."
         )
     x, state = inputs.x, inputs.state
-    program = trainer.setup.program
+    program = trainer.program
     rows = summary_rows(program.adapter, state, x)
     table = Table()
     table.add_column("Layer (type)", no_wrap=True)
