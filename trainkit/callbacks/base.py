@@ -17,7 +17,7 @@ of the batch a hook is about, ``resume_at`` / ``request_stop`` / ``preempt``), a
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypedDict
 
 from trainkit.core.session import Session
 from trainkit.core.statistics import StepStatistics
@@ -26,6 +26,14 @@ from trainkit.loop.hooks import Logs
 
 if TYPE_CHECKING:  # for the type checker only: nothing imports trainer.py at run time
     from trainkit.trainer import Trainer
+
+
+class RunParams(TypedDict, total=False):
+    """Keras's ``callback.params`` of the running call (a plain dict at run time)."""
+
+    verbose: int | str  # 0, 1, 2 or "auto"
+    epochs: int
+    steps: int | None  # batches per epoch (None: not known before the data ends)
 
 
 #: Every hook, with the aliases ``on_batch_begin`` / ``on_batch_end`` of the train-batch hooks.
@@ -69,7 +77,7 @@ class Callback:
     """
 
     trainer: Trainer | None = None
-    params: dict | None = None
+    params: RunParams | None = None
     async_safe: bool = False
     #: Stops training at the first non-finite loss (``TerminateOnNaN``).
     stops_on_non_finite: bool = False
@@ -130,7 +138,7 @@ class Callback:
     def set_trainer(self, trainer: Trainer | None) -> None:
         self.trainer = trainer
 
-    def set_params(self, params: dict | None) -> None:
+    def set_params(self, params: RunParams | None) -> None:
         self.params = params
 
     def on_train_begin(self, logs: Logs | None = None) -> None: ...

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 from trainkit import distributed
 from trainkit.callbacks.backup_and_restore import BackupAndRestore
-from trainkit.callbacks.base import _ALIASES, _BATCH_END, Callback, Logs, overrides
+from trainkit.callbacks.base import _ALIASES, _BATCH_END, Callback, Logs, RunParams, overrides
 from trainkit.callbacks.history import History
 from trainkit.callbacks.progress import ProgressBar
 from trainkit.callbacks.ray_train_report import RayTrainReport
@@ -201,7 +201,7 @@ class CallbackList:
         (kept as the trainer's history) and, when verbose on the main process, the progress bar;
         inside a Ray Train worker, ``fit`` also reports to Ray (:func:`with_ray_report`)."""
         progress = fit and bool(verbose) and distributed.is_main_process()
-        params = {"verbose": verbose, "epochs": epochs, "steps": steps}
+        params = RunParams(verbose=verbose, epochs=epochs, steps=steps)
         listed = cls.checked(callbacks)
         if fit and ray_train.worker_job() is not None:
             listed = with_ray_report(listed)
@@ -214,7 +214,7 @@ class CallbackList:
         self,
         callbacks: Iterable[Callback],
         trainer: Trainer | None,
-        params: dict | None = None,
+        params: RunParams | None = None,
         *,
         add_history: bool = False,
         add_progress_bar: bool = False,
@@ -227,7 +227,7 @@ class CallbackList:
                 self.history = History()
                 self.callbacks.append(self.history)
         if add_progress_bar and not any(isinstance(c, ProgressBar) for c in self.callbacks):
-            self.callbacks.append(ProgressBar((params or {}).get("verbose", 1)))
+            self.callbacks.append(ProgressBar())  # its verbose from params (set below; "auto" is 1)
         for callback in self.callbacks:
             callback.set_model(trainer)
             if params is not None:

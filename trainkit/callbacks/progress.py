@@ -15,7 +15,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Column
 from rich.text import Text
 
-from trainkit.callbacks.base import Callback, Logs
+from trainkit.callbacks.base import Callback, Logs, RunParams
 from trainkit.monitoring.goodput import report as goodput_report
 
 #: Seconds between two redraws of the live bar (rich's ``Live`` refreshes at about the same rate).
@@ -126,9 +126,9 @@ class ProgressBar(Callback):
         self._started = 0.0  # the epoch's start
         self._after_first: tuple[int, float] | None = None  # (batches, time) after its first
 
-    def set_params(self, params: dict | None) -> None:
+    def set_params(self, params: RunParams | None) -> None:
         super().set_params(params)
-        params = params or {}
+        params = params or RunParams()
         if self.verbose is None:
             self.verbose = 1 if params.get("verbose", 1) == "auto" else int(params.get("verbose", 1))
         self._epochs, self._steps = params.get("epochs"), params.get("steps")

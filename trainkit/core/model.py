@@ -199,7 +199,8 @@ class LinenModel:
                 if flags:
                     args, kwargs = _split_inputs(x, self._parameters)
                     variables, rngs = {"params": params, **model_state}, {"dropout": jax.random.PRNGKey(0)}
-                    return self.module.apply(variables, *args, **kwargs, **flags, rngs=rngs)
+                    keywords: dict[str, Any] = {**kwargs, **flags, "rngs": rngs}  # the user's __call__ keywords
+                    return self.module.apply(variables, *args, **keywords)
                 return self.apply(params, model_state, x, rng=jax.random.PRNGKey(0), train=train)[0]
 
         if axis is not None:
@@ -299,10 +300,11 @@ class NNXModel:
         if train:
             freeze_nnx_layers(module)  # the frozen BatchNorms (core/frozen_statistics.py) stay in inference mode
         if self._rng_tags:  # every stream, whatever the user's Rngs named it: new masks each step
-            nnx.reseed(module, **{tag: _stream_key(rng, tag) for tag in self._rng_tags})
+            keys: dict[str, Any] = {tag: _stream_key(rng, tag) for tag in self._rng_tags}  # a stream per user's name
+            nnx.reseed(module, **keys)
         args, kwargs = _split_inputs(x, self._parameters)
         out = module(*args, **kwargs)
-        *_, rest = nnx.split(module, nnx.Param, nnx.RngState, ...)
+        rest = nnx.split(module, nnx.Param, nnx.RngState, ...)[-1]
         return out, (nnx.to_pure_dict(rest) if train else model_state)
 
 

@@ -32,7 +32,7 @@ from trainkit.core.leaf_step import LeafStep
 from trainkit.core.ledger import Ledger
 from trainkit.core.state import TrainState
 from trainkit.core.totals import PackedTotals
-from trainkit.core.tree import PyTree
+from trainkit.core.tree import JSON, PyTree
 from trainkit.core.warn import warn_user
 
 
@@ -103,8 +103,8 @@ class Snapshot:
     record: StepRecord | None = None
     carry: PackedTotals | None = None
     epoch_start: Position = Position()
-    data_state: Any = None
-    resume_state: Any = None
+    data_state: JSON = None
+    resume_state: JSON = None
     start: Position | None = None
     stop_requested: bool = False
     preempted: bool = False
@@ -140,13 +140,15 @@ class Session:
         "_ledger",
     )
     _state: TrainState | None
-    _leaves: tuple[list, LeafStep] | None  # the state as the carried leaves a LeafStep returned, and that step
+    _leaves: (
+        tuple[list[jax.Array], LeafStep] | None
+    )  # the state as the carried leaves a LeafStep returned, and that step
     _position: Position
     _record: StepRecord | None
     _carry: PackedTotals | None
     _epoch_start: Position
-    _data_state: Any
-    _resume_state: Any
+    _data_state: JSON
+    _resume_state: JSON
     _start: Position | None
     _stop_requested: bool
     _preempted: bool
@@ -177,7 +179,7 @@ class Session:
             raise RuntimeError("The trainer has no state yet: call fit(...) or init(sample_batch) first.")
         return state
 
-    def carried(self, step: LeafStep) -> list:
+    def carried(self, step: LeafStep) -> list[jax.Array]:
         """The live state as the carried leaves ``step`` (a
         :class:`~trainkit.core.leaf_step.LeafStep`) takes: as a step of the same layout returned
         them (nothing built), else from the state."""
@@ -215,12 +217,12 @@ class Session:
         return self._epoch_start
 
     @property
-    def data_state(self) -> Any:
+    def data_state(self) -> JSON:
         """The data iterator's position after the last batch trained (``None``: not checkpointable)."""
         return self._data_state
 
     @property
-    def resume_state(self) -> Any:
+    def resume_state(self) -> JSON:
         """This process's saved iterator position the first epoch of this ``fit`` continues from."""
         return self._resume_state
 
@@ -280,7 +282,7 @@ class Session:
         """The state after a dispatched step (the position moves with :meth:`moved`)."""
         self._state, self._leaves = state, None
 
-    def stepped_carried(self, carried: list, step: LeafStep) -> None:
+    def stepped_carried(self, carried: list[jax.Array], step: LeafStep) -> None:
         """The state after a dispatched step, as the carried leaves ``step`` (a
         :class:`~trainkit.core.leaf_step.LeafStep`) returned; built into a ``TrainState`` when read."""
         self._state, self._leaves = None, (carried, step)
@@ -293,7 +295,7 @@ class Session:
         """The ``History`` of the ``fit`` that begins (``trainer.history`` from now on)."""
         self._history = history
 
-    def moved(self, position: Position, data_state: Any = None) -> None:
+    def moved(self, position: Position, data_state: JSON = None) -> None:
         """Training reached ``position``; the data iterator's position is then ``data_state``."""
         self._position, self._data_state = position, data_state
 
@@ -332,7 +334,7 @@ class Session:
         self._preempted = self._stop_requested = True
 
     def resume_at(
-        self, position: Position, saved_batch_size: int | None = None, data_state: list | None = None
+        self, position: Position, saved_batch_size: int | None = None, data_state: list[JSON] | None = None
     ) -> None:
         """Start this ``fit`` at ``position`` instead of ``initial_epoch`` (call it from
         ``on_train_begin``); a batch index written with another batch size is converted by

@@ -11,13 +11,21 @@ signature (shape and dtype per leaf) and the difference of two signatures.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
 import numpy as np
 
 PyTree = Any
+#: A function of pytrees, such as a step a strategy compiled: ``(state, totals, batch) -> ...``.
+TreeFunction = Callable[..., PyTree]
+#: A value ``json.dumps`` writes: a data reader's saved position, a manifest's entry.
+JSON = None | bool | int | float | str | list["JSON"] | dict[str, "JSON"]
+#: An array's shape.
+Shape = tuple[int, ...]
+#: An index into an array, as ``array[index]`` takes it: slices (or integers), one per axis.
+Index = tuple[slice | int, ...]
 
 
 def leaf_name(path: Sequence[Any]) -> str:

@@ -19,6 +19,7 @@ import jax
 import numpy as np
 
 from trainkit.core import checks
+from trainkit.core.tree import JSON
 from trainkit.data.batching import Batch, PyTree, check_lengths, example_spec, pad_batch, split_xyw, take, to_host
 from trainkit.data.prefetch import ReadAhead
 from trainkit.data.source import Source
@@ -154,7 +155,7 @@ class IterableDataset(Source):
         """Whether the iterator saves and restores its own position (grain's iterators)."""
         return hasattr(self._current, "get_state") and hasattr(self._current, "set_state")
 
-    def get_state(self) -> Any:
+    def get_state(self) -> JSON:
         """The iterator's position after the last batch read, JSON-serialisable (grain's
         ``DataLoader`` gives bytes: kept as text); ``None`` when it has none."""
         if not self.checkpointable:

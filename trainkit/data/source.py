@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any, Protocol, runtime_checkable
 
-from trainkit.core.tree import PyTree
+from trainkit.core.tree import JSON, PyTree
 
 Batch = dict[str, Any]
 
@@ -76,7 +76,7 @@ class Source:
     def batches(self, batch_size: int, **options: Any) -> Iterator[Batch]:
         raise NotImplementedError
 
-    def get_state(self) -> Any:
+    def get_state(self) -> JSON:
         return None
 
 
@@ -106,5 +106,5 @@ class UserSource(Source):
     def batches(self, batch_size: int, **options: Any) -> Iterator[Batch]:
         return self.source.batches(batch_size, **options)
 
-    def get_state(self) -> Any:
+    def get_state(self) -> JSON:
         return self._get_state() if self.checkpointable and self._get_state is not None else None

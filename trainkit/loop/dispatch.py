@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import collections
 from collections.abc import Iterator
+from typing import TypeVar
 
 import jax
 import numpy as np
@@ -17,6 +18,8 @@ from trainkit import distributed
 from trainkit.core.session import Session
 from trainkit.core.totals import EpochTotals, PackedTotals, compute
 from trainkit.core.tree import PyTree
+
+T = TypeVar("T")
 
 #: Exit status of a run stopped by SIGTERM (preemption) after writing its backup: 128 + SIGTERM.
 PREEMPTED_EXIT_CODE = 143
@@ -36,11 +39,11 @@ class Preempted(SystemExit):
         return f"training preempted after step {self.step}; run the same command again to resume"
 
 
-def in_order(dispatched: Iterator, lag: int) -> Iterator:
+def in_order(dispatched: Iterator[T], lag: int) -> Iterator[T]:
     """Yields ``dispatched``'s items in order, each once ``lag`` newer ones were dispatched
     (``lag=0``: at once). The device results of a yielded item are then read while ``lag``
     steps still run: the device never waits for the host, and the queue stays bounded."""
-    pending: collections.deque = collections.deque()
+    pending: collections.deque[T] = collections.deque()
     for item in dispatched:
         pending.append(item)
         if len(pending) > lag:
@@ -65,7 +68,7 @@ def host_metrics(totals: PackedTotals) -> EpochTotals:
         host = distributed.fetch(totals)
     else:
         host = totals.replace(arrays=tuple(np.asarray(a) for a in totals.arrays))
-    result = jax.tree.map(np.float64, host.unpack())
+    result: EpochTotals = jax.tree.map(np.float64, host.unpack())
     _last_read[0] = (totals, result)
     return result
 
@@ -87,7 +90,7 @@ def first_non_finite(session: Session) -> tuple[int, int, float] | None:
     return (start.step + bad, start.batch + bad - 1, float(host.first_non_finite_loss)) if bad else None
 
 
-def process_slice() -> dict:
+def process_slice() -> dict[str, int]:
     """Which part of every global batch this process reads (all of it on one process)."""
     return {"process_index": jax.process_index(), "process_count": jax.process_count()}
 

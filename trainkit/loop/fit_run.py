@@ -35,7 +35,7 @@ from trainkit.core.spikes import SPIKES
 from trainkit.core.state import abstract
 from trainkit.core.step import batches_at
 from trainkit.core.totals import LABEL_ALARM, SKIPPED_WARNING, EpochTotals, PackedTotals, pack
-from trainkit.core.tree import PyTree
+from trainkit.core.tree import PyTree, TreeFunction
 from trainkit.core.warn import warn_user
 from trainkit.data.prefetch import Prefetcher
 from trainkit.data.spans import Span, executions, room_until
@@ -146,14 +146,14 @@ class FitRun:
         max_steps = self.config.max_steps
         return None if max_steps is None else max(max_steps - self.session.position.step, 0)
 
-    def epoch(self, train_fn: Callable, epoch: int, first: int, resume_state: Any) -> tuple[int, dict[str, float]]:
+    def epoch(self, train_fn: TreeFunction, epoch: int, first: int, resume_state: Any) -> tuple[int, dict[str, float]]:
         """One epoch from batch ``first`` (the data continuing from ``resume_state`` when it can):
         the batches trained and the epoch's logs."""
         config, ledger = self.config, self.session.ledger
         previous = ledger.switch("input")  # the epoch's order and its reader: the data's time
         this_epoch = None if config.steps is None else config.steps - first
         due = [n for n in (this_epoch, self.steps_left()) if n is not None]
-        batches: Iterator = data_lib.epoch_batches(
+        batches: Iterator[PyTree] = data_lib.epoch_batches(
             self.dataset,
             self.batch_size,
             epoch,
@@ -174,7 +174,7 @@ class FitRun:
         with reader:
             return self.train_epoch(train_fn, reader)
 
-    def train_reader(self, batches: Iterator) -> Prefetcher:
+    def train_reader(self, batches: Iterator[PyTree]) -> Prefetcher:
         """The epoch's :class:`~trainkit.data.spans.Span` s, assembled ahead like the loop's
         reader assembles batches; the data position is read in the same thread, right after each batch."""
         dataset = self.dataset
@@ -187,7 +187,7 @@ class FitRun:
         spans = executions(pairs, size, room_until(self.session.position.step, self.config.max_steps, self.every))
         return self.loop.reader(dataset, spans, self.batch_size, read_ahead=self.config.read_ahead)
 
-    def train_epoch(self, train_fn: Callable, batches: Iterable) -> tuple[int, dict[str, float]]:
+    def train_epoch(self, train_fn: TreeFunction, batches: Iterable[Span]) -> tuple[int, dict[str, float]]:
         """One epoch's steps. Each compiled call merges its metrics into the epoch's totals on
         the device (:class:`~trainkit.core.totals.EpochTotals`); the host reads them at the end,
         and for a batch-end hook only when a callback reads its logs then (the progress bar: on a clock)."""
@@ -227,7 +227,7 @@ class FitRun:
         self.last_ready = None
         return StepsTuner(min((c for c in caps if c is not None), default=None))
 
-    def timed_step(self, train_fn: Callable, totals: PackedTotals, batch: PyTree) -> PackedTotals:
+    def timed_step(self, train_fn: TreeFunction, totals: PackedTotals, batch: PyTree) -> PackedTotals:
         """One step run synchronously and timed for the tuner (the first call of a fit is not
         timed: it may compile); once it decided, the setup trains that many steps per call."""
         tuner = self.tuner
@@ -317,7 +317,7 @@ class EpochSteps:
     yielded with the totals after it (the epoch's totals live on the device, shaped by its first
     host batch)."""
 
-    def __init__(self, run: FitRun, train_fn: Callable, items: Iterator[Span | None]):
+    def __init__(self, run: FitRun, train_fn: TreeFunction, items: Iterator[Span | None]):
         self.run, self.train_fn, self.items = run, train_fn, items
         self.epoch = run.session.position.epoch
         self.totals: PackedTotals | None = None
@@ -325,9 +325,9 @@ class EpochSteps:
         self.spec_seen = run.session.batch_spec is not None
         self.annotate = run.loop.annotate_steps or run.callbacks.annotates_steps
         self.every = run.steps.measured_every  # statistics due every this many steps (None: never)
-        self._measured: tuple[Callable, Callable] | None = None
+        self._measured: tuple[TreeFunction, TreeFunction] | None = None
 
-    def measured(self) -> tuple[Callable, Callable]:
+    def measured(self) -> tuple[TreeFunction, TreeFunction]:
         """The train step that measures the statistics, for their due steps (compiled at the
         first): ``(function, call)``, its call taking the state as the loop carries it."""
         if self._measured is None:
@@ -369,7 +369,8 @@ class EpochSteps:
     def start_totals(self) -> PackedTotals:
         run = self.run
         empty = run.steps.empty_totals("train", self.first_host)
-        return run.strategy.put_replicated(pack(empty.continuing(run.skipped_in_a_row)))
+        totals: PackedTotals = run.strategy.put_replicated(pack(empty.continuing(run.skipped_in_a_row)))
+        return totals
 
     def dispatch(self) -> Iterator[tuple[StepRecord, PackedTotals]]:
         """Each span trained, with its record and the totals after it. The host reads and places
@@ -438,7 +439,9 @@ class EpochSteps:
         return totals
 
 
-def carried_state(session: Session, train_fn: Callable) -> tuple[Callable, Callable[[], Any], Callable[[Any], None]]:
+def carried_state(
+    session: Session, train_fn: TreeFunction
+) -> tuple[TreeFunction, Callable[[], PyTree], Callable[[PyTree], None]]:
     """How the loop carries the state from call to call: ``(call, read, keep)``. A
     :class:`~trainkit.core.leaf_step.LeafStep` takes and returns the state's carried leaves,
     which the session keeps as they are (the ``TrainState`` is built only when something reads

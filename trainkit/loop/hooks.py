@@ -155,7 +155,9 @@ class LoopView(Protocol):
     max_in_flight: int
     annotate_steps: bool
 
-    def reader(self, dataset: Source, batches: Iterator, batch_size: int, read_ahead: bool = True) -> Prefetcher: ...
+    def reader(
+        self, dataset: Source, batches: Iterator[PyTree], batch_size: int, read_ahead: bool = True
+    ) -> Prefetcher: ...
 
     def evaluate(
         self, dataset: Any, batch_size: int, steps: int | None, callbacks: Hooks, read_ahead: bool = True

@@ -30,6 +30,9 @@ from trainkit.loop.dispatch import concatenate, host_metrics, in_order, logs_of,
 from trainkit.loop.fit_run import FitRun
 from trainkit.loop.hooks import CompiledSteps, Hooks
 
+#: One span of evaluate / predict: its first and last batch, the host batches and the results.
+Inferred = tuple[int, int, list[PyTree], PyTree]
+
 
 class Loop:
     """Runs ``fit``, ``evaluate`` and ``predict`` of a trainer's compiled steps on its session.
@@ -58,7 +61,7 @@ class Loop:
         return FitRun(self, dataset, batch_size, callbacks, config).run()
 
     def reader(
-        self, dataset: data_lib.Source, batches: Iterator, batch_size: int, read_ahead: bool = True
+        self, dataset: data_lib.Source, batches: Iterator[PyTree], batch_size: int, read_ahead: bool = True
     ) -> Prefetcher:
         """``batches`` assembled ahead in a background thread; in this thread, one batch at a
         time, when that is quicker (small in-memory batches), for a one-shot iterator (a
@@ -69,8 +72,14 @@ class Loop:
 
     # ------------------------------------------------------------------ evaluate / predict
     def _inference(
-        self, kind: str, dataset: Any, batch_size: int, steps: int | None, callbacks: Hooks, read_ahead: bool = True
-    ) -> Iterator:
+        self,
+        kind: str,
+        dataset: data_lib.Source,
+        batch_size: int,
+        steps: int | None,
+        callbacks: Hooks,
+        read_ahead: bool = True,
+    ) -> Iterator[Inferred]:
         """``(first, last, host batches, results)`` per span of ``steps_per_execution`` batches
         (one call per batch), in order, with the span's batch-begin hook of ``kind``
         (``"test"`` / ``"predict"``), as Keras runs them. ``results``: for ``"test"`` the totals
@@ -81,14 +90,14 @@ class Loop:
         batch_begin = callbacks.on_test_batch_begin if kind == "test" else callbacks.on_predict_batch_begin
         size, strategy = compiled.steps_per_execution, compiled.require_strategy()
 
-        def dispatch():
+        def dispatch() -> Iterator[Inferred]:
             batches = dataset.batches(batch_size, split=True, read_ahead=read_ahead, **process_slice())
             host_batches = itertools.islice(batches, steps)
             totals = None
             with self.reader(dataset, host_batches, batch_size, read_ahead) as reader:
                 index = 0
                 while True:
-                    span = []
+                    span: list[PyTree] = []
                     try:
                         span.extend(itertools.islice(reader, size))
                     except Exception as error:  # the loader's own error, noted with where it happened

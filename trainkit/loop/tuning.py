@@ -50,4 +50,4 @@ class StepsTuner:
         needed = host / max(HOST_SHARE * device, 1e-9)
         if needed <= 1:
             return 1
-        return min(self.cap, 2 ** math.ceil(math.log2(needed)))
+        return min(self.cap, 1 << math.ceil(math.log2(needed)))

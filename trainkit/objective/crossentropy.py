@@ -16,6 +16,8 @@ Keras does; with logits the log-sum-exp forms are used.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import jax
 import jax.numpy as jnp
 
@@ -192,7 +194,7 @@ class CategoricalFocalCrossentropy(Loss):
 
 def named(kind: str, from_logits: bool):
     """The per-example cross-entropy named ``kind`` (a Keras name) for logits or probabilities."""
-    functions = {
+    functions: dict[str, Callable[..., jax.Array]] = {
         "sparse_categorical_crossentropy": sparse_categorical,
         "categorical_crossentropy": categorical,
         "binary_crossentropy": binary,

@@ -391,13 +391,13 @@ class Objective:
         """
         found = []
         for out in self.outputs:
-            if out.loss not in losses.LOGITS_LOSSES:
+            if out.loss is None or out.loss not in losses.LOGITS_LOSSES:
                 continue
             outputs = _pick(predictions, out.key, "model's outputs")
             flags = np.asarray(losses.looks_like_probabilities(outputs))
             if flags.size and flags.all():
                 name = repr(out.loss_name) + (f" (output {out.name!r})" if out.name else "")
-                found.append((name, losses.reading_probabilities(out.loss, outputs)))  # type: ignore[arg-type]
+                found.append((name, losses.reading_probabilities(out.loss, outputs)))
         return found
 
 
@@ -417,8 +417,12 @@ class _OnOutput:
         return self.fn(*self.pick(predictions, targets))
 
 
-class _StatefulOnOutput(_OnOutput, BatchMetric):
+class _StatefulOnOutput(BatchMetric):
     """A stateful metric of one output: it keeps its state, on this output."""
 
-    def batch_state(self, predictions, targets, **options):
-        return self.fn.batch_state(*self.pick(predictions, targets), **options)
+    def __init__(self, metric: BatchMetric, pick: Callable):
+        self.metric, self.pick = metric, pick
+        self.__name__ = getattr(metric, "__name__", "metric")  # a user's metric
+
+    def batch_state(self, predictions, targets, *, mask, weights):
+        return self.metric.batch_state(*self.pick(predictions, targets), mask=mask, weights=weights)

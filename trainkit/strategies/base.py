@@ -18,7 +18,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from trainkit.core.tree import PyTree
+from trainkit.core.tree import PyTree, TreeFunction
 
 
 def make_mesh(devices: Sequence[jax.Device], shape: Sequence[int], names: Sequence[str]) -> Mesh:
@@ -64,7 +64,7 @@ class Strategy:
     fuses_steps: bool = False
     #: Flax logical axis name -> mesh axes, for parameters annotated with
     #: ``nn.with_logical_partitioning`` and for ``nn.with_logical_constraint`` (none by default).
-    logical_rules: tuple = ()
+    logical_rules: tuple[tuple[str, str | tuple[str, ...] | None], ...] = ()
 
     @property
     def mesh(self) -> Mesh:
@@ -139,7 +139,7 @@ class Strategy:
 
         return int(np.asarray(multihost_utils.process_allgather(np.asarray(local))).sum())
 
-    def with_annotations(self, param_axes: dict[str, tuple]) -> Strategy:
+    def with_annotations(self, param_axes: dict[str, tuple[str | None, ...]]) -> Strategy:
         """This strategy configured with the model's parameter annotations
         (``{"Block_0/Dense_0/kernel": ("embed", "mlp")}``), which a strategy with
         ``logical_rules`` places by; a new strategy, this one unchanged. The default has no
@@ -155,7 +155,7 @@ class Strategy:
         :meth:`put_batch`'s result, which a strategy whose ``put_batch`` places arrays overrides."""
         return self.put_batch(host_batch)
 
-    def compile(self, kind: str, fn: Callable, abstract_state: PyTree) -> Callable:
+    def compile(self, kind: str, fn: TreeFunction, abstract_state: PyTree) -> TreeFunction:
         """The one compile entry point: ``fn`` compiled for ``kind`` (``"train"``: the state
         donated; ``"train_steps"``: the same over ``k`` stacked batches; ``"eval"``: outputs
         reduced over devices; ``"predict"``: one output row per example). The default calls
@@ -163,7 +163,7 @@ class Strategy:
         hooks = {"train": self.compile_train, "train_steps": self.compile_train_steps, "eval": self.compile_eval}
         return hooks.get(kind, self.compile_predict)(fn, abstract_state)
 
-    def compile_train(self, step_fn: Callable, abstract_state: PyTree) -> Callable:
+    def compile_train(self, step_fn: TreeFunction, abstract_state: PyTree) -> TreeFunction:
         raise NotImplementedError
 
     def put_batches(self, host_batches: PyTree) -> PyTree:
@@ -171,7 +171,7 @@ class Strategy:
         as ``put_batch`` splits it (for ``steps_per_execution``)."""
         raise NotImplementedError(self._no_steps_per_execution())
 
-    def compile_train_steps(self, steps_fn: Callable, abstract_state: PyTree) -> Callable:
+    def compile_train_steps(self, steps_fn: TreeFunction, abstract_state: PyTree) -> TreeFunction:
         """``steps_fn(state, totals, batches)`` (``k`` steps over batches stacked on a leading
         axis), with the state donated, as ``compile_train`` compiles one step."""
         raise NotImplementedError(self._no_steps_per_execution())
@@ -183,10 +183,10 @@ class Strategy:
             "fuses_steps = True on the class (see trainkit.strategies.ShardedStrategy), or use steps_per_execution=1."
         )
 
-    def compile_eval(self, eval_fn: Callable, abstract_state: PyTree) -> Callable:
+    def compile_eval(self, eval_fn: TreeFunction, abstract_state: PyTree) -> TreeFunction:
         raise NotImplementedError
 
-    def compile_predict(self, predict_fn: Callable, abstract_state: PyTree) -> Callable:
+    def compile_predict(self, predict_fn: TreeFunction, abstract_state: PyTree) -> TreeFunction:
         """``predict_fn(state, batch)``, whose outputs have one row per example. The default
         compiles it through ``compile_eval`` (with an empty ``totals`` argument)."""
         compiled = self.compile_eval(lambda state, totals, batch: predict_fn(state, batch), abstract_state)

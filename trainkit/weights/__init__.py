@@ -140,7 +140,7 @@ def _target(leaf: Any) -> Target:
 
 def save(
     named: Mapping[str, np.ndarray],
-    path: str | os.PathLike,
+    path: str | os.PathLike[str],
     *,
     format: str = "safetensors",
     layout: str = "flax",

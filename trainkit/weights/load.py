@@ -24,6 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
+from trainkit.core.tree import Index, Shape
 from trainkit.weights import torch_layout
 from trainkit.weights.report import LoadReport, loses_values
 from trainkit.weights.sources import OrbaxSource, WeightSource
@@ -140,7 +141,7 @@ def match(
     return report, reads
 
 
-def _kept(keep: list[re.Pattern], targets: Mapping[str, Target]) -> list[str]:
+def _kept(keep: list[re.Pattern[str]], targets: Mapping[str, Target]) -> list[str]:
     """The variables ``keep_initial`` keeps; a pattern matching none is refused (a typo would load
     the published head where a new one was meant)."""
     for pattern in keep:
@@ -153,7 +154,7 @@ def _kept(keep: list[re.Pattern], targets: Mapping[str, Target]) -> list[str]:
     return [name for name in targets if any(k.search(name) for k in keep)]
 
 
-def _as_is_hint(mismatched: list[tuple[str, tuple, tuple]], layout: str) -> str:
+def _as_is_hint(mismatched: list[tuple[str, Shape, Shape]], layout: str) -> str:
     """Under ``layout="torch"``: when 2-D entries would fit as stored (``(in, out)``, as Hugging
     Face's ``Conv1D`` stores them), how to load them that way."""
     stored = [name for name, source, model in mismatched if len(source) == 2 and source == model]
@@ -218,7 +219,7 @@ def place(source: WeightSource, reads: Mapping[str, Read], targets: Mapping[str,
     return placed
 
 
-def _part(source: WeightSource, read: Read, dtype: np.dtype, index: tuple) -> np.ndarray:
+def _part(source: WeightSource, read: Read, dtype: np.dtype, index: Index) -> np.ndarray:
     """The part of a variable at ``index`` (in its own layout), read from its source entry."""
     if read.axes is None:
         return source.read(read.entry, index).astype(dtype, copy=False)

@@ -15,6 +15,8 @@ import jax
 import ml_dtypes
 import numpy as np
 
+from trainkit.core.tree import Shape
+
 
 @dataclasses.dataclass(frozen=True)
 class LoadReport:
@@ -39,7 +41,7 @@ class LoadReport:
     loaded: tuple[str, ...] = ()
     missing: tuple[str, ...] = ()
     unexpected: tuple[str, ...] = ()
-    mismatched: tuple[tuple[str, tuple, tuple], ...] = ()
+    mismatched: tuple[tuple[str, Shape, Shape], ...] = ()
     casts: tuple[tuple[str, str, str], ...] = ()
     lossy: tuple[str, ...] = ()
     kept_initial: tuple[str, ...] = ()

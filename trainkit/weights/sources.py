@@ -23,7 +23,7 @@ import jax
 import ml_dtypes
 import numpy as np
 
-from trainkit.core.tree import PyTree, leaf_name
+from trainkit.core.tree import Index, PyTree, leaf_name
 
 #: safetensors' dtype names (the format's header) as NumPy dtypes (bf16 and fp8 from ml_dtypes)
 SAFETENSORS_DTYPES = {
@@ -59,7 +59,7 @@ class WeightSource(Protocol):
     entries: dict[str, Entry]
     description: str
 
-    def read(self, name: str, index: tuple) -> np.ndarray: ...
+    def read(self, name: str, index: Index) -> np.ndarray: ...
 
 
 class ArraySource:
@@ -69,7 +69,7 @@ class ArraySource:
         self.arrays, self.description = dict(arrays), description
         self.entries = {name: Entry(tuple(np.shape(a)), np.dtype(a.dtype)) for name, a in self.arrays.items()}
 
-    def read(self, name: str, index: tuple) -> np.ndarray:
+    def read(self, name: str, index: Index) -> np.ndarray:
         return np.asarray(self.arrays[name][index])
 
 
@@ -90,7 +90,7 @@ class SafetensorsSource:
         self.entries = {name: entry for name, (_, _, entry) in self._where.items()}
         self._maps: dict[str, np.ndarray] = {}
 
-    def read(self, name: str, index: tuple) -> np.ndarray:
+    def read(self, name: str, index: Index) -> np.ndarray:
         path, offset, entry = self._where[name]
         if path not in self._maps:
             self._maps[path] = np.memmap(path, dtype=np.uint8, mode="r")
@@ -114,7 +114,7 @@ def _refuse(path: str, what: str) -> WeightFileError:
     )
 
 
-def _read_header(path: str) -> tuple[dict, int, int]:
+def _read_header(path: str) -> tuple[dict[str, dict[str, Any]], int, int]:
     """The header's JSON object, where the data after it starts and its byte count."""
     size = os.path.getsize(path)
     with open(path, "rb") as file:
@@ -194,8 +194,9 @@ class OrbaxSource:
             for key, leaf in jax.tree_util.tree_leaves_with_path(self._metadata)
         }
 
-    def read(self, name: str, index: tuple) -> np.ndarray:
-        return np.asarray(self.place({name: None})[name])[index]
+    def read(self, name: str, index: Index) -> np.ndarray:
+        whole: np.ndarray = np.asarray(self.place({name: None})[name])
+        return whole[index]
 
     def place(self, shardings: Mapping[str, jax.sharding.Sharding | None]) -> dict[str, jax.Array]:
         """The entries named, restored in these shardings (``None``: the first device); the
