@@ -176,6 +176,17 @@ def test_the_remaining_time_shows_while_an_epoch_runs_only():
     assert _Remaining().render(progress.tasks[0]).plain == ""
 
 
+def test_verbose_auto_draws_the_bar_as_verbose_1(xy, capsys):
+    """Keras's ``verbose="auto"`` is 1 for ``fit``: the bar fit adds draws its epochs, as with verbose=1."""
+    x, y = xy
+    make_trainer().fit((x, y), epochs=1, batch_size=16, verbose=1)
+    one = capsys.readouterr().out
+    make_trainer().fit((x, y), epochs=1, batch_size=16, verbose="auto")
+    auto = capsys.readouterr().out
+    assert "Epoch 1/1" in one and "4/4" in one
+    assert "Epoch 1/1" in auto and "4/4" in auto
+
+
 def test_verbose_zero_prints_nothing(xy, capsys):
     x, y = xy
     make_trainer().fit((x, y), epochs=1, batch_size=16, verbose=0)
