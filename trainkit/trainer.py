@@ -15,7 +15,7 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import jax
@@ -27,7 +27,6 @@ from trainkit import distributed
 from trainkit import export as export_lib
 from trainkit import weights as weights_lib
 from trainkit.callbacks import Callback, CallbackList, History, lr_finder
-from trainkit.core.delegation import Delegated
 from trainkit.core.lora import LoRA
 from trainkit.core.model import adapt_model
 from trainkit.core.precision import Precision, get_precision
@@ -36,7 +35,7 @@ from trainkit.core.spikes import SpikeSkip
 from trainkit.core.state import Batch, TrainState
 from trainkit.core.totals import MetricFn
 from trainkit.core.trainable import TrainableSpec
-from trainkit.core.tree import PyTree
+from trainkit.core.tree import PyTree, TreeFunction
 from trainkit.data import FitConfig
 from trainkit.loop import Loop
 from trainkit.monitoring import debug
@@ -82,31 +81,17 @@ class Trainer:
     """
 
     def __init__(
-        self,
-        model: Any,
-        *,
-        loss: str | losses.LossFn | None = None,
-        optimizer: optax.GradientTransformation,
+        self, model: Any, *, loss: str | losses.LossFn | None = None, optimizer: optax.GradientTransformation,
         metrics: Sequence[str | MetricFn] | dict | None = None,
         weighted_metrics: Sequence[str | MetricFn] | dict | None = None,
         loss_weights: float | Sequence[float] | dict | None = None,
-        strategy: str | Strategy | Auto = "auto",
-        seed: int = 0,
-        params: PyTree | None = None,
-        precision: str | Precision | None = "fp32",
-        remat: Any = None,
-        grad_accum_steps: int = 1,
-        log_grad_norm: bool = False,
-        steps_per_execution: int | str = 1,
-        run_eagerly: bool = False,
-        jit_compile: bool | str = "auto",
-        mixes_rows: bool = False,
-        deterministic: bool = False,
-        trainable: TrainableSpec = None,
-        lora: LoRA | None = None,
-        skip_spikes: SpikeSkip | None = None,
+        strategy: str | Strategy | Auto = "auto", seed: int = 0, params: PyTree | None = None,
+        precision: str | Precision | None = "fp32", remat: Any = None, grad_accum_steps: int = 1,
+        log_grad_norm: bool = False, steps_per_execution: int | str = 1, run_eagerly: bool = False,
+        jit_compile: bool | str = "auto", mixes_rows: bool = False, deterministic: bool = False,
+        trainable: TrainableSpec = None, lora: LoRA | None = None, skip_spikes: SpikeSkip | None = None,
         frozen_statistics: bool = True,
-    ):
+    ) -> None:  # fmt: skip
         if deterministic:  # XLA reads its flags when the backend starts: before anything touches devices
             distributed.enable_determinism()
         distributed.initialize_from_environment()  # a multi-process job: connect first
@@ -125,15 +110,11 @@ class Trainer:
         )  # fmt: skip
         self.session = Session()  # the one holder of the live state, the position and the flags
         self.setup = Setup(
-            self.program,
-            strategy,
-            session=self.session,
-            steps_per_execution=steps_per_execution,
-            custom_loss=custom_loss,
-            mixes_rows=mixes_rows,
-            deterministic=deterministic,
-        )
-        self.state_access, self.loop = self.setup.state_access, Loop(self.session, self.setup.compiled)
+            self.program, strategy, session=self.session, steps_per_execution=steps_per_execution,
+            custom_loss=custom_loss, mixes_rows=mixes_rows, deterministic=deterministic,
+        )  # fmt: skip
+        self.state_access, self.compiled = self.setup.state_access, self.setup.compiled
+        self.loop = Loop(self.session, self.compiled)
 
     def apply(self, params: PyTree, model_state: PyTree, x: PyTree, *, rng: jax.Array, train: bool):
         """``(outputs, new_model_state)`` under the precision policy and remat; pure (use it in ``compute_loss``)."""
@@ -148,17 +129,53 @@ class Trainer:
         predictions, model_state = self.apply(params, model_state, batch["x"], rng=rng, train=train)
         return self.objective.loss(predictions, batch["y"]), (predictions, model_state)
 
-    state = Delegated[TrainState | None]("session.state", "The live TrainState (None before fit or init).")
-    strategy = Delegated[Strategy | None]("setup.decided.strategy", 'The strategy (under "auto": None until planned).')
-    last_plan = Delegated[plan_lib.MemoryPlan | None]("setup.decided.last_plan", 'The plan strategy="auto" chose from.')
-    steps_per_execution = Delegated[int]("setup.decided.steps_per_execution", "Batches per compiled training call.")
-    global_step = Delegated[int]("session.position.step", "Optimizer steps applied (dispatched) so far.")
-    history = Delegated[History | None]("session.history", "The History the last fit returned (None before).")
+    @property
+    def state(self) -> TrainState | None:
+        """The live TrainState (None before fit or init)."""
+        return self.session.state
 
-    stop_training = Delegated[bool]("session.stop_requested", "Keras's flag: True stops before the next batch.",
-                                    setter="session.set_stop_requested")  # fmt: skip
-    learning_rate = Delegated[float]("state_access.learning_rate", "The (inject_hyperparams) learning rate; settable.",
-                                     setter="state_access.set_learning_rate")  # fmt: skip
+    @property
+    def strategy(self) -> Strategy | None:
+        """The strategy (under "auto": None until planned)."""
+        return self.setup.decided.strategy
+
+    @property
+    def last_plan(self) -> plan_lib.MemoryPlan | None:
+        """The plan strategy="auto" chose from."""
+        return self.setup.decided.last_plan
+
+    @property
+    def steps_per_execution(self) -> int:
+        """Batches per compiled training call."""
+        return self.setup.decided.steps_per_execution
+
+    @property
+    def global_step(self) -> int:
+        """Optimizer steps applied (dispatched) so far."""
+        return self.session.position.step
+
+    @property
+    def history(self) -> History | None:
+        """The History the last fit returned (None before)."""
+        return self.session.history
+
+    @property
+    def stop_training(self) -> bool:
+        """Keras's flag: True stops before the next batch."""
+        return self.session.stop_requested
+
+    @stop_training.setter
+    def stop_training(self, value: bool) -> None:
+        self.session.set_stop_requested(value)
+
+    @property
+    def learning_rate(self) -> float:
+        """The (inject_hyperparams) learning rate; settable."""
+        return self.state_access.learning_rate
+
+    @learning_rate.setter
+    def learning_rate(self, value: float) -> None:
+        self.state_access.set_learning_rate(value)
 
     def compile(self, *args: Any, **kwargs: Any) -> None:  # Keras's habit: the loss and optimizer come when made
         raise TypeError("A Trainer is compiled when made: tk.Trainer(model, loss=..., optimizer=..., metrics=[...]).")
@@ -171,7 +188,10 @@ class Trainer:
         """The state from a sample batch (as ``fit`` takes), the strategy chosen first under ``"auto"``."""
         return self.setup.init(sample_batch)
 
-    params = Delegated[PyTree]("state_access.host_params", "Host NumPy copies of the parameters.")
+    @property
+    def params(self) -> PyTree:
+        """Host NumPy copies of the parameters."""
+        return self.state_access.host_params
 
     def count_params(self) -> int:
         """The number of scalars in all variables (parameters and model state), as Keras counts."""
@@ -196,37 +216,35 @@ class Trainer:
     def merge_lora(self) -> Trainer:
         """A trainer of the model without adapters, folded into its kernels: the same predictions."""
         (loss, metrics, weighted, loss_weights), (variables, sample) = self.objective.spec, self.state_access.merged()
-        options = {"metrics": metrics, "weighted_metrics": weighted, "loss_weights": loss_weights, "seed": self.seed}
-        options.update(strategy=self.strategy or "auto", precision=self.precision, remat=self.remat, params=variables)
-        (merged := type(self)(self.model, loss=loss, optimizer=self.optimizer, **options)).init(sample)
+        merged = type(self)(
+            self.model, loss=loss, optimizer=self.optimizer, metrics=metrics, weighted_metrics=weighted,
+            loss_weights=loss_weights, strategy=self.strategy or "auto", seed=self.seed, precision=self.precision,
+            remat=self.remat, params=variables,
+        )  # fmt: skip
+        merged.init(sample)
         return merged
 
-    def manifest(self) -> dict:
+    def manifest(self) -> dict[str, Any]:
         """What a checkpoint records besides the arrays (JSON; see docs/checkpointing.md)."""
-        session, state = self.session, self.session.require_state()
-        settings = {**self.state_access.settings(), "batch_size": session.batch_size, "data_state": session.data_state}
-        if session.ledger.active:  # the goodput ledger so far: a resume carries it on (BackupAndRestore)
-            settings["goodput"] = session.ledger.saved()
-        return checkpoint_lib.build_manifest(state, self.strategy, session.position, **settings)
+        return checkpoint_lib.manifest_of(self.session, self.strategy, self.state_access.settings())
 
     def save(
-        self,
-        filepath: str | os.PathLike,
-        *,
-        max_to_keep: int | None = None,
-        weights_only: bool = False,
-        overwrite: bool = True,
-        allow_non_finite: bool = False,
-    ) -> int:
+        self, filepath: str | os.PathLike[str], *, max_to_keep: int | None = None, weights_only: bool = False,
+        overwrite: bool = True, allow_non_finite: bool = False,
+    ) -> int:  # fmt: skip
         """Writes the state (or only the variables) and the manifest to ``filepath`` (orbax) at
         the current step and returns it, once on disk. An existing step is replaced, or with
         ``overwrite=False`` refused; non-finite parameters are refused unless ``allow_non_finite``."""
-        options: dict[str, Any] = {"max_to_keep": max_to_keep, "weights_only": weights_only, "overwrite": overwrite}
         state, step = self.session.require_state(), self.global_step
-        checkpoint_lib.save(filepath, step, state, self.manifest(), allow_non_finite=allow_non_finite, **options)
+        checkpoint_lib.save(
+            filepath, step, state, self.manifest(), max_to_keep=max_to_keep, weights_only=weights_only,
+            overwrite=overwrite, allow_non_finite=allow_non_finite,
+        )  # fmt: skip
         return step
 
-    def load(self, directory: str | os.PathLike | checkpoint_lib.Checkpointer, step: int | None = None) -> dict:
+    def load(
+        self, directory: str | os.PathLike[str] | checkpoint_lib.Checkpointer, step: int | None = None
+    ) -> dict[str, Any]:
         """Restores the latest checkpoint (or ``step``), saved under any strategy or device count (or the
         variables of a ``save_weights_only`` one), after ``init(sample_batch)``; returns the manifest."""
         state, manifest = checkpoint_lib.restore(directory, self.session.require_state(), step)
@@ -234,9 +252,9 @@ class Trainer:
         checkpoint_lib.explain_restore(manifest, self.strategy, self.session.batch_size)
         return manifest
 
-    def function(self, kind: str) -> Callable:
+    def function(self, kind: str) -> TreeFunction:
         """The compiled ``"train"``, ``"eval"`` or ``"predict"`` step (compiled once)."""
-        return self.setup.compiled.function(kind)
+        return self.compiled.function(kind)
 
     def lowered_text(self, sample_batch: Any = None) -> str:
         """The train step as StableHLO (default: for the last ``fit``'s batch shape)."""
@@ -247,23 +265,16 @@ class Trainer:
         return str(debug.lower_train_step(self, self.setup.placed_sample(sample_batch)).compile().as_text())
 
     def plan(
-        self,
-        sample_batch: Any,
-        *,
-        batch_size: int | None = None,
-        candidates: Sequence[Strategy] | None = None,
-        measure: bool = False,
-        memory_limit: int | str | None = None,
-        steps: int = plan_lib.MEASURE_STEPS,
-        verbose: int = 1,
-        target: str | None = None,
-        first_fit: bool = False,
-    ) -> plan_lib.MemoryPlan:
+        self, sample_batch: Any, *, batch_size: int | None = None, candidates: Sequence[Strategy] | None = None,
+        measure: bool = False, memory_limit: int | str | None = None, steps: int = plan_lib.MEASURE_STEPS,
+        verbose: int = 1, target: str | None = None, first_fit: bool = False,
+    ) -> plan_lib.MemoryPlan:  # fmt: skip
         """The real step compiled under each candidate (``first_fit``: up to the first that fits): bytes, flops,
         traffic, estimated (or ``measure``d) time, ``"auto"``'s pick; ``target="tpu v5e:4x4"``: docs/targets.md."""
-        options: dict[str, Any] = {"candidates": candidates, "measure": measure, "memory_limit": memory_limit}
-        options.update(batch_size=batch_size, steps=steps, verbose=verbose, target=target, first_fit=first_fit)
-        return tuning.plan(self.setup, sample_batch, **options)
+        return tuning.plan(
+            self.setup, sample_batch, batch_size=batch_size, candidates=candidates, measure=measure,
+            memory_limit=memory_limit, steps=steps, verbose=verbose, target=target, first_fit=first_fit,
+        )  # fmt: skip
 
     def export(
         self, filepath: str | os.PathLike, format: str | None = None, verbose: bool = True, **options: Any
@@ -276,60 +287,36 @@ class Trainer:
         export_lib.export(filepath, lambda: self.setup.inference(float32), format, verbose=verbose, **options)
 
     def find_batch_size(
-        self,
-        x: Any,
-        y: PyTree = None,
-        *,
-        max_batch_size: int = 2**16,
-        memory_limit: int | str | None = None,
-        powers_of_two: bool = True,
-        verbose: int = 1,
-        target: str | None = None,
-    ) -> BatchSizeSearch:
+        self, x: Any, y: PyTree = None, *, max_batch_size: int = 2**16, memory_limit: int | str | None = None,
+        powers_of_two: bool = True, verbose: int = 1, target: str | None = None,
+    ) -> BatchSizeSearch:  # fmt: skip
         """The largest global batch (powers of two the strategy splits) whose compiled train step fits
         ``memory_limit`` (default: the device's); found by compiling, never by an OOM (docs/tuning.md)."""
-        options: dict[str, Any] = {"max_batch_size": max_batch_size, "memory_limit": memory_limit, "target": target}
-        return tuning.find_batch_size(self.setup, x, y, powers_of_two=powers_of_two, verbose=verbose, **options)
+        return tuning.find_batch_size(
+            self.setup, x, y, max_batch_size=max_batch_size, memory_limit=memory_limit, powers_of_two=powers_of_two,
+            verbose=verbose, target=target,
+        )  # fmt: skip
 
     def find_learning_rate(
-        self,
-        x: Any,
-        y: PyTree = None,
-        *,
-        batch_size: int | None,
-        min_lr: float = 1e-7,
-        max_lr: float = 1.0,
-        steps: int = 100,
-        early_stop_threshold: float | None = lr_finder.EARLY_STOP_THRESHOLD,
-    ) -> lr_finder.LearningRateSearch:
+        self, x: Any, y: PyTree = None, *, batch_size: int | None, min_lr: float = 1e-7, max_lr: float = 1.0,
+        steps: int = 100, early_stop_threshold: float | None = lr_finder.EARLY_STOP_THRESHOLD,
+    ) -> lr_finder.LearningRateSearch:  # fmt: skip
         """Lightning's range test from ``min_lr`` to ``max_lr``: ``lrs``, smoothed ``losses``, the
         ``suggestion`` and ``plot(path)``; the trainer is restored exactly (docs/tuning.md)."""
-        options: dict[str, Any] = {"min_lr": min_lr, "max_lr": max_lr, "early_stop_threshold": early_stop_threshold}
-        return lr_finder.find_learning_rate(self, x, y, batch_size=batch_size, steps=steps, **options)
+        return lr_finder.find_learning_rate(
+            self, x, y, batch_size=batch_size, min_lr=min_lr, max_lr=max_lr, steps=steps,
+            early_stop_threshold=early_stop_threshold,
+        )  # fmt: skip
 
     def fit(
-        self,
-        x: Any = None,
-        y: PyTree = None,
-        batch_size: int | None = None,
-        epochs: int | None = None,
-        verbose: int | str = 1,
-        callbacks: Iterable[Callback] | None = None,
-        validation_split: float = 0.0,
-        validation_data: Any = None,
-        shuffle: bool | str = True,
-        class_weight: dict | None = None,
-        sample_weight: PyTree = None,
-        initial_epoch: int = 0,
-        steps_per_epoch: int | None = None,
-        validation_steps: int | None = None,
-        validation_batch_size: int | None = None,
-        validation_freq: int | list[int] = 1,
-        *,
-        validation_interval: int | None = None,
-        max_steps: int | None = None,
+        self, x: Any = None, y: PyTree = None, batch_size: int | None = None, epochs: int | None = None,
+        verbose: int | str = 1, callbacks: Iterable[Callback] | None = None, validation_split: float = 0.0,
+        validation_data: Any = None, shuffle: bool | str = True, class_weight: dict | None = None,
+        sample_weight: PyTree = None, initial_epoch: int = 0, steps_per_epoch: int | None = None,
+        validation_steps: int | None = None, validation_batch_size: int | None = None,
+        validation_freq: int | list[int] = 1, *, validation_interval: int | None = None, max_steps: int | None = None,
         read_ahead: bool = True,
-    ) -> History:
+    ) -> History:  # fmt: skip
         """Trains for ``epochs`` epochs (or ``max_steps`` steps) with Keras's arguments (``x``:
         docs/data.md) and returns a Keras ``History``; callbacks run in Keras 3's order (yours,
         ``History``, the progress bar). ``validation_interval=N`` validates every N steps.
@@ -341,26 +328,22 @@ class Trainer:
             shuffle=shuffle, seed=self.seed, validation_freq=validation_freq, validation_steps=validation_steps,
             validation_interval=validation_interval, read_ahead=read_ahead,
         ).checked(has_validation=validation_data is not None or bool(validation_split))  # fmt: skip
-        options: dict[str, Any] = {"validation_data": validation_data, "validation_split": validation_split}
-        options.update(validation_batch_size=validation_batch_size, class_weight=class_weight, announce=bool(verbose))
         with self.session.ledger.running(distributed.take_startup_seconds()):  # history.goodput: where time went
-            self.setup.compiled.use_statistics(CallbackList.step_statistics_of(callbacks))  # in the train step
-            prepared, config = inputs.prepare_fit(self.setup, config, x, y, sample_weight, batch_size, **options)
+            self.compiled.use_statistics(CallbackList.step_statistics_of(callbacks))  # in the train step
+            prepared, config = inputs.prepare_fit(
+                self.setup, config, x, y, sample_weight, batch_size, validation_data=validation_data,
+                validation_split=validation_split, validation_batch_size=validation_batch_size,
+                class_weight=class_weight, announce=bool(verbose),
+            )  # fmt: skip
             callback_list = CallbackList.for_run(callbacks, self, verbose, config.steps, config.epoch_count, fit=True)
             self.loop.fit(prepared.source, prepared.batch_size, callback_list, config)
         return callback_list.require_history()
 
     def evaluate(
-        self,
-        x: Any = None,
-        y: PyTree = None,
-        batch_size: int | None = None,
-        verbose: int | str = 0,
-        sample_weight: PyTree = None,
-        steps: int | None = None,
-        callbacks: Iterable[Callback] | None = None,
+        self, x: Any = None, y: PyTree = None, batch_size: int | None = None, verbose: int | str = 0,
+        sample_weight: PyTree = None, steps: int | None = None, callbacks: Iterable[Callback] | None = None,
         return_dict: bool = False,
-    ) -> float | list[float] | dict[str, float]:
+    ) -> float | list[float] | dict[str, float]:  # fmt: skip
         """The loss and metrics over the whole dataset, exact on any device count; as Keras, the
         loss alone or ``[loss, *metrics]``, or with ``return_dict`` the dict (prints nothing)."""
         dataset, size, total = inputs.prepare_run(self.setup, x, y, sample_weight, batch_size, steps, targets=True)
@@ -371,8 +354,10 @@ class Trainer:
         """One optimizer step on exactly these rows (Keras's ``train_on_batch``), padded to a
         size the devices can split; returns that batch's loss and metrics like :meth:`evaluate`."""
         size = inputs.one_batch_size(self.setup, x)
-        options = {"sample_weight": sample_weight, "class_weight": class_weight, "shuffle": False, "verbose": 0}
-        history = self.fit(x, y, batch_size=size, epochs=1, **options)
+        history = self.fit(
+            x, y, batch_size=size, epochs=1, sample_weight=sample_weight, class_weight=class_weight, shuffle=False,
+            verbose=0,
+        )  # fmt: skip
         return self.objective.keras_result({k: v[-1] for k, v in history.history.items()}, return_dict)
 
     def test_on_batch(self, x: Any, y: PyTree = None, sample_weight: PyTree = None, return_dict: bool = False) -> Any:
@@ -385,13 +370,9 @@ class Trainer:
         return self.predict(x, batch_size=inputs.one_batch_size(self.setup, x))
 
     def predict(
-        self,
-        x: Any = None,
-        batch_size: int | None = None,
-        verbose: int | str = 0,
-        steps: int | None = None,
+        self, x: Any = None, batch_size: int | None = None, verbose: int | str = 0, steps: int | None = None,
         callbacks: Iterable[Callback] | None = None,
-    ) -> PyTree:
+    ) -> PyTree:  # fmt: skip
         """Outputs with exactly one row per input row (an array, or a pytree for several
         outputs); ``x`` as ``fit`` takes it (targets ignored), a tuple of arrays the inputs."""
         dataset, batch_size, total = inputs.prepare_run(self.setup, x, None, None, batch_size, steps, targets=False)

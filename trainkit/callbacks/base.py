@@ -1,7 +1,7 @@
 """``Callback``: Keras 3's hooks, arguments and attributes.
 
 Code written for Keras 3 callbacks runs unchanged: every hook takes ``logs``; ``self.model``
-(the :class:`trainkit.Trainer`, also ``self.trainer``; typed as such for a type checker) has
+(the :class:`trainkit.Trainer`, also ``self.trainer``; typed as a :class:`TrainerView`) has
 ``stop_training``, ``get_weights``, ``set_weights`` and ``save``; ``self.params`` holds
 ``verbose``, ``epochs`` and ``steps``. trainkit adds ``self.session``, the trainer's typed
 :class:`~trainkit.core.session.Session` (the position, the :class:`~trainkit.core.session.StepRecord`
@@ -17,15 +17,13 @@ of the batch a hook is about, ``resume_at`` / ``request_stop`` / ``preempt``), a
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, TypedDict
+from typing import TypedDict
 
+from trainkit.callbacks.trainer_view import TrainerView
 from trainkit.core.session import Session
 from trainkit.core.statistics import StepStatistics
 from trainkit.core.warn import warn_user
 from trainkit.loop.hooks import Logs
-
-if TYPE_CHECKING:  # for the type checker only: nothing imports trainer.py at run time
-    from trainkit.trainer import Trainer
 
 
 class RunParams(TypedDict, total=False):
@@ -76,7 +74,7 @@ class Callback:
     the hook sees the metrics of batch ``i`` a little later.
     """
 
-    trainer: Trainer | None = None
+    trainer: TrainerView | None = None
     params: RunParams | None = None
     async_safe: bool = False
     #: Stops training at the first non-finite loss (``TerminateOnNaN``).
@@ -116,14 +114,14 @@ class Callback:
         return True
 
     @property
-    def model(self) -> Trainer:
+    def model(self) -> TrainerView:
         """Keras's name for :attr:`trainer` (set before the first hook)."""
         if self.trainer is None:
             raise RuntimeError(f"{type(self).__name__} is not attached to a trainer: pass it to fit(callbacks=[...]).")
         return self.trainer
 
     @model.setter
-    def model(self, value: Trainer) -> None:
+    def model(self, value: TrainerView) -> None:
         self.trainer = value
 
     @property
@@ -132,10 +130,10 @@ class Callback:
         is about, and the explicit requests (``request_stop``, ``resume_at``, ``preempt``)."""
         return self.model.session
 
-    def set_model(self, model: Trainer | None) -> None:
+    def set_model(self, model: TrainerView | None) -> None:
         self.trainer = model
 
-    def set_trainer(self, trainer: Trainer | None) -> None:
+    def set_trainer(self, trainer: TrainerView | None) -> None:
         self.trainer = trainer
 
     def set_params(self, params: RunParams | None) -> None:

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from trainkit import distributed
 from trainkit.callbacks.backup_and_restore import BackupAndRestore
@@ -27,14 +27,12 @@ from trainkit.callbacks.base import _ALIASES, _BATCH_END, Callback, Logs, RunPar
 from trainkit.callbacks.history import History
 from trainkit.callbacks.progress import ProgressBar
 from trainkit.callbacks.ray_train_report import RayTrainReport
+from trainkit.callbacks.trainer_view import TrainerView
 from trainkit.core.ledger import Ledger
 from trainkit.core.statistics import StepStatistics
 from trainkit.core.warn import warn_user
 from trainkit.distributed import ray_train
 from trainkit.loop.hooks import BatchEndHook, ExceptionHook, IndexedHook, RunHook
-
-if TYPE_CHECKING:  # for the type checker only: nothing imports trainer.py at run time
-    from trainkit.trainer import Trainer
 
 
 def _keras_logs(logs: Logs | None) -> Logs:
@@ -194,7 +192,7 @@ class CallbackList:
 
     @classmethod
     def for_run(
-        cls, callbacks: Iterable[Callback] | None, trainer: Trainer, verbose: Any, steps: Any, epochs: int = 1,
+        cls, callbacks: Iterable[Callback] | None, trainer: TrainerView, verbose: Any, steps: Any, epochs: int = 1,
         fit: bool = False,
     ) -> CallbackList:  # fmt: skip
         """Keras's callback list of a ``fit`` / ``evaluate`` / ``predict``: ``fit`` adds ``History``
@@ -213,7 +211,7 @@ class CallbackList:
     def __init__(
         self,
         callbacks: Iterable[Callback],
-        trainer: Trainer | None,
+        trainer: TrainerView | None,
         params: RunParams | None = None,
         *,
         add_history: bool = False,

@@ -19,16 +19,16 @@ import dataclasses
 import math
 import os
 import warnings
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import numpy as np
 
 from trainkit.callbacks.base import Callback
+from trainkit.callbacks.trainer_view import TrainerView
 from trainkit.core import atomic
+from trainkit.core.state import TrainState
+from trainkit.core.tree import PyTree
 from trainkit.core.warn import warn_user
-
-if TYPE_CHECKING:  # for the type checker only: nothing imports trainer.py at run time
-    from trainkit.trainer import Trainer
 
 #: Lightning's defaults: the loss's smoothing, the divergence threshold, the points left out.
 SMOOTHING, EARLY_STOP_THRESHOLD, SKIP_BEGIN, SKIP_END = 0.98, 4.0, 10, 1
@@ -208,8 +208,19 @@ def no_suggestion(raw: list[float], tried: list[float], min_lr: float) -> str:
     )
 
 
+class RangeTested(TrainerView, Protocol):
+    """What the range test drives of a trainer besides a callback's view: ``init`` and ``fit``."""
+
+    def init(self, sample_batch: Any) -> TrainState: ...
+
+    def fit(
+        self, x: Any, y: PyTree, *, batch_size: int | None, epochs: int, steps_per_epoch: int, verbose: int,
+        callbacks: list[Callback],
+    ) -> object: ...  # fmt: skip
+
+
 def find_learning_rate(
-    trainer: Trainer,
+    trainer: RangeTested,
     x: Any,
     y: Any,
     *,

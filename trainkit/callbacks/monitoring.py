@@ -19,6 +19,7 @@ import numpy as np
 
 from trainkit import distributed
 from trainkit.callbacks.base import Callback, Logs
+from trainkit.callbacks.trainer_view import TrainerView
 from trainkit.core import optimizers
 from trainkit.core.redact import redacted
 from trainkit.core.session import Session
@@ -29,7 +30,7 @@ from trainkit.monitoring import debug, loggers, throughput
 logger = logging.getLogger("trainkit")
 
 
-def run_config(trainer: Any) -> dict[str, Any]:
+def run_config(trainer: TrainerView) -> dict[str, Any]:
     """The run's hyperparameters, logged once per ``fit``: model, parameter count, loss,
     optimizer (its injected hyperparameters), strategy, precision, batch size, accumulation,
     seed, devices and processes. Reads shapes and replicated scalars only (no gather), so any
@@ -48,6 +49,8 @@ def run_config(trainer: Any) -> dict[str, Any]:
         "processes": jax.process_count(),
     }
     try:
+        if state is None:
+            return config
         config["optimizer"] = optimizers.describe(state.opt_state)
         hyperparameters = optimizers.hyperparameters(distributed.fetch(optimizers.injected(state.opt_state)))
         config.update({f"optimizer/{k}": v for k, v in hyperparameters.items()})
@@ -193,7 +196,7 @@ class Logging(_Rate):
     def on_train_begin(self, logs: Logs | None = None) -> None:
         self.meter, self._mark = None, None
         if distributed.is_main_process():
-            config = run_config(self.trainer)
+            config = run_config(self.model)
             for item in list(self.loggers):
                 self._call(item, item.log_hparams, config)
 
@@ -352,7 +355,7 @@ class TensorBoard(_Rate):
             self.profiler.set_trainer(self.trainer)
         if distributed.is_main_process():
             self.board = loggers.TensorBoardLogger(self.log_dir)
-            self.board.log_hparams(run_config(self.trainer))
+            self.board.log_hparams(run_config(self.model))
 
     def on_epoch_begin(self, epoch: int, logs: Logs | None = None) -> None:
         self._epoch_mark = (self.model.global_step, time.perf_counter())

@@ -6,16 +6,9 @@ written in the background, restored into any strategy (imports ``core``, ``distr
 True
 """
 
-from trainkit.checkpoint.checkpointer import (
-    Checkpointer,
-    CheckpointError,
-    all_finite,
-    build_manifest,
-    check_writable,
-    checked_position,
-    explain_restore,
-)
+from trainkit.checkpoint.checkpointer import Checkpointer, CheckpointError, all_finite, check_writable
 from trainkit.checkpoint.files import remove_checkpoints, restore, save
+from trainkit.checkpoint.manifest import build_manifest, checked_position, explain_restore, manifest_of
 
 __all__ = [
     "CheckpointError",
@@ -25,6 +18,7 @@ __all__ = [
     "check_writable",
     "checked_position",
     "explain_restore",
+    "manifest_of",
     "remove_checkpoints",
     "restore",
     "save",

@@ -20,13 +20,11 @@ from __future__ import annotations
 
 import atexit
 import concurrent.futures
-import fcntl
 import json
 import logging
 import os
 import re
 import shutil
-import socket
 import sys
 import threading
 import time
@@ -39,6 +37,8 @@ import jax
 import orbax.checkpoint as ocp
 
 from trainkit import distributed
+from trainkit.checkpoint import directory as directory_lib
+from trainkit.checkpoint import manifest as manifest_lib
 from trainkit.checkpoint import orbax_logs
 from trainkit.checkpoint.errors import CheckpointError
 from trainkit.checkpoint.parts import Parts
@@ -47,7 +47,6 @@ from trainkit.core import tree
 from trainkit.core.tree import PyTree
 from trainkit.core.warn import warn_user
 from trainkit.distributed import filesystem
-from trainkit.version import __version__
 
 logger = logging.getLogger("trainkit")
 
@@ -111,29 +110,6 @@ def _structure_mismatch(message: str) -> list[str]:
     return [
         f"{path}: the model has {_node_kind(mine)}, the checkpoint {_node_kind(disk)}" for path, mine, disk in found
     ]
-
-
-def checked_position(manifest: dict, where: str) -> dict:
-    """The manifest's ``position``: ``epoch``, ``batch`` and ``global_step``, integers >= 0;
-    else a :class:`CheckpointError` naming the field (a hand-edited or foreign manifest).
-
-    >>> checked_position({"position": {"epoch": 1, "batch": 0, "global_step": 8}}, "ck/8")["global_step"]
-    8
-    """
-    position = manifest.get("position")
-    if not isinstance(position, dict):
-        raise CheckpointError(
-            f"The manifest of {where} has no position (received {position!r}): it was edited or written by "
-            "something else than trainkit. Resume from an untouched checkpoint."
-        )
-    for field in ("epoch", "batch", "global_step"):
-        value = position.get(field)
-        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-            raise CheckpointError(
-                f"The manifest of {where} has position.{field} = {value!r}; it must be an integer >= 0. The "
-                "manifest was edited or written by something else than trainkit: resume from an untouched checkpoint."
-            )
-    return position
 
 
 def check_writable(directory: str) -> None:
@@ -200,8 +176,8 @@ class Checkpointer:
                 raise CheckpointError(f"No checkpoint directory {self.directory!r}.")
         else:
             check_writable(self.directory)
-            self._lock = _lock_directory(self.directory)
-        _set_aside_unreadable_steps(self.directory, read_only)
+            self._lock = directory_lib.lock_directory(self.directory)
+        directory_lib.set_aside_unreadable_steps(self.directory, read_only)
         options = ocp.CheckpointManagerOptions(
             max_to_keep=max_to_keep,
             best_fn=best_fn,
@@ -216,12 +192,12 @@ class Checkpointer:
             multiprocessing_options=_barriers_off_the_devices(),
         )
         try:
-            self._alias = _glob_free_alias(self.directory)
+            self._alias = directory_lib.glob_free_alias(self.directory)
             with orbax_logs.without_read_only_notice():  # orbax warns that a directory opened to read is read only
                 self._manager = ocp.CheckpointManager(self._alias or self.directory, options=options)
         except BaseException:
-            _remove_alias(self._alias)
-            _unlock(self._lock)
+            directory_lib.remove_alias(self._alias)
+            directory_lib.unlock(self._lock)
             raise
         self._last_saved: int | None = None
         self.enable_async = enable_async
@@ -337,7 +313,7 @@ class Checkpointer:
 
     def set_aside(self) -> list[str]:
         """The corrupt steps moved aside when a writer opened the directory (``<step>.unreadable``)."""
-        return sorted(name for name in os.listdir(self.directory) if name.endswith(SET_ASIDE))
+        return sorted(name for name in os.listdir(self.directory) if name.endswith(directory_lib.SET_ASIDE))
 
     @property
     def last_saved(self) -> int | None:
@@ -464,7 +440,7 @@ class Checkpointer:
         restored = policy.restored(restored, flax.serialization.to_state_dict(target))
         if not policy.weights_only and "position" in manifest:  # a whole state: its step is the manifest's
             where = f"step {step} in {self.directory!r}"
-            written = checked_position(manifest, where)["global_step"]
+            written = manifest_lib.checked_position(manifest, where)["global_step"]
             if int(restored["step"]) != written:
                 raise CheckpointError(
                     f"The arrays of {where} hold the state of step {int(restored['step'])}, but its manifest says "
@@ -489,8 +465,8 @@ class Checkpointer:
             try:
                 self._manager.close()
             finally:
-                _remove_alias(self._alias)
-                _unlock(self._lock)
+                directory_lib.remove_alias(self._alias)
+                directory_lib.unlock(self._lock)
                 self._lock = self._alias = None
 
 
@@ -551,162 +527,3 @@ def _let_late_reads_finish() -> None:
 
 
 #: Orbax's per-step record (its commit time), read for every step when a manager opens.
-STEP_RECORD = "_CHECKPOINT_METADATA"
-#: The suffix of a corrupt step directory moved aside, and how long the other processes wait
-#: (seconds) for process 0 to move it (a filesystem wait: no collective on a path only some see).
-SET_ASIDE, SET_ASIDE_WAIT = ".unreadable", 60.0
-
-
-def unreadable_steps(directory: str) -> list[str]:
-    """The step directories of ``directory`` whose orbax step record is not a JSON object
-    (overwritten or truncated files): orbax cannot even open the directory while they are there."""
-    found = []
-    for name in sorted(os.listdir(directory)) if os.path.isdir(directory) else ():
-        record = os.path.join(directory, name, STEP_RECORD)
-        if not name.isdigit() or not os.path.exists(record):
-            continue
-        try:
-            with open(record) as f:
-                readable = isinstance(json.load(f), dict)
-        except (OSError, ValueError):
-            readable = False
-        if not readable:
-            found.append(name)
-    return found
-
-
-def _set_aside_unreadable_steps(directory: str, read_only: bool) -> None:
-    """Renames each unreadable step directory to ``<step>.unreadable`` (kept, not deleted;
-    orbax ignores the name) with a warning, so that the other steps open; a reader, which
-    changes nothing, raises naming them instead."""
-    bad = unreadable_steps(directory)
-    if not bad:
-        return
-    if read_only:
-        raise CheckpointError(
-            f"The checkpoint step(s) {bad} in {directory!r} are corrupt (their {STEP_RECORD} is not JSON), "
-            "and orbax cannot open the directory while they are there. Move or delete them to read the other steps."
-        )
-    if not distributed.is_main_process():  # process 0 renames; the others open the directory after it
-        deadline = time.monotonic() + SET_ASIDE_WAIT
-        while any(os.path.exists(os.path.join(directory, name)) for name in bad) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        return
-    for name in bad:
-        os.replace(os.path.join(directory, name), os.path.join(directory, name + SET_ASIDE))
-        warn_user(
-            f"Checkpoint step {name} in {directory!r} is corrupt (its {STEP_RECORD} is not JSON); it was moved "
-            f"to {name + SET_ASIDE}, and the other steps are used."
-        )
-
-
-#: Characters orbax's path handling reads as a glob pattern (``[1]``, ``**``): a checkpoint under
-#: such a path was written in part and never found again.
-GLOB_CHARACTERS = "[]*"
-
-
-def _glob_free_alias(directory: str) -> str | None:
-    """For a ``directory`` whose path has glob characters (``sweep[lr=0.01]``), a symbolic link
-    to it under a temporary directory without them, through which orbax reads and writes the
-    real files; ``None`` for an ordinary path."""
-    if not any(c in directory for c in GLOB_CHARACTERS):
-        return None
-    import tempfile
-
-    holder = tempfile.mkdtemp(prefix="trainkit-checkpoint-")
-    if any(c in holder for c in GLOB_CHARACTERS):
-        raise CheckpointError(
-            f"{directory!r} has one of {GLOB_CHARACTERS!r}, which orbax reads as a glob pattern, and the temporary "
-            f"directory {holder!r} does too; rename the checkpoint directory."
-        )
-    alias = os.path.join(holder, "checkpoints")
-    os.symlink(directory, alias)
-    return alias
-
-
-def _remove_alias(alias: str | None) -> None:
-    if alias is not None:
-        os.remove(alias)
-        os.rmdir(os.path.dirname(alias))
-
-
-def _lock_directory(directory: str):
-    """An exclusive, non-blocking lock on ``directory`` (process 0 only); ``None`` elsewhere."""
-    if jax.process_index() != 0:
-        return None
-    path = os.path.join(directory, ".trainkit-lock")
-    handle = open(path, "a+")  # noqa: SIM115 - held open while the checkpointer is
-    try:
-        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
-        handle.seek(0)
-        holder = handle.read().strip() or "another writer"
-        handle.close()
-        raise CheckpointError(
-            f"{directory!r} is being written by {holder}: two writers in one directory corrupt each other's "
-            "checkpoints. Give this run its own directory, or close the other writer (trainer.save / a "
-            "ModelCheckpoint of another fit) first."
-        ) from None
-    handle.seek(0)
-    handle.truncate()
-    handle.write(f"pid {os.getpid()} on {socket.gethostname()}\n")
-    handle.flush()
-    return handle
-
-
-def _unlock(handle) -> None:
-    if handle is not None:
-        try:
-            fcntl.flock(handle, fcntl.LOCK_UN)
-        finally:
-            handle.close()
-
-
-def build_manifest(state: PyTree, strategy: Any, position: Any, data_state: Any = None, **settings: Any) -> dict:
-    """What a checkpoint records besides the arrays: versions, the strategy and mesh, the data
-    ``position`` (``epoch``, ``batch``, ``step``) and ``data_state`` (every process's, gathered),
-    ``settings`` (precision, seed, batch size...) and the shape and dtype of every leaf of the
-    parameters, optimizer state and model state."""
-    parts = flax.serialization.to_state_dict(state)
-    if data_state is not None:
-        settings["data_state"] = distributed.gather_json(data_state)
-    return {
-        "trainkit_version": __version__,
-        "jax_version": jax.__version__,
-        "strategy": type(strategy).__name__,
-        "strategy_description": strategy.describe(),
-        "mesh": {name: int(size) for name, size in strategy.mesh.shape.items()},
-        "device_count": len(strategy.devices),
-        "process_count": jax.process_count(),
-        **settings,
-        "position": {"epoch": position.epoch, "batch": position.batch, "global_step": position.step},
-        "tree": {part: tree.signature(parts[part]) for part in ("params", "opt_state", "model_state")},
-    }
-
-
-def explain_restore(manifest: dict, into: Any, batch_size: int | None) -> None:
-    """Logs what a restore into another strategy (``into``), device count or batch size means
-    for the run's exactness (a batch index is converted by examples seen)."""
-    strategy, devices = type(into).__name__, len(into.devices)
-    if manifest.get("device_count") != devices or manifest.get("strategy") != strategy:
-        logger.warning(
-            "Restored step %s written by %s on %s devices into %s on %s devices: the state is "
-            "exact; later steps reduce over another device layout, so they match the "
-            "original run to float rounding, not bit for bit.",
-            manifest["position"]["global_step"],
-            manifest.get("strategy"),
-            manifest.get("device_count"),
-            strategy,
-            devices,
-        )
-    if batch_size is not None and manifest.get("batch_size") not in (None, batch_size):
-        batch = manifest["position"]["batch"] * manifest["batch_size"] // batch_size
-        logger.warning(
-            "The checkpoint was written with batch_size=%s, this run uses %s: the data "
-            "position is converted by examples seen (batch %s -> %s), and the batches, and "
-            "so the updates, differ from the original run from here on.",
-            manifest["batch_size"],
-            batch_size,
-            manifest["position"]["batch"],
-            batch,
-        )

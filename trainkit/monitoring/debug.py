@@ -11,7 +11,7 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Protocol
 
 import flax.serialization
 import jax
@@ -21,9 +21,31 @@ from rich.console import Console
 from rich.table import Table
 
 from trainkit.core import cost
+from trainkit.core.session import Session
 from trainkit.core.state import TrainState, abstract
 from trainkit.core.totals import pack
-from trainkit.core.tree import PyTree, leaf_name
+from trainkit.core.tree import PyTree, TreeFunction, leaf_name
+from trainkit.loop.hooks import CompiledSteps
+from trainkit.strategies import Strategy
+
+
+class CompiledTrainer(Protocol):
+    """What these helpers read of a trainer: its session and live state, its strategy, and its
+    compiled steps (a :class:`trainkit.Trainer` is one)."""
+
+    @property
+    def session(self) -> Session: ...
+
+    @property
+    def state(self) -> TrainState | None: ...
+
+    @property
+    def strategy(self) -> Strategy | None: ...
+
+    @property
+    def compiled(self) -> CompiledSteps: ...
+
+    def function(self, kind: str) -> TreeFunction: ...
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,11 +60,17 @@ class LeafPlacement:
     total_bytes: int
 
 
-def _state(trainer_or_state: Any) -> TrainState:
+def _state(trainer_or_state: CompiledTrainer | TrainState) -> TrainState:
     state = trainer_or_state if isinstance(trainer_or_state, TrainState) else trainer_or_state.state
     if state is None:
         raise RuntimeError("The trainer has no state yet: call fit(...) or init(sample_batch) first.")
     return state
+
+
+def _strategy(trainer: CompiledTrainer) -> Strategy:
+    if trainer.strategy is None:
+        raise RuntimeError("The trainer has no strategy yet: call fit(...) or init(sample_batch) first.")
+    return trainer.strategy
 
 
 def _part(state: TrainState, part: str) -> PyTree:
@@ -61,7 +89,7 @@ def _spec_text(sharding) -> str:
     )
 
 
-def sharding_rows(trainer_or_state: Any, part: str = "params") -> list[LeafPlacement]:
+def sharding_rows(trainer_or_state: CompiledTrainer | TrainState, part: str = "params") -> list[LeafPlacement]:
     """A :class:`LeafPlacement` per leaf of ``state.<part>`` (``"params"``, ``"opt_state"``,
     ``"model_state"``, or ``""`` for the whole state)."""
     tree = _part(_state(trainer_or_state), part)
@@ -83,7 +111,9 @@ def sharding_rows(trainer_or_state: Any, part: str = "params") -> list[LeafPlace
     return rows
 
 
-def describe_sharding(trainer_or_state: Any, part: str = "params", *, console: Console | None = None) -> Table:
+def describe_sharding(
+    trainer_or_state: CompiledTrainer | TrainState, part: str = "params", *, console: Console | None = None
+) -> Table:
     """Prints (and returns) a table of each leaf's path, shape, dtype, ``PartitionSpec`` and
     bytes per device, with the totals; ``part`` as in :func:`sharding_rows`."""
     rows = sharding_rows(trainer_or_state, part)
@@ -104,7 +134,7 @@ def describe_sharding(trainer_or_state: Any, part: str = "params", *, console: C
     return table
 
 
-def visualize_leaf(trainer_or_state: Any, path: str, part: str = "params") -> None:
+def visualize_leaf(trainer_or_state: CompiledTrainer | TrainState, path: str, part: str = "params") -> None:
     """Draws the placement of one 1-D or 2-D leaf over the devices with
     ``jax.debug.visualize_array_sharding``; ``path`` as printed by :func:`describe_sharding`
     (``"params/Dense_0/kernel"``)."""
@@ -124,7 +154,7 @@ def visualize_leaf(trainer_or_state: Any, path: str, part: str = "params") -> No
     jax.debug.visualize_array_sharding(leaf)
 
 
-def lower_train_step(trainer: Any, batch: Any = None) -> jax.stages.Lowered:
+def lower_train_step(trainer: CompiledTrainer, batch: PyTree = None) -> jax.stages.Lowered:
     """The trainer's compiled train step lowered for ``batch`` (a batch placed by the strategy,
     or its abstract shapes), by default the shapes of the last ``fit``'s batches; ``.as_text()``
     is its StableHLO, ``.compile().as_text()`` the partitioned HLO with the collectives the
@@ -140,10 +170,10 @@ def lower_train_step(trainer: Any, batch: Any = None) -> jax.stages.Lowered:
         raise TypeError(
             f"{type(trainer.strategy).__name__}.compile('train', ...) returned a function without .lower()."
         )
-    return function.lower(abstract(trainer.state), pack(trainer.setup.compiled.empty_totals("train")), batch)
+    return function.lower(abstract(trainer.state), pack(trainer.compiled.empty_totals("train")), batch)
 
 
-def step_flops(trainer: Any, batch: Any = None) -> float | None:
+def step_flops(trainer: CompiledTrainer, batch: PyTree = None) -> float | None:
     """The floating-point operations of one train step on all devices together, from the
     lowered (unoptimised) step's cost analysis, on ``batch`` (as :func:`lower_train_step`): the
     model's own flops, which MFU counts, without the compiler's rewrites, but with ``remat``'s
@@ -152,8 +182,9 @@ def step_flops(trainer: Any, batch: Any = None) -> float | None:
     flops = cost.flops(lower_train_step(trainer, batch))
     if flops is None:
         return None
-    per_device_program = trainer.strategy.axis_name is not None  # pmap lowers one device's program
-    return flops * (len(trainer.strategy.devices) if per_device_program else 1)
+    strategy = _strategy(trainer)
+    per_device_program = strategy.axis_name is not None  # pmap lowers one device's program
+    return flops * (len(strategy.devices) if per_device_program else 1)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -176,7 +207,7 @@ class StepFlops:
         return None if not self.model else self.total / self.model
 
 
-def compiled_step_flops(trainer: Any, batch: Any = None) -> StepFlops | None:
+def compiled_step_flops(trainer: CompiledTrainer, batch: PyTree = None) -> StepFlops | None:
     """The train step's flops from the *compiled* step's cost analysis, per device and in total,
     under any strategy (``None`` when the backend reports none). It compiles the step once more
     (a persistent compilation cache hit when the cache is on); ``batch`` as :func:`lower_train_step`.
@@ -192,9 +223,10 @@ def compiled_step_flops(trainer: Any, batch: Any = None) -> StepFlops | None:
     per_device = cost.flops(lowered.compile())
     if per_device is None:
         return None
-    devices = len(trainer.strategy.devices)
+    strategy = _strategy(trainer)
+    devices = len(strategy.devices)
     model = cost.flops(lowered)
-    per_device_program = trainer.strategy.axis_name is not None  # pmap lowers one device's program too
+    per_device_program = strategy.axis_name is not None  # pmap lowers one device's program too
     return StepFlops(
         per_device, per_device * devices, None if model is None else model * (devices if per_device_program else 1)
     )

@@ -17,7 +17,7 @@ sizes, and the train step's FLOPs from XLA's cost analysis.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any, NamedTuple
+from typing import NamedTuple, Protocol
 
 import jax
 import numpy as np
@@ -25,9 +25,54 @@ from rich.console import Group
 from rich.table import Table
 from rich.text import Text
 
-from trainkit.core.state import abstract
+from trainkit.core.model import ModelAdapter
+from trainkit.core.state import TrainState, abstract
+from trainkit.core.trainable import Trainable
 from trainkit.core.tree import PyTree
 from trainkit.monitoring import debug
+
+
+class SummaryInputs(Protocol):
+    """What ``summary`` shows (``Setup.summary_inputs`` builds it): abstract inputs ``x`` of a few
+    examples, the ``state`` (live, or its shapes), the placed sample batch to lower the train step
+    on (``None``: the last ``fit``'s), or, traced without a strategy, its ``flops`` on ``flops_rows`` rows."""
+
+    @property
+    def x(self) -> PyTree: ...
+
+    @property
+    def state(self) -> TrainState: ...
+
+    @property
+    def step_batch(self) -> PyTree: ...
+
+    @property
+    def flops(self) -> float | None: ...
+
+    @property
+    def flops_rows(self) -> int | None: ...
+
+
+class ModelProgram(Protocol):
+    """What ``summary`` reads of the trainer's program: the model, which parameters train, its outputs."""
+
+    @property
+    def adapter(self) -> ModelAdapter: ...
+
+    @property
+    def trainable(self) -> Trainable: ...
+
+    def outputs(self, state: TrainState, x: PyTree) -> PyTree: ...
+
+
+class SummarizedTrainer(debug.CompiledTrainer, Protocol):
+    """What ``summary`` reads of a trainer besides its compiled steps: the model and its program."""
+
+    @property
+    def model(self) -> object: ...
+
+    @property
+    def program(self) -> ModelProgram: ...
 
 
 class SummaryRow(NamedTuple):
@@ -67,7 +112,7 @@ def _bytes(tree: PyTree) -> int:
     return sum(int(np.prod(np.shape(leaf))) * np.dtype(leaf.dtype).itemsize for leaf in jax.tree.leaves(tree))
 
 
-def summary_rows(adapter: Any, state: Any, x: PyTree) -> list[SummaryRow]:
+def summary_rows(adapter: ModelAdapter, state: TrainState, x: PyTree) -> list[SummaryRow]:
     """The rows of :func:`summary_view`: the modules ``adapter`` (the model's) calls on inputs
     ``x`` (a few examples, abstract: see ``Setup.summary_inputs``) with the variables of
     ``state`` (live or abstract)."""
@@ -98,7 +143,7 @@ def readable_size(size: float) -> str:
     return f"{size:.2f} PB"
 
 
-def summary_view(trainer: Any, inputs: Any) -> Group:
+def summary_view(trainer: SummarizedTrainer, inputs: SummaryInputs | None) -> Group:
     """Keras's summary: ``Model: "<class>"``, a row per module (``Layer (type)``, ``Output
     Shape``, ``Param #``: a module counts the variables of its submodules too), then total,
     trainable, non-trainable and optimizer parameters with their sizes (the total includes the
@@ -132,7 +177,7 @@ def summary_view(trainer: Any, inputs: Any) -> Group:
     return Group(Text(f'Model: "{type(trainer.model).__name__}"', style="bold"), table, Text("\n".join(lines)))
 
 
-def _flops_line(trainer: Any, inputs: Any) -> str:
+def _flops_line(trainer: SummarizedTrainer, inputs: SummaryInputs) -> str:
     """``Train step FLOPs: ... per batch of N (XLA's cost analysis)``, or how to get them."""
     if inputs.flops_rows is not None:  # traced without a strategy
         flops, rows_in_batch = inputs.flops, inputs.flops_rows

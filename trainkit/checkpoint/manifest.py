@@ -1,0 +1,107 @@
+"""A checkpoint's manifest: the JSON it records besides the arrays (versions, strategy and mesh,
+position, data state, settings, every leaf's shape and dtype), its position checked on read, and
+what a restore into another layout means for exactness.
+
+>>> checked_position({"position": {"epoch": 0, "batch": 3, "global_step": 3}}, "ck/3")["batch"]
+3
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import flax.serialization
+import jax
+
+from trainkit import distributed
+from trainkit.checkpoint.errors import CheckpointError
+from trainkit.core import tree
+from trainkit.core.session import Session
+from trainkit.core.tree import PyTree
+from trainkit.version import __version__
+
+logger = logging.getLogger("trainkit")
+
+
+def checked_position(manifest: dict, where: str) -> dict:
+    """The manifest's ``position``: ``epoch``, ``batch`` and ``global_step``, integers >= 0;
+    else a :class:`CheckpointError` naming the field (a hand-edited or foreign manifest).
+
+    >>> checked_position({"position": {"epoch": 1, "batch": 0, "global_step": 8}}, "ck/8")["global_step"]
+    8
+    """
+    position = manifest.get("position")
+    if not isinstance(position, dict):
+        raise CheckpointError(
+            f"The manifest of {where} has no position (received {position!r}): it was edited or written by "
+            "something else than trainkit. Resume from an untouched checkpoint."
+        )
+    for field in ("epoch", "batch", "global_step"):
+        value = position.get(field)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise CheckpointError(
+                f"The manifest of {where} has position.{field} = {value!r}; it must be an integer >= 0. The "
+                "manifest was edited or written by something else than trainkit: resume from an untouched checkpoint."
+            )
+    return position
+
+
+def build_manifest(state: PyTree, strategy: Any, position: Any, data_state: Any = None, **settings: Any) -> dict:
+    """What a checkpoint records besides the arrays: versions, the strategy and mesh, the data
+    ``position`` (``epoch``, ``batch``, ``step``) and ``data_state`` (every process's, gathered),
+    ``settings`` (precision, seed, batch size...) and the shape and dtype of every leaf of the
+    parameters, optimizer state and model state."""
+    parts = flax.serialization.to_state_dict(state)
+    if data_state is not None:
+        settings["data_state"] = distributed.gather_json(data_state)
+    return {
+        "trainkit_version": __version__,
+        "jax_version": jax.__version__,
+        "strategy": type(strategy).__name__,
+        "strategy_description": strategy.describe(),
+        "mesh": {name: int(size) for name, size in strategy.mesh.shape.items()},
+        "device_count": len(strategy.devices),
+        "process_count": jax.process_count(),
+        **settings,
+        "position": {"epoch": position.epoch, "batch": position.batch, "global_step": position.step},
+        "tree": {part: tree.signature(parts[part]) for part in ("params", "opt_state", "model_state")},
+    }
+
+
+def explain_restore(manifest: dict, into: Any, batch_size: int | None) -> None:
+    """Logs what a restore into another strategy (``into``), device count or batch size means
+    for the run's exactness (a batch index is converted by examples seen)."""
+    strategy, devices = type(into).__name__, len(into.devices)
+    if manifest.get("device_count") != devices or manifest.get("strategy") != strategy:
+        logger.warning(
+            "Restored step %s written by %s on %s devices into %s on %s devices: the state is "
+            "exact; later steps reduce over another device layout, so they match the "
+            "original run to float rounding, not bit for bit.",
+            manifest["position"]["global_step"],
+            manifest.get("strategy"),
+            manifest.get("device_count"),
+            strategy,
+            devices,
+        )
+    if batch_size is not None and manifest.get("batch_size") not in (None, batch_size):
+        batch = manifest["position"]["batch"] * manifest["batch_size"] // batch_size
+        logger.warning(
+            "The checkpoint was written with batch_size=%s, this run uses %s: the data "
+            "position is converted by examples seen (batch %s -> %s), and the batches, and "
+            "so the updates, differ from the original run from here on.",
+            manifest["batch_size"],
+            batch_size,
+            manifest["position"]["batch"],
+            batch,
+        )
+
+
+def manifest_of(session: Session, strategy: Any, settings: dict[str, Any]) -> dict[str, Any]:
+    """The manifest of ``session``'s live state under ``strategy`` (a ``Strategy``): the trainer's
+    ``settings``, the batch size and data state, and the goodput ledger so far when it runs (a
+    resume carries it on: ``BackupAndRestore``)."""
+    settings = {**settings, "batch_size": session.batch_size, "data_state": session.data_state}
+    if session.ledger.active:
+        settings["goodput"] = session.ledger.saved()
+    return build_manifest(session.require_state(), strategy, session.position, **settings)
