@@ -8,20 +8,20 @@ import pytest
 from conftest import MLP, make_classification, tree_allclose
 
 import trainkit as tk
-from trainkit.data import ArrayDataset, as_dataset
+from trainkit.data import ArrayDataset, BatchRequest, as_dataset
 
 
 def test_every_row_appears_exactly_once_per_epoch_with_a_padded_last_batch():
     x = np.arange(37, dtype=np.float32)[:, None]
     dataset = ArrayDataset(x, np.arange(37))
-    batches = list(dataset.batches(8, shuffle=True, seed=1, epoch=0))
+    batches = list(dataset.batches(8, BatchRequest(shuffle=True, seed=1, epoch=0)))
     assert len(batches) == 5 and all(b["x"].shape == (8, 1) for b in batches)
     real = np.concatenate([b["y"][b["mask"] > 0] for b in batches])
     assert sorted(real.tolist()) == list(range(37))
     assert batches[-1]["mask"].tolist() == [1.0] * 5 + [0.0] * 3
-    other_epoch = np.concatenate([b["y"] for b in dataset.batches(8, shuffle=True, seed=1, epoch=1)])
+    other_epoch = np.concatenate([b["y"] for b in dataset.batches(8, BatchRequest(shuffle=True, seed=1, epoch=1))])
     assert not np.array_equal(real, other_epoch[:37])  # a new order every epoch
-    resumed = list(dataset.batches(8, shuffle=True, seed=1, epoch=0, start=3))
+    resumed = list(dataset.batches(8, BatchRequest(shuffle=True, seed=1, epoch=0, start=3)))
     np.testing.assert_array_equal(resumed[0]["y"], batches[3]["y"])
 
 

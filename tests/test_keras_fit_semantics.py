@@ -12,6 +12,7 @@ import optax
 import pytest
 
 import trainkit as tk
+from trainkit.data import BatchRequest
 
 keras = pytest.importorskip("keras")
 
@@ -417,8 +418,8 @@ def test_shuffle_batch_permutes_rows_inside_each_batch_as_keras(data):
     from trainkit.data import ArrayDataset
 
     dataset = ArrayDataset(x, y)
-    plain = list(dataset.batches(BATCH, shuffle=False))
-    mixed = list(dataset.batches(BATCH, shuffle="batch", seed=0, epoch=1))
+    plain = list(dataset.batches(BATCH))
+    mixed = list(dataset.batches(BATCH, BatchRequest(shuffle="batch", seed=0, epoch=1)))
     assert len(plain) == len(mixed) == 4
     moved = 0
     for a, b in zip(plain, mixed):  # the same rows in every batch, in another order

@@ -3,7 +3,7 @@ fixed-shape, masked NumPy batches, read ahead in the background (imports ``core`
 
 >>> import numpy as np, trainkit as tk
 >>> data = tk.data.as_dataset((np.arange(10.0)[:, None], np.arange(10)))
->>> [int(b["mask"].sum()) for b in data.batches(4, shuffle=False)]
+>>> [int(b["mask"].sum()) for b in data.batches(4)]
 [4, 4, 2]
 """
 
@@ -35,12 +35,14 @@ from trainkit.data.fit_config import FitConfig, Validation, validates
 from trainkit.data.iterable import IterableDataset
 from trainkit.data.prepare import Prepared, as_dataset, check_validation_runs, own_batch_size, prepare
 from trainkit.data.random_access import HuggingFaceSource, RandomAccessSource
-from trainkit.data.source import DataSource, Source, UserSource
+from trainkit.data.source import FIRST_PASS, BatchRequest, DataSource, Source, UserSource
 
 __all__ = [
     "ArrayDataset",
     "Batch",
+    "BatchRequest",
     "DataSource",
+    "FIRST_PASS",
     "FitConfig",
     "HuggingFaceSource",
     "IterableDataset",

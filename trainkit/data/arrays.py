@@ -3,14 +3,13 @@
 
 >>> import numpy as np
 >>> data = ArrayDataset(np.arange(10.0)[:, None], np.arange(10))
->>> [int(b["mask"].sum()) for b in data.batches(4, shuffle=False)]
+>>> [int(b["mask"].sum()) for b in data.batches(4)]
 [4, 4, 2]
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
-from typing import Any
 
 import jax
 import numpy as np
@@ -29,7 +28,7 @@ from trainkit.data.batching import (
     take,
     to_host,
 )
-from trainkit.data.source import Source
+from trainkit.data.source import FIRST_PASS, BatchRequest, Source
 
 #: The largest batch (bytes of x and y) that the loop assembles in its own thread.
 QUICK_BATCH_BYTES = 256 * 1024
@@ -68,29 +67,19 @@ class ArrayDataset(Source):
         row_bytes = sum(a.dtype.itemsize * int(np.prod(a.shape[1:])) for a in jax.tree.leaves((self.x, self.y)))
         return row_bytes * batch_size <= QUICK_BATCH_BYTES
 
-    def batches(
-        self,
-        batch_size: int,
-        *,
-        shuffle: bool = False,
-        seed: int = 0,
-        epoch: int = 0,
-        start: int = 0,
-        process_index: int = 0,
-        process_count: int = 1,
-        **_: Any,
-    ) -> Iterator[Batch]:
-        """Batches of ``batch_size`` rows from batch index ``start`` on.
+    def batches(self, batch_size: int, request: BatchRequest = FIRST_PASS) -> Iterator[Batch]:
+        """Batches of ``batch_size`` rows from batch index ``request.start`` on.
 
         With several processes, every process computes the same (seeded) order and yields only
         its part of each global batch: rows ``[p * b, (p + 1) * b)`` of the padded global batch,
         ``b = batch_size / process_count``, so the parts of all processes, in process order,
         are exactly the single-process batch."""
-        local = batch_size // process_count
+        r = request
+        local = batch_size // r.process_count
         parts = (self.x, self.y, self.sample_weight)
         plain = all(t is None or isinstance(t, np.ndarray) for t in parts)  # no tree to walk
         for rows in batch_rows(
-            self.num_examples, batch_size, shuffle, seed, epoch, start, process_index, process_count
+            self.num_examples, batch_size, r.shuffle, r.seed, r.epoch, r.start, r.process_index, r.process_count
         ):
             if plain:  # single arrays: gathered without a tree walk; a full batch needs no padding
                 x = rows_of(self.x, rows)

@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Iterator
-from typing import Any
+from dataclasses import replace
 
 from trainkit.data.batching import Batch
-from trainkit.data.source import Source
+from trainkit.data.source import FIRST_PASS, BatchRequest, Source
 
 
 def epoch_steps(dataset: Source, batch_size: int, steps_per_epoch: int | None, epochs: int) -> int | None:
@@ -62,9 +62,10 @@ def epoch_batches(
     steps: int | None,
     *,
     continuing: bool = False,
-    **options: Any,
+    request: BatchRequest = FIRST_PASS,
 ) -> Iterator[Batch]:
-    """The batches of epoch ``epoch`` from batch ``first`` on, at most ``steps`` per epoch.
+    """The batches of epoch ``epoch`` from batch ``first`` on, at most ``steps`` per epoch
+    (the order, the data state and the process as ``request`` says).
 
     ``continuing`` (Keras's ``steps_per_epoch`` smaller than the data): an epoch
     walks on through the pass the previous epoch left, and ends early where that pass ends;
@@ -80,9 +81,10 @@ def epoch_batches(
     """
     if not continuing:
         limit = None if steps is None else max(steps - first, 0)
-        return itertools.islice(dataset.batches(batch_size, epoch=epoch, start=first, **options), limit)
+        return itertools.islice(dataset.batches(batch_size, replace(request, epoch=epoch, start=first)), limit)
     per_pass = dataset.steps(batch_size)
     assert per_pass is not None and steps is not None  # continuing: a sized dataset and steps_per_epoch
     passes, part = divmod(epoch, -(-per_pass // steps))
     start, end = part * steps + first, min((part + 1) * steps, per_pass)
-    return itertools.islice(dataset.batches(batch_size, epoch=passes, start=start, **options), max(end - start, 0))
+    batches = dataset.batches(batch_size, replace(request, epoch=passes, start=start))
+    return itertools.islice(batches, max(end - start, 0))

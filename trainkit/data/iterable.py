@@ -22,7 +22,7 @@ from trainkit.core import checks
 from trainkit.core.tree import JSON
 from trainkit.data.batching import Batch, PyTree, check_lengths, example_spec, pad_batch, split_xyw, take, to_host
 from trainkit.data.prefetch import ReadAhead
-from trainkit.data.source import Source
+from trainkit.data.source import FIRST_PASS, BatchRequest, Source
 
 #: Elements of a one-shot iterator read ahead in a background thread.
 READ_AHEAD = 8
@@ -230,17 +230,7 @@ class IterableDataset(Source):
         while self._peeked:
             yield self._peeked.pop(0)
 
-    def batches(
-        self,
-        batch_size: int | None = None,
-        *,
-        start: int = 0,
-        split: bool = False,
-        state: Any = None,
-        read_ahead: bool = True,
-        read_limit: int | None = None,
-        **_: Any,
-    ) -> Iterator[Batch]:
+    def batches(self, batch_size: int | None = None, request: BatchRequest = FIRST_PASS) -> Iterator[Batch]:
         """The iterable's batches from batch ``start`` on (or from a saved iterator ``state``),
         padded to the first batch's size; a one-shot iterator's elements read ahead in a thread
         unless not ``read_ahead``, at most ``read_limit`` of them (what the caller will take).
@@ -249,7 +239,8 @@ class IterableDataset(Source):
         error in training (it would change what a step averages); with ``split`` (evaluate,
         predict: per-row results) it is cut into pieces of that size."""
         first_spec = example_spec((self._first[0], self._first[1]))
-        for index, element in enumerate(self._elements(start, state, read_ahead, read_limit), start):
+        r = request
+        for index, element in enumerate(self._elements(r.start, r.state, r.read_ahead, r.read_limit), r.start):
             x, y, w = self._split(element)
             n = check_lengths({"x": x, "y": y, "sample_weight": w})
             spec = example_spec((x, y))
@@ -260,7 +251,7 @@ class IterableDataset(Source):
                     "number of rows may differ); pad or crop the features before batching."
                 )
             w = checks.sample_weights(w, n, f"sample_weight of batch {index}")
-            if n > self.batch_size and not split:
+            if n > self.batch_size and not r.split:
                 raise ValueError(
                     f"A batch of {n} rows follows a first batch of {self.batch_size} rows. "
                     "Every batch of an iterable given to fit must have at most the first batch's size "

@@ -22,7 +22,7 @@ import numpy as np
 from trainkit.core import checks
 from trainkit.core.tree import PyTree
 from trainkit.data.batching import batch_rows, example_spec, host_array, pad_batch, split_xyw, to_host
-from trainkit.data.source import Source
+from trainkit.data.source import FIRST_PASS, BatchRequest, Source
 
 Batch = dict[str, Any]
 #: Hugging Face's (and transformers') name of the target column.
@@ -238,19 +238,8 @@ class RandomAccessSource(Source):
             for future in pending:
                 future.cancel()
 
-    def batches(
-        self,
-        batch_size: int,
-        *,
-        shuffle: bool | str = False,
-        seed: int = 0,
-        epoch: int = 0,
-        start: int = 0,
-        process_index: int = 0,
-        process_count: int = 1,
-        **_: Any,
-    ) -> Iterator[Batch]:
-        """This process's part of every global batch from batch ``start`` on (see
+    def batches(self, batch_size: int, request: BatchRequest = FIRST_PASS) -> Iterator[Batch]:
+        """This process's part of every global batch from batch ``request.start`` on (see
         :func:`trainkit.data.batch_rows`); the rows before ``start`` are never read. A source
         whose length changed since it was wrapped (files re-created) is refused, naming both
         lengths: its epochs, positions and shuffles were fixed by the first one."""
@@ -261,11 +250,14 @@ class RandomAccessSource(Source):
                 "positions and shuffle order were fixed by the first length, so rows would be skipped or read "
                 "out of range. Wrap the changed data anew (pass it to the next fit) once it stops changing."
             )
-        all_rows = batch_rows(self.num_examples, batch_size, shuffle, seed, epoch, start, process_index, process_count)
+        r = request
+        all_rows = batch_rows(
+            self.num_examples, batch_size, r.shuffle, r.seed, r.epoch, r.start, r.process_index, r.process_count
+        )
         index_rows = (np.arange(r.start, r.stop) if isinstance(r, slice) else r for r in all_rows)
         for x, y, w in self._parts(index_rows):
             n = len(jax.tree.leaves(x)[0])
-            yield pad_batch(x, y, None if w is None else checks.sample_weights(w, n), batch_size // process_count)
+            yield pad_batch(x, y, None if w is None else checks.sample_weights(w, n), batch_size // r.process_count)
 
 
 class HuggingFaceSource(RandomAccessSource):

@@ -8,12 +8,46 @@ True
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator
 from typing import Any, Protocol, runtime_checkable
 
 from trainkit.core.tree import JSON, PyTree
 
 Batch = dict[str, Any]
+
+
+@dataclasses.dataclass(frozen=True)
+class BatchRequest:
+    """Which batches a reader asks a :class:`Source` for: those of pass ``epoch`` from batch
+    ``start`` on (or, for a checkpointable iterator, from its saved ``state``), in the order
+    ``shuffle`` and ``seed`` give, as process ``process_index`` of ``process_count`` reads its
+    part of each global batch. ``split``: a larger batch of an iterable is cut into pieces
+    (evaluate, predict) instead of refused; ``read_ahead``: a one-shot iterator is read ahead in a
+    thread; ``read_limit``: at most this many of its elements (what the caller will take).
+
+    >>> BatchRequest(epoch=2, shuffle=True).keywords()["epoch"]
+    2
+    """
+
+    epoch: int = 0
+    start: int = 0
+    shuffle: bool | str = False
+    seed: int = 0
+    split: bool = False
+    state: JSON = None
+    read_ahead: bool = True
+    read_limit: int | None = None
+    process_index: int = 0
+    process_count: int = 1
+
+    def keywords(self) -> dict[str, Any]:
+        """The request as the keyword arguments a user's :class:`DataSource` takes."""
+        return dataclasses.asdict(self)
+
+
+#: The first pass, in order, read by one process: what ``batches(batch_size)`` reads.
+FIRST_PASS = BatchRequest()
 
 
 @runtime_checkable
@@ -23,6 +57,9 @@ class DataSource(Protocol):
     epoch ``epoch`` on (or, for a checkpointable iterator, from the saved ``state``; see
     ``get_state``). ``steps`` is the number of batches per pass when known, ``element_spec``
     the per-example input shapes and dtypes, ``first(rows)`` the first rows as ``(x, y, w)``.
+    ``batches`` receives a :class:`BatchRequest`'s fields as keywords (``epoch``, ``start``,
+    ``shuffle``, ``seed``, ``split``, ``state``, ``read_ahead``, ``read_limit``,
+    ``process_index``, ``process_count``); it may ignore those it has no use for.
 
     Optional: ``one_shot`` (a consumed iterator that continues across epochs),
     ``checkpointable`` and ``get_state()`` (the reader's position after the last batch read,
@@ -46,7 +83,7 @@ class Source:
 
     - ``one_shot``: a consumed iterator that continues across epochs (cannot restart).
     - ``checkpointable`` / ``get_state()``: the reader's position after the last batch read,
-      JSON-serialisable, saved by ``BackupAndRestore`` and passed back as ``batches(state=...)``.
+      JSON-serialisable, saved by ``BackupAndRestore`` and passed back as ``BatchRequest(state=...)``.
     - ``num_examples``: the rows of one pass when known without reading them, else ``None``.
     - ``assembles_quickly(batch_size)``: a batch costs less to assemble in the loop's thread
       than to hand over from a background thread (small in-memory arrays), so the loop reads
@@ -73,7 +110,8 @@ class Source:
     def steps(self, batch_size: int) -> int | None:
         raise NotImplementedError
 
-    def batches(self, batch_size: int, **options: Any) -> Iterator[Batch]:
+    def batches(self, batch_size: int, request: BatchRequest = FIRST_PASS) -> Iterator[Batch]:
+        """This process's part of every global batch ``request`` asks for (see :class:`BatchRequest`)."""
         raise NotImplementedError
 
     def get_state(self) -> JSON:
@@ -103,8 +141,8 @@ class UserSource(Source):
     def steps(self, batch_size: int) -> int | None:
         return self.source.steps(batch_size)
 
-    def batches(self, batch_size: int, **options: Any) -> Iterator[Batch]:
-        return self.source.batches(batch_size, **options)
+    def batches(self, batch_size: int, request: BatchRequest = FIRST_PASS) -> Iterator[Batch]:
+        return self.source.batches(batch_size, **request.keywords())  # a user's source takes keywords
 
     def get_state(self) -> JSON:
         return self._get_state() if self.checkpointable and self._get_state is not None else None

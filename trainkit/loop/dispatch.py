@@ -90,11 +90,6 @@ def first_non_finite(session: Session) -> tuple[int, int, float] | None:
     return (start.step + bad, start.batch + bad - 1, float(host.first_non_finite_loss)) if bad else None
 
 
-def process_slice() -> dict[str, int]:
-    """Which part of every global batch this process reads (all of it on one process)."""
-    return {"process_index": jax.process_index(), "process_count": jax.process_count()}
-
-
 def concatenate(parts: list[PyTree]) -> PyTree:
     """Row blocks of one structure joined along the rows."""
     return jax.tree.map(lambda *a: np.concatenate(a), *parts)

@@ -38,9 +38,10 @@ from trainkit.core.totals import LABEL_ALARM, SKIPPED_WARNING, EpochTotals, Pack
 from trainkit.core.tree import PyTree, TreeFunction
 from trainkit.core.warn import warn_user
 from trainkit.data.prefetch import Prefetcher
+from trainkit.data.source import BatchRequest
 from trainkit.data.spans import Span, executions, room_until
 from trainkit.distributed.watchdog import StallWatchdog
-from trainkit.loop.dispatch import Preempted, host_metrics, in_order, logs_of, process_slice
+from trainkit.loop.dispatch import Preempted, host_metrics, in_order, logs_of
 from trainkit.loop.hooks import Hooks, LoopView
 from trainkit.loop.tuning import StepsTuner
 
@@ -160,12 +161,15 @@ class FitRun:
             first,
             config.steps,
             continuing=config.continuing,
-            shuffle=config.shuffle,
-            seed=config.seed,
-            state=resume_state,
-            read_ahead=config.read_ahead,
-            read_limit=max(min(due), 0) if due else None,  # a generator is read ahead no further than this epoch
-            **process_slice(),
+            request=BatchRequest(
+                shuffle=config.shuffle,
+                seed=config.seed,
+                state=resume_state,
+                read_ahead=config.read_ahead,
+                read_limit=max(min(due), 0) if due else None,  # a generator is read ahead no further than this epoch
+                process_index=jax.process_index(),
+                process_count=jax.process_count(),
+            ),
         )
         if config.max_steps is not None:  # nothing read past the last step
             batches = itertools.islice(batches, self.steps_left())

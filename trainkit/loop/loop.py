@@ -26,7 +26,7 @@ from trainkit.core.session import Session
 from trainkit.core.totals import pack
 from trainkit.core.tree import PyTree
 from trainkit.data.prefetch import Prefetcher
-from trainkit.loop.dispatch import concatenate, host_metrics, in_order, logs_of, process_slice
+from trainkit.loop.dispatch import concatenate, host_metrics, in_order, logs_of
 from trainkit.loop.fit_run import FitRun
 from trainkit.loop.hooks import CompiledSteps, Hooks
 
@@ -91,7 +91,10 @@ class Loop:
         size, strategy = compiled.steps_per_execution, compiled.require_strategy()
 
         def dispatch() -> Iterator[Inferred]:
-            batches = dataset.batches(batch_size, split=True, read_ahead=read_ahead, **process_slice())
+            request = data_lib.BatchRequest(
+                split=True, read_ahead=read_ahead, process_index=jax.process_index(), process_count=jax.process_count()
+            )
+            batches = dataset.batches(batch_size, request)
             host_batches = itertools.islice(batches, steps)
             totals = None
             with self.reader(dataset, host_batches, batch_size, read_ahead) as reader:
