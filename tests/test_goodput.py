@@ -11,7 +11,7 @@ from conftest import MLP, make_classification
 from rich.console import Console
 
 import trainkit as tk
-from trainkit.core.ledger import Ledger
+from trainkit.record.ledger import Ledger
 
 X, Y = make_classification(n=128)
 

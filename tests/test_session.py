@@ -1,4 +1,4 @@
-"""The one holder of a run's state: ``trainkit.core.session.Session``. Its values are read-only
+"""The one holder of a run's state: ``trainkit.record.session.Session``. Its values are read-only
 from outside, change only through its methods, and come back whole from a snapshot; the trainer,
 the loop, the setup and the callbacks all see the same one."""
 
@@ -12,8 +12,8 @@ import pytest
 
 import trainkit as tk
 from trainkit.core.leaf_step import Carry, LeafStep
-from trainkit.core.session import FitView, Position, Session, Snapshot, StepRecord
 from trainkit.core.state import TrainState
+from trainkit.record.session import FitView, Position, Session, Snapshot, StepRecord
 
 
 def test_a_snapshot_holds_every_value_of_the_session():

@@ -148,12 +148,12 @@ def test_a_staging_folder_left_by_a_kill_is_removed_by_the_next_write(tmp_path, 
     import flax.linen as nn
     import optax
 
-    from trainkit.core import atomic
+    from trainkit.distributed import atomic
 
     target = tmp_path / "w.safetensors"
     target.write_bytes(b"the previous weights")
     killed = (
-        "import os; from trainkit.core import atomic\n"
+        "import os; from trainkit.distributed import atomic\n"
         f"with atomic.staged({str(target)!r}) as t:\n"
         "    open(t, 'wb').write(b'half'); os.kill(os.getpid(), 9)"
     )

@@ -30,7 +30,6 @@ from trainkit.callbacks import Callback, CallbackList, History, lr_finder
 from trainkit.core.lora import LoRA
 from trainkit.core.model import adapt_model
 from trainkit.core.precision import Precision, get_precision
-from trainkit.core.session import Session
 from trainkit.core.spikes import SpikeSkip
 from trainkit.core.state import Batch, TrainState
 from trainkit.core.totals import MetricFn
@@ -46,6 +45,7 @@ from trainkit.program import plan as plan_lib
 from trainkit.program.batch_size import BatchSizeSearch
 from trainkit.program.program import Program
 from trainkit.program.setup import Setup, check_trainer_arguments
+from trainkit.record.session import Session
 from trainkit.strategies import Auto, Strategy
 
 

@@ -19,9 +19,10 @@ from trainkit import distributed
 from trainkit.callbacks.base import Callback, Logs
 from trainkit.callbacks.triggers import SaveFrequency
 from trainkit.checkpoint import Checkpointer, CheckpointError, checked_position, remove_checkpoints
-from trainkit.core.atomic import write_text
 from trainkit.distributed import ray_train
+from trainkit.distributed.atomic import write_text
 from trainkit.loop import Position
+from trainkit.record.ledger import Bucket
 
 logger = logging.getLogger("trainkit")
 #: the goodput journal beside the backups: the last step the run reached and its ledger then
@@ -62,7 +63,7 @@ class BackupAndRestore(Callback):
     journal_seconds: float = 10.0
 
     async_safe = True  # it saves in on_train_batch_begin, where the live state is the step's
-    goodput_bucket = "checkpoint"
+    goodput_bucket = Bucket.CHECKPOINT
 
     def __init__(
         self,
@@ -153,7 +154,7 @@ class BackupAndRestore(Callback):
         if isinstance(journal, dict) and journal.get("step", -1) >= step:
             last = journal["ledger"]
             lost = max(last["wall_seconds"] - saved["wall_seconds"], 0.0)  # everything done since the backup
-            buckets = dict(saved["buckets"], lost=saved["buckets"].get("lost", 0.0) + lost)
+            buckets = {**saved["buckets"], Bucket.LOST.value: saved["buckets"].get(Bucket.LOST, 0.0) + lost}
             carried.update(buckets=buckets, wall_seconds=saved["wall_seconds"] + lost)
             carried.update(lost_steps=last.get("lost_steps", 0) + journal["step"] - step)
             carried.update(restarts=last.get("restarts", 0) + 1)

@@ -4,7 +4,7 @@ Code written for Keras 3 callbacks runs unchanged: every hook takes ``logs``; ``
 (the :class:`trainkit.Trainer`, also ``self.trainer``; typed as a :class:`TrainerView`) has
 ``stop_training``, ``get_weights``, ``set_weights`` and ``save``; ``self.params`` holds
 ``verbose``, ``epochs`` and ``steps``. trainkit adds ``self.session``, the trainer's typed
-:class:`~trainkit.core.session.Session` (the position, the :class:`~trainkit.core.session.StepRecord`
+:class:`~trainkit.record.session.Session` (the position, the :class:`~trainkit.record.session.StepRecord`
 of the batch a hook is about, ``resume_at`` / ``request_stop`` / ``preempt``), and
 ``on_exception(error)``, called instead of ``on_train_end`` when ``fit`` raises.
 
@@ -20,10 +20,11 @@ from __future__ import annotations
 from typing import TypedDict
 
 from trainkit.callbacks.trainer_view import TrainerView
-from trainkit.core.session import Session
 from trainkit.core.statistics import StepStatistics
 from trainkit.core.warn import warn_user
 from trainkit.loop.hooks import Logs
+from trainkit.record.ledger import Bucket
+from trainkit.record.session import Session
 
 
 class RunParams(TypedDict, total=False):
@@ -83,7 +84,7 @@ class Callback:
     annotates_steps: bool = False
     #: The goodput ledger's bucket for the time spent in this callback's hooks (``None``:
     #: ``"callbacks/<class name>"``); the checkpoint callbacks' is ``"checkpoint"``.
-    goodput_bucket: str | None = None
+    goodput_bucket: Bucket | str | None = None
 
     def step_statistics(self) -> StepStatistics | None:
         """What this callback needs the compiled train step to measure (``GradientStats``'s

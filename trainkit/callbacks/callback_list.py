@@ -28,11 +28,11 @@ from trainkit.callbacks.history import History
 from trainkit.callbacks.progress import ProgressBar
 from trainkit.callbacks.ray_train_report import RayTrainReport
 from trainkit.callbacks.trainer_view import TrainerView
-from trainkit.core.ledger import Ledger
 from trainkit.core.statistics import StepStatistics
 from trainkit.core.warn import warn_user
 from trainkit.distributed import ray_train
 from trainkit.loop.hooks import BatchEndHook, ExceptionHook, IndexedHook, RunHook
+from trainkit.record.ledger import Ledger
 
 
 def _keras_logs(logs: Logs | None) -> Logs:

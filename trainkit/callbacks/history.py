@@ -9,7 +9,7 @@
 from __future__ import annotations
 
 from trainkit.callbacks.base import Callback, Logs
-from trainkit.core.ledger import Goodput
+from trainkit.record.ledger import Goodput
 
 
 class History(Callback):
@@ -19,7 +19,7 @@ class History(Callback):
     With ``fit(validation_interval=N)``, ``validations`` lists one dict per validation:
     ``{"step": s, "val_loss": ..., ...}`` (the epoch logs carry the latest one).
     ``goodput`` (trainkit's): where the ``fit``'s wall time went, a
-    :class:`~trainkit.core.ledger.Goodput` (docs/monitoring.md), once it ended."""
+    :class:`~trainkit.record.ledger.Goodput` (docs/monitoring.md), once it ended."""
 
     def __init__(self) -> None:
         self.history: dict[str, list[float]] = {}

@@ -25,10 +25,10 @@ import numpy as np
 
 from trainkit.callbacks.base import Callback
 from trainkit.callbacks.trainer_view import TrainerView
-from trainkit.core import atomic
 from trainkit.core.state import TrainState
 from trainkit.core.tree import PyTree
 from trainkit.core.warn import warn_user
+from trainkit.distributed import atomic
 
 #: Lightning's defaults: the loss's smoothing, the divergence threshold, the points left out.
 SMOOTHING, EARLY_STOP_THRESHOLD, SKIP_BEGIN, SKIP_END = 0.98, 4.0, 10, 1

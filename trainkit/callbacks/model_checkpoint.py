@@ -18,6 +18,7 @@ from trainkit.callbacks.base import Logs, MonitorCallback
 from trainkit.callbacks.triggers import SaveFrequency
 from trainkit.checkpoint import Checkpointer, check_writable, remove_checkpoints
 from trainkit.core.warn import warn_user
+from trainkit.record.ledger import Bucket
 
 logger = logging.getLogger("trainkit")
 
@@ -51,7 +52,7 @@ class ModelCheckpoint(MonitorCallback):
     ``"epoch"`` it is ``async_safe``.
     """
 
-    goodput_bucket = "checkpoint"
+    goodput_bucket = Bucket.CHECKPOINT
 
     def __init__(
         self,

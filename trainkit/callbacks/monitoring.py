@@ -22,10 +22,10 @@ from trainkit.callbacks.base import Callback, Logs
 from trainkit.callbacks.trainer_view import TrainerView
 from trainkit.core import optimizers
 from trainkit.core.redact import redacted
-from trainkit.core.session import Session
 from trainkit.core.tree import leaf_name
 from trainkit.core.warn import warn_user
 from trainkit.monitoring import debug, loggers, throughput
+from trainkit.record.session import Session
 
 logger = logging.getLogger("trainkit")
 

@@ -17,8 +17,8 @@ import jax
 from trainkit import distributed
 from trainkit.checkpoint.errors import CheckpointError
 from trainkit.core import tree
-from trainkit.core.session import Session
 from trainkit.core.tree import PyTree
+from trainkit.record.session import Session
 from trainkit.version import __version__
 
 logger = logging.getLogger("trainkit")

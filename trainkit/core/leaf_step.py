@@ -6,7 +6,7 @@ that is the state's dataclass, its parameter and optimizer dicts (sorted on ever
 the optax state's tuples, each call. A small model's step is shorter than that work: on a CPU
 (MLP 32-64-10, batch 32) the state's tree cost a loop about a fifth of its steps per second. A
 :class:`LeafStep` is compiled over the state's *carried* leaves instead; the loop threads that
-list from call to call (:meth:`trainkit.core.session.Session.carried`) and the ``TrainState``
+list from call to call (:meth:`trainkit.record.session.Session.carried`) and the ``TrainState``
 is built only when something reads it. Called with a state, it is the step it wraps.
 
 Each buffer a call takes and returns costs XLA:CPU about 1.5 us, so the state's smallest

@@ -19,8 +19,8 @@ from typing import Any
 import numpy as np
 
 from trainkit import distributed
-from trainkit.core import atomic
 from trainkit.core.tree import PyTree
+from trainkit.distributed import atomic
 from trainkit.export import jax_format, onnx_format, tf_saved_model
 from trainkit.export.signature import symbolic_inputs
 

@@ -6,13 +6,13 @@ session (imports ``core``, ``data``, ``distributed``; ``strategies`` for types).
 Position(epoch=1, batch=2, step=10)
 """
 
-from trainkit.core.session import Position, Session, Snapshot, StepRecord
 from trainkit.core.totals import SKIPPED_WARNING
 from trainkit.data.fit_config import FitConfig, Validation, validates
 from trainkit.loop.dispatch import PREEMPTED_EXIT_CODE, Preempted, first_non_finite
 from trainkit.loop.fit_run import FitRun
 from trainkit.loop.hooks import BatchEndHook, CompiledSteps, ExceptionHook, Hook, Hooks, IndexedHook, Logs, RunHook
 from trainkit.loop.loop import Loop
+from trainkit.record.session import Position, Session, Snapshot, StepRecord
 
 __all__ = [
     "PREEMPTED_EXIT_CODE",

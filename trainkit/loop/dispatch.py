@@ -15,9 +15,9 @@ import jax
 import numpy as np
 
 from trainkit import distributed
-from trainkit.core.session import Session
 from trainkit.core.totals import EpochTotals, PackedTotals, compute
 from trainkit.core.tree import PyTree
+from trainkit.record.session import Session
 
 T = TypeVar("T")
 

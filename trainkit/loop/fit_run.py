@@ -29,8 +29,6 @@ from trainkit import distributed
 from trainkit.core import spikes as spikes_lib
 from trainkit.core import totals as metrics_lib
 from trainkit.core.leaf_step import LeafStep
-from trainkit.core.ledger import ProcessLedger
-from trainkit.core.session import FitView, Position, Session, StepRecord
 from trainkit.core.spikes import SPIKES
 from trainkit.core.state import abstract
 from trainkit.core.step import batches_at
@@ -44,6 +42,8 @@ from trainkit.distributed.watchdog import StallWatchdog
 from trainkit.loop.dispatch import Preempted, host_metrics, in_order, logs_of
 from trainkit.loop.hooks import Hooks, LoopView
 from trainkit.loop.tuning import StepsTuner
+from trainkit.record.ledger import Bucket, ProcessLedger
+from trainkit.record.session import FitView, Position, Session, StepRecord
 
 _NO_TRACE = contextlib.nullcontext()  # no profiler annotation: nothing built per step
 #: how often a running epoch's totals are read for a run of skipped spikes (``skip_spikes``)
@@ -83,7 +83,7 @@ class FitRun:
         train_fn = self.steps.function("train")
         logger.info("fit: %s, batch_size=%d, %s steps/epoch", self.strategy.describe(), self.batch_size, config.steps)
         logs: dict[str, float] = {}
-        session.ledger.switch("step")  # the setup is done: from here the loop's own time is the steps'
+        session.ledger.switch(Bucket.STEP)  # the setup is done: from here the loop's own time is the steps'
         try:
             self.watchdog.__enter__()
             callbacks.on_train_begin()
@@ -104,7 +104,7 @@ class FitRun:
                 if self.every is not None:
                     logs.update(self.validation_logs)
                 elif config.validation is not None and config.validates(epoch):
-                    with session.ledger.bucket("validation"):
+                    with session.ledger.bucket(Bucket.VALIDATION):
                         val_logs = self.loop.evaluate(*config.validation, callbacks, read_ahead=config.read_ahead)
                     logs.update({f"val_{k}": v for k, v in val_logs.items()})
                 session.moved(Position(epoch + 1, 0, session.position.step), session.data_state)
@@ -151,7 +151,7 @@ class FitRun:
         """One epoch from batch ``first`` (the data continuing from ``resume_state`` when it can):
         the batches trained and the epoch's logs."""
         config, ledger = self.config, self.session.ledger
-        previous = ledger.switch("input")  # the epoch's order and its reader: the data's time
+        previous = ledger.switch(Bucket.INPUT)  # the epoch's order and its reader: the data's time
         this_epoch = None if config.steps is None else config.steps - first
         due = [n for n in (this_epoch, self.steps_left()) if n is not None]
         batches: Iterator[PyTree] = data_lib.epoch_batches(
@@ -309,7 +309,7 @@ class FitRun:
             return
         self.session.validating(step)
         try:
-            with self.session.ledger.bucket("validation"):
+            with self.session.ledger.bucket(Bucket.VALIDATION):
                 val_logs = self.loop.evaluate(*validation, self.callbacks, read_ahead=self.config.read_ahead)
         finally:
             self.session.validating(None)
@@ -356,7 +356,7 @@ class EpochSteps:
         """The next placed span; an error of the data is kept (noted with where it happened)
         and raised only after the span before it went through its hooks."""
         ledger = self.run.session.ledger
-        previous = ledger.switch("input")  # the loop waits for the data
+        previous = ledger.switch(Bucket.INPUT)  # the loop waits for the data
         try:
             item = next(self.items, None)
             ledger.switch(previous)

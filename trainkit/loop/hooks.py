@@ -15,12 +15,12 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from typing import Any, Protocol
 
-from trainkit.core.session import Session
 from trainkit.core.spikes import SpikeSkip
 from trainkit.core.totals import EpochTotals
 from trainkit.core.tree import PyTree
 from trainkit.data.prefetch import Prefetcher
 from trainkit.data.source import Source
+from trainkit.record.session import Session
 from trainkit.strategies import Strategy
 
 

@@ -1,7 +1,7 @@
 """The loop: ``fit``, ``evaluate`` and ``predict`` over the compiled steps it is given. It runs
 them and never compiles, places or saves anything, and it holds no run's state: the live
 ``TrainState``, the position, the data state and the stop flag are the trainer's
-:class:`~trainkit.core.session.Session`'s, and one ``fit``'s own values live in its
+:class:`~trainkit.record.session.Session`'s, and one ``fit``'s own values live in its
 :class:`~trainkit.loop.fit_run.FitRun`. What the loop keeps are its settings (``prefetch``,
 ``annotate_steps``, ``max_in_flight``).
 
@@ -22,13 +22,13 @@ import jax
 
 from trainkit import data as data_lib
 from trainkit.core import totals as metrics_lib
-from trainkit.core.session import Session
 from trainkit.core.totals import pack
 from trainkit.core.tree import PyTree
 from trainkit.data.prefetch import Prefetcher
 from trainkit.loop.dispatch import concatenate, host_metrics, in_order, logs_of
 from trainkit.loop.fit_run import FitRun
 from trainkit.loop.hooks import CompiledSteps, Hooks
+from trainkit.record.session import Session
 
 #: One span of evaluate / predict: its first and last batch, the host batches and the results.
 Inferred = tuple[int, int, list[PyTree], PyTree]

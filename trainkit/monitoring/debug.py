@@ -21,11 +21,11 @@ from rich.console import Console
 from rich.table import Table
 
 from trainkit.core import cost
-from trainkit.core.session import Session
 from trainkit.core.state import TrainState, abstract
 from trainkit.core.totals import pack
 from trainkit.core.tree import PyTree, TreeFunction, leaf_name
 from trainkit.loop.hooks import CompiledSteps
+from trainkit.record.session import Session
 from trainkit.strategies import Strategy
 
 

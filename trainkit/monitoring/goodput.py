@@ -1,7 +1,7 @@
 """The goodput ledger as a person reads it: the table ``fit`` prints at its end (``verbose`` >= 1),
 with the largest loss named and what to do about it.
 
->>> from trainkit.core.ledger import Goodput
+>>> from trainkit.record.ledger import Goodput
 >>> print(report(Goodput({"startup": 1.0, "input": 4.1, "step": 4.9}, wall_seconds=10.0)))
 Where the time went: 10.0 s, goodput 49.0% (training steps)
   startup   1.00 s  10.0%
@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import statistics
 
-from trainkit.core.ledger import Goodput
+from trainkit.record.ledger import Goodput
 
 #: what the largest loss means, and what to do about it
 ADVICE = {
@@ -50,7 +50,7 @@ def _seconds(seconds: float) -> str:
 
 
 def report(goodput: Goodput) -> str:
-    """The table of :class:`~trainkit.core.ledger.Goodput`'s buckets, the largest loss named
+    """The table of :class:`~trainkit.record.ledger.Goodput`'s buckets, the largest loss named
     with what to do, and on several processes the straggler of each bucket."""
     wall = goodput.wall_seconds
     lines = [f"Where the time went: {wall:.1f} s, goodput {100 * goodput.goodput:.1f}% (training steps)"]

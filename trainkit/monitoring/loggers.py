@@ -26,9 +26,8 @@ from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
-from trainkit.core import atomic
 from trainkit.core.redact import redacted
-from trainkit.distributed import filesystem
+from trainkit.distributed import atomic, filesystem
 
 #: The runs a metric belongs to: training, or validation (Keras's TensorBoard subdirectories).
 RUNS = ("train", "validation")

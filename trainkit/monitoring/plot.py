@@ -21,7 +21,7 @@ import sys
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from trainkit.core import atomic
+from trainkit.distributed import atomic
 
 #: Epoch-level logs that are not curves worth a panel.
 SKIPPED = ("epoch", "learning_rate", "steps_per_second", "examples_per_second", "tokens_per_second")

@@ -21,7 +21,7 @@ import json
 import logging
 import os
 
-from trainkit.core import atomic
+from trainkit.distributed import atomic
 
 logger = logging.getLogger("trainkit")
 

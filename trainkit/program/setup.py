@@ -6,7 +6,7 @@ steps the loop runs (:class:`~trainkit.program.compiled.CompiledFunctions`, the 
 (:func:`trainkit.program.auto.choose`), creates the state from the first batch, traces the
 model's outputs once and builds the objective; :mod:`trainkit.program.inputs` resolves and
 checks the input through it. The live ``TrainState`` is the trainer's
-:class:`~trainkit.core.session.Session`'s, replaced through the session's methods.
+:class:`~trainkit.record.session.Session`'s, replaced through the session's methods.
 
 >>> import numpy as np, optax, flax.linen as nn
 >>> from trainkit.core.model import adapt_model
@@ -19,7 +19,7 @@ checks the input through it. The live ``TrainState`` is the trainer's
 ...     return objective.loss(out, batch["y"]), (out, model_state)
 >>> program = Program(adapter=adapter, compute_loss=compute_loss, apply=adapter.apply, optimizer=optax.sgd(0.1),
 ...                   objective=objective, precision=get_precision("fp32"))
->>> from trainkit.core.session import Session
+>>> from trainkit.record.session import Session
 >>> session = Session()
 >>> setup = Setup(program, "single", session=session, steps_per_execution=1)
 >>> state = setup.init((np.ones((8, 3), np.float32), np.ones((8, 2), np.float32)))
@@ -43,7 +43,6 @@ import optax
 from trainkit import data as data_lib
 from trainkit import distributed
 from trainkit.core import model as model_lib
-from trainkit.core.session import Session
 from trainkit.core.state import TrainState, abstract
 from trainkit.core.tree import PyTree
 from trainkit.distributed import compile_cache
@@ -53,6 +52,7 @@ from trainkit.program.compiled import CompiledFunctions
 from trainkit.program.decisions import Decided, Decisions
 from trainkit.program.program import Program
 from trainkit.program.state_access import StateAccess
+from trainkit.record.session import Session
 from trainkit.strategies import Auto, SingleDevice, Strategy, check_steps_per_execution, resolve_strategy
 
 logger = logging.getLogger("trainkit")

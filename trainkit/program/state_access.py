@@ -26,12 +26,12 @@ from trainkit import data as data_lib
 from trainkit import distributed
 from trainkit.core import lora as lora_lib
 from trainkit.core import optimizers
-from trainkit.core.session import Session
 from trainkit.core.state import TrainState, check_tree_matches
 from trainkit.core.tree import PyTree
 from trainkit.core.variables import named_variables, replaced
 from trainkit.program.decisions import Decided
 from trainkit.program.program import Program
+from trainkit.record.session import Session
 from trainkit.weights import Target
 
 

@@ -23,8 +23,8 @@ import jax
 import numpy as np
 
 from trainkit import distributed
-from trainkit.core import atomic
 from trainkit.core.tree import PyTree, leaf_name
+from trainkit.distributed import atomic
 from trainkit.weights import torch_layout
 from trainkit.weights.load import Target, check_options, match, place, refuse
 from trainkit.weights.report import LoadReport

@@ -15,7 +15,7 @@ that was interrupted after its last checkpoint, recomputed after the resume).
 
 >>> ledger = Ledger()
 >>> with ledger.running():
-...     previous = ledger.switch("input"); _ = sum(range(10_000)); _ = ledger.switch(previous)
+...     previous = ledger.switch(Bucket.INPUT); _ = sum(range(10_000)); _ = ledger.switch(previous)
 >>> result = ledger.result()
 >>> sorted(result.buckets) == ["input", "startup"], abs(sum(result.buckets.values()) - result.wall_seconds) < 1e-9
 (True, True)
@@ -26,6 +26,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
+import enum
 import threading
 import time
 from collections.abc import Iterator
@@ -41,12 +42,32 @@ COMPILE_EVENTS = (
 )
 _BACKEND_COMPILE = COMPILE_EVENTS[2]
 _CACHE_EVENTS = {"/jax/compilation_cache/cache_hits": "hit", "/jax/compilation_cache/cache_misses": "miss"}
-#: the productive bucket: goodput = its seconds / the wall time
-PRODUCTIVE = "step"
 #: the completed calls the step-time median and p99 are taken over (the most recent)
 RECENT_CALLS = 20_000
-#: the order buckets are shown in (callback buckets follow, then ``lost``)
-ORDER = ("startup", "compile", "input", "step", "validation", "checkpoint")
+
+
+class Bucket(enum.StrEnum):
+    """The ledger's fixed buckets, in the order they are shown (a callback's own,
+    ``callbacks/<Class>``, follow them, then ``LOST``); each is its name as a string, so the
+    results and the saved JSON read ``"step"``.
+
+    >>> Bucket.STEP == "step", [str(b) for b in ORDER][:3]
+    (True, ['startup', 'compile', 'input'])
+    """
+
+    STARTUP = "startup"  # the backend, jax.distributed, the setup of fit before its first step
+    COMPILE = "compile"  # JAX's trace, lowering and backend-compile spans, wherever they fall
+    INPUT = "input"  # the loop blocked on the data
+    STEP = "step"  # dispatching and running the training steps: the productive time
+    VALIDATION = "validation"
+    CHECKPOINT = "checkpoint"  # blocking checkpoint time
+    LOST = "lost"  # step time of an interrupted run after its last checkpoint, recomputed after the resume
+
+
+#: the productive bucket: goodput = its seconds / the wall time
+PRODUCTIVE = Bucket.STEP
+#: the order the fixed buckets are shown in (callback buckets follow, then ``lost``)
+ORDER = tuple(b for b in Bucket if b is not Bucket.LOST)
 
 
 @dataclasses.dataclass
@@ -152,7 +173,7 @@ class Buckets(dict):
 
     def __missing__(self, key: str) -> float:
         raise KeyError(
-            f"no bucket {key!r}: this fit's buckets are {sorted(self)} (see trainkit.core.ledger; a bucket no time "
+            f"no bucket {key!r}: this fit's buckets are {sorted(self)} (see trainkit.record.ledger; a bucket no time "
             "went to is absent, .get(name, 0.0) reads it as 0)"
         )
 
@@ -203,9 +224,9 @@ class Goodput:
 
 def ordered(buckets: dict[str, float]) -> list[str]:
     """Bucket names in the order they are shown: the fixed ones, the callbacks', then ``lost``."""
-    fixed = [name for name in ORDER if name in buckets]
-    rest = sorted(name for name in buckets if name not in ORDER and name != "lost")
-    return fixed + rest + (["lost"] if "lost" in buckets else [])
+    fixed = [str(name) for name in ORDER if name in buckets]
+    rest = sorted(name for name in buckets if name not in ORDER and name != Bucket.LOST)
+    return fixed + rest + ([str(Bucket.LOST)] if Bucket.LOST in buckets else [])
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -220,7 +241,7 @@ class Ledger:
 
     def __init__(self) -> None:
         self.active = False
-        self.current = "startup"
+        self.current: str = Bucket.STARTUP
         self.since = 0.0
         self.seconds: dict[str, float] = {}
         #: (perf_counter stamp, steps) of the last ``RECENT_CALLS`` completed calls (the step-time spread)
@@ -236,9 +257,9 @@ class Ledger:
         _SPANS.listen()
         _SPANS.clear()
         self.prior = sum((startup or {}).values())  # counted before this fit's clock started
-        self.seconds, self.carried, self.last = {"startup": self.prior}, {}, None
+        self.seconds, self.carried, self.last = {str(Bucket.STARTUP): self.prior}, {}, None
         self.completed.clear()
-        self.active, self.current, self.since = True, "startup", time.time()
+        self.active, self.current, self.since = True, str(Bucket.STARTUP), time.time()
         self.started = self.since
         try:
             yield self
@@ -246,9 +267,10 @@ class Ledger:
             self.settle()
             self.active = False
 
-    def switch(self, bucket: str) -> str:
-        """From now the time goes to ``bucket``; returns the bucket that was running (switch
-        back to it when the work ends)."""
+    def switch(self, bucket: Bucket | str) -> str:
+        """From now the time goes to ``bucket`` (a :class:`Bucket`, or a callback's
+        ``callbacks/<Class>``); returns the bucket that was running (switch back to it when the
+        work ends)."""
         previous = self.current
         if self.active:
             now = time.time()  # JAX's spans are time.time()
@@ -256,13 +278,13 @@ class Ledger:
             seconds = self.seconds
             seconds[previous] = seconds.get(previous, 0.0) + (now - self.since - compiled)
             if compiled:
-                seconds["compile"] = seconds.get("compile", 0.0) + compiled
+                seconds[str(Bucket.COMPILE)] = seconds.get(Bucket.COMPILE, 0.0) + compiled
             self.since = now
-        self.current = bucket
+        self.current = str(bucket)  # a plain string: the results' keys read as names
         return previous
 
     @contextlib.contextmanager
-    def bucket(self, name: str) -> Iterator[None]:
+    def bucket(self, name: Bucket | str) -> Iterator[None]:
         """The block's time goes to ``name``, then back to the bucket that ran before."""
         previous = self.switch(name)
         try:

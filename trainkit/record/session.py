@@ -29,11 +29,11 @@ from typing import Any, NamedTuple
 import jax
 
 from trainkit.core.leaf_step import LeafStep
-from trainkit.core.ledger import Ledger
 from trainkit.core.state import TrainState
 from trainkit.core.totals import PackedTotals
 from trainkit.core.tree import JSON, PyTree
 from trainkit.core.warn import warn_user
+from trainkit.record.ledger import Ledger
 
 
 class Position(NamedTuple):
