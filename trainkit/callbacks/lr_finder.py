@@ -19,7 +19,8 @@ import dataclasses
 import math
 import os
 import warnings
-from typing import Any, Protocol
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
@@ -28,13 +29,20 @@ from trainkit.callbacks.trainer_view import TrainerView
 from trainkit.core.state import TrainState
 from trainkit.core.tree import PyTree
 from trainkit.core.warn import warn_user
+
+if TYPE_CHECKING:  # matplotlib is optional (the plot needs it)
+    from matplotlib.figure import Figure
 from trainkit.distributed import atomic
 
 #: Lightning's defaults: the loss's smoothing, the divergence threshold, the points left out.
 SMOOTHING, EARLY_STOP_THRESHOLD, SKIP_BEGIN, SKIP_END = 0.98, 4.0, 10, 1
 
 
-def smooth(losses: Any, beta: float = SMOOTHING) -> np.ndarray:
+#: Rates or losses, one per step of the range test.
+Floats = Sequence[float] | np.ndarray
+
+
+def smooth(losses: Floats, beta: float = SMOOTHING) -> np.ndarray:
     """An exponential moving average of ``losses``, corrected for its start at zero (Lightning's)."""
     average, out = 0.0, []
     for i, loss in enumerate(losses):
@@ -43,7 +51,7 @@ def smooth(losses: Any, beta: float = SMOOTHING) -> np.ndarray:
     return np.asarray(out)
 
 
-def _read(lrs: Any, smoothed: Any, skip_begin: int, skip_end: int) -> tuple[np.ndarray, np.ndarray] | None:
+def _read(lrs: Floats, smoothed: Floats, skip_begin: int, skip_end: int) -> tuple[np.ndarray, np.ndarray] | None:
     """The rates and smoothed losses a rule reads: the first ``skip_begin`` and last
     ``skip_end`` points left out, and the non-finite ones; ``None`` when fewer than two remain."""
     lrs, smoothed = np.asarray(lrs, np.float64), np.asarray(smoothed, np.float64)
@@ -52,7 +60,7 @@ def _read(lrs: Any, smoothed: Any, skip_begin: int, skip_end: int) -> tuple[np.n
     return None if len(window) < 2 else (lrs[window], smoothed[window])
 
 
-def suggest(lrs: Any, smoothed: Any, skip_begin: int = SKIP_BEGIN, skip_end: int = SKIP_END) -> float | None:
+def suggest(lrs: Floats, smoothed: Floats, skip_begin: int = SKIP_BEGIN, skip_end: int = SKIP_END) -> float | None:
     """The rate at the steepest descent of the smoothed loss (the most negative gradient over
     the log of the rate), the first ``skip_begin`` and last ``skip_end`` points left out;
     ``None`` when fewer than two finite points remain."""
@@ -63,7 +71,9 @@ def suggest(lrs: Any, smoothed: Any, skip_begin: int = SKIP_BEGIN, skip_end: int
     return float(rates[int(np.argmin(np.gradient(losses, np.log(rates))))])
 
 
-def minimum_over_ten(lrs: Any, smoothed: Any, skip_begin: int = SKIP_BEGIN, skip_end: int = SKIP_END) -> float | None:
+def minimum_over_ten(
+    lrs: Floats, smoothed: Floats, skip_begin: int = SKIP_BEGIN, skip_end: int = SKIP_END
+) -> float | None:
     """fastai's ``lr_min``: the rate of the lowest smoothed loss divided by 10 (an order of
     magnitude below where training stops improving), the same points left out as ``suggest``.
 
@@ -77,7 +87,7 @@ def minimum_over_ten(lrs: Any, smoothed: Any, skip_begin: int = SKIP_BEGIN, skip
     return float(rates[int(np.argmin(losses))] / 10)
 
 
-def valley(lrs: Any, smoothed: Any, skip_begin: int = SKIP_BEGIN, skip_end: int = SKIP_END) -> float | None:
+def valley(lrs: Floats, smoothed: Floats, skip_begin: int = SKIP_BEGIN, skip_end: int = SKIP_END) -> float | None:
     """fastai's default ``valley``: the longest stretch over which the smoothed loss keeps
     falling (a longest decreasing subsequence), and the rate two thirds of the way down it.
 
@@ -110,7 +120,7 @@ RULES = {"steep": suggest, "min/10": minimum_over_ten, "valley": valley}
 RULE = "steep"
 
 
-def suggest_by(rule: str, lrs: Any, smoothed: Any) -> float | None:
+def suggest_by(rule: str, lrs: Floats, smoothed: Floats) -> float | None:
     """The suggestion of the named rule (:data:`RULES`) for a range test's rates and smoothed losses."""
     if rule not in RULES:
         raise ValueError(f"Unknown rule {rule!r}: pass one of {sorted(RULES)}.")
@@ -130,7 +140,7 @@ class LearningRateSearch:
     stopped_early: bool
     suggestions: dict[str, float | None] = dataclasses.field(default_factory=dict)
 
-    def plot(self, path: str | os.PathLike, suggest: bool = True) -> Any:
+    def plot(self, path: str | os.PathLike[str], suggest: bool = True) -> Figure:
         """The smoothed loss against the rate (log scale), the suggestion marked, as a PNG at
         ``path`` (matplotlib, the ``monitoring`` extra); returns the figure."""
         import matplotlib
@@ -177,7 +187,7 @@ class RangeTest(Callback):
             self.model.stop_training = True
 
 
-def iter_once(x: Any) -> bool:
+def iter_once(x: object) -> bool:
     """Whether ``x`` is a one-shot iterator (a generator, ``map``, ``iter(list)``): reading it
     consumes it.
 

@@ -30,13 +30,13 @@ from trainkit.record.session import Session
 logger = logging.getLogger("trainkit")
 
 
-def run_config(trainer: TrainerView) -> dict[str, Any]:
+def run_config(trainer: TrainerView) -> loggers.RunConfig:
     """The run's hyperparameters, logged once per ``fit``: model, parameter count, loss,
     optimizer (its injected hyperparameters), strategy, precision, batch size, accumulation,
     seed, devices and processes. Reads shapes and replicated scalars only (no gather), so any
     process may call it alone."""
     state = trainer.state
-    config: dict[str, Any] = {
+    config: loggers.RunConfig = {
         "model": type(trainer.model).__name__,
         "parameters": int(sum(leaf.size for leaf in jax.tree.leaves(state.params))) if state is not None else 0,
         "loss": str(trainer.loss),

@@ -31,13 +31,15 @@ every checkpoint, keeps its leaves as they are.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from types import ModuleType
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.tree_util import PyTreeDef
 
-from trainkit.core.tree import PyTree
+from trainkit.core.tree import ArrayValue, Leaf, PyTree, Shape, TreeFunction
 
 #: A replicated leaf of at most this many 32-bit elements travels packed (:class:`Carry`): counters
 #: and keys. Not parameters: packing that MLP's 10- and 16-element biases (and their Adam moments)
@@ -60,7 +62,7 @@ class Carry:
     [[0.0, 0.0, 0.0], 4, [1, 1]]
     """
 
-    def __init__(self, abstract_leaves: Sequence[Any], replicated: Sequence[bool]):
+    def __init__(self, abstract_leaves: Sequence[Leaf], replicated: Sequence[bool]):
         small = [i for i, (a, whole) in enumerate(zip(abstract_leaves, replicated, strict=True)) if whole and _small(a)]
         self.small: tuple[int, ...] = tuple(small) if len(small) > 1 else ()
         self.big: tuple[int, ...] = tuple(i for i in range(len(abstract_leaves)) if i not in self.small)
@@ -69,11 +71,11 @@ class Carry:
         self.sizes = tuple(int(np.prod(shape, dtype=np.int64)) for shape, _ in self.specs)
         self.count = len(abstract_leaves)
 
-    def key(self) -> tuple:
+    def key(self) -> tuple[tuple[int, ...], tuple[tuple[Shape, np.dtype], ...], int]:
         """Equal for two carries that lay out the same leaves the same way."""
         return self.small, self.specs, self.count
 
-    def packed(self, leaves: Sequence[Any]) -> list:
+    def packed(self, leaves: Sequence[ArrayValue]) -> list[ArrayValue]:
         """The carried list of ``leaves`` (traced, or host values): the big leaves as they are,
         then the small ones' bits in one array."""
         if not self.small:
@@ -82,20 +84,20 @@ class Carry:
         bits = [_bits(leaves[i], xp) for i in self.small]
         return [leaves[i] for i in self.big] + [xp.concatenate(bits)]
 
-    def unpacked(self, carried: Sequence[Any]) -> list:
+    def unpacked(self, carried: Sequence[ArrayValue]) -> list[ArrayValue]:
         """The state's leaves from a carried list (traced, or host values)."""
         if not self.small:
             return list(carried)
-        leaves: list[Any] = [None] * self.count
+        leaves: list[ArrayValue] = [np.empty(0)] * self.count  # every entry set below
         for i, value in zip(self.big, carried, strict=False):
             leaves[i] = value
-        packed, offset = carried[-1], 0
+        packed, offset = _array(carried[-1]), 0
         for i, (shape, dtype), size in zip(self.small, self.specs, self.sizes, strict=True):
             leaves[i] = _from_bits(packed[offset : offset + size], dtype).reshape(shape)
             offset += size
         return leaves
 
-    def abstract(self, leaves: Sequence[Any], sharding: jax.sharding.Sharding | None = None) -> list:
+    def abstract(self, leaves: Sequence[Leaf], sharding: jax.sharding.Sharding | None = None) -> list[Leaf]:
         """The carried list for lowering (``leaves`` abstract or real), the packed array a
         ``jax.ShapeDtypeStruct`` with the ``sharding`` it is placed in (the program traced is
         then the one a placed array gets, the same compile-cache entry)."""
@@ -105,33 +107,40 @@ class Carry:
         return [leaves[i] for i in self.big] + [packed]
 
 
-def _small(leaf: Any) -> bool:
+def _small(leaf: Leaf) -> bool:
     if jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.extended):  # a typed PRNG key
         return False
     weak = isinstance(leaf, (jax.Array, jax.ShapeDtypeStruct)) and leaf.weak_type  # rebuilt strong: a new trace
     return not weak and np.dtype(leaf.dtype) in _PACKABLE and int(np.prod(np.shape(leaf))) <= SMALL_LEAF
 
 
-def _bits(leaf: Any, xp: Any) -> Any:
+def _bits(leaf: ArrayValue, xp: ModuleType) -> jax.Array | np.ndarray:
     if xp is np:
         return np.ascontiguousarray(leaf).reshape(-1).view(np.uint32)
-    return jax.lax.bitcast_convert_type(jnp.reshape(leaf, (-1,)), jnp.uint32)
+    return jax.lax.bitcast_convert_type(jnp.reshape(jnp.asarray(leaf), (-1,)), jnp.uint32)
 
 
-def _from_bits(bits: Any, dtype: np.dtype) -> Any:
+def _from_bits(bits: jax.Array | np.ndarray, dtype: np.dtype) -> jax.Array | np.ndarray:
     return bits.view(dtype) if isinstance(bits, np.ndarray) else jax.lax.bitcast_convert_type(bits, dtype)
 
 
-def _host(leaf: Any) -> np.ndarray:
+def _array(value: ArrayValue) -> jax.Array | np.ndarray:
+    """The packed array of a carried list (an array, never a scalar)."""
+    if not isinstance(value, (jax.Array, np.ndarray)):
+        raise TypeError(f"the packed leaves are an array; received {type(value).__name__}")
+    return value
+
+
+def _host(leaf: ArrayValue) -> np.ndarray:
     """A replicated leaf's value on this host, read from one local copy (no collective)."""
     return np.asarray(leaf.addressable_data(0)) if isinstance(leaf, jax.Array) else np.asarray(leaf)
 
 
-def over_carried(step: Callable, treedef: Any, carry: Carry) -> Callable:
+def over_carried(step: TreeFunction, treedef: PyTreeDef, carry: Carry) -> TreeFunction:
     """``step(state, *rest) -> (state, *outputs)`` as ``(carried, *rest) -> (carried,
     *outputs)`` (named as ``step``, which names its compiled program)."""
 
-    def leaf_step(carried: list, *rest: Any) -> tuple:
+    def leaf_step(carried: list[ArrayValue], *rest: PyTree) -> tuple[PyTree, ...]:
         state, *outputs = step(jax.tree.unflatten(treedef, carry.unpacked(carried)), *rest)
         return (carry.packed(jax.tree.leaves(state)), *outputs)
 
@@ -149,10 +158,10 @@ class LeafStep:
 
     def __init__(
         self,
-        jitted: Any,
-        treedef: Any,
+        jitted: jax.stages.Wrapped,
+        treedef: PyTreeDef,
         carry: Carry,
-        place: Callable[[Any], Any] = jax.device_put,
+        place: Callable[[PyTree], PyTree] = jax.device_put,
         sharding: jax.sharding.Sharding | None = None,
     ):
         self.jitted, self.treedef, self.carry, self.place, self.sharding = jitted, treedef, carry, place, sharding
@@ -160,10 +169,10 @@ class LeafStep:
     @classmethod
     def jit(
         cls,
-        step: Callable,
+        step: TreeFunction,
         abstract_state: PyTree,
-        in_shardings: Any = None,
-        out_shardings: Any = None,
+        in_shardings: tuple[PyTree, ...] | None = None,
+        out_shardings: tuple[PyTree, ...] | None = None,
         donate_state: bool = True,
         replicated: jax.sharding.Sharding | None = None,
     ) -> LeafStep:
@@ -175,7 +184,7 @@ class LeafStep:
         whole = [True] * len(leaves) if state_shardings is None else [s.is_fully_replicated for s in state_shardings]
         carry = Carry(leaves, whole)
         options: dict[str, Any] = {"donate_argnums": (0,) if donate_state else ()}
-        if state_shardings is not None:
+        if in_shardings is not None and state_shardings is not None:
             options["in_shardings"] = (_carried(carry, state_shardings, replicated), *in_shardings[1:])
         if out_shardings is not None:
             outs = _carried(carry, _leaves_of(out_shardings[0], treedef), replicated)
@@ -183,20 +192,22 @@ class LeafStep:
         place = jax.device_put if replicated is None else (lambda tree: jax.device_put(tree, replicated))
         return cls(jax.jit(over_carried(step, treedef, carry), **options), treedef, carry, place, replicated)
 
-    def call_carried(self, carried: list, *rest: Any) -> tuple:
+    def call_carried(self, carried: list[ArrayValue], *rest: PyTree) -> tuple[PyTree, ...]:
         """One call on the state's carried leaves: ``(new carried leaves, *outputs)``."""
         return self.jitted(carried, *rest)
 
-    def carried(self, leaves: Sequence[Any]) -> list:
+    def carried(self, leaves: Sequence[ArrayValue]) -> list[ArrayValue]:
         """The state's leaves as this step takes them (the small ones packed on the host and
         placed as they were)."""
         if not self.carry.small:
             return list(leaves)
-        host = [_host(leaves[i]) if i in self.carry.small else None for i in range(len(leaves))]
+        host = [_host(leaf) if i in self.carry.small else leaf for i, leaf in enumerate(leaves)]  # big: not read
         packed = self.carry.packed(host)[-1]
-        return [leaves[i] for i in self.carry.big] + [self._placed_like(packed, leaves[self.carry.small[0]])]
+        return [leaves[i] for i in self.carry.big] + [
+            self._placed_like(np.asarray(packed), leaves[self.carry.small[0]])
+        ]
 
-    def leaves(self, carried: Sequence[Any]) -> list:
+    def leaves(self, carried: Sequence[ArrayValue]) -> list[ArrayValue]:
         """The state's leaves from carried ones (the small ones unpacked on the host and placed
         as the packed array is)."""
         if not self.carry.small:
@@ -204,25 +215,25 @@ class LeafStep:
         packed = carried[-1]
         leaves = self.carry.unpacked([*carried[:-1], _host(packed)])
         for i in self.carry.small:
-            leaves[i] = self._placed_like(leaves[i], packed)
+            leaves[i] = self._placed_like(np.asarray(leaves[i]), packed)
         return leaves
 
-    def _placed_like(self, value: np.ndarray, like: Any) -> Any:
+    def _placed_like(self, value: np.ndarray, like: ArrayValue) -> ArrayValue:
         """``value`` in the sharding of the live array ``like``, from this process's copy alone
         (a state read on one process is no collective); ``place`` for a host ``like``."""
         if not isinstance(like, jax.Array):
             return self.place(value)
         return jax.make_array_from_callback(value.shape, like.sharding, lambda index: value[index])
 
-    def state(self, carried: Sequence[Any]) -> PyTree:
+    def state(self, carried: Sequence[ArrayValue]) -> PyTree:
         """The ``TrainState`` (or other tree) of carried leaves."""
         return jax.tree.unflatten(self.treedef, self.leaves(carried))
 
-    def __call__(self, state: PyTree, *rest: Any) -> tuple:
+    def __call__(self, state: PyTree, *rest: PyTree) -> tuple[PyTree, ...]:
         carried, *outputs = self.jitted(self.carried(jax.tree.leaves(state)), *rest)
         return (self.state(carried), *outputs)
 
-    def lower(self, state: PyTree, *rest: Any) -> Any:
+    def lower(self, state: PyTree, *rest: PyTree) -> jax.stages.Lowered:
         """The compiled program lowered for a state (abstract or real: a real state's carried
         leaves are real too, which ``pmap`` on several processes needs) and the other arguments."""
         leaves = jax.tree.leaves(state)
@@ -231,7 +242,7 @@ class LeafStep:
         return self.jitted.lower(self.carry.abstract(leaves, self.sharding), *rest)
 
 
-def _leaves_of(shardings: PyTree, treedef: Any) -> list:
+def _leaves_of(shardings: PyTree, treedef: PyTreeDef) -> list[jax.sharding.Sharding]:
     """A tree of shardings shaped as the state, as the list its leaves take (a single sharding
     stands for every leaf)."""
     if isinstance(shardings, jax.sharding.Sharding):
@@ -239,7 +250,9 @@ def _leaves_of(shardings: PyTree, treedef: Any) -> list:
     return treedef.flatten_up_to(shardings)
 
 
-def _carried(carry: Carry, shardings: list, replicated: jax.sharding.Sharding | None) -> list:
+def _carried(
+    carry: Carry, shardings: list[jax.sharding.Sharding], replicated: jax.sharding.Sharding | None
+) -> list[jax.sharding.Sharding]:
     """The carried list's shardings: the big leaves' own, then ``replicated`` for the packed array."""
     if not carry.small:
         return shardings

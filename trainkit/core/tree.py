@@ -18,6 +18,10 @@ import jax
 import numpy as np
 
 PyTree = Any
+#: One leaf of a state or batch: a device array (or a traced one), a host array or scalar, or an
+#: abstract ``jax.ShapeDtypeStruct`` (lowering, plans).
+ArrayValue = jax.Array | np.ndarray | np.generic
+Leaf = ArrayValue | jax.ShapeDtypeStruct
 #: A function of pytrees, such as a step a strategy compiled: ``(state, totals, batch) -> ...``.
 TreeFunction = Callable[..., PyTree]
 #: A value ``json.dumps`` writes: a data reader's saved position, a manifest's entry.

@@ -22,12 +22,21 @@ from __future__ import annotations
 import csv
 import json
 import os
-from typing import Any, Protocol, runtime_checkable
+from collections.abc import Callable, Mapping
+from typing import IO, TYPE_CHECKING, Any, Protocol, TypeVar, runtime_checkable
 
 import numpy as np
 
 from trainkit.core.redact import redacted
 from trainkit.distributed import atomic, filesystem
+
+if TYPE_CHECKING:  # optional packages, read by the type checker only
+    from mlflow.tracking import MlflowClient
+    from tensorboardX import SummaryWriter
+
+T = TypeVar("T")
+#: A run's hyperparameters as the loggers record them (``tk.callbacks.monitoring.run_config``).
+RunConfig = dict[str, str | int | float | bool | None]
 
 #: The runs a metric belongs to: training, or validation (Keras's TensorBoard subdirectories).
 RUNS = ("train", "validation")
@@ -42,7 +51,7 @@ class Logger(Protocol):
 
     def log_metrics(self, step: int, metrics: dict[str, float], run: str = "train") -> None: ...
 
-    def log_hparams(self, config: dict[str, Any]) -> None: ...
+    def log_hparams(self, config: RunConfig) -> None: ...
 
     def close(self) -> None: ...
 
@@ -61,7 +70,7 @@ def check_log_dir(log_dir: str | os.PathLike, owner: str) -> None:
         )
 
 
-def _scalars(metrics: dict[str, Any]) -> dict[str, float]:
+def _scalars(metrics: Mapping[str, float | np.ndarray]) -> dict[str, float]:
     return {k: float(v) for k, v in metrics.items() if np.ndim(v) == 0 and np.isfinite(float(v))}
 
 
@@ -76,9 +85,9 @@ class TensorBoardLogger:
 
         self.log_dir, self.prefix = os.fspath(log_dir), prefix
         self._writer_class = SummaryWriter
-        self._writers: dict[str, Any] = {}
+        self._writers: dict[str, SummaryWriter] = {}
 
-    def writer(self, run: str) -> Any:
+    def writer(self, run: str) -> SummaryWriter:
         if run not in self._writers:
             self._writers[run] = self._writer_class(os.path.join(self.log_dir, run))
         return self._writers[run]
@@ -95,7 +104,7 @@ class TensorBoardLogger:
             writer.add_histogram(name, np.asarray(values, np.float32), global_step=step)
         writer.flush()
 
-    def log_hparams(self, config: dict[str, Any]) -> None:
+    def log_hparams(self, config: RunConfig) -> None:
         self.writer("train").add_text("hparams", json.dumps(config, indent=1, default=str), global_step=0)
         self.writer("train").add_hparams(
             {k: v for k, v in config.items() if isinstance(v, (int, float, str, bool))}, {}, name="hparams"
@@ -113,22 +122,23 @@ class CSVMetricsLogger:
 
     def __init__(self, path: str | os.PathLike):
         self.path = os.fspath(path)
-        self._file: Any = None
+        self._file: IO[str] | None = None
 
-    def _rows(self) -> Any:
+    def _opened(self) -> IO[str]:
         if self._file is None:
             os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)
             self._file = open(self.path, "w", newline="")
             csv.writer(self._file).writerow(["step", "run", "name", "value"])
-        return csv.writer(self._file)
+        return self._file
 
     def log_metrics(self, step: int, metrics: dict[str, float], run: str = "train") -> None:
-        rows = self._rows()
+        file = self._opened()
+        rows = csv.writer(file)
         for name, value in _scalars(metrics).items():
             rows.writerow([step, run, name, repr(value)])
-        self._file.flush()
+        file.flush()
 
-    def log_hparams(self, config: dict[str, Any]) -> None:
+    def log_hparams(self, config: RunConfig) -> None:
         directory = os.path.dirname(os.path.abspath(self.path))
         atomic.write_text(os.path.join(directory, "hparams.json"), json.dumps(config, indent=1, default=str))
 
@@ -138,7 +148,7 @@ class CSVMetricsLogger:
             self._file = None
 
 
-def bounded(call: Any, seconds: float, what: str) -> Any:
+def bounded(call: Callable[[], T], seconds: float, what: str) -> T:
     """``call()``, or a ``TimeoutError`` naming ``what`` when it has not returned within
     ``seconds`` (it goes on in a daemon thread: a client waiting on a server cannot be stopped).
 
@@ -147,22 +157,23 @@ def bounded(call: Any, seconds: float, what: str) -> Any:
     """
     import threading
 
-    result: dict[str, Any] = {}
+    result: list[T] = []
+    errors: list[BaseException] = []
 
     def run() -> None:
         try:
-            result["value"] = call()
+            result.append(call())
         except BaseException as error:  # noqa: BLE001 - re-raised in the caller's thread
-            result["error"] = error
+            errors.append(error)
 
     thread = threading.Thread(target=run, name="trainkit-bounded", daemon=True)
     thread.start()
     thread.join(seconds)
     if thread.is_alive():
         raise TimeoutError(f"{what} did not finish within {seconds:g} s.")
-    if "error" in result:
-        raise result["error"]
-    return result["value"]
+    if errors:
+        raise errors[0]
+    return result[0]
 
 
 class MLflowLogger:
@@ -178,7 +189,7 @@ class MLflowLogger:
     ):
         self.tracking_uri, self.timeout = tracking_uri, float(timeout)
 
-        def start() -> tuple[Any, str]:
+        def start() -> tuple[MlflowClient, str]:
             import mlflow
 
             client = mlflow.tracking.MlflowClient(tracking_uri=tracking_uri)
@@ -188,7 +199,7 @@ class MLflowLogger:
 
         self._client, self.run_id = self._bounded(start, "starting the run")
 
-    def _bounded(self, call: Any, what: str) -> Any:
+    def _bounded(self, call: Callable[[], T], what: str) -> T:
         """``call()`` within the timeout; its errors, which quote the server's URL, raised with the
         URL's credentials masked (and without the original's traceback, which would print them)."""
         where = f"MLflow at {redacted(repr(self.tracking_uri))} ({what})"
@@ -208,7 +219,7 @@ class MLflowLogger:
         if batch:
             self._bounded(lambda: self._client.log_batch(self.run_id, metrics=batch), "logging metrics")
 
-    def log_hparams(self, config: dict[str, Any]) -> None:
+    def log_hparams(self, config: RunConfig) -> None:
         from mlflow.entities import Param
 
         params = [Param(k, str(v)[:500]) for k, v in config.items()]
@@ -231,7 +242,7 @@ class WandbLogger:
         prefix = "val_" if run == "validation" else ""
         self.run.log({f"{prefix}{k}": v for k, v in _scalars(metrics).items()}, step=step)
 
-    def log_hparams(self, config: dict[str, Any]) -> None:
+    def log_hparams(self, config: RunConfig) -> None:
         self.run.config.update(config, allow_val_change=True)
 
     def close(self) -> None:

@@ -31,7 +31,7 @@ import jax
 from trainkit.core.leaf_step import LeafStep
 from trainkit.core.state import TrainState
 from trainkit.core.totals import PackedTotals
-from trainkit.core.tree import JSON, PyTree
+from trainkit.core.tree import JSON, ArrayValue, PyTree
 from trainkit.core.warn import warn_user
 from trainkit.record.ledger import Ledger
 
@@ -141,7 +141,7 @@ class Session:
     )
     _state: TrainState | None
     _leaves: (
-        tuple[list[jax.Array], LeafStep] | None
+        tuple[list[ArrayValue], LeafStep] | None
     )  # the state as the carried leaves a LeafStep returned, and that step
     _position: Position
     _record: StepRecord | None
@@ -179,7 +179,7 @@ class Session:
             raise RuntimeError("The trainer has no state yet: call fit(...) or init(sample_batch) first.")
         return state
 
-    def carried(self, step: LeafStep) -> list[jax.Array]:
+    def carried(self, step: LeafStep) -> list[ArrayValue]:
         """The live state as the carried leaves ``step`` (a
         :class:`~trainkit.core.leaf_step.LeafStep`) takes: as a step of the same layout returned
         them (nothing built), else from the state."""
@@ -282,7 +282,7 @@ class Session:
         """The state after a dispatched step (the position moves with :meth:`moved`)."""
         self._state, self._leaves = state, None
 
-    def stepped_carried(self, carried: list[jax.Array], step: LeafStep) -> None:
+    def stepped_carried(self, carried: list[ArrayValue], step: LeafStep) -> None:
         """The state after a dispatched step, as the carried leaves ``step`` (a
         :class:`~trainkit.core.leaf_step.LeafStep`) returned; built into a ``TrainState`` when read."""
         self._state, self._leaves = None, (carried, step)
