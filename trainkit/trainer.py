@@ -30,6 +30,7 @@ from trainkit.callbacks import Callback, CallbackList, History, lr_finder
 from trainkit.core.lora import LoRA
 from trainkit.core.model import adapt_model
 from trainkit.core.precision import Precision, get_precision
+from trainkit.core.remat import Remat
 from trainkit.core.spikes import SpikeSkip
 from trainkit.core.state import Batch, TrainState
 from trainkit.core.totals import MetricFn
@@ -86,7 +87,7 @@ class Trainer:
         weighted_metrics: Sequence[str | MetricFn] | dict | None = None,
         loss_weights: float | Sequence[float] | dict | None = None,
         strategy: str | Strategy | Auto = "auto", seed: int = 0, params: PyTree | None = None,
-        precision: str | Precision | None = "fp32", remat: Any = None, grad_accum_steps: int = 1,
+        precision: str | Precision | None = "fp32", remat: Remat = None, grad_accum_steps: int = 1,
         log_grad_norm: bool = False, steps_per_execution: int | str = 1, run_eagerly: bool = False,
         jit_compile: bool | str = "auto", mixes_rows: bool = False, deterministic: bool = False,
         trainable: TrainableSpec = None, lora: LoRA | None = None, skip_spikes: SpikeSkip | None = None,
@@ -177,7 +178,7 @@ class Trainer:
     def learning_rate(self, value: float) -> None:
         self.state_access.set_learning_rate(value)
 
-    def compile(self, *args: Any, **kwargs: Any) -> None:  # Keras's habit: the loss and optimizer come when made
+    def compile(self, *args: object, **kwargs: object) -> None:  # Keras's habit: the loss and optimizer come when made
         raise TypeError("A Trainer is compiled when made: tk.Trainer(model, loss=..., optimizer=..., metrics=[...]).")
 
     def update_state(self, **fields: PyTree) -> TrainState:
@@ -197,7 +198,7 @@ class Trainer:
         """The number of scalars in all variables (parameters and model state), as Keras counts."""
         return self.state_access.count_params()
 
-    def summary(self, sample: Any = None, console: Any = None) -> None:
+    def summary(self, sample: Any = None, console: Console | None = None) -> None:
         """Keras's ``summary()``: modules, output shapes, parameters, step FLOPs; a ``sample`` initialises first."""
         (console or Console()).print(summary_lib.summary_view(self, self.setup.summary_inputs(sample)))
 
@@ -350,7 +351,10 @@ class Trainer:
         logs = self.loop.evaluate(dataset, size, steps, CallbackList.for_run(callbacks, self, verbose, total))
         return self.objective.keras_result(logs, return_dict)
 
-    def train_on_batch(self, x: Any, y=None, sample_weight=None, class_weight=None, return_dict=False) -> Any:
+    def train_on_batch(
+        self, x: Any, y: PyTree = None, sample_weight: PyTree = None, class_weight: dict[int, float] | None = None,
+        return_dict: bool = False,
+    ) -> float | list[float] | dict[str, float]:  # fmt: skip
         """One optimizer step on exactly these rows (Keras's ``train_on_batch``), padded to a
         size the devices can split; returns that batch's loss and metrics like :meth:`evaluate`."""
         size = inputs.one_batch_size(self.setup, x)
@@ -360,7 +364,9 @@ class Trainer:
         )  # fmt: skip
         return self.objective.keras_result({k: v[-1] for k, v in history.history.items()}, return_dict)
 
-    def test_on_batch(self, x: Any, y: PyTree = None, sample_weight: PyTree = None, return_dict: bool = False) -> Any:
+    def test_on_batch(
+        self, x: Any, y: PyTree = None, sample_weight: PyTree = None, return_dict: bool = False
+    ) -> float | list[float] | dict[str, float]:
         """The loss and metrics of exactly these rows (Keras's ``test_on_batch``)."""
         size = inputs.one_batch_size(self.setup, x)
         return self.evaluate(x, y, sample_weight=sample_weight, batch_size=size, return_dict=return_dict)

@@ -23,14 +23,19 @@ import hashlib
 import re
 import sys
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from trainkit.core.statistics import module_of
-from trainkit.core.tree import PyTree, leaf_name
+from trainkit.core.tree import ArrayValue, PyTree, Shape, leaf_name
+
+if TYPE_CHECKING:  # imported when a LoRA is made (qwix is optional until then)
+    import flax.linen as nn
+    import qwix
+    from flax import nnx
 
 ADAPTER_SUFFIXES = ("_lora_a", "_lora_b")
 QUANTIZED = (None, "nf4", "int8")
@@ -45,7 +50,7 @@ def is_adapter(name: str) -> bool:
 QWIX_PTQ = "qwix._src.providers.ptq"
 
 
-def is_quantized(leaf: Any) -> bool:
+def is_quantized(leaf: object) -> bool:
     """Whether a parameter node is a qwix quantised array (its ``qvalue`` and ``scale`` inside).
     Without qwix imported (no LoRA in this process) nothing is: qwix is not imported for it."""
     ptq = sys.modules.get(QWIX_PTQ)
@@ -84,7 +89,7 @@ class LoRA:
     def scale(self) -> float:
         return self.alpha / self.rank
 
-    def provider(self) -> Any:
+    def provider(self) -> qwix.LoraProvider:
         """qwix's ``LoraProvider`` of these settings."""
         import qwix
 
@@ -96,13 +101,13 @@ class LoRA:
             rules = [convs, qwix.LoraRule(weight_qtype=self.quantize_base, **options)]
         return qwix.LoraProvider(rules)
 
-    def wrap(self, model: Any) -> Any:
+    def wrap(self, model: nn.Module) -> nn.Module:
         """The linen module with qwix's LoRA interception (the module itself is not changed)."""
         import qwix
 
         return qwix.apply_lora_to_model(model, self.provider())
 
-    def wrap_nnx(self, model: Any, args: tuple, kwargs: dict, seed: int) -> Any:
+    def wrap_nnx(self, model: nnx.Module, args: tuple[PyTree, ...], kwargs: dict[str, PyTree], seed: int) -> nnx.Module:
         """A copy of the NNX module with adapters, created by running it once on an input
         (qwix's way for NNX; the module given is not changed)."""
         import qwix
@@ -121,7 +126,7 @@ class LoRA:
         return _merge(params, self.scale)
 
 
-def _merge(node: Any, scale: float) -> Any:
+def _merge(node: PyTree, scale: float) -> PyTree:
     if not isinstance(node, Mapping):
         return node
     merged = {}
@@ -218,7 +223,7 @@ def base_digest(params: PyTree) -> str:
     return digest.hexdigest()
 
 
-def dequantized(leaf: Any) -> Any:
+def dequantized(leaf: PyTree) -> PyTree:
     """A quantised parameter as a float array (qwix's ``dequantize``); anything else as is."""
     if not is_quantized(leaf):
         return leaf
@@ -227,7 +232,7 @@ def dequantized(leaf: Any) -> Any:
     return qwix.dequantize(leaf.array)
 
 
-def float_view(leaf: Any) -> tuple[tuple[int, ...], np.dtype, Any]:
+def float_view(leaf: PyTree) -> tuple[Shape, np.dtype, jax.sharding.Sharding]:
     """``(shape, dtype, sharding)`` of a parameter as published weights hold it: a quantised
     kernel as the float array it stands for (its scale's dtype, its values' sharding)."""
     if is_quantized(leaf):
@@ -236,11 +241,11 @@ def float_view(leaf: Any) -> tuple[tuple[int, ...], np.dtype, Any]:
     return tuple(leaf.shape), np.dtype(leaf.dtype), leaf.sharding
 
 
-def with_base(params: PyTree, arrays: Mapping[str, Any]) -> PyTree:
+def with_base(params: PyTree, arrays: Mapping[str, ArrayValue]) -> PyTree:
     """``params`` with the base leaves named in ``arrays`` replaced; a quantised kernel's float
     values quantised as the live one is (qwix's ``quantize_params``)."""
 
-    def swap(path: Any, leaf: Any) -> Any:
+    def swap(path: jax.tree_util.KeyPath, leaf: PyTree) -> PyTree:
         value = arrays.get(leaf_name(path))
         if value is None:
             return leaf

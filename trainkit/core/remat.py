@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import flax.linen as nn
@@ -45,6 +45,10 @@ POLICIES: dict[str, Callable | None] = {
 }
 
 
+#: What ``Trainer(remat=...)`` takes: a policy name, a ``jax.checkpoint`` policy, or submodule class names.
+Remat = str | Callable[..., bool] | Sequence[str] | frozenset[str] | None
+
+
 @dataclasses.dataclass(frozen=True)
 class RematSpec:
     """What to rematerialise: ``modules`` (class names; ``None`` = direct submodules) and the
@@ -54,7 +58,7 @@ class RematSpec:
     modules: frozenset[str] | None
 
 
-def resolve_remat(remat: Any) -> RematSpec | None:
+def resolve_remat(remat: Remat) -> RematSpec | None:
     """A :class:`RematSpec` from the forms ``Trainer(remat=...)`` accepts."""
     if remat is None:
         return None

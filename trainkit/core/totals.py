@@ -7,6 +7,8 @@ divided once at the end: the result does not depend on the device count or on ho
 split into batches.
 
 >>> import numpy as np
+
+from trainkit.core.tree import ArrayValue, PyTree
 >>> a = WeightedAverage.from_values(np.array([1.0, 3.0, 100.0]), np.array([1.0, 1.0, 0.0]))
 >>> float(a.merge(WeightedAverage.from_values(np.array([5.0]), np.array([1.0]))).compute())
 3.0
@@ -23,6 +25,8 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from trainkit.core.tree import ArrayValue, PyTree
 
 MetricFn = Callable[[Any, Any], jax.Array]
 
@@ -148,18 +152,20 @@ SKIPPED_WARNING = 25
 @flax.struct.dataclass
 class EpochTotals:
     """The metric totals of the steps so far in an epoch (or an evaluation), kept on the device:
-    the compiled step merges each step's metrics into it, and the host reads it only when
-    something needs the logs. It also watches, without a host read per step, for what the
-    loop warns about: the first non-finite loss and runs of skipped (fp16) steps.
+        the compiled step merges each step's metrics into it, and the host reads it only when
+        something needs the logs. It also watches, without a host read per step, for what the
+        loop warns about: the first non-finite loss and runs of skipped (fp16) steps.
 
-    Indices count the steps merged, from 1; 0 means "none".
+        Indices count the steps merged, from 1; 0 means "none".
 
-    >>> import numpy as np
-    >>> carry = EpochTotals.empty({"loss": LossAverage(total=np.float32(0), count=np.float32(0))})
-    >>> for total in (2.0, np.nan, 4.0):
-    ...     carry = carry.add({"loss": LossAverage(total=jnp.float32(total), count=jnp.float32(2))})
-    >>> int(carry.steps), int(carry.first_non_finite), float(carry.first_non_finite_loss)
-    (3, 2, nan)
+        >>> import numpy as np
+
+    from trainkit.core.tree import ArrayValue, PyTree
+        >>> carry = EpochTotals.empty({"loss": LossAverage(total=np.float32(0), count=np.float32(0))})
+        >>> for total in (2.0, np.nan, 4.0):
+        ...     carry = carry.add({"loss": LossAverage(total=jnp.float32(total), count=jnp.float32(2))})
+        >>> int(carry.steps), int(carry.first_non_finite), float(carry.first_non_finite_loss)
+        (3, 2, nan)
     """
 
     if TYPE_CHECKING:  # flax.struct.dataclass adds it
@@ -176,7 +182,7 @@ class EpochTotals:
     skipped_scale: jax.Array | None = None  # the loss scale at that step
 
     @classmethod
-    def empty(cls, metrics_spec: Any) -> EpochTotals:
+    def empty(cls, metrics_spec: PyTree) -> EpochTotals:
         """Host zeros for metrics shaped as ``metrics_spec`` (one step's metrics or their
         ``jax.eval_shape``)."""
         zeros = jax.tree.map(lambda s: np.zeros(s.shape, s.dtype), metrics_spec)
@@ -257,16 +263,18 @@ class LabelAlarm(clu.metrics.Metric):
 @flax.struct.dataclass
 class PackedTotals:
     """:class:`EpochTotals` as one unsigned-integer array per item size (all of them one
-    ``uint32`` array when every leaf takes 4 bytes), each leaf's bits in place: the form the
-    compiled steps take and return. On a dispatch-bound step XLA pays for every buffer a call
-    takes and returns (about 1.5 us each on a CPU), and the totals are a handful of scalars of
-    two or three dtypes. ``layout`` (static) says where each leaf lives.
+        ``uint32`` array when every leaf takes 4 bytes), each leaf's bits in place: the form the
+        compiled steps take and return. On a dispatch-bound step XLA pays for every buffer a call
+        takes and returns (about 1.5 us each on a CPU), and the totals are a handful of scalars of
+        two or three dtypes. ``layout`` (static) says where each leaf lives.
 
-    >>> import numpy as np
-    >>> totals = EpochTotals.empty({"loss": LossAverage(total=np.float32(0), count=np.float32(0))})
-    >>> packed = pack(totals)
-    >>> [(a.shape, a.dtype.name) for a in packed.arrays], int(packed.unpack().steps)
-    ([((5,), 'uint32')], 0)
+        >>> import numpy as np
+
+    from trainkit.core.tree import ArrayValue, PyTree
+        >>> totals = EpochTotals.empty({"loss": LossAverage(total=np.float32(0), count=np.float32(0))})
+        >>> packed = pack(totals)
+        >>> [(a.shape, a.dtype.name) for a in packed.arrays], int(packed.unpack().steps)
+        ([((5,), 'uint32')], 0)
     """
 
     if TYPE_CHECKING:  # flax.struct.dataclass adds it
@@ -301,7 +309,7 @@ def _storage(dtype: np.dtype) -> np.dtype:
     return np.dtype(np.uint8) if dtype == np.bool_ else np.dtype(f"uint{8 * dtype.itemsize}")
 
 
-def _to_bits(leaf: Any, storage: np.dtype) -> Any:
+def _to_bits(leaf: ArrayValue, storage: np.dtype) -> jax.Array | np.ndarray:
     """A leaf flattened, its bits as ``storage`` (bool as 0 / 1)."""
     if isinstance(leaf, (np.ndarray, np.generic)):
         host = np.ascontiguousarray(leaf).reshape(-1)
@@ -310,7 +318,7 @@ def _to_bits(leaf: Any, storage: np.dtype) -> Any:
     return flat.astype(storage) if flat.dtype == jnp.bool_ else jax.lax.bitcast_convert_type(flat, storage)
 
 
-def _from_bits(bits: Any, dtype: np.dtype) -> Any:
+def _from_bits(bits: jax.Array | np.ndarray, dtype: np.dtype) -> jax.Array | np.ndarray:
     if isinstance(bits, np.ndarray):
         return bits != 0 if dtype == np.bool_ else bits.view(dtype)
     return bits != 0 if dtype == np.bool_ else jax.lax.bitcast_convert_type(bits, dtype)

@@ -45,14 +45,14 @@ class Output:
     and loss weight, and whether the loss reads it as logits."""
 
     name: str
-    key: Any
+    key: str | int | None  # the output's key in a dict or list of outputs (None: the only one)
     loss: Callable | None
     loss_name: str
     weight: float
     logits: bool
 
 
-def _pick(tree: PyTree, key: Any, what: str) -> PyTree:
+def _pick(tree: PyTree, key: str | int | None, what: str) -> PyTree:
     if key is None:
         return tree
     try:
@@ -65,7 +65,7 @@ def _pick(tree: PyTree, key: Any, what: str) -> PyTree:
         ) from None
 
 
-def takes_logits(loss: Any) -> bool:
+def takes_logits(loss: object) -> bool:
     """Whether a loss reads the outputs as logits: a loss object says so (``from_logits``);
     trainkit's cross-entropy names and plain callables take logits; the other names
     (``"mse"``, ``"hinge"``, ...) and Keras objects read values (Keras's 0.5 thresholds)."""
@@ -112,7 +112,7 @@ class Objective:
             )
         self.spec = (loss, metrics, weighted_metrics, loss_weights)
         self.structure: tuple | None = None
-        self.sparse_labels: dict[Any, tuple[int, int]] = {}
+        self.sparse_labels: dict[str | int | None, tuple[int, int]] = {}
         self.build(None)
 
     # ------------------------------------------------------------------ building
@@ -401,7 +401,7 @@ class Objective:
         return found
 
 
-def _pick_output(key: Any, predictions: PyTree, targets: PyTree) -> tuple[PyTree, PyTree]:
+def _pick_output(key: str | int | None, predictions: PyTree, targets: PyTree) -> tuple[PyTree, PyTree]:
     """One output's predictions and targets from the whole structures."""
     return _pick(predictions, key, "model's outputs"), None if targets is None else _pick(targets, key, "targets")
 

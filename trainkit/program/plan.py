@@ -33,6 +33,7 @@ from trainkit import distributed
 from trainkit.core import cost as cost_lib
 from trainkit.core.leaf_step import LeafStep
 from trainkit.core.state import TrainState
+from trainkit.core.tree import PyTree, TreeFunction
 from trainkit.data import check_batch_size
 from trainkit.program import budget as budget_lib
 from trainkit.program import compile_estimate
@@ -167,7 +168,7 @@ class PlanRow:
     program_ops: int = 0  # the lowered program's operations (StableHLO), counted before it compiles
     timing: budget_lib.Timing | None = None
     compiled: jax.stages.Compiled | None = dataclasses.field(default=None, repr=False)
-    function: Callable[..., Any] | None = dataclasses.field(default=None, repr=False)  # the step that was lowered
+    function: TreeFunction | None = dataclasses.field(default=None, repr=False)  # the step that was lowered
 
     @property
     def total_bytes(self) -> int:
@@ -348,11 +349,11 @@ FIRST_FIT_SKIP = "not compiled (first_fit=True:"
 
 def make_plan(
     candidates: Sequence[Strategy],
-    lower: Callable[[Strategy], tuple[Any, Callable | None]],
+    lower: Callable[[Strategy], tuple[jax.stages.Lowered, TreeFunction | None]],
     *,
     memory_limit: int | None = None,
     measure: Callable[[PlanRow], budget_lib.Timing] | None = None,
-    alongside: Callable[[], Any] | None = None,
+    alongside: Callable[[], object] | None = None,
     run_steps: int | None = None,
     announce: Callable[[PlanRow], None] | None = None,
     first_fit: bool = False,
@@ -423,7 +424,7 @@ def _time(row: PlanRow, measure: Callable[[PlanRow], budget_lib.Timing]) -> None
 def _compile_rows(
     pool: concurrent.futures.ThreadPoolExecutor,
     rows: Sequence[PlanRow],
-    lower: Callable[[Strategy], tuple[Any, Callable | None]],
+    lower: Callable[[Strategy], tuple[jax.stages.Lowered, TreeFunction | None]],
     limit: int,
     announce: Callable[[PlanRow], None] | None = None,
 ) -> None:
@@ -527,7 +528,7 @@ def _failure(error: Exception) -> str:
     return message if isinstance(error, (ValueError, TypeError)) else f"{type(error).__name__}: {message}"
 
 
-def state_bytes_per_device(abstract_state: Any, shardings: Any) -> int:
+def state_bytes_per_device(abstract_state: PyTree, shardings: PyTree) -> int:
     """The bytes of the state's largest shard set on one device: each leaf's shard shape under
     its sharding (a lower bound on the step's memory: parameters, optimizer and model state)."""
 
@@ -542,13 +543,13 @@ def plan_step(
     host_batch: dict,
     candidates: Sequence[Strategy],
     *,
-    abstract_state: Any,
-    compile_step: Callable[[Strategy, Any], Callable],
-    create_state: Callable[[Strategy], Any],
+    abstract_state: PyTree,
+    compile_step: Callable[[Strategy, PyTree], TreeFunction],
+    create_state: Callable[[Strategy], PyTree],
     precompile_state: Callable[[Strategy], None] | None = None,
     micro_batches: int = 1,
     trains: bool = True,
-    totals: Any = None,
+    totals: PyTree = None,
     measure: bool = False,
     memory_limit: int | None = None,
     steps: int = MEASURE_STEPS,
@@ -576,10 +577,10 @@ def plan_step(
 
     initialiser = next((c for c in candidates if measure and floor(c) <= HEADROOM * limit), None)
 
-    def lower(strategy: Strategy):
+    def lower(strategy: Strategy) -> tuple[jax.stages.Lowered, TreeFunction]:
         check_batch_size(np.shape(host_batch["mask"])[0], strategy.num_batch_shards, micro_batches=micro_batches)
         abstract = _abstract_in(strategy, abstract_state, limit)
-        function: Any = compile_step(strategy, abstract)  # jitted or pmapped: it lowers
+        function: Any = compile_step(strategy, abstract)  # jitted, pmapped or a LeafStep: it lowers
         placed = jax.tree.map(
             lambda a: jax.ShapeDtypeStruct(np.shape(a), a.dtype, sharding=strategy.replicated()), totals
         )
@@ -593,9 +594,11 @@ def plan_step(
         batch = strategy.put_batch(local) if place_batch else strategy.abstract_batch(local)
         return function.lower(*arguments, batch), function
 
-    host_state: list[Any] = []  # built once (sharded, by the first candidate that needs it), then copied
+    host_state: list[
+        tuple[PyTree, Strategy]
+    ] = []  # built once (sharded, by the first candidate that needs it), then copied
 
-    def the_host_state(strategy: Strategy):
+    def the_host_state(strategy: Strategy) -> PyTree:
         if not host_state:
             under = initialiser or strategy
             host_state.append((distributed.fetch(create_state(under)), under))
@@ -613,14 +616,15 @@ def plan_step(
     alongside = None
     if initialiser is not None and precompile_state is not None:
         alongside = lambda: precompile_state(initialiser)  # noqa: E731
-    options: dict[str, Any] = {"memory_limit": memory_limit, "alongside": alongside, "run_steps": run_steps}
-    measured = run if measure else None
-    result = make_plan(candidates, lower, measure=measured, announce=announce, first_fit=first_fit, **options)
+    result = make_plan(
+        candidates, lower, memory_limit=memory_limit, measure=run if measure else None, alongside=alongside,
+        run_steps=run_steps, announce=announce, first_fit=first_fit,
+    )  # fmt: skip
     state, under = host_state[0] if host_state else (None, None)
     return dataclasses.replace(result, initial_state=state, initialised_under=under, target=target)
 
 
-def _abstract_in(strategy: Strategy, abstract_state: Any, limit: int) -> Any:
+def _abstract_in(strategy: Strategy, abstract_state: PyTree, limit: int) -> PyTree:
     """The abstract state in ``strategy``'s shardings; refused (the row's reason) when the
     state alone cannot fit ``limit``, which is not worth a compile."""
     shardings = strategy.state_sharding(abstract_state)
@@ -633,7 +637,9 @@ def _abstract_in(strategy: Strategy, abstract_state: Any, limit: int) -> Any:
     return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract_state, shardings)
 
 
-def time_steps(step: Callable, state, batch, steps: int = MEASURE_STEPS, totals: Any = None) -> budget_lib.Timing:
+def time_steps(
+    step: TreeFunction, state: PyTree, batch: PyTree, steps: int = MEASURE_STEPS, totals: PyTree = None
+) -> budget_lib.Timing:
     """The fastest of ``steps`` calls of ``step(state, batch)`` (a training step with
     ``totals``: ``step(state, totals, batch)``, its state threaded) after one warm-up (the
     minimum: other processes on the machine only ever add time), and the cores they kept busy."""

@@ -23,7 +23,7 @@ import jax
 import ml_dtypes
 import numpy as np
 
-from trainkit.core.tree import Index, PyTree, leaf_name
+from trainkit.core.tree import ArrayValue, Index, PyTree, leaf_name
 
 #: safetensors' dtype names (the format's header) as NumPy dtypes (bf16 and fp8 from ml_dtypes)
 SAFETENSORS_DTYPES = {
@@ -65,12 +65,12 @@ class WeightSource(Protocol):
 class ArraySource:
     """Arrays already in memory (a nested dict, a ``.npz``), named by their paths."""
 
-    def __init__(self, arrays: Mapping[str, Any], description: str):
+    def __init__(self, arrays: Mapping[str, ArrayValue], description: str):
         self.arrays, self.description = dict(arrays), description
         self.entries = {name: Entry(tuple(np.shape(a)), np.dtype(a.dtype)) for name, a in self.arrays.items()}
 
     def read(self, name: str, index: Index) -> np.ndarray:
-        return np.asarray(self.arrays[name][index])
+        return np.asarray(self.arrays[name])[index]
 
 
 class SafetensorsSource:
@@ -134,7 +134,7 @@ def _read_header(path: str) -> tuple[dict[str, dict[str, Any]], int, int]:
     return header, 8 + length, size - 8 - length
 
 
-def _checked_entry(path: str, name: str, info: Any, data_size: int) -> tuple[int, int, Entry]:
+def _checked_entry(path: str, name: str, info: object, data_size: int) -> tuple[int, int, Entry]:
     """An entry's byte range in the data and its shape and dtype, each checked as safetensors'
     own reader checks them."""
     if not isinstance(info, dict) or not {"dtype", "shape", "data_offsets"} <= info.keys():
@@ -239,7 +239,7 @@ def host_array(leaf: Any) -> Any:
     return tensor.numpy()
 
 
-def flat_arrays(tree: PyTree) -> dict[str, Any]:
+def flat_arrays(tree: PyTree) -> dict[str, ArrayValue]:
     """``{"a/b": array}`` for a nested dict (or any pytree) of arrays; a flat dict's keys kept."""
     return {leaf_name(path): leaf for path, leaf in jax.tree_util.tree_leaves_with_path(tree)}
 
@@ -290,7 +290,7 @@ def _folder_source(path: str) -> WeightSource:
         ) from None
 
 
-def open_source(source: Any) -> WeightSource:
+def open_source(source: str | os.PathLike[str] | Mapping[str, PyTree]) -> WeightSource:
     """The source of ``source``: a path (``.safetensors`` file, folder of shards, orbax
     checkpoint folder, ``.npz``) or a dict of arrays (nested, or flat with ``/`` names). A file or
     folder that cannot be trusted raises :class:`WeightFileError` naming it, before anything is read."""
