@@ -17,7 +17,9 @@ import queue
 import re
 import threading
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Generic, TypeVar, cast
+
+T = TypeVar("T")
 
 _END = object()
 
@@ -43,7 +45,7 @@ class _Raised:
             self.error.__cause__ = error
 
 
-def _delivered(item: Any, items: queue.Queue) -> Any:
+def _delivered(item: object, items: queue.Queue[object]) -> object:
     """A queued item as the consumer gets it: the end (``StopIteration``, and every later call
     ends too), the reader's error raised in order, or the item."""
     if item is _END:
@@ -55,22 +57,22 @@ def _delivered(item: Any, items: queue.Queue) -> Any:
     return item
 
 
-class Prefetcher:
+class Prefetcher(Generic[T]):
     """Iterates ``iterator`` in a daemon thread, ``depth`` items ahead. ``depth=0`` reads in
     the caller's thread, item by item (for one-shot iterators, whose items read ahead would be
     lost at a stop). An error of the iterator is raised by ``next`` in order, after the items
     before it. ``close()`` (or leaving the ``with`` block) stops the thread."""
 
-    def __init__(self, iterator: Iterator, depth: int = 4):
+    def __init__(self, iterator: Iterator[T], depth: int = 4):
         self.iterator, self.depth = iterator, depth
         self._stop = threading.Event()
-        self._queue: queue.Queue = queue.Queue(maxsize=max(depth, 1))
+        self._queue: queue.Queue[object] = queue.Queue(maxsize=max(depth, 1))
         self._thread: threading.Thread | None = None
         if depth > 0:
             self._thread = threading.Thread(target=self._fill, name="trainkit-prefetch", daemon=True)
             self._thread.start()
 
-    def _put(self, item: Any) -> bool:
+    def _put(self, item: object) -> bool:
         while not self._stop.is_set():
             try:
                 self._queue.put(item, timeout=0.05)
@@ -79,7 +81,7 @@ class Prefetcher:
                 continue
         return False
 
-    def _read(self) -> Any:
+    def _read(self) -> T:
         return next(self.iterator)
 
     def _fill(self) -> None:
@@ -95,14 +97,14 @@ class Prefetcher:
         except BaseException as error:  # noqa: BLE001 - handed to the consumer, raised there
             self._put(_Raised(error))
 
-    def __iter__(self) -> Iterator:
+    def __iter__(self) -> Iterator[T]:
         """The items: with ``depth=0`` the iterator itself (nothing between the caller and it)."""
         return self if self._thread is not None else self.iterator
 
-    def __next__(self) -> Any:
+    def __next__(self) -> T:
         if self._thread is None:
             return self._read()
-        return _delivered(self._queue.get(), self._queue)
+        return cast(T, _delivered(self._queue.get(), self._queue))  # an item, else it raised
 
     def close(self) -> None:
         """Stops the thread (it finishes the read in progress) and drops queued items."""
@@ -116,14 +118,14 @@ class Prefetcher:
                 break
         self._thread.join(timeout=5.0)
 
-    def __enter__(self) -> Prefetcher:
+    def __enter__(self) -> Prefetcher[T]:
         return self
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
 
-class ReadAhead:
+class ReadAhead(Generic[T]):
     """Reads a one-shot ``iterator`` (a user's generator) ``depth`` elements ahead in a daemon
     thread, and hands back what it read but nobody took: :meth:`stop` appends the queued
     elements, and the element being read, to ``handed_back`` in order (the caller serves them
@@ -143,13 +145,13 @@ class ReadAhead:
 
     def __init__(
         self,
-        iterator: Iterator,
+        iterator: Iterator[T],
         depth: int,
-        handed_back: list,
-        keep: Callable[[Any], Any] | None = None,
+        handed_back: list[T],
+        keep: Callable[[T], T] | None = None,
         limit: int | None = None,
     ):
-        self.iterator: Iterator | None = iterator
+        self.iterator: Iterator[T] | None = iterator
         self.handed_back = handed_back
         self.limit = limit  # at most this many elements read (then it ends, as the iterator would)
         #: what is kept of an element when it is read: a copy of buffers the iterator refills in place
@@ -157,7 +159,7 @@ class ReadAhead:
         self._stopped = False
         self._lock = threading.Lock()  # the queue and the hand-back change together
         self._slots = threading.Semaphore(max(depth, 1))
-        self._queue: queue.Queue = queue.Queue()
+        self._queue: queue.Queue[object] = queue.Queue()
         self._thread = threading.Thread(target=self._fill, name="trainkit-read-ahead", daemon=True)
         self._thread.start()
 
@@ -179,6 +181,7 @@ class ReadAhead:
             while not self._slots.acquire(timeout=0.05):
                 if self._stopped:
                     return
+            item: object
             try:
                 item = self.keep(next(iterator))
             except StopIteration:
@@ -188,19 +191,19 @@ class ReadAhead:
             with self._lock:
                 if self._stopped:  # read after the stop: handed back after the queued ones
                     if item is not _END and not isinstance(item, _Raised):
-                        self.handed_back.append(item)
+                        self.handed_back.append(cast(T, item))  # an element: neither the end nor an error
                     return
                 self._queue.put(item)
             if item is _END or isinstance(item, _Raised):
                 return
 
-    def __iter__(self) -> ReadAhead:
+    def __iter__(self) -> ReadAhead[T]:
         return self
 
-    def __next__(self) -> Any:
+    def __next__(self) -> T:
         item = self._queue.get()
         self._slots.release()
-        return _delivered(item, self._queue)
+        return cast(T, _delivered(item, self._queue))  # an item, else it raised
 
     def stop(self) -> None:
         """No more reads; the queued elements are handed back (the one being read follows)."""
@@ -214,7 +217,7 @@ class ReadAhead:
                 except queue.Empty:
                     break
                 if item is not _END and not isinstance(item, _Raised):
-                    self.handed_back.append(item)
+                    self.handed_back.append(cast(T, item))  # an element: neither the end nor an error
 
     def join(self) -> None:
         self._thread.join()

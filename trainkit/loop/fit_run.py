@@ -178,7 +178,7 @@ class FitRun:
         with reader:
             return self.train_epoch(train_fn, reader)
 
-    def train_reader(self, batches: Iterator[PyTree]) -> Prefetcher:
+    def train_reader(self, batches: Iterator[PyTree]) -> Prefetcher[Span | None]:
         """The epoch's :class:`~trainkit.data.spans.Span` s, assembled ahead like the loop's
         reader assembles batches; the data position is read in the same thread, right after each batch."""
         dataset = self.dataset
@@ -191,7 +191,7 @@ class FitRun:
         spans = executions(pairs, size, room_until(self.session.position.step, self.config.max_steps, self.every))
         return self.loop.reader(dataset, spans, self.batch_size, read_ahead=self.config.read_ahead)
 
-    def train_epoch(self, train_fn: TreeFunction, batches: Iterable[Span]) -> tuple[int, dict[str, float]]:
+    def train_epoch(self, train_fn: TreeFunction, batches: Iterable[Span | None]) -> tuple[int, dict[str, float]]:
         """One epoch's steps. Each compiled call merges its metrics into the epoch's totals on
         the device (:class:`~trainkit.core.totals.EpochTotals`); the host reads them at the end,
         and for a batch-end hook only when a callback reads its logs then (the progress bar: on a clock)."""

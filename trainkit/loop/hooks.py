@@ -13,7 +13,7 @@ hook 3 {'loss': 0.5}
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 from trainkit.core.spikes import SpikeSkip
 from trainkit.core.totals import EpochTotals
@@ -22,6 +22,8 @@ from trainkit.data.prefetch import Prefetcher
 from trainkit.data.source import Source
 from trainkit.record.session import Session
 from trainkit.strategies import Strategy
+
+T = TypeVar("T")
 
 
 class CompiledSteps(Protocol):
@@ -156,8 +158,8 @@ class LoopView(Protocol):
     annotate_steps: bool
 
     def reader(
-        self, dataset: Source, batches: Iterator[PyTree], batch_size: int, read_ahead: bool = True
-    ) -> Prefetcher: ...
+        self, dataset: Source, batches: Iterator[T], batch_size: int, read_ahead: bool = True
+    ) -> Prefetcher[T]: ...
 
     def evaluate(
         self, dataset: Any, batch_size: int, steps: int | None, callbacks: Hooks, read_ahead: bool = True

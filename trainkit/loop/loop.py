@@ -25,7 +25,7 @@ from trainkit.core import totals as metrics_lib
 from trainkit.core.totals import pack
 from trainkit.core.tree import PyTree
 from trainkit.data.prefetch import Prefetcher
-from trainkit.loop.dispatch import concatenate, host_metrics, in_order, logs_of
+from trainkit.loop.dispatch import T, concatenate, host_metrics, in_order, logs_of
 from trainkit.loop.fit_run import FitRun
 from trainkit.loop.hooks import CompiledSteps, Hooks
 from trainkit.record.session import Session
@@ -61,8 +61,8 @@ class Loop:
         return FitRun(self, dataset, batch_size, callbacks, config).run()
 
     def reader(
-        self, dataset: data_lib.Source, batches: Iterator[PyTree], batch_size: int, read_ahead: bool = True
-    ) -> Prefetcher:
+        self, dataset: data_lib.Source, batches: Iterator[T], batch_size: int, read_ahead: bool = True
+    ) -> Prefetcher[T]:
         """``batches`` assembled ahead in a background thread; in this thread, one batch at a
         time, when that is quicker (small in-memory batches), for a one-shot iterator (a
         batch assembled ahead would be lost at a stop; its source reads its elements ahead

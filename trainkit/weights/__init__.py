@@ -17,18 +17,18 @@ import logging
 import os
 import re
 from collections.abc import Mapping, Sequence
-from typing import Any, NamedTuple, Protocol, overload
+from typing import NamedTuple, Protocol, overload
 
 import jax
 import numpy as np
 
 from trainkit import distributed
-from trainkit.core.tree import PyTree, leaf_name
+from trainkit.core.tree import ArrayValue, Leaf, PyTree, leaf_name
 from trainkit.distributed import atomic
 from trainkit.weights import torch_layout
 from trainkit.weights.load import Target, check_options, match, place, refuse
 from trainkit.weights.report import LoadReport
-from trainkit.weights.sources import PICKLES, WeightFileError, open_source
+from trainkit.weights.sources import PICKLES, SourceSpec, WeightFileError, open_source
 
 __all__ = ["load", "save", "LoadReport", "Loaded", "Target", "Loadable", "WeightFileError"]
 
@@ -41,7 +41,7 @@ class Loadable(Protocol):
 
     def weight_targets(self) -> dict[str, Target]: ...
 
-    def put_weights(self, arrays: dict[str, Any], source: str = "") -> None: ...
+    def put_weights(self, arrays: dict[str, ArrayValue], source: str = "") -> None: ...
 
     def named_weights(self) -> dict[str, np.ndarray]: ...
 
@@ -61,7 +61,7 @@ class Loaded(NamedTuple):
 
 @overload
 def load(
-    source: Any,
+    source: SourceSpec,
     into: HasStateAccess,
     *,
     rename: Sequence[tuple[str, str]] = (),
@@ -74,8 +74,8 @@ def load(
 
 @overload
 def load(
-    source: Any,
-    into: Mapping[str, Any],
+    source: SourceSpec,
+    into: Mapping[str, Leaf],
     *,
     rename: Sequence[tuple[str, str]] = (),
     layout: str = "flax",
@@ -86,8 +86,8 @@ def load(
 
 
 def load(
-    source: Any,
-    into: HasStateAccess | Mapping[str, Any],
+    source: SourceSpec,
+    into: HasStateAccess | Mapping[str, Leaf],
     *,
     rename: Sequence[tuple[str, str]] = (),
     layout: str = "flax",
@@ -133,7 +133,7 @@ def load(
     return report
 
 
-def _target(leaf: Any) -> Target:
+def _target(leaf: Leaf) -> Target:
     sharding = leaf.sharding if isinstance(leaf, (jax.Array, jax.ShapeDtypeStruct)) else None
     return Target(tuple(np.shape(leaf)), np.dtype(leaf.dtype), sharding)
 

@@ -290,7 +290,11 @@ def _folder_source(path: str) -> WeightSource:
         ) from None
 
 
-def open_source(source: str | os.PathLike[str] | Mapping[str, PyTree]) -> WeightSource:
+#: What ``tk.weights.load`` reads: a path (file or folder) or a dict of arrays (nested, or flat by name).
+SourceSpec = str | os.PathLike[str] | Mapping[str, PyTree]
+
+
+def open_source(source: SourceSpec) -> WeightSource:
     """The source of ``source``: a path (``.safetensors`` file, folder of shards, orbax
     checkpoint folder, ``.npz``) or a dict of arrays (nested, or flat with ``/`` names). A file or
     folder that cannot be trusted raises :class:`WeightFileError` naming it, before anything is read."""
