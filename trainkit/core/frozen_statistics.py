@@ -26,7 +26,6 @@ from __future__ import annotations
 import contextlib
 import contextvars
 from collections.abc import Callable, Iterator
-from typing import Any
 
 import flax.linen as nn
 import jax
@@ -38,7 +37,7 @@ from trainkit.core.tree import PyTree, leaf_name
 _FROZEN: contextvars.ContextVar[frozenset[str]] = contextvars.ContextVar("frozen_statistics", default=frozenset())
 
 
-def frozen_layers(layer_paths: list[str], params: PyTree, trains: Callable[[str, Any], bool]) -> frozenset[str]:
+def frozen_layers(layer_paths: list[str], params: PyTree, trains: Callable[[str, PyTree], bool]) -> frozenset[str]:
     """Of the batch-statistics layers at ``layer_paths`` (``"block/BatchNorm_0"``), those that
     have parameters and none of them trains."""
     own: dict[str, list[bool]] = {}
@@ -48,7 +47,12 @@ def frozen_layers(layer_paths: list[str], params: PyTree, trains: Callable[[str,
     return frozenset(p for p in layer_paths if own.get(p) and not any(own[p]))
 
 
-def _interceptor(call: Callable, args: tuple, kwargs: dict, context: Any) -> Any:
+def _interceptor(
+    call: Callable[..., PyTree],
+    args: tuple[PyTree, ...],
+    kwargs: dict[str, PyTree],
+    context: nn.module.InterceptorContext,
+) -> PyTree:
     module = context.module
     if (
         context.method_name == "__call__"
@@ -98,7 +102,7 @@ def with_frozen_statistics(compute_loss: Callable, layers: frozenset[str]) -> Ca
     if not layers:
         return compute_loss
 
-    def frozen(*args: Any, **kwargs: Any) -> Any:
+    def frozen(*args: PyTree, **kwargs: PyTree) -> PyTree:
         with statistics_frozen(layers):
             return compute_loss(*args, **kwargs)
 

@@ -339,7 +339,7 @@ def _recording_calls(classes: set[type], paths: dict[int, tuple], calls: dict[tu
                 cls.__call__ = original  # type: ignore[method-assign]
 
 
-def _layer_name(path: tuple, module: Any) -> str:
+def _layer_name(path: tuple[object, ...], module: object) -> str:
     """``Block_0/BatchNorm_0 (BatchNorm)``: a layer's path and class, for messages."""
     return f"{'/'.join(map(str, path)) or 'the model'} ({type(module).__name__})"
 
@@ -357,7 +357,7 @@ def _stream_key(rng: jax.Array, tag: str) -> jax.Array:
     return rng if tag == "dropout" else jax.random.fold_in(rng, zlib.crc32(tag.encode()) & 0x7FFFFFFF)
 
 
-def _names(leaf: Any) -> tuple | None:
+def _names(leaf: object) -> tuple[str | None, ...] | None:
     """A variable's partitioning names: a linen box's ``names``, an NNX variable's
     ``out_sharding`` / ``sharding_names`` / ``sharding`` metadata."""
     names = getattr(leaf, "names", None)
@@ -426,7 +426,7 @@ def under_logical_rules(fn: Callable, mesh: jax.sharding.Mesh, rules: Sequence) 
     return traced
 
 
-def adapt_model(model: Any) -> ModelAdapter:
+def adapt_model(model: object) -> ModelAdapter:
     """Wraps a Flax module; raises a ``TypeError`` for anything else (a module class named
     with the call that makes an instance)."""
     if isinstance(model, nn.Module):

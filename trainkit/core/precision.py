@@ -25,6 +25,7 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.typing import DTypeLike
 
 from trainkit.core.tree import PyTree
 
@@ -147,9 +148,9 @@ class Precision:
         growth_interval: finite steps in a row before a dynamic scale doubles.
     """
 
-    param_dtype: Any = jnp.float32
-    compute_dtype: Any = jnp.float32
-    output_dtype: Any = jnp.float32
+    param_dtype: DTypeLike = jnp.float32
+    compute_dtype: DTypeLike = jnp.float32
+    output_dtype: DTypeLike = jnp.float32
     loss_scale: str | float | None = None
     initial_scale: float = 2.0**15
     growth_interval: int = 2000

@@ -13,26 +13,25 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from typing import Any
 
 import jax
 
-from trainkit.core.tree import PyTree, leaf_name
+from trainkit.core.tree import ArrayValue, PyTree, leaf_name
 
 
 def named_variables(
-    params: PyTree, model_state: PyTree, is_leaf: Callable[[Any], bool] | None = None
-) -> dict[str, Any]:
+    params: PyTree, model_state: PyTree, is_leaf: Callable[[PyTree], bool] | None = None
+) -> dict[str, PyTree]:
     """Every variable leaf by name (parameters first; ``is_leaf`` marks parameter nodes kept whole)."""
     named = {leaf_name(path): leaf for path, leaf in jax.tree_util.tree_leaves_with_path(params, is_leaf=is_leaf)}
     named.update({leaf_name(path): leaf for path, leaf in jax.tree_util.tree_leaves_with_path(model_state)})
     return named
 
 
-def replaced(params: PyTree, model_state: PyTree, arrays: Mapping[str, Any]) -> tuple[PyTree, PyTree]:
+def replaced(params: PyTree, model_state: PyTree, arrays: Mapping[str, ArrayValue]) -> tuple[PyTree, PyTree]:
     """``params`` and ``model_state`` with the leaves named in ``arrays`` replaced."""
 
-    def swap(path: Any, leaf: Any) -> Any:
+    def swap(path: jax.tree_util.KeyPath, leaf: PyTree) -> PyTree:
         return arrays.get(leaf_name(path), leaf)
 
     return jax.tree_util.tree_map_with_path(swap, params), jax.tree_util.tree_map_with_path(swap, model_state)

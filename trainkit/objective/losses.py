@@ -24,6 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from trainkit.core.tree import PyTree
 from trainkit.objective import crossentropy
 from trainkit.objective.crossentropy import (  # noqa: F401  (Keras's loss classes, as tk.losses.*)
     BinaryCrossentropy,
@@ -261,7 +262,7 @@ def in_keras_order(fn: Callable) -> Callable:
     return keras_order(fn) if names == ["y_true", "y_pred"] else fn
 
 
-def is_keras_object(obj: Any) -> bool:
+def is_keras_object(obj: object) -> bool:
     """A Keras loss (or metric) object, called ``call(y_true, y_pred)``."""
     return type(obj).__module__.startswith("keras") and hasattr(obj, "call")
 
@@ -323,7 +324,7 @@ def concrete(loss: LossFn, target_shape: tuple, output_shape: tuple) -> LossFn:
     return pick_crossentropy(target_shape, output_shape) if loss is crossentropy_by_shapes else loss
 
 
-def reading_probabilities(loss: LossFn, outputs: Any = None) -> str:
+def reading_probabilities(loss: LossFn, outputs: PyTree = None) -> str:
     """The loss object that reads probabilities in place of a logits ``loss`` (Keras's
     ``from_logits=False``), as a user writes it; ``"crossentropy"`` by the ``outputs``' shape."""
     if loss is crossentropy_by_shapes:
@@ -337,7 +338,7 @@ def reading_probabilities(loss: LossFn, outputs: Any = None) -> str:
     return "tk.losses.CategoricalCrossentropy()"
 
 
-def looks_like_probabilities(outputs: jax.Array, targets: Any = None) -> jax.Array:
+def looks_like_probabilities(outputs: jax.Array, targets: PyTree = None) -> jax.Array:
     """1.0 for each row whose outputs look like probabilities rather than logits: non-negative
     and summing to 1 (several classes), or inside ``[0, 1]`` (one output). Only the first
     position of each row is read (a sequence model's first token), so the check stays cheap.
@@ -357,7 +358,7 @@ def looks_like_probabilities(outputs: jax.Array, targets: Any = None) -> jax.Arr
     return xp.all(flags, axis=1).astype(xp.float32)
 
 
-def is_sparse(loss: Any) -> bool:
+def is_sparse(loss: object) -> bool:
     """Whether ``loss`` takes integer class ids against per-class outputs."""
     return loss in SPARSE_LOSSES or isinstance(loss, crossentropy.SparseCategoricalCrossentropy)
 
@@ -366,7 +367,7 @@ def is_sparse(loss: Any) -> bool:
 ELEMENTWISE_LOSSES = tuple(fn for fn in LOSSES.values() if fn not in SPARSE_LOSSES and fn is not crossentropy_by_shapes)
 
 
-def check_targets(loss: LossFn, targets: Any) -> None:
+def check_targets(loss: LossFn, targets: PyTree) -> None:
     """Raises before compiling when a sparse (integer-label) loss receives float labels."""
     if not is_sparse(loss) or targets is None:
         return

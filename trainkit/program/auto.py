@@ -45,13 +45,7 @@ class Planner(Protocol):
         ...
 
     def plan(
-        self,
-        prepared: data_lib.Prepared,
-        candidates: Sequence[Strategy] | None,
-        *,
-        measure: bool,
-        memory_limit: int | None,
-        run_steps: int | None,
+        self, prepared: data_lib.Prepared, candidates: Sequence[Strategy] | None, settings: plan_lib.PlanSettings
     ) -> plan_lib.MemoryPlan: ...
 
 
@@ -86,7 +80,8 @@ def choose(setup: Planner, prepared: data_lib.Prepared, measure: bool = True, ru
         same = under is None or plan_lib.short_name(under) == plan_lib.short_name(remembered)
         reason = f"picked {plan_lib.short_name(remembered)}, as an earlier run of this setup did"
         return Choice(remembered, reason, initialise_under=None if same else under)
-    result = setup.plan(prepared, auto.candidates, measure=measure, memory_limit=auto.memory_limit, run_steps=run_steps)
+    settings = plan_lib.PlanSettings(measure=measure, memory_limit=auto.memory_limit, run_steps=run_steps)
+    result = setup.plan(prepared, auto.candidates, settings)
     best = result.recommended
     if best is None:
         raise ValueError(

@@ -343,6 +343,29 @@ def default_candidates(devices: Sequence[jax.Device] | None = None) -> list[Stra
     return candidates
 
 
+@dataclasses.dataclass(frozen=True)
+class PlanSettings:
+    """How :func:`plan_step` compiles its candidates: ``measure`` times the steps that fit
+    (``steps`` calls each; ``run_steps``: the run it plans for, which a compile must repay);
+    ``memory_limit`` in bytes (``None``: the devices'); ``place_batch=False`` lowers on the
+    batch's shapes alone (a target's compile-only devices); ``announce`` is told each row as it
+    is lowered; ``target`` names the devices planned for; ``first_fit`` stops at the first
+    candidate that fits.
+
+    >>> PlanSettings(memory_limit=2**30).measure
+    False
+    """
+
+    measure: bool = False
+    memory_limit: int | None = None
+    steps: int = MEASURE_STEPS
+    run_steps: int | None = None
+    place_batch: bool = True
+    announce: Callable[[PlanRow], None] | None = None
+    target: str | None = None
+    first_fit: bool = False
+
+
 #: a candidate ``first_fit`` did not compile: the reason begins so
 FIRST_FIT_SKIP = "not compiled (first_fit=True:"
 
@@ -550,16 +573,10 @@ def plan_step(
     micro_batches: int = 1,
     trains: bool = True,
     totals: PyTree = None,
-    measure: bool = False,
-    memory_limit: int | None = None,
-    steps: int = MEASURE_STEPS,
-    run_steps: int | None = None,
-    place_batch: bool = True,
-    announce: Callable[[PlanRow], None] | None = None,
-    target: str | None = None,
-    first_fit: bool = False,
+    settings: PlanSettings = PlanSettings(),  # noqa: B008 - a frozen value
 ) -> MemoryPlan:
-    """Lowers and compiles a step on ``host_batch`` (a padded global batch) under each candidate.
+    """Lowers and compiles a step on ``host_batch`` (a padded global batch) under each candidate,
+    as ``settings`` says (:class:`PlanSettings`).
 
     ``compile_step(strategy, abstract_state)`` returns the jitted step (``(state, totals, batch) ->
     (state, totals)`` when ``trains``, with ``totals`` the host zeros of the metric totals it carries,
@@ -570,6 +587,7 @@ def plan_step(
     candidate's shardings. Each row keeps its jitted step as ``row.function``; a ``compile_step`` that
     raises :class:`NotACandidate` (it would compute another result) leaves the reason in the row, ``left_out``.
     """
+    measure, memory_limit, place_batch = settings.measure, settings.memory_limit, settings.place_batch
     limit = int(memory_limit) if memory_limit is not None else device_memory_limit(candidates[0].devices)
 
     def floor(strategy: Strategy) -> int:
@@ -611,17 +629,17 @@ def plan_step(
         if isinstance(row.function, LeafStep):  # its executable takes the state's carried leaves
             state = row.function.carried(jax.tree.leaves(state))
         batch = strategy.put_batch(strategy.local_rows(host_batch))
-        return time_steps(compiled, state, batch, steps, strategy.put_replicated(totals) if trains else None)
+        return time_steps(compiled, state, batch, settings.steps, strategy.put_replicated(totals) if trains else None)
 
     alongside = None
     if initialiser is not None and precompile_state is not None:
         alongside = lambda: precompile_state(initialiser)  # noqa: E731
     result = make_plan(
         candidates, lower, memory_limit=memory_limit, measure=run if measure else None, alongside=alongside,
-        run_steps=run_steps, announce=announce, first_fit=first_fit,
+        run_steps=settings.run_steps, announce=settings.announce, first_fit=settings.first_fit,
     )  # fmt: skip
     state, under = host_state[0] if host_state else (None, None)
-    return dataclasses.replace(result, initial_state=state, initialised_under=under, target=target)
+    return dataclasses.replace(result, initial_state=state, initialised_under=under, target=settings.target)
 
 
 def _abstract_in(strategy: Strategy, abstract_state: PyTree, limit: int) -> PyTree:

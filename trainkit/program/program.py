@@ -359,7 +359,7 @@ class Program:
         *,
         trains: bool,
         statistics: StepStatistics | None = None,
-        **options,
+        settings: plan_lib.PlanSettings = plan_lib.PlanSettings(),  # noqa: B008 - a frozen value
     ) -> plan_lib.MemoryPlan:
         """:func:`trainkit.program.plan.plan_step` of the train step (or, when ``trains`` is false, the
         predict step) on a padded global batch."""
@@ -385,6 +385,6 @@ class Program:
             precompile_state=lambda strategy: strategy.precompile_state(init_state, variables, first_row, key),
             micro_batches=self.grad_accum_steps if trains else 1,
             trains=trains,
-            **options,
+            settings=settings,
         )
         return dataclasses.replace(plan, state_bytes=self.trainable.state_bytes(abstract_state))

@@ -33,7 +33,7 @@ import dataclasses
 import functools
 import hashlib
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import jax
@@ -61,7 +61,9 @@ logger = logging.getLogger("trainkit")
 SUMMARY_ROWS = 2
 
 
-def check_trainer_arguments(optimizer: Any, grad_accum_steps: Any, jit_compile: Any, *, has_loss: bool) -> None:
+def check_trainer_arguments(
+    optimizer: object, grad_accum_steps: object, jit_compile: object, *, has_loss: bool
+) -> None:
     """Refuses the ``Trainer`` arguments that cannot work, saying what to pass."""
     if not has_loss:
         raise ValueError("Pass loss=..., or subclass Trainer and override compute_loss.")
@@ -275,7 +277,13 @@ class Setup:
 
     # ------------------------------------------------------------------ the plan and "auto"
     def plan(
-        self, prepared: data_lib.Prepared, candidates, *, verbose: int = 0, abstract: bool = False, **options
+        self,
+        prepared: data_lib.Prepared,
+        candidates: Sequence[Strategy] | None,
+        settings: plan_lib.PlanSettings,
+        *,
+        verbose: int = 0,
+        abstract: bool = False,
     ) -> plan_lib.MemoryPlan:
         """:meth:`trainkit.Trainer.plan` of a prepared input (``abstract``: compiled on its shapes
         alone, nothing placed)."""
@@ -283,9 +291,9 @@ class Setup:
         if prepared.has_targets:
             self.build_objective(prepared)
         if abstract:
-            options["place_batch"] = False
+            settings = dataclasses.replace(settings, place_batch=False)
         batch, statistics = prepared.sample_batch(abstract=abstract), self.compiled.statistics
-        result = self.program.plan(batch, candidates, trains=trains, statistics=statistics, **options)
+        result = self.program.plan(batch, candidates, trains=trains, statistics=statistics, settings=settings)
         if verbose:
             result.print()
         return result

@@ -13,6 +13,7 @@ train step fits (docs/tuning.md). Functions of a :class:`~trainkit.program.setup
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -58,20 +59,21 @@ def plan(
             "to measure, or plan from shapes with measure=False (the compiler's estimate)."
         )
     prepared = data_lib.prepare(shapes_lib.stand_in(sample_batch), batch_size=batch_size, default_batch_size=None)
-    options: dict[str, Any] = {"measure": measure, "memory_limit": checks.byte_count(memory_limit), "steps": steps}
-    options["abstract"] = shapes or target is not None
-    options["first_fit"] = first_fit
+    settings = plan_lib.PlanSettings(
+        measure=measure, memory_limit=checks.byte_count(memory_limit), steps=steps, first_fit=first_fit
+    )
+    abstract = shapes or target is not None
     if target is not None:
         resolved = targets_lib.parse(target)
         if measure:
             raise ValueError(f"measure=True times steps on this machine's devices; {target!r} is compiled, not run.")
         candidates = target_candidates(candidates, resolved)
-        options.update(memory_limit=options["memory_limit"] or resolved.memory_limit, target=target)  # abstract
-        if verbose and distributed.is_main_process():
-            options["announce"] = _progress(resolved)
+        announce = _progress(resolved) if verbose and distributed.is_main_process() else None
+        limit = settings.memory_limit or resolved.memory_limit
+        settings = dataclasses.replace(settings, memory_limit=limit, target=target, announce=announce)
         with without_persistent_cache():  # a compile-only executable cannot be cached or read back
-            return setup.plan(prepared, candidates, verbose=verbose, **options)
-    return setup.plan(prepared, candidates, verbose=verbose, **options)
+            return setup.plan(prepared, candidates, settings, verbose=verbose, abstract=abstract)
+    return setup.plan(prepared, candidates, settings, verbose=verbose, abstract=abstract)
 
 
 @contextlib.contextmanager
@@ -91,14 +93,16 @@ def without_persistent_cache() -> Iterator[None]:
         jax_compilation_cache.reset_cache()
 
 
-def target_candidates(given: Sequence[Any] | None, target: targets_lib.Target) -> list[Strategy]:
+def target_candidates(
+    given: Sequence[str | Strategy | Callable[[list[jax.Device]], Strategy]] | None, target: targets_lib.Target
+) -> list[Strategy]:
     """The candidates on ``target``'s devices: by default DataParallel, FSDP and (on several
     hosts, or 4 devices and more) a Hybrid of data across hosts x FSDP inside each; ``given``:
     names (``"dp"``, ``"fsdp"``, ``"hybrid"``), functions ``devices -> Strategy`` (a Hybrid with
     a model axis and its rules, say) or strategies already built on the target's devices."""
     devices = target.devices()
     n, hosts = len(devices), target.hosts if target.hosts > 1 else (2 if len(devices) >= 4 else 1)
-    named: dict[str, Any] = {"dp": lambda: DataParallel(devices), "fsdp": lambda: FSDP(devices)}
+    named: dict[str, Callable[[], Strategy]] = {"dp": lambda: DataParallel(devices), "fsdp": lambda: FSDP(devices)}
     if hosts > 1 and n % hosts == 0 and n // hosts > 1:
         named["hybrid"] = lambda: Hybrid(data=hosts, fsdp=n // hosts, devices=devices)
     chosen = []
@@ -156,7 +160,6 @@ def find_batch_size(
     trains = prepared.has_targets or setup.custom_loss
     if prepared.has_targets:
         setup.build_objective(prepared)
-    options: dict[str, Any] = {"measure": False}
     if resolved is None:
         candidates = (
             [setup.decided.strategy]
@@ -169,22 +172,19 @@ def find_batch_size(
         candidates = target_candidates(None, resolved)
         unit = max(c.num_batch_shards for c in candidates) * setup.program.grad_accum_steps
         rows, default_limit, where = None, resolved.memory_limit, f" for {resolved.spec}"
-        options.update(target=resolved.spec)  # abstract: nothing placed (below)
     # a compile-only executable cannot be cached or read back
     cache: contextlib.AbstractContextManager = (
         contextlib.nullcontext() if resolved is None else without_persistent_cache()
     )
     sizes = batch_size_lib.candidate_sizes(unit, int(max_batch_size), powers_of_two, rows=rows)
-    abstract = shapes or resolved is not None
-    if abstract:
-        options["place_batch"] = False
+    abstract = shapes or resolved is not None  # nothing placed
+    target = None if resolved is None else resolved.spec
 
     def plan_at(size: int, limit: int) -> plan_lib.MemoryPlan:
         batch = prepared.sample_batch(size, abstract=abstract)
         statistics = setup.compiled.statistics  # the last fit's, as its steps are compiled
-        return setup.program.plan(
-            batch, candidates, trains=trains, memory_limit=limit, statistics=statistics, **options
-        )
+        settings = plan_lib.PlanSettings(memory_limit=limit, place_batch=not abstract, target=target)
+        return setup.program.plan(batch, candidates, trains=trains, statistics=statistics, settings=settings)
 
     with cache:
         result = batch_size_lib.search(plan_at, sizes, checks.byte_count(memory_limit), default_limit)
