@@ -33,14 +33,13 @@ from trainkit.core.precision import Precision, get_precision
 from trainkit.core.remat import Remat
 from trainkit.core.spikes import SpikeSkip
 from trainkit.core.state import Batch, TrainState
-from trainkit.core.totals import MetricFn
 from trainkit.core.trainable import TrainableSpec
 from trainkit.core.tree import PyTree, TreeFunction
 from trainkit.data import FitConfig
 from trainkit.loop import Loop
 from trainkit.monitoring import debug
 from trainkit.monitoring import summary as summary_lib
-from trainkit.objective import Objective, losses
+from trainkit.objective import LossSpec, MetricSpec, Objective
 from trainkit.program import inputs, tuning
 from trainkit.program import plan as plan_lib
 from trainkit.program.batch_size import BatchSizeSearch
@@ -82,9 +81,8 @@ class Trainer:
     """
 
     def __init__(
-        self, model: Any, *, loss: str | losses.LossFn | None = None, optimizer: optax.GradientTransformation,
-        metrics: Sequence[str | MetricFn] | dict | None = None,
-        weighted_metrics: Sequence[str | MetricFn] | dict | None = None,
+        self, model: Any, *, loss: LossSpec = None, optimizer: optax.GradientTransformation,
+        metrics: MetricSpec = None, weighted_metrics: MetricSpec = None,
         loss_weights: float | Sequence[float] | dict | None = None,
         strategy: str | Strategy | Auto = "auto", seed: int = 0, params: PyTree | None = None,
         precision: str | Precision | None = "fp32", remat: Remat = None, grad_accum_steps: int = 1,

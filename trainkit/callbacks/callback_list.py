@@ -52,7 +52,7 @@ def _trainkit_callback_named(name: str) -> type | None:
     return None
 
 
-def _not_a_callback(callback: Any) -> str:
+def _not_a_callback(callback: object) -> str:
     """Why ``callback`` is refused and what to pass: for a Keras callback trainkit has, its class."""
     cls = type(callback)
     ours = _trainkit_callback_named(cls.__name__) if cls.__module__.startswith("keras") else None
@@ -192,8 +192,8 @@ class CallbackList:
 
     @classmethod
     def for_run(
-        cls, callbacks: Iterable[Callback] | None, trainer: TrainerView, verbose: Any, steps: Any, epochs: int = 1,
-        fit: bool = False,
+        cls, callbacks: Iterable[Callback] | None, trainer: TrainerView, verbose: int | str, steps: int | None,
+        epochs: int = 1, fit: bool = False,
     ) -> CallbackList:  # fmt: skip
         """Keras's callback list of a ``fit`` / ``evaluate`` / ``predict``: ``fit`` adds ``History``
         (kept as the trainer's history) and, when verbose on the main process, the progress bar;

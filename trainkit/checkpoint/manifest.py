@@ -9,7 +9,7 @@ what a restore into another layout means for exactness.
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import Any, Protocol
 
 import flax.serialization
 import jax
@@ -17,11 +17,30 @@ import jax
 from trainkit import distributed
 from trainkit.checkpoint.errors import CheckpointError
 from trainkit.core import tree
-from trainkit.core.tree import PyTree
-from trainkit.record.session import Session
+from trainkit.core.tree import JSON, PyTree
+from trainkit.record.session import Position, Session
 from trainkit.version import __version__
 
 logger = logging.getLogger("trainkit")
+
+
+class Layout(Protocol):
+    """What a manifest records of the strategy that wrote it (a :class:`trainkit.Strategy`;
+    ``checkpoint/`` does not import ``strategies/``): its mesh, its devices and its description."""
+
+    @property
+    def mesh(self) -> jax.sharding.Mesh: ...
+
+    @property
+    def devices(self) -> list[jax.Device]: ...
+
+    def describe(self) -> str: ...
+
+
+def _require(layout: Layout | None) -> Layout:
+    if layout is None:
+        raise RuntimeError("The trainer has no strategy yet: call fit(...) or init(sample_batch) first.")
+    return layout
 
 
 def checked_position(manifest: dict, where: str) -> dict:
@@ -47,7 +66,9 @@ def checked_position(manifest: dict, where: str) -> dict:
     return position
 
 
-def build_manifest(state: PyTree, strategy: Any, position: Any, data_state: Any = None, **settings: Any) -> dict:
+def build_manifest(
+    state: PyTree, strategy: Layout, position: Position, data_state: JSON = None, **settings: JSON
+) -> dict[str, Any]:
     """What a checkpoint records besides the arrays: versions, the strategy and mesh, the data
     ``position`` (``epoch``, ``batch``, ``step``) and ``data_state`` (every process's, gathered),
     ``settings`` (precision, seed, batch size...) and the shape and dtype of every leaf of the
@@ -69,10 +90,10 @@ def build_manifest(state: PyTree, strategy: Any, position: Any, data_state: Any 
     }
 
 
-def explain_restore(manifest: dict, into: Any, batch_size: int | None) -> None:
+def explain_restore(manifest: dict[str, Any], into: Layout | None, batch_size: int | None) -> None:
     """Logs what a restore into another strategy (``into``), device count or batch size means
     for the run's exactness (a batch index is converted by examples seen)."""
-    strategy, devices = type(into).__name__, len(into.devices)
+    strategy, devices = type(into).__name__, len(_require(into).devices)
     if manifest.get("device_count") != devices or manifest.get("strategy") != strategy:
         logger.warning(
             "Restored step %s written by %s on %s devices into %s on %s devices: the state is "
@@ -97,11 +118,11 @@ def explain_restore(manifest: dict, into: Any, batch_size: int | None) -> None:
         )
 
 
-def manifest_of(session: Session, strategy: Any, settings: dict[str, Any]) -> dict[str, Any]:
+def manifest_of(session: Session, strategy: Layout | None, settings: dict[str, JSON]) -> dict[str, Any]:
     """The manifest of ``session``'s live state under ``strategy`` (a ``Strategy``): the trainer's
     ``settings``, the batch size and data state, and the goodput ledger so far when it runs (a
     resume carries it on: ``BackupAndRestore``)."""
     settings = {**settings, "batch_size": session.batch_size, "data_state": session.data_state}
     if session.ledger.active:
         settings["goodput"] = session.ledger.saved()
-    return build_manifest(session.require_state(), strategy, session.position, **settings)
+    return build_manifest(session.require_state(), _require(strategy), session.position, **settings)

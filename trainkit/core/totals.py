@@ -7,8 +7,6 @@ divided once at the end: the result does not depend on the device count or on ho
 split into batches.
 
 >>> import numpy as np
-
-from trainkit.core.tree import ArrayValue, PyTree
 >>> a = WeightedAverage.from_values(np.array([1.0, 3.0, 100.0]), np.array([1.0, 1.0, 0.0]))
 >>> float(a.merge(WeightedAverage.from_values(np.array([5.0]), np.array([1.0]))).compute())
 3.0

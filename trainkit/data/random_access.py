@@ -12,8 +12,10 @@ exactly as arrays are, optionally read by worker processes.
 from __future__ import annotations
 
 import collections
+import concurrent.futures
+import multiprocessing
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 import jax
@@ -54,7 +56,7 @@ def _read_in_worker(rows: np.ndarray) -> tuple[PyTree, PyTree, PyTree]:
     return _WORKER_SOURCE._read(rows)  # type: ignore[union-attr]
 
 
-def _stop_pool(pool: Any) -> None:
+def _stop_pool(pool: concurrent.futures.ProcessPoolExecutor) -> None:
     """Stops an executor's worker processes without waiting for the batches they are reading."""
     processes = list((pool._processes or {}).values())  # CPython's ProcessPoolExecutor keeps them there
     pool.shutdown(wait=False, cancel_futures=True)
@@ -63,7 +65,7 @@ def _stop_pool(pool: Any) -> None:
             process.terminate()
 
 
-def _dead_workers(processes: Any) -> str:
+def _dead_workers(processes: Iterable[multiprocessing.Process]) -> str:
     """Which worker processes ended, and how (``pid 123 killed by SIGKILL``)."""
     import signal
 
@@ -126,7 +128,7 @@ class RandomAccessSource(Source):
         if x is None and (y is not None or sample_weight is not None):
             raise ValueError("Name the input column(s) with x= when naming y= or sample_weight= columns.")
         self.source, self.columns, self.workers = source, (x, y, sample_weight), workers
-        self._pool: Any = None
+        self._pool: concurrent.futures.ProcessPoolExecutor | None = None
         self.num_examples: int = len(source)
         if self.num_examples == 0:
             raise ValueError("The dataset is empty (0 rows); pass at least one example.")
@@ -176,7 +178,7 @@ class RandomAccessSource(Source):
     def __getstate__(self) -> dict:
         return {**self.__dict__, "_pool": None}  # what a worker process receives
 
-    def _worker_pool(self) -> Any:
+    def _worker_pool(self) -> concurrent.futures.ProcessPoolExecutor:
         if self._pool is None:
             import concurrent.futures
             import multiprocessing
@@ -215,7 +217,10 @@ class RandomAccessSource(Source):
             return
         import concurrent.futures.process
 
-        pool, pending = self._worker_pool(), collections.deque[Any]()
+        pool, pending = (
+            self._worker_pool(),
+            collections.deque[concurrent.futures.Future[tuple[PyTree, PyTree, PyTree]]](),
+        )
         workers: dict = {}  # pid -> process, kept: a broken executor forgets its dead workers
         try:
             for rows in batches_rows:  # at most two batches per worker in flight

@@ -6,6 +6,6 @@ multi-output objective (imports ``core``).
 ('loss', 'mae')
 """
 
-from trainkit.objective.objective import Objective
+from trainkit.objective.objective import LossSpec, MetricSpec, Objective
 
-__all__ = ["Objective"]
+__all__ = ["LossSpec", "MetricSpec", "Objective"]

@@ -79,7 +79,7 @@ def takes_logits(loss: object) -> bool:
     return not losses.is_keras_object(loss)
 
 
-def _as_list(spec: Any) -> list:
+def _as_list(spec: object) -> list:
     if spec is None:
         return []
     return list(spec) if isinstance(spec, (list, tuple)) else [spec]
@@ -94,15 +94,21 @@ def _structure(targets: PyTree) -> tuple[str, list]:
     return "single", [None]
 
 
+#: ``Trainer(loss=...)``: a Keras name or a loss (object or callable), or one per output (a list, or a dict by name).
+LossSpec = str | Callable[..., Any] | Sequence[str | Callable[..., Any] | None] | Mapping[str, object] | None
+#: ``Trainer(metrics=...)``: names or metric objects, or by output (a dict of those).
+MetricSpec = Sequence[str | Callable[..., Any]] | Mapping[str, object] | None
+
+
 class Objective:
     """The losses and metrics of a model's outputs (see the module docstring). :meth:`build`
     fixes the outputs from the targets' structure; until then a single output is assumed."""
 
     def __init__(
         self,
-        loss: Any = None,
-        metrics: Any = None,
-        weighted_metrics: Any = None,
+        loss: LossSpec = None,
+        metrics: MetricSpec = None,
+        weighted_metrics: MetricSpec = None,
         loss_weights: float | Sequence[float] | Mapping[str, float] | None = None,
     ):
         if loss_weights is not None and not isinstance(loss_weights, (int, float, list, tuple, dict)):
@@ -116,7 +122,7 @@ class Objective:
         self.build(None)
 
     # ------------------------------------------------------------------ building
-    def _loss_structure(self) -> Any:
+    def _loss_structure(self) -> PyTree:
         """Before any targets are seen: the outputs that a dict or list of losses (or of loss
         weights, or a dict of metrics) names."""
         loss, metrics, weighted_metrics, loss_weights = self.spec

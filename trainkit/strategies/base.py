@@ -12,13 +12,12 @@ how the pure step functions are compiled. It never sees the loss, optimizer, cal
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
 
 import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from trainkit.core.tree import PyTree, TreeFunction
+from trainkit.core.tree import Leaf, PyTree, TreeFunction
 
 
 def make_mesh(devices: Sequence[jax.Device], shape: Sequence[int], names: Sequence[str]) -> Mesh:
@@ -96,7 +95,7 @@ class Strategy:
         compile. ``"auto"`` calls it in a thread while it compiles the candidates' steps."""
         self._state_function(init_fn, *args).lower(*args).compile()
 
-    def _state_function(self, init_fn: Callable[..., PyTree], *args: PyTree) -> Any:  # a jax.jit-wrapped function
+    def _state_function(self, init_fn: Callable[..., PyTree], *args: PyTree) -> jax.stages.Wrapped:
         abstract = jax.eval_shape(init_fn, *args)
         return jax.jit(init_fn, out_shardings=self.state_sharding(abstract))
 
@@ -121,7 +120,7 @@ class Strategy:
         rows = np.shape(jax.tree.leaves(global_batch)[0])[0] // count
         index = jax.process_index()
 
-        def part(a: Any) -> Any:
+        def part(a: np.ndarray | jax.Array | jax.ShapeDtypeStruct) -> Leaf:
             if isinstance(a, jax.ShapeDtypeStruct):  # an abstract batch (a plan from shapes): its part's shape
                 return jax.ShapeDtypeStruct((rows, *a.shape[1:]), a.dtype)
             return a[index * rows : (index + 1) * rows]
@@ -207,7 +206,7 @@ class Strategy:
         return f"{type(self).__name__}({axes})"
 
 
-def check_steps_per_execution(steps: Any, strategy: Any = None) -> int:
+def check_steps_per_execution(steps: object, strategy: Strategy | None = None) -> int:
     """``steps`` as an int, or a ``ValueError`` (not a positive integer) or ``TypeError`` (a
     ``strategy`` without ``put_batches`` / ``compile_train_steps``) saying what to pass.
 

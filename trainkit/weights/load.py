@@ -17,14 +17,14 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping, Sequence
 from functools import partial
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from trainkit.core.tree import Index, Shape
+from trainkit.core.tree import ArrayValue, Index, Shape
 from trainkit.weights import torch_layout
 from trainkit.weights.report import LoadReport, loses_values
 from trainkit.weights.sources import OrbaxSource, WeightSource
@@ -202,13 +202,13 @@ def refuse(report: LoadReport, description: str) -> None:
     )
 
 
-def place(source: WeightSource, reads: Mapping[str, Read], targets: Mapping[str, Target]) -> dict[str, Any]:
+def place(source: WeightSource, reads: Mapping[str, Read], targets: Mapping[str, Target]) -> dict[str, ArrayValue]:
     """Each read variable in its target's dtype and sharding; every device's shard read from
     the source by itself (a process reads only its own devices' shards); host NumPy arrays
     for targets without a sharding."""
     if isinstance(source, OrbaxSource):
         return _place_restored(source, reads, targets)
-    placed: dict[str, Any] = {}
+    placed: dict[str, ArrayValue] = {}
     for name, read in reads.items():
         target = targets[name]
         part = partial(_part, source, read, target.dtype)
@@ -223,18 +223,20 @@ def _part(source: WeightSource, read: Read, dtype: np.dtype, index: Index) -> np
     """The part of a variable at ``index`` (in its own layout), read from its source entry."""
     if read.axes is None:
         return source.read(read.entry, index).astype(dtype, copy=False)
-    source_index: list[Any] = [slice(None)] * len(read.axes)
+    source_index: list[slice | int] = [slice(None)] * len(read.axes)
     for axis, entry_axis in enumerate(read.axes):
         source_index[entry_axis] = index[axis] if axis < len(index) else slice(None)
     return np.transpose(source.read(read.entry, tuple(source_index)), read.axes).astype(dtype, copy=False)
 
 
-def _place_restored(source: OrbaxSource, reads: Mapping[str, Read], targets: Mapping[str, Target]) -> dict[str, Any]:
+def _place_restored(
+    source: OrbaxSource, reads: Mapping[str, Read], targets: Mapping[str, Target]
+) -> dict[str, ArrayValue]:
     """An orbax source restored in the shardings the targets imply for its own layout (each
     process reads its shards), then transposed and cast on the devices into the targets'."""
     shardings = {read.entry: _entry_sharding(targets[name].sharding, read.axes) for name, read in reads.items()}
     restored = source.place(shardings)
-    placed = {}
+    placed: dict[str, ArrayValue] = {}
     for name, read in reads.items():
         target, value = targets[name], restored[read.entry]
         if target.sharding is None:
@@ -250,13 +252,15 @@ def _place_restored(source: OrbaxSource, reads: Mapping[str, Read], targets: Map
     return placed
 
 
-def _entry_sharding(sharding: jax.sharding.Sharding | None, axes: tuple[int, ...] | None) -> Any:
+def _entry_sharding(
+    sharding: jax.sharding.Sharding | None, axes: tuple[int, ...] | None
+) -> jax.sharding.Sharding | None:
     """The sharding of a source entry whose transpose by ``axes`` has ``sharding``."""
     if sharding is None or axes is None:
         return sharding
     if isinstance(sharding, NamedSharding):
         spec = tuple(sharding.spec) + (None,) * (len(axes) - len(sharding.spec))
-        entry_spec: list[Any] = [None] * len(axes)
+        entry_spec: list[str | tuple[str, ...] | None] = [None] * len(axes)
         for axis, entry_axis in enumerate(axes):
             entry_spec[entry_axis] = spec[axis]
         return NamedSharding(sharding.mesh, PartitionSpec(*entry_spec))
