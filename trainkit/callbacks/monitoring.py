@@ -331,15 +331,9 @@ class TensorBoard(_Rate):
         train_dir = os.path.join(self.log_dir, "train")
         steps = profile_batch if isinstance(profile_batch, tuple) else (0, 0)
         self.profiler = Profiler(train_dir, steps) if any(steps) else None
+        self.async_safe = self.profiler is None  # a profiled step waits for its batch
+        self.annotates_steps = self.profiler is not None
         self.board: loggers.TensorBoardLogger | None = None
-
-    @property
-    def async_safe(self) -> bool:  # type: ignore[override]
-        return self.profiler is None
-
-    @property
-    def annotates_steps(self) -> bool:  # type: ignore[override]
-        return self.profiler is not None
 
     def reads_batch_logs(self) -> bool:
         return self.board is not None and _due(self.session, self.update_freq)

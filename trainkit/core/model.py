@@ -329,14 +329,14 @@ def _recording_calls(classes: set[type], paths: dict[int, tuple], calls: dict[tu
 
     try:
         for cls in classes:
-            cls.__call__ = wrapped(cls.__call__)  # type: ignore[method-assign]
+            cls.__call__ = wrapped(cls.__call__)  # type: ignore[method-assign]  # wrapped while traced, put back below
         yield
     finally:
         for cls, original in originals.items():
             if original is None:
                 del cls.__call__  # inherited: the base's again
             else:
-                cls.__call__ = original  # type: ignore[method-assign]
+                cls.__call__ = original  # type: ignore[method-assign]  # the class as it was
 
 
 def _layer_name(path: tuple[object, ...], module: object) -> str:

@@ -66,10 +66,10 @@ def seed_key(seed: int) -> np.ndarray:
     >>> seed_key(-1).tolist(), seed_key(2**32 + 5).tolist()
     ([0, 4294967295], [0, 5])
     """
-    if jax.config.jax_default_prng_impl != "threefry2x32":  # type: ignore[attr-defined]  # another layout
+    if jax.config.values["jax_default_prng_impl"] != "threefry2x32":
         return np.asarray(jax.random.key_data(jax.random.PRNGKey(seed)))
     wrapped = int(seed) % 2**64
-    high = wrapped >> 32 if jax.config.jax_enable_x64 else 0  # type: ignore[attr-defined]
+    high = wrapped >> 32 if jax.config.values["jax_enable_x64"] else 0
     return np.array([high, wrapped & 0xFFFFFFFF], np.uint32)
 
 

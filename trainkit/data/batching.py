@@ -51,7 +51,8 @@ def split_xyw(element: PyTree) -> tuple[PyTree, PyTree, PyTree]:
             raise ValueError(
                 f"A data tuple must be (x,), (x, y) or (x, y, sample_weight); received a tuple of {len(element)} items."
             )
-        return tuple(element) + (None,) * (3 - len(element))  # type: ignore[return-value]
+        x, y, w = (*element, None, None)[:3]
+        return x, y, w
     return element, None, None
 
 

@@ -12,7 +12,7 @@ import collections
 import dataclasses
 import itertools
 import weakref
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sized
 from typing import Any
 
 import jax
@@ -135,7 +135,8 @@ class IterableDataset(Source):
         self._first = (x, y, w)
 
     def _split(self, element: Any) -> tuple[PyTree, PyTree, PyTree]:
-        return tuple(map(to_host, split_xyw(self.convert(element))))  # type: ignore[return-value]
+        x, y, w = split_xyw(self.convert(element))
+        return to_host(x), to_host(y), to_host(w)
 
     def _peek(self):
         self._join_read_ahead()
@@ -175,8 +176,8 @@ class IterableDataset(Source):
 
     def steps(self, batch_size: int | None = None) -> int | None:
         try:
-            return len(self.iterable)  # type: ignore[arg-type]
-        except TypeError:
+            return len(self.iterable) if isinstance(self.iterable, Sized) else None
+        except TypeError:  # a __len__ that refuses (a generator-backed object)
             return None
 
     def _elements(self, start: int, state: Any, read_ahead: bool = True, read_limit: int | None = None) -> Iterator:

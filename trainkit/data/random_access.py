@@ -53,7 +53,9 @@ def _start_worker(source: RandomAccessSource) -> None:
 
 
 def _read_in_worker(rows: np.ndarray) -> tuple[PyTree, PyTree, PyTree]:
-    return _WORKER_SOURCE._read(rows)  # type: ignore[union-attr]
+    if _WORKER_SOURCE is None:
+        raise RuntimeError("a trainkit reader process started without its source (_start_worker runs first)")
+    return _WORKER_SOURCE._read(rows)
 
 
 def _stop_pool(pool: concurrent.futures.ProcessPoolExecutor) -> None:
@@ -173,7 +175,8 @@ class RandomAccessSource(Source):
         is empty."""
         if len(rows):
             return self._rows(rows)
-        return tuple(None if t is None else jax.tree.map(lambda a: a[:0], t) for t in self._first)  # type: ignore
+        x, y, w = (None if t is None else jax.tree.map(lambda a: a[:0], t) for t in self._first)
+        return x, y, w
 
     def __getstate__(self) -> dict:
         return {**self.__dict__, "_pool": None}  # what a worker process receives

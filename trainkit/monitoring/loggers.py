@@ -23,7 +23,7 @@ import csv
 import json
 import os
 from collections.abc import Callable, Mapping
-from typing import IO, TYPE_CHECKING, Any, Protocol, TypeVar, runtime_checkable
+from typing import IO, TYPE_CHECKING, Any, Literal, Protocol, TypeVar, runtime_checkable
 
 import numpy as np
 
@@ -233,10 +233,16 @@ class WandbLogger:
     """A Weights & Biases run (``pip install wandb``), offline by default (files under
     ``dir/wandb``, uploaded later with ``wandb sync``). Validation metrics are ``val_<name>``."""
 
-    def __init__(self, project: str = "trainkit", dir: str | os.PathLike = ".", mode: str = "offline", **init: Any):
+    def __init__(
+        self,
+        project: str = "trainkit",
+        dir: str | os.PathLike[str] = ".",
+        mode: Literal["online", "offline", "disabled", "shared"] = "offline",
+        **init: Any,  # wandb.init's other keywords, passed as given
+    ):
         import wandb
 
-        self.run = wandb.init(project=project, dir=os.fspath(dir), mode=mode, reinit="create_new", **init)  # type: ignore[arg-type]
+        self.run = wandb.init(project=project, dir=os.fspath(dir), mode=mode, reinit="create_new", **init)
 
     def log_metrics(self, step: int, metrics: dict[str, float], run: str = "train") -> None:
         prefix = "val_" if run == "validation" else ""

@@ -83,7 +83,7 @@ def without_persistent_cache() -> Iterator[None]:
     the setting alone changes nothing once anything compiled: the decision is reset on the way in
     and out. Without that, a target's executable was written to the cache and, in the next run,
     read back with a warning (``Error reading persistent compilation cache entry``)."""
-    before = jax.config.jax_enable_compilation_cache  # type: ignore[attr-defined]  # set at runtime
+    before = jax.config.values["jax_enable_compilation_cache"]
     jax.config.update("jax_enable_compilation_cache", False)
     jax_compilation_cache.reset_cache()
     try:
