@@ -17,11 +17,23 @@ from trainkit.record.session import FitView, Position, Session, Snapshot, StepRe
 
 
 def test_a_snapshot_holds_every_value_of_the_session():
-    fields = tuple(f"_{field.name}" for field in dataclasses.fields(Snapshot))
-    # restore() then puts back everything, nothing else is held (``_leaves`` is the state as the
-    # leaves a LeafStep returned: a snapshot holds it built, as ``state``; ``_ledger`` is the clock
-    # of the running fit's goodput ledger, which a trial fit's restore leaves running)
-    assert fields == tuple(name for name in Session.__slots__ if name not in ("_leaves", "_ledger"))
+    fields = {field.name for field in dataclasses.fields(Snapshot)}
+    # the fields are listed once, in Snapshot: the session holds them in one frozen value (``_now``)
+    # and, for those a step or a signal handler writes, in slots of the same names; nothing else is
+    # held (``_leaves`` is the state as the leaves a LeafStep returned: a snapshot holds it built, as
+    # ``state``; ``_ledger`` is the clock of the running fit's goodput ledger, which a trial fit's
+    # restore leaves running)
+    assert {name[1:] for name in Session.__slots__} - {"now", "leaves", "ledger"} <= fields
+    # and restore() puts back every field, wherever it is held
+    values = Snapshot(
+        position=Position(1, 2, 9), record=StepRecord(step=9, epoch=1, batch=1), epoch_start=Position(1, 0, 8),
+        data_state={"read": 3}, resume_state=[2], start=Position(1, 0, 8), stop_requested=True, preempted=True,
+        fit=FitView(16, ("loss",)), batch_spec={"x": 1}, validating_at=5, history="history",
+    )  # fmt: skip
+    assert set(vars(values)) == fields  # every field given a value of its own above (state and carry: None)
+    session = Session()
+    session.restore(values)
+    assert session.snapshot() == values
 
 
 def test_a_state_kept_as_carried_leaves_is_built_when_read_and_snapshotted_whole():
