@@ -20,6 +20,7 @@ os.environ["KERAS_BACKEND"] = "jax"  # the Keras side-by-side tests (keras is a 
 import flax.linen as nn  # noqa: E402
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
+import optax  # noqa: E402
 import pytest  # noqa: E402
 
 assert len(jax.devices()) == 8, "tests need 8 fake CPU devices (set before jax is imported)"
@@ -102,6 +103,33 @@ class Wide(nn.Module):
         x = nn.relu(nn.Dense(256)(x))
         x = nn.relu(nn.Dense(256)(x))
         return nn.Dense(8)(x)
+
+
+class PairInputs(nn.Module):
+    """A model of two inputs, given as a tuple or list: a Dense of each (``first``, ``second``), summed."""
+
+    classes: int = 3
+
+    @nn.compact
+    def __call__(self, inputs):
+        first, second = inputs
+        return nn.Dense(self.classes, name="first")(first) + nn.Dense(self.classes, name="second")(second)
+
+
+def classifier(model=None, *, optimizer=None, strategy="single", **options):
+    """The suite's common trainer: ``model`` (an :class:`MLP` by default) trained on sparse
+    categorical cross-entropy with ``optimizer`` (Adam at 0.05 by default) under ``strategy``;
+    ``options``: the other ``Trainer`` arguments. A test file binds its own defaults with
+    ``functools.partial``."""
+    import trainkit as tk
+
+    return tk.Trainer(
+        MLP() if model is None else model,
+        loss="sparse_categorical_crossentropy",
+        optimizer=optax.adam(0.05) if optimizer is None else optimizer,
+        strategy=strategy,
+        **options,
+    )
 
 
 def make_classification(n: int, features: int = 5, seed: int = 0):

@@ -1,6 +1,7 @@
 """Callbacks: History, EarlyStopping, CSVLogger, TerminateOnNaN, LambdaCallback, ProgressBar."""
 
 import csv
+import functools
 import io
 import math
 import re
@@ -8,7 +9,7 @@ import re
 import numpy as np
 import optax
 import pytest
-from conftest import MLP, make_classification
+from conftest import MLP, classifier, make_classification
 from rich.console import Console
 
 import trainkit as tk
@@ -20,15 +21,7 @@ def xy():
     return make_classification(64)
 
 
-def make_trainer(lr=0.05, **kwargs):
-    return tk.Trainer(
-        MLP(),
-        loss="sparse_categorical_crossentropy",
-        optimizer=optax.adam(lr),
-        metrics=["accuracy"],
-        strategy="single",
-        **kwargs,
-    )
+make_trainer = functools.partial(classifier, metrics=["accuracy"])  # MLP, Adam at 0.05, one device
 
 
 def test_history_is_keras_compatible(xy):

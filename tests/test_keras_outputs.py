@@ -11,6 +11,7 @@ import jax
 import numpy as np
 import optax
 import pytest
+from conftest import PairInputs
 
 import trainkit as tk
 
@@ -458,13 +459,6 @@ def test_bad_output_specifications_fail_before_compiling(x):
 
 
 # ---------------------------------------------------------------------- several inputs
-class TwoInputs(nn.Module):
-    @nn.compact
-    def __call__(self, inputs):
-        first, second = inputs
-        return nn.Dense(2, name="first")(first) + nn.Dense(2, name="second")(second)
-
-
 def test_list_and_tuple_inputs_as_keras_takes_them():
     """Keras's ``test_nested_inputs``: ``fit([x1, x2], y)``, ``predict([x1, x2])``,
     ``predict((x1, x2))`` and ``predict_on_batch``; ones everywhere and a ones kernel give
@@ -476,7 +470,7 @@ def test_list_and_tuple_inputs_as_keras_takes_them():
         "second": {"kernel": ones(3, 2), "bias": np.zeros(2, np.float32)},
     }
     trainer = tk.Trainer(
-        TwoInputs(), loss="mse", metrics=["mse"], optimizer=optax.sgd(0.01), strategy="single", params=params
+        PairInputs(classes=2), loss="mse", metrics=["mse"], optimizer=optax.sgd(0.01), strategy="single", params=params
     )
     assert trainer.evaluate([x1, x2], y) == pytest.approx([16.0, 16.0])  # (5 - 1)^2
     for form in ([x1, x2], (x1, x2)):

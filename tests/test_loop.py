@@ -1,6 +1,7 @@
 """The loop layer: positions and step records, explicit resume / stop / preempt, exit paths,
 and "auto" chosen before anything runs."""
 
+import functools
 import signal
 
 import flax.linen as nn
@@ -8,7 +9,7 @@ import jax
 import numpy as np
 import optax
 import pytest
-from conftest import MLP, make_classification, saved_steps
+from conftest import classifier, make_classification, saved_steps
 
 import trainkit as tk
 from trainkit.callbacks import Callback
@@ -19,10 +20,7 @@ def xy():
     return make_classification(64)
 
 
-def make_trainer(strategy="single", **kwargs):
-    return tk.Trainer(
-        MLP(), loss="sparse_categorical_crossentropy", optimizer=optax.sgd(0.1), strategy=strategy, **kwargs
-    )
+make_trainer = functools.partial(classifier, optimizer=optax.sgd(0.1))  # MLP, SGD at 0.1
 
 
 class Records(Callback):

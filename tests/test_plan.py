@@ -8,16 +8,14 @@ import jax
 import numpy as np
 import optax
 import pytest
-from conftest import Wide
+from conftest import Wide, classifier
 
 import trainkit as tk
 from trainkit.program.plan import collective_traffic
 
 
-def make_trainer(strategy="dp", **kwargs):
-    return tk.Trainer(
-        Wide(), loss="sparse_categorical_crossentropy", optimizer=optax.adam(1e-3), strategy=strategy, **kwargs
-    )
+def make_trainer(strategy="dp", **options):
+    return classifier(Wide(), optimizer=optax.adam(1e-3), strategy=strategy, **options)
 
 
 def data(n=32):

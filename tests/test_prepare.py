@@ -5,21 +5,13 @@ import flax.linen as nn
 import numpy as np
 import optax
 import pytest
-from conftest import MLP, make_classification, tree_allclose
+from conftest import MLP, PairInputs, classifier, make_classification, tree_allclose
 
 import trainkit as tk
 
 
-class TwoInputs(nn.Module):
-    @nn.compact
-    def __call__(self, inputs):
-        first, second = inputs
-        return nn.Dense(3, name="first")(first) + nn.Dense(3, name="second")(second)
-
-
 def two_input_trainer():
-    loss = "sparse_categorical_crossentropy"
-    return tk.Trainer(TwoInputs(), loss=loss, optimizer=optax.adam(0.05), strategy="single")
+    return classifier(PairInputs())
 
 
 def test_a_tuple_of_inputs_trains_exactly_as_a_list():
@@ -50,7 +42,7 @@ class CountingRows:
 
 
 def trainer_for_source():
-    return tk.Trainer(MLP(), loss="sparse_categorical_crossentropy", optimizer=optax.sgd(0.1), strategy="single")
+    return classifier(optimizer=optax.sgd(0.1))
 
 
 def test_init_reads_one_batch_of_a_large_random_access_source():

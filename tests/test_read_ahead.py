@@ -4,9 +4,8 @@ by training is handed back to the same iterator: the next ``fit`` on it starts t
 import time
 
 import numpy as np
-import optax
 import pytest
-from conftest import MLP, make_classification, tree_allclose
+from conftest import classifier, make_classification, tree_allclose
 
 import trainkit as tk
 from trainkit.data.prefetch import ReadAhead
@@ -32,10 +31,7 @@ class StopAfter(tk.callbacks.Callback):
             self.model.stop_training = True
 
 
-def make_trainer(**kwargs):
-    return tk.Trainer(
-        MLP(), loss="sparse_categorical_crossentropy", optimizer=optax.adam(0.05), strategy="single", **kwargs
-    )
+make_trainer = classifier  # MLP, Adam at 0.05, one device
 
 
 def test_a_stop_loses_no_batch_of_a_generator_read_ahead():

@@ -11,8 +11,8 @@ import jax
 import numpy as np
 import optax
 import pytest
+from conftest import classifier
 
-import trainkit as tk
 from trainkit.program import compile_estimate, targets
 from trainkit.program.tuning import target_candidates
 
@@ -35,7 +35,7 @@ def data(rows=BATCH, features=FEATURES):
 
 
 def trainer_for(model):
-    return tk.Trainer(model, loss="sparse_categorical_crossentropy", optimizer=optax.adam(1e-3), strategy="single")
+    return classifier(model, optimizer=optax.adam(1e-3))
 
 
 @pytest.fixture(scope="module")

@@ -13,6 +13,7 @@ import numpy as np
 import optax
 import orbax.checkpoint as ocp
 import pytest
+from conftest import classifier
 from safetensors.numpy import save_file as save_numpy
 
 import trainkit as tk
@@ -94,7 +95,7 @@ def torch_net(tmp_path_factory):
 
 
 def trainer_for(model, strategy="single"):
-    return tk.Trainer(model, loss="sparse_categorical_crossentropy", optimizer=optax.adam(1e-3), strategy=strategy)
+    return classifier(model, optimizer=optax.adam(1e-3), strategy=strategy)
 
 
 def torch_outputs(net, x):
