@@ -59,7 +59,7 @@ def main():
         )
         state = trainer.init(x[: args.batch])
         host = {"x": x[: args.batch], "y": y[: args.batch], "mask": np.ones(args.batch, np.float32)}
-        totals = pack(trainer.setup.compiled.empty_totals("train", host))  # the metric totals the step carries
+        totals = pack(trainer.compiled.empty_totals("train", host))  # the metric totals the step carries
         compiled = trainer.function("train").lower(state, totals, trainer.strategy.put_batch(host)).compile()
         memory[name] = compiled.memory_analysis()
         trainers[name] = trainer

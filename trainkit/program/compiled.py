@@ -8,7 +8,7 @@ again, and the program itself never changes.
 >>> import numpy as np, optax, flax.linen as nn, trainkit as tk
 >>> trainer = tk.Trainer(nn.Dense(2), loss="mse", optimizer=optax.sgd(0.1), strategy="single")
 >>> _ = trainer.fit(np.ones((8, 3), np.float32), np.ones((8, 2), np.float32), batch_size=4, verbose=0)
->>> compiled = trainer.setup.compiled
+>>> compiled = trainer.compiled
 >>> compiled.function("train") is compiled.function("train"), compiled.measured_every is None
 (True, True)
 """
