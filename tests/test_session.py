@@ -167,3 +167,20 @@ def test_only_small_replicated_counters_and_keys_travel_packed():
     host = carry.unpacked([None] * 5 + [carry.packed(values + [None] * 4)[-1]])
     assert [np.asarray(host[i]).tolist() for i in carry.small] == [7, [3, 4], -0.5]
     assert Carry(leaves[:1] + leaves[2:3], [True, True]).small == ()  # one small leaf: nothing to pack
+
+
+def test_a_replaced_state_is_not_kept_alive_by_the_session():
+    """``begin_fit`` and ``restore`` put a whole Snapshot back: the session holds its state once
+    (a second reference in its frozen value would keep a replaced state's arrays alive)."""
+    import gc
+    import weakref
+
+    session = Session()
+    first = TrainState.create(params={"w": jnp.ones(4)}, opt_state=(), model_state={}, seed=0)
+    session.restore(Snapshot(state=first))
+    session.begin_fit(FitView(batch_size=4), Position())
+    gone = weakref.ref(first)
+    del first
+    session.stepped(TrainState.create(params={"w": jnp.zeros(4)}, opt_state=(), model_state={}, seed=1))
+    gc.collect()
+    assert gone() is None

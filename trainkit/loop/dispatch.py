@@ -8,6 +8,7 @@ totals read on the host, this process's slice of a batch, and ``Preempted``.
 from __future__ import annotations
 
 import collections
+import dataclasses
 from collections.abc import Iterator
 from typing import TypeVar
 
@@ -17,6 +18,7 @@ import numpy as np
 from trainkit import distributed
 from trainkit.core.totals import EpochTotals, PackedTotals, compute
 from trainkit.core.tree import PyTree
+from trainkit.data.source import BatchRequest
 from trainkit.record.session import Session
 
 T = TypeVar("T")
@@ -37,6 +39,11 @@ class Preempted(SystemExit):
 
     def __str__(self) -> str:
         return f"training preempted after step {self.step}; run the same command again to resume"
+
+
+def this_process(request: BatchRequest) -> BatchRequest:
+    """``request`` for this process's part of every global batch (all of it on one process)."""
+    return dataclasses.replace(request, process_index=jax.process_index(), process_count=jax.process_count())
 
 
 def in_order(dispatched: Iterator[T], lag: int) -> Iterator[T]:

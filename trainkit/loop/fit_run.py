@@ -39,7 +39,7 @@ from trainkit.data.prefetch import Prefetcher
 from trainkit.data.source import BatchRequest
 from trainkit.data.spans import Span, executions, room_until
 from trainkit.distributed.watchdog import StallWatchdog
-from trainkit.loop.dispatch import Preempted, host_metrics, in_order, logs_of
+from trainkit.loop.dispatch import Preempted, host_metrics, in_order, logs_of, this_process
 from trainkit.loop.hooks import Hooks, LoopView
 from trainkit.loop.tuning import StepsTuner
 from trainkit.record.ledger import Bucket, ProcessLedger
@@ -161,14 +161,16 @@ class FitRun:
             first,
             config.steps,
             continuing=config.continuing,
-            request=BatchRequest(
-                shuffle=config.shuffle,
-                seed=config.seed,
-                state=resume_state,
-                read_ahead=config.read_ahead,
-                read_limit=max(min(due), 0) if due else None,  # a generator is read ahead no further than this epoch
-                process_index=jax.process_index(),
-                process_count=jax.process_count(),
+            request=this_process(
+                BatchRequest(
+                    shuffle=config.shuffle,
+                    seed=config.seed,
+                    state=resume_state,
+                    read_ahead=config.read_ahead,
+                    read_limit=max(min(due), 0)
+                    if due
+                    else None,  # a generator is read ahead no further than this epoch
+                )
             ),
         )
         if config.max_steps is not None:  # nothing read past the last step

@@ -16,7 +16,7 @@ from __future__ import annotations
 import functools
 import itertools
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, TypeVar
 
 import jax
 
@@ -25,11 +25,12 @@ from trainkit.core import totals as metrics_lib
 from trainkit.core.totals import pack
 from trainkit.core.tree import PyTree
 from trainkit.data.prefetch import Prefetcher
-from trainkit.loop.dispatch import T, concatenate, host_metrics, in_order, logs_of
+from trainkit.loop.dispatch import concatenate, host_metrics, in_order, logs_of, this_process
 from trainkit.loop.fit_run import FitRun
 from trainkit.loop.hooks import CompiledSteps, Hooks
 from trainkit.record.session import Session
 
+T = TypeVar("T")
 #: One span of evaluate / predict: its first and last batch, the host batches and the results.
 Inferred = tuple[int, int, list[PyTree], PyTree]
 
@@ -91,10 +92,9 @@ class Loop:
         size, strategy = compiled.steps_per_execution, compiled.require_strategy()
 
         def dispatch() -> Iterator[Inferred]:
-            request = data_lib.BatchRequest(
-                split=True, read_ahead=read_ahead, process_index=jax.process_index(), process_count=jax.process_count()
+            batches = dataset.batches(
+                batch_size, this_process(data_lib.BatchRequest(split=True, read_ahead=read_ahead))
             )
-            batches = dataset.batches(batch_size, request)
             host_batches = itertools.islice(batches, steps)
             totals = None
             with self.reader(dataset, host_batches, batch_size, read_ahead) as reader:

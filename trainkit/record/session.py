@@ -125,7 +125,8 @@ class Session:
     events a step, against a loop whose own Python is about 10 µs a step (docs/performance.md).
     Two a signal handler writes (the stop and preemption flags): a handler that replaced
     ``_now`` while the main thread was replacing it too would be undone. ``_now``'s copies of
-    those seven are not read.
+    those seven are not read (the state and the carry are dropped from it:
+    device arrays it would keep alive).
     """
 
     __slots__ = (
@@ -356,7 +357,7 @@ class Session:
 
     def restore(self, snapshot: Snapshot) -> None:
         """Puts a :meth:`snapshot` back whole."""
-        self._now = snapshot
+        self._now = dataclasses.replace(snapshot, state=None, carry=None)  # held by the slots, not kept twice
         self._state, self._leaves, self._position = snapshot.state, None, snapshot.position
         self._data_state, self._record, self._carry = snapshot.data_state, snapshot.record, snapshot.carry
         self._stop_requested, self._preempted = snapshot.stop_requested, snapshot.preempted
