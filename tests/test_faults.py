@@ -96,19 +96,25 @@ def fsdp_reference(tmp_path_factory):
     return uninterrupted(tmp_path_factory.mktemp("fsdp_reference"), "--strategy", "fsdp")[0]
 
 
-@pytest.mark.parametrize("strategy", ["dp", "fsdp"])
-def test_kill_9_at_a_random_step_then_rerun_finishes_bit_identical(tmp_path, request, strategy):
+@pytest.mark.parametrize(
+    ("strategy", "offload"),
+    [("dp", ()), ("fsdp", ()), ("fsdp", ("--offload", "optimizer"))],
+    ids=["dp", "fsdp", "fsdp_offload"],
+)
+def test_kill_9_at_a_random_step_then_rerun_finishes_bit_identical(tmp_path, request, strategy, offload):
+    """Killed and rerun, a run ends on the bits of one never interrupted; with the optimizer's
+    state in host memory (``offload``), on the bits of the uninterrupted run without it."""
     reference = request.getfixturevalue("reference" if strategy == "dp" else "fsdp_reference")
     backup = tmp_path / "backup"
     journal = ("--journal-seconds", "0")  # the goodput journal rewritten every step
-    process = start(backup, tmp_path / "out.npz", "--sleep", "0.03", "--strategy", strategy, *journal)
+    process = start(backup, tmp_path / "out.npz", "--sleep", "0.03", "--strategy", strategy, *journal, *offload)
     wait_for(lambda: committed_steps(backup) and (journal_step(backup) or 0) >= committed_steps(backup)[-1] + 2)
     time.sleep(random.uniform(0.0, 0.4))
     process.kill()  # SIGKILL
     process.wait()
     killed_at, reached = committed_steps(backup), journal_step(backup)
     assert killed_at and killed_at[-1] < 52  # it died mid-run
-    output = finish(backup, tmp_path / "out.npz", "--strategy", strategy)
+    output = finish(backup, tmp_path / "out.npz", "--strategy", strategy, *offload)
     resumed = int(re.search(r"resuming from step (\d+)", output).group(1))
     assert_bit_identical(params(tmp_path / "out.npz"), reference)
     # the goodput ledger: the steps run after the backup it resumed from are lost, and their time

@@ -29,6 +29,7 @@ from trainkit import weights as weights_lib
 from trainkit.callbacks import Callback, CallbackList, History, lr_finder
 from trainkit.core.lora import LoRA
 from trainkit.core.model import adapt_model
+from trainkit.core.offload import Offload
 from trainkit.core.precision import Precision, get_precision
 from trainkit.core.remat import Remat
 from trainkit.core.spikes import SpikeSkip
@@ -75,6 +76,8 @@ class Trainer:
             frozen, a BatchNorm of them in inference mode unless ``frozen_statistics=False`` (docs/finetuning.md).
         lora: a ``tk.LoRA``: low-rank adapters (qwix) on the kernels it targets (linen or NNX); only they train.
         skip_spikes: a ``tk.SpikeSkip``: an update whose loss spikes above its running average is not applied.
+        offload: ``"optimizer"``: the optimizer's state in host memory, streamed through each update; the same
+            numbers (docs/precision_and_memory.md).
 
     Override :meth:`compute_loss` for a loss that is not ``loss(predictions, y)``. See
     docs/quickstart.md, docs/outputs.md and docs/precision_and_memory.md for each argument.
@@ -89,7 +92,7 @@ class Trainer:
         log_grad_norm: bool = False, steps_per_execution: int | str = 1, run_eagerly: bool = False,
         jit_compile: bool | str = "auto", mixes_rows: bool = False, deterministic: bool = False,
         trainable: TrainableSpec = None, lora: LoRA | None = None, skip_spikes: SpikeSkip | None = None,
-        frozen_statistics: bool = True,
+        frozen_statistics: bool = True, offload: str | Offload | None = None,
     ) -> None:  # fmt: skip
         if deterministic:  # XLA reads its flags when the backend starts: before anything touches devices
             distributed.enable_determinism()
@@ -106,6 +109,7 @@ class Trainer:
             optimizer=optimizer, objective=self.objective, precision=self.precision, eager=self.run_eagerly,
             grad_accum_steps=self.grad_accum_steps, log_grad_norm=self.log_grad_norm, variables=params, lora=lora,
             trainable=trainable, spike_skip=skip_spikes, frozen_statistics=frozen_statistics,
+            offload=Offload.of(offload),
         )  # fmt: skip
         self.session = Session()  # the one holder of the live state, the position and the flags
         self.setup = Setup(

@@ -75,6 +75,7 @@ def main():
     parser.add_argument("--strategy", choices=["dp", "fsdp"], default="dp")
     parser.add_argument("--data", choices=["arrays", "grain"], default="arrays")
     parser.add_argument("--lora", action="store_true")
+    parser.add_argument("--offload", default=None, help="Trainer(offload=...): the optimizer's state in host memory")
     parser.add_argument("--no-backup", dest="backup_saves", action="store_false")
     args = parser.parse_args()
     rng = np.random.default_rng(0)
@@ -87,6 +88,7 @@ def main():
         strategy=tk.DataParallel() if args.strategy == "dp" else tk.FSDP(min_shard_size=16),
         seed=1,
         lora=tk.LoRA(rank=4, alpha=8) if args.lora else None,
+        offload=args.offload,
     )
     if args.lora:  # base weights from a seed, loaded before fit: the backup records their hash
         trainer.init(x[:16])

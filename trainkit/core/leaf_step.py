@@ -181,7 +181,7 @@ class LeafStep:
         ``None``; ``replicated``: the packed array's sharding (with shardings given)."""
         leaves, treedef = jax.tree.flatten(abstract_state)
         state_shardings = None if in_shardings is None else _leaves_of(in_shardings[0], treedef)
-        whole = [True] * len(leaves) if state_shardings is None else [s.is_fully_replicated for s in state_shardings]
+        whole = [True] * len(leaves) if state_shardings is None else [_packable(s) for s in state_shardings]
         carry = Carry(leaves, whole)
         options: dict[str, Any] = {"donate_argnums": (0,) if donate_state else ()}
         if in_shardings is not None and state_shardings is not None:
@@ -240,6 +240,11 @@ class LeafStep:
         if all(isinstance(leaves[i], jax.Array) for i in self.carry.small):
             return self.jitted.lower(self.carried(leaves), *rest)
         return self.jitted.lower(self.carry.abstract(leaves, self.sharding), *rest)
+
+
+def _packable(sharding: jax.sharding.Sharding) -> bool:
+    """A leaf whole on every device and in device memory (a leaf in host memory stays apart)."""
+    return sharding.is_fully_replicated and sharding.memory_kind != "pinned_host"
 
 
 def _leaves_of(shardings: PyTree, treedef: PyTreeDef) -> list[jax.sharding.Sharding]:

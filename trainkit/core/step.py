@@ -36,6 +36,7 @@ import numpy as np
 import optax
 from clu.metrics import LastValue
 
+from trainkit.core.offload import streamed_update
 from trainkit.core.optimizers import learning_rate
 from trainkit.core.state import Batch, TrainState
 from trainkit.core.step_feature import StepFeature, StepUpdate
@@ -179,11 +180,14 @@ def _observed(metrics: Metrics, new_state: TrainState) -> Metrics:
 class TrainStepOptions:
     """How :func:`make_train_step` trains besides the loss and optimizer: ``grad_accum_steps``
     micro-batches per update, the ``trainable`` leaves (``None``: all), and the step's
-    ``features`` (:mod:`trainkit.core.step_feature`), run in order after the update."""
+    ``features`` (:mod:`trainkit.core.step_feature`), run in order after the update; and
+    ``offload``: the optimizer's state is in host memory, streamed through the update
+    (:func:`trainkit.core.offload.streamed_update`)."""
 
     grad_accum_steps: int = 1
     trainable: Trainable | None = None
     features: tuple[StepFeature, ...] = ()
+    offload: bool = False
 
 
 def make_train_step(
@@ -204,6 +208,7 @@ def make_train_step(
     :mod:`trainkit.core.features`) each map the step's :class:`StepUpdate` to the next.
     """
     grad_accum_steps, features = options.grad_accum_steps, options.features
+    update_optimizer = functools.partial(streamed_update, tx) if options.offload else tx.update
     trainable = options.trainable if options.trainable is not None else Trainable(None)
     freezes = trainable.freezes
 
@@ -234,7 +239,7 @@ def make_train_step(
             factor = batch_rows / metrics["loss"].count  # static rows / real rows
             grads = jax.tree.map(lambda g: (g * factor).astype(g.dtype), grads)
         grads = loss_scale.unscale(grads)
-        updates, opt_state = tx.update(grads, state.opt_state, state.params)
+        updates, opt_state = update_optimizer(grads, state.opt_state, state.params)
         params = trainable.apply_updates(state.params, updates)
         skipped = jax.tree.map(jnp.zeros_like, metrics)  # a skipped step's loss is not an observation
         (params, opt_state, model_state, metrics), loss_scale = loss_scale.guard(

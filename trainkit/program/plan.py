@@ -152,7 +152,8 @@ class PlanRow:
     output_bytes: int = 0
     alias_bytes: int = 0
     temp_bytes: int = 0
-    peak_bytes: int = 0  # the compiler's own peak (TPU and GPU; on CPU it is the arguments)
+    peak_bytes: int = 0  # the compiler's own device peak (TPU and GPU; on CPU it is the arguments)
+    host_bytes: int = 0  # what the step keeps in host memory (offload): arguments, outputs, temporaries
     flops: float = 0.0
     bytes_accessed: float = 0.0
     collective_bytes: int = 0
@@ -190,7 +191,9 @@ def analyse(row: PlanRow, compiled) -> PlanRow:
         row.output_bytes = int(memory.output_size_in_bytes)
         row.alias_bytes = int(memory.alias_size_in_bytes)
         row.temp_bytes = int(memory.temp_size_in_bytes)
-        row.peak_bytes = int(memory.peak_memory_in_bytes)
+        host = memory.host_argument_size_in_bytes + memory.host_output_size_in_bytes - memory.host_alias_size_in_bytes
+        row.host_bytes = int(host + memory.host_temp_size_in_bytes)
+        row.peak_bytes = int(memory.peak_memory_in_bytes) - row.host_bytes  # libtpu's peak counts host memory too
     cost = cost_lib.cost_of(compiled)
     row.flops = float(cost.get("flops", 0.0))
     row.bytes_accessed = float(cost.get("bytes accessed", 0.0))
@@ -252,14 +255,17 @@ class MemoryPlan:
         )
 
     def table(self) -> Table:
-        """Per device: argument, temporary and total MiB, GFLOP, MiB moved by collectives, and
-        the estimated or measured milliseconds of one step; the pick of ``"auto"`` marked."""
+        """Per device: argument, temporary and total MiB (and, under offload, host MiB), GFLOP,
+        MiB moved by collectives, and the estimated or measured milliseconds of one step; the
+        pick of ``"auto"`` marked."""
         kind = "measured" if self.measured else "estimated"
         where = "" if self.target is None else f" for {self.target} (compiled here, not run)"
         title = (
             f"trainkit plan{where}: MiB per device of {self.memory_limit / 2**20:,.0f}; {kind} ms/step; <- auto's pick"
         )
-        columns = ("args", "temp", "total", "GFLOP", "comm", "ms") + (("compile s",) if self.target else ())
+        hosts = any(r.host_bytes for r in self.rows)  # offload: what stays in host memory, its own column
+        columns = ("args", "temp", "total") + (("host",) if hosts else ()) + ("GFLOP", "comm", "ms")
+        columns += ("compile s",) if self.target else ()
         blank = [""] * len(columns)
         rows: list[tuple[str, list[str], str]] = []
         for r in self.rows:
@@ -270,7 +276,9 @@ class MemoryPlan:
                 rows.append((r.name, blank, f"[dim]not compiled: {why}[/dim]"))
             else:
                 verdict = "[bold green]<-[/bold green]" if r.recommended else ("" if r.fits else "[red]too big[/red]")
-                cells = [_mib(r.argument_bytes), _mib(r.temp_bytes), _mib(r.total_bytes), _short(r.flops / 1e9)]
+                cells = [_mib(r.argument_bytes), _mib(r.temp_bytes), _mib(r.total_bytes)]
+                cells += [_mib(r.host_bytes)] if hosts else []
+                cells += [_short(r.flops / 1e9)]
                 cells += [_mib(r.collective_bytes), _short(r.seconds * 1e3)]
                 cells += [f"{r.compile_seconds:.1f}"] if self.target else []
                 rows.append((r.name, cells, verdict))
@@ -553,9 +561,12 @@ def _failure(error: Exception) -> str:
 
 def state_bytes_per_device(abstract_state: PyTree, shardings: PyTree) -> int:
     """The bytes of the state's largest shard set on one device: each leaf's shard shape under
-    its sharding (a lower bound on the step's memory: parameters, optimizer and model state)."""
+    its sharding (a lower bound on the step's memory: parameters, optimizer and model state);
+    a leaf placed in host memory (offload) counts nothing."""
 
     def shard_bytes(leaf, sharding) -> int:
+        if isinstance(sharding, jax.sharding.Sharding) and sharding.memory_kind == "pinned_host":
+            return 0  # offloaded: in host memory, not the device's
         shape = sharding.shard_shape(leaf.shape) if isinstance(sharding, jax.sharding.Sharding) else leaf.shape
         return int(np.prod(shape, dtype=np.int64)) * np.dtype(leaf.dtype).itemsize
 

@@ -38,6 +38,7 @@ from trainkit.core.features.label_check import check_labels
 from trainkit.core.features.spike_skipping import skip_spikes
 from trainkit.core.lora import LoRA, is_adapter
 from trainkit.core.model import ModelAdapter, param_axes, starting_variables, under_logical_rules, with_lora
+from trainkit.core.offload import Offload
 from trainkit.core.precision import Precision, cast_floating
 from trainkit.core.remat import wrap_remat
 from trainkit.core.spikes import SpikeSkip
@@ -83,6 +84,8 @@ class Program:
         spike_skip: a :class:`~trainkit.core.spikes.SpikeSkip`: spiking updates are not applied.
         frozen_statistics: a ``BatchNorm`` whose parameters are all frozen runs in inference mode
             in training (:mod:`trainkit.core.frozen_statistics`); ``False``: its statistics train.
+        offload: what lives in host memory (:class:`~trainkit.core.offload.Offload`): the strategy
+            places it there and the train step streams it through the update.
     """
 
     def __init__(
@@ -104,7 +107,10 @@ class Program:
         lora: LoRA | None = None,
         spike_skip: SpikeSkip | None = None,
         frozen_statistics: bool = True,
+        offload: Offload = Offload(),  # noqa: B008 - a frozen value
     ):
+        self.offload = offload
+        _check_offload(offload, eager=eager, precision=precision, spike_skip=spike_skip)
         self.lora, self.base_adapter = lora, adapter  # the model without adapters: what merge_lora and export give
         adapter = adapter if lora is None else with_lora(adapter, lora, seed)
         self.run_model, self.remat = precision.wrap_apply(wrap_remat(adapter, remat)), remat
@@ -179,20 +185,22 @@ class Program:
         return starting_variables(self.adapter, self.variables, first_row)
 
     def create_state(self, strategy: Strategy, first_row: PyTree) -> TrainState:
-        """The state built directly in ``strategy``'s shardings (an annotated strategy: see
-        :meth:`annotated`)."""
+        """The state built directly in ``strategy``'s shardings (a configured strategy: see
+        :meth:`configured`)."""
         return strategy.create_state(
             self.init_state, self.starting_variables(first_row), first_row, seed_key(self.seed)
         )
 
-    def annotated(self, strategy: Strategy, first_row: PyTree) -> Strategy:
-        """``strategy`` configured with the model's parameter annotations when it maps logical
-        axis names (``rules=[("embed", "fsdp"), ...]``), before it places anything; else itself."""
-        if not strategy.logical_rules:
-            return strategy
-        if self._param_axes is None:
-            self._param_axes = param_axes(self.adapter, first_row)
-        return strategy.with_annotations(self._param_axes)
+    def configured(self, strategy: Strategy, first_row: PyTree) -> Strategy:
+        """``strategy`` configured before it places anything: with the model's parameter
+        annotations when it maps logical axis names (``rules=[("embed", "fsdp"), ...]``), and
+        with the offload; else itself. A strategy that cannot offload is returned as it is (a
+        plan's candidate is then refused by :meth:`candidate_step`; a chosen one by the setup)."""
+        if strategy.logical_rules:
+            if self._param_axes is None:
+                self._param_axes = param_axes(self.adapter, first_row)
+            strategy = strategy.with_annotations(self._param_axes)
+        return strategy.with_offload(self.offload) if strategy.offloads else strategy
 
     def changes_result(self, strategy: Strategy, first_row: PyTree, state: PyTree = None) -> str | None:
         """Why ``strategy`` would train this model on other numbers than ``SingleDevice`` does
@@ -226,6 +234,8 @@ class Program:
         """``compile(kind, ...)`` for a plan's candidate; :class:`~trainkit.program.plan.NotACandidate`
         for a candidate whose training step would compute another result than ``SingleDevice``'s."""
         reason = self.changes_result(strategy, first_row, abstract_state) if kind == "train" else None
+        if self.offload and not strategy.offloads:
+            reason = strategy.no_offload()
         if reason is not None:
             raise plan_lib.NotACandidate(reason)
         return self.compile(kind, strategy, abstract_state, statistics)
@@ -299,7 +309,7 @@ class Program:
         if kind == "eval":
             return make_eval_step(self.compute_loss, self.objective.metric_fns, axis)
         options = TrainStepOptions(
-            self.grad_accum_steps, self.trainable, self.step_features(statistics, statistics_when)
+            self.grad_accum_steps, self.trainable, self.step_features(statistics, statistics_when), bool(self.offload)
         )
         return make_train_step(self.training_loss, self.optimizer, self.objective.metric_fns, axis, options)
 
@@ -367,7 +377,7 @@ class Program:
         first_row = host_batch["x"]  # the model is initialised on a real batch, as it trains
         variables = self.starting_variables(first_row)
         candidates = candidates if candidates is not None else plan_lib.default_candidates()
-        candidates = [self.annotated(strategy, first_row) for strategy in candidates]
+        candidates = [self.configured(strategy, first_row) for strategy in candidates]
         abstract_state = self.abstract_state(first_row, variables)
         init_state, key = self.init_state, seed_key(self.seed)
         # traced as one device of a named axis when a candidate has one (a BatchNorm may reduce over it)
@@ -388,3 +398,26 @@ class Program:
             settings=settings,
         )
         return dataclasses.replace(plan, state_bytes=self.trainable.state_bytes(abstract_state))
+
+
+def _check_offload(offload: Offload, *, eager: bool, precision: Precision, spike_skip: SpikeSkip | None) -> None:
+    """Refuses, before anything is built, what offload cannot do yet: each would read the
+    optimizer's whole state on the device after the update (to keep the old one)."""
+    if not offload:
+        return
+    if eager:
+        raise ValueError(
+            "offload='optimizer' moves the optimizer's state between host and device memory inside the compiled "
+            "step, and run_eagerly=True compiles nothing. Debug with offload=None, then train with offload."
+        )
+    if precision.loss_scale is not None:
+        raise ValueError(
+            f"offload='optimizer' with loss scaling ({precision.loss_scale!r}) is not supported: a step the scale "
+            "skips would keep the whole old optimizer state on the device. Use precision='bf16' (no loss scale) "
+            "or offload=None."
+        )
+    if spike_skip is not None:
+        raise ValueError(
+            "offload='optimizer' with skip_spikes is not supported: a skipped step would keep the whole old "
+            "optimizer state on the device. Pass one of the two."
+        )

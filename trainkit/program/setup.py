@@ -125,6 +125,8 @@ class Setup:
                 f"run_eagerly=True runs each step op by op on one device, but the strategy is {chosen.describe()}, "
                 "which compiles the step across devices. Pass strategy='single' (or leave strategy='auto') to debug."
             )
+        if program.offload and isinstance(chosen, Strategy) and not chosen.offloads:
+            raise ValueError(chosen.no_offload())
         self.auto: Auto | None = chosen if isinstance(chosen, Auto) else None
         if deterministic and steps_per_execution == "auto":
             raise ValueError(
@@ -224,13 +226,13 @@ class Setup:
             state = self.decided.require_strategy().put_state(plan.initial_state)
             self.decided.decide(plan=dataclasses.replace(plan, initial_state=None))  # host memory back
         else:
-            strategy = program.annotated(self.decided.require_strategy(), first_x)
+            strategy = program.configured(self.decided.require_strategy(), first_x)
             self.decided.decide(strategy=strategy)
             under = self.decided.value.initialise_under
             if under is None:
                 state = program.create_state(strategy, first_x)
             else:  # as the run that remembered this pick built its state: that init is in the compile cache
-                built = program.create_state(program.annotated(under, first_x), first_x)
+                built = program.create_state(program.configured(under, first_x), first_x)
                 state = strategy.put_state(distributed.fetch(built))
         self.decided.decide(input_spec=prepared.spec)
         self.session.replace_state(state)

@@ -31,6 +31,7 @@ import jax
 import numpy as np
 from jax.sharding import PartitionSpec
 
+from trainkit.core.offload import on_host
 from trainkit.core.tree import PyTree, leaf_name
 
 Rule = tuple[str, PartitionSpec]
@@ -293,3 +294,16 @@ def _kernel_names(name: str) -> list[str]:
     parts = base.split("/")
     places = [base] + ["/".join(("params", *parts[i:])) for i in range(1, len(parts))]
     return [k for place in places for k in (place, f"{place}/array/qvalue")]
+
+
+def in_host_memory(shardings: PyTree, abstract: PyTree) -> PyTree:
+    """``shardings`` with the leaves of ``abstract`` that :func:`~trainkit.core.offload.on_host`
+    names placed in ``pinned_host`` memory (the same devices and ``PartitionSpec``).
+
+    >>> import jax, numpy as np
+    >>> one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    >>> placed = in_host_memory([one, one], [np.zeros(3), np.int32(0)])
+    >>> [s.memory_kind for s in placed][0], placed[1] is one
+    ('pinned_host', True)
+    """
+    return jax.tree.map(lambda s, leaf: s.with_memory_kind("pinned_host") if on_host(leaf) else s, shardings, abstract)

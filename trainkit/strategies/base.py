@@ -11,12 +11,14 @@ how the pure step functions are compiled. It never sees the loss, optimizer, cal
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable, Sequence
 
 import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from trainkit.core.offload import Offload
 from trainkit.core.tree import Leaf, PyTree, TreeFunction
 
 
@@ -61,6 +63,11 @@ class Strategy:
     #: Whether it can train ``k`` stacked batches in one call (``steps_per_execution``): a
     #: strategy that implements ``put_batches`` and compiles ``"train_steps"`` declares ``True``.
     fuses_steps: bool = False
+    #: Whether it can keep the optimizer's state in host memory (``Trainer(offload="optimizer")``):
+    #: a strategy whose ``state_sharding`` places it as :meth:`with_offload` says declares ``True``.
+    offloads: bool = False
+    #: Where the state lives (:class:`trainkit.core.offload.Offload`): set by :meth:`with_offload`.
+    offload: Offload = Offload()
     #: Flax logical axis name -> mesh axes, for parameters annotated with
     #: ``nn.with_logical_partitioning`` and for ``nn.with_logical_constraint`` (none by default).
     logical_rules: tuple[tuple[str, str | tuple[str, ...] | None], ...] = ()
@@ -83,6 +90,24 @@ class Strategy:
     def state_sharding(self, abstract_state: PyTree) -> PyTree:
         """Default: every leaf replicated on every device of the mesh."""
         return jax.tree.map(lambda _: self.replicated(), abstract_state)
+
+    def with_offload(self, offload: Offload) -> Strategy:
+        """A copy that keeps what ``offload`` names in host memory (this strategy is left as it
+        is); itself when ``offload`` names nothing. Only a strategy that ``offloads`` can."""
+        if not offload:
+            return self
+        if not self.offloads:
+            raise ValueError(self.no_offload())
+        placed = copy.copy(self)
+        placed.offload = offload
+        return placed
+
+    def no_offload(self) -> str:
+        """Why this strategy cannot keep the optimizer's state in host memory, and what to do."""
+        return (
+            f"{type(self).__name__} cannot keep the optimizer's state in host memory (offload='optimizer'): it does "
+            "not declare offloads = True. Use strategy='single', tk.FSDP() or tk.Hybrid(...), or offload=None."
+        )
 
     def create_state(self, init_fn: Callable[..., PyTree], *args: PyTree) -> PyTree:
         """Runs ``init_fn(*args)`` compiled with the state's shardings as its outputs, so the

@@ -24,6 +24,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from trainkit import distributed
 from trainkit.core.leaf_step import LeafStep
+from trainkit.core.state import TrainState
 from trainkit.core.step import full_mask
 from trainkit.core.tree import PyTree
 from trainkit.strategies import _sharding
@@ -132,8 +133,15 @@ class ShardedStrategy(Strategy):
         )
 
     def state_sharding(self, abstract_state: PyTree) -> PyTree:
+        """A ``NamedSharding`` per leaf; under :meth:`with_offload` the optimizer state's
+        :func:`~trainkit.core.offload.on_host` leaves in ``pinned_host`` memory."""
         is_spec = lambda x: isinstance(x, PartitionSpec)  # noqa: E731
-        return jax.tree.map(lambda s: NamedSharding(self.mesh, s), self.state_specs(abstract_state), is_leaf=is_spec)
+        shardings = jax.tree.map(
+            lambda s: NamedSharding(self.mesh, s), self.state_specs(abstract_state), is_leaf=is_spec
+        )
+        if not self.offload.optimizer or not isinstance(abstract_state, TrainState):
+            return shardings
+        return shardings.replace(opt_state=_sharding.in_host_memory(shardings.opt_state, abstract_state.opt_state))
 
     # ------------------------------------------------------------------ batches and steps
     @functools.cached_property
@@ -183,6 +191,7 @@ class ShardedStrategy(Strategy):
         return self._put(host_batches, self.stacked_batch_sharding)
 
     fuses_steps = True
+    offloads = True
 
     def compile(self, kind: str, fn: Callable, abstract_state: PyTree) -> Callable:
         """``jax.jit`` with the state's shardings pinned: training steps donate the state and

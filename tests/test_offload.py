@@ -1,0 +1,153 @@
+"""``Trainer(offload="optimizer")``: the optimizer's state in host memory (``pinned_host``, which
+JAX's CPU devices have too), streamed through each update a group of leaves at a time. It trains
+on the bits of the same run without offload, under every strategy that can offload; checkpoints
+move between the two; what cannot offload is refused before anything is built."""
+
+import functools
+import importlib.util
+import re
+
+import flax.linen as nn
+import jax
+import numpy as np
+import optax
+import pytest
+from conftest import Wide, classifier, make_classification, strategy_table
+
+import trainkit as tk
+from trainkit.core.offload import host_groups, streamed_update
+
+X, Y = make_classification(128, features=64)
+Y = Y % 8
+STRATEGIES = strategy_table(min_shard_size=64)
+OFFLOADING = [name for name in STRATEGIES if name != "dp8"]
+trainer = functools.partial(classifier, Wide(), optimizer=optax.adamw(1e-3))
+
+
+def trained(strategy, offload, steps_per_execution=1):
+    run = trainer(strategy=strategy, offload=offload, steps_per_execution=steps_per_execution)
+    history = run.fit(X, Y, batch_size=32, epochs=2, verbose=0, shuffle=False)
+    return run, history
+
+
+def assert_same_bits(a, b):
+    assert jax.tree.structure(a) == jax.tree.structure(b)
+    for left, right in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+        np.testing.assert_array_equal(np.asarray(left), np.asarray(right))
+
+
+def host_kinds(state):
+    return {leaf.sharding.memory_kind for leaf in jax.tree.leaves(state.opt_state) if leaf.ndim}
+
+
+@pytest.mark.parametrize(("name", "steps_per_execution"), [*((n, 1) for n in OFFLOADING), ("fsdp8", 4)])
+def test_offload_trains_on_the_bits_of_the_run_without_it(name, steps_per_execution):
+    offloaded, history = trained(STRATEGIES[name](), "optimizer", steps_per_execution)
+    reference, reference_history = trained(STRATEGIES[name](), None, steps_per_execution)
+    assert host_kinds(offloaded.state) == {"pinned_host"}  # every moment: none came back to the device
+    assert host_kinds(reference.state) == {"device"}
+    assert_same_bits(offloaded.state, reference.state)
+    assert history.history == reference_history.history
+
+
+def test_each_group_holds_what_one_update_reads():
+    params = {"a": np.ones((4, 3), np.float32), "b": np.ones(4, np.float32)}
+    grads = jax.tree.map(lambda p: np.full_like(p, 0.5), params)
+    adam = optax.adam(0.1)
+    groups = host_groups(adam, grads, adam.init(params), params)
+    assert [sorted(name.split(".")[-1] for name in group) for group in groups] == [
+        ["mu['a']", "nu['a']"],
+        ["mu['b']", "nu['b']"],
+    ]
+    # clipping after Adam's scaling reads every moment for every parameter: one group, streamed exactly
+    clipped = optax.chain(optax.scale_by_adam(), optax.clip_by_global_norm(0.01), optax.scale(-0.1))
+    state = clipped.init(params)
+    assert [len(group) for group in host_groups(clipped, grads, state, params)] == [4]
+    streamed = jax.jit(functools.partial(streamed_update, clipped))(grads, state, params)
+    assert_same_bits(streamed, jax.jit(clipped.update)(grads, state, params))
+
+
+def test_a_checkpoint_moves_between_offloaded_and_not(tmp_path):
+    offloaded = trainer(strategy=STRATEGIES["fsdp8"](), offload="optimizer")
+    offloaded.fit(X, Y, batch_size=32, epochs=1, verbose=0, shuffle=False)
+    offloaded.save(tmp_path / "ckpt")
+    plain = trainer(strategy=STRATEGIES["fsdp8"]())
+    plain.init(X[:32])
+    plain.load(tmp_path / "ckpt")
+    assert host_kinds(plain.state) == {"device"}
+    assert_same_bits(plain.state, offloaded.state)
+    for run in (offloaded, plain):
+        run.fit(X, Y, batch_size=32, epochs=1, verbose=0, shuffle=False)
+    assert_same_bits(plain.state, offloaded.state)
+    back = trainer(strategy="single", offload="optimizer")
+    back.init(X[:32])
+    back.load(tmp_path / "ckpt")
+    assert host_kinds(back.state) == {"pinned_host"}
+
+
+@pytest.mark.parametrize(
+    ("options", "says"),
+    [
+        ({"strategy": "dp"}, "DataParallel cannot keep the optimizer's state in host memory"),
+        ({"run_eagerly": True}, "run_eagerly=True compiles nothing"),
+        ({"precision": "fp16"}, "loss scaling ('dynamic') is not supported"),
+        ({"skip_spikes": tk.SpikeSkip()}, "with skip_spikes is not supported"),
+    ],
+    ids=["data_parallel", "eager", "fp16", "skip_spikes"],
+)
+def test_what_cannot_offload_is_refused_when_the_trainer_is_made(options, says):
+    with pytest.raises(ValueError, match=re.escape(says)):
+        trainer(offload="optimizer", **{"strategy": "single", **options})
+
+
+def test_an_unknown_offload_is_refused_with_the_settings():
+    with pytest.raises(ValueError, match="offload='cpu' is not a setting. Use offload='optimizer'"):
+        trainer(offload="cpu")
+
+
+def test_auto_leaves_data_parallel_out_under_offload_and_says_why():
+    plan = trainer(offload="optimizer", strategy="auto").plan((X, Y), batch_size=32, verbose=0)
+    rows = {type(row.strategy).__name__: row for row in plan.rows}
+    assert rows["DataParallel"].left_out and "cannot keep the optimizer's state" in rows["DataParallel"].error
+    assert plan.recommended is not None and plan.recommended.strategy.offload
+
+
+class Blocks(nn.Module):
+    """Transformer-shaped blocks of dense layers (attention's w x 3w and w x w, the MLP's w x 4w
+    and 4w x w: 12 w^2 parameters per layer, as a GPT block), without the attention itself."""
+
+    width: int
+    layers: int
+
+    @nn.compact
+    def __call__(self, x):
+        w = self.width
+        x = nn.Dense(w)(x)
+        for _ in range(self.layers):
+            x = x + nn.Dense(w)(nn.tanh(nn.Dense(3 * w)(x)[..., :w]))
+            x = x + nn.Dense(w)(nn.relu(nn.Dense(4 * w)(x)))
+        return nn.Dense(8)(x)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("libtpu") is None, reason="the tpu-plan extra is not installed")
+def test_on_a_v5e_slice_offload_fits_what_adams_state_does_not():
+    """Compiled for a 2x2 v5e slice (16 GiB a chip), never run: the moments leave the device's
+    arguments for host memory, the compiler's temporaries grow by less than one layer's moments,
+    and 5.6 billion parameters that FSDP alone cannot hold fit."""
+    width, devices = 8192, 4
+    x, y = np.zeros((8, width), np.float32), np.zeros(8, np.int32)
+
+    def plan(layers, offload):
+        model = classifier(Blocks(width, layers), optimizer=optax.adamw(1e-3), offload=offload)
+        return model.plan((x, y), target="tpu v5e:2x2", candidates=["fsdp"], verbose=0)
+
+    plain = plan(5, None)
+    (before,), (after,) = plain.rows, plan(5, "optimizer").rows
+    moments = plain.state_bytes["optimizer state"] / devices  # per device
+    layer_moments = 2 * 12 * width**2 * 4 / devices
+    assert before.fits and after.fits and after.host_bytes == pytest.approx(moments, rel=0.01)
+    assert before.argument_bytes - after.argument_bytes >= 0.9 * moments
+    assert after.temp_bytes - before.temp_bytes < layer_moments, (after.temp_bytes, before.temp_bytes)
+    alone, offloaded = (plan(7, offload).rows[0] for offload in (None, "optimizer"))
+    assert not alone.fits and "the state alone needs" in (alone.error or ""), alone.error
+    assert offloaded.fits and offloaded.total_bytes < 0.5 * 16 * 2**30
