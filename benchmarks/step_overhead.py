@@ -242,6 +242,7 @@ def dispatch_bound(steps: int, repeats: int, k: int = 32) -> None:
         f"hand-written scan k={k}": spe.hand_written(x, y, k),
         f"trainkit k={k}": spe.trainkit_fit(x, y, k),
         "trainkit k='auto'": spe.trainkit_fit(x, y, "auto"),
+        "trainkit default k": spe.trainkit_fit(x, y, None),
     }
     keras_run = spe.keras_fit(x, y, 1)
     if keras_run is not None:
@@ -252,15 +253,52 @@ def dispatch_bound(steps: int, repeats: int, k: int = 32) -> None:
     header = f"{'contender':28} {'steps/s':>9} {'vs hand-written':>16} {'paired':>7}"
     print(header + "\n" + "-" * len(header))
     for name, rate in rates.items():
-        base = f"hand-written scan k={k}" if f"k={k}" in name or "auto" in name else "hand-written jit"
+        base = (
+            f"hand-written scan k={k}"
+            if f"k={k}" in name or "auto" in name or "default" in name
+            else "hand-written jit"
+        )
         paired = paired_ratio(rounds, name, base)
         print(f"{name:28} {rate:9.0f} {rate / rates[base]:16.3f} {paired:7.3f}")
-    print(f"(k={k} and k='auto' rows against the hand-written scan, the others against the hand-written jit loop;")
+    print(f"(k={k}, k='auto' and default rows against the hand-written scan, the others against the jit loop;")
     print(" 'paired': the median of each round's ratio, the runs compared seconds apart)")
     auto, fixed = rates["trainkit k='auto'"], rates[f"trainkit k={k}"]
     print(f"k='auto' / trainkit k={k}: {auto / fixed:.3f}")
     packed = paired_ratio(rounds, "trainkit k=1, verbose=0", "trainkit k=1, unpacked")
     print(f"k=1 with the small leaves packed / unpacked (paired): {packed:.3f}")
+    first_fits((steps, 16 * steps))
+
+
+def first_fits(lengths: tuple[int, ...]) -> None:
+    """What one fit costs a user end to end, compiles included (fresh trainers, the persistent
+    compilation cache off): k=1, the default and ``"auto"``, at each length. The default fuses
+    only where the fit repays the fused program's compile; ``"auto"`` always fuses."""
+    import time
+
+    from trainkit.distributed import compile_cache
+
+    saved = os.environ.get(compile_cache.ENVIRONMENT)
+    os.environ[compile_cache.ENVIRONMENT] = "off"
+    try:
+        print("\none fit, end to end (compiles included; fresh trainers; the compilation cache off):")
+        print(f"{'steps':>7} {'k=1 s':>8} {'default s':>10} {'(its k)':>8} {'auto s':>8} {'(its k)':>8}")
+        for length in lengths:
+            x, y = spe.dataset(length)
+            seconds, picked = {}, {}
+            for k in (1, None, "auto"):
+                trainer = spe.make_trainer(k)
+                start = time.perf_counter()
+                trainer.fit((x, y), batch_size=spe.BATCH, epochs=1, verbose=0)
+                seconds[k], picked[k] = time.perf_counter() - start, trainer.steps_per_execution
+            print(
+                f"{length:>7} {seconds[1]:8.2f} {seconds[None]:10.2f} {picked[None]:>8} "
+                f"{seconds['auto']:8.2f} {picked['auto']:>8}"
+            )
+    finally:
+        if saved is None:
+            os.environ.pop(compile_cache.ENVIRONMENT)
+        else:
+            os.environ[compile_cache.ENVIRONMENT] = saved
 
 
 def unpacked_fit(x: np.ndarray, y: np.ndarray):

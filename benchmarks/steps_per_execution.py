@@ -42,14 +42,19 @@ def dataset(steps: int, seed: int = 0):
     return rng.normal(size=(n, FEATURES)).astype(np.float32), rng.integers(0, CLASSES, n).astype(np.int32)
 
 
-def trainkit_fit(x, y, k, callbacks=()):
-    trainer = tk.Trainer(
+def make_trainer(k) -> tk.Trainer:
+    """The benchmark's trainer with ``steps_per_execution=k`` (``None``: the default)."""
+    return tk.Trainer(
         MLP(),
         loss="sparse_categorical_crossentropy",
         optimizer=optax.adam(1e-3),
         strategy="single",
         steps_per_execution=k,
     )
+
+
+def trainkit_fit(x, y, k, callbacks=()):
+    trainer = make_trainer(k)
     return lambda: trainer.fit((x, y), batch_size=BATCH, epochs=1, verbose=0, callbacks=list(callbacks))
 
 

@@ -269,3 +269,61 @@ def test_auto_s_pick_is_reported_in_the_plan(xy, monkeypatch):
     assert re.search(
         r"picked \d+: \d+ us of host time per call, \d+ us of device time per step", str(trainer.last_plan)
     )
+
+
+def test_the_default_fuses_what_the_tuner_picks_to_the_same_result(xy, monkeypatch):
+    """Left to its default, ``steps_per_execution`` tunes as ``"auto"`` does (with the repay
+    rule on) when no callback needs a call per batch, and trains to the bits of k=1."""
+    from trainkit.loop import tuning
+
+    asked = []
+    monkeypatch.setattr(tuning.StepsTuner, "decide", lambda self, host, device: asked.append(self.repaid_only) or K)
+    x, y = xy
+    default, single = make("single", None), make("single", 1)
+    spans = AsyncSpans()
+    history = default.fit((x, y), batch_size=BATCH, epochs=2, callbacks=[spans], verbose=0)
+    assert asked == [True] and default.steps_per_execution == K
+    assert [last - first + 1 for _, _, first, last in spans.records].count(K) >= 3
+    assert_same_run(single, default, single.fit((x, y), batch_size=BATCH, epochs=2, verbose=0), history)
+
+
+def test_the_default_keeps_one_step_where_the_fit_would_not_repay_the_compile(xy, monkeypatch):
+    """A k the rest of the fit does not repay (the host time saved below the compile's
+    estimate) leaves the fit at one step per call, undecided: the next fit tunes again."""
+    from trainkit.loop import tuning
+
+    remaining = []
+
+    def decide(self, host, device):
+        remaining.append(self.remaining)
+        self.compile_seconds = 10.0  # a slow compile: 20 s to repay
+        return K if self.repays(K, host=1e-3) else 1  # 1 ms a call saves under 0.3 s in this fit
+
+    monkeypatch.setattr(tuning.StepsTuner, "decide", decide)
+    x, y = xy
+    trainer = make("single", None)
+    spans = AsyncSpans()
+    trainer.fit((x, y), batch_size=BATCH, epochs=2, callbacks=[spans], verbose=0)
+    assert trainer.steps_per_execution == 1 and trainer.setup.decided.tunes_steps
+    assert {last - first for _, _, first, last in spans.records} == {0}
+    assert remaining == [2 * 11]  # decided once in the fit: 2 epochs of 11 batches
+    trainer.fit((x, y), batch_size=BATCH, epochs=1, verbose=0)
+    assert remaining == [22, 11]
+
+
+def test_the_default_calls_a_keras_batch_callback_every_batch_and_deterministic_never_tunes(xy):
+    x, y = xy
+
+    class EveryBatch(Callback):  # not async_safe: it expects the state after each batch, as in Keras
+        def __init__(self):
+            self.batches = []
+
+        def on_train_batch_end(self, batch, logs=None):
+            self.batches.append(batch)
+
+    every = EveryBatch()
+    trainer = make("single", None)
+    trainer.fit((x, y), batch_size=BATCH, epochs=1, callbacks=[every], verbose=0)
+    assert every.batches == list(range(11)) and trainer.steps_per_execution == 1
+    deterministic = make("single", None, deterministic=True)
+    assert not deterministic.setup.decided.tunes_steps and deterministic.steps_per_execution == 1

@@ -68,7 +68,9 @@ class Trainer:
         remat: ``"full"``, ``"dots"``, ``"dots_no_batch"``, a ``jax.checkpoint`` policy, or class names.
         grad_accum_steps: micro-batches per global batch in one compiled step.
         log_grad_norm: also log the global gradient norm (``grad_norm``).
-        steps_per_execution: batches per compiled call (a ``lax.scan``; hooks once per call) or ``"auto"``.
+        steps_per_execution: batches per compiled call (a ``lax.scan``; hooks once per call) or ``"auto"``; by
+            default ``"auto"`` where nothing observable changes (no callback needs a call per batch) and the run
+            repays the fused program's compile, else 1 (docs/performance.md).
         run_eagerly: every step op by op on one device (``print`` and pdb work); ``jit_compile=False`` too.
         mixes_rows: the model mixes a batch's rows on purpose (else checked before training).
         deterministic: XLA's deterministic GPU ops, and no choice by timing (docs/tuning.md).
@@ -89,7 +91,7 @@ class Trainer:
         loss_weights: float | Sequence[float] | dict | None = None,
         strategy: str | Strategy | Auto = "auto", seed: int = 0, params: PyTree | None = None,
         precision: str | Precision | None = "fp32", remat: Remat = None, grad_accum_steps: int = 1,
-        log_grad_norm: bool = False, steps_per_execution: int | str = 1, run_eagerly: bool = False,
+        log_grad_norm: bool = False, steps_per_execution: int | str | None = None, run_eagerly: bool = False,
         jit_compile: bool | str = "auto", mixes_rows: bool = False, deterministic: bool = False,
         trainable: TrainableSpec = None, lora: LoRA | None = None, skip_spikes: SpikeSkip | None = None,
         frozen_statistics: bool = True, offload: str | Offload | None = None,

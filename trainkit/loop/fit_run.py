@@ -72,6 +72,7 @@ class FitRun:
         self.watchdog = StallWatchdog()
         self.tuner: StepsTuner | None = None
         self.last_ready: float | None = None
+        self.unfused = False  # the default setting found fusing not worth it in this fit: no more probes
 
     def run(self) -> dict[str, float]:
         """Trains from ``config.initial_epoch`` (or where a callback's ``resume_at`` says) to
@@ -226,12 +227,22 @@ class FitRun:
 
     def make_tuner(self) -> StepsTuner | None:
         """Under ``steps_per_execution="auto"`` (not decided yet), a tuner capped by the epoch,
-        the validation interval, ``max_steps`` and the callbacks' periods."""
-        if not self.steps.tunes_steps or not self.strategy.fuses_steps:
+        the validation interval, ``max_steps`` and the callbacks' periods; under the default
+        setting, one that fuses only where the rest of this fit repays the compile."""
+        if not self.steps.tunes_steps or not self.strategy.fuses_steps or self.unfused:
             return None
         caps = [self.config.steps, self.callbacks.execution_cap, self.config.max_steps, self.every]
         self.last_ready = None
-        return StepsTuner(min((c for c in caps if c is not None), default=None))
+        cap = min((c for c in caps if c is not None), default=None)
+        return StepsTuner(cap, self.remaining_steps(), repaid_only=self.steps.steps_by_default)
+
+    def remaining_steps(self) -> int | None:
+        """The optimizer steps this fit has still to run (``None``: unknown, data of unknown length)."""
+        position, config = self.session.position, self.config
+        left = None if config.steps is None else config.steps * (config.epoch_count - position.epoch) - position.batch
+        if config.max_steps is not None:
+            left = config.max_steps - position.step if left is None else min(left, config.max_steps - position.step)
+        return left
 
     def timed_step(self, train_fn: TreeFunction, totals: PackedTotals, batch: PyTree) -> PackedTotals:
         """One step run synchronously and timed for the tuner (the first call of a fit is not
@@ -239,6 +250,7 @@ class FitRun:
         tuner = self.tuner
         assert tuner is not None  # only called while a tuner decides
         call, carried, keep = carried_state(self.session, train_fn)
+        start = time.perf_counter()
         state, totals = call(carried(), totals, batch)
         keep(state)
         back = time.perf_counter()
@@ -246,9 +258,14 @@ class FitRun:
         ready = time.perf_counter()
         if self.last_ready is not None:
             tuner.record(host=back - self.last_ready, device=ready - back)
+        else:
+            tuner.compile_seconds = self.steps.first_call(ready - start)
         self.last_ready = ready
         if tuner.steps is not None:
             steps = distributed.broadcast_int(tuner.steps)  # timings differ per process: process 0 decides
+            if steps == 1 and tuner.repaid_only:  # not worth a compile in this fit: the next fit decides again
+                self.unfused = True
+                return totals
             reason = (
                 f"picked {steps}: {1e6 * statistics.median(tuner.hosts):.0f} us of host time per call, "
                 f"{1e6 * statistics.median(tuner.devices):.0f} us of device time per step"

@@ -44,6 +44,12 @@ class CompiledSteps(Protocol):
         """``steps_per_execution="auto"`` not decided yet: the loop times the first steps."""
         ...
 
+    @property
+    def steps_by_default(self) -> bool:
+        """``steps_per_execution`` left to its default: the loop fuses steps only where the
+        host time a fit saves repays compiling the fused program."""
+        ...
+
     def require_strategy(self) -> Strategy: ...
 
     def function(self, kind: str) -> Callable[..., Any]: ...
@@ -63,6 +69,12 @@ class CompiledSteps(Protocol):
 
     def decide_steps(self, steps: int, reason: str) -> None:
         """``steps_per_execution="auto"`` picked ``steps`` batches per call, for ``reason``."""
+        ...
+
+    def first_call(self, seconds: float) -> float:
+        """Records how long a fit's first train call took; returns the longest so far (the
+        one-step program's compile, when it compiled then: what the tuner weighs a fused
+        program's compile by)."""
         ...
 
     def labels_message(self, count: int, value: int, where: str) -> str:

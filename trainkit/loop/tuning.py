@@ -7,6 +7,12 @@ The tuner times a few synchronous calls of one step and picks the smallest power
 with ``h / k <= HOST_SHARE * d``, capped by the epoch, the periodic actions (validation,
 checkpoints, loggers) and the callbacks that need a call per batch.
 
+Left to its default (``Trainer(steps_per_execution=None)``), the tuner fuses only where the run
+repays it: the host time ``k`` steps per call save over the rest of the fit must exceed
+:data:`FUSED_COMPILE_FACTOR` times the trainer's longest first call of a fit (the one that
+compiled the one-step program), an estimate of compiling the fused one. A short fit stays at
+one step per call and decides again next time.
+
 >>> tuner = StepsTuner(cap=64)
 >>> for _ in range(PROBES):
 ...     tuner.record(host=50e-6, device=40e-6)
@@ -27,17 +33,32 @@ HOST_SHARE = 0.05
 PROBES = 6
 #: The most steps per call "auto" picks (the compiled scan's batches are all on the device).
 MOST = 128
+#: Compiling the fused program (and placing its first stacked batches), in first calls of the
+#: one-step program: measured 4.3x on the dispatch-bound MLP of ``benchmarks/step_overhead.py``
+#: (2.3 s more for the first fit of ``"auto"`` than of k=1, against a 0.54 s first call).
+FUSED_COMPILE_FACTOR = 4.0
 
 
 class StepsTuner:
     """Collects ``(host, device)`` seconds of one-step calls and decides ``steps``: ``None``
-    until :data:`PROBES` calls were recorded."""
+    until :data:`PROBES` calls were recorded. ``remaining``: the fit's steps still to run
+    (``None``: unknown); with ``repaid_only`` (the default setting) a ``k`` the rest of the fit
+    does not repay is 1 (:meth:`repays`).
 
-    def __init__(self, cap: int | None):
+    >>> tuner = StepsTuner(cap=64, remaining=100, repaid_only=True)
+    >>> tuner.compile_seconds = 0.5  # the first call compiled for half a second
+    >>> tuner.decide(host=50e-6, device=40e-6)  # 100 steps save 5 ms: not worth a 2 s compile
+    1
+    """
+
+    def __init__(self, cap: int | None, remaining: int | None = None, repaid_only: bool = False):
         self.cap = max(1, min(MOST, cap if cap is not None else MOST))
         self.hosts: list[float] = []
         self.devices: list[float] = []
         self.steps: int | None = None if self.cap > 1 else 1
+        self.remaining, self.repaid_only = remaining, repaid_only
+        #: the trainer's longest first call of a fit, in seconds (the one-step program's compile)
+        self.compile_seconds = 0.0
 
     def record(self, host: float, device: float) -> None:
         self.hosts.append(host)
@@ -50,4 +71,12 @@ class StepsTuner:
         needed = host / max(HOST_SHARE * device, 1e-9)
         if needed <= 1:
             return 1
-        return min(self.cap, 1 << math.ceil(math.log2(needed)))
+        steps = min(self.cap, 1 << math.ceil(math.log2(needed)))
+        return steps if not self.repaid_only or self.repays(steps, host) else 1
+
+    def repays(self, steps: int, host: float) -> bool:
+        """Whether ``steps`` per call save more host time over the rest of the fit than
+        compiling the fused program costs (:data:`FUSED_COMPILE_FACTOR` first calls)."""
+        if self.remaining is None:
+            return False
+        return self.remaining * host * (1 - 1 / steps) > FUSED_COMPILE_FACTOR * self.compile_seconds

@@ -30,6 +30,8 @@ class Decisions:
     strategy: Strategy | None
     steps_per_execution: int
     tunes_steps: bool
+    #: ``steps_per_execution`` left to its default: fused only where the run repays the compile
+    by_default: bool = False
     plan: plan_lib.MemoryPlan | None = None
     input_spec: PyTree = None
     initialise_under: Strategy | None = None
@@ -67,6 +69,10 @@ class Decided:
     @property
     def tunes_steps(self) -> bool:
         return self.value.tunes_steps
+
+    @property
+    def steps_by_default(self) -> bool:
+        return self.value.by_default
 
     @property
     def last_plan(self) -> plan_lib.MemoryPlan | None:

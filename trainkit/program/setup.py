@@ -97,7 +97,9 @@ class Setup:
     Args:
         program: the pure functions of the setup.
         strategy: a strategy, a name, ``"auto"`` or an :class:`~trainkit.strategies.Auto`.
-        steps_per_execution: batches per compiled training call, or ``"auto"``.
+        steps_per_execution: batches per compiled training call, ``"auto"``, or ``None`` (the
+            default): ``"auto"`` where the run repays the fused program's compile, else 1 (1
+            under ``deterministic``, which picks nothing by timing).
         custom_loss: the trainer overrides ``compute_loss`` (targets are then optional).
         mixes_rows: the model mixes the rows of a batch on purpose (see :meth:`check_outputs`).
         deterministic: nothing is chosen by timing: ``"auto"`` ranks by the compiler's estimate,
@@ -111,7 +113,7 @@ class Setup:
         strategy: str | Strategy | Auto,
         *,
         session: Session,
-        steps_per_execution: int | str = 1,
+        steps_per_execution: int | str | None = None,
         custom_loss: bool = False,
         mixes_rows: bool = False,
         deterministic: bool = False,
@@ -138,9 +140,12 @@ class Setup:
             self.auto = Auto(self.auto.memory_limit, measure=False, candidates=self.auto.candidates)
         strategy_now = chosen if isinstance(chosen, Strategy) else None  # "auto": set by the plan
         # "auto": 1 until the loop timed the first steps and picked (see trainkit.loop.tuning)
-        tunes = steps_per_execution == "auto" and not program.eager
-        steps = check_steps_per_execution(1 if steps_per_execution == "auto" else steps_per_execution, strategy_now)
-        self.decided = Decided(Decisions(strategy_now, steps, tunes))
+        by_default = steps_per_execution is None and not deterministic
+        tunes = (steps_per_execution == "auto" or by_default) and not program.eager
+        given = 1 if steps_per_execution in ("auto", None) else steps_per_execution
+        self.decided = Decided(
+            Decisions(strategy_now, check_steps_per_execution(given, strategy_now), tunes, by_default)
+        )
         self.session = session
         self.state_access = StateAccess(program, session, self.decided)
         self.compiled = CompiledFunctions(program, self.decided, session.require_state)
