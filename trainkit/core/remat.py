@@ -28,6 +28,7 @@ frozenset({'Block'})
 from __future__ import annotations
 
 import dataclasses
+import functools
 import threading
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -186,3 +187,55 @@ def wrap_remat(adapter: ModelAdapter, remat: Any) -> Callable:
             return adapter.apply(params, model_state, x, rng=rng, train=train)
 
     return apply
+
+
+def rematerialised(fn: Callable, remat: Remat) -> Callable:
+    """``fn`` (a training step) traced with ``remat`` applied to every linen module it calls:
+    the remat a plan adds to a candidate (``strategy="auto"`` when nothing fits), on top of the
+    trainer's own. ``remat=None``: ``fn`` itself.
+
+    >>> import jax, jax.numpy as jnp, flax.linen as nn
+    >>> model = nn.Dense(2)
+    >>> variables = model.init(jax.random.key(0), jnp.ones((1, 3)))
+    >>> loss = lambda v, x: model.apply(v, x).sum()
+    >>> grads = jax.grad(rematerialised(loss, ["Dense"]))(variables, jnp.ones((4, 3)))
+    >>> bool(jnp.allclose(grads["params"]["kernel"], jax.grad(loss)(variables, jnp.ones((4, 3)))["params"]["kernel"]))
+    True
+    """
+    spec = resolve_remat(remat)
+    if spec is None:
+        return fn
+    interceptor = _interceptor(spec)
+
+    @functools.wraps(fn)
+    def traced(*args: Any, **kwargs: Any) -> Any:
+        with nn.intercept_methods(interceptor):
+            return fn(*args, **kwargs)
+
+    return traced
+
+
+def repeated_blocks(calls: Sequence[tuple[tuple, str]]) -> list[str]:
+    """The class names to rematerialise for a model's repeated blocks, from its module calls
+    (``(path, class name)``, as :meth:`~trainkit.core.model.ModelAdapter.module_calls` lists
+    them): the outermost class called more than once at its outermost depth (a transformer's
+    ``Block``, not the ``Dense`` layers inside it nor a head ``Dense`` beside them); empty when
+    no submodule class repeats.
+
+    >>> repeated_blocks([((), "LM"), (("Block_0",), "Block"), (("Block_0", "Dense_0"), "Dense"),
+    ...                  (("Block_1",), "Block"), (("Block_1", "Dense_0"), "Dense"), (("head",), "Dense")])
+    ['Block']
+    >>> repeated_blocks([((), "MLP"), (("Dense_0",), "Dense"), (("Dense_1",), "Dense")])
+    ['Dense']
+    """
+    depth: dict[str, int] = {}
+    for path, kind in calls:
+        if path:  # the model itself is not a block
+            depth[kind] = min(depth.get(kind, len(path)), len(path))
+    # called more than once at its outermost depth (a head Dense beside Dense layers in blocks is not a block)
+    counts = {kind: sum(1 for path, k in calls if k == kind and len(path) == depth[kind]) for kind in depth}
+    repeated = [kind for kind, count in counts.items() if count > 1]
+    if not repeated:
+        return []
+    outermost = min(depth[kind] for kind in repeated)
+    return sorted(kind for kind in repeated if depth[kind] == outermost)

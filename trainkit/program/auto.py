@@ -23,6 +23,7 @@ from trainkit import distributed
 from trainkit.core import tree
 from trainkit.core.tree import PyTree
 from trainkit.distributed import compile_cache
+from trainkit.program import ladder as ladder_lib
 from trainkit.program import plan as plan_lib
 from trainkit.program import remembered as remembered_lib
 from trainkit.program.program import Program
@@ -42,6 +43,10 @@ class Planner(Protocol):
 
     def computation(self, first_x: PyTree) -> str:
         """A digest of the model's forward pass traced on ``first_x``."""
+        ...
+
+    def ladder(self, first_x: PyTree) -> list[ladder_lib.Rung]:
+        """The memory measures a plan tries when nothing fits."""
         ...
 
     def plan(
@@ -112,13 +117,16 @@ def remembered_pick(
         "batch": [prepared.batch_size, str(prepared.spec), prepared.has_targets or setup.custom_loss],
         "settings": setup.state_access.settings(),
         "remat": repr(program.remat),
+        "offload": repr(program.offload),
         "log_grad_norm": program.log_grad_norm,
         "devices": [len(devices), devices[0].platform, devices[0].device_kind, jax.process_count()],
         "candidates": [plan_lib.short_name(c) for c in chosen_from],
         "auto": [measure, auto.memory_limit],
         "versions": [jax.__version__, __version__],
         "computation": setup.computation(prepared.first_x),  # the same shapes may compute something else
-        "rules": 3,  # how candidates are chosen: 2 leaves out those that change a result, 3 compares what pays
+        # how candidates are chosen: 2 leaves out those that change a result, 3 compares what pays, 4 adds
+        # memory measures when nothing fits
+        "rules": 4,
     }
     key = remembered_lib.decision_key(facts)
     decision = remembered_lib.recall(compile_cache.active_directory(), key, run_steps)
@@ -126,4 +134,13 @@ def remembered_pick(
     if len(set(map(str, distributed.gather_json([name, under])))) > 1:  # the processes must agree, or all plan
         name = under = None
     named = {plan_lib.short_name(c): c for c in chosen_from}
+    if name is not None and name not in named:  # configured (offload), or a measure the plan added
+        configured = [program.configured(c, prepared.first_x) for c in chosen_from]
+        variants = configured + [
+            measured
+            for rung in setup.ladder(prepared.first_x)
+            for measured in map(rung.applied, configured)
+            if measured
+        ]
+        named |= {plan_lib.short_name(c): c for c in variants}
     return key, None if name is None else named.get(name), None if under is None else named.get(under)

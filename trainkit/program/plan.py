@@ -131,7 +131,16 @@ def estimate_seconds(
 
 
 def short_name(strategy: Strategy) -> str:
-    """``FSDP(fsdp=8)``, ``Hybrid(data=2, fsdp=4)``, ``SingleDevice``: a table label."""
+    """``FSDP(fsdp=8)``, ``Hybrid(data=2, fsdp=4)``, ``SingleDevice``: a table label, with the
+    memory measures it carries (``FSDP(fsdp=8) + remat + offload``)."""
+    return (
+        _mesh_name(strategy)
+        + (" + remat" if strategy.remat is not None else "")
+        + (" + offload" if strategy.offload else "")
+    )
+
+
+def _mesh_name(strategy: Strategy) -> str:
     name = type(strategy).__name__
     try:
         mesh = strategy.mesh
@@ -182,6 +191,14 @@ class PlanRow:
     def seconds(self) -> float:
         return self.measured_seconds if self.measured_seconds is not None else self.estimated_seconds
 
+    @property
+    def too_big(self) -> bool:
+        """It runs this model, but not within the memory limit: compiled above it, refused by the
+        target compiler for its memory, or its state alone above it (a measure may make it fit)."""
+        if self.fits or self.left_out or self.skipped is not None:
+            return False
+        return self.error is None or any(sign in self.error for sign in MEMORY_ERRORS)
+
 
 def analyse(row: PlanRow, compiled) -> PlanRow:
     """Fills ``row`` from a ``jax.stages.Compiled``."""
@@ -224,6 +241,8 @@ class MemoryPlan:
     state_bytes: dict[str, int] = dataclasses.field(default_factory=dict)
     #: the devices planned for when they are not these (``"tpu v5e:4x4"``): compiled, not run
     target: str | None = None
+    #: what was added to make a candidate fit when none did (``"remat"``, ``"offload"``, ...)
+    added: str | None = None
 
     @property
     def recommended(self) -> PlanRow | None:
@@ -249,8 +268,9 @@ class MemoryPlan:
             if r.skipped is not None:
                 skipped.setdefault(r.skipped, []).append(r.name)
         not_compiled = "".join(f"; {', '.join(names)} {why}" for why, names in skipped.items())
+        added = "" if self.added is None else f" (added {self.added}: no candidate fit without it)"
         return (
-            f"picked {best.name}: {kind} {best.seconds * 1e3:.3g} ms/step, {gib(best.total_bytes)} "
+            f"picked {best.name}{added}: {kind} {best.seconds * 1e3:.3g} ms/step, {gib(best.total_bytes)} "
             f"of {gib(self.memory_limit)} per device{versus}{left_out}{not_compiled}"
         )
 
@@ -651,6 +671,10 @@ def plan_step(
     )  # fmt: skip
     state, under = host_state[0] if host_state else (None, None)
     return dataclasses.replace(result, initial_state=state, initialised_under=under, target=settings.target)
+
+
+#: What a plan row's error says when the candidate failed for memory alone.
+MEMORY_ERRORS = ("the state alone needs", "RESOURCE_EXHAUSTED")
 
 
 def _abstract_in(strategy: Strategy, abstract_state: PyTree, limit: int) -> PyTree:

@@ -37,10 +37,10 @@ from trainkit.core.features.gradient_statistics import measure_statistics
 from trainkit.core.features.label_check import check_labels
 from trainkit.core.features.spike_skipping import skip_spikes
 from trainkit.core.lora import LoRA, is_adapter
-from trainkit.core.model import ModelAdapter, param_axes, starting_variables, under_logical_rules, with_lora
+from trainkit.core.model import LinenModel, ModelAdapter, param_axes, starting_variables, under_logical_rules, with_lora
 from trainkit.core.offload import Offload
 from trainkit.core.precision import Precision, cast_floating
-from trainkit.core.remat import wrap_remat
+from trainkit.core.remat import rematerialised, repeated_blocks, wrap_remat
 from trainkit.core.spikes import SpikeSkip
 from trainkit.core.state import Batch, TrainState, seed_key
 from trainkit.core.statistics import StepStatistics
@@ -110,7 +110,10 @@ class Program:
         offload: Offload = Offload(),  # noqa: B008 - a frozen value
     ):
         self.offload = offload
-        _check_offload(offload, eager=eager, precision=precision, spike_skip=spike_skip)
+        #: why this trainer's settings cannot offload the optimizer's state (``None``: they can)
+        self.offload_refusal = offload_refusal(eager=eager, precision=precision, spike_skip=spike_skip)
+        if offload and self.offload_refusal is not None:
+            raise ValueError(self.offload_refusal)
         self.lora, self.base_adapter = lora, adapter  # the model without adapters: what merge_lora and export give
         adapter = adapter if lora is None else with_lora(adapter, lora, seed)
         self.run_model, self.remat = precision.wrap_apply(wrap_remat(adapter, remat)), remat
@@ -202,6 +205,16 @@ class Program:
             strategy = strategy.with_annotations(self._param_axes)
         return strategy.with_offload(self.offload) if strategy.offloads else strategy
 
+    def repeated_blocks(self, first_row: PyTree) -> list[str]:
+        """The class names of the model's repeated blocks (:func:`trainkit.core.remat.repeated_blocks`),
+        what a plan rematerialises when nothing fits; empty for an NNX model (remat needs linen)
+        or one without repeated submodules."""
+        if not isinstance(self.adapter, LinenModel):
+            return []
+        state = self.abstract_state(first_row)
+        calls = self.adapter.module_calls(state.params, state.model_state, first_row)
+        return repeated_blocks([(call.path, call.kind) for call in calls])
+
     def changes_result(self, strategy: Strategy, first_row: PyTree, state: PyTree = None) -> str | None:
         """Why ``strategy`` would train this model on other numbers than ``SingleDevice`` does
         (``None``: it would not): under a named device axis (``jax.pmap``), BatchNorm layers that
@@ -258,26 +271,31 @@ class Program:
         ``statistics``: what the training steps measure (a ``fit``'s ``GradientStats``)."""
         if self.eager:
             return self.step(kind, None, statistics)
-        step = self.step(kind, strategy.axis_name, statistics)
+        step = self.step(kind, strategy.axis_name, statistics, offload=bool(strategy.offload))
+        if kind != "eval" and kind != "predict":  # remat a plan added (strategy="auto" when nothing fits)
+            step = rematerialised(step, strategy.remat)
         if strategy.logical_rules:  # nn.with_logical_constraint in the model
             step = under_logical_rules(step, strategy.mesh, strategy.logical_rules)
         return strategy.compile("train" if kind == "train_measured" else kind, step, abstract_state)
 
-    def step(self, kind: str, axis: str | None, statistics: StepStatistics | None = None) -> Callable:
+    def step(
+        self, kind: str, axis: str | None, statistics: StepStatistics | None = None, *, offload: bool | None = None
+    ) -> Callable:
         """The pure step a strategy compiles (not compiled): ``"train"`` ``(state, totals,
         batch) -> (state, totals)`` (with statistics, ``"train_measured"`` measures them and
         ``"train"`` does not), ``"train_steps"`` the same over stacked batches (measuring on
         the due steps), ``"eval"``
         ``(state, totals, batch) -> totals`` (``totals``: the epoch's
-        :class:`~trainkit.core.totals.EpochTotals`), ``"predict"`` ``(state, batch) -> outputs``."""
+        :class:`~trainkit.core.totals.EpochTotals`), ``"predict"`` ``(state, batch) -> outputs``.
+        ``offload``: the optimizer's state is in host memory (``None``: as the trainer says)."""
         if kind == "train_steps":
             return make_multi_step(
-                with_totals(self.metrics_step("train", axis, "due", statistics)), unrolled=self.eager
+                with_totals(self.metrics_step("train", axis, "due", statistics, offload=offload)), unrolled=self.eager
             )
         if kind == "predict":
             return make_predict_step(self.apply)
         when = "always" if kind == "train_measured" else "never"
-        return with_totals(self.metrics_step(kind, axis, when, statistics), trains=kind != "eval")
+        return with_totals(self.metrics_step(kind, axis, when, statistics, offload=offload), trains=kind != "eval")
 
     def outputs(self, state: TrainState, x: PyTree) -> PyTree:
         """The model's outputs for inputs ``x`` in inference mode, as the predict step computes
@@ -300,7 +318,13 @@ class Program:
         return make_predict_step(Precision().wrap_apply(self.adapter.apply))(state, {"x": x})
 
     def metrics_step(
-        self, kind: str, axis: str | None, statistics_when: str = "due", statistics: StepStatistics | None = None
+        self,
+        kind: str,
+        axis: str | None,
+        statistics_when: str = "due",
+        statistics: StepStatistics | None = None,
+        *,
+        offload: bool | None = None,
     ) -> Callable:
         """The ``"train"`` step ``(state, batch) -> (state, metrics)`` or the ``"eval"`` step
         ``(state, batch) -> metrics``, before their metrics are merged into the totals; the
@@ -308,8 +332,9 @@ class Program:
         (:meth:`~trainkit.core.statistics.StepStatistics.metrics`)."""
         if kind == "eval":
             return make_eval_step(self.compute_loss, self.objective.metric_fns, axis)
+        offload = bool(self.offload) if offload is None else offload
         options = TrainStepOptions(
-            self.grad_accum_steps, self.trainable, self.step_features(statistics, statistics_when), bool(self.offload)
+            self.grad_accum_steps, self.trainable, self.step_features(statistics, statistics_when), offload
         )
         return make_train_step(self.training_loss, self.optimizer, self.objective.metric_fns, axis, options)
 
@@ -400,24 +425,24 @@ class Program:
         return dataclasses.replace(plan, state_bytes=self.trainable.state_bytes(abstract_state))
 
 
-def _check_offload(offload: Offload, *, eager: bool, precision: Precision, spike_skip: SpikeSkip | None) -> None:
-    """Refuses, before anything is built, what offload cannot do yet: each would read the
-    optimizer's whole state on the device after the update (to keep the old one)."""
-    if not offload:
-        return
+def offload_refusal(*, eager: bool, precision: Precision, spike_skip: SpikeSkip | None) -> str | None:
+    """Why these settings cannot keep the optimizer's state in host memory (``None``: they
+    can). Each would read the optimizer's whole state on the device after the update (to
+    keep the old one), or compiles nothing."""
     if eager:
-        raise ValueError(
+        return (
             "offload='optimizer' moves the optimizer's state between host and device memory inside the compiled "
             "step, and run_eagerly=True compiles nothing. Debug with offload=None, then train with offload."
         )
     if precision.loss_scale is not None:
-        raise ValueError(
+        return (
             f"offload='optimizer' with loss scaling ({precision.loss_scale!r}) is not supported: a step the scale "
             "skips would keep the whole old optimizer state on the device. Use precision='bf16' (no loss scale) "
             "or offload=None."
         )
     if spike_skip is not None:
-        raise ValueError(
+        return (
             "offload='optimizer' with skip_spikes is not supported: a skipped step would keep the whole old "
             "optimizer state on the device. Pass one of the two."
         )
+    return None

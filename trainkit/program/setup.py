@@ -47,6 +47,7 @@ from trainkit.core.state import TrainState, abstract
 from trainkit.core.tree import PyTree
 from trainkit.distributed import compile_cache
 from trainkit.program import auto as auto_lib
+from trainkit.program import ladder as ladder_lib
 from trainkit.program import plan as plan_lib
 from trainkit.program.compiled import CompiledFunctions
 from trainkit.program.decisions import Decided, Decisions
@@ -293,17 +294,31 @@ class Setup:
         abstract: bool = False,
     ) -> plan_lib.MemoryPlan:
         """:meth:`trainkit.Trainer.plan` of a prepared input (``abstract``: compiled on its shapes
-        alone, nothing placed)."""
+        alone, nothing placed). When no candidate's train step fits, the memory measures are
+        tried in turn (:mod:`trainkit.program.ladder`)."""
         trains = prepared.has_targets or self.custom_loss
         if prepared.has_targets:
             self.build_objective(prepared)
         if abstract:
             settings = dataclasses.replace(settings, place_batch=False)
-        batch, statistics = prepared.sample_batch(abstract=abstract), self.compiled.statistics
-        result = self.program.plan(batch, candidates, trains=trains, statistics=statistics, settings=settings)
+        batch, statistics, program = prepared.sample_batch(abstract=abstract), self.compiled.statistics, self.program
+
+        def planned(among: Sequence[Strategy] | None) -> plan_lib.MemoryPlan:
+            return program.plan(batch, among, trains=trains, statistics=statistics, settings=settings)
+
+        result = planned(candidates)
+        if trains:
+            result = ladder_lib.climbed(result, lambda: self.ladder(prepared.first_x), planned)
         if verbose:
             result.print()
         return result
+
+    def ladder(self, first_x: PyTree) -> list[ladder_lib.Rung]:
+        """The memory measures a plan tries when nothing fits, for this trainer: remat of the
+        repeated blocks unless it has remat, optimizer offload unless it offloads (or cannot)."""
+        program = self.program
+        blocks = program.repeated_blocks(first_x) if program.remat is None else []
+        return ladder_lib.ladder(blocks, can_offload=not program.offload and program.offload_refusal is None)
 
     def choose_strategy(
         self, prepared: data_lib.Prepared, announce: bool = False, measure: bool = True, run_steps: int | None = None

@@ -19,6 +19,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from trainkit.core.offload import Offload
+from trainkit.core.remat import Remat
 from trainkit.core.tree import Leaf, PyTree, TreeFunction
 
 
@@ -68,6 +69,9 @@ class Strategy:
     offloads: bool = False
     #: Where the state lives (:class:`trainkit.core.offload.Offload`): set by :meth:`with_offload`.
     offload: Offload = Offload()
+    #: Remat the train step adds on top of the trainer's (``None``: none): set by :meth:`with_remat`,
+    #: which a plan's added measure uses (``strategy="auto"`` when nothing fits).
+    remat: Remat = None
     #: Flax logical axis name -> mesh axes, for parameters annotated with
     #: ``nn.with_logical_partitioning`` and for ``nn.with_logical_constraint`` (none by default).
     logical_rules: tuple[tuple[str, str | tuple[str, ...] | None], ...] = ()
@@ -101,6 +105,13 @@ class Strategy:
         placed = copy.copy(self)
         placed.offload = offload
         return placed
+
+    def with_remat(self, remat: Remat) -> Strategy:
+        """A copy whose compiled train step rematerialises ``remat``
+        (:func:`trainkit.core.remat.rematerialised`); this strategy is left as it is."""
+        measured = copy.copy(self)
+        measured.remat = remat
+        return measured
 
     def no_offload(self) -> str:
         """Why this strategy cannot keep the optimizer's state in host memory, and what to do."""
