@@ -272,13 +272,15 @@ class Trainer:
     def plan(
         self, sample_batch: Any, *, batch_size: int | None = None, candidates: Sequence[Strategy] | None = None,
         measure: bool = False, memory_limit: int | str | None = None, steps: int = plan_lib.MEASURE_STEPS,
-        verbose: int = 1, target: str | None = None, first_fit: bool = False,
+        verbose: int = 1, target: str | None = None, first_fit: bool = False, add_measures: bool = True,
     ) -> plan_lib.MemoryPlan:  # fmt: skip
         """The real step compiled under each candidate (``first_fit``: up to the first that fits): bytes, flops,
-        traffic, estimated (or ``measure``d) time, ``"auto"``'s pick; ``target="tpu v5e:4x4"``: docs/targets.md."""
+        traffic, estimated (or ``measure``d) time, ``"auto"``'s pick; ``target="tpu v5e:4x4"``: docs/targets.md.
+        When none fits, remat and offload are added in turn (``add_measures=False``: not; docs/strategies.md)."""
         return tuning.plan(
             self.setup, sample_batch, batch_size=batch_size, candidates=candidates, measure=measure,
             memory_limit=memory_limit, steps=steps, verbose=verbose, target=target, first_fit=first_fit,
+            add_measures=add_measures,
         )  # fmt: skip
 
     def export(

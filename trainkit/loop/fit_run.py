@@ -259,7 +259,7 @@ class FitRun:
         if self.last_ready is not None:
             tuner.record(host=back - self.last_ready, device=ready - back)
         else:
-            tuner.compile_seconds = self.steps.first_call(ready - start)
+            tuner.first_call(self.steps.first_call(ready - start))
         self.last_ready = ready
         if tuner.steps is not None:
             steps = distributed.broadcast_int(tuner.steps)  # timings differ per process: process 0 decides

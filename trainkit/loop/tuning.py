@@ -60,6 +60,10 @@ class StepsTuner:
         #: the trainer's longest first call of a fit, in seconds (the one-step program's compile)
         self.compile_seconds = 0.0
 
+    def first_call(self, seconds: float) -> None:
+        """The trainer's longest first call of a fit (what a fused program's compile is weighed by)."""
+        self.compile_seconds = seconds
+
     def record(self, host: float, device: float) -> None:
         self.hosts.append(host)
         self.devices.append(device)

@@ -292,10 +292,11 @@ class Setup:
         *,
         verbose: int = 0,
         abstract: bool = False,
+        ladder: bool = True,
     ) -> plan_lib.MemoryPlan:
         """:meth:`trainkit.Trainer.plan` of a prepared input (``abstract``: compiled on its shapes
         alone, nothing placed). When no candidate's train step fits, the memory measures are
-        tried in turn (:mod:`trainkit.program.ladder`)."""
+        tried in turn (:mod:`trainkit.program.ladder`; ``ladder=False``: not)."""
         trains = prepared.has_targets or self.custom_loss
         if prepared.has_targets:
             self.build_objective(prepared)
@@ -307,7 +308,7 @@ class Setup:
             return program.plan(batch, among, trains=trains, statistics=statistics, settings=settings)
 
         result = planned(candidates)
-        if trains:
+        if trains and ladder:
             result = ladder_lib.climbed(result, lambda: self.ladder(prepared.first_x), planned)
         if verbose:
             result.print()

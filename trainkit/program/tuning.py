@@ -46,11 +46,13 @@ def plan(
     verbose: int = 1,
     target: str | None = None,
     first_fit: bool = False,
+    add_measures: bool = True,
 ) -> plan_lib.MemoryPlan:
     """:meth:`trainkit.Trainer.plan`: the sample batch (any form ``fit`` takes) prepared and
     the train step (predict step without targets) compiled under each candidate; for a
     ``target`` (:mod:`trainkit.program.targets`) on its compile-only devices, nothing placed;
-    ``first_fit``: the candidates compiled in order, up to the first that fits.
+    ``first_fit``: the candidates compiled in order, up to the first that fits; ``add_measures``:
+    when none fits, the memory measures in turn (:mod:`trainkit.program.ladder`).
     A batch of ``jax.ShapeDtypeStruct`` is planned from its shapes, never built."""
     shapes = shapes_lib.is_shapes(sample_batch)
     if shapes and measure:
@@ -72,8 +74,8 @@ def plan(
         limit = settings.memory_limit or resolved.memory_limit
         settings = dataclasses.replace(settings, memory_limit=limit, target=target, announce=announce)
         with without_persistent_cache():  # a compile-only executable cannot be cached or read back
-            return setup.plan(prepared, candidates, settings, verbose=verbose, abstract=abstract)
-    return setup.plan(prepared, candidates, settings, verbose=verbose, abstract=abstract)
+            return setup.plan(prepared, candidates, settings, verbose=verbose, abstract=abstract, ladder=add_measures)
+    return setup.plan(prepared, candidates, settings, verbose=verbose, abstract=abstract, ladder=add_measures)
 
 
 @contextlib.contextmanager
