@@ -266,7 +266,23 @@ def dispatch_bound(steps: int, repeats: int, k: int = 32) -> None:
     print(f"k='auto' / trainkit k={k}: {auto / fixed:.3f}")
     packed = paired_ratio(rounds, "trainkit k=1, verbose=0", "trainkit k=1, unpacked")
     print(f"k=1 with the small leaves packed / unpacked (paired): {packed:.3f}")
+    long_fits(16 * steps, repeats, k)
     first_fits((steps, 16 * steps))
+
+
+def long_fits(steps: int, repeats: int, k: int) -> None:
+    """The default setting where fusing pays: fits of ``steps`` steps, steady state (after a
+    warm-up fit), against the hand-written scan on the same data."""
+    x, y = spe.dataset(steps)
+    contenders = {
+        f"hand-written scan k={k}": spe.hand_written(x, y, k),
+        "trainkit default k": spe.trainkit_fit(x, y, None),
+    }
+    rounds = measure_rounds(contenders, steps, repeats)
+    rates = {name: statistics.median(r) for name, r in rounds.items()}
+    paired = paired_ratio(rounds, "trainkit default k", f"hand-written scan k={k}")
+    print(f"\nfits of {steps} steps: trainkit default k {rates['trainkit default k']:.0f} steps/s, ", end="")
+    print(f"{rates['trainkit default k'] / rates[f'hand-written scan k={k}']:.3f} of the scan (paired {paired:.3f})")
 
 
 def first_fits(lengths: tuple[int, ...]) -> None:

@@ -289,7 +289,8 @@ def test_the_default_fuses_what_the_tuner_picks_to_the_same_result(xy, monkeypat
 
 def test_the_default_keeps_one_step_where_the_fit_would_not_repay_the_compile(xy, monkeypatch):
     """A k the rest of the fit does not repay (the host time saved below the compile's
-    estimate) leaves the fit at one step per call, undecided: the next fit tunes again."""
+    estimate) leaves the fit at one step per call, undecided: the next fit decides again, from
+    the timings the first one took."""
     from trainkit.loop import tuning
 
     remaining = []
@@ -307,8 +308,10 @@ def test_the_default_keeps_one_step_where_the_fit_would_not_repay_the_compile(xy
     assert trainer.steps_per_execution == 1 and trainer.setup.decided.tunes_steps
     assert {last - first for _, _, first, last in spans.records} == {0}
     assert remaining == [2 * 11]  # decided once in the fit: 2 epochs of 11 batches
+    timed = []
+    monkeypatch.setattr(tuning.StepsTuner, "record", lambda self, host, device: timed.append(host))
     trainer.fit((x, y), batch_size=BATCH, epochs=1, verbose=0)
-    assert remaining == [22, 11]
+    assert remaining == [22, 11] and timed == []  # decided again from the first fit's timings: no step timed
 
 
 def test_the_default_calls_a_keras_batch_callback_every_batch_and_deterministic_never_tunes(xy):

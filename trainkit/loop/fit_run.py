@@ -234,7 +234,13 @@ class FitRun:
         caps = [self.config.steps, self.callbacks.execution_cap, self.config.max_steps, self.every]
         self.last_ready = None
         cap = min((c for c in caps if c is not None), default=None)
-        return StepsTuner(cap, self.remaining_steps(), repaid_only=self.steps.steps_by_default)
+        tuner = StepsTuner(cap, self.remaining_steps(), repaid_only=self.steps.steps_by_default)
+        timings = self.loop.timings
+        if tuner.steps is None and tuner.repaid_only and timings.host is not None and timings.device is not None:
+            tuner.first_call(timings.first_call)  # an earlier fit timed the steps: decided without probes
+            tuner.decide_from(timings.host, timings.device)
+            self.settle(tuner)
+        return tuner
 
     def remaining_steps(self) -> int | None:
         """The optimizer steps this fit has still to run (``None``: unknown, data of unknown length)."""
@@ -259,20 +265,28 @@ class FitRun:
         if self.last_ready is not None:
             tuner.record(host=back - self.last_ready, device=ready - back)
         else:
-            tuner.first_call(self.steps.first_call(ready - start))
+            tuner.first_call(self.loop.timings.saw_first_call(ready - start))
         self.last_ready = ready
         if tuner.steps is not None:
-            steps = distributed.broadcast_int(tuner.steps)  # timings differ per process: process 0 decides
-            if steps == 1 and tuner.repaid_only:  # not worth a compile in this fit: the next fit decides again
-                self.unfused = True
-                return totals
-            reason = (
-                f"picked {steps}: {1e6 * statistics.median(tuner.hosts):.0f} us of host time per call, "
-                f"{1e6 * statistics.median(tuner.devices):.0f} us of device time per step"
-            )
-            self.steps.decide_steps(steps, reason)
-            logger.info("steps_per_execution='auto' %s", reason)
+            self.loop.timings.saw_steps(statistics.median(tuner.hosts), statistics.median(tuner.devices))
+            self.settle(tuner)
         return totals
+
+    def settle(self, tuner: StepsTuner) -> None:
+        """The tuner decided: the setup trains that many steps per call from now on; or, under
+        the default setting, a fit that would not repay fusing stays at one step per call and
+        the next fit decides again (from these timings, without probes)."""
+        assert tuner.steps is not None
+        steps = distributed.broadcast_int(tuner.steps)  # timings differ per process: process 0 decides
+        if steps == 1 and tuner.repaid_only:
+            self.unfused = True
+            return
+        reason = (
+            f"picked {steps}: {1e6 * statistics.median(tuner.hosts):.0f} us of host time per call, "
+            f"{1e6 * statistics.median(tuner.devices):.0f} us of device time per step"
+        )
+        self.steps.decide_steps(steps, reason)
+        logger.info("steps_per_execution='auto' %s", reason)
 
     def watch(self, totals: EpochTotals, start_step: int, start_batch: int, epoch: int) -> None:
         """The epoch's warnings, from its totals: the first non-finite loss (unless a callback

@@ -20,6 +20,7 @@ from trainkit.core.totals import EpochTotals
 from trainkit.core.tree import PyTree
 from trainkit.data.prefetch import Prefetcher
 from trainkit.data.source import Source
+from trainkit.loop.tuning import Timings
 from trainkit.record.session import Session
 from trainkit.strategies import Strategy
 
@@ -69,12 +70,6 @@ class CompiledSteps(Protocol):
 
     def decide_steps(self, steps: int, reason: str) -> None:
         """``steps_per_execution="auto"`` picked ``steps`` batches per call, for ``reason``."""
-        ...
-
-    def first_call(self, seconds: float) -> float:
-        """Records how long a fit's first train call took; returns the longest so far (the
-        one-step program's compile, when it compiled then: what the tuner weighs a fused
-        program's compile by)."""
         ...
 
     def labels_message(self, count: int, value: int, where: str) -> str:
@@ -168,6 +163,8 @@ class LoopView(Protocol):
     steps: CompiledSteps
     max_in_flight: int
     annotate_steps: bool
+    #: what the steps tuner measured in the trainer's earlier fits (a later fit decides from them)
+    timings: Timings
 
     def reader(
         self, dataset: Source, batches: Iterator[T], batch_size: int, read_ahead: bool = True

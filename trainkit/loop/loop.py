@@ -28,6 +28,7 @@ from trainkit.data.prefetch import Prefetcher
 from trainkit.loop.dispatch import concatenate, host_metrics, in_order, logs_of, this_process
 from trainkit.loop.fit_run import FitRun
 from trainkit.loop.hooks import CompiledSteps, Hooks
+from trainkit.loop.tuning import Timings
 from trainkit.record.session import Session
 
 T = TypeVar("T")
@@ -53,6 +54,7 @@ class Loop:
 
     def __init__(self, session: Session, steps: CompiledSteps):
         self.session, self.steps = session, steps
+        self.timings = Timings()  # what the steps tuner measured in this trainer's fits
 
     def fit(
         self, dataset: data_lib.Source, batch_size: int, callbacks: Hooks, config: data_lib.FitConfig

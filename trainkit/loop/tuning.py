@@ -24,6 +24,7 @@ one step per call and decides again next time.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import statistics
 
@@ -37,6 +38,31 @@ MOST = 128
 #: one-step program: measured 4.3x on the dispatch-bound MLP of ``benchmarks/step_overhead.py``
 #: (2.3 s more for the first fit of ``"auto"`` than of k=1, against a 0.54 s first call).
 FUSED_COMPILE_FACTOR = 4.0
+
+
+@dataclasses.dataclass
+class Timings:
+    """What the tuner measured in a trainer's earlier fits: its longest first call of a fit (the
+    one-step program's compile) and the median host and device seconds of a one-step call
+    (``None``: not measured yet). A later fit under the default setting decides from them
+    without timing steps again.
+
+    >>> timings = Timings()
+    >>> timings.saw_first_call(0.4), timings.saw_first_call(0.01)
+    (0.4, 0.4)
+    """
+
+    first_call: float = 0.0
+    host: float | None = None
+    device: float | None = None
+
+    def saw_first_call(self, seconds: float) -> float:
+        """Records a fit's first call; returns the longest so far."""
+        self.first_call = max(self.first_call, seconds)
+        return self.first_call
+
+    def saw_steps(self, host: float, device: float) -> None:
+        self.host, self.device = host, device
 
 
 class StepsTuner:
@@ -69,6 +95,11 @@ class StepsTuner:
         self.devices.append(device)
         if len(self.hosts) >= PROBES and self.steps is None:
             self.steps = self.decide(statistics.median(self.hosts), statistics.median(self.devices))
+
+    def decide_from(self, host: float, device: float) -> None:
+        """Decides from an earlier fit's timings, without timing steps."""
+        self.hosts, self.devices = [host], [device]
+        self.steps = self.decide(host, device)
 
     def decide(self, host: float, device: float) -> int:
         """The smallest power of two ``k`` (at most the cap) with ``host / k <= HOST_SHARE * device``."""

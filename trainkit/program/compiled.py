@@ -36,7 +36,6 @@ class CompiledFunctions:
 
     def __init__(self, program: Program, decided: Decided, state: Callable[[], TrainState]):
         self.program, self.decided, self._state = program, decided, state
-        self._first_call = 0.0  # the longest first train call of a fit (see first_call)
         self.statistics: StepStatistics | None = None  # what this fit's training steps measure
         self._functions: dict[tuple[str, StepStatistics | None], Callable[..., Any]] = {}
         self._totals: dict[tuple[str, StepStatistics | None], EpochTotals] = {}
@@ -79,10 +78,6 @@ class CompiledFunctions:
 
     def decide_steps(self, steps: int, reason: str) -> None:
         self.decided.decide_steps(steps, reason)
-
-    def first_call(self, seconds: float) -> float:
-        self._first_call = max(self._first_call, seconds)
-        return self._first_call
 
     def _key(self, kind: str) -> tuple[str, StepStatistics | None]:
         return kind, (None if kind in ("eval", "predict") else self.statistics)
