@@ -31,13 +31,16 @@ import dataclasses
 import functools
 import threading
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, ParamSpec, TypeVar
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
 from trainkit.core.model import LinenModel, ModelAdapter
+
+P = ParamSpec("P")
+R = TypeVar("R")
 
 POLICIES: dict[str, Callable | None] = {
     "full": None,  # save nothing
@@ -189,7 +192,7 @@ def wrap_remat(adapter: ModelAdapter, remat: Any) -> Callable:
     return apply
 
 
-def rematerialised(fn: Callable, remat: Remat) -> Callable:
+def rematerialised(fn: Callable[P, R], remat: Remat) -> Callable[P, R]:
     """``fn`` (a training step) traced with ``remat`` applied to every linen module it calls:
     the remat a plan adds to a candidate (``strategy="auto"`` when nothing fits), on top of the
     trainer's own. ``remat=None``: ``fn`` itself.
@@ -208,7 +211,7 @@ def rematerialised(fn: Callable, remat: Remat) -> Callable:
     interceptor = _interceptor(spec)
 
     @functools.wraps(fn)
-    def traced(*args: Any, **kwargs: Any) -> Any:
+    def traced(*args: P.args, **kwargs: P.kwargs) -> R:
         with nn.intercept_methods(interceptor):
             return fn(*args, **kwargs)
 
