@@ -30,10 +30,19 @@ def trained(strategy, offload, steps_per_execution=1):
     return run, history
 
 
+#: jax 0.10's XLA:CPU compiles the streamed update to the bits of the whole one. jax 0.12's fuses
+#: it differently on one device: floats then agree as strategies do (rtol 1e-5; ints and keys exactly).
+EXACT = jax.__version_info__ < (0, 11)
+
+
 def assert_same_bits(a, b):
     assert jax.tree.structure(a) == jax.tree.structure(b)
     for left, right in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
-        np.testing.assert_array_equal(np.asarray(left), np.asarray(right))
+        left, right = np.asarray(left), np.asarray(right)
+        if not EXACT and np.issubdtype(left.dtype, np.floating):
+            np.testing.assert_allclose(left, right, rtol=1e-5, atol=1e-7)
+        else:
+            np.testing.assert_array_equal(left, right)
 
 
 def host_kinds(state):
@@ -47,7 +56,7 @@ def test_offload_trains_on_the_bits_of_the_run_without_it(name, steps_per_execut
     assert host_kinds(offloaded.state) == {"pinned_host"}  # every moment: none came back to the device
     assert host_kinds(reference.state) == {"device"}
     assert_same_bits(offloaded.state, reference.state)
-    assert history.history == reference_history.history
+    assert_same_bits(history.history, reference_history.history)
 
 
 def test_each_group_holds_what_one_update_reads():

@@ -256,17 +256,45 @@ def _read(env: dict[Var, jax.Array], var: Var | Literal) -> jax.Array:
 
 def _evaluate(jaxpr: Jaxpr, env: dict[Var, jax.Array], wanted: Sequence[Var | Literal]) -> None:
     """Binds, in order, the equations ``wanted`` needs and ``env`` lacks (JAX's own interpreter
-    loop, restricted to a slice of the program)."""
+    loop, restricted to a slice of the program). A plain call (a ``jit`` inside the update, such
+    as optax's bias correction over every moment at once) is followed inside, for the outputs
+    wanted only: its other outputs may read leaves of other groups, not on the device yet."""
     needed = {v for v in wanted if isinstance(v, Var) and v not in env}
-    chosen: list[JaxprEqn] = []
+    chosen: list[tuple[JaxprEqn, list[int]]] = []
     for eqn in reversed(jaxpr.eqns):
-        if any(v in needed for v in eqn.outvars):
-            chosen.append(eqn)
-            needed.update(v for v in eqn.invars if isinstance(v, Var) and v not in env)
-    for eqn in reversed(chosen):
-        with eqn.ctx.manager:
-            values = eqn.primitive.bind(
-                *[_read(env, v) for v in eqn.invars], **eqn.primitive.get_bind_params(eqn.params)
-            )
-        values = values if eqn.primitive.multiple_results else [values]
-        env.update(zip(eqn.outvars, values, strict=True))
+        outputs = [i for i, v in enumerate(eqn.outvars) if v in needed]
+        if not outputs:
+            continue
+        chosen.append((eqn, outputs))
+        inner = _called(eqn)
+        inputs = range(len(eqn.invars)) if inner is None else _inputs_read(inner, outputs)
+        needed.update(v for i in inputs if isinstance(v := eqn.invars[i], Var) and v not in env)
+    for eqn, outputs in reversed(chosen):
+        inner = _called(eqn)
+        if inner is None:
+            with eqn.ctx.manager:
+                values = eqn.primitive.bind(
+                    *[_read(env, v) for v in eqn.invars], **eqn.primitive.get_bind_params(eqn.params)
+                )
+            env.update(zip(eqn.outvars, values if eqn.primitive.multiple_results else [values], strict=True))
+            continue
+        inside: dict[Var, jax.Array] = {
+            var: _read(env, outer)
+            for var, outer in zip(inner.invars, eqn.invars, strict=True)
+            if isinstance(outer, Literal) or outer in env
+        }
+        _evaluate(inner, inside, [inner.outvars[i] for i in outputs])
+        env.update((eqn.outvars[i], _read(inside, inner.outvars[i])) for i in outputs)
+
+
+def _inputs_read(jaxpr: Jaxpr, outputs: Sequence[int]) -> list[int]:
+    """The positions of ``jaxpr``'s inputs that its ``outputs`` read (calls followed inside)."""
+    needed = {v for i in outputs if isinstance(v := jaxpr.outvars[i], Var)}
+    for eqn in reversed(jaxpr.eqns):
+        wanted = [i for i, v in enumerate(eqn.outvars) if v in needed]
+        if not wanted:
+            continue
+        inner = _called(eqn)
+        inputs = range(len(eqn.invars)) if inner is None else _inputs_read(inner, wanted)
+        needed.update(v for i in inputs if isinstance(v := eqn.invars[i], Var))
+    return [i for i, var in enumerate(jaxpr.invars) if var in needed]
