@@ -21,7 +21,8 @@ the bytes per parameter are the state's own (parameters, optimizer state and gra
 memory, counted from the abstract state: offloaded moments count nothing, an nf4 kernel half a
 byte plus its scales). The ratio is the found parameter count over the bound.
 
-    python benchmarks/capacity.py [--targets "tpu v5e:2x4" ...] [--configs fsdp ...] [--layers 8] [--out F]
+    python benchmarks/capacity.py [--targets "tpu v5e:2x4" ...] [--configs fsdp ...] [--layers 4] [--out F]
+    python benchmarks/capacity.py --plot capacity.json docs/images/capacity.png   # the rows found, as bars
 """
 
 from __future__ import annotations
@@ -180,13 +181,43 @@ def search(config_name: str, target: str, layers: int) -> dict:
     }
 
 
+def plot(results: str, image: str) -> None:
+    """The rows of a results file as bars: the largest model found and the bound, per target and
+    configuration, with the ratio written above."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [json.loads(line) for line in pathlib.Path(results).read_text().splitlines() if line.strip()]
+    labels = [f"{row['target']}\n{row['config']}" for row in rows]
+    found = [row["parameters"] / 1e9 for row in rows]
+    bound = [row["bound"] / 1e9 for row in rows]
+    positions = np.arange(len(rows))
+    figure, axes = plt.subplots(figsize=(max(7.0, 1.6 * len(rows)), 4.5))
+    axes.bar(positions - 0.2, found, 0.4, label="largest that compiles and fits")
+    axes.bar(positions + 0.2, bound, 0.4, label="arithmetic bound", alpha=0.6)
+    for x, row in zip(positions, rows, strict=True):
+        axes.text(x, max(row["parameters"], row["bound"]) / 1e9, f"{row['ratio']:.2f}", ha="center", va="bottom")
+    axes.set_xticks(positions, labels, fontsize=8)
+    axes.set_ylabel("parameters (billions)")
+    axes.set_title(f"GPT blocks, sequence {LENGTH}, bf16, AdamW (compiled here, not run)", fontsize=9)
+    axes.legend()
+    figure.tight_layout()
+    figure.savefig(image, dpi=110)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
+    parser.add_argument("--plot", nargs=2, metavar=("RESULTS", "IMAGE"), help="draw a results file and stop")
     parser.add_argument("--targets", nargs="*", default=list(TARGETS))
     parser.add_argument("--configs", nargs="*", default=list(CONFIGS))
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--out", default="capacity.json", help="results, one JSON object per row, appended")
     args = parser.parse_args()
+    if args.plot:
+        plot(*args.plot)
+        return
     print(f"jax {jax.__version__}, trainkit {tk.__version__}; {args.layers} layers, sequence {LENGTH}")
     header = f"{'target':15} {'config':24} {'width':>6} {'params':>9} {'B/param':>8} {'bound':>9} {'ratio':>6} {'s':>6}"
     print(header + "\n" + "-" * len(header))
