@@ -39,6 +39,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.tree_util import PyTreeDef
 
+from trainkit.core.offload import in_host_memory
 from trainkit.core.tree import ArrayValue, Leaf, PyTree, Shape, TreeFunction
 
 #: A replicated leaf of at most this many 32-bit elements travels packed (:class:`Carry`): counters
@@ -244,7 +245,7 @@ class LeafStep:
 
 def _packable(sharding: jax.sharding.Sharding) -> bool:
     """A leaf whole on every device and in device memory (a leaf in host memory stays apart)."""
-    return sharding.is_fully_replicated and sharding.memory_kind != "pinned_host"
+    return sharding.is_fully_replicated and not in_host_memory(sharding)
 
 
 def _leaves_of(shardings: PyTree, treedef: PyTreeDef) -> list[jax.sharding.Sharding]:

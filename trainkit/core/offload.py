@@ -75,6 +75,15 @@ class Offload:
         return self.optimizer
 
 
+#: The memory kind offloaded leaves are placed in (JAX's CPU devices have it too).
+HOST_MEMORY = "pinned_host"
+
+
+def in_host_memory(sharding: jax.sharding.Sharding) -> bool:
+    """Whether ``sharding`` places its array in host memory (an offloaded leaf)."""
+    return sharding.memory_kind == HOST_MEMORY
+
+
 def on_host(leaf: Leaf) -> bool:
     """Whether an optimizer-state leaf lives in host memory under offload: every array of at
     least one dimension (a scalar counter or hyperparameter stays on the device).

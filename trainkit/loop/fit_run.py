@@ -155,6 +155,7 @@ class FitRun:
         previous = ledger.switch(Bucket.INPUT)  # the epoch's order and its reader: the data's time
         this_epoch = None if config.steps is None else config.steps - first
         due = [n for n in (this_epoch, self.steps_left()) if n is not None]
+        read_limit = max(min(due), 0) if due else None  # a generator is read ahead no further than this epoch
         batches: Iterator[PyTree] = data_lib.epoch_batches(
             self.dataset,
             self.batch_size,
@@ -168,9 +169,7 @@ class FitRun:
                     seed=config.seed,
                     state=resume_state,
                     read_ahead=config.read_ahead,
-                    read_limit=max(min(due), 0)
-                    if due
-                    else None,  # a generator is read ahead no further than this epoch
+                    read_limit=read_limit,
                 )
             ),
         )

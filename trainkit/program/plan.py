@@ -32,6 +32,7 @@ from rich.table import Table
 from trainkit import distributed
 from trainkit.core import cost as cost_lib
 from trainkit.core.leaf_step import LeafStep
+from trainkit.core.offload import in_host_memory
 from trainkit.core.state import TrainState
 from trainkit.core.tree import PyTree, TreeFunction
 from trainkit.data import check_batch_size
@@ -585,7 +586,7 @@ def state_bytes_per_device(abstract_state: PyTree, shardings: PyTree) -> int:
     a leaf placed in host memory (offload) counts nothing."""
 
     def shard_bytes(leaf, sharding) -> int:
-        if isinstance(sharding, jax.sharding.Sharding) and sharding.memory_kind == "pinned_host":
+        if isinstance(sharding, jax.sharding.Sharding) and in_host_memory(sharding):
             return 0  # offloaded: in host memory, not the device's
         shape = sharding.shard_shape(leaf.shape) if isinstance(sharding, jax.sharding.Sharding) else leaf.shape
         return int(np.prod(shape, dtype=np.int64)) * np.dtype(leaf.dtype).itemsize

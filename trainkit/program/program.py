@@ -272,7 +272,7 @@ class Program:
         if self.eager:
             return self.step(kind, None, statistics)
         step = self.step(kind, strategy.axis_name, statistics, offload=bool(strategy.offload))
-        if kind != "eval" and kind != "predict":  # remat a plan added (strategy="auto" when nothing fits)
+        if kind not in ("eval", "predict"):  # remat a plan added (strategy="auto" when nothing fits)
             step = rematerialised(step, strategy.remat)
         if strategy.logical_rules:  # nn.with_logical_constraint in the model
             step = under_logical_rules(step, strategy.mesh, strategy.logical_rules)

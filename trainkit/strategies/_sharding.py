@@ -31,7 +31,7 @@ import jax
 import numpy as np
 from jax.sharding import PartitionSpec
 
-from trainkit.core.offload import on_host
+from trainkit.core.offload import HOST_MEMORY, on_host
 from trainkit.core.tree import PyTree, leaf_name
 
 Rule = tuple[str, PartitionSpec]
@@ -306,4 +306,4 @@ def in_host_memory(shardings: PyTree, abstract: PyTree) -> PyTree:
     >>> [s.memory_kind for s in placed][0], placed[1] is one
     ('pinned_host', True)
     """
-    return jax.tree.map(lambda s, leaf: s.with_memory_kind("pinned_host") if on_host(leaf) else s, shardings, abstract)
+    return jax.tree.map(lambda s, leaf: s.with_memory_kind(HOST_MEMORY) if on_host(leaf) else s, shardings, abstract)
