@@ -82,3 +82,23 @@ def test_when_no_measure_helps_the_error_lists_every_row_tried(limit):
         "FSDP(fsdp=8) + remat + offload:",
     ):
         assert tried in str(raised.value), tried
+
+
+def test_find_batch_size_climbs_the_same_ladder_when_not_even_the_smallest_batch_fits():
+    """Sequences of 512 positions: one row's activations outweigh the state, so remat lets it fit."""
+    xs, ys = rng.normal(size=(16, 512, 64)).astype(np.float32), rng.integers(0, 4, (16, 512)).astype(np.int32)
+    plain, remat = (
+        deep(strategy="single", remat=r).plan((xs[:1], ys[:1]), candidates=[tk.SingleDevice()], verbose=0).rows[0]
+        for r in (None, ["Block"])
+    )
+    limit = int((plain.total_bytes + remat.total_bytes) / 2 / 0.9)  # between them, within the 90% headroom
+    trainer = deep(strategy="single")
+    found = trainer.find_batch_size(xs, ys, memory_limit=limit, max_batch_size=16, verbose=0)
+    assert (found.added, found.strategy) == ("remat", "SingleDevice + remat"), str(found)
+    assert "(added remat: not even the smallest batch fit without it)" in str(found)
+    assert sorted(found.plans) == [1, 2, 4][: len(found.plans)] and found.needed[1] == remat.total_bytes
+    options = {"candidates": [tk.SingleDevice()], "memory_limit": limit, "verbose": 0}
+    again = trainer.plan((xs, ys), batch_size=found.batch_size, **options)
+    assert again.recommended.name == found.strategy and again.added == "remat"  # the plan agrees
+    with pytest.raises(ValueError, match=r"Not even the smallest batch, 1 row, fits \(nor with remat or optimizer"):
+        trainer.find_batch_size(xs, ys, memory_limit=limit // 50, max_batch_size=16, verbose=0)

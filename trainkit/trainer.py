@@ -298,7 +298,8 @@ class Trainer:
         powers_of_two: bool = True, verbose: int = 1, target: str | None = None,
     ) -> BatchSizeSearch:  # fmt: skip
         """The largest global batch (powers of two the strategy splits) whose compiled train step fits
-        ``memory_limit`` (default: the device's); found by compiling, never by an OOM (docs/tuning.md)."""
+        ``memory_limit`` (default: the device's); found by compiling, never by an OOM; when not even the
+        smallest fits, with the plan's remat or offload added, as its strategy says (docs/tuning.md)."""
         return tuning.find_batch_size(
             self.setup, x, y, max_batch_size=max_batch_size, memory_limit=memory_limit, powers_of_two=powers_of_two,
             verbose=verbose, target=target,

@@ -21,7 +21,9 @@ import time
 from collections.abc import Callable, Sequence
 
 from trainkit import distributed
+from trainkit.program import ladder as ladder_lib
 from trainkit.program import plan as plan_lib
+from trainkit.strategies import Strategy
 
 
 def candidate_sizes(unit: int, max_batch_size: int, powers_of_two: bool = True, rows: int | None = None) -> list[int]:
@@ -73,7 +75,9 @@ class BatchSizeSearch:
             :data:`~trainkit.program.plan.HEADROOM` of it free).
         needed: per-device bytes of each compiled size (the best candidate's), by batch size.
         seconds: the whole search; ``compile_seconds``: each size's plan.
-        plans: each compiled size's :class:`~trainkit.program.plan.MemoryPlan`.
+        plans: each compiled size's :class:`~trainkit.program.plan.MemoryPlan` (under the measure, if added).
+        added: the memory measure the answer needs (``"remat"``, ...; :mod:`trainkit.program.ladder`): not even
+            the smallest batch fit without it. ``None``: none.
     """
 
     batch_size: int
@@ -83,6 +87,7 @@ class BatchSizeSearch:
     seconds: float
     compile_seconds: dict[int, float]
     plans: dict[int, plan_lib.MemoryPlan] = dataclasses.field(repr=False)
+    added: str | None = None
 
     def __int__(self) -> int:
         return self.batch_size
@@ -98,34 +103,61 @@ class BatchSizeSearch:
             f"batch_size={self.batch_size}{largest} on {self.strategy}: {plan_lib.gib(self.needed[self.batch_size])} "
             f"per device, within {plan_lib.HEADROOM:.0%} of {plan_lib.gib(self.memory_limit)} (compiled: {tried}); "
             f"{len(self.plans)} compiles in {self.seconds:.2f} s"
+            + (f" (added {self.added}: not even the smallest batch fit without it)" if self.added else "")
         )
 
 
 def search(
-    plan_at: Callable[[int, int], plan_lib.MemoryPlan],
+    plan_at: Callable[[int, int, Sequence[Strategy] | None], plan_lib.MemoryPlan],
     sizes: Sequence[int],
     memory_limit: int | None,
     default_limit: int,
+    rungs: Callable[[], list[ladder_lib.Rung]] | None = None,
 ) -> BatchSizeSearch:
-    """Bisects ``sizes`` with ``plan_at(size, limit)`` (a plan of the train step at a global batch
-    of ``size`` rows against ``limit`` bytes per device); a size fits when its plan recommends a
-    strategy. The limit is the smallest of the processes' (``memory_limit``, else each one's
-    ``default_limit``)."""
+    """Bisects ``sizes`` with ``plan_at(size, limit, candidates)`` (a plan of the train step at a
+    global batch of ``size`` rows against ``limit`` bytes per device, under ``candidates``, or
+    ``None``: the trainer's own); a size fits when its plan recommends a strategy. The limit is
+    the smallest of the processes' (``memory_limit``, else each one's ``default_limit``).
+
+    When not even the smallest size fits, each of ``rungs()`` (:mod:`trainkit.program.ladder`,
+    cheapest first) is applied to the candidates that were only too big there, and the first
+    under which the smallest size fits is bisected: the answer's strategy carries the measure,
+    and ``added`` names it."""
     limit = min(int(v) for v in distributed.gather_json(int(memory_limit or default_limit)))
-    start, plans, seconds = time.perf_counter(), {}, {}
+    start, seconds = time.perf_counter(), {}
 
-    def fits(size: int) -> bool:
-        began = time.perf_counter()
-        plans[size] = plan_at(size, limit)
-        seconds[size] = time.perf_counter() - began
-        return plans[size].recommended is not None
+    def bisected(among: Sequence[Strategy] | None) -> tuple[int, dict[int, plan_lib.MemoryPlan]]:
+        plans: dict[int, plan_lib.MemoryPlan] = {}
 
-    index = bisect(sizes, fits)
+        def fits(size: int) -> bool:
+            began = time.perf_counter()
+            plans[size] = plan_at(size, limit, among)
+            seconds[size] = time.perf_counter() - began
+            return plans[size].recommended is not None
+
+        if among is None:
+            return bisect(sizes, fits), plans
+        if not fits(sizes[0]):  # a measure: the smallest size first, one compile
+            return -1, plans
+        return 1 + bisect(sizes[1:], fits), plans
+
+    index, plans = bisected(None)
+    first, added, tried = plans, None, []
+    too_big = [row.strategy for row in plans[sizes[0]].rows if row.too_big] if index < 0 else []
+    for rung in rungs() if rungs is not None and too_big else []:
+        among = [measured for measured in map(rung.applied, too_big) if measured is not None]
+        if among:
+            index, plans = bisected(among)
+            tried.append(rung.name)
+            if index >= 0:
+                added = rung.name
+                break
     if index < 0:
+        nor = f" (nor with {' or '.join(tried)})" if tried else ""
+        smallest = f"{sizes[0]} row{'s' if sizes[0] > 1 else ''}"
         raise ValueError(
-            f"Not even the smallest batch, {sizes[0]} rows, fits: {plans[sizes[0]].reason()}. Pass remat='full', "
-            "a lower precision or grad_accum_steps=k, a strategy that shards the state (FSDP), or a larger "
-            "memory_limit."
+            f"Not even the smallest batch, {smallest}, fits{nor}: {first[sizes[0]].reason()}. Pass remat='full', a "
+            "lower precision or grad_accum_steps=k, a strategy that shards the state (FSDP), or a larger memory_limit."
         )
     best = plans[sizes[index]].recommended
     assert best is not None  # the size fits: it has a recommended row
@@ -136,4 +168,4 @@ def search(
         if chosen is not None:
             needed[size] = chosen.total_bytes
     answer = min(distributed.gather_json(sizes[index]))  # the same everywhere, as it must be
-    return BatchSizeSearch(answer, best.name, limit, needed, time.perf_counter() - start, seconds, plans)
+    return BatchSizeSearch(answer, best.name, limit, needed, time.perf_counter() - start, seconds, plans, added)

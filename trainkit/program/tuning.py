@@ -153,7 +153,8 @@ def find_batch_size(
     """:meth:`trainkit.Trainer.find_batch_size`: the train step planned (compiled, never run)
     at the sizes a bisection picks, under the setup's strategy or ``"auto"``'s candidates (for a
     ``target``, its candidates on its compile-only devices, nothing placed, and sizes not capped
-    by the sample's rows); printed on the main process with ``verbose``."""
+    by the sample's rows); printed on the main process with ``verbose``. When not even the
+    smallest size fits, the plan's memory measures are tried in turn, as ``plan`` does."""
     resolved = None if target is None else targets_lib.parse(target)
     shapes = shapes_lib.is_shapes((x, y))
     prepared = data_lib.prepare(shapes_lib.stand_in(x), shapes_lib.stand_in(y))
@@ -182,14 +183,16 @@ def find_batch_size(
     abstract = shapes or resolved is not None  # nothing placed
     target = None if resolved is None else resolved.spec
 
-    def plan_at(size: int, limit: int) -> plan_lib.MemoryPlan:
+    def plan_at(size: int, limit: int, among: Sequence[Strategy] | None) -> plan_lib.MemoryPlan:
         batch = prepared.sample_batch(size, abstract=abstract)
         statistics = setup.compiled.statistics  # the last fit's, as its steps are compiled
         settings = plan_lib.PlanSettings(memory_limit=limit, place_batch=not abstract, target=target)
-        return setup.program.plan(batch, candidates, trains=trains, statistics=statistics, settings=settings)
+        chosen = candidates if among is None else among
+        return setup.program.plan(batch, chosen, trains=trains, statistics=statistics, settings=settings)
 
+    rungs = (lambda: setup.ladder(prepared.first_x)) if trains else None  # the plan's ladder, when nothing fits
     with cache:
-        result = batch_size_lib.search(plan_at, sizes, checks.byte_count(memory_limit), default_limit)
+        result = batch_size_lib.search(plan_at, sizes, checks.byte_count(memory_limit), default_limit, rungs)
     if verbose and distributed.is_main_process():
         print(f"find_batch_size{where}: {result}")
     return result
