@@ -183,6 +183,9 @@ def main(argv=None):
     parser.add_argument("--precision", default="fp32", help="fp32, bf16 or fp16 (mixed)")
     parser.add_argument("--remat", default=None, help="full, dots, dots_no_batch, or module class names")
     parser.add_argument("--grad-accum-steps", type=int, default=1, help="micro-batches per optimizer step")
+    parser.add_argument(
+        "--offload", default=None, choices=["optimizer", "auto"], help="the optimizer's state in host memory"
+    )
     parser.add_argument("--devices", type=int, default=8, help="fake CPU devices (set before JAX starts)")
     parser.add_argument("--verbose", type=int, default=1, help="0, 1 or 2, as Keras's fit")
     parser.add_argument(
@@ -204,6 +207,7 @@ def main(argv=None):
         precision=args.precision,
         remat=args.remat,
         grad_accum_steps=args.grad_accum_steps,
+        offload=args.offload,
     )
     print(
         f"trainkit {tk.__version__}: byte LM, {len(x)} training windows of {args.length} bytes "
@@ -217,7 +221,7 @@ def main(argv=None):
         ]
         plan = trainer.plan((x[:8], y[:8]), batch_size=args.batch_size, target=args.plan_target, candidates=candidates)
         return plan
-    trainer.init((x[:1], y[:1]))
+    trainer.init((x[: args.batch_size], y[: args.batch_size]))  # "auto" (or offload="auto") plans this batch
     print(f"{trainer.count_params():,} parameters; strategy {trainer.strategy.describe()}")
     timer = Timer()
     trainer.fit(

@@ -259,6 +259,33 @@ def test_lora_settings_that_cannot_work_are_named(base_weights):
         tk.Trainer(Body(), loss="mse", optimizer=optax.sgd(0.1), trainable="[")
 
 
+class EinsumHeads(nn.Module):
+    """Attention-shaped kernels used through jnp.einsum ((features, heads, dim), three of one shape)."""
+
+    @nn.compact
+    def __call__(self, x):
+        init = nn.initializers.lecun_normal()
+        q, k, v = (jnp.einsum("bd,dhk->bhk", x, self.param(n, init, (x.shape[-1], 2, 4))) for n in "qkv")
+        out = self.param("out", init, (2, 4, 3))
+        return jnp.einsum("bhk,hkc->bc", q * k + v, out)
+
+
+def test_lora_adapts_kernels_used_through_einsum_and_merges_them():
+    """qwix records an einsum's LoRA equation on the module, which a linen module refused
+    (SetAttributeFrozenModuleError); the adapters of a 3-D kernel fold back into it."""
+    x, y = make_classification(64, features=8)
+    trainer = tk.Trainer(
+        EinsumHeads(), loss="sparse_categorical_crossentropy", optimizer=optax.adam(1e-2), strategy="single",
+        lora=tk.LoRA(rank=2, alpha=4.0),
+    )  # fmt: skip
+    trainer.fit(x, y % 3, batch_size=16, epochs=2, verbose=0)
+    params = trainer.state.params
+    assert (params["q_lora_a"].shape, params["q_lora_b"].shape) == ((8, 2), (2, 2, 4))
+    assert (params["out_lora_a"].shape, params["out_lora_b"].shape) == ((2, 4, 2), (2, 3))
+    assert float(np.abs(params["q_lora_b"]).max()) > 0  # trained: LoRA's b starts at zero
+    np.testing.assert_allclose(trainer.merge_lora().predict(x), trainer.predict(x), rtol=1e-5, atol=1e-5)
+
+
 class WithCounter(nn.Module):
     """A Dense layer beside an integer parameter (a lookup table of ids, say)."""
 

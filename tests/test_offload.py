@@ -110,7 +110,7 @@ def test_what_cannot_offload_is_refused_when_the_trainer_is_made(options, says):
 
 
 def test_an_unknown_offload_is_refused_with_the_settings():
-    with pytest.raises(ValueError, match="offload='cpu' is not a setting. Use offload='optimizer'"):
+    with pytest.raises(ValueError, match="offload='cpu' is not a setting. Use offload='optimizer' .*, 'auto'"):
         trainer(offload="cpu")
 
 
@@ -119,6 +119,20 @@ def test_auto_leaves_data_parallel_out_under_offload_and_says_why():
     rows = {type(row.strategy).__name__: row for row in plan.rows}
     assert rows["DataParallel"].left_out and "cannot keep the optimizer's state" in rows["DataParallel"].error
     assert plan.recommended is not None and plan.recommended.strategy.offload
+
+
+def test_offload_auto_under_a_given_strategy_is_planned_at_the_first_fit_and_added_only_if_it_must_be():
+    decides = trainer(strategy="fsdp", offload="auto")
+    assert decides.strategy is None  # settled by the plan at the first fit, as under "auto"
+    assert [rung.name for rung in decides.setup.ladder(X[:8])] == ["optimizer offload"]  # only offload to add
+    history = decides.fit(X, Y, batch_size=32, epochs=2, verbose=0, shuffle=False)
+    assert tk.plan.short_name(decides.strategy) == "FSDP(fsdp=8)" and not decides.strategy.offload  # it fits as it is
+    assert host_kinds(decides.state) == {"device"}
+    reference, reference_history = trained(STRATEGIES["fsdp8"](), None)
+    assert_same_bits(decides.state, reference.state)
+    assert_same_bits(history.history, reference_history.history)
+    kept = trainer(strategy="dp", offload="auto")  # cannot offload: trains as given, nothing planned
+    assert kept.strategy is not None and tk.plan.short_name(kept.strategy) == "DataParallel(data=8)"
 
 
 class Blocks(nn.Module):

@@ -105,6 +105,7 @@ class LoRA:
         """The linen module with qwix's LoRA interception (the module itself is not changed)."""
         import qwix
 
+        _let_qwix_record_einsums_on_linen_modules()
         return qwix.apply_lora_to_model(model, self.provider())
 
     def wrap_nnx(self, model: nnx.Module, args: tuple[PyTree, ...], kwargs: dict[str, PyTree], seed: int) -> nnx.Module:
@@ -126,6 +127,25 @@ class LoRA:
         return _merge(params, self.scale)
 
 
+def _let_qwix_record_einsums_on_linen_modules() -> None:
+    """qwix 0.1.8's LoRA ``einsum`` (a kernel used through ``jnp.einsum``, as attention's
+    ``(embed, heads, kv)`` kernels are) records its LoRA equation on the current module, for
+    debugging, with ``setattr``, which a linen module refuses outside ``setup``
+    (``SetAttributeFrozenModuleError``): every linen model with such a kernel failed. That one
+    call, in that one qwix module, is given a ``setattr`` that writes the record as a plain
+    attribute; everything else is Python's ``setattr``. Idempotent."""
+    import flax.linen as linen
+    from qwix._src.providers import lora as qwix_lora
+
+    def setattr_recording(target: object, name: str, value: object) -> None:
+        if isinstance(target, linen.Module) and name.endswith("_lora_einsum_str"):
+            object.__setattr__(target, name, value)  # a debugging note, not a field of the module
+        else:
+            setattr(target, name, value)
+
+    vars(qwix_lora).setdefault("setattr", setattr_recording)
+
+
 def _merge(node: PyTree, scale: float) -> PyTree:
     if not isinstance(node, Mapping):
         return node
@@ -136,7 +156,9 @@ def _merge(node: PyTree, scale: float) -> PyTree:
         base = dequantized(value)
         a, b = node.get(f"{key}_lora_a"), node.get(f"{key}_lora_b")
         if a is not None and b is not None:
-            if a.shape[:-1] != base.shape[:-1] or b.shape[1:] != base.shape[-1:]:
+            # a: the kernel's contracted axes x rank, b: rank x its other axes (a Dense kernel, or an
+            # einsum's: attention's (embed, heads, kv) query and its (heads, kv, embed) output)
+            if a.shape[:-1] + b.shape[1:] != base.shape:
                 raise ValueError(f"Cannot fold adapters {a.shape} x {b.shape} into {key} {base.shape}.")
             delta = jnp.tensordot(jnp.asarray(a), jnp.asarray(b), axes=1) * scale
             merged[key] = (base + delta).astype(base.dtype)

@@ -387,6 +387,13 @@ def call_error_hint(error: Exception) -> str:
     True
     """
     message = str(error)
+    if "Multiple candidate params found" in message:  # qwix's LoRA: which kernel an einsum reads
+        return (
+            "LoRA (qwix) could not tell which parameter a jnp.einsum reads: several of the module's parameters "
+            "share its shape, and the kernel reaches the einsum as a new value (a logically partitioned parameter, "
+            "a cast), not as the parameter itself. Restrict tk.LoRA(targets=...) to modules whose kernels qwix "
+            "finds (targets='Dense'), or give the einsum the parameter itself."
+        )
     if any(word in message for word in ("deterministic", "use_running_average", '"batch_stats" is immutable')):
         return (
             "Give the model's __call__ a train flag and pass it on: `def __call__(self, x, train: bool = False)` "

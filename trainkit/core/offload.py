@@ -44,22 +44,25 @@ from jax.extend.core import ClosedJaxpr, Jaxpr, JaxprEqn, Literal, Var
 from trainkit.core.tree import Leaf, PyTree
 
 #: The names ``Trainer(offload=...)`` takes.
-OFFLOADS = ("optimizer",)
+OFFLOADS = ("optimizer", "auto")
 
 
 @dataclasses.dataclass(frozen=True)
 class Offload:
-    """What lives in host memory: ``optimizer``, the optimizer's state (:func:`on_host` leaves).
+    """What lives in host memory: ``optimizer``, the optimizer's state (:func:`on_host` leaves);
+    ``auto``: the plan decides, adding the optimizer's offload only when the step does not fit
+    without it (nothing is offloaded until it does: the value is false).
 
-    >>> Offload.of("optimizer"), Offload.of(None)
-    (Offload(optimizer=True), Offload(optimizer=False))
+    >>> Offload.of("optimizer"), Offload.of(None), bool(Offload.of("auto"))
+    (Offload(optimizer=True, auto=False), Offload(optimizer=False, auto=False), False)
     """
 
     optimizer: bool = False
+    auto: bool = False
 
     @classmethod
     def of(cls, value: str | Offload | None) -> Offload:
-        """The setting from ``Trainer(offload=...)``: ``None``, ``"optimizer"`` or an ``Offload``."""
+        """The setting from ``Trainer(offload=...)``: ``None``, ``"optimizer"``, ``"auto"`` or an ``Offload``."""
         if isinstance(value, Offload):
             return value
         if value is None:
@@ -67,9 +70,10 @@ class Offload:
         if value not in OFFLOADS:
             raise ValueError(
                 f"offload={value!r} is not a setting. Use offload='optimizer' (the optimizer's state in host memory, "
-                "streamed through each update) or None (everything in device memory)."
+                "streamed through each update), 'auto' (only when the step does not fit without it) or None "
+                "(everything in device memory)."
             )
-        return cls(optimizer=True)
+        return cls(auto=True) if value == "auto" else cls(optimizer=True)
 
     def __bool__(self) -> bool:
         return self.optimizer

@@ -130,6 +130,11 @@ class Setup:
             )
         if program.offload and isinstance(chosen, Strategy) and not chosen.offloads:
             raise ValueError(chosen.no_offload())
+        # offload="auto" under a strategy that can offload: planned at the first fit, offloaded only if it must be
+        self.offload_decides = offload_decides(program, chosen)
+        if self.offload_decides:
+            assert isinstance(chosen, Strategy)
+            chosen = Auto(measure=False, candidates=[chosen])
         self.auto: Auto | None = chosen if isinstance(chosen, Auto) else None
         if deterministic and steps_per_execution == "auto":
             raise ValueError(
@@ -316,9 +321,10 @@ class Setup:
 
     def ladder(self, first_x: PyTree) -> list[ladder_lib.Rung]:
         """The memory measures a plan tries when nothing fits, for this trainer: remat of the
-        repeated blocks unless it has remat, optimizer offload unless it offloads (or cannot)."""
+        repeated blocks unless it has remat (or only the offload is the plan's to decide: ``offload="auto"``
+        under a given strategy), optimizer offload unless it offloads (or cannot)."""
         program = self.program
-        blocks = program.repeated_blocks(first_x) if program.remat is None else []
+        blocks = program.repeated_blocks(first_x) if program.remat is None and not self.offload_decides else []
         return ladder_lib.ladder(blocks, can_offload=not program.offload and program.offload_refusal is None)
 
     def choose_strategy(
@@ -335,9 +341,10 @@ class Setup:
             self.decided.decide(plan=choice.plan)
         if choice.train_step is not None:
             self.compiled.adopt("train", choice.train_step)  # compiled during the plan: not compiled again
-        logger.info("strategy='auto' %s", choice.reason)
+        chooser = "offload='auto'" if self.offload_decides else "strategy='auto'"
+        logger.info("%s %s", chooser, choice.reason)
         if announce and distributed.is_main_process():
-            print(f"strategy='auto' {choice.reason}")
+            print(f"{chooser} {choice.reason}")
 
     def require_auto(self) -> Auto:
         if self.auto is None:
@@ -348,3 +355,11 @@ class Setup:
         """A digest of the model's forward pass traced on ``first_x`` (what ``"auto"`` remembers a pick for)."""
         self.output_spec(first_x)  # traced once
         return self._computation
+
+
+def offload_decides(program: Program, chosen: Strategy | Auto) -> bool:
+    """Whether ``offload="auto"`` makes the plan decide for the given strategy ``chosen``: it can
+    offload and the settings allow it (else it trains as given, nothing offloaded; under
+    ``strategy="auto"`` the plan decides anyway)."""
+    allowed = program.offload.auto and program.offload_refusal is None
+    return allowed and isinstance(chosen, Strategy) and chosen.offloads
