@@ -79,7 +79,8 @@ class Trainer:
         lora: a ``tk.LoRA``: low-rank adapters (qwix) on the kernels it targets (linen or NNX); only they train.
         skip_spikes: a ``tk.SpikeSkip``: an update whose loss spikes above its running average is not applied.
         offload: ``"optimizer"``: the optimizer's state in host memory, streamed through each update; the same
-            numbers; ``"auto"``: only where the step does not fit without it (docs/precision_and_memory.md).
+            numbers; ``"optimizer+frozen"``: the frozen parameters too; ``"auto"``: only where the step does
+            not fit without it (docs/precision_and_memory.md).
 
     Override :meth:`compute_loss` for a loss that is not ``loss(predictions, y)``. See
     docs/quickstart.md, docs/outputs.md and docs/precision_and_memory.md for each argument.

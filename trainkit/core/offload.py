@@ -44,25 +44,33 @@ from jax.extend.core import ClosedJaxpr, Jaxpr, JaxprEqn, Literal, Var
 from trainkit.core.tree import Leaf, PyTree
 
 #: The names ``Trainer(offload=...)`` takes.
-OFFLOADS = ("optimizer", "auto")
+OFFLOADS = ("optimizer", "optimizer+frozen", "auto")
 
 
 @dataclasses.dataclass(frozen=True)
 class Offload:
     """What lives in host memory: ``optimizer``, the optimizer's state (:func:`on_host` leaves);
-    ``auto``: the plan decides, adding the optimizer's offload only when the step does not fit
-    without it (nothing is offloaded until it does: the value is false).
+    ``frozen``, also the frozen parameters (a LoRA base, ``trainable=``'s others), read by the
+    forward pass where it uses them (:func:`to_device`); ``frozen_paths``, which those are, set
+    when the model's parameters are known. ``auto``: the plan decides, adding the optimizer's
+    offload only when the step does not fit without it (nothing is offloaded until it does: the
+    value is false).
 
-    >>> Offload.of("optimizer"), Offload.of(None), bool(Offload.of("auto"))
-    (Offload(optimizer=True, auto=False), Offload(optimizer=False, auto=False), False)
+    >>> Offload.of("optimizer"), Offload.of(None).optimizer, bool(Offload.of("auto"))
+    (Offload(optimizer=True, frozen=False, auto=False), False, False)
+    >>> Offload.of("optimizer+frozen").keeping(["params/Dense_0/kernel"]).frozen_paths
+    frozenset({'params/Dense_0/kernel'})
     """
 
     optimizer: bool = False
+    frozen: bool = False
     auto: bool = False
+    frozen_paths: frozenset[str] = dataclasses.field(default=frozenset(), repr=False)
 
     @classmethod
     def of(cls, value: str | Offload | None) -> Offload:
-        """The setting from ``Trainer(offload=...)``: ``None``, ``"optimizer"``, ``"auto"`` or an ``Offload``."""
+        """The setting from ``Trainer(offload=...)``: ``None``, ``"optimizer"``, ``"optimizer+frozen"``,
+        ``"auto"`` or an ``Offload``."""
         if isinstance(value, Offload):
             return value
         if value is None:
@@ -70,10 +78,14 @@ class Offload:
         if value not in OFFLOADS:
             raise ValueError(
                 f"offload={value!r} is not a setting. Use offload='optimizer' (the optimizer's state in host memory, "
-                "streamed through each update), 'auto' (only when the step does not fit without it) or None "
-                "(everything in device memory)."
+                "streamed through each update), 'optimizer+frozen' (the frozen parameters too), 'auto' (only when "
+                "the step does not fit without it) or None (everything in device memory)."
             )
-        return cls(auto=True) if value == "auto" else cls(optimizer=True)
+        return cls(auto=True) if value == "auto" else cls(optimizer=True, frozen=value == "optimizer+frozen")
+
+    def keeping(self, frozen_paths: Sequence[str]) -> Offload:
+        """This setting with the paths (``"params/Dense_0/kernel"``) of the frozen parameters it keeps on the host."""
+        return dataclasses.replace(self, frozen_paths=frozenset(frozen_paths)) if self.frozen else self
 
     def __bool__(self) -> bool:
         return self.optimizer
@@ -86,6 +98,26 @@ HOST_MEMORY = "pinned_host"
 def in_host_memory(sharding: jax.sharding.Sharding) -> bool:
     """Whether ``sharding`` places its array in host memory (an offloaded leaf)."""
     return sharding.memory_kind == HOST_MEMORY
+
+
+def to_device(tree: PyTree) -> PyTree:
+    """``tree`` with each leaf that is in host memory moved to the device (inside a traced
+    function: the compiler streams each one to where it is read, so the device never holds all
+    of them at once); any other leaf as it is. What the model's forward pass does with its
+    parameters under ``offload="optimizer+frozen"``.
+
+    >>> import jax.numpy as jnp
+    >>> host = jax.device_put(jnp.ones(2), jax.memory.Space.Host)
+    >>> host.sharding.memory_kind, jax.jit(to_device)([host])[0].sharding.memory_kind
+    ('pinned_host', 'device')
+    """
+
+    def moved(leaf: Leaf) -> Leaf:
+        if isinstance(leaf, jax.Array) and jax.typeof(leaf).memory_space == jax.memory.Space.Host:
+            return jax.device_put(leaf, jax.memory.Space.Device)
+        return leaf
+
+    return jax.tree.map(moved, tree)
 
 
 def on_host(leaf: Leaf) -> bool:

@@ -36,7 +36,7 @@ import numpy as np
 import optax
 from clu.metrics import LastValue
 
-from trainkit.core.offload import streamed_update
+from trainkit.core.offload import streamed_update, to_device
 from trainkit.core.optimizers import learning_rate
 from trainkit.core.state import Batch, TrainState
 from trainkit.core.step_feature import StepFeature, StepUpdate
@@ -216,7 +216,7 @@ def make_train_step(
         trained, rebuild = (params, None) if not freezes else trainable.split(params)
 
         def objective(trained):
-            full = trained if rebuild is None else rebuild(trained)
+            full = to_device(trained if rebuild is None else rebuild(trained))  # offloaded frozen leaves, streamed
             loss, (predictions, new_model_state) = compute_loss(full, batch, rng, model_state=model_state, train=True)
             total = _loss_total(_rows(loss, batch["mask"].shape[0]), batch)
             return loss_scale.scale(total / batch_rows), (total, predictions, new_model_state)
@@ -265,7 +265,7 @@ def make_eval_step(
 
     def eval_step(state: TrainState, batch: Batch) -> Metrics:
         loss, (predictions, _) = compute_loss(
-            state.params, batch, state.rng, model_state=state.model_state, train=False
+            to_device(state.params), batch, state.rng, model_state=state.model_state, train=False
         )
         loss_total = _loss_total(_rows(loss, batch["mask"].shape[0]), batch)
         return _psum(_batch_metrics(metric_fns, predictions, batch, loss_total), axis_name)
@@ -277,7 +277,7 @@ def make_predict_step(apply: Callable[..., tuple[Any, Any]]) -> Callable[[TrainS
     """The model's outputs for a batch, in inference mode (padded rows included)."""
 
     def predict_step(state: TrainState, batch: Batch):
-        outputs, _ = apply(state.params, state.model_state, batch["x"], rng=state.rng, train=False)
+        outputs, _ = apply(to_device(state.params), state.model_state, batch["x"], rng=state.rng, train=False)
         return outputs
 
     return predict_step

@@ -139,6 +139,13 @@ class Trainable:
         parts.update({"optimizer state": state.opt_state, "model state": state.model_state})
         return {name: _bytes(tree) for name, tree in parts.items()}
 
+    def frozen_paths(self, params: PyTree) -> list[str]:
+        """The paths (``"Dense_0/kernel"``, as :func:`~trainkit.core.tree.leaf_name` writes them) of
+        the frozen leaves of ``params``."""
+        flags = jax.tree.leaves(self.mask(params))
+        named = jax.tree_util.tree_leaves_with_path(params)
+        return [leaf_name(path) for (path, _), train in zip(named, flags, strict=True) if not train]
+
     def split(self, params: PyTree) -> tuple[list, Callable[[list], PyTree]]:
         """``(trainable leaves, rebuild)``: ``rebuild(leaves)`` is ``params`` with its trainable
         leaves replaced by ``leaves`` (what a step differentiates)."""

@@ -121,6 +121,11 @@ class Program:
         adapters = "" if lora is None else f"lora=tk.LoRA(targets={lora.targets!r}) matches no module (no adapter made)"
         self.trainable = Trainable.of(trainable, extra=None if lora is None else is_adapter, extra_name=adapters)
         self.optimizer = self.trainable.optimizer(optimizer)  # set_to_zero (no state) for frozen leaves
+        if offload.frozen and not self.trainable.freezes:
+            raise ValueError(
+                "offload='optimizer+frozen' keeps the frozen parameters in host memory, but none is frozen: pass "
+                "lora=tk.LoRA(...) or trainable=... (the others frozen), or offload='optimizer'."
+            )
         self.objective, self.precision = objective, precision
         self.grad_accum_steps, self.log_grad_norm, self.seed = grad_accum_steps, log_grad_norm, seed
         self.variables = variables
@@ -203,7 +208,12 @@ class Program:
             if self._param_axes is None:
                 self._param_axes = param_axes(self.adapter, first_row)
             strategy = strategy.with_annotations(self._param_axes)
-        return strategy.with_offload(self.offload) if strategy.offloads else strategy
+        if not strategy.offloads:
+            return strategy
+        if not self.offload.frozen:
+            return strategy.with_offload(self.offload)
+        params = self.abstract_state(first_row).params
+        return strategy.with_offload(self.offload.keeping(self.trainable.frozen_paths(params)))
 
     def repeated_blocks(self, first_row: PyTree) -> list[str]:
         """The class names of the model's repeated blocks (:func:`trainkit.core.remat.repeated_blocks`),

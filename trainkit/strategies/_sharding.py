@@ -307,3 +307,20 @@ def in_host_memory(shardings: PyTree, abstract: PyTree) -> PyTree:
     ('pinned_host', True)
     """
     return jax.tree.map(lambda s, leaf: s.with_memory_kind(HOST_MEMORY) if on_host(leaf) else s, shardings, abstract)
+
+
+def paths_in_host_memory(shardings: PyTree, paths: frozenset[str]) -> PyTree:
+    """``shardings`` (of the parameters) with the leaves at ``paths`` (``"Dense_0/kernel"``)
+    placed in ``pinned_host`` memory.
+
+    >>> import jax
+    >>> one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    >>> placed = paths_in_host_memory({"a": one, "b": one}, frozenset({"b"}))
+    >>> placed["a"].memory_kind, placed["b"].memory_kind
+    ('device', 'pinned_host')
+    """
+    if not paths:
+        return shardings
+    return jax.tree_util.tree_map_with_path(
+        lambda path, s: s.with_memory_kind(HOST_MEMORY) if leaf_name(path) in paths else s, shardings
+    )

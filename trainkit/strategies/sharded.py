@@ -134,14 +134,17 @@ class ShardedStrategy(Strategy):
 
     def state_sharding(self, abstract_state: PyTree) -> PyTree:
         """A ``NamedSharding`` per leaf; under :meth:`with_offload` the optimizer state's
-        :func:`~trainkit.core.offload.on_host` leaves in ``pinned_host`` memory."""
+        :func:`~trainkit.core.offload.on_host` leaves in ``pinned_host`` memory, and the
+        parameters it names frozen (``offload="optimizer+frozen"``)."""
         is_spec = lambda x: isinstance(x, PartitionSpec)  # noqa: E731
         shardings = jax.tree.map(
             lambda s: NamedSharding(self.mesh, s), self.state_specs(abstract_state), is_leaf=is_spec
         )
         if not self.offload.optimizer or not isinstance(abstract_state, TrainState):
             return shardings
-        return shardings.replace(opt_state=_sharding.in_host_memory(shardings.opt_state, abstract_state.opt_state))
+        opt_state = _sharding.in_host_memory(shardings.opt_state, abstract_state.opt_state)
+        params = _sharding.paths_in_host_memory(shardings.params, self.offload.frozen_paths)
+        return shardings.replace(opt_state=opt_state, params=params)
 
     # ------------------------------------------------------------------ batches and steps
     @functools.cached_property
