@@ -4,9 +4,9 @@ compiled FSDP train step fits, per target, under five configurations, beside the
 bound and their ratio.
 
 Configurations: FSDP; FSDP + remat (of the blocks); FSDP + remat + optimizer offload; LoRA of
-rank 16 on a frozen bf16 base; LoRA of rank 16 on an nf4 base (QLoRA). The adapters (and nf4)
-are on the Dense kernels (the MLP's and the head's): qwix cannot tell the attention's
-logically partitioned einsum kernels apart (docs/finetuning.md), so those stay frozen bf16. Targets: ``tpu v5e:2x4``,
+rank 16 on a frozen bf16 base (every kernel, attention's included); LoRA of rank 16 on an nf4
+base (QLoRA) of the Dense kernels (the MLP's and the head's): qwix cannot tell attention's
+quantised einsum kernels apart (docs/finetuning.md), so those stay frozen bf16, unadapted. Targets: ``tpu v5e:2x4``,
 ``tpu v5p:2x2x1`` and ``h100 x8`` (``h100`` needs the ``gpu-plan`` extra), compiled here, never
 run, from shapes (no array of the batch's size is built).
 
@@ -61,7 +61,7 @@ CONFIGS = {
     "fsdp": {"precision": "bf16"},
     "fsdp + remat": {"precision": "bf16", "remat": ["Block"]},
     "fsdp + remat + offload": {"precision": "bf16", "remat": ["Block"], "offload": "optimizer"},
-    "lora 16, bf16 base": {"precision": BF16_BASE, "lora": tk.LoRA(rank=16, alpha=32.0, targets="Dense")},
+    "lora 16, bf16 base": {"precision": BF16_BASE, "lora": tk.LoRA(rank=16, alpha=32.0)},
     "lora 16, nf4 base": {
         "precision": "bf16",
         "lora": tk.LoRA(rank=16, alpha=32.0, quantize_base="nf4", targets="Dense"),

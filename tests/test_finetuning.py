@@ -284,6 +284,12 @@ def test_lora_adapts_kernels_used_through_einsum_and_merges_them():
     assert (params["out_lora_a"].shape, params["out_lora_b"].shape) == ((2, 4, 2), (2, 3))
     assert float(np.abs(params["q_lora_b"]).max()) > 0  # trained: LoRA's b starts at zero
     np.testing.assert_allclose(trainer.merge_lora().predict(x), trainer.predict(x), rtol=1e-5, atol=1e-5)
+    qlora = tk.Trainer(
+        EinsumHeads(), loss="sparse_categorical_crossentropy", optimizer=optax.adam(1e-2), strategy="single",
+        lora=tk.LoRA(rank=2, quantize_base="nf4"),
+    )  # fmt: skip
+    with pytest.raises(ValueError, match=r"(?s)Multiple candidate params.*a quantised base.*targets='Dense'"):
+        qlora.fit(x, y % 3, batch_size=16, epochs=1, verbose=0)  # q, k and v reach their einsums dequantised
 
 
 class WithCounter(nn.Module):

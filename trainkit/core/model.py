@@ -390,9 +390,9 @@ def call_error_hint(error: Exception) -> str:
     if "Multiple candidate params found" in message:  # qwix's LoRA: which kernel an einsum reads
         return (
             "LoRA (qwix) could not tell which parameter a jnp.einsum reads: several of the module's parameters "
-            "share its shape, and the kernel reaches the einsum as a new value (a logically partitioned parameter, "
-            "a cast), not as the parameter itself. Restrict tk.LoRA(targets=...) to modules whose kernels qwix "
-            "finds (targets='Dense'), or give the einsum the parameter itself."
+            "share its shape, and the kernel reaches the einsum as a new value (a quantised base, "
+            "quantize_base=..., reaches it dequantised), not as the parameter itself. Restrict "
+            "tk.LoRA(targets=...) to the other modules (targets='Dense'), or adapt a float base."
         )
     if any(word in message for word in ("deterministic", "use_running_average", '"batch_stats" is immutable')):
         return (
