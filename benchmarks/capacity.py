@@ -13,9 +13,11 @@ run, from shapes (no array of the batch's size is built).
 The family: ``layers`` blocks (default 4) of width ``d = 128 m`` (heads of 128, an MLP of
 ``4 d``), byte vocabulary, one sequence of 2,048 tokens per device. The search compiles two
 small widths first (``m`` = 8 and 16), reads the bytes per parameter of the state and fits the
-other temporaries as ``a m^2 + b m``, predicts the largest width, and steps from there one
-``m`` at a time until the step just fits (a few compiles a row; each compile of a large width
-takes minutes on 2 cores).
+other temporaries as ``a m^2 + b m``, predicts the largest width, and from there closes the
+bracket between the widest width that fits and the narrowest that does not, each next width
+predicted from the two compiled widths nearest the edge (halving the bracket after two
+overshoots), until they are one head apart (a few compiles a row; each compile of a large
+width takes minutes on 2 cores).
 
 The bound: ``(limit x 0.9 - activations) x devices / bytes per parameter``, where 0.9 is the
 plan's headroom, the activations are the compiled step's temporaries less its gradients, and
@@ -151,22 +153,18 @@ def search(config_name: str, target: str, layers: int) -> dict:
     probes = [probe(m, layers, config, target, devices) for m in (8, 16)]
     if not probes[0].fits:
         raise SystemExit(f"{config_name} on {target}: even width 1024 does not fit ({probes[0].error})")
-    found = probes[1] if probes[1].fits else probes[0]
-    current = probe(max(predicted(probes[0], probes[1], limit), 8), layers, config, target, devices)
-    probes.append(current)
-    step = 1 if current.fits else -1
-    while True:
-        if current.fits:
-            found = current if current.m > found.m else found
-            if step < 0:
-                break
-        elif step > 0:
+    while True:  # a bracket (the widest that fits, the narrowest that does not) closed by predictions
+        fits = max(p.m for p in probes if p.fits)
+        over = min((p.m for p in probes if not p.fits), default=None)
+        if over is not None and over - fits <= 1:
             break
-        nxt = current.m + step
-        if nxt < 8 or any(p.m == nxt for p in probes):
-            break
-        current = probe(nxt, layers, config, target, devices)
-        probes.append(current)
+        compiled = sorted((p for p in probes if p.error is None), key=lambda p: p.m)[-2:]  # nearest the edge
+        high = 4095 if over is None else over - 1
+        guess = predicted(compiled[0], compiled[1], limit) if len(compiled) == 2 else (fits + high) // 2
+        if over is not None and not probes[-1].fits and not probes[-2].fits and high - fits > 4:
+            guess = (fits + over) // 2  # two predictions overshot in a row: halve the bracket instead
+        probes.append(probe(min(max(guess, fits + 1), high), layers, config, target, devices))
+    found = max((p for p in probes if p.fits), key=lambda p: p.m)
     per_parameter = (found.state_per_device + found.grads_per_device) * devices / found.parameters
     activations = max(found.temp - found.grads_per_device, 0.0)
     bound = (plan_lib.HEADROOM * limit - activations) * devices / per_parameter
