@@ -186,6 +186,15 @@ def test_measured_auto_picks_the_fastest_fitting_row(caplog):
     assert any(f"picked {best.name}: measured" in m for m in caplog.messages)
 
 
+def test_plan_under_an_auto_with_candidates_plans_those_and_picks_what_fit_picks():
+    auto = tk.strategies.Auto(measure=False, candidates=[tk.FSDP(), tk.Hybrid(data=2, fsdp=4)])
+    trainer = make_trainer(auto)
+    plan = trainer.plan(data(), verbose=0)
+    assert [row.name for row in plan.rows] == ["FSDP(fsdp=8)", "Hybrid(data=2, fsdp=4)"]
+    trainer.fit(data(), batch_size=32, epochs=1, verbose=0)
+    assert tk.plan.short_name(trainer.strategy) == plan.recommended.name
+
+
 def test_candidates_that_cannot_split_the_batch_carry_the_reason():
     result = make_trainer().plan(data(12), verbose=0)  # 12 rows: not a multiple of 8
     rows = {r.name: r for r in result.rows}

@@ -51,6 +51,7 @@ def plan(
     """:meth:`trainkit.Trainer.plan`: the sample batch (any form ``fit`` takes) prepared and
     the train step (predict step without targets) compiled under each candidate; for a
     ``target`` (:mod:`trainkit.program.targets`) on its compile-only devices, nothing placed;
+    ``candidates`` by default: a ``tk.strategies.Auto``'s own, else the defaults;
     ``first_fit``: the candidates compiled in order, up to the first that fits; ``add_measures``:
     when none fits, the memory measures in turn (:mod:`trainkit.program.ladder`).
     A batch of ``jax.ShapeDtypeStruct`` is planned from its shapes, never built."""
@@ -75,6 +76,8 @@ def plan(
         settings = dataclasses.replace(settings, memory_limit=limit, target=target, announce=announce)
         with without_persistent_cache():  # a compile-only executable cannot be cached or read back
             return setup.plan(prepared, candidates, settings, verbose=verbose, abstract=abstract, ladder=add_measures)
+    if candidates is None and setup.auto is not None and setup.auto.candidates is not None:
+        candidates = setup.auto.candidates  # what "auto" chooses from, so the plan's pick is fit's
     return setup.plan(prepared, candidates, settings, verbose=verbose, abstract=abstract, ladder=add_measures)
 
 
