@@ -126,8 +126,8 @@ def test_auto_leaves_data_parallel_out_under_offload_and_says_why():
 
 @pytest.mark.parametrize(
     ("name", "frozen"),
-    [("fsdp8", {"lora": tk.LoRA(rank=2)}), ("single", {"trainable": "Dense_2"})],
-    ids=["lora_fsdp", "trainable_single"],
+    [("fsdp8", {"lora": tk.LoRA(rank=2)}), ("single", {"trainable": "Dense_2", "steps_per_execution": 4})],
+    ids=["lora_fsdp", "trainable_single_fused"],
 )
 def test_offloaded_frozen_parameters_stay_on_the_host_and_train_on_the_bits_of_the_run_without(name, frozen):
     offloaded = trainer(strategy=STRATEGIES[name](), offload="optimizer+frozen", **frozen)
