@@ -65,7 +65,7 @@ CONFIGS = {
     "fsdp + remat + offload": {"precision": "bf16", "remat": ["Block"], "offload": "optimizer"},
     "lora 16, bf16 base": {"precision": BF16_BASE, "lora": tk.LoRA(rank=16, alpha=32.0)},
     "lora 16, nf4 base": {
-        "precision": "bf16",
+        "precision": BF16_BASE,  # the kernels not quantised (attention's, the embeddings) bf16 too
         "lora": tk.LoRA(rank=16, alpha=32.0, quantize_base="nf4", targets="Dense"),
     },
 }

@@ -245,6 +245,8 @@ def test_qlora_trains_with_the_base_stored_quantised(base_weights):
     history = trainer.fit(x, y, batch_size=16, epochs=4, verbose=0)
     assert history.history["loss"][-1] < history.history["loss"][0]
     assert str(trainer.state.params["hidden"]["kernel"].array.qvalue.dtype) == "uint4"
+    qvalue = hidden.array.qvalue  # NumPy's itemsize of uint4 is a byte; a device stores 4 bits, as the plan counts
+    assert tk.plan.state_bytes_per_device(qvalue, qvalue.sharding) == qvalue.size // 2 == qvalue.nbytes // 2
 
 
 def test_lora_settings_that_cannot_work_are_named(base_weights):

@@ -41,7 +41,7 @@ import numpy as np
 import optax
 from jax.extend.core import ClosedJaxpr, Jaxpr, JaxprEqn, Literal, Var
 
-from trainkit.core.tree import Leaf, PyTree
+from trainkit.core.tree import Leaf, PyTree, array_bytes
 
 #: The names ``Trainer(offload=...)`` takes.
 OFFLOADS = ("optimizer", "optimizer+frozen", "auto")
@@ -242,7 +242,7 @@ def _merged(groups: list[tuple[int, ...]], sizes: Sequence[int]) -> list[tuple[i
 
 
 def _bytes(leaf: Leaf) -> int:
-    return int(np.prod(np.shape(leaf), dtype=np.int64)) * np.dtype(leaf.dtype).itemsize
+    return array_bytes(np.shape(leaf), leaf.dtype)
 
 
 def host_groups(tx: optax.GradientTransformation, grads: PyTree, opt_state: PyTree, params: PyTree) -> list[list[str]]:

@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from trainkit.core.tree import PyTree, leaf_name
+from trainkit.core.tree import PyTree, leaf_name, tree_bytes
 
 TrainableSpec = str | Sequence[str] | Callable[[str, Any], bool] | None
 
@@ -137,7 +137,7 @@ class Trainable:
         trained, frozen = self.partition(state.params)
         parts = {"trainable params": trained, "frozen params": frozen}
         parts.update({"optimizer state": state.opt_state, "model state": state.model_state})
-        return {name: _bytes(tree) for name, tree in parts.items()}
+        return {name: tree_bytes(tree) for name, tree in parts.items()}
 
     def frozen_paths(self, params: PyTree) -> list[str]:
         """The paths (``"Dense_0/kernel"``, as :func:`~trainkit.core.tree.leaf_name` writes them) of
@@ -182,12 +182,6 @@ class Trainable:
             params,
             updates,
         )
-
-
-def _bytes(tree: PyTree) -> int:
-    return int(
-        sum(int(np.prod(np.shape(a), dtype=np.int64)) * np.dtype(a.dtype).itemsize for a in jax.tree.leaves(tree))
-    )
 
 
 def _float_dtype(leaf: Any) -> Any:

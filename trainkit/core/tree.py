@@ -75,3 +75,26 @@ def difference(
                 f"{what}{k}: {first} shape {tuple(shape)}{kinds[0]}, {second} shape {tuple(other_shape)}{kinds[1]}"
             )
     return problems
+
+
+def array_bytes(shape: Sequence[int], dtype: Any) -> int:
+    """The bytes an array of ``shape`` and ``dtype`` takes as a device stores it: a 4-bit type
+    (``int4``, the container of qwix's ``nf4``) half a byte an element, where NumPy's
+    ``itemsize`` says one.
+
+    >>> array_bytes((3, 4), "float32"), array_bytes((8,), jax.numpy.int4), array_bytes((3,), "bool")
+    (48, 4, 3)
+    """
+    kind = np.dtype(dtype)
+    if jax.numpy.issubdtype(kind, jax.numpy.integer):
+        bits = jax.numpy.iinfo(kind).bits
+    elif jax.numpy.issubdtype(kind, jax.numpy.floating):
+        bits = jax.numpy.finfo(kind).bits
+    else:
+        bits = 8 * kind.itemsize
+    return -(-int(np.prod(shape, dtype=np.int64)) * bits // 8)
+
+
+def tree_bytes(tree: PyTree) -> int:
+    """:func:`array_bytes` of every leaf of ``tree`` (arrays or ``jax.ShapeDtypeStruct``)."""
+    return sum(array_bytes(np.shape(leaf), leaf.dtype) for leaf in jax.tree.leaves(tree))

@@ -28,7 +28,7 @@ from rich.text import Text
 from trainkit.core.model import ModelAdapter
 from trainkit.core.state import TrainState, abstract
 from trainkit.core.trainable import Trainable
-from trainkit.core.tree import PyTree
+from trainkit.core.tree import PyTree, tree_bytes
 from trainkit.monitoring import debug
 
 
@@ -108,10 +108,6 @@ def _count(tree: PyTree) -> int:
     return sum(int(np.prod(np.shape(leaf))) for leaf in jax.tree.leaves(tree))
 
 
-def _bytes(tree: PyTree) -> int:
-    return sum(int(np.prod(np.shape(leaf))) * np.dtype(leaf.dtype).itemsize for leaf in jax.tree.leaves(tree))
-
-
 def summary_rows(adapter: ModelAdapter, state: TrainState, x: PyTree) -> list[SummaryRow]:
     """The rows of :func:`summary_view`: the modules ``adapter`` (the model's) calls on inputs
     ``x`` (a few examples, abstract: see ``Setup.summary_inputs``) with the variables of
@@ -168,8 +164,8 @@ def summary_view(trainer: SummarizedTrainer, inputs: SummaryInputs | None) -> Gr
     trained, frozen = program.trainable.partition(state.params)  # frozen parameters count as non-trainable
     parts = {"Trainable": trained, "Non-trainable": [frozen, state.model_state], "Optimizer": state.opt_state}
     lines = [
-        f"Total params: {sum(map(_count, parts.values())):,} ({readable_size(sum(map(_bytes, parts.values())))})",
-        *(f"{name} params: {_count(tree):,} ({readable_size(_bytes(tree))})" for name, tree in parts.items()),
+        f"Total params: {sum(map(_count, parts.values())):,} ({readable_size(sum(map(tree_bytes, parts.values())))})",
+        *(f"{name} params: {_count(tree):,} ({readable_size(tree_bytes(tree))})" for name, tree in parts.items()),
     ]
     output = jax.eval_shape(program.outputs, abstract(state), x)
     lines.append(f"Output shape: {_shape_text(output, jax.tree.leaves(x)[0].shape[0])}")

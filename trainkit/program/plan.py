@@ -34,7 +34,7 @@ from trainkit.core import cost as cost_lib
 from trainkit.core.leaf_step import LeafStep
 from trainkit.core.offload import in_host_memory
 from trainkit.core.state import TrainState
-from trainkit.core.tree import PyTree, TreeFunction
+from trainkit.core.tree import PyTree, TreeFunction, array_bytes
 from trainkit.data import check_batch_size
 from trainkit.program import budget as budget_lib
 from trainkit.program import compile_estimate
@@ -589,7 +589,7 @@ def state_bytes_per_device(abstract_state: PyTree, shardings: PyTree) -> int:
         if isinstance(sharding, jax.sharding.Sharding) and in_host_memory(sharding):
             return 0  # offloaded: in host memory, not the device's
         shape = sharding.shard_shape(leaf.shape) if isinstance(sharding, jax.sharding.Sharding) else leaf.shape
-        return int(np.prod(shape, dtype=np.int64)) * np.dtype(leaf.dtype).itemsize
+        return array_bytes(shape, leaf.dtype)
 
     return int(sum(jax.tree.leaves(jax.tree.map(shard_bytes, abstract_state, shardings))))
 
