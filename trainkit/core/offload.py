@@ -58,8 +58,8 @@ class Offload:
 
     >>> Offload.of("optimizer"), Offload.of(None).optimizer, bool(Offload.of("auto"))
     (Offload(optimizer=True, frozen=False, auto=False), False, False)
-    >>> Offload.of("optimizer+frozen").keeping(["params/Dense_0/kernel"]).frozen_paths
-    frozenset({'params/Dense_0/kernel'})
+    >>> Offload.of("optimizer+frozen").keeping(["Dense_0/kernel"]).frozen_paths
+    frozenset({'Dense_0/kernel'})
     """
 
     optimizer: bool = False
@@ -84,7 +84,7 @@ class Offload:
         return cls(auto=True) if value == "auto" else cls(optimizer=True, frozen=value == "optimizer+frozen")
 
     def keeping(self, frozen_paths: Sequence[str]) -> Offload:
-        """This setting with the paths (``"params/Dense_0/kernel"``) of the frozen parameters it keeps on the host."""
+        """This setting with the paths (``"Dense_0/kernel"``) of the frozen parameters it keeps on the host."""
         return dataclasses.replace(self, frozen_paths=frozenset(frozen_paths)) if self.frozen else self
 
     def __bool__(self) -> bool:
