@@ -13,6 +13,7 @@ import pytest
 import trainkit as tk
 from trainkit.core.leaf_step import Carry, LeafStep
 from trainkit.core.state import TrainState
+from trainkit.loop.carried import CarriedState
 from trainkit.record.session import FitView, Position, Session, Snapshot, StepRecord
 
 
@@ -20,10 +21,10 @@ def test_a_snapshot_holds_every_value_of_the_session():
     fields = {field.name for field in dataclasses.fields(Snapshot)}
     # the fields are listed once, in Snapshot: the session holds them in one frozen value (``_now``)
     # and, for those a step or a signal handler writes, in slots of the same names; nothing else is
-    # held (``_leaves`` is the state as the leaves a LeafStep returned: a snapshot holds it built, as
+    # held (``_unbuilt`` builds the state a fit holds as carried leaves: a snapshot holds it built, as
     # ``state``; ``_ledger`` is the clock of the running fit's goodput ledger, which a trial fit's
     # restore leaves running)
-    assert {name[1:] for name in Session.__slots__} - {"now", "leaves", "ledger"} <= fields
+    assert {name[1:] for name in Session.__slots__} - {"now", "unbuilt", "ledger"} <= fields
     # and restore() puts back every field, wherever it is held
     values = Snapshot(
         position=Position(1, 2, 9), record=StepRecord(step=9, epoch=1, batch=1), epoch_start=Position(1, 0, 8),
@@ -42,17 +43,19 @@ def test_a_state_kept_as_carried_leaves_is_built_when_read_and_snapshotted_whole
     step = LeafStep.jit(lambda s, totals: (s.replace(step=s.step + 1), totals), state, donate_state=False)
     assert step.carry.small == (0, 2)  # the step counter and the rng travel packed, w as it is
     session.replace_state(state)
-    carried, _ = step.call_carried(session.carried(step), 0)
-    session.stepped_carried(carried, step)
-    assert session.carried(step) is carried  # as they are, nothing built
+    fit_state = CarriedState(session)  # the fit's carried leaves (loop/carried.py), not the session's
+    carried, _ = step.call_carried(fit_state.leaves_for(step), 0)
+    fit_state.keep(carried, step)
+    assert fit_state.leaves_for(step) is carried  # as they are, nothing built
     snapshot = session.snapshot()
     assert isinstance(snapshot.state, TrainState) and int(snapshot.state.step) == 1
     assert session.state is snapshot.state  # built once
-    assert session.carried(step) is carried  # and still carried as they were
+    assert fit_state.leaves_for(step) is carried  # and still carried as they were
     np.testing.assert_array_equal(snapshot.state.rng, state.rng)
-    session.stepped_carried(step.carried(jax.tree.leaves(state)), step)
+    fit_state.keep(step.carried(jax.tree.leaves(state)), step)
     session.restore(snapshot)
     assert int(session.require_state().step) == 1
+    assert fit_state.leaves_for(step) is not carried  # a state written since is packed afresh
 
 
 def test_the_session_is_read_only_outside_its_methods():

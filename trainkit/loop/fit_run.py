@@ -1,8 +1,8 @@
 """``FitRun``: one ``fit``, its epochs and steps, and the values that live exactly as long as it
 does (the validation logs of a ``validation_interval``, the steps skipped in a row by the fp16
-loss scale, the stall watchdog, the ``steps_per_execution="auto"`` tuner). The loop makes one per
-``fit`` and drops it after; what outlives a ``fit`` (the state, the position, the data state,
-the flags) is the session's, changed only through its methods.
+loss scale, the stall watchdog, the ``steps_per_execution="auto"`` tuner, the state as its steps
+carry it). The loop makes one per ``fit`` and drops it after; what outlives a ``fit`` (the state,
+the position, the data state, the flags) is the session's, changed only through its methods.
 
 >>> import trainkit as tk, numpy as np, optax, flax.linen as nn
 >>> trainer = tk.Trainer(nn.Dense(1), loss="mse", optimizer=optax.sgd(0.1), strategy="single")
@@ -19,7 +19,7 @@ import itertools
 import logging
 import statistics
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import jax
@@ -28,7 +28,6 @@ from trainkit import data as data_lib
 from trainkit import distributed
 from trainkit.core import spikes as spikes_lib
 from trainkit.core import totals as metrics_lib
-from trainkit.core.leaf_step import LeafStep
 from trainkit.core.spikes import SPIKES
 from trainkit.core.state import abstract
 from trainkit.core.step import batches_at
@@ -39,11 +38,12 @@ from trainkit.data.prefetch import Prefetcher
 from trainkit.data.source import BatchRequest
 from trainkit.data.spans import Span, executions, room_until
 from trainkit.distributed.watchdog import StallWatchdog
+from trainkit.loop.carried import CarriedState
 from trainkit.loop.dispatch import Preempted, host_metrics, in_order, logs_of, this_process
 from trainkit.loop.hooks import Hooks, LoopView
 from trainkit.loop.tuning import StepsTuner
 from trainkit.record.ledger import Bucket, ProcessLedger
-from trainkit.record.session import FitView, Position, Session, StepRecord
+from trainkit.record.session import FitView, Position, StepRecord
 
 _NO_TRACE = contextlib.nullcontext()  # no profiler annotation: nothing built per step
 #: how often a running epoch's totals are read for a run of skipped spikes (``skip_spikes``)
@@ -70,6 +70,7 @@ class FitRun:
         self.warn_non_finite = config.warn_non_finite and not callbacks.stops_on_non_finite
         self.read_ahead = not dataset.one_shot  # a one-shot iterator's next batch is read only when it is due
         self.watchdog = StallWatchdog()
+        self.carried = CarriedState(self.session)  # the state as this fit's steps carry it
         self.tuner: StepsTuner | None = None
         self.last_ready: float | None = None
         self.unfused = False  # the default setting found fusing not worth it in this fit: no more probes
@@ -254,7 +255,7 @@ class FitRun:
         timed: it may compile); once it decided, the setup trains that many steps per call."""
         tuner = self.tuner
         assert tuner is not None  # only called while a tuner decides
-        call, carried, keep = carried_state(self.session, train_fn)
+        call, carried, keep = self.carried.calls(train_fn)
         start = time.perf_counter()
         state, totals = call(carried(), totals, batch)
         keep(state)
@@ -368,7 +369,7 @@ class EpochSteps:
         first): ``(function, call)``, its call taking the state as the loop carries it."""
         if self._measured is None:
             function = self.run.steps.function("train_measured")
-            self._measured = function, carried_state(self.run.session, function)[0]
+            self._measured = function, self.run.carried.calls(function)[0]
         return self._measured
 
     def place(self, item: Span | None) -> Span | None:
@@ -415,7 +416,7 @@ class EpochSteps:
         The plain path (one call per batch) is written out here: it is the dispatch-bound loop."""
         run, epoch, annotate, train_fn = self.run, self.epoch, self.annotate, self.train_fn
         session, batch_begin, read_ahead = run.session, run.callbacks.on_train_batch_begin, run.read_ahead
-        call, carried, keep = carried_state(self.run.session, train_fn)
+        call, carried, keep = self.run.carried.calls(train_fn)
         upcoming = self.read()
         while upcoming is not None:
             if isinstance(upcoming, Exception):
@@ -468,21 +469,8 @@ class EpochSteps:
                 due = self.every is not None and number % self.every == 0
                 totals = run.timed_step(self.measured()[0] if due else self.train_fn, totals, batch)
             return totals
-        call, carried, keep = carried_state(self.run.session, run.steps.function("train_steps"))
+        call, carried, keep = run.carried.calls(run.steps.function("train_steps"))
         with jax.profiler.StepTraceAnnotation("train", step_num=record.step) if self.annotate else _NO_TRACE:
             state, totals = call(carried(), totals, placed)
         keep(state)
         return totals
-
-
-def carried_state(
-    session: Session, train_fn: TreeFunction
-) -> tuple[TreeFunction, Callable[[], PyTree], Callable[[PyTree], None]]:
-    """How the loop carries the state from call to call: ``(call, read, keep)``. A
-    :class:`~trainkit.core.leaf_step.LeafStep` takes and returns the state's carried leaves,
-    which the session keeps as they are (the ``TrainState`` is built only when something reads
-    it); any other step the state itself."""
-    if isinstance(train_fn, LeafStep):
-        carried = lambda: session.carried(train_fn)  # noqa: E731
-        return train_fn.call_carried, carried, lambda leaves: session.stepped_carried(leaves, train_fn)
-    return train_fn, session.require_state, session.stepped

@@ -24,14 +24,14 @@ False
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
 
-from trainkit.core.leaf_step import LeafStep
 from trainkit.core.state import TrainState
 from trainkit.core.totals import PackedTotals
-from trainkit.core.tree import JSON, ArrayValue, PyTree
+from trainkit.core.tree import JSON, PyTree
 from trainkit.core.warn import warn_user
 from trainkit.record.ledger import Ledger
 
@@ -130,13 +130,13 @@ class Session:
     """
 
     __slots__ = (
-        "_now", "_state", "_leaves", "_position", "_data_state", "_record", "_carry", "_stop_requested", "_preempted",
+        "_now", "_state", "_unbuilt", "_position", "_data_state", "_record", "_carry", "_stop_requested", "_preempted",
         "_ledger",
     )  # fmt: skip
     _now: Snapshot
     _state: TrainState | None
-    # the state as the carried leaves a LeafStep returned, and that step
-    _leaves: tuple[list[ArrayValue], LeafStep] | None
+    # how to build the live state when it is not built yet (a fit's carried leaves: loop/carried.py)
+    _unbuilt: Callable[[], TrainState] | None
     _position: Position
     _data_state: JSON
     _record: StepRecord | None
@@ -156,12 +156,10 @@ class Session:
     # ------------------------------------------------------------------ reads
     @property
     def state(self) -> TrainState | None:
-        """The live ``TrainState`` (``None`` before ``fit`` or ``init``); after steps that
-        returned carried leaves (:meth:`stepped_carried`), built from them when first read (the
-        carried leaves kept: the next step takes them as they are)."""
-        if self._state is None and self._leaves is not None:
-            carried, step = self._leaves
-            self._state = step.state(carried)
+        """The live ``TrainState`` (``None`` before ``fit`` or ``init``); after steps whose state
+        a fit holds in another form (:meth:`stepped_unbuilt`), built when first read."""
+        if self._state is None and self._unbuilt is not None:
+            self._state = self._unbuilt()
         return self._state
 
     def require_state(self) -> TrainState:
@@ -170,16 +168,9 @@ class Session:
             raise RuntimeError("The trainer has no state yet: call fit(...) or init(sample_batch) first.")
         return state
 
-    def carried(self, step: LeafStep) -> list[ArrayValue]:
-        """The live state as the carried leaves ``step`` (a
-        :class:`~trainkit.core.leaf_step.LeafStep`) takes: as a step of the same layout returned
-        them (nothing built), else from the state."""
-        leaves = self._leaves
-        if leaves is not None and (leaves[1] is step or leaves[1].carry.key() == step.carry.key()):
-            return leaves[0]
-        carried = step.carried(jax.tree.leaves(self.require_state()))
-        self._leaves = (carried, step)
-        return carried
+    def holds_unbuilt(self, build: Callable[[], TrainState]) -> bool:
+        """Whether the live state is still the one ``build`` makes (none written since)."""
+        return self._unbuilt is build
 
     @property
     def position(self) -> Position:
@@ -265,18 +256,18 @@ class Session:
     def replace_state(self, state: TrainState, *, moves_position: bool = True) -> None:
         """A new live state (created, restored or edited); the position's step follows it
         unless only the variables changed (``moves_position=False``)."""
-        self._state, self._leaves = state, None
+        self._state, self._unbuilt = state, None
         if moves_position:
             self._position = self._position._replace(step=int(state.step))
 
     def stepped(self, state: TrainState) -> None:
         """The state after a dispatched step (the position moves with :meth:`moved`)."""
-        self._state, self._leaves = state, None
+        self._state, self._unbuilt = state, None
 
-    def stepped_carried(self, carried: list[ArrayValue], step: LeafStep) -> None:
-        """The state after a dispatched step, as the carried leaves ``step`` (a
-        :class:`~trainkit.core.leaf_step.LeafStep`) returned; built into a ``TrainState`` when read."""
-        self._state, self._leaves = None, (carried, step)
+    def stepped_unbuilt(self, build: Callable[[], TrainState], built: TrainState | None = None) -> None:
+        """The state after a dispatched step, held by the fit in another form: ``build()`` makes
+        the ``TrainState`` when something reads it (``built``: it is already)."""
+        self._state, self._unbuilt = built, build
 
     def begin_fit(self, view: FitView, position: Position) -> None:
         """A ``fit`` begins at ``position``: no stop, no resume, no record yet."""
@@ -358,6 +349,6 @@ class Session:
     def restore(self, snapshot: Snapshot) -> None:
         """Puts a :meth:`snapshot` back whole."""
         self._now = dataclasses.replace(snapshot, state=None, carry=None)  # held by the slots, not kept twice
-        self._state, self._leaves, self._position = snapshot.state, None, snapshot.position
+        self._state, self._unbuilt, self._position = snapshot.state, None, snapshot.position
         self._data_state, self._record, self._carry = snapshot.data_state, snapshot.record, snapshot.carry
         self._stop_requested, self._preempted = snapshot.stop_requested, snapshot.preempted
