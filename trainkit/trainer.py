@@ -55,11 +55,11 @@ class Trainer:
 
     Args:
         model: a ``flax.linen.Module`` or ``flax.nnx.Module`` (``train`` / ``deterministic`` set for you).
-        loss: a Keras name (cross-entropies by name take logits), a loss object (``tk.losses...``, or a Keras one)
-            or a callable ``loss(predictions, targets)``; several outputs: one, a list or a dict by output.
+        loss: a Keras name (cross-entropies take logits), a loss object (ours or Keras's) or ``loss(predictions,
+            targets)``; several outputs: one, a list or a dict by output.
         optimizer: any ``optax.GradientTransformation``.
-        metrics: Keras names, metric objects (``tk.metrics.AUC()``) or callables; by output: a dict.
-        weighted_metrics: metrics that sample weights and ``class_weight`` apply to.
+        metrics, weighted_metrics: Keras names, metric objects or callables (by output: a dict); the weighted
+            ones see sample weights and ``class_weight``.
         loss_weights: a float, or one weight per output: the loss is ``sum(w * output_loss)``.
         strategy: a :class:`trainkit.Strategy`, a name, or ``"auto"`` (picked by the compiled plan).
         seed: seeds initialisation, dropout and the shuffle order.
@@ -68,22 +68,20 @@ class Trainer:
         remat: ``"full"``, ``"dots"``, ``"dots_no_batch"``, a ``jax.checkpoint`` policy, or class names.
         grad_accum_steps: micro-batches per global batch in one compiled step.
         log_grad_norm: also log the global gradient norm (``grad_norm``).
-        steps_per_execution: batches per compiled call (a ``lax.scan``; hooks once per call) or ``"auto"``; by
-            default ``"auto"`` where nothing observable changes (no callback needs a call per batch) and the run
-            repays the fused program's compile, else 1 (docs/performance.md).
+        steps_per_execution: batches per compiled call (``lax.scan``, hooks once per call) or ``"auto"``; the
+            default: ``"auto"`` where nothing observable changes and the run repays its compile, else 1.
         run_eagerly: every step op by op on one device (``print`` and pdb work); ``jit_compile=False`` too.
         mixes_rows: the model mixes a batch's rows on purpose (else checked before training).
         deterministic: XLA's deterministic GPU ops, and no choice by timing (docs/tuning.md).
-        trainable: the parameters that train (a regex over paths, a list, or ``(path, leaf) -> bool``); the others
-            frozen, a BatchNorm of them in inference mode unless ``frozen_statistics=False`` (docs/finetuning.md).
+        trainable: the parameters that train (a path regex, a list, ``(path, leaf) -> bool``); the others frozen,
+            their BatchNorm in inference mode unless ``frozen_statistics=False`` (docs/finetuning.md).
         lora: a ``tk.LoRA``: low-rank adapters (qwix) on the kernels it targets (linen or NNX); only they train.
         skip_spikes: a ``tk.SpikeSkip``: an update whose loss spikes above its running average is not applied.
-        offload: ``"optimizer"``: the optimizer's state in host memory, streamed through each update; the same
-            numbers; ``"optimizer+frozen"``: the frozen parameters too; ``"auto"``: only where the step does
-            not fit without it (docs/precision_and_memory.md).
+        offload: ``"optimizer"`` (``"optimizer+frozen"``: and the frozen parameters) in host memory, streamed
+            through each step, the same numbers; ``"auto"``: where the step fits only so.
 
-    Override :meth:`compute_loss` for a loss that is not ``loss(predictions, y)``. See
-    docs/quickstart.md, docs/outputs.md and docs/precision_and_memory.md for each argument.
+    Override :meth:`compute_loss` for a loss that is not ``loss(predictions, y)``. Each argument:
+    docs/quickstart.md, docs/outputs.md, docs/performance.md, docs/precision_and_memory.md.
     """
 
     def __init__(
@@ -129,9 +127,8 @@ class Trainer:
     def compute_loss(
         self, params: PyTree, batch: Batch, rng: jax.Array, *, model_state: PyTree, train: bool
     ) -> tuple[jax.Array, tuple[PyTree, PyTree]]:
-        """The loss of a batch (``"x"``, ``"y"``, ``"mask"``, maybe ``"sample_weight"``):
-        ``(per_example_loss, (predictions, new_model_state))``; trainkit applies the mask and
-        weights (a scalar is taken as the mean over the rows). Pure."""
+        """A batch's (``"x"``, ``"y"``, ``"mask"``, maybe ``"sample_weight"``) ``(per_example_loss, (predictions,
+        new_model_state))``; trainkit applies the mask and weights (a scalar: the rows' mean). Pure."""
         predictions, model_state = self.apply(params, model_state, batch["x"], rng=rng, train=train)
         return self.objective.loss(predictions, batch["y"]), (predictions, model_state)
 
@@ -238,25 +235,19 @@ class Trainer:
         self, filepath: str | os.PathLike[str], *, max_to_keep: int | None = None, weights_only: bool = False,
         overwrite: bool = True, allow_non_finite: bool = False,
     ) -> int:  # fmt: skip
-        """Writes the state (or only the variables) and the manifest to ``filepath`` (orbax) at
-        the current step and returns it, once on disk. An existing step is replaced, or with
-        ``overwrite=False`` refused; non-finite parameters are refused unless ``allow_non_finite``."""
-        state, step = self.session.require_state(), self.global_step
-        checkpoint_lib.save(
-            filepath, step, state, self.manifest(), max_to_keep=max_to_keep, weights_only=weights_only,
+        """Writes the state (or only the variables) and the manifest to ``filepath`` (orbax) at the current step,
+        returned once on disk; refuses an existing step with ``overwrite=False``, NaN unless ``allow_non_finite``."""
+        return checkpoint_lib.save_session(
+            filepath, self.session, self.manifest(), max_to_keep=max_to_keep, weights_only=weights_only,
             overwrite=overwrite, allow_non_finite=allow_non_finite,
         )  # fmt: skip
-        return step
 
     def load(
         self, directory: str | os.PathLike[str] | checkpoint_lib.Checkpointer, step: int | None = None
     ) -> dict[str, Any]:
         """Restores the latest checkpoint (or ``step``), saved under any strategy or device count (or the
         variables of a ``save_weights_only`` one), after ``init(sample_batch)``; returns the manifest."""
-        state, manifest = checkpoint_lib.restore(directory, self.session.require_state(), step)
-        self.session.replace_state(state, moves_position=manifest.get("contents") != "weights")
-        checkpoint_lib.explain_restore(manifest, self.strategy, self.session.batch_size)
-        return manifest
+        return checkpoint_lib.restore_session(directory, self.session, step, self.strategy)
 
     def function(self, kind: str) -> TreeFunction:
         """The compiled ``"train"``, ``"eval"`` or ``"predict"`` step (compiled once)."""
@@ -275,9 +266,8 @@ class Trainer:
         measure: bool = False, memory_limit: int | str | None = None, steps: int = plan_lib.MEASURE_STEPS,
         verbose: int = 1, target: str | None = None, first_fit: bool = False, add_measures: bool = True,
     ) -> plan_lib.MemoryPlan:  # fmt: skip
-        """The real step compiled under each candidate (``first_fit``: up to the first that fits): bytes, flops,
-        traffic, estimated (or ``measure``d) time, ``"auto"``'s pick; ``target="tpu v5e:4x4"``: docs/targets.md.
-        When none fits, remat and offload are added in turn (``add_measures=False``: not; docs/strategies.md)."""
+        """The real step compiled under each candidate (``first_fit``: up to the first that fits; none: with remat,
+        then offload, unless ``add_measures=False``): bytes, flops, time, the pick; ``target``: docs/targets.md."""
         return tuning.plan(
             self.setup, sample_batch, batch_size=batch_size, candidates=candidates, measure=measure,
             memory_limit=memory_limit, steps=steps, verbose=verbose, target=target, first_fit=first_fit,
@@ -287,9 +277,8 @@ class Trainer:
     def export(
         self, filepath: str | os.PathLike, format: str | None = None, verbose: bool = True, **options: Any
     ) -> None:
-        """Keras 3's ``model.export``: ``predict``'s function with a symbolic batch axis, as ``"jax"``,
-        ``"tf_saved_model"`` or ``"onnx"`` (float32); the format follows the file's suffix (``.onnx``,
-        ``.jax``), else ``format`` (default ``"jax"``); under LoRA the merged model (docs/export.md)."""
+        """Keras 3's ``model.export``: ``predict`` with a symbolic batch axis as ``"jax"``, ``"tf_saved_model"`` or
+        ``"onnx"`` (float32), by the file's suffix, else ``format`` (default ``"jax"``); docs/export.md."""
         format = export_lib.resolve_format(filepath, format)
         float32 = export_lib.computes_float32(format, self.precision.compute_dtype, type(self).apply is Trainer.apply)
         export_lib.export(filepath, lambda: self.setup.inference(float32), format, verbose=verbose, **options)
@@ -298,9 +287,8 @@ class Trainer:
         self, x: Any, y: PyTree = None, *, max_batch_size: int = 2**16, memory_limit: int | str | None = None,
         powers_of_two: bool = True, verbose: int = 1, target: str | None = None,
     ) -> BatchSizeSearch:  # fmt: skip
-        """The largest global batch (powers of two the strategy splits) whose compiled train step fits
-        ``memory_limit`` (default: the device's); found by compiling, never by an OOM; when not even the
-        smallest fits, with the plan's remat or offload added, as its strategy says (docs/tuning.md)."""
+        """The largest global batch whose compiled train step fits ``memory_limit`` (default: the device's), found
+        by compiling, never by an OOM; with remat or offload where the smallest does not fit (docs/tuning.md)."""
         return tuning.find_batch_size(
             self.setup, x, y, max_batch_size=max_batch_size, memory_limit=memory_limit, powers_of_two=powers_of_two,
             verbose=verbose, target=target,
@@ -326,10 +314,8 @@ class Trainer:
         validation_freq: int | list[int] = 1, *, validation_interval: int | None = None, max_steps: int | None = None,
         read_ahead: bool = True,
     ) -> History:  # fmt: skip
-        """Trains for ``epochs`` epochs (or ``max_steps`` steps) with Keras's arguments (``x``:
-        docs/data.md) and returns a Keras ``History``; callbacks run in Keras 3's order (yours,
-        ``History``, the progress bar). ``validation_interval=N`` validates every N steps.
-        ``epochs`` left out (``None``) is Keras's 1, or with ``max_steps`` as many as reach it.
+        """Keras's ``fit`` (``x``: docs/data.md): a ``History``, callbacks in Keras 3's order; ``epochs=None``: 1,
+        or with ``max_steps`` as many as reach it. ``validation_interval=N`` validates every N steps;
         ``read_ahead=False`` reads the data only in this thread (a generator tied to its thread)."""
         callbacks = CallbackList.checked(callbacks)  # before anything is built
         config = FitConfig(
@@ -353,8 +339,8 @@ class Trainer:
         sample_weight: PyTree = None, steps: int | None = None, callbacks: Iterable[Callback] | None = None,
         return_dict: bool = False,
     ) -> float | list[float] | dict[str, float]:  # fmt: skip
-        """The loss and metrics over the whole dataset, exact on any device count; as Keras, the
-        loss alone or ``[loss, *metrics]``, or with ``return_dict`` the dict (prints nothing)."""
+        """The loss and metrics over all the data, exact on any device count: as Keras, the loss alone
+        or ``[loss, *metrics]``, or with ``return_dict`` the dict (prints nothing)."""
         dataset, size, total = inputs.prepare_run(self.setup, x, y, sample_weight, batch_size, steps, targets=True)
         logs = self.loop.evaluate(dataset, size, steps, CallbackList.for_run(callbacks, self, verbose, total))
         return self.objective.keras_result(logs, return_dict)
@@ -363,8 +349,8 @@ class Trainer:
         self, x: Any, y: PyTree = None, sample_weight: PyTree = None, class_weight: dict[int, float] | None = None,
         return_dict: bool = False,
     ) -> float | list[float] | dict[str, float]:  # fmt: skip
-        """One optimizer step on exactly these rows (Keras's ``train_on_batch``), padded to a
-        size the devices can split; returns that batch's loss and metrics like :meth:`evaluate`."""
+        """One optimizer step on exactly these rows (Keras's ``train_on_batch``, padded to a size the
+        devices split): that batch's loss and metrics, as :meth:`evaluate` returns them."""
         size = inputs.one_batch_size(self.setup, x)
         history = self.fit(
             x, y, batch_size=size, epochs=1, sample_weight=sample_weight, class_weight=class_weight, shuffle=False,
@@ -387,7 +373,7 @@ class Trainer:
         self, x: Any = None, batch_size: int | None = None, verbose: int | str = 0, steps: int | None = None,
         callbacks: Iterable[Callback] | None = None,
     ) -> PyTree:  # fmt: skip
-        """Outputs with exactly one row per input row (an array, or a pytree for several
-        outputs); ``x`` as ``fit`` takes it (targets ignored), a tuple of arrays the inputs."""
+        """Outputs with exactly one row per input row (a pytree for several outputs); ``x`` as ``fit`` takes
+        it (targets ignored), a tuple of arrays the inputs."""
         dataset, batch_size, total = inputs.prepare_run(self.setup, x, None, None, batch_size, steps, targets=False)
         return self.loop.predict(dataset, batch_size, steps, CallbackList.for_run(callbacks, self, verbose, total))

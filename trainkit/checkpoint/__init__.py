@@ -7,7 +7,7 @@ True
 """
 
 from trainkit.checkpoint.checkpointer import Checkpointer, CheckpointError, all_finite, check_writable
-from trainkit.checkpoint.files import remove_checkpoints, restore, save
+from trainkit.checkpoint.files import remove_checkpoints, restore, restore_session, save, save_session
 from trainkit.checkpoint.manifest import build_manifest, checked_position, explain_restore, manifest_of
 
 __all__ = [
@@ -21,5 +21,7 @@ __all__ = [
     "manifest_of",
     "remove_checkpoints",
     "restore",
+    "restore_session",
     "save",
+    "save_session",
 ]

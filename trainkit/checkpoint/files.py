@@ -1,5 +1,6 @@
 """One checkpoint written or read in the foreground: what ``Trainer.save`` and ``Trainer.load``
-do, on a directory or an open :class:`~trainkit.checkpoint.Checkpointer`.
+do (:func:`save_session`, :func:`restore_session`), on a directory or an open
+:class:`~trainkit.checkpoint.Checkpointer`.
 
 >>> import tempfile, jax.numpy as jnp
 >>> from trainkit.core.state import TrainState
@@ -19,8 +20,10 @@ import sys
 from typing import Any
 
 from trainkit.checkpoint.checkpointer import Checkpointer, CheckpointError, all_finite
+from trainkit.checkpoint.manifest import Layout, explain_restore
 from trainkit.core.tree import PyTree
 from trainkit.core.warn import warn_user
+from trainkit.record.session import Session
 
 
 def save(
@@ -67,6 +70,37 @@ def restore(
     finally:
         if own:
             checkpointer.close()
+
+
+def save_session(
+    filepath: str | os.PathLike,
+    session: Session,
+    manifest: dict,
+    *,
+    max_to_keep: int | None = None,
+    weights_only: bool = False,
+    overwrite: bool = True,
+    allow_non_finite: bool = False,
+) -> int:
+    """:func:`save` of ``session``'s live state at its step (``Trainer.save``), which it returns."""
+    step = session.position.step
+    save(
+        filepath, step, session.require_state(), manifest, max_to_keep=max_to_keep, weights_only=weights_only,
+        overwrite=overwrite, allow_non_finite=allow_non_finite,
+    )  # fmt: skip
+    return step
+
+
+def restore_session(
+    directory: str | os.PathLike | Checkpointer, session: Session, step: int | None, into: Layout | None
+) -> dict[str, Any]:
+    """:func:`restore` into ``session``'s live state (``Trainer.load``), placed by ``into``'s strategy:
+    the position follows a full checkpoint, not a weights-only one; returns the manifest (and warns
+    where the checkpoint's strategy or batch size differ)."""
+    state, manifest = restore(directory, session.require_state(), step)
+    session.replace_state(state, moves_position=manifest.get("contents") != "weights")
+    explain_restore(manifest, into, session.batch_size)
+    return manifest
 
 
 def remove_checkpoints(directory: str | os.PathLike) -> None:
