@@ -5,7 +5,7 @@ could save more than its compile and timing within the run's steps."""
 import jax
 import numpy as np
 import optax
-from conftest import MLP, make_classification
+from conftest import classifier, make_classification
 
 import trainkit as tk
 from trainkit.program import budget as budget_lib
@@ -13,7 +13,7 @@ from trainkit.program import plan as plan_lib
 
 
 def trainer(strategy="auto"):
-    return tk.Trainer(MLP(), loss="sparse_categorical_crossentropy", optimizer=optax.adam(1e-2), strategy=strategy)
+    return classifier(optimizer=optax.adam(1e-2), strategy=strategy)
 
 
 def test_a_short_fit_compiles_only_the_simplest_candidate_and_says_why():

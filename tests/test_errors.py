@@ -3,16 +3,14 @@
 import numpy as np
 import optax
 import pytest
-from conftest import MLP, make_classification
+from conftest import MLP, classifier, make_classification
 
 import trainkit as tk
 
 
 @pytest.fixture
 def trainer():
-    return tk.Trainer(
-        MLP(), loss="sparse_categorical_crossentropy", optimizer=optax.sgd(0.1), strategy=tk.DataParallel()
-    )
+    return classifier(optimizer=optax.sgd(0.1), strategy=tk.DataParallel())
 
 
 @pytest.fixture

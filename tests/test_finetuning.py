@@ -11,19 +11,13 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from conftest import MLP, make_classification
+from conftest import MLP, classifier, make_classification
 
 import trainkit as tk
 
 
 def frozen_trainer(strategy="single", trainable=r"^Dense_1/", model=None):
-    return tk.Trainer(
-        model or MLP(),
-        loss="sparse_categorical_crossentropy",
-        optimizer=optax.adam(1e-2),
-        strategy=strategy,
-        trainable=trainable,
-    )
+    return classifier(model, optimizer=optax.adam(1e-2), strategy=strategy, trainable=trainable)
 
 
 def optimizer_arrays(state):

@@ -7,7 +7,7 @@ import time
 import numpy as np
 import optax
 import pytest
-from conftest import MLP, make_classification
+from conftest import classifier, make_classification
 from rich.console import Console
 
 import trainkit as tk
@@ -16,8 +16,8 @@ from trainkit.record.ledger import Ledger
 X, Y = make_classification(n=128)
 
 
-def trainer(**kwargs):
-    return tk.Trainer(MLP(), loss="sparse_categorical_crossentropy", optimizer=optax.adam(1e-2), **kwargs)
+def trainer(strategy="auto", **kwargs):
+    return classifier(optimizer=optax.adam(1e-2), strategy=strategy, **kwargs)
 
 
 class Sleepy:

@@ -4,7 +4,7 @@ names the fix, or one warning that says what happened."""
 import flax.linen as nn
 import optax
 import pytest
-from conftest import MLP, make_classification
+from conftest import MLP, classifier, make_classification
 
 import trainkit as tk
 
@@ -12,8 +12,7 @@ X, Y = make_classification(n=64)
 
 
 def trainer(model=None, **kwargs):
-    kwargs.setdefault("strategy", "single")
-    return tk.Trainer(model or MLP(), loss="sparse_categorical_crossentropy", optimizer=optax.sgd(0.1), **kwargs)
+    return classifier(model, optimizer=optax.sgd(0.1), **kwargs)
 
 
 def test_gradient_stats_per_layer_matching_no_module_is_refused_before_the_first_step():

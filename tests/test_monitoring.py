@@ -12,7 +12,7 @@ import flax.linen as nn
 import numpy as np
 import optax
 import pytest
-from conftest import MLP, Wide, make_classification, own_stderr_lines, saved_steps
+from conftest import MLP, Wide, classifier, make_classification, own_stderr_lines, saved_steps
 
 import trainkit as tk
 from trainkit.monitoring import throughput
@@ -22,12 +22,8 @@ X_VAL, Y_VAL = make_classification(32, seed=1)
 
 
 def trainer():
-    return tk.Trainer(
-        MLP(),
-        loss="sparse_categorical_crossentropy",
-        optimizer=optax.inject_hyperparams(optax.adam)(learning_rate=1e-2),
-        metrics=["accuracy"],
-        seed=0,
+    return classifier(
+        optimizer=optax.inject_hyperparams(optax.adam)(learning_rate=1e-2), strategy="auto", metrics=["accuracy"]
     )
 
 

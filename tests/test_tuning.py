@@ -13,7 +13,7 @@ import jax
 import numpy as np
 import optax
 import pytest
-from conftest import NoisyMLP, Wide, make_classification
+from conftest import NoisyMLP, Wide, classifier, make_classification
 
 import trainkit as tk
 from trainkit.distributed import determinism
@@ -123,8 +123,7 @@ def _host(trainer):
 
 
 def _adam_trainer(strategy="fsdp"):
-    optimizer = optax.inject_hyperparams(optax.adam)(learning_rate=1e-3)
-    return tk.Trainer(NoisyMLP(), loss="sparse_categorical_crossentropy", optimizer=optimizer, strategy=strategy)
+    return classifier(NoisyMLP(), optimizer=optax.inject_hyperparams(optax.adam)(learning_rate=1e-3), strategy=strategy)
 
 
 def test_a_loss_that_is_nan_from_the_first_batch_says_why_there_is_no_suggestion():
@@ -187,13 +186,13 @@ def test_find_learning_rate_needs_an_injectable_learning_rate():
 
 def injected_trainer():
     """A trainer whose optimizer exposes a settable learning rate (a number)."""
-    optimizer = optax.inject_hyperparams(optax.sgd)(learning_rate=1e-3)
-    return tk.Trainer(NoisyMLP(), loss="sparse_categorical_crossentropy", optimizer=optimizer, strategy="single")
+    return classifier(NoisyMLP(), optimizer=optax.inject_hyperparams(optax.sgd)(learning_rate=1e-3))
 
 
 def scheduled_trainer():
-    optimizer = optax.inject_hyperparams(optax.sgd)(learning_rate=optax.constant_schedule(1e-3))
-    return tk.Trainer(NoisyMLP(), loss="sparse_categorical_crossentropy", optimizer=optimizer, strategy="single")
+    return classifier(
+        NoisyMLP(), optimizer=optax.inject_hyperparams(optax.sgd)(learning_rate=optax.constant_schedule(1e-3))
+    )
 
 
 def test_a_scheduled_learning_rate_is_refused_wherever_it_would_be_set():
