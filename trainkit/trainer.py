@@ -55,12 +55,10 @@ class Trainer:
 
     Args:
         model: a ``flax.linen.Module`` or ``flax.nnx.Module`` (``train`` / ``deterministic`` set for you).
-        loss: a Keras name (cross-entropies take logits), a loss object (ours or Keras's) or ``loss(predictions,
-            targets)``; several outputs: one, a list or a dict by output.
+        loss, metrics, weighted_metrics, loss_weights, run_eagerly, jit_compile, steps_per_execution: as Keras 3's
+            ``compile`` takes them (also ``loss(predictions, targets)``), but cross-entropies by name take logits,
+            and ``steps_per_execution="auto"`` (a fused call where nothing observable changes) is the default.
         optimizer: any ``optax.GradientTransformation``.
-        metrics, weighted_metrics: Keras names, metric objects or callables (by output: a dict); the weighted
-            ones see sample weights and ``class_weight``.
-        loss_weights: a float, or one weight per output: the loss is ``sum(w * output_loss)``.
         strategy: a :class:`trainkit.Strategy`, a name, or ``"auto"`` (picked by the compiled plan).
         seed: seeds initialisation, dropout and the shuffle order.
         params: variables to start from (fine-tuning).
@@ -68,9 +66,6 @@ class Trainer:
         remat: ``"full"``, ``"dots"``, ``"dots_no_batch"``, a ``jax.checkpoint`` policy, or class names.
         grad_accum_steps: micro-batches per global batch in one compiled step.
         log_grad_norm: also log the global gradient norm (``grad_norm``).
-        steps_per_execution: batches per compiled call (``lax.scan``, hooks once per call) or ``"auto"``; the
-            default: ``"auto"`` where nothing observable changes and the run repays its compile, else 1.
-        run_eagerly: every step op by op on one device (``print`` and pdb work); ``jit_compile=False`` too.
         mixes_rows: the model mixes a batch's rows on purpose (else checked before training).
         deterministic: XLA's deterministic GPU ops, and no choice by timing (docs/tuning.md).
         trainable: the parameters that train (a path regex, a list, ``(path, leaf) -> bool``); the others frozen,

@@ -20,11 +20,9 @@ from __future__ import annotations
 
 import atexit
 import concurrent.futures
-import json
 import logging
 import os
 import re
-import shutil
 import sys
 import threading
 import time
@@ -134,6 +132,21 @@ def _barriers_off_the_devices() -> ocp.options.MultiprocessingOptions:
     if jax.process_count() == 1:
         return ocp.options.MultiprocessingOptions()
     return ocp.options.MultiprocessingOptions(active_processes=set(range(jax.process_count())))
+
+
+def _write_error(manager: ocp.CheckpointManager, directory: str, error: Exception) -> CheckpointError:
+    """The error a failed write raises: what happened, and the last complete step on disk."""
+    try:
+        manager.reload()  # what is really on disk, not what orbax meant to write
+    except Exception:  # noqa: BLE001 - the error being reported matters more
+        pass
+    last = manager.latest_step()
+    kept = f"the last complete checkpoint is step {last}" if last is not None else "no complete checkpoint exists yet"
+    return CheckpointError(
+        f"Writing a checkpoint to {directory!r} failed ({type(error).__name__}: {error}). "
+        f"The training state in memory is intact and {kept}. Free disk space or choose "
+        "another directory, then save again (trainer.save(...))."
+    )
 
 
 class Checkpointer:
@@ -258,18 +271,8 @@ class Checkpointer:
                 force=True,
             )
         except Exception as error:  # orbax and tensorstore raise many kinds
-            self._remove_partial(int(step))
-            raise self._write_error(error) from error
-
-    def _remove_partial(self, step: int) -> None:
-        """The half-written ``<step>.orbax-checkpoint-tmp...`` folder of a failed write removed
-        (process 0; the next writer would remove it too), so a full disk gets its space back."""
-        if not distributed.is_main_process():
-            return
-        prefix = f"{step}.orbax-checkpoint-tmp"
-        for name in os.listdir(self.directory) if os.path.isdir(self.directory) else []:
-            if name.startswith(prefix):
-                shutil.rmtree(os.path.join(self.directory, name), ignore_errors=True)
+            directory_lib.remove_partial_write(self.directory, int(step))
+            raise _write_error(self._manager, self.directory, error) from error
 
     def _collect_errors(self, block: bool = False) -> None:
         pending, self._pending = self._pending, []
@@ -290,22 +293,7 @@ class Checkpointer:
         try:
             self._manager.wait_until_finished()
         except Exception as error:
-            raise self._write_error(error) from error
-
-    def _write_error(self, error: Exception) -> CheckpointError:
-        try:
-            self._manager.reload()  # what is really on disk, not what orbax meant to write
-        except Exception:  # noqa: BLE001 - the error being reported matters more
-            pass
-        last = self.latest_step()
-        kept = (
-            f"the last complete checkpoint is step {last}" if last is not None else "no complete checkpoint exists yet"
-        )
-        return CheckpointError(
-            f"Writing a checkpoint to {self.directory!r} failed ({type(error).__name__}: {error}). "
-            f"The training state in memory is intact and {kept}. Free disk space or choose "
-            "another directory, then save again (trainer.save(...))."
-        )
+            raise _write_error(self._manager, self.directory, error) from error
 
     # ----------------------------------------------------------------- reading
     def steps(self) -> list[int]:
@@ -332,25 +320,12 @@ class Checkpointer:
         present (orbax's metadata lists them); a corrupt step is left out with a warning."""
         good = []
         for step in sorted(self.steps(), reverse=True):
-            problem = self._verify(step)
+            problem = directory_lib.unreadable_reason(self.directory, step)
             if problem is None:
                 good.append(step)
             else:
                 warn_user(f"Skipping checkpoint step {step} in {self.directory!r}: {problem}")
         return good
-
-    def _verify(self, step: int) -> str | None:
-        """Why ``step`` cannot be read back (its JSON metadata unreadable), or ``None``."""
-        root = os.path.join(self.directory, str(step))
-        for path in (os.path.join(root, "meta", "metadata"), os.path.join(root, "state", "_METADATA")):
-            if path.endswith("_METADATA") and not os.path.exists(path):
-                continue
-            try:
-                with open(path) as f:
-                    json.load(f)
-            except (OSError, ValueError) as error:
-                return f"{path!r} is unreadable ({type(error).__name__}: {error})."
-        return None
 
     def best_step(self) -> int | None:
         return self._manager.best_step()

@@ -1,6 +1,7 @@
 """A checkpoint directory's handling around orbax: one writer at a time (a lock file), a path
 orbax would read as a glob pattern (a symbolic link without the characters), and step
-directories whose orbax record is corrupt (set aside, so the other steps open).
+directories whose orbax record is corrupt (set aside, so the other steps open), steps that do
+not read back, and what a failed write left behind.
 
 >>> import tempfile
 >>> unreadable_steps(tempfile.mkdtemp())
@@ -12,6 +13,7 @@ from __future__ import annotations
 import fcntl
 import json
 import os
+import shutil
 import socket
 import time
 from typing import IO
@@ -69,6 +71,32 @@ def set_aside_unreadable_steps(directory: str, read_only: bool) -> None:
             f"Checkpoint step {name} in {directory!r} is corrupt (its {STEP_RECORD} is not JSON); it was moved "
             f"to {name + SET_ASIDE}, and the other steps are used."
         )
+
+
+def unreadable_reason(directory: str, step: int) -> str | None:
+    """Why ``step`` in ``directory`` cannot be read back (its manifest's or its arrays' JSON
+    metadata unreadable), or ``None``."""
+    root = os.path.join(directory, str(step))
+    for path in (os.path.join(root, "meta", "metadata"), os.path.join(root, "state", "_METADATA")):
+        if path.endswith("_METADATA") and not os.path.exists(path):
+            continue
+        try:
+            with open(path) as f:
+                json.load(f)
+        except (OSError, ValueError) as error:
+            return f"{path!r} is unreadable ({type(error).__name__}: {error})."
+    return None
+
+
+def remove_partial_write(directory: str, step: int) -> None:
+    """The half-written ``<step>.orbax-checkpoint-tmp...`` folder of a failed write removed
+    (process 0; the next writer would remove it too), so a full disk gets its space back."""
+    if not distributed.is_main_process():
+        return
+    prefix = f"{step}.orbax-checkpoint-tmp"
+    for name in os.listdir(directory) if os.path.isdir(directory) else []:
+        if name.startswith(prefix):
+            shutil.rmtree(os.path.join(directory, name), ignore_errors=True)
 
 
 #: Characters orbax's path handling reads as a glob pattern (``[1]``, ``**``): a checkpoint under

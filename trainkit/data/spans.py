@@ -20,12 +20,12 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable, Iterator
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import jax
 import numpy as np
 
-from trainkit.core.tree import PyTree
+from trainkit.core.tree import JSON, PyTree
 
 
 class Span(NamedTuple):
@@ -33,10 +33,10 @@ class Span(NamedTuple):
     trained in one call) or a list trained one call each; ``steps`` of them; ``data_state``: the
     data's position after the last one."""
 
-    batches: Any
+    batches: PyTree  # a stacked tree, or a list of trees
     fused: bool
     steps: int
-    data_state: Any
+    data_state: JSON
 
 
 def stack(batches: list[PyTree]) -> PyTree:
@@ -45,7 +45,7 @@ def stack(batches: list[PyTree]) -> PyTree:
 
 
 def executions(
-    pairs: Iterator[tuple[PyTree, Any]], size: int | Callable[[], int], room: Callable[[int], int]
+    pairs: Iterator[tuple[PyTree, JSON]], size: int | Callable[[], int], room: Callable[[int], int]
 ) -> Iterator[Span]:
     """A :class:`Span` per span of ``steps`` batches: ``fused``, the batches
     stacked into one (``steps == size``, one call); otherwise a list of ``steps <= size``

@@ -20,7 +20,6 @@ import logging
 import statistics
 import time
 from collections.abc import Iterable, Iterator
-from typing import Any
 
 import jax
 
@@ -32,7 +31,7 @@ from trainkit.core.spikes import SPIKES
 from trainkit.core.state import abstract
 from trainkit.core.step import batches_at
 from trainkit.core.totals import LABEL_ALARM, SKIPPED_WARNING, EpochTotals, PackedTotals, pack
-from trainkit.core.tree import PyTree, TreeFunction
+from trainkit.core.tree import JSON, PyTree, TreeFunction
 from trainkit.core.warn import warn_user
 from trainkit.data.prefetch import Prefetcher
 from trainkit.data.source import BatchRequest
@@ -149,7 +148,7 @@ class FitRun:
         max_steps = self.config.max_steps
         return None if max_steps is None else max(max_steps - self.session.position.step, 0)
 
-    def epoch(self, train_fn: TreeFunction, epoch: int, first: int, resume_state: Any) -> tuple[int, dict[str, float]]:
+    def epoch(self, train_fn: TreeFunction, epoch: int, first: int, resume_state: JSON) -> tuple[int, dict[str, float]]:
         """One epoch from batch ``first`` (the data continuing from ``resume_state`` when it can):
         the batches trained and the epoch's logs."""
         config, ledger = self.config, self.session.ledger
@@ -185,7 +184,7 @@ class FitRun:
         """The epoch's :class:`~trainkit.data.spans.Span` s, assembled ahead like the loop's
         reader assembles batches; the data position is read in the same thread, right after each batch."""
         dataset = self.dataset
-        pairs: Iterator[tuple[PyTree, Any]]
+        pairs: Iterator[tuple[PyTree, JSON]]
         if dataset.checkpointable:
             pairs = ((batch, dataset.get_state()) for batch in batches)
         else:
@@ -460,7 +459,7 @@ class EpochSteps:
             if not read_ahead:
                 upcoming = self.read()
 
-    def train_otherwise(self, placed: Any, fused: bool, totals: PackedTotals, record: StepRecord) -> PackedTotals:
+    def train_otherwise(self, placed: PyTree, fused: bool, totals: PackedTotals, record: StepRecord) -> PackedTotals:
         """A span not trained one plain call per batch: one fused call (``steps_per_execution``),
         or timed single steps while ``steps_per_execution="auto"`` decides."""
         run = self.run

@@ -16,13 +16,12 @@ again, and the program itself never changes.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
 
 from trainkit.core.spikes import SpikeSkip
 from trainkit.core.state import TrainState, abstract
 from trainkit.core.statistics import StepStatistics
 from trainkit.core.totals import EpochTotals
-from trainkit.core.tree import PyTree
+from trainkit.core.tree import PyTree, TreeFunction
 from trainkit.program.decisions import Decided
 from trainkit.program.program import Program
 from trainkit.strategies import Strategy
@@ -37,7 +36,7 @@ class CompiledFunctions:
     def __init__(self, program: Program, decided: Decided, state: Callable[[], TrainState]):
         self.program, self.decided, self._state = program, decided, state
         self.statistics: StepStatistics | None = None  # what this fit's training steps measure
-        self._functions: dict[tuple[str, StepStatistics | None], Callable[..., Any]] = {}
+        self._functions: dict[tuple[str, StepStatistics | None], TreeFunction] = {}
         self._totals: dict[tuple[str, StepStatistics | None], EpochTotals] = {}
 
     def use_statistics(self, statistics: StepStatistics | None) -> None:
@@ -82,7 +81,7 @@ class CompiledFunctions:
     def _key(self, kind: str) -> tuple[str, StepStatistics | None]:
         return kind, (None if kind in ("eval", "predict") else self.statistics)
 
-    def function(self, kind: str) -> Callable[..., Any]:
+    def function(self, kind: str) -> TreeFunction:
         """The compiled ``"train"``, ``"train_measured"``, ``"train_steps"``, ``"eval"`` or
         ``"predict"`` step (compiled once for this fit's statistics)."""
         key = self._key(kind)
@@ -91,7 +90,7 @@ class CompiledFunctions:
             self._functions[key] = self.program.compile(kind, self.decided.require_strategy(), state, self.statistics)
         return self._functions[key]
 
-    def adopt(self, kind: str, function: Callable[..., Any]) -> None:
+    def adopt(self, kind: str, function: TreeFunction) -> None:
         """``function``, compiled elsewhere (the plan ``"auto"`` chose from), as the ``kind`` step."""
         self._functions[self._key(kind)] = function
 

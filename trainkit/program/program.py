@@ -172,31 +172,18 @@ class Program:
         self.trainable.check(params)
         if not self._settings_checked:  # once per trainer (the state is traced more than once)
             self._settings_checked = True
-            for note in self.idle_settings(params):
+            for note in idle_settings(self.lora, params):
                 warn_user(note)
         spikes = None if self.spike_skip is None else self.spike_skip.initial()
         return TrainState.create(
             params=params, opt_state=self.optimizer.init(params), model_state=model_state, seed=state_rng
         ).replace(loss_scale=self.precision.init_loss_scale(), spikes=spikes)
 
-    def idle_settings(self, params: PyTree) -> list[str]:
-        """What would train nothing or do nothing on these parameters, one line each."""
-        notes = [] if self.lora is None else lora_lib.idle_settings(self.lora, params)
-        if not jax.tree.leaves(params):
-            notes.append(
-                "The model has no parameters, so fit trains nothing (every update and gradient statistic is 0). A "
-                "linen module creates its layers in setup() or an @nn.compact __call__; an NNX module in __init__."
-            )
-        return notes
-
-    def starting_variables(self, first_row: PyTree) -> PyTree:
-        return starting_variables(self.adapter, self.variables, first_row)
-
     def create_state(self, strategy: Strategy, first_row: PyTree) -> TrainState:
         """The state built directly in ``strategy``'s shardings (a configured strategy: see
         :meth:`configured`)."""
         return strategy.create_state(
-            self.init_state, self.starting_variables(first_row), first_row, seed_key(self.seed)
+            self.init_state, starting_variables(self.adapter, self.variables, first_row), first_row, seed_key(self.seed)
         )
 
     def configured(self, strategy: Strategy, first_row: PyTree) -> Strategy:
@@ -312,20 +299,19 @@ class Program:
         them (pure: trace it with ``jax.eval_shape`` or compile it with ``jax.jit``)."""
         return make_predict_step(self.apply)(state, {"x": x})
 
-    def merged_outputs(self, state: TrainState, x: PyTree, float32: bool = False) -> PyTree:
-        """:meth:`outputs` of the model without adapters on ``state`` holding its parameters
-        (:meth:`merged_params`'s): what an export of a LoRA trainer computes."""
-        precision = Precision() if float32 else self.precision
-        return make_predict_step(precision.wrap_apply(self.base_adapter.apply))(state, {"x": x})
+    def exported_outputs(self, float32: bool = False) -> Callable[[TrainState, PyTree], PyTree]:
+        """What an export computes: :meth:`outputs`, of the model without adapters under LoRA (on a
+        state holding :meth:`merged_params`'s), and with ``float32`` in float32 whatever the
+        precision policy (the model's own call then: a trainer's ``apply`` override is not in it)."""
+        if self.lora is None and not float32:
+            return self.outputs
+        adapter = self.adapter if self.lora is None else self.base_adapter
+        step = make_predict_step((Precision() if float32 else self.precision).wrap_apply(adapter.apply))
+        return lambda state, x: step(state, {"x": x})
 
     def merged_params(self, params: PyTree) -> PyTree:
         """LoRA's adapters folded into their kernels (the parameters of the model without them)."""
         return params if self.lora is None else self.lora.merged(params)
-
-    def float32_outputs(self, state: TrainState, x: PyTree) -> PyTree:
-        """:meth:`outputs` computed in float32 whatever the precision policy (the model's own
-        call: a trainer's ``apply`` override is not in it)."""
-        return make_predict_step(Precision().wrap_apply(self.adapter.apply))(state, {"x": x})
 
     def metrics_step(
         self,
@@ -393,7 +379,7 @@ class Program:
             return jax.eval_shape(self.init_state, variables, first_row, seed_key(self.seed))
         key = repr((jax.tree.structure(first_row), tree.signature(first_row)))
         if key not in self._abstract_states:
-            variables = self.starting_variables(first_row)
+            variables = starting_variables(self.adapter, self.variables, first_row)
             self._abstract_states[key] = jax.eval_shape(self.init_state, variables, first_row, seed_key(self.seed))
         return self._abstract_states[key]
 
@@ -410,7 +396,7 @@ class Program:
         predict step) on a padded global batch."""
         kind = "train" if trains else "predict"
         first_row = host_batch["x"]  # the model is initialised on a real batch, as it trains
-        variables = self.starting_variables(first_row)
+        variables = starting_variables(self.adapter, self.variables, first_row)
         candidates = candidates if candidates is not None else plan_lib.default_candidates()
         candidates = [self.configured(strategy, first_row) for strategy in candidates]
         abstract_state = self.abstract_state(first_row, variables)
@@ -456,3 +442,15 @@ def offload_refusal(*, eager: bool, precision: Precision, spike_skip: SpikeSkip 
             "optimizer state on the device. Pass one of the two."
         )
     return None
+
+
+def idle_settings(lora: LoRA | None, params: PyTree) -> list[str]:
+    """What would train nothing or do nothing on these parameters, one line each (warned once
+    per trainer, at the first trace of its state)."""
+    notes = [] if lora is None else lora_lib.idle_settings(lora, params)
+    if not jax.tree.leaves(params):
+        notes.append(
+            "The model has no parameters, so fit trains nothing (every update and gradient statistic is 0). A "
+            "linen module creates its layers in setup() or an @nn.compact __call__; an NNX module in __init__."
+        )
+    return notes

@@ -30,7 +30,6 @@ checks the input through it. The live ``TrainState`` is the trainer's
 from __future__ import annotations
 
 import dataclasses
-import functools
 import hashlib
 import logging
 from collections.abc import Callable, Sequence
@@ -182,11 +181,7 @@ class Setup:
         host = distributed.fetch(self.session.require_state().replace(opt_state=()))  # no optimizer state
         program = self.program
         variables = {"params": program.merged_params(host.params), "model_state": host.model_state, "rng": host.rng}
-        outputs: Callable[[TrainState, PyTree], PyTree]
-        if program.lora is not None:  # the merged model: its kernels hold the adapters
-            outputs = functools.partial(program.merged_outputs, float32=float32)
-        else:
-            outputs = program.float32_outputs if float32 else program.outputs
+        outputs = program.exported_outputs(float32)  # under LoRA the merged model: its kernels hold the adapters
 
         def predict(variables: PyTree, x: PyTree) -> PyTree:
             return outputs(host.replace(**variables), x)
