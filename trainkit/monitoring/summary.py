@@ -9,8 +9,7 @@ sizes, and the train step's FLOPs from XLA's cost analysis.
 ...         return nn.Dense(1)(nn.Dropout(0.5, deterministic=True)(x))
 >>> trainer = tk.Trainer(Two(), loss="mse", optimizer=optax.sgd(0.1), strategy="single")
 >>> _ = trainer.init((np.zeros((4, 2), np.float32), np.zeros((4, 1), np.float32)))
->>> inputs = trainer.setup.summary_inputs(None)
->>> [tuple(row) for row in summary_rows(trainer.program.adapter, inputs.state, inputs.x)]
+>>> [tuple(row) for row in summary_rows(trainer.program.adapter, trainer.state, np.zeros((1, 2), np.float32))]
 [('Dropout_0', 'Dropout', '(None, 2)', 0), ('Dense_0', 'Dense', '(None, 1)', 3)]
 """
 
