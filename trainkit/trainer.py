@@ -273,7 +273,7 @@ class Trainer:
         self, filepath: str | os.PathLike, format: str | None = None, verbose: bool = True, **options: Any
     ) -> None:
         """Keras 3's ``model.export``: ``predict`` with a symbolic batch axis as ``"jax"``, ``"tf_saved_model"`` or
-        ``"onnx"`` (float32), by the file's suffix, else ``format`` (default ``"jax"``); docs/export.md."""
+        ``"onnx"`` (float32) by the suffix, ``format`` or ``"jax"``; under LoRA the merged model (docs/export.md)."""
         format = export_lib.resolve_format(filepath, format)
         float32 = export_lib.computes_float32(format, self.precision.compute_dtype, type(self).apply is Trainer.apply)
         export_lib.export(filepath, lambda: self.setup.inference(float32), format, verbose=verbose, **options)

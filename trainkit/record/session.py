@@ -304,12 +304,9 @@ class Session:
         """Stop before the next batch (``trainer.stop_training = True`` calls this)."""
         self._stop_requested = True
 
-    def cancel_stop(self) -> None:
-        self._stop_requested = False
-
     def set_stop_requested(self, value: bool) -> None:
-        """``trainer.stop_training = value``: :meth:`request_stop` or :meth:`cancel_stop`."""
-        self.request_stop() if value else self.cancel_stop()
+        """``trainer.stop_training = value``: stop before the next batch, or no longer."""
+        self._stop_requested = bool(value)
 
     def preempt(self) -> None:
         """Stop before the next batch, run ``on_train_end``, then raise ``Preempted``. Safe to
