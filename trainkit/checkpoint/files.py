@@ -94,9 +94,9 @@ def save_session(
 def restore_session(
     directory: str | os.PathLike | Checkpointer, session: Session, step: int | None, into: Layout | None
 ) -> dict[str, Any]:
-    """:func:`restore` into ``session``'s live state (``Trainer.load``), placed by ``into``'s strategy:
-    the position follows a full checkpoint, not a weights-only one; returns the manifest (and warns
-    where the checkpoint's strategy or batch size differ)."""
+    """:func:`restore` into ``session``'s live state (``Trainer.load``), in its shardings: the
+    position follows a full checkpoint, not a weights-only one; returns the manifest (and warns
+    where the checkpoint's strategy or batch size differ from ``into`` and the session's)."""
     state, manifest = restore(directory, session.require_state(), step)
     session.replace_state(state, moves_position=manifest.get("contents") != "weights")
     explain_restore(manifest, into, session.batch_size)
