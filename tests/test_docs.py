@@ -26,6 +26,7 @@ DOCS = pathlib.Path(__file__).parent.parent / "docs"
         "tuning.md",
         "finetuning.md",
         "targets.md",
+        "custom_training.md",
     ],
 )
 def test_guide_code_runs(page):

@@ -27,6 +27,7 @@ from trainkit import distributed
 from trainkit import export as export_lib
 from trainkit import weights as weights_lib
 from trainkit.callbacks import Callback, CallbackList, History, lr_finder
+from trainkit.core import custom_step
 from trainkit.core.lora import LoRA
 from trainkit.core.model import adapt_model
 from trainkit.core.offload import Offload
@@ -46,6 +47,7 @@ from trainkit.program import plan as plan_lib
 from trainkit.program.batch_size import BatchSizeSearch
 from trainkit.program.program import Program
 from trainkit.program.setup import Setup, check_trainer_arguments
+from trainkit.program.state_access import GroupRates
 from trainkit.record.session import Session
 from trainkit.strategies import Auto, Strategy
 
@@ -58,7 +60,8 @@ class Trainer:
         loss, metrics, weighted_metrics, loss_weights, run_eagerly, jit_compile, steps_per_execution: as Keras 3's
             ``compile`` takes them (also ``loss(predictions, targets)``), but cross-entropies by name take logits,
             and ``steps_per_execution="auto"`` (a fused call where nothing observable changes) is the default.
-        optimizer: any ``optax.GradientTransformation``.
+        optimizer: any ``optax.GradientTransformation``, or one per sub-network by path regex
+            (``{"generator": ..., "discriminator": ...}``, ``re.match``; docs/custom_training.md).
         strategy: a :class:`trainkit.Strategy`, a name, or ``"auto"`` (picked by the compiled plan).
         seed: seeds initialisation, dropout and the shuffle order.
         params: variables to start from (fine-tuning).
@@ -75,7 +78,8 @@ class Trainer:
         offload: ``"optimizer"`` (``"optimizer+frozen"``: and the frozen parameters) in host memory, streamed
             through each step, the same numbers; ``"auto"``: where the step fits only so.
 
-    Override :meth:`compute_loss` for a loss that is not ``loss(predictions, y)``. Each argument:
+    Override :meth:`compute_loss` for a loss that is not ``loss(predictions, y)``, :meth:`train_step` for a step of
+    your own (docs/custom_training.md). Each argument:
     docs/quickstart.md, docs/outputs.md, docs/performance.md, docs/precision_and_memory.md.
     """
 
@@ -93,7 +97,9 @@ class Trainer:
         if deterministic:  # XLA reads its flags when the backend starts: before anything touches devices
             distributed.enable_determinism()
         distributed.initialize_from_environment()  # a multi-process job: connect first
-        custom_loss = type(self).compute_loss is not Trainer.compute_loss
+        own_step = custom_step.overridden(type(self).train_step, Trainer.train_step, type(self).__name__)
+        own_test = custom_step.overridden(type(self).test_step, Trainer.test_step, type(self).__name__)
+        custom_loss = type(self).compute_loss is not Trainer.compute_loss or own_step
         check_trainer_arguments(optimizer, grad_accum_steps, jit_compile, has_loss=loss is not None or custom_loss)
         self.model, self.loss, self.optimizer, self.remat, self.seed = model, loss, optimizer, remat, int(seed)
         self.objective = Objective(loss, metrics, weighted_metrics, loss_weights)
@@ -105,7 +111,8 @@ class Trainer:
             optimizer=optimizer, objective=self.objective, precision=self.precision, eager=self.run_eagerly,
             grad_accum_steps=self.grad_accum_steps, log_grad_norm=self.log_grad_norm, variables=params, lora=lora,
             trainable=trainable, spike_skip=skip_spikes, frozen_statistics=frozen_statistics,
-            offload=Offload.of(offload),
+            offload=Offload.of(offload), train_step=self.train_step if own_step else None,
+            test_step=self.test_step if own_test else None,
         )  # fmt: skip
         self.session = Session()  # the one holder of the live state, the position and the flags
         self.setup = Setup(
@@ -115,9 +122,10 @@ class Trainer:
         self.state_access, self.compiled = self.setup.state_access, self.setup.compiled
         self.loop = Loop(self.session, self.compiled)
 
-    def apply(self, params: PyTree, model_state: PyTree, x: PyTree, *, rng: jax.Array, train: bool):
-        """``(outputs, new_model_state)`` under the precision policy and remat; pure (use it in ``compute_loss``)."""
-        return self.program.run_model(params, model_state, x, rng=rng, train=train)
+    def apply(self, params: PyTree, model_state: PyTree, x: PyTree, *, rng: jax.Array, train: bool, method=None):
+        """``(outputs, new_model_state)`` of the model (or its ``method``, by name) under the precision policy and
+        remat; pure (use it in ``compute_loss`` and ``train_step``)."""
+        return self.program.call_model(params, model_state, x, rng=rng, train=train, method=method)
 
     def compute_loss(
         self, params: PyTree, batch: Batch, rng: jax.Array, *, model_state: PyTree, train: bool
@@ -126,6 +134,19 @@ class Trainer:
         new_model_state))``; trainkit applies the mask and weights (a scalar: the rows' mean). Pure."""
         predictions, model_state = self.apply(params, model_state, batch["x"], rng=rng, train=train)
         return self.objective.loss(predictions, batch["y"]), (predictions, model_state)
+
+    def train_step(self, state: TrainState, batch: Batch, rng: jax.Array) -> tuple[TrainState, dict[str, jax.Array]]:
+        """Override for a step of your own (a GAN's alternating updates): pure, ``(state, batch, rng) -> (state,
+        logs)`` with :meth:`mean`, :meth:`apply_gradients`, :meth:`normal`, :meth:`all_rows`; run by every strategy,
+        fused and resumed as the built-in step, which runs when this is not overridden (docs/custom_training.md)."""
+        raise custom_step.not_callable("train_step")
+
+    def test_step(self, state: TrainState, batch: Batch, rng: jax.Array) -> dict[str, jax.Array]:
+        """Override for an evaluation of your own: pure, ``(state, batch, rng) -> logs`` (default: the loss)."""
+        raise custom_step.not_callable("test_step")
+
+    mean, normal = staticmethod(custom_step.mean), staticmethod(custom_step.normal)  # a custom step's helpers
+    all_rows, apply_gradients = staticmethod(custom_step.all_rows), staticmethod(custom_step.apply_gradients)
 
     @property
     def state(self) -> TrainState | None:
@@ -167,8 +188,8 @@ class Trainer:
         self.session.set_stop_requested(value)
 
     @property
-    def learning_rate(self) -> float:
-        """The (inject_hyperparams) learning rate; settable."""
+    def learning_rate(self) -> float | GroupRates:
+        """The (inject_hyperparams) learning rate; settable (under an optimizer per group: each by name)."""
         return self.state_access.learning_rate
 
     @learning_rate.setter

@@ -1,5 +1,7 @@
 """``ReduceLROnPlateau`` and ``LearningRateScheduler``: change the learning rate between
 epochs (Keras 3's callbacks), through the optimizer state of ``optax.inject_hyperparams``.
+Under an optimizer per group (``optimizer={"generator": ..., ...}``) each changes every group's
+rate, or ``group=``'s alone, and logs ``learning_rate/<group>``.
 
 >>> ReduceLROnPlateau(factor=0.5, patience=2).factor
 0.5
@@ -12,7 +14,24 @@ from collections.abc import Callable
 import numpy as np
 
 from trainkit.callbacks.base import Callback, Logs, MonitorCallback
+from trainkit.callbacks.trainer_view import TrainerView
 from trainkit.core.warn import warn_user
+
+
+def _rates(model: TrainerView, group: str | None) -> dict[str | None, float]:
+    """The rates a callback changes: ``group``'s, or every group's (``{None: rate}``: one optimizer)."""
+    rates = model.state_access.learning_rates()
+    if group is None:
+        return rates
+    if group not in rates:
+        raise ValueError(f"group={group!r} is not an optimizer group: the groups are {[g for g in rates if g]}.")
+    return {group: rates[group]}
+
+
+def _log_rates(model: TrainerView, logs: Logs) -> None:
+    """``learning_rate`` (one optimizer) or ``learning_rate/<group>`` into the epoch's logs."""
+    for group, rate in model.state_access.learning_rates().items():
+        logs["learning_rate" if group is None else f"learning_rate/{group}"] = rate
 
 
 class ReduceLROnPlateau(MonitorCallback):
@@ -32,9 +51,11 @@ class ReduceLROnPlateau(MonitorCallback):
         min_delta: float = 1e-4,
         cooldown: int = 0,
         min_lr: float = 0.0,
+        group: str | None = None,
         **kwargs,
     ):
         super().__init__(monitor, mode, min_delta=min_delta)
+        self.group = group  # an optimizer group's rate alone (None: every group's)
         if factor >= 1.0:
             raise ValueError(f"ReduceLROnPlateau does not support a factor >= 1.0. Received factor={factor}")
         self.factor, self.min_lr, self.patience = factor, min_lr, patience
@@ -51,7 +72,7 @@ class ReduceLROnPlateau(MonitorCallback):
 
     def on_epoch_end(self, epoch: int, logs: Logs | None = None) -> None:
         logs = logs if logs is not None else {}
-        logs["learning_rate"] = self.model.learning_rate
+        _log_rates(self.model, logs)
         current = logs.get(self.monitor)
         if current is None:
             warn_user(
@@ -67,13 +88,14 @@ class ReduceLROnPlateau(MonitorCallback):
         elif not self.in_cooldown():
             self.wait += 1
             if self.wait >= self.patience:
-                old = self.model.learning_rate
-                if old > np.float32(self.min_lr):
-                    new = max(old * self.factor, self.min_lr)
-                    self.model.learning_rate = new
-                    if self.verbose > 0:
-                        print(f"\nEpoch {epoch + 1}: ReduceLROnPlateau reducing learning rate to {new}.")
-                    self.cooldown_counter, self.wait = self.cooldown, 0
+                for group, old in _rates(self.model, self.group).items():
+                    if old > np.float32(self.min_lr):
+                        new = max(old * self.factor, self.min_lr)
+                        self.model.state_access.set_learning_rate(new, group)
+                        if self.verbose > 0:
+                            name = "learning rate" if group is None else f"{group}'s learning rate"
+                            print(f"\nEpoch {epoch + 1}: ReduceLROnPlateau reducing {name} to {new}.")
+                        self.cooldown_counter, self.wait = self.cooldown, 0
 
 
 class LearningRateScheduler(Callback):
@@ -81,21 +103,22 @@ class LearningRateScheduler(Callback):
     ``schedule(epoch)``), a Python float, as Keras does; ``learning_rate`` joins the epoch logs.
     For a per-step schedule, pass an optax schedule to the optimizer instead."""
 
-    def __init__(self, schedule: Callable, verbose: int = 0):
-        self.schedule, self.verbose = schedule, verbose
+    def __init__(self, schedule: Callable, verbose: int = 0, group: str | None = None):
+        self.schedule, self.verbose, self.group = schedule, verbose, group  # group: as ReduceLROnPlateau's
 
     def on_epoch_begin(self, epoch: int, logs: Logs | None = None) -> None:
-        current = self.model.learning_rate
-        try:
-            rate = self.schedule(epoch, current)
-        except TypeError:  # the old one-argument form
-            rate = self.schedule(epoch)
-        if not isinstance(rate, (float, np.float32, np.float64)):
-            raise ValueError(f"The output of the `schedule` function should be a float. Got: {rate!r}")
-        self.model.learning_rate = float(rate)
-        if self.verbose > 0:
-            print(f"\nEpoch {epoch + 1}: LearningRateScheduler setting learning rate to {rate}.")
+        for group, current in _rates(self.model, self.group).items():
+            try:
+                rate = self.schedule(epoch, current)
+            except TypeError:  # the old one-argument form
+                rate = self.schedule(epoch)
+            if not isinstance(rate, (float, np.float32, np.float64)):
+                raise ValueError(f"The output of the `schedule` function should be a float. Got: {rate!r}")
+            self.model.state_access.set_learning_rate(float(rate), group)
+            if self.verbose > 0:
+                name = "learning rate" if group is None else f"{group}'s learning rate"
+                print(f"\nEpoch {epoch + 1}: LearningRateScheduler setting {name} to {rate}.")
 
     def on_epoch_end(self, epoch: int, logs: Logs | None = None) -> None:
         if logs is not None:
-            logs["learning_rate"] = self.model.learning_rate
+            _log_rates(self.model, logs)

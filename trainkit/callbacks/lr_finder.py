@@ -174,7 +174,7 @@ class RangeTest(Callback):
         self.stopped_early = False
 
     def on_epoch_begin(self, epoch: int, logs: dict | None = None) -> None:
-        self.model.learning_rate = float(self.lrs[epoch])
+        self.model.state_access.set_learning_rate(float(self.lrs[epoch]))  # every group's, under several
 
     def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
         self.raw.append(float((logs or {})["loss"]))

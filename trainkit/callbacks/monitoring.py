@@ -113,9 +113,13 @@ class _Rate(Callback):
         )
 
     def _learning_rate(self) -> dict[str, float]:
-        """``{"learning_rate": ...}`` when the optimizer injects it, else ``{}``."""
+        """``{"learning_rate": ...}`` (``learning_rate/<group>`` each under an optimizer per group) when the
+        optimizer injects it, else ``{}``."""
         try:
-            return {"learning_rate": self.model.learning_rate}
+            rates = self.model.state_access.learning_rates()
+            return {
+                "learning_rate" if group is None else f"learning_rate/{group}": rate for group, rate in rates.items()
+            }
         except ValueError:  # the optimizer does not expose it (optimizers.require_learning_rate)
             return {}
 

@@ -28,6 +28,10 @@ class LearningRateControl(Protocol):
 
     def require_settable_learning_rate(self) -> None: ...
 
+    def learning_rates(self) -> dict[str | None, float]: ...
+
+    def set_learning_rate(self, value: float, group: str | None = None) -> None: ...
+
     def kept(self) -> AbstractContextManager[None]: ...
 
 
@@ -43,7 +47,6 @@ class TrainerView(CompiledTrainer, Protocol):
     trainkit's typed session); anything else is the facade's own."""
 
     stop_training: bool  # Keras's flag: True stops before the next batch
-    learning_rate: float  # the (inject_hyperparams) learning rate; settable
 
     @property
     def global_step(self) -> int: ...

@@ -15,11 +15,12 @@ This is the only file that knows Flax exists. Everything else sees a
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import inspect
 import zlib
 from collections.abc import Callable, Sequence
-from typing import Any, NamedTuple, Protocol
+from typing import Any, NamedTuple, Protocol, cast
 
 import jax
 import numpy as np
@@ -28,6 +29,7 @@ from flax import nnx
 
 from trainkit.core.frozen_statistics import freeze_nnx_layers
 from trainkit.core.lora import LoRA
+from trainkit.core.sown import LOSSES
 from trainkit.core.state import check_tree_matches
 from trainkit.core.tree import PyTree, leaf_name
 
@@ -59,8 +61,10 @@ class ModelAdapter(Protocol):
     def init(self, rng: jax.Array, x: PyTree) -> tuple[PyTree, PyTree]: ...
 
     def apply(
-        self, params: PyTree, model_state: PyTree, x: PyTree, *, rng: jax.Array, train: bool
-    ) -> tuple[PyTree, PyTree]: ...
+        self, params: PyTree, model_state: PyTree, x: PyTree, *, rng: jax.Array, train: bool, method: str | None = None
+    ) -> tuple[PyTree, PyTree]:
+        """``(outputs, new_model_state)`` of ``__call__``, or of the module's method ``method``."""
+        ...
 
     def param_axes(self, x: PyTree) -> dict[str, tuple]:
         """The parameters' partitioning annotations ``{path: names}`` (empty without any)."""
@@ -110,9 +114,12 @@ class LinenModel:
         self.module = module
         self._parameters = _call_parameters(type(module).__call__)
 
-    def _call(self, variables, x, train, **apply_kwargs):
-        args, kwargs = _split_inputs(x, self._parameters)
-        kwargs.update(_train_kwarg(self._parameters, train))
+    def _call(self, variables, x, train, method: str | None = None, **apply_kwargs):
+        parameters = self._parameters if method is None else _call_parameters(model_method(self.module, method))
+        args, kwargs = _split_inputs(x, parameters)
+        kwargs.update(_train_kwarg(parameters, train))
+        if method is not None:
+            apply_kwargs["method"] = method
         return self.module.apply(variables, *args, **kwargs, **apply_kwargs)
 
     def _boxed_init(self, rng: jax.Array, x: PyTree) -> dict:
@@ -124,6 +131,7 @@ class LinenModel:
     def init(self, rng: jax.Array, x: PyTree) -> tuple[PyTree, PyTree]:
         variables = nn.meta.unbox(self._boxed_init(rng, x))  # partitioning names: see param_axes
         params = variables.pop("params", {})
+        variables.pop(LOSSES, None)  # losses the model sows are each call's, not state (core/sown.py)
         return params, variables
 
     def param_axes(self, x: PyTree) -> dict[str, tuple]:
@@ -209,12 +217,15 @@ class LinenModel:
         jax.eval_shape(forward, params, model_state, x)
         return [call for call in calls.values() if call is not None]
 
-    def apply(self, params, model_state, x, *, rng, train):
+    def apply(self, params, model_state, x, *, rng, train, method=None):
+        """The model's call; losses it sows come back in the model state under ``"losses"`` (core/sown.py)."""
         variables = {"params": params, **model_state}
-        if train and model_state:
-            out, updates = self._call(variables, x, True, rngs={"dropout": rng}, mutable=list(model_state))
-            return out, {**model_state, **dict(updates)}
-        return self._call(variables, x, train, rngs={"dropout": rng}), model_state
+        writable = [*model_state, LOSSES] if train else [LOSSES]
+        out, updates = self._call(variables, x, train, method, rngs={"dropout": rng}, mutable=writable)
+        updates = dict(updates)
+        if not updates.get(LOSSES):
+            updates.pop(LOSSES, None)
+        return out, {**model_state, **updates}
 
 
 class NNXModel:
@@ -294,7 +305,7 @@ class NNXModel:
         nnx.replace_by_pure_dict(rest, model_state)
         return nnx.merge(self._graphdef, param_state, copy(self._rng_state), rest)
 
-    def apply(self, params, model_state, x, *, rng, train):
+    def apply(self, params, model_state, x, *, rng, train, method=None):
         module = self.merge(params, model_state)
         module.train() if train else module.eval()
         if train:
@@ -302,8 +313,9 @@ class NNXModel:
         if self._rng_tags:  # every stream, whatever the user's Rngs named it: new masks each step
             keys: dict[str, Any] = {tag: _stream_key(rng, tag) for tag in self._rng_tags}  # a stream per user's name
             nnx.reseed(module, **keys)
-        args, kwargs = _split_inputs(x, self._parameters)
-        out = module(*args, **kwargs)
+        call = module if method is None else functools.partial(model_method(module, method), module)
+        args, kwargs = _split_inputs(x, self._parameters if method is None else _call_parameters(call))
+        out = call(*args, **kwargs)
         rest = nnx.split(module, nnx.Param, nnx.RngState, ...)[-1]
         return out, (nnx.to_pure_dict(rest) if train else model_state)
 
@@ -337,6 +349,25 @@ def _recording_calls(classes: set[type], paths: dict[int, tuple], calls: dict[tu
                 del cls.__call__  # inherited: the base's again
             else:
                 cls.__call__ = original  # type: ignore[method-assign]  # the class as it was
+
+
+def model_method(module: object, name: object) -> Callable:
+    """The method ``name`` of the module's class (``apply(..., method="decode")``); a clear error
+    naming the methods it has for any other name.
+
+    >>> model_method(nn.Dense(2), "nope")
+    Traceback (most recent call last):
+    ValueError: method='nope' is not a method of the model (Dense); its methods are ['__call__'].
+    """
+    found = next((vars(c)[name] for c in type(module).__mro__ if isinstance(name, str) and name in vars(c)), None)
+    if found is None or not callable(found) or isinstance(found, type):
+        fields = {f.name for f in dataclasses.fields(cast(Any, module))} if dataclasses.is_dataclass(module) else set()
+        own = [k for k, v in vars(type(module)).items() if inspect.isfunction(v) and k not in fields]
+        public = sorted(k for k in own if k == "__call__" or not k.startswith("_") and k != "setup")
+        raise ValueError(
+            f"method={name!r} is not a method of the model ({type(module).__name__}); its methods are {public}."
+        )
+    return found
 
 
 def _layer_name(path: tuple[object, ...], module: object) -> str:

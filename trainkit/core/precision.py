@@ -27,6 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.typing import DTypeLike
 
+from trainkit.core.sown import LOSSES, split_sown
 from trainkit.core.tree import PyTree
 
 
@@ -192,20 +193,24 @@ class Precision:
         if self.compute_dtype == self.param_dtype == self.output_dtype == np.dtype(jnp.float32):
             return apply
 
-        def cast_apply(params, model_state, x, *, rng, train):
+        def cast_apply(params, model_state, x, *, rng, train, **options):
             outputs, new_model_state = apply(
                 cast_floating(params, self.compute_dtype),
                 model_state,
                 cast_floating(x, self.compute_dtype),
                 rng=rng,
                 train=train,
+                **options,
             )
-            # model state (batch statistics) keeps its stored dtypes from step to step
+            # model state (batch statistics) keeps its stored dtypes from step to step (sown losses are not state)
+            new_model_state, sown = split_sown(new_model_state)
             new_model_state = jax.tree.map(
                 lambda new, old: new.astype(old.dtype) if isinstance(old, _ARRAYS) else new,
                 new_model_state,
                 model_state,
             )
+            if sown:
+                new_model_state = {**new_model_state, LOSSES: sown}
             return cast_floating(outputs, self.output_dtype), new_model_state
 
         return cast_apply

@@ -185,9 +185,9 @@ def wrap_remat(adapter: ModelAdapter, remat: Any) -> Callable:
         )
     interceptor = _interceptor(spec)
 
-    def apply(params, model_state, x, *, rng, train):
+    def apply(params, model_state, x, *, rng, train, **options):
         with nn.intercept_methods(interceptor):
-            return adapter.apply(params, model_state, x, rng=rng, train=train)
+            return adapter.apply(params, model_state, x, rng=rng, train=train, **options)
 
     return apply
 

@@ -3,9 +3,10 @@ and :func:`with_totals`, which merges the metrics into the epoch's device-side t
 
 A *loss function* here has the signature of :meth:`trainkit.Trainer.compute_loss`::
 
-    compute_loss(params, batch, rng, *, model_state, train) -> (loss, (predictions, model_state))
+    compute_loss(params, batch, rng, *, model_state, train) -> (loss, (predictions, model_state[, logs]))
 
-where ``loss`` holds one value per row of the batch (or a scalar mean). The step weights each
+where ``loss`` holds one value per row of the batch (or a scalar mean), and the optional ``logs``
+(a dict of per-row values: a loss's parts) are reduced as the loss is and logged by name. The step weights each
 row by ``mask * sample_weight``; under a named device axis it sums totals and counts across
 devices, so the loss of a step is the mean over the real rows of the *global* batch and the
 gradient is exactly the single-device gradient.
@@ -24,9 +25,10 @@ gradient is exactly the single-device gradient.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from functools import partial
 from typing import Any
 
@@ -36,8 +38,11 @@ import numpy as np
 import optax
 from clu.metrics import LastValue
 
+from trainkit.core.custom_step import StepContext, UserTrainStep, active, make_custom_train_step
 from trainkit.core.offload import streamed_update, to_device
+from trainkit.core.optimizer_groups import OptimizerGroups
 from trainkit.core.optimizers import learning_rate
+from trainkit.core.sown import split_sown
 from trainkit.core.state import Batch, TrainState
 from trainkit.core.step_feature import StepFeature, StepUpdate
 from trainkit.core.totals import EpochTotals, LossAverage, MetricFn, PackedTotals, WeightedAverage, batch_state, pack
@@ -88,20 +93,21 @@ def _step_rng(state: TrainState, axis_name: str | None) -> jax.Array:
     return rng
 
 
-def _rows(loss: jax.Array, num_rows: int) -> jax.Array:
+def _rows(loss: jax.Array, num_rows: int, name: str = "loss") -> jax.Array:
     """Per-row loss values; a scalar (a batch mean) is spread evenly over the rows. Raises
     while tracing for a loss that is not floating (no gradient) or not one value per row."""
     loss = jnp.asarray(loss)
+    what = "The loss" if name == "loss" else f"The log (or sown loss) {name!r}"
     if not jnp.issubdtype(loss.dtype, jnp.floating):
         raise ValueError(
-            f"The loss has dtype {loss.dtype}: it must be floating, or it has no gradient. Cast inside compute_loss "
+            f"{what} has dtype {loss.dtype}: it must be floating, or it has no gradient. Cast inside compute_loss "
             "only what is not differentiated (labels), never the loss."
         )
     if loss.ndim == 0:
         return jnp.broadcast_to(loss.astype(jnp.float32), (num_rows,))
     if loss.shape[0] != num_rows:
         raise ValueError(
-            f"The loss has shape {loss.shape} for a batch of {num_rows} rows: return one value per row (shape "
+            f"{what} has shape {loss.shape} for a batch of {num_rows} rows: return one value per row (shape "
             f"({num_rows}, ...)) or a scalar mean, not values of several rows concatenated."
         )
     return loss.astype(jnp.float32).reshape(num_rows, -1).mean(axis=1)
@@ -112,17 +118,60 @@ def _loss_total(row_loss: jax.Array, batch: Batch) -> jax.Array:
     return jnp.where(batch["mask"] > 0, row_loss * _row_weights(batch), 0).sum()
 
 
-def _batch_metrics(metric_fns: Mapping[str, MetricFn], predictions, batch: Batch, loss_total) -> Metrics:
+def _batch_metrics(
+    metric_fns: Mapping[str, MetricFn], predictions, batch: Batch, loss_total, logs: Mapping[str, jax.Array]
+) -> Metrics:
     """Masked totals and counts of one (device-local) batch; sum them across devices. As in
     Keras, sample weights apply to the loss and to ``weighted_metrics`` only; other metrics
-    count every real row once."""
+    count every real row once. ``logs`` (a loss's parts, per row) are reduced as the loss is."""
     mask = batch["mask"]
     weights = _row_weights(batch)
     # The loss follows Keras: sum(loss * sample_weight) / (number of real rows).
     metrics = {"loss": LossAverage(total=loss_total, count=mask.sum())}
+    for name, values in logs.items():
+        metrics[name] = LossAverage(total=_loss_total(_rows(values, mask.shape[0], name), batch), count=mask.sum())
     for name, fn in metric_fns.items():
         metrics[name] = batch_state(fn, predictions, batch.get("y"), mask=mask, weights=weights)
     return metrics
+
+
+def loss_parts(
+    result: object, rows: int, metric_names: Iterable[str] = ()
+) -> tuple[jax.Array, tuple[Any, Any, dict[str, Any]]]:
+    """``compute_loss``'s result as ``(row_loss, (predictions, model_state, logs))`` for a batch of
+    ``rows``: ``logs`` empty when it returned two parts; the losses the model sowed
+    (:mod:`trainkit.core.sown`) taken out of the model state, added to the loss and logged. Raises,
+    naming the contract, for any other structure, for logs that are not a dict of values by name,
+    or that take a name the logs already have."""
+    aux = result[1] if isinstance(result, tuple) and len(result) == 2 else None
+    if not isinstance(aux, tuple) or len(aux) not in (2, 3):
+        raise TypeError(
+            "compute_loss must return (per_example_loss, (predictions, model_state)) or (per_example_loss, "
+            f"(predictions, model_state, logs)), logs a dict of per-row values; received {_shape_of(result)}."
+        )
+    logs = aux[2] if len(aux) == 3 else {}
+    if not isinstance(logs, Mapping) or not all(isinstance(k, str) for k in logs):
+        raise TypeError(
+            f"compute_loss's logs (the third part of its second value) must be a dict of per-row values by name, "
+            f"e.g. {{'kl_loss': kl}}; received {type(logs).__name__}."
+        )
+    model_state, sown = split_sown(aux[1])
+    taken = sorted((set(logs) | set(sown)) & {"loss", *metric_names}) + sorted(set(logs) & set(sown))
+    if taken:
+        raise ValueError(
+            f"compute_loss logs (or the model sows) {taken}, which the logs already hold (the loss, a metric, or "
+            "another log): name them otherwise, e.g. 'reconstruction_loss'."
+        )
+    row_loss = _rows(result[0], rows)  # type: ignore[index]  # checked above
+    for name, value in sown.items():
+        row_loss = row_loss + _rows(value, rows, name)
+    return row_loss, (aux[0], model_state, {**logs, **sown})
+
+
+def _shape_of(value: object) -> str:
+    if isinstance(value, tuple):
+        return "(" + ", ".join(_shape_of(v) for v in value) + ")"
+    return f"an array {tuple(value.shape)}" if isinstance(value, (jax.Array, np.ndarray)) else type(value).__name__
 
 
 def _microbatches(batch: Batch, k: int) -> Batch:
@@ -168,11 +217,16 @@ def _accumulated(
     return grads, model_state, metrics
 
 
-def _observed(metrics: Metrics, new_state: TrainState) -> Metrics:
-    """The step's learning rate (when the optimizer injects it) and its loss scale, added to ``metrics``."""
-    rate = learning_rate(new_state.opt_state)
-    if rate is not None:
-        metrics = {**metrics, "learning_rate": LastValue(value=jnp.asarray(rate, jnp.float32))}
+def _observed(metrics: Metrics, new_state: TrainState, groups: OptimizerGroups | None = None) -> Metrics:
+    """The step's learning rate (when the optimizer injects it; each group's as ``learning_rate/<group>``
+    under an optimizer per group) and its loss scale, added to ``metrics``."""
+    parts = {"learning_rate": new_state.opt_state} if groups is None else {
+        f"learning_rate/{name}": groups.inner_state(new_state.opt_state, name) for name in groups.names
+    }  # fmt: skip
+    for name, opt_state in parts.items():
+        rate = learning_rate(opt_state)
+        if rate is not None:
+            metrics = {**metrics, name: LastValue(value=jnp.asarray(rate, jnp.float32))}
     return {**metrics, **new_state.loss_scale.metrics()}
 
 
@@ -182,12 +236,16 @@ class TrainStepOptions:
     micro-batches per update, the ``trainable`` leaves (``None``: all), and the step's
     ``features`` (:mod:`trainkit.core.step_feature`), run in order after the update; and
     ``offload``: the optimizer's state is in host memory, streamed through the update
-    (:func:`trainkit.core.offload.streamed_update`)."""
+    (:func:`trainkit.core.offload.streamed_update`); ``groups``: the optimizer's groups (a dict
+    of optimizers by parameter path); ``user_step``: the user's own ``train_step``, which then
+    replaces the loss, the gradient and the update (:mod:`trainkit.core.custom_step`)."""
 
     grad_accum_steps: int = 1
     trainable: Trainable | None = None
     features: tuple[StepFeature, ...] = ()
     offload: bool = False
+    groups: OptimizerGroups | None = None
+    user_step: UserTrainStep | None = None
 
 
 def make_train_step(
@@ -211,28 +269,33 @@ def make_train_step(
     update_optimizer = functools.partial(streamed_update, tx) if options.offload else tx.update
     trainable = options.trainable if options.trainable is not None else Trainable(None)
     freezes = trainable.freezes
+    context = StepContext(axis_name, tx, options.groups, trainable)  # what trainer.normal / all_rows read
+    if options.user_step is not None:  # the user's own step: loss, gradients and update are its
+        return make_custom_train_step(options.user_step, context)
 
     def micro_step(params, model_state, batch, rng, batch_rows, loss_scale):
         trained, rebuild = (params, None) if not freezes else trainable.split(params)
 
         def objective(trained):
             full = to_device(trained if rebuild is None else rebuild(trained))  # offloaded frozen leaves, streamed
-            loss, (predictions, new_model_state) = compute_loss(full, batch, rng, model_state=model_state, train=True)
-            total = _loss_total(_rows(loss, batch["mask"].shape[0]), batch)
-            return loss_scale.scale(total / batch_rows), (total, predictions, new_model_state)
+            result = compute_loss(full, batch, rng, model_state=model_state, train=True)
+            row_loss, (predictions, new_model_state, logs) = loss_parts(result, batch["mask"].shape[0], metric_fns)
+            total = _loss_total(row_loss, batch)
+            return loss_scale.scale(total / batch_rows), (total, predictions, new_model_state, logs)
 
-        grads, (total, predictions, model_state) = jax.grad(objective, has_aux=True)(trained)
+        grads, (total, predictions, model_state, logs) = jax.grad(objective, has_aux=True)(trained)
         grads = grads if rebuild is None else trainable.full_grads(params, grads)
-        return grads, model_state, _batch_metrics(metric_fns, predictions, batch, total)
+        return grads, model_state, _batch_metrics(metric_fns, predictions, batch, total, logs)
 
     def train_step(state: TrainState, batch: Batch) -> tuple[TrainState, Metrics]:
         rng, batch_rows, loss_scale = _step_rng(state, axis_name), _batch_rows(batch, axis_name), state.loss_scale
-        if grad_accum_steps == 1:
-            grads, model_state, metrics = micro_step(
-                state.params, state.model_state, batch, rng, batch_rows, loss_scale
-            )
-        else:
-            grads, model_state, metrics = _accumulated(micro_step, state, batch, rng, batch_rows, grad_accum_steps)
+        with active(context.with_rngs(rng, _step_rng(state, None))):
+            if grad_accum_steps == 1:
+                grads, model_state, metrics = micro_step(
+                    state.params, state.model_state, batch, rng, batch_rows, loss_scale
+                )
+            else:
+                grads, model_state, metrics = _accumulated(micro_step, state, batch, rng, batch_rows, grad_accum_steps)
         grads, metrics = _psum((grads, metrics), axis_name)  # one all-reduce
         if axis_name is not None:
             model_state = jax.tree.map(partial(_pmean_floats, axis_name=axis_name), model_state)
@@ -253,22 +316,26 @@ def make_train_step(
         )
         for feature in features:
             update = feature(update)
-        return update.after, _observed(update.metrics, update.after)
+        return update.after, _observed(update.metrics, update.after, options.groups)
 
     return train_step
 
 
 def make_eval_step(
-    compute_loss: LossFn, metric_fns: Mapping[str, MetricFn], axis_name: str | None = None
+    compute_loss: LossFn,
+    metric_fns: Mapping[str, MetricFn],
+    axis_name: str | None = None,
+    context: StepContext | None = None,
 ) -> Callable[[TrainState, Batch], Metrics]:
-    """Masked loss and metric sums of one batch, in inference mode."""
+    """Masked loss and metric sums of one batch, in inference mode; ``context``: what
+    ``trainer.normal`` / ``all_rows`` read in ``compute_loss``."""
 
     def eval_step(state: TrainState, batch: Batch) -> Metrics:
-        loss, (predictions, _) = compute_loss(
-            to_device(state.params), batch, state.rng, model_state=state.model_state, train=False
-        )
-        loss_total = _loss_total(_rows(loss, batch["mask"].shape[0]), batch)
-        return _psum(_batch_metrics(metric_fns, predictions, batch, loss_total), axis_name)
+        with contextlib.nullcontext() if context is None else active(context):
+            result = compute_loss(to_device(state.params), batch, state.rng, model_state=state.model_state, train=False)
+        row_loss, (predictions, _, logs) = loss_parts(result, batch["mask"].shape[0], metric_fns)
+        loss_total = _loss_total(row_loss, batch)
+        return _psum(_batch_metrics(metric_fns, predictions, batch, loss_total, logs), axis_name)
 
     return eval_step
 

@@ -204,7 +204,7 @@ class EpochTotals:
         merged = jax.tree.map(lambda m, b: jnp.where(started, m, b), merged, metrics)
         # a metric this step does not report (statistics measured on other steps) is carried as it is
         merged.update({name: metric for name, metric in (self.metrics or {}).items() if name not in metrics})
-        loss = metrics["loss"]
+        loss = metrics["loss"] if "loss" in metrics else _watched(metrics)
         value = loss.total / jnp.maximum(loss.count, 1.0)
         new_bad = (self.first_non_finite == 0) & ~jnp.isfinite(loss.total)
         run, alarm, scale = self.skipped_run, self.skipped_alarm, self.skipped_scale
@@ -223,6 +223,15 @@ class EpochTotals:
             alarm,
             scale,
         )
+
+
+def _watched(metrics: dict) -> LossAverage:
+    """What stands for the loss in a step without one (a custom ``train_step``'s logs): the sum of
+    its logs, non-finite when any is."""
+    logs = [metric for _, metric in sorted(metrics.items()) if isinstance(metric, LossAverage)]
+    if not logs:
+        return LossAverage(total=jnp.float32(0), count=jnp.float32(0))
+    return LossAverage(total=sum(metric.total for metric in logs), count=logs[0].count)
 
 
 #: The metric under which a train step reports labels outside the classes (not logged: ``_``).

@@ -55,7 +55,7 @@ class CompiledFunctions:
 
     @property
     def log_order(self) -> tuple[str, ...]:
-        return self.program.objective.log_order
+        return self.program.log_order
 
     def labels_message(self, count: int, value: int, where: str) -> str:
         return self.program.objective.labels_message(count, value, where)

@@ -249,6 +249,8 @@ def prepare_fit(
         run_steps=lambda prepared: config.planned_steps(epoch_steps(prepared)),
     )
     source, batch_size = prepared.source, prepared.batch_size
+    if setup.custom_loss:  # the step's own logs are named when it is traced: before the fit names its logs
+        setup.compiled.empty_totals("train", prepared.sample_batch())
     steps = epoch_steps(prepared)
     config = config.until_max_steps(steps, source.one_shot)
     validation = None

@@ -30,6 +30,7 @@ import numpy as np
 import optax
 
 from trainkit.core import cost, tree
+from trainkit.core import custom_step as custom_lib
 from trainkit.core import frozen_statistics as frozen_lib
 from trainkit.core import lora as lora_lib
 from trainkit.core.features.grad_norm import global_grad_norm
@@ -39,6 +40,7 @@ from trainkit.core.features.spike_skipping import skip_spikes
 from trainkit.core.lora import LoRA, is_adapter
 from trainkit.core.model import LinenModel, ModelAdapter, param_axes, starting_variables, under_logical_rules, with_lora
 from trainkit.core.offload import Offload
+from trainkit.core.optimizer_groups import OptimizerGroups
 from trainkit.core.precision import Precision, cast_floating
 from trainkit.core.remat import rematerialised, repeated_blocks, wrap_remat
 from trainkit.core.spikes import SpikeSkip
@@ -86,6 +88,8 @@ class Program:
             in training (:mod:`trainkit.core.frozen_statistics`); ``False``: its statistics train.
         offload: what lives in host memory (:class:`~trainkit.core.offload.Offload`): the strategy
             places it there and the train step streams it through the update.
+        train_step, test_step: the user's own steps (:mod:`trainkit.core.custom_step`), which
+            replace the built-in loss, gradient and update (``None``: the built-in ones).
     """
 
     def __init__(
@@ -95,7 +99,7 @@ class Program:
         compute_loss: Callable,
         apply: Callable | None = None,
         remat: Any = None,
-        optimizer: optax.GradientTransformation,
+        optimizer: optax.GradientTransformation | dict[str, optax.GradientTransformation],
         objective: Any,
         precision: Precision,
         grad_accum_steps: int = 1,
@@ -108,7 +112,17 @@ class Program:
         spike_skip: SpikeSkip | None = None,
         frozen_statistics: bool = True,
         offload: Offload = Offload(),  # noqa: B008 - a frozen value
+        train_step: custom_lib.UserTrainStep | None = None,
+        test_step: custom_lib.UserTestStep | None = None,
     ):
+        self.train_step, self.test_step = train_step, test_step
+        refusal = custom_step_refusal(
+            grad_accum_steps=grad_accum_steps, precision=precision, spike_skip=spike_skip,
+            log_grad_norm=log_grad_norm, offload=offload,
+        ) if train_step is not None else None  # fmt: skip
+        if refusal is not None:
+            raise ValueError(refusal)
+        self.log_names: tuple[str, ...] | None = None  # the step's own logs, in their order (found when traced)
         self.offload = offload
         #: why this trainer's settings cannot offload the optimizer's state (``None``: they can)
         self.offload_refusal = offload_refusal(eager=eager, precision=precision, spike_skip=spike_skip)
@@ -120,7 +134,12 @@ class Program:
         self.adapter, self.compute_loss, self.apply = adapter, compute_loss, apply or self.run_model
         adapters = "" if lora is None else f"lora=tk.LoRA(targets={lora.targets!r}) matches no module (no adapter made)"
         self.trainable = Trainable.of(trainable, extra=None if lora is None else is_adapter, extra_name=adapters)
-        self.optimizer = self.trainable.optimizer(optimizer)  # set_to_zero (no state) for frozen leaves
+        #: the optimizer's groups, when it is a dict of optimizers by parameter path
+        self.groups = OptimizerGroups(optimizer) if isinstance(optimizer, dict) else None
+        if self.groups is not None:  # one multi_transform: the groups and the frozen leaves (set_to_zero)
+            self.optimizer = self.groups.transform(self.trainable.trains)
+        else:
+            self.optimizer = self.trainable.optimizer(optimizer)  # set_to_zero (no state) for frozen leaves
         if offload.frozen and not self.trainable.freezes:
             raise ValueError(
                 "offload='optimizer+frozen' keeps the frozen parameters in host memory, but none is frozen: pass "
@@ -159,7 +178,43 @@ class Program:
         """``compute_loss`` with the frozen ``BatchNorm`` layers in inference mode when it trains."""
         layers = self.frozen_layers(params, model_state, batch["x"]) if train else frozenset()
         with frozen_lib.statistics_frozen(layers):
-            return self.compute_loss(params, batch, rng, model_state=model_state, train=train)
+            result = self.compute_loss(params, batch, rng, model_state=model_state, train=train)
+        self._record_logs(result[1][2] if _has_logs(result) else {})
+        return result
+
+    def call_model(
+        self, params: PyTree, model_state: PyTree, x: PyTree, *, rng: jax.Array, train: bool, method: str | None = None
+    ) -> tuple[PyTree, PyTree]:
+        """:attr:`run_model` of ``__call__`` or the module's ``method``; inside a custom step under a
+        device axis, with the rng folded by the device (dropout masks differ between devices)."""
+        options = {} if method is None else {"method": method}
+        return self.run_model(params, model_state, x, rng=custom_lib.device_rng(rng), train=train, **options)
+
+    def _user_train_step(self, state: TrainState, batch: Batch, rng: jax.Array) -> Any:
+        """The user's ``train_step``, its logs' names recorded (in their order) when traced."""
+        assert self.train_step is not None
+        result = self.train_step(state, batch, rng)
+        if isinstance(result, tuple) and len(result) == 2 and isinstance(result[1], dict):
+            self._record_logs(result[1])
+        return result
+
+    def _record_logs(self, logs: Any) -> None:
+        if self.log_names is None and isinstance(logs, dict):
+            self.log_names = tuple(logs)
+
+    @property
+    def log_order(self) -> tuple[str, ...]:
+        """The names the logs hold, in order: the objective's (the loss, its terms, the metrics)
+        and ``compute_loss``'s logs, or the user's ``train_step``'s logs alone (once traced)."""
+        logs = self.log_names or ()
+        if self.train_step is not None:
+            return logs
+        order = self.objective.log_order
+        return (order[0], *logs, *order[1:])
+
+    def step_context(self, axis: str | None) -> custom_lib.StepContext:
+        """What a custom step's helpers read under the device ``axis``."""
+        return custom_lib.StepContext(axis, self.optimizer, self.groups, self.trainable)
 
     # ------------------------------------------------------------------ the initial state
     def init_state(self, variables: PyTree, first_row: PyTree, key: jax.Array) -> TrainState:
@@ -326,11 +381,20 @@ class Program:
         ``(state, batch) -> metrics``, before their metrics are merged into the totals; the
         statistics (``GradientStats``) measured as ``statistics_when`` says
         (:meth:`~trainkit.core.statistics.StepStatistics.metrics`)."""
+        if kind == "eval" and self.test_step is not None:
+            return custom_lib.make_custom_eval_step(self.test_step, self.step_context(axis))
         if kind == "eval":
-            return make_eval_step(self.compute_loss, self.objective.metric_fns, axis)
+            return make_eval_step(self.training_loss, self.objective.metric_fns, axis, self.step_context(axis))
         offload = bool(self.offload) if offload is None else offload
+        user_step = None if self.train_step is None else self._user_train_step
+        features = self.step_features(statistics, statistics_when) if user_step is None else ()
+        if user_step is not None and statistics is not None:
+            raise ValueError(
+                "GradientStats measures the built-in step's gradients, and this trainer's train_step is its own (its "
+                "gradients are its locals). Log what you need from train_step's logs, or drop GradientStats."
+            )
         options = TrainStepOptions(
-            self.grad_accum_steps, self.trainable, self.step_features(statistics, statistics_when), offload
+            self.grad_accum_steps, self.trainable, features, offload, groups=self.groups, user_step=user_step
         )
         return make_train_step(self.training_loss, self.optimizer, self.objective.metric_fns, axis, options)
 
@@ -418,7 +482,42 @@ class Program:
             trains=trains,
             settings=settings,
         )
-        return dataclasses.replace(plan, state_bytes=self.trainable.state_bytes(abstract_state))
+        parts = self.trainable.state_bytes(abstract_state)
+        if self.groups is not None:  # and each group's share of the optimizer's state
+            inner = {name: self.groups.inner_state(abstract_state.opt_state, name) for name in self.groups.names}
+            parts.update({f"optimizer state ({name})": tree.tree_bytes(state) for name, state in inner.items()})
+        return dataclasses.replace(plan, state_bytes=parts)
+
+
+def _has_logs(result: Any) -> bool:
+    return isinstance(result, tuple) and len(result) == 2 and isinstance(result[1], tuple) and len(result[1]) == 3
+
+
+def custom_step_refusal(
+    *, grad_accum_steps: int, precision: Precision, spike_skip: SpikeSkip | None, log_grad_norm: bool, offload: Offload
+) -> str | None:
+    """Why a trainer with a ``train_step`` of its own cannot have these settings (``None``: it
+    can): each works on the built-in step's one loss, gradient and update, which a custom step
+    computes itself (it may differentiate several losses and update several groups)."""
+    why = "the step's loss, gradients and updates are its own, so trainkit has no one loss or update to"
+    mine = "with a train_step of your own"
+    if grad_accum_steps != 1:
+        return (
+            f"grad_accum_steps={grad_accum_steps} {mine}: {why} accumulate. Pass grad_accum_steps=1 (a larger "
+            "batch, or accumulate inside train_step)."
+        )
+    if precision.loss_scale is not None:
+        return (
+            f"precision={precision!r} scales the loss (fp16) and skips non-finite steps, but {mine} {why} scale. "
+            "Use precision='bf16' (no loss scale) or 'fp32'."
+        )
+    if spike_skip is not None:
+        return f"skip_spikes {mine}: {why} judge. Drop skip_spikes, or skip inside train_step."
+    if log_grad_norm:
+        return f"log_grad_norm=True {mine}: {why} measure. Log optax.global_norm(grads) from train_step instead."
+    if offload:
+        return f"offload={offload!r} streams the built-in update, and {mine} {why} stream. Pass offload=None."
+    return None
 
 
 def offload_refusal(*, eager: bool, precision: Precision, spike_skip: SpikeSkip | None) -> str | None:

@@ -66,11 +66,11 @@ def check_trainer_arguments(
 ) -> None:
     """Refuses the ``Trainer`` arguments that cannot work, saying what to pass."""
     if not has_loss:
-        raise ValueError("Pass loss=..., or subclass Trainer and override compute_loss.")
-    if not isinstance(optimizer, optax.GradientTransformation):
+        raise ValueError("Pass loss=..., or subclass Trainer and override compute_loss (or train_step).")
+    if not isinstance(optimizer, (optax.GradientTransformation, dict)):
         raise TypeError(
-            f"optimizer must be an optax.GradientTransformation such as optax.adam(1e-3); "
-            f"received {type(optimizer).__name__}."
+            f"optimizer must be an optax.GradientTransformation such as optax.adam(1e-3), or a dict of them by "
+            f"parameter path (one per sub-network); received {type(optimizer).__name__}."
         )
     if not isinstance(grad_accum_steps, (int, np.integer)) or grad_accum_steps < 1:
         raise ValueError(f"grad_accum_steps must be a positive integer; received {grad_accum_steps!r}.")

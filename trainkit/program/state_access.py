@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import jax
@@ -33,6 +33,38 @@ from trainkit.program.decisions import Decided
 from trainkit.program.program import Program
 from trainkit.record.session import Session
 from trainkit.weights import Target
+
+
+class GroupRates(Mapping[str, float]):
+    """``trainer.learning_rate`` under an optimizer per group: each group's rate by name, read and
+    set (``trainer.learning_rate["generator"] = 1e-4``).
+
+    >>> import numpy as np, optax, flax.linen as nn, trainkit as tk
+    >>> rate = optax.inject_hyperparams(optax.sgd)(learning_rate=0.1)
+    >>> trainer = tk.Trainer(nn.Dense(2), loss="mse", optimizer={"kernel": rate, "bias": rate}, strategy="single")
+    >>> _ = trainer.init((np.ones((4, 3), np.float32), np.ones((4, 2), np.float32)))
+    >>> trainer.learning_rate["bias"] = 0.5
+    >>> {group: round(rate, 6) for group, rate in trainer.learning_rate.items()}
+    {'kernel': 0.1, 'bias': 0.5}
+    """
+
+    def __init__(self, access: StateAccess):
+        self.access = access
+
+    def __getitem__(self, group: str) -> float:
+        rates = self.access.learning_rates()
+        if group not in rates:
+            raise KeyError(f"There is no optimizer group {group!r}: the groups are {list(rates)}.")
+        return rates[group]
+
+    def __setitem__(self, group: str, value: float) -> None:
+        self.access.set_learning_rate(value, group)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(name for name in self.access.learning_rates() if name is not None)
+
+    def __len__(self) -> int:
+        return len(self.access.learning_rates())
 
 
 class StateAccess:
@@ -57,13 +89,33 @@ class StateAccess:
 
     # ------------------------------------------------------------------ the learning rate
     @property
-    def learning_rate(self) -> float:
+    def learning_rate(self) -> float | GroupRates:
+        """The optimizer's learning rate; under an optimizer per group, each group's (by name, settable)."""
+        if self.program.groups is not None:
+            return GroupRates(self)
         return float(distributed.fetch(optimizers.require_learning_rate(self.require_state().opt_state)))
 
-    def set_learning_rate(self, value: float) -> None:
-        """The optimizer's learning rate (``optax.inject_hyperparams``) set in the live state."""
+    def learning_rates(self) -> dict[str | None, float]:
+        """Each group's learning rate by name, or ``{None: rate}`` for one optimizer."""
+        if self.program.groups is None:
+            return {None: float(distributed.fetch(optimizers.require_learning_rate(self.require_state().opt_state)))}
+        opt_state, groups = self.require_state().opt_state, self.program.groups
+        rates = {name: optimizers.require_learning_rate(groups.inner_state(opt_state, name)) for name in groups.names}
+        fetched = distributed.fetch(rates)
+        return {name: float(fetched[name]) for name in groups.names}
+
+    def set_learning_rate(self, value: float, group: str | None = None) -> None:
+        """The optimizer's learning rate (``optax.inject_hyperparams``) set in the live state: ``group``'s
+        alone, or (``None``) every group's."""
         self.require_settable_learning_rate()
-        self.update_state(opt_state=optimizers.set_learning_rate(self.require_state().opt_state, value))
+        opt_state, groups = self.require_state().opt_state, self.program.groups
+        if group is None:
+            self.update_state(opt_state=optimizers.set_learning_rate(opt_state, value))
+            return
+        if groups is None:
+            raise ValueError(f"The trainer has one optimizer, not groups: set trainer.learning_rate, not [{group!r}].")
+        inner = optimizers.set_learning_rate(groups.inner_state(opt_state, group), value)
+        self.update_state(opt_state=groups.with_inner_state(opt_state, group, inner))
 
     def require_settable_learning_rate(self) -> None:
         """Refuses, before anything changes, a learning rate that setting would not change: one

@@ -1,0 +1,398 @@
+"""The user's own training logic (#58): losses that log their parts, an optimizer per
+sub-network, a train step of one's own, each the same on every strategy."""
+
+import importlib.util
+import pathlib
+import re
+import subprocess
+import sys
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from conftest import strategy_table, subprocess_cache_env, tree_allclose
+
+import trainkit as tk
+
+ROOT = pathlib.Path(__file__).parent.parent
+
+
+def load_example(name):
+    spec = importlib.util.spec_from_file_location(f"example_{name}", ROOT / "examples" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses (linen modules) look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+gan = load_example("gan")
+STRATEGIES = strategy_table(min_shard_size=64)
+IMAGES = gan.digits(200)  # with batch 64: three full batches and one of 8 real rows
+
+
+def gan_trainer(strategy="single", **options):
+    adam = optax.adam(1e-3, b1=0.5)
+    return gan.GANTrainer(gan.GAN(), optimizer={"generator": adam, "discriminator": adam}, strategy=strategy, **options)
+
+
+@pytest.fixture(scope="module")
+def gan_single():
+    trainer = gan_trainer(steps_per_execution=1)
+    history = trainer.fit(IMAGES, batch_size=64, epochs=3, shuffle=False, verbose=0)
+    return trainer, history.history
+
+
+@pytest.mark.parametrize("name", [name for name in STRATEGIES if name != "single"])
+def test_gan_losses_and_parameters_match_single_device(gan_single, name):
+    trainer = gan_trainer(STRATEGIES[name](), steps_per_execution=1)
+    history = trainer.fit(IMAGES, batch_size=64, epochs=3, shuffle=False, verbose=0).history
+    reference, expected = gan_single
+    assert list(history) == ["d_loss", "g_loss"]
+    for key in ("d_loss", "g_loss"):
+        np.testing.assert_allclose(history[key], expected[key], rtol=1e-5, err_msg=key)
+    tree_allclose(trainer.params, reference.params, rtol=1e-4, atol=1e-5)
+
+
+def test_gan_is_the_hand_written_optax_loop(gan_single):
+    """The same GAN written with optax alone, from the trainer's initial state and rng: trainkit adds nothing."""
+    reference, expected = gan_single
+    trainer = gan_trainer()
+    trainer.init(IMAGES[:64])
+    state = trainer.state
+    params, key, module = state.params, state.rng, gan.GAN()
+    adam = optax.adam(1e-3, b1=0.5)
+    parts = {name: params[name] for name in ("generator", "discriminator")}
+    moments = {name: adam.init(part) for name, part in parts.items()}
+
+    def run(parts, x, method):
+        return module.apply({"params": parts}, x, method=method)
+
+    @jax.jit
+    def step(parts, moments, x, mask, rng):
+        z = jax.vmap(lambda i: jax.random.normal(jax.random.fold_in(rng, i), (gan.LATENT,)))(jnp.arange(len(x)))
+        mean = lambda values: (values * mask).sum() / mask.sum()  # noqa: E731
+
+        def d_loss_fn(disc):
+            both = {**parts, "discriminator": disc}
+            fake = run(both, z, "generate")
+            return mean(gan.bce(run(both, x, "discriminate"), 1.0) + gan.bce(run(both, fake, "discriminate"), 0.0))
+
+        d_loss, grads = jax.value_and_grad(d_loss_fn)(parts["discriminator"])
+        updates, moments["discriminator"] = adam.update(grads, moments["discriminator"])
+        parts = {**parts, "discriminator": optax.apply_updates(parts["discriminator"], updates)}
+
+        def g_loss_fn(generator):
+            both = {**parts, "generator": generator}
+            return mean(gan.bce(run(both, run(both, z, "generate"), "discriminate"), 1.0))
+
+        g_loss, grads = jax.value_and_grad(g_loss_fn)(parts["generator"])
+        updates, moments["generator"] = adam.update(grads, moments["generator"])
+        return {**parts, "generator": optax.apply_updates(parts["generator"], updates)}, moments, d_loss, g_loss
+
+    step_number, losses = 0, {"d_loss": [], "g_loss": []}
+    for _ in range(3):
+        sums, rows = np.zeros(2), 0
+        for start in range(0, len(IMAGES), 64):
+            x = np.zeros((64, 64), np.float32)
+            real = IMAGES[start : start + 64]
+            x[: len(real)] = real
+            mask = (np.arange(64) < len(real)).astype(np.float32)
+            parts, moments, d_loss, g_loss = step(parts, moments, x, mask, jax.random.fold_in(key, step_number))
+            sums += len(real) * np.array([d_loss, g_loss])
+            rows, step_number = rows + len(real), step_number + 1
+        losses["d_loss"].append(sums[0] / rows)
+        losses["g_loss"].append(sums[1] / rows)
+    for name in losses:
+        np.testing.assert_allclose(expected[name], losses[name], rtol=1e-6, err_msg=name)
+    tree_allclose(reference.params, parts, rtol=1e-6, atol=1e-6)
+
+
+def test_gan_fused_steps_equal_single_steps(gan_single):
+    reference, expected = gan_single
+    trainer = gan_trainer(steps_per_execution=8)
+    history = trainer.fit(IMAGES, batch_size=64, epochs=3, shuffle=False, verbose=0).history
+    assert trainer.steps_per_execution == 8
+    for key in expected:
+        np.testing.assert_allclose(history[key], expected[key], rtol=1e-6, err_msg=key)
+    tree_allclose(trainer.params, reference.params, rtol=1e-6, atol=1e-7)
+
+
+def test_gan_plan_counts_each_groups_optimizer_state():
+    trainer = gan_trainer()
+    plan = trainer.plan(IMAGES[:64], verbose=0)
+    params = trainer.init(IMAGES[:64]).params
+    for name in ("generator", "discriminator"):  # Adam: two moments per parameter, and a count
+        size = sum(leaf.size * 4 for leaf in jax.tree.leaves(params[name]))
+        assert plan.state_bytes[f"optimizer state ({name})"] == 2 * size + 4
+    assert plan.state_bytes["optimizer state"] == 2 * sum(leaf.size * 4 for leaf in jax.tree.leaves(params)) + 8
+
+
+def test_kill_9_mid_epoch_then_backup_and_restore_is_bit_identical(tmp_path):
+    env = subprocess_cache_env()
+    common = [sys.executable, str(ROOT / "examples" / "gan.py"), "--devices", "8", "--strategy", "dp", "--rows", "320"]
+    common += ["--epochs", "4", "--batch-size", "32"]
+    done = subprocess.run([*common, "--out", str(tmp_path / "ref.npz")], capture_output=True, text=True, env=env)
+    assert done.returncode == 0, done.stdout + done.stderr
+    backup = tmp_path / "backup"
+    run = [*common, "--backup", str(backup), "--out", str(tmp_path / "out.npz")]
+    process = subprocess.Popen([*run, "--sleep", "0.05"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env)
+    saved = lambda: [p for p in backup.glob("*") if p.name.isdigit() and (p / "commit_success.txt").exists()]  # noqa: E731
+    deadline = 240
+    while not [p for p in saved() if int(p.name) >= 14] and deadline > 0 and process.poll() is None:
+        subprocess.run(["sleep", "0.1"])
+        deadline -= 0.1
+    process.kill()  # SIGKILL, mid-epoch 2 (10 steps an epoch)
+    process.wait()
+    steps = sorted(int(p.name) for p in saved())
+    assert steps and steps[-1] < 40 and steps[-1] % 10, steps  # died mid-run, mid-epoch
+    resumed = subprocess.run(run, capture_output=True, text=True, env=env)
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    with np.load(tmp_path / "ref.npz") as ref, np.load(tmp_path / "out.npz") as out:
+        assert ref.files == out.files
+        for name in ref.files:
+            np.testing.assert_array_equal(ref[name], out[name], err_msg=name)
+
+
+class VAE(nn.Module):
+    """A variational auto-encoder of 64 values through a latent of 2, ``encode`` and ``decode`` apart."""
+
+    def setup(self):
+        self.hidden, self.mean, self.log_var = nn.Dense(32), nn.Dense(2), nn.Dense(2)
+        self.decoder = gan.MLP((32, 64))
+
+    def encode(self, x):
+        hidden = nn.relu(self.hidden(x))
+        return self.mean(hidden), self.log_var(hidden)
+
+    def decode(self, z):
+        return self.decoder(z)
+
+    def __call__(self, x):
+        return self.decode(self.encode(x)[0])
+
+
+class VAETrainer(tk.Trainer):
+    def compute_loss(self, params, batch, rng, *, model_state, train):
+        (mean, log_var), _ = self.apply(params, model_state, batch["x"], rng=rng, train=train, method="encode")
+        z = mean + jnp.exp(0.5 * log_var) * self.normal(rng, batch, mean.shape[1:]) if train else mean
+        reconstruction, _ = self.apply(params, model_state, z, rng=rng, train=train, method="decode")
+        reconstruction_loss = ((reconstruction - batch["x"]) ** 2).sum(axis=-1)
+        kl_loss = -0.5 * (1 + log_var - mean**2 - jnp.exp(log_var)).sum(axis=-1)
+        logs = {"reconstruction_loss": reconstruction_loss, "kl_loss": kl_loss}
+        return reconstruction_loss + kl_loss, (reconstruction, model_state, logs)
+
+
+def vae_history(strategy):
+    trainer = VAETrainer(VAE(), optimizer=optax.adam(1e-2), strategy=strategy)
+    history = trainer.fit(IMAGES, batch_size=64, epochs=2, validation_data=(IMAGES[:50],), verbose=0).history
+    return history, trainer.evaluate(IMAGES, return_dict=True)
+
+
+@pytest.fixture(scope="module")
+def vae_single():
+    return vae_history("single")
+
+
+@pytest.mark.parametrize("name", [name for name in STRATEGIES if name != "single"])
+def test_vae_loss_parts_are_logged_and_equal_on_every_strategy(vae_single, name):
+    (expected, evaluated), (history, evaluation) = vae_single, vae_history(STRATEGIES[name]())
+    keys = {"loss", "reconstruction_loss", "kl_loss"}
+    assert set(history) == keys | {f"val_{key}" for key in keys}
+    for key in history:
+        np.testing.assert_allclose(history[key], expected[key], rtol=1e-6, err_msg=key)
+    assert list(evaluation) == ["loss", "reconstruction_loss", "kl_loss"]  # the loss, then the parts in their order
+    for key in evaluation:
+        np.testing.assert_allclose(evaluation[key], evaluated[key], rtol=1e-6, err_msg=key)
+    # each part is reduced as the loss: they sum to it
+    np.testing.assert_allclose(evaluation["loss"], evaluation["reconstruction_loss"] + evaluation["kl_loss"], rtol=1e-6)
+
+
+# ---------------------------------------------------------------------------------------------- errors
+class Halves(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        return nn.Dense(2, name="left")(x) + nn.Dense(2, name="right")(x)
+
+
+X, Y = np.ones((16, 3), np.float32), np.zeros((16,), np.int32)
+
+
+def fit_with(trainer_class, optimizer=None, **options):
+    optimizer = optimizer or {"left": optax.sgd(0.1), "right": optax.sgd(0.1)}
+    trainer = trainer_class(Halves(), optimizer=optimizer, strategy="single", **options)
+    return trainer.fit(X, Y, batch_size=8, epochs=1, verbose=0)
+
+
+class Plain(tk.Trainer):
+    def train_step(self, state, batch, rng):
+        def loss_fn(params):
+            out, _ = self.apply(params, state.model_state, batch["x"], rng=rng, train=True)
+            return self.mean((out**2).sum(-1), batch)
+
+        loss, grads = jax.value_and_grad(loss_fn)(state.params)
+        return self.apply_gradients(state, grads, "left"), {"loss": loss}
+
+
+@pytest.mark.parametrize(
+    ("optimizer", "message"),
+    [
+        ({"left": optax.sgd(0.1)}, r"1 trainable parameter\(s\) match no key: \['right/bias'.*'right/kernel'"),
+        ({"left": optax.sgd(0.1), "right": optax.sgd(0.1), "l": optax.sgd(0.1)}, r"match several keys.*left/bias"),
+    ],
+    ids=["unmatched", "doubly_matched"],
+)
+def test_an_optimizer_map_with_unmatched_or_doubly_matched_leaves_is_refused(optimizer, message):
+    with pytest.raises(ValueError, match=message.replace("1 trainable", "2 trainable")):
+        fit_with(Plain, optimizer)
+
+
+def test_an_optimizer_map_trains_each_group_with_its_own_optimizer():
+    trainer = tk.Trainer(
+        Halves(), loss="sparse_categorical_crossentropy", strategy="single",
+        optimizer={"left": optax.sgd(0.1), "right": optax.sgd(0.0)},
+    )  # fmt: skip
+    trainer.init((X, Y))
+    before = jax.tree.map(np.asarray, trainer.params)
+    trainer.fit(X, Y, batch_size=8, epochs=1, verbose=0)
+    after = trainer.params
+    np.testing.assert_array_equal(after["right"]["kernel"], before["right"]["kernel"])  # a learning rate of 0
+    assert not np.array_equal(after["left"]["kernel"], before["left"]["kernel"])
+
+
+def test_apply_gradients_updates_only_its_group():
+    trainer = Plain(Halves(), optimizer={"left": optax.adam(0.1), "right": optax.adam(0.1)}, strategy="single")
+    trainer.init(X)
+    before = jax.tree.map(np.asarray, trainer.get_weights())
+    trainer.fit(X, batch_size=8, epochs=1, verbose=0)
+    after = trainer.get_weights()
+    np.testing.assert_array_equal(after["params"]["right"]["kernel"], before["params"]["right"]["kernel"])
+    assert not np.array_equal(after["params"]["left"]["kernel"], before["params"]["left"]["kernel"])
+    moments = trainer.state.opt_state.inner_states["right"].inner_state[0].mu["right"]["kernel"]
+    assert not np.asarray(moments).any()  # the other group's state untouched
+
+
+class UnknownGroup(Plain):
+    def train_step(self, state, batch, rng):
+        grads = jax.tree.map(jnp.zeros_like, state.params)
+        return self.apply_gradients(state, grads, "middle"), {}
+
+
+class WrongStructure(Plain):
+    def train_step(self, state, batch, rng):
+        return state
+
+
+class VectorLogs(Plain):
+    def train_step(self, state, batch, rng):
+        return state, {"per_row": batch["x"].sum(-1)}
+
+
+class UnknownMethod(Plain):
+    def train_step(self, state, batch, rng):
+        self.apply(state.params, state.model_state, batch["x"], rng=rng, train=True, method="decode")
+        return state, {}
+
+
+class KerasSignature(tk.Trainer):
+    def train_step(self, state, data):  # Keras 3's JAX signature: never called silently
+        return state, {}
+
+
+@pytest.mark.parametrize(
+    ("trainer_class", "error", "message"),
+    [
+        (UnknownGroup, ValueError, r"no optimizer group 'middle': the groups are \['left', 'right'\]"),
+        (WrongStructure, TypeError, r"must return \(state, logs\).*received TrainState"),
+        (VectorLogs, ValueError, r"logs that are not scalars: \{'per_row': \(8,\)\}"),
+        (UnknownMethod, ValueError, r"method='decode' is not a method of the model \(Halves\)"),
+        (KerasSignature, TypeError, r"KerasSignature.train_step takes \(state, data\).*train_step\(self, state, batch"),
+    ],
+    ids=["unknown_group", "wrong_structure", "vector_logs", "unknown_method", "keras_signature"],
+)
+def test_wrong_use_of_a_custom_step_is_refused_before_the_first_step(trainer_class, error, message):
+    with pytest.raises(error, match=message):
+        fit_with(trainer_class)
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"grad_accum_steps": 2}, r"grad_accum_steps=2 with a train_step of your own"),
+        ({"precision": "fp16"}, r"scales the loss \(fp16\).*Use precision='bf16'"),
+        ({"skip_spikes": tk.SpikeSkip()}, r"skip_spikes with a train_step of your own"),
+        ({"log_grad_norm": True}, r"log_grad_norm=True with a train_step of your own"),
+    ],
+    ids=["accumulation", "fp16", "skip_spikes", "grad_norm"],
+)
+def test_settings_a_custom_step_cannot_apply_are_refused_when_the_trainer_is_built(options, message):
+    with pytest.raises(ValueError, match=message):
+        Plain(Halves(), optimizer=optax.sgd(0.1), strategy="single", **options)
+
+
+def test_a_helper_outside_a_step_names_where_it_belongs():
+    trainer = Plain(Halves(), optimizer=optax.sgd(0.1), strategy="single")
+    with pytest.raises(RuntimeError, match=r"trainer.mean\(...\) is a helper of a train_step or test_step"):
+        trainer.mean(jnp.ones(4), {"mask": jnp.ones(4)})
+
+
+def test_compute_loss_returning_another_structure_names_the_contract():
+    class LossAlone(tk.Trainer):
+        def compute_loss(self, params, batch, rng, *, model_state, train):
+            out, _ = self.apply(params, model_state, batch["x"], rng=rng, train=train)
+            return (out**2).sum(-1)
+
+    with pytest.raises(TypeError, match=re.escape("compute_loss must return (per_example_loss, (predictions")):
+        LossAlone(Halves(), optimizer=optax.sgd(0.1), strategy="single").fit(X, batch_size=8, verbose=0)
+
+
+# ---------------------------------------------------------------------------------------------- add_loss, rates
+class Penalised(nn.Module):
+    """A Dense whose kernel's squared norm is sown as a loss (Keras's ``add_loss``), in two modules."""
+
+    @nn.compact
+    def __call__(self, x):
+        for name in ("first", "second"):
+            dense = nn.Dense(2, name=name)
+            x = dense(x)
+            self.sow("losses", "penalty", 0.01 * (dense.variables["params"]["kernel"] ** 2).sum())
+        return x
+
+
+@pytest.mark.parametrize("name", ["single", "dp8", "fsdp8"])
+def test_sown_losses_are_added_to_the_loss_and_logged(name):
+    x, y = np.random.default_rng(0).normal(size=(40, 3)).astype(np.float32), np.zeros(40, np.int32)
+    trainer = tk.Trainer(Penalised(), loss="sparse_categorical_crossentropy", optimizer=optax.sgd(0.1),
+                         strategy=STRATEGIES[name]())  # fmt: skip
+    history = trainer.fit(x, y, batch_size=16, epochs=2, validation_data=(x, y), verbose=0).history
+    assert {"penalty", "val_penalty"} <= set(history) and "losses" not in trainer.state.model_state
+    logs = trainer.evaluate(x, y, return_dict=True)
+    kernels = [trainer.params[layer]["kernel"] for layer in ("first", "second")]
+    penalty = sum(0.01 * float((kernel**2).sum()) for kernel in kernels)
+    np.testing.assert_allclose(logs["penalty"], penalty, rtol=1e-5)  # both modules' values, summed
+    out = trainer.predict(x)
+    cross_entropy = optax.softmax_cross_entropy_with_integer_labels(out, y).mean()
+    np.testing.assert_allclose(logs["loss"], cross_entropy + penalty, rtol=1e-5)  # and added to the loss
+
+
+def test_each_groups_learning_rate_is_read_set_and_reduced_by_the_callbacks():
+    rate = optax.inject_hyperparams(optax.sgd)(learning_rate=0.1)
+    trainer = tk.Trainer(Halves(), loss="sparse_categorical_crossentropy", strategy="single",
+                         optimizer={"left": rate, "right": rate})  # fmt: skip
+    trainer.init((X, Y))
+    trainer.learning_rate["right"] = 0.4
+    assert dict(trainer.learning_rate) == pytest.approx({"left": 0.1, "right": 0.4})
+    with pytest.raises(KeyError, match=r"no optimizer group 'middle'"):
+        trainer.learning_rate["middle"]
+    never_better = tk.callbacks.ReduceLROnPlateau(monitor="loss", factor=0.5, patience=1, mode="max", min_delta=1e9)
+    history = trainer.fit(X, Y, batch_size=8, epochs=2, verbose=0, callbacks=[never_better]).history
+    # logged as each epoch ended, before the second epoch's end reduced both (as Keras logs it)
+    assert history["learning_rate/left"] == pytest.approx([0.1, 0.1]) and "learning_rate" not in history
+    assert dict(trainer.learning_rate) == pytest.approx({"left": 0.05, "right": 0.2})
+    one = tk.callbacks.LearningRateScheduler(lambda epoch, rate: rate * 0.5, group="left")
+    trainer.fit(X, Y, batch_size=8, epochs=1, verbose=0, callbacks=[one])
+    assert dict(trainer.learning_rate) == pytest.approx({"left": 0.025, "right": 0.2})
+    trainer.learning_rate = 0.3  # every group's
+    assert dict(trainer.learning_rate) == pytest.approx({"left": 0.3, "right": 0.3})
