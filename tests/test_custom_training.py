@@ -28,7 +28,7 @@ def load_example(name):
     return module
 
 
-gan = load_example("gan")
+gan, vae, distillation = load_example("gan"), load_example("vae"), load_example("distillation")
 STRATEGIES = strategy_table(min_shard_size=64)
 IMAGES = gan.digits(200)  # with batch 64: three full batches and one of 8 real rows
 
@@ -156,39 +156,11 @@ def test_kill_9_mid_epoch_then_backup_and_restore_is_bit_identical(tmp_path):
             np.testing.assert_array_equal(ref[name], out[name], err_msg=name)
 
 
-class VAE(nn.Module):
-    """A variational auto-encoder of 64 values through a latent of 2, ``encode`` and ``decode`` apart."""
-
-    def setup(self):
-        self.hidden, self.mean, self.log_var = nn.Dense(32), nn.Dense(2), nn.Dense(2)
-        self.decoder = gan.MLP((32, 64))
-
-    def encode(self, x):
-        hidden = nn.relu(self.hidden(x))
-        return self.mean(hidden), self.log_var(hidden)
-
-    def decode(self, z):
-        return self.decoder(z)
-
-    def __call__(self, x):
-        return self.decode(self.encode(x)[0])
-
-
-class VAETrainer(tk.Trainer):
-    def compute_loss(self, params, batch, rng, *, model_state, train):
-        (mean, log_var), _ = self.apply(params, model_state, batch["x"], rng=rng, train=train, method="encode")
-        z = mean + jnp.exp(0.5 * log_var) * self.normal(rng, batch, mean.shape[1:]) if train else mean
-        reconstruction, _ = self.apply(params, model_state, z, rng=rng, train=train, method="decode")
-        reconstruction_loss = ((reconstruction - batch["x"]) ** 2).sum(axis=-1)
-        kl_loss = -0.5 * (1 + log_var - mean**2 - jnp.exp(log_var)).sum(axis=-1)
-        logs = {"reconstruction_loss": reconstruction_loss, "kl_loss": kl_loss}
-        return reconstruction_loss + kl_loss, (reconstruction, model_state, logs)
-
-
 def vae_history(strategy):
-    trainer = VAETrainer(VAE(), optimizer=optax.adam(1e-2), strategy=strategy)
-    history = trainer.fit(IMAGES, batch_size=64, epochs=2, validation_data=(IMAGES[:50],), verbose=0).history
-    return history, trainer.evaluate(IMAGES, return_dict=True)
+    trainer = vae.VAETrainer(vae.VAE(), optimizer=optax.adam(1e-2), strategy=strategy)
+    digits = vae.digits(200)
+    history = trainer.fit(digits, batch_size=64, epochs=2, validation_data=(digits[:50],), verbose=0).history
+    return history, trainer.evaluate(digits, return_dict=True)
 
 
 @pytest.fixture(scope="module")
@@ -396,3 +368,62 @@ def test_each_groups_learning_rate_is_read_set_and_reduced_by_the_callbacks():
     assert dict(trainer.learning_rate) == pytest.approx({"left": 0.025, "right": 0.2})
     trainer.learning_rate = 0.3  # every group's
     assert dict(trainer.learning_rate) == pytest.approx({"left": 0.3, "right": 0.3})
+
+
+# ---------------------------------------------------------------------------------------------- a frozen teacher
+@pytest.fixture(scope="module")
+def teacher_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("teacher") / "teacher.safetensors"
+    train, _ = distillation.digits()
+    accuracy = distillation.train_teacher((train[0][:512], train[1][:512]), 3, path, "single")
+    assert accuracy > 0.8
+    return path
+
+
+@pytest.mark.parametrize("name", ["single", "fsdp8"])
+def test_a_loaded_frozen_teacher_has_no_optimizer_state_is_sharded_and_never_changes(teacher_file, name, tmp_path):
+    (x, y), (held_x, held_y) = distillation.digits()
+    x, y = x[:512], y[:512]
+    trainer = distillation.make_distiller(STRATEGIES[name]())
+    trainer.init((x, y))
+    report = tk.weights.load(teacher_file, into=trainer, prefix="teacher/")
+    assert len(report.loaded) == 8  # the teacher's 2 Dense, its BatchNorm's scale, bias, mean and var; nothing else
+    teacher = jax.tree.map(np.asarray, {**trainer.params["teacher"],
+                                        "batch_stats": trainer.get_weights()["batch_stats"]["teacher"]})  # fmt: skip
+    loaded = tk.weights.load(teacher_file, into=teacher)  # the file's values, in the trainer's tree
+    tree_allclose(teacher, loaded.tree, rtol=0, atol=0)
+    # Adam's moments exist for the student alone (and the count)
+    student_size = sum(np.size(leaf) for leaf in jax.tree.leaves(trainer.params["student"]))
+    assert sum(np.size(leaf) for leaf in jax.tree.leaves(trainer.state.opt_state)) == 2 * student_size + 1
+    kernel = trainer.state.params["teacher"]["Dense_0"]["kernel"]
+    if name == "fsdp8":  # the frozen teacher is sharded as any parameter
+        assert len({index for shard in kernel.addressable_shards for index in [str(shard.index)]}) == 8
+    history = trainer.fit(x, y, batch_size=64, epochs=2, verbose=0).history
+    assert {"student_loss", "distillation_loss", "accuracy"} <= set(history)
+    after = {**trainer.params["teacher"], "batch_stats": trainer.get_weights()["batch_stats"]["teacher"]}
+    tree_allclose(after, teacher, rtol=0, atol=0)  # bit-identical through training
+    # the student alone: exported, and as weights a plain Student trainer reads
+    trainer.export(tmp_path / "student.jax", verbose=False)
+    np.testing.assert_allclose(tk.export.load(tmp_path / "student.jax")(held_x), trainer.predict(held_x), atol=1e-5)
+    trainer.save_weights(tmp_path / "student.safetensors", prefix="student/")
+    student = tk.Trainer(distillation.Student(), loss="sparse_categorical_crossentropy", optimizer=optax.sgd(0.1),
+                         strategy="single")  # fmt: skip
+    student.init((held_x, held_y))
+    tk.weights.load(tmp_path / "student.safetensors", into=student)
+    np.testing.assert_allclose(student.predict(held_x), trainer.predict(held_x), atol=1e-5)
+
+
+def test_an_optimizer_for_the_frozen_teacher_is_refused():
+    trainer = distillation.DistillationTrainer(
+        distillation.Distiller(), strategy="single", trainable=r"^student/",
+        optimizer={"student": optax.adam(1e-3), "teacher": optax.adam(1e-3)},
+    )  # fmt: skip
+    with pytest.raises(ValueError, match=r"keys that update no trainable parameter: 'teacher' \(only frozen"):
+        trainer.init((np.zeros((8, 64), np.float32), np.zeros(8, np.int32)))
+
+
+def test_loading_under_a_prefix_that_names_nothing_says_what_the_paths_are(teacher_file):
+    trainer = distillation.make_distiller()
+    trainer.init((np.zeros((8, 64), np.float32), np.zeros(8, np.int32)))
+    with pytest.raises(ValueError, match=r"prefix='techer/' names no variable: .*'student/', 'teacher/'"):
+        tk.weights.load(teacher_file, into=trainer, prefix="techer/")

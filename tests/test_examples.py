@@ -164,3 +164,18 @@ def test_every_example_s_help_shows_its_defaults(example):
         following = re.search(r" --[\w-]+ ", entry[len(option) :])
         entry = entry[: len(option) + (following.start() if following else len(entry))]
         assert "(default:" in entry, (option, entry)
+
+
+@pytest.mark.parametrize(
+    ("script", "args", "expected"),
+    [
+        ("vae.py", ("--strategy", "dp"), r"last epoch: \{'kl_loss'.*'val_reconstruction_loss'"),
+        ("gan.py", ("--strategy", "dp", "--epochs", "3", "--rows", "512"), r"d_loss \d\.\d+, g_loss \d\.\d+"),
+        ("distillation.py", ("--strategy", "fsdp"), r"exported student predicts as the trainer: True"),
+    ],
+    ids=["vae", "gan", "distillation"],
+)
+def test_custom_training_examples_run_on_8_devices(script, args, expected):
+    result = run_example(script, "--devices", "8", *args)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert re.search(expected, result.stdout), result.stdout

@@ -228,9 +228,11 @@ class Trainer:
         """Puts variables from :meth:`get_weights` back into the live state (same shapes)."""
         self.state_access.set_weights(variables)
 
-    def save_weights(self, filepath: str | os.PathLike, *, format="safetensors", layout="flax", rename=()) -> None:
-        """The variables (LoRA's merged) as safetensors; ``layout="torch"`` for PyTorch (docs/finetuning.md)."""
-        weights_lib.save(self.state_access.named_weights(), filepath, format=format, layout=layout, rename=rename)
+    def save_weights(self, filepath: str | os.PathLike, *, format="safetensors", layout="flax", rename=(), prefix=""):
+        """The variables (LoRA's merged; ``prefix``: that sub-tree's alone) as safetensors; ``layout="torch"`` for
+        PyTorch (docs/finetuning.md)."""
+        named = self.state_access.named_weights()
+        weights_lib.save(named, filepath, format=format, layout=layout, rename=rename, prefix=prefix)
 
     def merge_lora(self) -> Trainer:
         """A trainer of the model without adapters, folded into its kernels: the same predictions."""

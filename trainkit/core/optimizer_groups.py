@@ -75,18 +75,33 @@ class OptimizerGroups:
         raises naming every trainable leaf that matches no key or several."""
         none: list[str] = []
         several: list[str] = []
+        used: set[str] = set()
+        frozen: dict[str, str] = {}  # a key matching frozen parameters: one of them
 
         def one(path: Any, leaf: Any) -> str:
             name = leaf_name(path)
             if not trains(name, leaf):
+                frozen.update({key: name for key in self.label(name)})
                 return FROZEN
             found = self.label(name)
+            used.update(found)
             if len(found) != 1:
                 (none if not found else several).append(f"{name} ({', '.join(map(repr, found))})" if found else name)
                 return FROZEN
             return found[0]
 
         labels = jax.tree_util.tree_map_with_path(one, params)
+        idle = [key for key in self.optimizers if key not in used]
+        if idle and not (none or several):
+            what = [
+                f"{key!r} (only frozen parameters, e.g. {frozen[key]})" if key in frozen else repr(key) for key in idle
+            ]
+            raise ValueError(
+                f"optimizer= has keys that update no trainable parameter: {', '.join(what)}. A frozen sub-network (a "
+                "distillation teacher, trainable= leaves it out) gets no gradient, no update and no optimizer state: "
+                "drop its key. A key that matches nothing is misspelt: parameters are named by their paths, e.g. "
+                f"{[leaf_name(path) for path, _ in jax.tree_util.tree_leaves_with_path(params)][:4]}."
+            )
         if none or several:
             problems = []
             if none:

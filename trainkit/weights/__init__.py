@@ -69,6 +69,7 @@ def load(
     strict: bool = True,
     keep_initial: Sequence[str] = (),
     as_is: Sequence[str] = (),
+    prefix: str = "",
 ) -> LoadReport: ...
 
 
@@ -82,6 +83,7 @@ def load(
     strict: bool = True,
     keep_initial: Sequence[str] = (),
     as_is: Sequence[str] = (),
+    prefix: str = "",
 ) -> Loaded: ...
 
 
@@ -94,6 +96,7 @@ def load(
     strict: bool = True,
     keep_initial: Sequence[str] = (),
     as_is: Sequence[str] = (),
+    prefix: str = "",
 ) -> LoadReport | Loaded:
     """Loads ``source`` into a trainer's variables (call ``trainer.init(sample)`` first) and
     returns the :class:`LoadReport`; or into a tree of arrays or ``jax.ShapeDtypeStruct`` (with
@@ -105,7 +108,10 @@ def load(
     (naming each) missing, unexpected and reshaped entries and casts that lose values, before
     anything is read; ``keep_initial``: regexes of variables left at their initial values (a new
     head), whatever the source has for them; ``as_is``: regexes of source entries that
-    ``layout="torch"`` loads untransposed (Hugging Face's ``Conv1D``: see docs/finetuning.md)."""
+    ``layout="torch"`` loads untransposed (Hugging Face's ``Conv1D``: see docs/finetuning.md);
+    ``prefix``: load into the sub-tree of that path alone (``"teacher/"``: a frozen teacher's
+    parameters and its ``batch_stats/teacher/...``), its names without the prefix matched against
+    the source's; every other variable is left as it is (docs/custom_training.md)."""
     opened = open_source(source)
     if isinstance(into, Mapping):
         leaves = {leaf_name(path): leaf for path, leaf in jax.tree_util.tree_leaves_with_path(into)}
@@ -118,12 +124,14 @@ def load(
                 f"into= takes a trainkit.Trainer or a tree (dict) of arrays; received {type(into).__name__}."
             ) from None
         targets = holder.weight_targets()
+    full_names = under_prefix(targets, prefix)
+    targets = {name: targets[full] for name, full in full_names.items()}
     report, reads = match(opened, targets, rename=rename, layout=layout, keep_initial=keep_initial, as_is=as_is)
     if strict:
         refuse(report, opened.description)
     elif report.problems():
         logger.warning("Loading %s with strict=False: %s", opened.description, report)
-    arrays = place(opened, reads, targets)
+    arrays = {full_names[name]: array for name, array in place(opened, reads, targets).items()}
     logger.info("Loaded %s: %s", opened.description, report)
     if isinstance(into, Mapping):
         flat = jax.tree_util.tree_leaves_with_path(into)
@@ -131,6 +139,29 @@ def load(
         return Loaded(jax.tree.unflatten(jax.tree.structure(into), values), report)
     holder.put_weights(arrays, opened.description)
     return report
+
+
+def under_prefix(names: Mapping[str, object], prefix: str) -> dict[str, str]:
+    """The variable names under ``prefix`` without it, each to its full name: a parameter's path
+    (``teacher/Dense_0/kernel``) or another collection's (``batch_stats/teacher/bn/mean``); every
+    name as it is for ``""``. Raises when nothing is under the prefix.
+
+    >>> under_prefix({"teacher/fc/kernel": 0, "student/fc/kernel": 0, "batch_stats/teacher/bn/mean": 0}, "teacher/")
+    {'fc/kernel': 'teacher/fc/kernel', 'batch_stats/bn/mean': 'batch_stats/teacher/bn/mean'}
+    """
+    if not prefix:
+        return {name: name for name in names}
+    found: dict[str, str] = {}
+    for name in names:
+        collection, _, rest = name.partition("/")
+        if name.startswith(prefix):
+            found[name[len(prefix) :]] = name
+        elif rest.startswith(prefix):
+            found[f"{collection}/{rest[len(prefix) :]}"] = name
+    if not found:
+        tops = sorted({name.split("/")[0] + "/" for name in names})
+        raise ValueError(f"prefix={prefix!r} names no variable: the variables' paths begin with {tops}.")
+    return found
 
 
 def _target(leaf: Leaf) -> Target:
@@ -145,11 +176,13 @@ def save(
     format: str = "safetensors",
     layout: str = "flax",
     rename: Sequence[tuple[str, str]] = (),
+    prefix: str = "",
 ) -> None:
     """Host arrays by variable name written as one safetensors file (on the main process; the
     file appears whole or not at all). ``layout="torch"`` writes PyTorch's names and layouts
     (with ``num_batches_tracked`` for each BatchNorm), readable by ``load_state_dict``;
-    ``rename`` pairs apply to the written names last."""
+    ``rename`` pairs apply to the written names last; ``prefix``: the sub-tree of that path
+    alone, written without it (a distilled student: ``"student/"``)."""
     if format != "safetensors":
         raise ValueError(f"format={format!r}: weights are written as 'safetensors'.")
     suffix = os.path.splitext(os.fspath(path))[1].lower()
@@ -160,6 +193,7 @@ def save(
             "safetensors.torch.load_file(path) and model.load_state_dict(...)."
         )
     check_options(layout, rename, ())
+    named = {name: named[full] for name, full in under_prefix(named, prefix).items()}
     import safetensors.numpy
 
     arrays: dict[str, np.ndarray] = {}
