@@ -8,7 +8,9 @@ JAX backend (``keras.distribution.DataParallel`` on 8 devices) is a third column
 trainkit runs with its defaults (the same work as the hand-written loop); two more rows show
 ``log_grad_norm=True`` (one more pass over the gradients) and the cost of one batch-level
 callback that is not ``async_safe`` (the loop then waits for every batch before dispatching the
-next, so that ``on_train_batch_end(i)`` sees the state after batch ``i``, as in Keras).
+next, so that ``on_train_batch_end(i)`` sees the state after batch ``i``, as in Keras), and one
+the same work as a ``train_step`` of one's own (``self.mean``, ``self.apply_gradients``), whose
+steps/s against the built-in step's is printed as a paired ratio.
 
 The dispatch-bound rows (an MLP 32-64-10, batch 32, one device, where the host loop is the
 cost) compare ``steps_per_execution=1`` (``verbose=0`` and the progress bar) with a
@@ -38,7 +40,7 @@ import steps_per_execution as spe  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P
 from rich.console import Console  # noqa: E402
-from timing import measure, measure_rounds, paired_ratio  # noqa: E402
+from timing import measure_rounds, paired_ratio  # noqa: E402
 
 import trainkit as tk  # noqa: E402
 from trainkit.core import leaf_step  # noqa: E402
@@ -140,8 +142,21 @@ class ReadsLoss(tk.callbacks.Callback):
         self.loss = logs["loss"]
 
 
-def trainkit_fit(model, x, y, batch_size, strategy, log_grad_norm=False, callbacks=()):
-    trainer = tk.Trainer(
+class OwnStep(tk.Trainer):
+    """The built-in step's work written as a ``train_step`` of one's own (#58): the cross-entropy's
+    masked mean over the global batch, its gradient, the optimizer's update."""
+
+    def train_step(self, state, batch, rng):
+        def loss_fn(params):
+            logits, _ = self.apply(params, state.model_state, batch["x"], rng=rng, train=True)
+            return self.mean(optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]), batch)
+
+        loss, grads = jax.value_and_grad(loss_fn)(state.params)
+        return self.apply_gradients(state, grads), {"loss": loss}
+
+
+def trainkit_fit(model, x, y, batch_size, strategy, log_grad_norm=False, callbacks=(), trainer_class=tk.Trainer):
+    trainer = trainer_class(
         model,
         loss="sparse_categorical_crossentropy",
         optimizer=optax.adam(1e-3),
@@ -212,13 +227,19 @@ def main():
             contenders["  + a batch callback (sync)"] = trainkit_fit(
                 model_cls(), x, y, batch_size, strategy, callbacks=[ReadsLoss()]
             )
+            contenders["  a train_step of your own"] = trainkit_fit(
+                model_cls(), x, y, batch_size, strategy, trainer_class=OwnStep
+            )
             keras_run = keras_fit(case, x, y, batch_size, devs)
             if keras_run is not None:
                 contenders["keras fit"] = keras_run
-            rates = measure(contenders, args.steps, args.repeats)
+            rounds = measure_rounds(contenders, args.steps, args.repeats)
+            rates = {name: statistics.median(r) for name, r in rounds.items()}
             base = rates["hand-written pmap" if n > 1 else "hand-written jit"]
             for name, rate in rates.items():
                 print(f"{case:5} {n:>7} {name:28} {rate:9.1f} {rate / base:16.3f}")
+            own = paired_ratio(rounds, "  a train_step of your own", f"trainkit {type(strategy).__name__}")
+            print(f"{case:5} {n:>7} {'train_step / built-in step':28} {'':9} {own:16.3f} (paired)")
     print("\nratios are against the hand-written pmap loop on 8 devices, the jit loop on 1.")
     if args.dispatch_steps:
         dispatch_bound(args.dispatch_steps, args.repeats)

@@ -22,7 +22,6 @@ import tempfile
 
 import flax.linen as nn
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
 

@@ -3,10 +3,11 @@
     python examples/vae.py --devices 8 --strategy dp
 
 ``compute_loss`` returns the loss per row and, beside the predictions and the model state, a
-dict of its parts per row: ``reconstruction_loss`` and ``kl_loss`` (keras-io's VAE: binary cross-entropy of the pixels, summed) are reduced as the loss is and
-logged in History (``val_kl_loss`` in validation) on any strategy. The module has two parts,
-reached with ``self.apply(..., method="encode")`` and ``method="decode"``; ``self.normal`` draws
-the noise per row, so the numbers are the same on one device and on eight. The script exits
+dict of its parts per row: ``reconstruction_loss`` (keras-io's VAE: the pixels' binary
+cross-entropy, summed) and ``kl_loss`` are reduced as the loss is and logged in History
+(``val_kl_loss`` in validation) on any strategy. The module has two parts, reached with
+``self.apply(..., method="encode")`` and ``method="decode"``; ``self.normal`` draws the noise
+per row, so the numbers are the same on one device and on eight. The script exits
 non-zero unless the held-out reconstruction beats the mean image's by ``--min-gain``.
 """
 

@@ -170,7 +170,7 @@ def test_every_example_s_help_shows_its_defaults(example):
     ("script", "args", "expected"),
     [
         ("vae.py", ("--strategy", "dp"), r"last epoch: \{'kl_loss'.*'val_reconstruction_loss'"),
-        ("gan.py", ("--strategy", "dp", "--epochs", "3", "--rows", "512"), r"d_loss \d\.\d+, g_loss \d\.\d+"),
+        ("gan.py", ("--strategy", "dp"), r"d_loss \d\.\d+, g_loss \d\.\d+"),
         ("distillation.py", ("--strategy", "fsdp"), r"exported student predicts as the trainer: True"),
     ],
     ids=["vae", "gan", "distillation"],
