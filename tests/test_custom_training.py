@@ -452,3 +452,46 @@ def test_groups_keep_offload_and_lora_working():
     adapted = trained(optimizer=groups(), lora=tk.LoRA(rank=2))
     moments = adapted.state.opt_state.inner_states["body"].inner_state[0].mu["body"]
     assert sorted(k for k, v in moments.items() if np.size(v) > 1) == ["kernel_lora_a", "kernel_lora_b"]
+
+
+class JudgedGAN(gan.GANTrainer):
+    def test_step(self, state, batch, rng):
+        logits, _ = self.apply(state.params, state.model_state, batch["x"], rng=rng, train=False, method="discriminate")
+        return {"real_accuracy": self.mean((logits > 0).astype(jnp.float32), batch)}
+
+
+def test_a_test_step_of_your_own_validates_and_evaluates_the_same_on_every_strategy():
+    results = {}
+    for name in ("single", "dp8"):
+        adam = optax.adam(1e-3, b1=0.5)
+        trainer = JudgedGAN(
+            gan.GAN(), optimizer={"generator": adam, "discriminator": adam}, strategy=STRATEGIES[name]()
+        )
+        history = trainer.fit(IMAGES, batch_size=64, epochs=2, validation_data=(IMAGES[:100],), verbose=0).history
+        results[name] = (history["val_real_accuracy"], trainer.evaluate(IMAGES[:100], return_dict=True))
+    assert sorted(results["single"][1]) == ["real_accuracy"]
+    np.testing.assert_allclose(results["dp8"][0], results["single"][0], rtol=1e-6)
+    np.testing.assert_allclose(results["dp8"][1]["real_accuracy"], results["single"][1]["real_accuracy"], rtol=1e-6)
+
+
+def test_validation_without_a_test_step_or_a_loss_is_refused_before_the_first_step():
+    trainer = gan_trainer()
+    with pytest.raises(NotImplementedError, match=r"evaluate and validation run test_step"):
+        trainer.fit(IMAGES, batch_size=64, epochs=1, validation_data=(IMAGES[:64],), verbose=0)
+    assert trainer.global_step == 0
+
+
+def test_a_teacher_loads_from_a_trainkit_checkpoint_into_its_sub_tree(tmp_path):
+    (x, y), _ = distillation.digits()
+    teacher = tk.Trainer(distillation.Teacher(), loss="sparse_categorical_crossentropy", optimizer=optax.adam(1e-3),
+                         strategy="single")  # fmt: skip
+    teacher.fit(x[:256], y[:256], batch_size=64, epochs=1, verbose=0)
+    teacher.save(tmp_path / "teacher")  # the whole training state: its variables are read, nothing else
+    trainer = distillation.make_distiller(tk.FSDP(min_shard_size=64))
+    trainer.init((x[:64], y[:64]))
+    student = jax.tree.map(np.asarray, trainer.params["student"])
+    report = tk.weights.load(tmp_path / "teacher", into=trainer, prefix="teacher/")
+    assert len(report.loaded) == 8
+    tree_allclose(trainer.params["teacher"], teacher.params, rtol=0, atol=0)
+    tree_allclose(trainer.get_weights()["batch_stats"]["teacher"], teacher.get_weights()["batch_stats"], 0, 0)
+    tree_allclose(trainer.params["student"], student, rtol=0, atol=0)  # untouched

@@ -99,7 +99,9 @@ class Trainer:
         distributed.initialize_from_environment()  # a multi-process job: connect first
         own_step = custom_step.overridden(type(self).train_step, Trainer.train_step, type(self).__name__)
         own_test = custom_step.overridden(type(self).test_step, Trainer.test_step, type(self).__name__)
-        custom_loss = type(self).compute_loss is not Trainer.compute_loss or own_step
+        own_loss = type(self).compute_loss is not Trainer.compute_loss
+        own_test = own_test or (own_step and loss is None and not own_loss)  # no built-in evaluation: test_step's
+        custom_loss = own_loss or own_step
         check_trainer_arguments(optimizer, grad_accum_steps, jit_compile, has_loss=loss is not None or custom_loss)
         self.model, self.loss, self.optimizer, self.remat, self.seed = model, loss, optimizer, remat, int(seed)
         self.objective = Objective(loss, metrics, weighted_metrics, loss_weights)

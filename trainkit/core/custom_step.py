@@ -136,11 +136,12 @@ def mean(values: jax.Array, batch: Batch) -> jax.Array:
     context, mask = _context("mean"), batch["mask"]
     rows, weights = mask.shape[0], _row_weights(batch)
     axis = context.axis_name
-    if axis is not None and jnp.shape(values)[:1] == (rows * jax.lax.psum(1, axis),) and jax.lax.psum(1, axis) > 1:
+    devices = 1 if axis is None else jax.lax.axis_size(axis)
+    if devices > 1 and jnp.shape(values)[:1] == (rows * devices,):
         mask, weights = all_rows(mask), all_rows(weights)  # values of the global batch: reduced on every device
         row_values = _per_row(values, mask.shape[0], "mean")
         total = jnp.where(mask > 0, row_values * weights, 0).sum() / jnp.maximum(mask.sum(), 1.0)
-        return _share(total, jax.lax.psum(1, axis))
+        return _share(total, devices)
     local = jnp.where(mask > 0, _per_row(values, rows, "mean") * weights, 0).sum()
     if axis is None:
         return local / jnp.maximum(mask.sum(), 1.0)
@@ -322,10 +323,17 @@ def overridden(method: Callable, default: Callable, owner: str) -> bool:
 
 
 def not_callable(name: str) -> NotImplementedError:
-    """What calling the default ``train_step`` / ``test_step`` raises (``super().train_step(...)``)."""
+    """What calling the default ``train_step`` / ``test_step`` raises: ``super().train_step(...)``,
+    or an evaluation of a trainer whose own ``train_step`` has no loss to evaluate by."""
+    if name == "test_step":
+        return NotImplementedError(
+            "evaluate and validation run test_step(self, state, batch, rng) -> logs, and this trainer has a "
+            "train_step of its own but neither loss= nor compute_loss for the built-in evaluation: override "
+            "test_step (e.g. return {'d_loss': self.mean(per_row, batch)}), or pass loss=... ."
+        )
     return NotImplementedError(
-        f"Trainer.{name} has no body to call: without an override trainkit runs its built-in step (compute_loss, the "
-        f"optimizer, the metrics) directly. In an override, compute the loss with self.compute_loss(...) or "
+        "Trainer.train_step has no body to call: without an override trainkit runs its built-in step (compute_loss, "
+        "the optimizer, the metrics) directly. In an override, compute the loss with self.compute_loss(...) or "
         "self.apply(...) and self.mean(...), and update with self.apply_gradients(state, grads)."
     )
 

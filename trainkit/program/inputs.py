@@ -260,6 +260,8 @@ def prepare_fit(
         own_size = isinstance(checked, data_lib.IterableDataset)  # an iterable's batches are its own
         validating = prepare_validation(setup, checked, validation_batch_size or (None if own_size else batch_size))
         validation = Validation(validating.source, validating.batch_size, config.validation_steps)
+        if setup.custom_loss:  # a custom evaluation's mistakes surface before the first step, not after an epoch
+            setup.compiled.empty_totals("eval", validating.sample_batch())
     return FitData(
         prepared,
         dataclasses.replace(

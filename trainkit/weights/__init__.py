@@ -111,8 +111,9 @@ def load(
     ``layout="torch"`` loads untransposed (Hugging Face's ``Conv1D``: see docs/finetuning.md);
     ``prefix``: load into the sub-tree of that path alone (``"teacher/"``: a frozen teacher's
     parameters and its ``batch_stats/teacher/...``), its names without the prefix matched against
-    the source's; every other variable is left as it is (docs/custom_training.md)."""
-    opened = open_source(source)
+    the source's, which may then also be a trainkit checkpoint (its latest step's variables); every
+    other variable is left as it is (docs/custom_training.md)."""
+    opened = open_source(source, checkpoints=bool(prefix))  # a trainkit checkpoint's variables: into a sub-tree
     if isinstance(into, Mapping):
         leaves = {leaf_name(path): leaf for path, leaf in jax.tree_util.tree_leaves_with_path(into)}
         targets = {name: _target(leaf) for name, leaf in leaves.items()}

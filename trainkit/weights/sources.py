@@ -184,14 +184,22 @@ class OrbaxSource:
     named by its tree's paths. Parts are read through a restore of the entries asked for, with
     the shardings asked for (:meth:`place`), so each device's shard is read by its process."""
 
-    def __init__(self, path: str, description: str):
+    def __init__(self, path: str, description: str, roots: Mapping[str, str] | None = None):
+        """``roots``: read only the subtrees under these top-level keys, each entry named with the
+        key replaced by its value (a trainkit checkpoint's ``{"params/": "", "model_state/": ""}``)."""
         import orbax.checkpoint as ocp
 
         self.path, self.description = path, description
         self._metadata = _plain(ocp.StandardCheckpointer().metadata(path).item_metadata.tree)
+        self._names: dict[str, str] = {}  # the tree's leaf name -> the entry's name
+        for key, _ in jax.tree_util.tree_leaves_with_path(self._metadata):
+            name = leaf_name(key)
+            root = next((r for r in roots or {"": ""} if name.startswith(r)), None)
+            if root is not None:
+                self._names[name] = (roots or {"": ""})[root] + name[len(root) :]
+        shapes = {leaf_name(key): leaf for key, leaf in jax.tree_util.tree_leaves_with_path(self._metadata)}
         self.entries = {
-            leaf_name(key): Entry(tuple(leaf.shape), np.dtype(leaf.dtype))
-            for key, leaf in jax.tree_util.tree_leaves_with_path(self._metadata)
+            entry: Entry(tuple(shapes[name].shape), np.dtype(shapes[name].dtype)) for name, entry in self._names.items()
         }
 
     def read(self, name: str, index: Index) -> np.ndarray:
@@ -200,24 +208,27 @@ class OrbaxSource:
 
     def place(self, shardings: Mapping[str, jax.sharding.Sharding | None]) -> dict[str, jax.Array]:
         """The entries named, restored in these shardings (``None``: the first device); the
-        others are not read."""
+        others are not read (orbax's partial restore of the tree of those alone)."""
         import orbax.checkpoint as ocp
 
         default = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-
-        def target(key: Any, leaf: Any) -> Any:
-            name = leaf_name(key)
-            if name not in shardings:
-                return ocp.PLACEHOLDER
-            return jax.ShapeDtypeStruct(tuple(leaf.shape), leaf.dtype, sharding=shardings[name] or default)
-
-        abstract = jax.tree_util.tree_map_with_path(target, self._metadata)
-        restored = ocp.StandardCheckpointer().restore(self.path, abstract)
-        return {
-            leaf_name(key): leaf
-            for key, leaf in jax.tree_util.tree_leaves_with_path(restored)
-            if leaf_name(key) in shardings
-        }
+        item: dict[str, Any] = {}
+        for key, leaf in jax.tree_util.tree_leaves_with_path(self._metadata):
+            name = self._names.get(leaf_name(key))
+            if name is None or name not in shardings:
+                continue
+            *parents, last = [str(part) for part in leaf_name(key).split("/")]
+            node = item
+            for part in parents:
+                node = node.setdefault(part, {})
+            node[last] = jax.ShapeDtypeStruct(tuple(leaf.shape), leaf.dtype, sharding=shardings[name] or default)
+        restore_args = ocp.checkpoint_utils.construct_restore_args(item)
+        try:
+            args = ocp.args.PyTreeRestore(item=item, restore_args=restore_args, partial_restore=True)
+        except TypeError:  # orbax before partial_restore: an empty transform restores the target's keys alone
+            args = ocp.args.PyTreeRestore(item=item, restore_args=restore_args, transforms={})
+        restored = ocp.PyTreeCheckpointer().restore(self.path, args=args)
+        return {self._names[leaf_name(key)]: leaf for key, leaf in jax.tree_util.tree_leaves_with_path(restored)}
 
 
 def _plain(tree: Any) -> Any:
@@ -250,13 +261,27 @@ PICKLES = (".pt", ".pth", ".bin", ".ckpt", ".pkl")
 KINDS = "a .safetensors file, a folder of them, an orbax checkpoint of a params tree, a .npz or a dict of arrays"
 
 
-def _trainkit_checkpoint(path: str) -> bool:
-    """Whether ``path`` is a trainkit checkpoint (a step folder with ``state`` and ``meta``, or a
-    folder of such steps)."""
-    steps = [path, *(os.path.join(path, name) for name in os.listdir(path) if name.isdigit())]
-    return any(
-        os.path.isdir(os.path.join(step, "state")) and os.path.isdir(os.path.join(step, "meta")) for step in steps
-    )
+def _checkpoint_steps(path: str) -> list[str]:
+    """The step folders of a trainkit checkpoint at ``path`` (a step folder with ``state`` and
+    ``meta``, or a folder of such steps), oldest first; empty for anything else."""
+    steps = [path, *(os.path.join(path, name) for name in sorted(os.listdir(path), key=_step_number) if name.isdigit())]
+    return [
+        step
+        for step in steps
+        if os.path.isdir(os.path.join(step, "state")) and os.path.isdir(os.path.join(step, "meta"))
+    ]
+
+
+def _step_number(name: str) -> int:
+    return int(name) if name.isdigit() else -1
+
+
+def _checkpoint_variables(path: str) -> OrbaxSource:
+    """The variables of a trainkit checkpoint's latest step (its parameters by path, its model state
+    as ``batch_stats/...``), read as published weights: a frozen teacher's sub-tree."""
+    step = _checkpoint_steps(path)[-1]
+    roots = {"params/": "", "model_state/": ""}
+    return OrbaxSource(os.path.join(step, "state"), f"the trainkit checkpoint {step}", roots=roots)
 
 
 def _npz_source(path: str) -> ArraySource:
@@ -270,14 +295,17 @@ def _npz_source(path: str) -> ArraySource:
         ) from None
 
 
-def _folder_source(path: str) -> WeightSource:
+def _folder_source(path: str, checkpoints: bool = False) -> WeightSource:
     shards = sorted(glob.glob(os.path.join(path, "*.safetensors")))
     if shards:
         return SafetensorsSource(shards, f"{path} ({len(shards)} safetensors shards)")
-    if _trainkit_checkpoint(path):
+    if _checkpoint_steps(path) and checkpoints:
+        return _checkpoint_variables(path)
+    if _checkpoint_steps(path):
         raise WeightFileError(
             f"{path} is a trainkit checkpoint (a training state and its manifest), not published weights: "
-            f"load it with trainer.load({path!r}) (after trainer.init(sample_batch))."
+            f"load it with trainer.load({path!r}) (after trainer.init(sample_batch)); or its variables into a "
+            f"sub-tree of another model with tk.weights.load({path!r}, into=trainer, prefix='teacher/')."
         )
     try:
         return OrbaxSource(path, path)
@@ -294,17 +322,19 @@ def _folder_source(path: str) -> WeightSource:
 SourceSpec = str | os.PathLike[str] | Mapping[str, PyTree]
 
 
-def open_source(source: SourceSpec) -> WeightSource:
+def open_source(source: SourceSpec, checkpoints: bool = False) -> WeightSource:
     """The source of ``source``: a path (``.safetensors`` file, folder of shards, orbax
     checkpoint folder, ``.npz``) or a dict of arrays (nested, or flat with ``/`` names). A file or
-    folder that cannot be trusted raises :class:`WeightFileError` naming it, before anything is read."""
+    folder that cannot be trusted raises :class:`WeightFileError` naming it, before anything is read.
+    ``checkpoints``: a trainkit checkpoint's variables are a source too (else refused: the whole
+    model is restored with ``trainer.load``)."""
     if isinstance(source, Mapping):
         return ArraySource({name: host_array(a) for name, a in flat_arrays(source).items()}, "a dict of arrays")
     path = os.fspath(source)
     if not os.path.exists(path):
         raise FileNotFoundError(f"No weights at {path!r}: pass {KINDS}.")
     if os.path.isdir(path):
-        return _folder_source(path)
+        return _folder_source(path, checkpoints)
     if path.endswith(".npz"):
         return _npz_source(path)
     if path.lower().endswith(PICKLES):
