@@ -14,6 +14,7 @@ import numpy as np
 import optax
 import pytest
 from conftest import strategy_table, subprocess_cache_env, tree_allclose
+from flax import nnx
 
 import trainkit as tk
 
@@ -495,3 +496,37 @@ def test_a_teacher_loads_from_a_trainkit_checkpoint_into_its_sub_tree(tmp_path):
     tree_allclose(trainer.params["teacher"], teacher.params, rtol=0, atol=0)
     tree_allclose(trainer.get_weights()["batch_stats"]["teacher"], teacher.get_weights()["batch_stats"], 0, 0)
     tree_allclose(trainer.params["student"], student, rtol=0, atol=0)  # untouched
+
+
+class NNXAutoEncoder(nnx.Module):
+    def __init__(self, rngs: nnx.Rngs):
+        self.encoder, self.decoder = nnx.Linear(16, 4, rngs=rngs), nnx.Linear(4, 16, rngs=rngs)
+
+    def encode(self, x):
+        return self.encoder(x)
+
+    def __call__(self, x):
+        return self.decoder(self.encode(x))
+
+
+class NNXSteps(tk.Trainer):
+    def train_step(self, state, batch, rng):
+        def loss_fn(params):
+            code, _ = self.apply(params, state.model_state, batch["x"], rng=rng, train=True, method="encode")
+            out, _ = self.apply(params, state.model_state, batch["x"], rng=rng, train=True)
+            return self.mean(((out - batch["x"]) ** 2).sum(-1) + 0.01 * (code**2).sum(-1), batch)
+
+        loss, grads = jax.value_and_grad(loss_fn)(state.params)
+        state = self.apply_gradients(state, grads, "encoder")
+        return self.apply_gradients(state, grads, "decoder"), {"loss": loss}
+
+
+def test_an_nnx_module_gets_methods_groups_and_a_step_of_its_own():
+    x = np.random.default_rng(0).normal(size=(100, 16)).astype(np.float32)
+    losses = {}
+    for name in ("single", "dp8"):
+        trainer = NNXSteps(NNXAutoEncoder(nnx.Rngs(0)), strategy=STRATEGIES[name](),
+                           optimizer={"encoder": optax.adam(1e-2), "decoder": optax.sgd(0.1)})  # fmt: skip
+        losses[name] = trainer.fit(x, batch_size=32, epochs=2, verbose=0).history["loss"]
+    assert losses["single"][1] < losses["single"][0]
+    np.testing.assert_allclose(losses["dp8"], losses["single"], rtol=1e-6)

@@ -124,7 +124,9 @@ class Trainer:
         self.state_access, self.compiled = self.setup.state_access, self.setup.compiled
         self.loop = Loop(self.session, self.compiled)
 
-    def apply(self, params: PyTree, model_state: PyTree, x: PyTree, *, rng: jax.Array, train: bool, method=None):
+    def apply(
+        self, params: PyTree, model_state: PyTree, x: PyTree, *, rng: jax.Array, train: bool, method: str | None = None
+    ) -> tuple[PyTree, PyTree]:
         """``(outputs, new_model_state)`` of the model (or its ``method``, by name) under the precision policy and
         remat; pure (use it in ``compute_loss`` and ``train_step``)."""
         return self.program.call_model(params, model_state, x, rng=rng, train=train, method=method)
@@ -230,7 +232,9 @@ class Trainer:
         """Puts variables from :meth:`get_weights` back into the live state (same shapes)."""
         self.state_access.set_weights(variables)
 
-    def save_weights(self, filepath: str | os.PathLike, *, format="safetensors", layout="flax", rename=(), prefix=""):
+    def save_weights(
+        self, filepath: str | os.PathLike, *, format="safetensors", layout="flax", rename=(), prefix: str = ""
+    ) -> None:
         """The variables (LoRA's merged; ``prefix``: that sub-tree's alone) as safetensors; ``layout="torch"`` for
         PyTorch (docs/finetuning.md)."""
         named = self.state_access.named_weights()
