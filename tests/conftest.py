@@ -228,6 +228,7 @@ HEAVIEST_FIRST = (
     "test_multihost",
     "test_examples",
     "test_faults",
+    "test_custom_training",
     "test_docs",
     "test_compile",
     "test_tuning",

@@ -169,9 +169,9 @@ def test_every_example_s_help_shows_its_defaults(example):
 @pytest.mark.parametrize(
     ("script", "args", "expected"),
     [
-        ("vae.py", ("--strategy", "dp"), r"last epoch: \{'kl_loss'.*'val_reconstruction_loss'"),
-        ("gan.py", ("--strategy", "dp"), r"d_loss \d\.\d+, g_loss \d\.\d+"),
-        ("distillation.py", ("--strategy", "fsdp"), r"exported student predicts as the trainer: True"),
+        ("vae.py", ("--strategy", "dp", "--epochs", "15", "--min-gain", "0.25"), r"last epoch: \{'kl_loss'.*'val_"),
+        ("gan.py", ("--strategy", "dp", "--epochs", "10"), r"d_loss \d\.\d+, g_loss \d\.\d+"),
+        ("distillation.py", ("--strategy", "fsdp", "--teacher-epochs", "5", "--epochs", "5"), r"as the trainer: True"),
     ],
     ids=["vae", "gan", "distillation"],
 )
