@@ -397,6 +397,13 @@ def test_the_loggers_throughput_counts_the_compiled_step_where_mfu_is_known(tmp_
         ("headers {'Authorization: Bearer eyJhbGciOi.payload'}", "eyJhbGciOi.payload"),
         ("Authorization: Basic YWxpY2U6czNjcjN0", "YWxpY2U6czNjcjN0"),
         ("refresh_token=rt-987 expired", "rt-987"),
+        ("env: HF_TOKEN=hf_AbC123 PATH=/usr/bin", "hf_AbC123"),  # #59's spellings
+        ("AWS_SECRET_ACCESS_KEY=wJalrXUtnFEMI/K7MDENG", "wJalrXUtnFEMI/K7MDENG"),
+        ('config {"user": "alice", "password": "hunter2"}', "hunter2"),
+        ("argv: train.py --token tk-live-42 --epochs 3", "tk-live-42"),
+        ("argv: train.py --hf-token=hf_x9 --epochs 3", "hf_x9"),
+        ("request headers: X-API-Key: ak_live_77", "ak_live_77"),
+        ("Cookie: session=abc123; theme=dark", "session=abc123"),
     ],
 )
 def test_every_credential_spelling_is_masked(text, secret):

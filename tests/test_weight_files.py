@@ -172,3 +172,60 @@ def test_a_staging_folder_left_by_a_kill_is_removed_by_the_next_write(tmp_path, 
     trainer.init(data[0][:4])
     trainer.save_weights(target)
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted([young.name, live.name, "w.safetensors"])
+
+
+def test_fuzzed_safetensors_headers_give_a_named_error_or_the_right_values(tmp_path):
+    """#59: a few hundred mutations of a valid header (a fixed seed): each file loads the values it
+    holds or raises a ``WeightFileError`` / ``ValueError`` naming it; never a bare Python error."""
+    import json
+    import random
+    import struct
+
+    import safetensors.numpy
+
+    arrays = {"fc/kernel": np.arange(6, dtype=np.float32).reshape(2, 3), "fc/bias": np.ones(3, np.float32)}
+    good = tmp_path / "good.safetensors"
+    safetensors.numpy.save_file(arrays, good)
+    blob = good.read_bytes()
+    (length,) = struct.unpack("<Q", blob[:8])
+    header, data = json.loads(blob[8 : 8 + length]), blob[8 + length :]
+    into = {"fc": {"kernel": np.zeros((2, 3), np.float32), "bias": np.zeros(3, np.float32)}}
+    odd_values = [None, True, -1, 2**63, 2**70, 1.5, "x", [], [1, [2]], {"a": 1}, ["F32"], [2**64, 1], "F32"]
+    rng = random.Random(58)
+
+    def deep(depth):
+        return "[" * depth + "]" * depth
+
+    for case in range(300):
+        mutated = json.loads(json.dumps(header))
+        raw = None
+        kind = case % 4
+        entry = mutated[rng.choice(["fc/kernel", "fc/bias"])]
+        if kind == 0:  # a field of an entry replaced by a value of another type
+            entry[rng.choice(["dtype", "shape", "data_offsets"])] = rng.choice(odd_values)
+        elif kind == 1:  # one number of a shape or offsets changed
+            field = entry[rng.choice(["shape", "data_offsets"])]
+            field[rng.randrange(len(field))] = rng.choice([0, 1, 5, 24, 2**31, 2**63 - 1, 2**63, -3])
+        elif kind == 2:  # a field dropped, or the header made something else
+            choice = rng.randrange(3)
+            if choice == 0:
+                del entry[rng.choice(["dtype", "shape", "data_offsets"])]
+            elif choice == 1:
+                raw = deep(rng.choice([10, 5000, 200_000])).encode()
+            else:
+                mutated = rng.choice([[], 3, "x", None])
+        else:  # bytes of the header flipped
+            encoded = bytearray(json.dumps(mutated).encode())
+            for _ in range(rng.randrange(1, 4)):
+                encoded[rng.randrange(len(encoded))] = rng.randrange(256)
+            raw = bytes(encoded)
+        raw = raw if raw is not None else json.dumps(mutated).encode()
+        path = tmp_path / f"m{case}.safetensors"
+        path.write_bytes(struct.pack("<Q", len(raw)) + raw + data)
+        try:
+            loaded = tk.weights.load(path, into=into)
+        except ValueError as error:  # WeightFileError, or the strict report: each names the file
+            assert str(path) in str(error) or "do not match the model" in str(error), (case, error)
+            continue
+        for name, value in arrays.items():  # a mutation that still reads: the file's own values
+            np.testing.assert_array_equal(loaded.tree["fc"][name.split("/")[1]], value)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import signal
 import threading
@@ -19,6 +20,9 @@ from trainkit import distributed
 from trainkit.callbacks.base import Callback, Logs
 from trainkit.callbacks.triggers import SaveFrequency
 from trainkit.checkpoint import Checkpointer, CheckpointError, checked_position, remove_checkpoints
+from trainkit.checkpoint.directory import foreign_entries
+from trainkit.core.local_path import require_local
+from trainkit.core.warn import warn_user
 from trainkit.distributed import ray_train
 from trainkit.distributed.atomic import write_text
 from trainkit.loop import Position
@@ -27,6 +31,30 @@ from trainkit.record.ledger import Bucket
 logger = logging.getLogger("trainkit")
 #: the goodput journal beside the backups: the last step the run reached and its ledger then
 JOURNAL = "goodput.json"
+
+
+def journal_problem(journal: object) -> str | None:
+    """What is wrong with a goodput journal read back (``None``: nothing): each field named.
+
+    >>> journal_problem({"step": "12", "ledger": {}})
+    "has step '12', not a whole number"
+    """
+    if not isinstance(journal, dict):
+        return f"holds a JSON {type(journal).__name__}, not an object"
+    step = journal.get("step")
+    if isinstance(step, bool) or not isinstance(step, int):
+        return f"has step {step!r}, not a whole number"
+    ledger = journal.get("ledger")
+    if not isinstance(ledger, dict):
+        return "has no ledger object"
+    wall = ledger.get("wall_seconds")
+    if isinstance(wall, bool) or not isinstance(wall, (int, float)) or not math.isfinite(wall) or wall < 0:
+        return f"has ledger.wall_seconds {wall!r}, not a finite number of seconds"
+    for field in ("lost_steps", "restarts"):
+        value = ledger.get(field, 0)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            return f"has ledger.{field} {value!r}, not a count"
+    return None
 
 
 class BackupAndRestore(Callback):
@@ -77,7 +105,7 @@ class BackupAndRestore(Callback):
                 f"Empty `backup_dir` argument passed (received {backup_dir!r}): BackupAndRestore needs the "
                 "directory that holds the backup, e.g. BackupAndRestore('/tmp/backup')."
             )
-        self.backup_dir = os.fspath(backup_dir)
+        self.backup_dir = require_local(backup_dir, "BackupAndRestore's backup_dir")
         self.save_freq = SaveFrequency(save_freq, "BackupAndRestore")
         self.double_checkpoint = double_checkpoint
         self.delete_checkpoint = delete_checkpoint
@@ -89,6 +117,14 @@ class BackupAndRestore(Callback):
     def on_train_begin(self, logs: Logs | None = None) -> None:
         if ray_train.worker_job() is not None:
             ray_train.restore_latest(self.backup_dir)
+        foreign = foreign_entries(self.backup_dir)
+        if foreign:  # it deletes its backups when the fit completes: another file in their folder is refused
+            shown = ", ".join(foreign[:8]) + (f", ... ({len(foreign)} in all)" if len(foreign) > 8 else "")
+            raise CheckpointError(
+                f"BackupAndRestore({self.backup_dir!r}) holds files it did not write ({shown}). Its backups are "
+                "deleted when the fit completes, so it takes a folder of its own: pass an empty or new directory, "
+                "e.g. BackupAndRestore('backup')."
+            )
         self.checkpointer = Checkpointer(self.backup_dir, max_to_keep=2 if self.double_checkpoint else 1)
         self.restored_step = None
         self._checked = self.model.global_step - 1  # the last step a save was decided for
@@ -150,8 +186,16 @@ class BackupAndRestore(Callback):
                 journal = json.load(f)
         except (OSError, ValueError):
             journal = None
+        problem = journal_problem(journal)
+        if journal is not None and problem is not None:
+            warn_user(
+                f"BackupAndRestore: {self._journal_path()} {problem}, so the steps run after the backup are not "
+                "counted as lost in history.goodput (the resume itself is unaffected); it is rewritten as training "
+                "goes on."
+            )
+            journal = None
         carried = dict(saved, restarts=saved.get("restarts", 0) + 1)
-        if isinstance(journal, dict) and journal.get("step", -1) >= step:
+        if isinstance(journal, dict) and journal["step"] >= step:
             last = journal["ledger"]
             lost = max(last["wall_seconds"] - saved["wall_seconds"], 0.0)  # everything done since the backup
             buckets = {**saved["buckets"], Bucket.LOST.value: saved["buckets"].get(Bucket.LOST, 0.0) + lost}

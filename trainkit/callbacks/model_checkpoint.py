@@ -17,6 +17,7 @@ from trainkit import distributed
 from trainkit.callbacks.base import Logs, MonitorCallback
 from trainkit.callbacks.triggers import SaveFrequency
 from trainkit.checkpoint import Checkpointer, check_writable, remove_checkpoints
+from trainkit.core.local_path import require_local
 from trainkit.core.warn import warn_user
 from trainkit.record.ledger import Bucket
 
@@ -68,7 +69,7 @@ class ModelCheckpoint(MonitorCallback):
         max_to_keep: int | None = None,
     ):
         super().__init__(monitor, mode, baseline=initial_value_threshold)
-        self.filepath = os.fspath(filepath)
+        self.filepath = require_local(filepath, "ModelCheckpoint's filepath")
         self.verbose = verbose
         self.save_best_only = save_best_only
         self.save_weights_only = save_weights_only

@@ -42,6 +42,7 @@ from trainkit.checkpoint.errors import CheckpointError
 from trainkit.checkpoint.parts import Parts
 from trainkit.core import state as state_lib
 from trainkit.core import tree
+from trainkit.core.local_path import require_local
 from trainkit.core.tree import PyTree
 from trainkit.core.warn import warn_user
 from trainkit.distributed import filesystem
@@ -180,7 +181,7 @@ class Checkpointer:
         enable_async: bool = True,
         read_only: bool = False,
     ):
-        self.directory = os.path.abspath(os.fspath(directory))
+        self.directory = os.path.abspath(require_local(directory, "The checkpoint directory"))
         self.read_only = read_only
         self._lock = self._alias = None
         orbax_logs.install()  # a write failing in orbax's threads: one CheckpointError, its tracebacks at DEBUG

@@ -13,6 +13,7 @@ from __future__ import annotations
 import fcntl
 import json
 import os
+import re
 import shutil
 import socket
 import time
@@ -25,9 +26,38 @@ from trainkit.checkpoint.errors import CheckpointError
 from trainkit.core.warn import warn_user
 
 STEP_RECORD = "_CHECKPOINT_METADATA"
+#: the lock file a writer holds in a checkpoint directory (:func:`lock_directory`)
+LOCK = ".trainkit-lock"
+#: what trainkit (and orbax for it) writes in a checkpoint directory, by name: a step, a step set
+#: aside as unreadable, orbax's staging of a step, the lock, ``BackupAndRestore``'s goodput journal
+#: and its staging
+_OWN_NAMES = re.compile(
+    r"^(\d+|\d+\.unreadable|\d+\.orbax-checkpoint-tmp-.*|\.trainkit-lock|goodput\.json|\.goodput\.json\.writing-.*)$"
+)
 #: The suffix of a corrupt step directory moved aside, and how long the other processes wait
 #: (seconds) for process 0 to move it (a filesystem wait: no collective on a path only some see).
 SET_ASIDE, SET_ASIDE_WAIT = ".unreadable", 60.0
+
+
+def written_by_trainkit(name: str) -> bool:
+    """Whether an entry of a checkpoint directory is one trainkit writes there (by its name).
+
+    >>> [written_by_trainkit(n) for n in ("12", "12.unreadable", ".trainkit-lock", "goodput.json", "notes.txt")]
+    [True, True, True, True, False]
+    """
+    return _OWN_NAMES.match(name) is not None
+
+
+def foreign_entries(directory: str) -> list[str]:
+    """The entries of ``directory`` that trainkit did not write (sorted; none for a missing folder)."""
+    names = os.listdir(directory) if os.path.isdir(directory) else []
+    return sorted(name for name in names if not written_by_trainkit(name))
+
+
+def holds_working_directory(directory: str) -> bool:
+    """Whether ``directory`` is the working directory or one above it (never removed)."""
+    target, here = os.path.realpath(directory), os.path.realpath(os.getcwd())
+    return here == target or here.startswith(target.rstrip(os.sep) + os.sep)
 
 
 def unreadable_steps(directory: str) -> list[str]:
@@ -133,7 +163,7 @@ def lock_directory(directory: str) -> IO[str] | None:
     """An exclusive, non-blocking lock on ``directory`` (process 0 only); ``None`` elsewhere."""
     if jax.process_index() != 0:
         return None
-    path = os.path.join(directory, ".trainkit-lock")
+    path = os.path.join(directory, LOCK)
     handle = open(path, "a+")  # noqa: SIM115 - held open while the checkpointer is
     try:
         fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)

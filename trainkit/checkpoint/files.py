@@ -19,6 +19,7 @@ import shutil
 import sys
 from typing import Any
 
+from trainkit.checkpoint import directory as directory_lib
 from trainkit.checkpoint.checkpointer import Checkpointer, CheckpointError, all_finite
 from trainkit.checkpoint.manifest import Layout, explain_restore
 from trainkit.core.tree import PyTree
@@ -104,15 +105,17 @@ def restore_session(
 
 
 def remove_checkpoints(directory: str | os.PathLike) -> None:
-    """Deletes a checkpoint directory; through a symbolic link, what the link points to is
-    emptied and the link kept (``rmtree`` refuses links, which left a finished run's backup to be
-    "resumed" by the next one). A file that cannot be deleted is warned about, naming it.
+    """Deletes what trainkit wrote in a checkpoint directory (its steps, its lock, the goodput
+    journal), never another file, and the directory itself when that leaves it empty (never the
+    working directory or one above it). Through a symbolic link, what the link points to is
+    emptied of them and the link kept (``rmtree`` refuses links, which left a finished run's
+    backup to be "resumed" by the next one). A file that cannot be deleted is warned about.
 
     >>> import tempfile, pathlib
-    >>> target = pathlib.Path(tempfile.mkdtemp()); (target / "7").mkdir()
+    >>> target = pathlib.Path(tempfile.mkdtemp()); (target / "7").mkdir(); _ = (target / "notes.txt").write_text("mine")
     >>> link = target.parent / (target.name + "-link"); link.symlink_to(target)
-    >>> remove_checkpoints(link); link.is_symlink(), list(target.iterdir())
-    (True, [])
+    >>> remove_checkpoints(link); link.is_symlink(), [p.name for p in target.iterdir()]
+    (True, ['notes.txt'])
     """
     failures: list[str] = []
 
@@ -123,19 +126,24 @@ def remove_checkpoints(directory: str | os.PathLike) -> None:
         "onexc" if sys.version_info >= (3, 12) else "onerror": failed
     }  # onerror is deprecated in 3.12
     path = os.fspath(directory)
-    if os.path.islink(path):
-        target = os.path.realpath(path)
-        for name in os.listdir(target) if os.path.isdir(target) else ():
-            entry = os.path.join(target, name)
-            if os.path.isdir(entry) and not os.path.islink(entry):
-                shutil.rmtree(entry, **on_error)
-            else:
-                try:
-                    os.remove(entry)
-                except OSError as error:
-                    failures.append(f"{entry} ({error})")
-    elif os.path.exists(path):
-        shutil.rmtree(path, **on_error)
+    folder = os.path.realpath(path)
+    for name in os.listdir(folder) if os.path.isdir(folder) else ():
+        entry = os.path.join(folder, name)
+        if not directory_lib.written_by_trainkit(name):
+            continue  # the user's: kept
+        if os.path.isdir(entry) and not os.path.islink(entry):
+            shutil.rmtree(entry, **on_error)
+        else:
+            try:
+                os.remove(entry)
+            except OSError as error:
+                failures.append(f"{entry} ({error})")
+    keep_folder = os.path.islink(path) or directory_lib.holds_working_directory(folder)
+    if not keep_folder and os.path.isdir(folder) and not os.listdir(folder):
+        try:
+            os.rmdir(folder)
+        except OSError as error:
+            failures.append(f"{folder} ({error})")
     if failures:
         warn_user(
             f"Could not delete all of {path!r}: {'; '.join(failures[:5])}. A later run given this directory would find "

@@ -27,12 +27,34 @@ _TOKEN = re.compile(
 _AUTHORIZATION = re.compile(
     r"(?P<name>\bauthorization:\s*(?:bearer|basic|token)\s+|\bbearer\s+)[^\s'\"]+", re.IGNORECASE
 )
+#: an environment variable's credential (``HF_TOKEN=...``, ``AWS_SECRET_ACCESS_KEY=...``)
+_ENVIRONMENT = re.compile(
+    r"(?P<name>\b[A-Z0-9_]*(?:TOKEN|SECRET|PASSWORD|PASSWD|API_KEY|APIKEY|ACCESS_KEY|PRIVATE_KEY|CREDENTIALS?)"
+    r"[A-Z0-9_]*=)[^\s'\"&]+"
+)
+#: a JSON field holding a credential (``"password": "..."``)
+_JSON_FIELD = re.compile(
+    r"(?P<name>\"(?:password|passwd|secret|token|access_token|refresh_token|client_secret|api_key|apikey|auth)\"\s*:\s*)"
+    r"\"[^\"]*\"",
+    re.IGNORECASE,
+)
+#: a command-line option's credential (``--token x``, ``--password=x``)
+_OPTION = re.compile(
+    r"(?P<name>--(?:[a-z0-9]+[-_])*(?:token|password|passwd|secret|api[-_]key|apikey)(?:=|\s+))[^\s'\"]+", re.IGNORECASE
+)
+#: a header whose whole value is a credential (``X-API-Key: ...``, ``Cookie: a=1; b=2``)
+_HEADER = re.compile(
+    r"(?P<name>\b(?:x-api-key|api-key|x-auth-token|cookie|set-cookie|proxy-authorization)\s*:\s*)[^\n'\"}]+",
+    re.IGNORECASE,
+)
 
 
 def redacted(text: str) -> str:
     """``text`` with URL passwords (``user:***@``), bare user-info tokens (``***@``),
-    token-like values (``token=***``, ``client_secret=***``) and authorization credentials
-    (``Authorization: Bearer ***``) masked."""
+    token-like values (``token=***``, ``client_secret=***``), authorization credentials
+    (``Authorization: Bearer ***``), environment variables (``HF_TOKEN=***``), JSON fields
+    (``"password": "***"``), command-line options (``--token ***``) and credential headers
+    (``X-API-Key: ***``, ``Cookie: ***``) masked."""
 
     def userinfo(match: re.Match) -> str:
         if match["password"]:
@@ -40,4 +62,7 @@ def redacted(text: str) -> str:
         return f"{match['scheme']}***@"
 
     masked = _TOKEN.sub(lambda m: f"{m['name']}***", _USERINFO.sub(userinfo, text))
-    return _AUTHORIZATION.sub(lambda m: f"{m['name']}***", masked)
+    masked = _JSON_FIELD.sub(lambda m: f'{m["name"]}"***"', masked)
+    for pattern in (_AUTHORIZATION, _ENVIRONMENT, _OPTION, _HEADER):
+        masked = pattern.sub(lambda m: f"{m['name']}***", masked)
+    return masked

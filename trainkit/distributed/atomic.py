@@ -24,7 +24,7 @@ import shutil
 import socket
 import tempfile
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Collection, Iterator, Sequence
 
 #: Files a writer may put beside its output under the output's name plus a suffix (ONNX keeps
 #: initializers past 2 GB in ``<model>.onnx.data``): moved with it, or removed when stale.
@@ -79,14 +79,57 @@ def remove_stale_staging(target: str) -> list[str]:
     return removed
 
 
+def check_replaceable(target: str, folder_entries: Collection[str] = ()) -> None:
+    """Refuses, before anything is written, to write ``target`` where that would delete what
+    trainkit did not write: the working directory or a folder above it, or an existing folder
+    holding anything but ``folder_entries`` (the names the output itself has: a folder trainkit
+    wrote before, replaced whole). An empty folder may be replaced.
+
+    >>> import tempfile
+    >>> folder = tempfile.mkdtemp(); _ = open(os.path.join(folder, "notes.txt"), "w").close()
+    >>> check_replaceable(folder, {"saved_model.pb", "variables"})
+    Traceback (most recent call last):
+    FileExistsError: ... holds files this output does not have (notes.txt): ...
+    """
+    target = os.path.realpath(target)
+    here = os.path.realpath(os.getcwd())
+    if here == target or here.startswith(target.rstrip(os.sep) + os.sep):
+        raise FileExistsError(
+            f"{target!r} is the working directory (or holds it): writing there would replace everything in it. Name "
+            "a new file or folder inside it, e.g. 'model' or 'exports/model'."
+        )
+    above = os.path.dirname(target)
+    while above != os.path.dirname(above) and not os.path.exists(above):
+        above = os.path.dirname(above)
+    if not os.path.isdir(above):
+        raise NotADirectoryError(
+            f"{target!r} lies under {above!r}, which is a file, not a folder: nothing was written. Name a path whose "
+            "folders are folders (or move that file)."
+        )
+    if not os.path.isdir(target):
+        return
+    foreign = sorted(name for name in os.listdir(target) if name not in folder_entries)
+    if foreign:
+        shown = ", ".join(foreign[:8]) + (f", ... ({len(foreign)} in all)" if len(foreign) > 8 else "")
+        raise FileExistsError(
+            f"{target!r} is a folder that holds files this output does not have ({shown}): writing it would delete "
+            "them. Nothing was written; name a new path, or move those files first."
+        )
+
+
 @contextlib.contextmanager
-def staged(path: str | os.PathLike, sidecars: Sequence[str] = SIDECARS) -> Iterator[str]:
+def staged(
+    path: str | os.PathLike, sidecars: Sequence[str] = SIDECARS, folder_entries: Collection[str] = ()
+) -> Iterator[str]:
     """A temporary path (in a new folder beside ``path``) to write ``path``'s file or folder
     to; moved into place when the block ends without an error, else removed with everything
     written there. Sidecars written beside it (``<name><suffix>``) are moved first; an old
     sidecar the new output does not have is removed, so nothing stale is read with it. Staging
-    folders that killed writes to the same target left are removed first."""
+    folders that killed writes to the same target left are removed first. An existing folder at
+    ``path`` is replaced only when it holds nothing but ``folder_entries`` (:func:`check_replaceable`,
+    before anything is written)."""
     target = os.path.abspath(os.fspath(path))
+    check_replaceable(target, folder_entries)
     parent = os.path.dirname(target)
     os.makedirs(parent, exist_ok=True)
     remove_stale_staging(target)

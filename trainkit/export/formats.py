@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 
 from trainkit import distributed
+from trainkit.core.local_path import require_local
 from trainkit.core.tree import PyTree
 from trainkit.distributed import atomic
 from trainkit.export import jax_format, onnx_format, tf_saved_model
@@ -58,6 +59,9 @@ def computes_float32(format: str, compute_dtype: Any, model_call: bool) -> bool:
 
 #: the suffixes that name a format (a SavedModel is a folder: no suffix)
 SUFFIXES = {".jax": "jax", ".onnx": "onnx"}
+#: what an export folder holds, by format: an existing folder of only these is an earlier export of
+#: trainkit's, replaced whole; one holding anything else is refused (its files would be deleted)
+FOLDER_ENTRIES = {"tf_saved_model": frozenset({"saved_model.pb", "variables", "assets", "fingerprint.pb"})}
 
 
 def resolve_format(path: str | os.PathLike, format: str | None) -> str:
@@ -119,7 +123,7 @@ def write(
     # whole (a missing parent folder is created)
     # moved (or a stale one removed) with it
     sidecars = (*atomic.SIDECARS, jax_format.SIDECAR) if format == "jax" else atomic.SIDECARS
-    with atomic.staged(path, sidecars) as temporary:
+    with atomic.staged(path, sidecars, folder_entries=FOLDER_ENTRIES.get(format, ())) as temporary:
         written = save(temporary, function, variables, symbolic_inputs(spec), **options)
     if verbose:
         details = ", ".join(f"{k} {v}" for k, v in written.items())
@@ -136,6 +140,7 @@ def export(
 ) -> None:
     """:meth:`trainkit.Trainer.export`: ``format`` checked first, then what ``inference()``
     returns (the function, its host variables, the per-example input spec) written by :func:`write`."""
+    require_local(path, "export's filepath")
     format = resolve_format(path, format)
     check_format(format)  # before anything is fetched or traced
     write(path, *inference(), format, verbose=verbose, **options)

@@ -13,6 +13,7 @@ after a report of what matched; ``trainer.save_weights(path)`` writes them as sa
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import re
@@ -20,10 +21,13 @@ from collections.abc import Mapping, Sequence
 from typing import NamedTuple, Protocol, overload
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from trainkit import distributed
+from trainkit.core.local_path import require_local
 from trainkit.core.tree import ArrayValue, Leaf, PyTree, leaf_name
+from trainkit.core.warn import warn_user
 from trainkit.distributed import atomic
 from trainkit.weights import torch_layout
 from trainkit.weights.load import Target, check_options, match, place, refuse
@@ -133,6 +137,9 @@ def load(
     elif report.problems():
         logger.warning("Loading %s with strict=False: %s", opened.description, report)
     arrays = {full_names[name]: array for name, array in place(opened, reads, targets).items()}
+    report = dataclasses.replace(report, non_finite=non_finite(arrays))
+    if report.non_finite:
+        warn_user(f"{opened.description} holds NaN or Inf in {', '.join(report.non_finite)}: loaded as they are.")
     logger.info("Loaded %s: %s", opened.description, report)
     if isinstance(into, Mapping):
         flat = jax.tree_util.tree_leaves_with_path(into)
@@ -165,6 +172,16 @@ def under_prefix(names: Mapping[str, object], prefix: str) -> dict[str, str]:
     return found
 
 
+def non_finite(arrays: Mapping[str, ArrayValue]) -> tuple[str, ...]:
+    """The names of the floating arrays holding a NaN or an infinity."""
+    floating = {name: a for name, a in arrays.items() if jnp.issubdtype(jnp.result_type(a), jnp.inexact)}
+
+    def finite(a: ArrayValue) -> bool:  # on the device for placed arrays, on the host for host ones
+        return bool(jnp.isfinite(a).all()) if isinstance(a, jax.Array) else bool(np.isfinite(np.asarray(a)).all())
+
+    return tuple(sorted(name for name, a in floating.items() if not finite(a)))
+
+
 def _target(leaf: Leaf) -> Target:
     sharding = leaf.sharding if isinstance(leaf, (jax.Array, jax.ShapeDtypeStruct)) else None
     return Target(tuple(np.shape(leaf)), np.dtype(leaf.dtype), sharding)
@@ -184,6 +201,7 @@ def save(
     (with ``num_batches_tracked`` for each BatchNorm), readable by ``load_state_dict``;
     ``rename`` pairs apply to the written names last; ``prefix``: the sub-tree of that path
     alone, written without it (a distilled student: ``"student/"``)."""
+    require_local(path, "save_weights' filepath")
     if format != "safetensors":
         raise ValueError(f"format={format!r}: weights are written as 'safetensors'.")
     suffix = os.path.splitext(os.fspath(path))[1].lower()

@@ -55,6 +55,13 @@ def check_options(
     for rule in rename:
         if not (isinstance(rule, (tuple, list)) and len(rule) == 2 and all(isinstance(r, str) for r in rule)):
             raise ValueError(f"rename takes (regex, replacement) pairs of strings; received {rule!r}.")
+        try:
+            re.sub(rule[0], rule[1], "")  # the pattern and the replacement's group references and escapes
+        except re.error as error:
+            raise ValueError(
+                f"rename pair {tuple(rule)!r} is not a valid re.sub pattern and replacement ({error}): a replacement "
+                r"refers to the pattern's groups as \1 (or \g<name>) and writes a backslash as \\."
+            ) from None
     if isinstance(patterns, str):
         raise ValueError(f"{argument} takes a list of regexes; received the string {patterns!r}: wrap it in [].")
     for pattern in patterns:
@@ -172,6 +179,8 @@ def _rename_hint(unmatched: list[str], missing: list[str]) -> str:
     counts: dict[tuple[str, str], int] = {}
     for name in unmatched:
         for target in missing:
+            if name.startswith("opt_state/"):  # an optimizer's moments are never weights: no rename into them
+                continue
             if name.endswith("/" + target) or name.endswith("." + target):
                 key = (f"^{re.escape(name[: -len(target)])}", "")
             elif target.endswith("/" + name):

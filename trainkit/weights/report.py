@@ -36,6 +36,7 @@ class LoadReport:
             ``layout="torch"``, ``as_is`` for weights that fit as stored).
         transposed_square: square 2-D source entries ``layout="torch"`` transposed: their shape
             cannot tell whether they are ``(out, in)`` (then right) or ``(in, out)`` (pass ``as_is``).
+        non_finite: loaded variables holding a NaN or an infinity (loaded, and said).
     """
 
     loaded: tuple[str, ...] = ()
@@ -48,6 +49,7 @@ class LoadReport:
     ignored: tuple[str, ...] = ()
     hint: str = ""
     transposed_square: tuple[str, ...] = ()
+    non_finite: tuple[str, ...] = ()
 
     def problems(self) -> list[str]:
         """What ``strict=True`` refuses, one line each."""
@@ -66,6 +68,8 @@ class LoadReport:
                 parts.append(f"{label}: {', '.join(names)}")
         if self.casts:
             parts.append("cast: " + ", ".join(f"{name} {src}->{dst}" for name, src, dst in self.casts))
+        if self.non_finite:
+            parts.append("holding NaN or Inf (loaded as they are): " + ", ".join(self.non_finite))
         if self.transposed_square:
             parts.append(
                 "transposed as (out, in), which their square shapes cannot confirm (check them, or as_is=[...]): "

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import glob
 import json
+import math
 import os
 import struct
 import sys
@@ -23,6 +24,7 @@ import jax
 import ml_dtypes
 import numpy as np
 
+from trainkit.core.local_path import require_local
 from trainkit.core.tree import ArrayValue, Index, PyTree, leaf_name
 
 #: safetensors' dtype names (the format's header) as NumPy dtypes (bf16 and fp8 from ml_dtypes)
@@ -129,6 +131,8 @@ def _read_header(path: str) -> tuple[dict[str, dict[str, Any]], int, int]:
         header = json.loads(raw.decode("utf-8"))
     except (UnicodeDecodeError, ValueError) as error:
         raise _refuse(path, f"its header is not JSON ({error})") from None
+    except RecursionError:  # a header nested deeper than Python's parser goes
+        raise _refuse(path, "its header's JSON is nested too deeply to be a header of tensors") from None
     if not isinstance(header, dict):
         raise _refuse(path, f"its header is a JSON {type(header).__name__}, not an object of tensors")
     return header, 8 + length, size - 8 - length
@@ -140,23 +144,24 @@ def _checked_entry(path: str, name: str, info: object, data_size: int) -> tuple[
     if not isinstance(info, dict) or not {"dtype", "shape", "data_offsets"} <= info.keys():
         raise _refuse(path, f"entry {name!r} lacks its dtype, shape or data_offsets")
     dtype, shape, offsets = info["dtype"], info["shape"], info["data_offsets"]
-    if dtype not in SAFETENSORS_DTYPES:
-        raise WeightFileError(f"{path}: {name!r} has dtype {dtype}, which trainkit does not read.")
-    integers = all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in [*shape, *offsets])
-    if not isinstance(shape, list) or not isinstance(offsets, list) or len(offsets) != 2 or not integers:
+    if not isinstance(dtype, str) or dtype not in SAFETENSORS_DTYPES:
+        raise WeightFileError(f"{path}: {name!r} has dtype {str(dtype)[:40]}, which trainkit does not read.")
+    lists = isinstance(shape, list) and isinstance(offsets, list) and len(offsets) == 2
+    if not lists or not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in [*shape, *offsets]):
         raise _refuse(
-            path, f"entry {name!r} has shape {shape!r} and data_offsets {offsets!r}, not non-negative integers"
-        )
+            path, f"entry {name!r} has shape {str(shape)[:60]} and data_offsets {str(offsets)[:60]}, not "
+            "non-negative integers",
+        )  # fmt: skip
     begin, end = offsets
-    entry = Entry(tuple(shape), np.dtype(SAFETENSORS_DTYPES[dtype]))
-    needed = int(np.prod(shape, dtype=np.int64)) * entry.dtype.itemsize
+    entry_dtype = np.dtype(SAFETENSORS_DTYPES[dtype])
+    needed = math.prod(shape) * entry_dtype.itemsize  # Python's integers: a shape past 2**63 cannot overflow
     if not begin <= end <= data_size or end - begin != needed:
         raise _refuse(
             path,
             f"entry {name!r} spans bytes {begin} to {end} of {data_size}, where its shape {tuple(shape)} of {dtype} "
             f"needs {needed} bytes",
         )
-    return begin, end, entry
+    return begin, end, Entry(tuple(shape), entry_dtype)
 
 
 def _safetensors_header(path: str) -> dict[str, tuple[int, Entry]]:
@@ -264,6 +269,9 @@ KINDS = "a .safetensors file, a folder of them, an orbax checkpoint of a params 
 def _checkpoint_steps(path: str) -> list[str]:
     """The step folders of a trainkit checkpoint at ``path`` (a step folder with ``state`` and
     ``meta``, or a folder of such steps), oldest first; empty for anything else."""
+    parent = os.path.dirname(os.path.normpath(path))
+    if os.path.basename(os.path.normpath(path)) == "state" and os.path.isdir(os.path.join(parent, "meta")):
+        path = parent  # a step's "state" item: the step itself
     steps = [path, *(os.path.join(path, name) for name in sorted(os.listdir(path), key=_step_number) if name.isdigit())]
     return [
         step
@@ -330,7 +338,7 @@ def open_source(source: SourceSpec, checkpoints: bool = False) -> WeightSource:
     model is restored with ``trainer.load``)."""
     if isinstance(source, Mapping):
         return ArraySource({name: host_array(a) for name, a in flat_arrays(source).items()}, "a dict of arrays")
-    path = os.fspath(source)
+    path = require_local(source, "tk.weights.load's source")
     if not os.path.exists(path):
         raise FileNotFoundError(f"No weights at {path!r}: pass {KINDS}.")
     if os.path.isdir(path):

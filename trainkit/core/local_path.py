@@ -1,0 +1,35 @@
+"""Paths trainkit writes and reads are local (or mounted) paths: a URL (``gs://``, ``s3://``,
+``hdfs://``, ``file://``) would be taken for a local folder named ``gs:`` and lost with the
+machine's disk, so every one is refused where it is given, naming the fix and never printing a
+credential the URL carries.
+
+>>> require_local("runs/backup", "BackupAndRestore's backup_dir")
+'runs/backup'
+>>> require_local("gs://alice:s3cr3t@bucket/run", "save's filepath")
+Traceback (most recent call last):
+ValueError: save's filepath 'gs://alice:***@bucket/run' is a gs:// URL, ...
+"""
+
+from __future__ import annotations
+
+import os
+import re
+
+from trainkit.core.redact import redacted
+
+_URL = re.compile(r"^(?P<scheme>[a-zA-Z][a-zA-Z0-9+.-]*)://")
+
+
+def require_local(path: str | os.PathLike[str], what: str) -> str:
+    """``path`` as a string, or a ``ValueError`` for a URL (see the module docstring)."""
+    text = os.fspath(path)
+    found = _URL.match(text)
+    if found is None:
+        return text
+    scheme = found["scheme"]
+    raise ValueError(
+        f"{what} {redacted(text)!r} is a {scheme}:// URL, which trainkit does not read or write: it would be "
+        f"taken for a local folder named '{scheme}:' and lost with this machine's disk. Mount the bucket (gcsfuse "
+        "for gs://, mountpoint-s3 or s3fs for s3://) and pass the mounted path, e.g. '/mnt/bucket/run1'."
+        + (" For file://, pass the path itself." if scheme == "file" else "")
+    )
