@@ -195,3 +195,33 @@ def test_the_launcher_inside_a_multi_task_job_refuses():
         [sys.executable, "-m", "trainkit.launch", "--nproc", "2", str(SCRIPT)], env=env, capture_output=True, text=True
     )
     assert result.returncode == 1 and "independent copies" in result.stderr, result.stderr
+
+
+JAX_VARIABLES = {"JAX_COORDINATOR_ADDRESS": "127.0.0.1:9", "JAX_NUM_PROCESSES": "2", "JAX_PROCESS_ID": "0"}
+
+
+@pytest.mark.parametrize(
+    "env, says",
+    [
+        (JAX_VARIABLES | {"OMPI_COMM_WORLD_SIZE": "2", "OMPI_COMM_WORLD_RANK": "1"},
+         "JAX_PROCESS_ID=0 says this is process 0, but mpirun made it rank 1 (OMPI_COMM_WORLD_RANK=1)"),
+        (JAX_VARIABLES | {"SLURM_STEP_ID": "0", "SLURM_PROCID": "1"}, "but srun made it rank 1 (SLURM_PROCID=1)"),
+        (JAX_VARIABLES | {"JAX_NUM_PROCESSES": "0"}, "the job has 0 processes"),
+        (JAX_VARIABLES | {"JAX_PROCESS_ID": "2"}, "this is process 2 of 2: indices run from 0 to 1"),
+        (JAX_VARIABLES | {"JAX_NUM_PROCESSES": "two"}, "JAX_NUM_PROCESSES='two' is not a whole number"),
+        (SRUN | {"SLURM_STEP_NUM_TASKS": "2x"}, "SLURM_STEP_NUM_TASKS='2x' is not a whole number"),
+        ({k: v for k, v in MPIRUN.items() if k != "OMPI_COMM_WORLD_RANK"}, "OMPI_COMM_WORLD_RANK is not set"),
+        ({"MASTER_ADDR": "h", "MASTER_PORT": "p29500", "WORLD_SIZE": "2", "RANK": "0"}, "MASTER_PORT='p29500'"),
+    ],
+    ids=["mpirun-rank", "srun-rank", "zero-count", "index-past-count", "words", "slurm-words", "ompi-no-rank", "port"],
+)  # fmt: skip
+def test_an_environment_that_contradicts_itself_is_refused_naming_the_variables(env, says):
+    """#59: a left-over JAX_PROCESS_ID overrode mpirun's rank (two processes claimed 0 and hung);
+    a count of 0 or an index past it trained alone; words in numbers were raw ``int()`` errors."""
+    with pytest.raises(JobError, match=re.escape(says)):
+        detect_job(env)
+
+
+def test_the_launcher_inside_an_allocation_keeps_its_own_ranks():
+    env = JAX_VARIABLES | {"JAX_PROCESS_ID": "1", "TRAINKIT_LAUNCH": "1", "SLURM_STEP_ID": "0", "SLURM_PROCID": "0"}
+    assert detect_job(env).process_id == 1  # its children share srun's rank 0 on purpose

@@ -88,7 +88,30 @@ def environment_settings(env: Mapping[str, str] | None = None) -> tuple[str, int
             "coordinator address, the number of processes and this process's index. Set all three (or none)."
         )
     assert count is not None and index is not None  # checked just above
-    return address, int(count), int(index)
+    count_name = "JAX_NUM_PROCESSES" if env.get("JAX_NUM_PROCESSES") else "WORLD_SIZE"
+    index_name = "JAX_PROCESS_ID" if env.get("JAX_PROCESS_ID") else "RANK"
+    return address, _whole(env, count_name), _whole(env, index_name)
+
+
+def _whole(env: Mapping[str, str], name: str, default: str | None = None) -> int:
+    """The environment variable ``name`` as a whole number (``default`` when unset), or a
+    :class:`JobError` naming the variable and its value.
+
+    >>> _whole({"JAX_NUM_PROCESSES": "two"}, "JAX_NUM_PROCESSES")
+    Traceback (most recent call last):
+    ...
+    trainkit.distributed.engines.JobError: JAX_NUM_PROCESSES='two' is not a whole number: ...
+    """
+    value = env.get(name, default)
+    if value is None or value == "":
+        raise JobError(f"{name} is not set, and this job's launcher needs it: set it for every process ({_EXPLICIT}).")
+    try:
+        return int(value)
+    except ValueError:
+        raise JobError(
+            f"{name}={value!r} is not a whole number: the launcher (or a left-over export in the shell) set it wrong. "
+            f"Set it to a number, or unset it."
+        ) from None
 
 
 def _address(env: Mapping[str, str], host_name: str, port_name: str, offset: int) -> str:
@@ -98,7 +121,7 @@ def _address(env: Mapping[str, str], host_name: str, port_name: str, offset: int
         raise ValueError(
             f"The environment sets {present} but not {missing[0]}: the coordinator needs both a host and a port."
         )
-    return f"{env[host_name]}:{int(env[port_name]) + offset}"
+    return f"{env[host_name]}:{_whole(env, port_name) + offset}"
 
 
 def detect_job(env: Mapping[str, str] | None = None) -> Job | None:
@@ -121,14 +144,51 @@ def detect_job(env: Mapping[str, str] | None = None) -> Job | None:
     if settings is not None:
         address, count, index = settings
         engine = "kubernetes" if env.get("KUBERNETES_SERVICE_HOST") else _explicit_engine(env)
+        if engine != "trainkit.launch":  # the launcher's children share one engine rank on purpose
+            _refuse_other_ranks(env, index)
         local_id, local_count = _local_rank(env, ("LOCAL_RANK", "LOCAL_WORLD_SIZE"))
-        return Job(engine, count, index, address, local_id, local_count)
+        return _checked(Job(engine, count, index, address, local_id, local_count))
     for read in (_slurm_job, _open_mpi_job, _pmi_job, _kubernetes_job):
         job = read(env)
         if job is not None:
-            return job
+            return _checked(job)
     _refuse_partial(env)
     return None
+
+
+#: the rank each engine gives a process: where ``JAX_PROCESS_ID`` (or ``RANK``) says another, two
+#: processes would claim one index and the job would hang
+_ENGINE_RANKS = (("OMPI_COMM_WORLD_RANK", "mpirun"), ("SLURM_PROCID", "srun"), ("PMI_RANK", "an MPI launcher"),
+                 ("PMIX_RANK", "an MPI launcher"))  # fmt: skip
+
+
+def _refuse_other_ranks(env: Mapping[str, str], index: int) -> None:
+    """A :class:`JobError` when an engine's rank and the explicit process index disagree."""
+    given = "JAX_PROCESS_ID" if env.get("JAX_PROCESS_ID") else "RANK"
+    for name, engine in _ENGINE_RANKS:
+        if name == "SLURM_PROCID" and not env.get("SLURM_STEP_ID"):
+            continue  # an sbatch script's own shell, not a task of srun
+        value = env.get(name, "")
+        if value.isdigit() and int(value) != index:
+            raise JobError(
+                f"{given}={env[given]} says this is process {index}, but {engine} made it rank {value} "
+                f"({name}={value}): two processes would claim one index and the job would hang. Unset {given} (a "
+                "left-over export?) "
+                f"and let {engine}'s rank decide, or set it from it (JAX_PROCESS_ID=${name})."
+            )
+
+
+def _checked(job: Job) -> Job:
+    """``job``, or a :class:`JobError` for a count below 1 or an index outside ``[0, count)``."""
+    count, index = job.num_processes, job.process_id
+    if count is not None and count < 1:
+        raise JobError(f"The environment says the job has {count} processes: a job has at least 1. Fix or unset it.")
+    if count is not None and index is not None and not 0 <= index < count:
+        raise JobError(
+            f"The environment says this is process {index} of {count}: indices run from 0 to {count - 1}. Fix the "
+            "index (or the count) the launcher set, rather than this process training alone."
+        )
+    return job
 
 
 def opted_out(env: Mapping[str, str] | None = None) -> bool:
@@ -153,7 +213,7 @@ def _local_rank(env: Mapping[str, str], names: tuple[str, str]) -> tuple[int, in
     local_id, local_count = (env.get(name) for name in names)
     if local_id is None or local_count is None:
         return 0, 1  # unknown: this process alone on its node
-    return int(local_id), int(local_count)
+    return _whole(env, names[0]), _whole(env, names[1])
 
 
 def _slurm_job(env: Mapping[str, str]) -> Job | None:
@@ -162,14 +222,14 @@ def _slurm_job(env: Mapping[str, str]) -> Job | None:
     names = ("SLURM_JOB_ID", "SLURM_STEP_NODELIST", "SLURM_NTASKS", "SLURM_PROCID", "SLURM_LOCALID")
     if not all(env.get(name) for name in names):
         return None
-    port = env.get("JAX_COORDINATOR_PORT") or str(int(env["SLURM_JOB_ID"]) % 4096 + 61440)
-    local_count = _tasks_on_this_node(env.get("SLURM_STEP_TASKS_PER_NODE", ""), int(env.get("SLURM_NODEID", "0")))
+    port = env.get("JAX_COORDINATOR_PORT") or str(_whole(env, "SLURM_JOB_ID") % 4096 + 61440)
+    local_count = _tasks_on_this_node(env.get("SLURM_STEP_TASKS_PER_NODE", ""), _whole(env, "SLURM_NODEID", "0"))
     return Job(
         "slurm",
-        int(env.get("SLURM_STEP_NUM_TASKS") or env["SLURM_NTASKS"]),
-        int(env["SLURM_PROCID"]),
+        _whole(env, "SLURM_STEP_NUM_TASKS" if env.get("SLURM_STEP_NUM_TASKS") else "SLURM_NTASKS"),
+        _whole(env, "SLURM_PROCID"),
         f"{first_host(env['SLURM_STEP_NODELIST'])}:{port}",
-        int(env["SLURM_LOCALID"]),
+        _whole(env, "SLURM_LOCALID"),
         local_count or 1,
     )
 
@@ -212,11 +272,14 @@ def _open_mpi_job(env: Mapping[str, str]) -> Job | None:
     if match is None:
         raise JobError(f"OMPI_MCA_orte_hnp_uri={uri!r} names no TCP address for the coordinator; set {_EXPLICIT}.")
     host = next(group for group in match.groups() if group is not None)
-    port = env.get("JAX_COORDINATOR_PORT") or str(int(uri.split(".", 1)[0]) // 4096 % 4096 + 61440)
+    job_id = uri.split(".", 1)[0]
+    if not job_id.isdigit():
+        raise JobError(f"OMPI_MCA_orte_hnp_uri={uri!r} does not start with Open MPI's job number; set {_EXPLICIT}.")
+    port = env.get("JAX_COORDINATOR_PORT") or str(int(job_id) // 4096 % 4096 + 61440)
     return Job(
         "openmpi",
-        int(env["OMPI_COMM_WORLD_SIZE"]),
-        int(env["OMPI_COMM_WORLD_RANK"]),
+        _whole(env, "OMPI_COMM_WORLD_SIZE"),
+        _whole(env, "OMPI_COMM_WORLD_RANK"),
         f"{host}:{port}",
         *_local_rank(env, ("OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_SIZE")),
     )
@@ -225,12 +288,13 @@ def _open_mpi_job(env: Mapping[str, str]) -> Job | None:
 def _pmi_job(env: Mapping[str, str]) -> Job | None:
     """A rank of another MPI (MPICH, Intel MPI: ``PMI_SIZE``): joined through mpi4py when it is
     installed (JAX's opt-in ``mpi4py`` detection broadcasts rank 0's address)."""
-    size = env.get("PMI_SIZE") or env.get("PMIX_SIZE")
-    if not size or int(size) < 2 or importlib.util.find_spec("mpi4py") is None:
+    size_name = "PMI_SIZE" if env.get("PMI_SIZE") else "PMIX_SIZE"
+    if not env.get(size_name) or _whole(env, size_name) < 2 or importlib.util.find_spec("mpi4py") is None:
         return None
-    rank = env.get("PMI_RANK") or env.get("PMIX_RANK")
+    rank_name = "PMI_RANK" if env.get("PMI_RANK") else "PMIX_RANK"
+    rank = _whole(env, rank_name) if env.get(rank_name) else None
     local = _local_rank(env, ("MPI_LOCALRANKID", "MPI_LOCALNRANKS"))
-    return Job("mpi", int(size), None if rank is None else int(rank), None, *local, detection="mpi4py")
+    return Job("mpi", _whole(env, size_name), rank, None, *local, detection="mpi4py")
 
 
 def _kubernetes_job(env: Mapping[str, str]) -> Job | None:
@@ -241,7 +305,7 @@ def _kubernetes_job(env: Mapping[str, str]) -> Job | None:
         return None
     if importlib.util.find_spec("kubernetes") is None:
         return None  # refused by _refuse_partial, naming the fix
-    return Job("kubernetes", None, int(env["JOB_COMPLETION_INDEX"]), None, detection=None)
+    return Job("kubernetes", None, _whole(env, "JOB_COMPLETION_INDEX"), None, detection=None)
 
 
 _EXPLICIT = "JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES and JAX_PROCESS_ID"
