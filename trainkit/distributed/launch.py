@@ -52,7 +52,7 @@ def build_env(base: dict, *, process_id: int, nproc: int, port: int, devices_per
         TRAINKIT_LAUNCH="1",
         PYTHONUNBUFFERED="1",
     )
-    if devices_per_proc:
+    if devices_per_proc is not None:
         env["JAX_PLATFORMS"] = "cpu"
         env["JAX_NUM_CPU_DEVICES"] = str(devices_per_proc)
         flags = [f for f in env.get("XLA_FLAGS", "").split() if "device_count" not in f]
@@ -108,6 +108,11 @@ def launch(command: Sequence[str], nproc: int, devices_per_proc: int | None = No
     within ``GRACE_SECONDS``), and the processes die with the launcher."""
     if nproc < 1:
         raise ValueError(f"--nproc must be at least 1; received {nproc}.")
+    if devices_per_proc is not None and devices_per_proc < 1:
+        raise ValueError(
+            f"--devices-per-proc must be at least 1 (fake CPU devices per process); received {devices_per_proc}. "
+            "Leave it out for each process's real devices."
+        )
     port = port or free_port()
     lock = threading.Lock()
     processes: list[subprocess.Popen] = []
@@ -225,7 +230,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("args", nargs=argparse.REMAINDER, help="the script's arguments")
     args = parser.parse_args(argv)
     refuse_inside_a_job(args.nproc)
-    return launch([sys.executable, args.script, *args.args], args.nproc, args.devices_per_proc, args.port)
+    try:
+        return launch([sys.executable, args.script, *args.args], args.nproc, args.devices_per_proc, args.port)
+    except ValueError as error:  # the arguments' own check: a usage line, not a traceback
+        parser.error(str(error))
 
 
 def refuse_inside_a_job(nproc: int, env: dict[str, str] | None = None) -> None:

@@ -12,6 +12,7 @@ processes for a try-out.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import hashlib
@@ -27,7 +28,7 @@ import jax
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from trainkit.distributed import engines, environment, ray_train
+from trainkit.distributed import engines, environment, joining, ray_train
 
 #: Seconds without a heartbeat after which JAX's coordination service declares a process dead
 #: and stops the others (JAX's own default is 100).
@@ -128,10 +129,13 @@ def initialize(
     *,
     local_device_ids: Sequence[int] | None = None,
     heartbeat_timeout_seconds: int | None = None,
-    initialization_timeout: int = 300,
+    initialization_timeout: float | None = None,
 ) -> None:
     """Connects this process to the others; call it first thing in the script (the Trainer calls
     it itself when the process is one of several: :func:`initialize_from_environment`).
+    ``initialization_timeout``: seconds to wait for every process to connect (default
+    ``TRAINKIT_JOIN_TIMEOUT``, else 120; :mod:`trainkit.distributed.joining`); past them the
+    process ends with a line naming the coordinator, its index, the count and what did not answer.
 
     Arguments left out come from the engine that started the process (:func:`job`: trainkit's
     launcher, JAX's or torchrun's variables, SLURM, Open MPI, Kubernetes, Ray Train, a TPU pod),
@@ -162,9 +166,11 @@ def _join(
     found: engines.Job,
     local_device_ids: Sequence[int] | None = None,
     heartbeat_timeout_seconds: int | None = None,
-    initialization_timeout: int = 300,
+    initialization_timeout: float | None = None,
 ) -> None:
-    """``jax.distributed.initialize`` for ``found`` (its values already merged with the arguments)."""
+    """``jax.distributed.initialize`` for ``found`` (its values already merged with the arguments),
+    bounded by :func:`trainkit.distributed.joining.bounded` where the coordinator is known (its
+    address resolved first; on process 0, its port checked free)."""
     if _backend_started():
         raise RuntimeError(
             "tk.distributed.initialize() must run before anything touches JAX's devices, but the "
@@ -184,16 +190,25 @@ def _join(
         pass
     if heartbeat_timeout_seconds is None:  # TRAINKIT_HEARTBEAT_TIMEOUT, else HEARTBEAT_TIMEOUT
         heartbeat_timeout_seconds = math.ceil(environment.seconds("TRAINKIT_HEARTBEAT_TIMEOUT", HEARTBEAT_TIMEOUT))
+    bound = joining.join_timeout(initialization_timeout)
+    guard: contextlib.AbstractContextManager[None] = contextlib.nullcontext()
+    if known:
+        assert coordinator_address is not None and num_processes is not None and process_id is not None
+        joining.resolved(coordinator_address)
+        if process_id == 0:
+            joining.check_port_free(coordinator_address)
+        guard = joining.bounded(coordinator_address, process_id, num_processes, found.engine, bound)
     start = time.perf_counter()
-    jax.distributed.initialize(
-        coordinator_address,
-        num_processes,
-        process_id,
-        local_device_ids=local_device_ids,
-        cluster_detection_method="deactivate" if known else found.detection,
-        heartbeat_timeout_seconds=heartbeat_timeout_seconds,
-        initialization_timeout=initialization_timeout,
-    )
+    with guard:  # JAX's own timeout later than trainkit's bound: trainkit's line, not a C++ abort
+        jax.distributed.initialize(
+            coordinator_address,
+            num_processes,
+            process_id,
+            local_device_ids=local_device_ids,
+            cluster_detection_method="deactivate" if known else found.detection,
+            heartbeat_timeout_seconds=heartbeat_timeout_seconds,
+            initialization_timeout=math.ceil(bound) + 30,
+        )
     _STARTUP["jax.distributed"] = time.perf_counter() - start
     _exit_fast_on_uncaught_errors()
     _announce(found.engine)
