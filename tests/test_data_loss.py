@@ -219,3 +219,16 @@ def test_a_goodput_journal_of_the_wrong_types_is_named_and_the_resume_goes_on(tm
     with pytest.warns(UserWarning, match=r"goodput.json (has|holds) .*the resume itself is unaffected"):
         resumed.fit(X, Y, batch_size=16, epochs=2, verbose=0, callbacks=[tk.callbacks.BackupAndRestore(backup)])
     assert resumed.global_step == 8
+
+
+def test_an_npz_member_no_variable_asks_for_is_never_read(tmp_path, monkeypatch):
+    """#59: a .npz with an unused large entry cost its whole size in memory."""
+    np.savez(tmp_path / "w.npz", kernel=np.ones((5, 3), np.float32), unused=np.zeros((256, 1024), np.float32))
+    read = []
+    original = np.lib.npyio.NpzFile.__getitem__
+    monkeypatch.setattr(np.lib.npyio.NpzFile, "__getitem__", lambda self, key: read.append(key) or original(self, key))
+    model = trainer()
+    model.init((X, Y))
+    report = tk.weights.load(tmp_path / "w.npz", into=model, strict=False)
+    assert report.loaded == ("kernel",) and "unused" in report.unexpected
+    assert read == ["kernel"]

@@ -17,6 +17,7 @@ import math
 import os
 import struct
 import sys
+import zipfile
 from collections.abc import Mapping
 from typing import Any, NamedTuple, Protocol
 
@@ -292,10 +293,40 @@ def _checkpoint_variables(path: str) -> OrbaxSource:
     return OrbaxSource(os.path.join(step, "state"), f"the trainkit checkpoint {step}", roots=roots)
 
 
-def _npz_source(path: str) -> ArraySource:
+class NpzSource:
+    """A ``.npz``: its members' shapes and dtypes read from their headers alone, and a member's
+    values read only when a variable asks for it (an unused 1 GiB entry costs nothing)."""
+
+    def __init__(self, path: str):
+        self.path, self.description = path, path
+        self.entries: dict[str, Entry] = {}
+        with zipfile.ZipFile(path) as archive:
+            for info in archive.infolist():
+                if not info.filename.endswith(".npy"):
+                    continue
+                with archive.open(info) as member:
+                    version = np.lib.format.read_magic(member)
+                    read = (
+                        np.lib.format.read_array_header_1_0
+                        if version == (1, 0)
+                        else np.lib.format.read_array_header_2_0
+                    )
+                    shape, _, dtype = read(member)
+                if dtype.hasobject:  # never unpickled
+                    raise ValueError("Object arrays cannot be loaded when allow_pickle=False")
+                self.entries[info.filename[: -len(".npy")]] = Entry(tuple(shape), np.dtype(dtype))
+        self._read: dict[str, np.ndarray] = {}
+
+    def read(self, name: str, index: Index) -> np.ndarray:
+        if name not in self._read:
+            with np.load(self.path) as archive:  # allow_pickle=False
+                self._read[name] = archive[name]
+        return self._read[name][index]
+
+
+def _npz_source(path: str) -> NpzSource:
     try:
-        with np.load(path) as archive:  # allow_pickle=False: an object array is refused, never unpickled
-            return ArraySource({name: archive[name] for name in archive.files}, path)
+        return NpzSource(path)
     except Exception as error:  # noqa: BLE001 - zipfile, numpy and OS errors alike: one message
         raise WeightFileError(
             f"{path} is not a readable .npz of arrays ({type(error).__name__}: {error}). Nothing was loaded; "
