@@ -232,3 +232,23 @@ def test_an_npz_member_no_variable_asks_for_is_never_read(tmp_path, monkeypatch)
     report = tk.weights.load(tmp_path / "w.npz", into=model, strict=False)
     assert report.loaded == ("kernel",) and "unused" in report.unexpected
     assert read == ["kernel"]
+
+
+def test_a_slow_trainable_callable_is_asked_once_per_leaf_and_its_errors_are_its_own():
+    asked = []
+
+    def trains(path, leaf):
+        asked.append(path)
+        return path.startswith("kernel")
+
+    model = tk.Trainer(nn.Dense(3), loss="sparse_categorical_crossentropy", optimizer=optax.adam(0.1),
+                       strategy="single", trainable=trains)  # fmt: skip
+    model.fit(X, Y, batch_size=16, epochs=2, verbose=0)
+    assert sorted(asked) == ["bias", "kernel"]  # #59: 15 times per leaf per fit before
+
+    def broken(path, leaf):
+        raise KeyError("layer")
+
+    with pytest.raises(ValueError, match=r"The trainable= callable raised KeyError for the parameter 'bias'"):
+        tk.Trainer(nn.Dense(3), loss="sparse_categorical_crossentropy", optimizer=optax.adam(0.1), strategy="single",
+                   trainable=broken).fit(X, Y, batch_size=16, verbose=0)  # fmt: skip

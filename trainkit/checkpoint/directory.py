@@ -30,9 +30,10 @@ STEP_RECORD = "_CHECKPOINT_METADATA"
 LOCK = ".trainkit-lock"
 #: what trainkit (and orbax for it) writes in a checkpoint directory, by name: a step, a step set
 #: aside as unreadable, orbax's staging of a step, the lock, ``BackupAndRestore``'s goodput journal
-#: and its staging
+#: and its staging, a Ray checkpoint being copied in
 _OWN_NAMES = re.compile(
-    r"^(\d+|\d+\.unreadable|\d+\.orbax-checkpoint-tmp-.*|\.trainkit-lock|goodput\.json|\.goodput\.json\.writing-.*)$"
+    r"^(\d+|\d+\.unreadable|\d+\.orbax-checkpoint-tmp.*|\.trainkit-lock|goodput\.json|\.goodput\.json\.writing-.*"
+    r"|\.ray-restore-\d+)$"
 )
 #: The suffix of a corrupt step directory moved aside, and how long the other processes wait
 #: (seconds) for process 0 to move it (a filesystem wait: no collective on a path only some see).

@@ -63,6 +63,10 @@ class Trainable:
                 f"received {spec!r}."
             )
         self._patterns = patterns
+        #: each parameter's decision by its path, made once (on the first leaf asked about: the
+        #: parameter itself), however often the step, the optimizer's labels (also on gradients, where a
+        #: frozen leaf is a scalar placeholder) and the plan ask: a slow regex or callable runs once
+        self._decisions: dict[str, bool] = {}
 
     @classmethod
     def of(
@@ -76,12 +80,25 @@ class Trainable:
         return self.spec is not None or self.extra is not None
 
     def trains(self, name: str, leaf: Any) -> bool:
+        """Whether the parameter at path ``name`` trains (decided once per leaf)."""
+        if name not in self._decisions:
+            self._decisions[name] = self._decide(name, leaf)
+        return self._decisions[name]
+
+    def _decide(self, name: str, leaf: Any) -> bool:
         if self.extra is not None and self.extra(name):
             return True
         if self.spec is None:
             return self.extra is None
         if callable(self.spec):
-            return bool(self.spec(name, leaf))
+            try:
+                return bool(self.spec(name, leaf))
+            except Exception as error:  # noqa: BLE001 - the user's callable's own error, named as its
+                raise ValueError(
+                    f"The trainable= callable raised {type(error).__name__} for the parameter {name!r} (shape "
+                    f"{tuple(np.shape(leaf))}): {error}. It is called as trainable(path, leaf) -> bool for every "
+                    "parameter, the leaf possibly abstract (a jax.ShapeDtypeStruct: read its shape and dtype only)."
+                ) from error
         return any(p.search(name) for p in self._patterns)
 
     def mask(self, params: PyTree) -> PyTree:
