@@ -146,6 +146,22 @@ def test_offloaded_frozen_parameters_stay_on_the_host_and_train_on_the_bits_of_t
     assert_same_bits(offloaded.predict(X), reference.predict(X))
 
 
+@pytest.mark.parametrize("name", ["single", "fsdp8"])
+def test_offloaded_frozen_parameters_work_after_init_as_the_docs_write_it(name):
+    """#59: after trainer.init(...) (then load the base, then fit), every fit, evaluate and predict
+    failed with "memory_space of all inputs passed to dot_general must be the same"."""
+    offloaded = trainer(strategy=STRATEGIES[name](), offload="optimizer+frozen", trainable="Dense_2")
+    reference = trainer(strategy=STRATEGIES[name](), trainable="Dense_2")
+    for made in (offloaded, reference):
+        made.init((X, Y))
+    assert_same_bits(
+        offloaded.fit(X, Y, batch_size=32, verbose=0, shuffle=False).history,
+        reference.fit(X, Y, batch_size=32, verbose=0, shuffle=False).history,
+    )
+    assert_same_bits(offloaded.evaluate(X, Y), reference.evaluate(X, Y))
+    assert_same_bits(offloaded.predict(X), reference.predict(X))
+
+
 def test_offloading_frozen_parameters_when_none_is_frozen_is_refused():
     with pytest.raises(ValueError, match=r"'optimizer\+frozen' keeps the frozen parameters .* but none is frozen"):
         trainer(offload="optimizer+frozen")

@@ -258,7 +258,12 @@ class Setup:
                     f"The model raised {type(error).__name__} when called on the first batch, whose inputs are "
                     f"{data_lib.describe_shapes(first_x)}: {error}\n{model_lib.call_error_hint(error)}"
                 ) from error
-            unswitched = self.program.adapter.unswitched_layers(state.params, state.model_state, first_x)
+            # shapes alone: the live state's frozen parameters may lie in host memory (offload="optimizer+frozen"),
+            # which the model's own call cannot read; the layers are found all the same
+            shapes = jax.tree.map(
+                lambda leaf: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype), (state.params, state.model_state)
+            )
+            unswitched = self.program.adapter.unswitched_layers(*shapes, first_x)
             if unswitched:
                 raise ValueError(
                     f"The model has layers that train differently from how they evaluate ({'; '.join(unswitched)}), "
