@@ -260,10 +260,10 @@ class Setup:
                 ) from error
             # shapes alone: the live state's frozen parameters may lie in host memory (offload="optimizer+frozen"),
             # which the model's own call cannot read; the layers are found all the same
-            shapes = jax.tree.map(
+            params, model_state = jax.tree.map(
                 lambda leaf: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype), (state.params, state.model_state)
             )
-            unswitched = self.program.adapter.unswitched_layers(*shapes, first_x)
+            unswitched = self.program.adapter.unswitched_layers(params, model_state, first_x)
             if unswitched:
                 raise ValueError(
                     f"The model has layers that train differently from how they evaluate ({'; '.join(unswitched)}), "
