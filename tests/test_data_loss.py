@@ -252,3 +252,14 @@ def test_a_slow_trainable_callable_is_asked_once_per_leaf_and_its_errors_are_its
     with pytest.raises(ValueError, match=r"The trainable= callable raised KeyError for the parameter 'bias'"):
         tk.Trainer(nn.Dense(3), loss="sparse_categorical_crossentropy", optimizer=optax.adam(0.1), strategy="single",
                    trainable=broken).fit(X, Y, batch_size=16, verbose=0)  # fmt: skip
+
+
+def test_gradient_stats_given_a_file_for_its_folder_refuses_before_the_first_step(tmp_path):
+    pytest.importorskip("tensorboardX")
+    (tmp_path / "afile").write_text("mine")
+    model = trainer()
+    with pytest.raises(ValueError, match=r"GradientStats\(log_dir=.*afile'\) cannot be written"):
+        model.fit(
+            X, Y, batch_size=16, verbose=0, callbacks=[tk.callbacks.GradientStats(every=1, log_dir=tmp_path / "afile")]
+        )
+    assert model.global_step == 0 and (tmp_path / "afile").read_text() == "mine"

@@ -225,3 +225,18 @@ def test_an_environment_that_contradicts_itself_is_refused_naming_the_variables(
 def test_the_launcher_inside_an_allocation_keeps_its_own_ranks():
     env = JAX_VARIABLES | {"JAX_PROCESS_ID": "1", "TRAINKIT_LAUNCH": "1", "SLURM_STEP_ID": "0", "SLURM_PROCID": "0"}
     assert detect_job(env).process_id == 1  # its children share srun's rank 0 on purpose
+
+
+def test_a_pod_left_to_jax_s_detection_without_a_service_account_is_refused_in_one_error():
+    """#59: a pod without JAX_* and without a service account token ended in 12 lines of ConfigException."""
+    pytest.importorskip("kubernetes")
+    import subprocess
+    import sys
+
+    env = {**os.environ, "KUBERNETES_SERVICE_HOST": "127.0.0.1", "JOB_COMPLETION_INDEX": "1", "JAX_PLATFORMS": "cpu"}
+    result = subprocess.run(
+        [sys.executable, "-c", "import trainkit.distributed as d; d.initialize_from_environment()"],
+        capture_output=True, text=True, env=env, timeout=120,
+    )  # fmt: skip
+    assert result.returncode == 1 and "kubernetes.config" not in result.stderr
+    assert "JobError: This pod is one of an indexed Kubernetes Job without JAX_COORDINATOR_ADDRESS" in result.stderr

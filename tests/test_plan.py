@@ -250,3 +250,23 @@ def test_lowered_and_compiled_text(fsdp_trainer):
         trainer = make_trainer("single")
         trainer.init(data())
         trainer.lowered_text()
+
+
+def test_the_plan_command_says_a_refusal_in_one_line_without_a_traceback(tmp_path):
+    """#59: the CLI printed 4 to 8 traceback lines before trainkit's clear message."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "planme.py"
+    script.write_text(
+        "import numpy as np, optax, flax.linen as nn, trainkit as tk\n"
+        "def make():\n"
+        "    trainer = tk.Trainer(nn.Dense(2), loss='mse', optimizer=optax.sgd(0.1), strategy='single')\n"
+        "    return trainer, (np.ones((8, 3), np.float32), np.ones((8, 2), np.float32))\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-m", "trainkit", "plan", f"{script}:make", "--target", "tpu v9:1x1"],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert result.stderr.startswith("python -m trainkit plan: ValueError: Unknown target 'tpu v9:1x1'")

@@ -56,7 +56,11 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"{args.function} must return (trainer, sample batch); received {type(made).__name__}")
     trainer, sample = made
     candidates = None if args.candidates is None else [c.strip() for c in args.candidates.split(",")]
-    plan = trainer.plan(sample, target=args.target, batch_size=args.batch, candidates=candidates, verbose=1)
+    try:
+        plan = trainer.plan(sample, target=args.target, batch_size=args.batch, candidates=candidates, verbose=1)
+    except (ValueError, TypeError, ImportError) as error:  # trainkit's own refusals say what to do: no traceback
+        print(f"python -m trainkit plan: {type(error).__name__}: {error}", file=sys.stderr)
+        return 2
     return 0 if plan.recommended is not None else 1
 
 

@@ -88,6 +88,13 @@ class GradientStats(Callback):
                     f"would be reported. The model's modules: {', '.join(paths[:8])} (re.search on these paths)."
                 )
         if self.log_dir is not None and distributed.is_main_process():
+            try:  # before the first step, not at the first write of a measured one
+                os.makedirs(os.path.join(self.log_dir, "train"), exist_ok=True)
+            except OSError as error:
+                raise ValueError(
+                    f"GradientStats(log_dir={self.log_dir!r}) cannot be written ({error.strerror}: "
+                    f"{error.filename}): pass a folder (it is created, with train/ inside)."
+                ) from None
             self.board = loggers.TensorBoardLogger(self.log_dir)
 
     def _due(self) -> bool:

@@ -309,6 +309,27 @@ def _kubernetes_job(env: Mapping[str, str]) -> Job | None:
 
 
 _EXPLICIT = "JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES and JAX_PROCESS_ID"
+#: the token a pod's service account mounts, with which JAX's Kubernetes detection reads the pods
+SERVICE_ACCOUNT_TOKEN = "/var/run/secrets/kubernetes.io/serviceaccount/token"
+
+
+def require_service_account(token: str = SERVICE_ACCOUNT_TOKEN) -> None:
+    """A :class:`JobError` naming the fix when a pod left to JAX's Kubernetes detection (no
+    ``JAX_*`` variables) has no service account token to read the pods with.
+
+    >>> require_service_account("/nonexistent/token")
+    Traceback (most recent call last):
+    ...
+    trainkit.distributed.engines.JobError: This pod is one of an indexed Kubernetes Job ...
+    """
+    if os.path.exists(token):
+        return
+    raise JobError(
+        f"This pod is one of an indexed Kubernetes Job without {_EXPLICIT}, so JAX's Kubernetes detection would "
+        f"find the others by reading the pods, but the pod has no service account token ({token}). Set the three "
+        "JAX_* variables (the JobSet or Kubeflow Trainer set them; docs/clusters.md), or give the pod a service "
+        "account that may list pods (automountServiceAccountToken)."
+    )
 
 
 def _refuse_partial(env: Mapping[str, str]) -> None:

@@ -190,6 +190,8 @@ def _join(
         pass
     if heartbeat_timeout_seconds is None:  # TRAINKIT_HEARTBEAT_TIMEOUT, else HEARTBEAT_TIMEOUT
         heartbeat_timeout_seconds = math.ceil(environment.seconds("TRAINKIT_HEARTBEAT_TIMEOUT", HEARTBEAT_TIMEOUT))
+    if found.engine == "kubernetes" and not known:
+        engines.require_service_account()  # what JAX's detection reads the pods with
     bound = joining.join_timeout(initialization_timeout)
     guard: contextlib.AbstractContextManager[None] = contextlib.nullcontext()
     if known:
