@@ -116,3 +116,36 @@ def test_an_nnx_frozen_batch_norm_keeps_its_statistics():
     assert history.history["loss"][0] == pytest.approx(before, rel=1e-6)
     state = jax.tree.map(np.asarray, trainer.state.model_state)
     np.testing.assert_array_equal(state["norm"]["mean"], np.full(8, 0.5, np.float32))
+
+
+class BareNormBackbone(nn.Module):
+    """A backbone whose BatchNorm has no parameters of its own (``use_scale=False, use_bias=False``)."""
+
+    @nn.compact
+    def __call__(self, x, train=False):
+        x = Block(name="backbone")(x, train)
+        return nn.Dense(3, name="head")(x)
+
+
+class Block(nn.Module):
+    @nn.compact
+    def __call__(self, x, train=False):
+        x = nn.Dense(8, name="stem")(x)
+        norm = nn.BatchNorm(use_running_average=not train, use_scale=False, use_bias=False, momentum=0.5, name="norm")
+        return nn.relu(norm(x))
+
+
+def test_a_parameter_free_batch_norm_in_a_frozen_backbone_keeps_its_statistics():
+    """#59: it has no parameters of its own to be frozen by, and its statistics trained."""
+    x, y = data()
+    trainer = tk.Trainer(BareNormBackbone(), loss="sparse_categorical_crossentropy", optimizer=optax.sgd(0.1),
+                         strategy="single", trainable=r"^head/")  # fmt: skip
+    trainer.init((x, y))
+    before = jax.tree.map(np.asarray, trainer.state.model_state)
+    trainer.fit(x, y, batch_size=32, epochs=2, verbose=0)
+    jax.tree.map(np.testing.assert_array_equal, jax.tree.map(np.asarray, trainer.state.model_state), before)
+    trains_too = tk.Trainer(BareNormBackbone(), loss="sparse_categorical_crossentropy", optimizer=optax.sgd(0.1),
+                            strategy="single", trainable=r"^(head|backbone)/")  # fmt: skip
+    trains_too.fit(x, y, batch_size=32, epochs=1, verbose=0)
+    stats = trains_too.state.model_state["batch_stats"]["backbone"]["norm"]["mean"]
+    assert np.abs(np.asarray(stats)).sum() > 0  # a trained block's statistics still train

@@ -38,13 +38,24 @@ _FROZEN: contextvars.ContextVar[frozenset[str]] = contextvars.ContextVar("frozen
 
 
 def frozen_layers(layer_paths: list[str], params: PyTree, trains: Callable[[str, PyTree], bool]) -> frozenset[str]:
-    """Of the batch-statistics layers at ``layer_paths`` (``"block/BatchNorm_0"``), those that
-    have parameters and none of them trains."""
+    """Of the batch-statistics layers at ``layer_paths`` (``"block/BatchNorm_0"``), those whose
+    parameters all are frozen; a layer without parameters (``use_scale=False, use_bias=False``)
+    is frozen when the module holding it is: it has parameters, and none of them trains."""
+    decided = [
+        (leaf_name(path), trains(leaf_name(path), leaf)) for path, leaf in jax.tree_util.tree_leaves_with_path(params)
+    ]
     own: dict[str, list[bool]] = {}
-    for path, leaf in jax.tree_util.tree_leaves_with_path(params):
-        name = leaf_name(path)
-        own.setdefault(module_of(name), []).append(trains(name, leaf))
-    return frozenset(p for p in layer_paths if own.get(p) and not any(own[p]))
+    for name, train in decided:
+        own.setdefault(module_of(name), []).append(train)
+
+    def frozen(layer: str) -> bool:
+        if own.get(layer):
+            return not any(own[layer])
+        parent = layer.rpartition("/")[0]
+        around = [train for name, train in decided if parent and name.startswith(parent + "/")]
+        return bool(around) and not any(around)
+
+    return frozenset(p for p in layer_paths if frozen(p))
 
 
 def _interceptor(
