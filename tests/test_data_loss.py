@@ -263,3 +263,27 @@ def test_gradient_stats_given_a_file_for_its_folder_refuses_before_the_first_ste
             X, Y, batch_size=16, verbose=0, callbacks=[tk.callbacks.GradientStats(every=1, log_dir=tmp_path / "afile")]
         )
     assert model.global_step == 0 and (tmp_path / "afile").read_text() == "mine"
+
+
+def test_a_re_export_whose_final_rename_fails_leaves_the_old_pair_whole(tmp_path, monkeypatch):
+    """#59: the new sidecar was moved first, so a failed rename of the model left the old model with
+    the new sidecar: refused as damaged. Now either the old pair or the new one is whole."""
+    first = trainer()
+    first.fit(X, Y, batch_size=16, verbose=0)
+    first.export(tmp_path / "m.jax", verbose=False)
+    expected = tk.export.load(tmp_path / "m.jax")(X[:4])
+    second = trainer()
+    second.fit(X, Y, batch_size=16, epochs=3, verbose=0)
+    real_replace = os.replace
+
+    def failing(source, target):
+        if os.fspath(target) == str(tmp_path / "m.jax") and ".writing-" in os.fspath(source):
+            raise OSError(28, "No space left on device")
+        return real_replace(source, target)
+
+    monkeypatch.setattr(os, "replace", failing)
+    with pytest.raises(OSError, match="No space left"):
+        second.export(tmp_path / "m.jax", verbose=False)
+    monkeypatch.setattr(os, "replace", real_replace)
+    np.testing.assert_array_equal(tk.export.load(tmp_path / "m.jax")(X[:4]), expected)  # the old pair, checked
+    assert sorted(os.listdir(tmp_path)) == ["m.jax", "m.jax.json"]  # nothing stray

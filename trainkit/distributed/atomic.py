@@ -137,27 +137,46 @@ def staged(
     try:
         temporary = os.path.join(staging, os.path.basename(target))
         yield temporary
-        for suffix in sidecars:
-            if os.path.exists(temporary + suffix):
-                os.replace(temporary + suffix, target + suffix)
-            elif os.path.isfile(target + suffix):
-                os.remove(target + suffix)
-        _replace(temporary, target)
+        moves = [(temporary, target)]
+        moves += [(temporary + suffix, target + suffix) for suffix in sidecars if os.path.exists(temporary + suffix)]
+        stale = [target + s for s in sidecars if not os.path.exists(temporary + s) and os.path.isfile(target + s)]
+        _commit(moves, stale)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
 
 
-def _replace(source: str, target: str) -> None:
-    """``os.replace``, also for a folder over an existing one: the old one is renamed aside,
-    the new one renamed into place, then the old one deleted."""
-    if not os.path.isdir(source) or not os.path.exists(target):
-        os.replace(source, target)
-        return
-    aside = tempfile.mkdtemp(dir=os.path.dirname(target), prefix=f".{os.path.basename(target)}.old-")
-    os.rmdir(aside)
-    os.replace(target, aside)
-    os.replace(source, target)
-    shutil.rmtree(aside, ignore_errors=True)
+def _remove(path: str) -> None:
+    if os.path.isdir(path) and not os.path.islink(path):
+        shutil.rmtree(path, ignore_errors=True)
+    elif os.path.lexists(path):
+        os.remove(path)
+
+
+def _commit(moves: Sequence[tuple[str, str]], removals: Sequence[str] = ()) -> None:
+    """Each ``(source, target)`` moved into place and ``removals`` removed, as one step: what
+    is there is renamed aside first, and when a move fails, what was placed is taken out and the
+    old files are put back; so either the old set (a model and its sidecar) or the new one is
+    whole, never a new model with an old sidecar."""
+    aside: list[tuple[str, str]] = []
+    placed: list[str] = []
+    try:
+        for path in [target for _, target in moves] + list(removals):
+            if os.path.lexists(path):
+                hidden = os.path.join(os.path.dirname(path), f".{os.path.basename(path)}.old-{os.getpid()}")
+                _remove(hidden)  # a leftover of a killed commit
+                os.replace(path, hidden)
+                aside.append((path, hidden))
+        for source, target in moves:
+            os.replace(source, target)
+            placed.append(target)
+    except BaseException:
+        for target in placed:
+            _remove(target)
+        for path, hidden in reversed(aside):
+            os.replace(hidden, path)
+        raise
+    for _, hidden in aside:
+        _remove(hidden)
 
 
 def write_bytes(path: str | os.PathLike, data: bytes) -> None:
