@@ -466,3 +466,26 @@ def test_a_failed_write_left_in_orbax_s_closed_event_loop_is_a_debug_record(capl
     reported = [r for r in caplog.records if "never retrieved" in r.getMessage()]
     assert [(r.name, r.levelno) for r in reported] == [("asyncio", logging.DEBUG)]
     assert "File too large" in caplog.text
+
+
+def test_a_checkpoint_of_an_older_layout_is_named_as_such(data, tmp_path):
+    """#59: a checkpoint whose state paths an older trainkit spelt otherwise was refused as "another
+    model and optimizer"; the manifest now records its layout, and the error says which wrote it."""
+    x, y = data
+    interrupted = make()
+    with pytest.raises(RuntimeError, match="stop"):
+        stop = tk.callbacks.LambdaCallback(on_epoch_end=stop_at(1))
+        interrupted.fit(
+            x, y, batch_size=16, epochs=3, verbose=0, callbacks=[BackupAndRestore(tmp_path / "backup"), stop]
+        )
+
+    def older(manifest):
+        assert manifest.pop("layout") == 2
+        manifest["trainkit_version"] = "0.0.9"
+        params = manifest["tree"]["params"]  # one path spelt as an older trainkit might have
+        for name in list(params)[:1]:
+            params["['old_spelling']" + name] = params.pop(name)
+
+    edit_manifest(tmp_path / "backup" / "4", older)
+    with pytest.raises(CheckpointError, match=r"written by an older trainkit \(0\.0\.9, checkpoint layout 1; this one"):
+        make().fit(x, y, batch_size=16, epochs=3, verbose=0, callbacks=[BackupAndRestore(tmp_path / "backup")])

@@ -390,7 +390,9 @@ class Checkpointer:
                 f"model and optimizer: "
                 + "; ".join(problems[:12])
                 + (f" (and {len(problems) - 12} more)" if len(problems) > 12 else "")
-                + ". Restore with the model and optimizer that wrote it."
+                + ". "
+                + manifest_lib.older_layout(manifest)
+                + "Restore with the model and optimizer that wrote it."
             )
         target_dict = policy.read(_present(parts))  # a part that is None (no spike skip) is not written, nor read
         abstract = state_lib.abstract(target_dict)
@@ -403,7 +405,8 @@ class Checkpointer:
             if mismatch:  # a valid checkpoint of another optimizer or precision policy
                 raise CheckpointError(
                     f"The checkpoint at step {step} in {self.directory!r} does not match this model and optimizer: "
-                    f"the state's structure differs ({'; '.join(mismatch[:12])}). The optimizer (adam against "
+                    f"the state's structure differs ({'; '.join(mismatch[:12])}). {manifest_lib.older_layout(manifest)}"
+                    "The optimizer (adam against "
                     "adamw, a chain of another length), the precision policy (fp16 keeps a loss scale) or skip_spikes "
                     "(a running average) is not the one that wrote it: restore with the same optimizer, precision "
                     "and skip_spikes, or save_weights_only checkpoints to move weights between them."

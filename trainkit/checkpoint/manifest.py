@@ -66,6 +66,29 @@ def checked_position(manifest: dict, where: str) -> dict:
     return position
 
 
+#: The layout of the state a checkpoint holds (its paths' spelling), raised when trainkit changes
+#: it; a checkpoint without one was written before it was recorded (layout 1).
+LAYOUT = 2
+
+
+def older_layout(manifest: dict[str, Any]) -> str:
+    """For a checkpoint whose state does not match: a sentence saying it was written by an older
+    trainkit, whose state paths may be spelt otherwise (``""`` for one of this layout).
+
+    >>> older_layout({"trainkit_version": "0.0.9"})[:47]
+    'It was written by an older trainkit (0.0.9, che'
+    """
+    layout = manifest.get("layout", 1)
+    if isinstance(layout, int) and layout >= LAYOUT:
+        return ""
+    return (
+        f"It was written by an older trainkit ({manifest.get('trainkit_version', 'unknown')}, checkpoint layout "
+        f"{layout}; this one writes layout {LAYOUT}), whose state's paths may be spelt otherwise for the same model "
+        "and optimizer: restore it with that trainkit, or load its variables alone with "
+        "tk.weights.load(path, into=trainer, prefix=...) where the names still match. "
+    )
+
+
 def build_manifest(
     state: PyTree, strategy: Layout, position: Position, data_state: JSON = None, **settings: JSON
 ) -> dict[str, Any]:
@@ -78,6 +101,7 @@ def build_manifest(
         settings["data_state"] = distributed.gather_json(data_state)
     return {
         "trainkit_version": __version__,
+        "layout": LAYOUT,
         "jax_version": jax.__version__,
         "strategy": type(strategy).__name__,
         "strategy_description": strategy.describe(),
