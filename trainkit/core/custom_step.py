@@ -218,10 +218,14 @@ def _summed(grads: PyTree, params: PyTree, context: StepContext, group: str | No
     return jax.tree.unflatten(treedef, [next(summed) if f else g for g, f in zip(leaves, flags)])
 
 
-def _pmean_floats(value: jax.Array, axis_name: str) -> jax.Array:
-    if jnp.issubdtype(value.dtype, jnp.floating):
-        return jax.lax.pmean(value, axis_name)
-    return value
+def pmean_floats(value: jax.Array, axis_name: str) -> jax.Array:
+    """A floating model-state value (batch statistics) averaged over the device axis, exactly
+    itself where every device holds the same (a frozen BatchNorm's statistics, or statistics a
+    BatchNorm already reduced over the axis: a mean of equal floats can round); counters kept."""
+    if not jnp.issubdtype(value.dtype, jnp.floating):
+        return value
+    bounds = jax.lax.pmax(jnp.stack([value, -value]), axis_name)  # the largest and the smallest, in one reduction
+    return jnp.where(bounds[0] == -bounds[1], value, jax.lax.pmean(value, axis_name))
 
 
 def _checked_logs(logs: object, where: str) -> dict[str, jax.Array]:
@@ -275,7 +279,7 @@ def make_custom_train_step(
             )
         model_state = split_sown(new_state.model_state)[0]  # losses the model sowed are each call's, not state
         if axis is not None:
-            model_state = jax.tree.map(lambda v: _pmean_floats(v, axis), model_state)
+            model_state = jax.tree.map(lambda v: pmean_floats(v, axis), model_state)
         new_state = new_state.replace(
             step=state.step + 1, rng=state.rng, loss_scale=state.loss_scale, spikes=state.spikes,
             model_state=model_state,

@@ -38,7 +38,7 @@ import numpy as np
 import optax
 from clu.metrics import LastValue
 
-from trainkit.core.custom_step import StepContext, UserTrainStep, active, make_custom_train_step
+from trainkit.core.custom_step import StepContext, UserTrainStep, active, make_custom_train_step, pmean_floats
 from trainkit.core.offload import streamed_update, to_device
 from trainkit.core.optimizer_groups import OptimizerGroups
 from trainkit.core.optimizers import learning_rate
@@ -77,13 +77,6 @@ def _row_weights(batch: Batch) -> jax.Array:
 
 def _psum(tree, axis_name):
     return tree if axis_name is None else jax.lax.psum(tree, axis_name)
-
-
-def _pmean_floats(value: jax.Array, axis_name: str) -> jax.Array:
-    """Averages floating model state (batch statistics) across devices; keeps counters."""
-    if jnp.issubdtype(value.dtype, jnp.floating):
-        return jax.lax.pmean(value, axis_name)
-    return value
 
 
 def _step_rng(state: TrainState, axis_name: str | None) -> jax.Array:
@@ -298,7 +291,7 @@ def make_train_step(
                 grads, model_state, metrics = _accumulated(micro_step, state, batch, rng, batch_rows, grad_accum_steps)
         grads, metrics = _psum((grads, metrics), axis_name)  # one all-reduce
         if axis_name is not None:
-            model_state = jax.tree.map(partial(_pmean_floats, axis_name=axis_name), model_state)
+            model_state = jax.tree.map(partial(pmean_floats, axis_name=axis_name), model_state)
             factor = batch_rows / metrics["loss"].count  # static rows / real rows
             grads = jax.tree.map(lambda g: (g * factor).astype(g.dtype), grads)
         grads = loss_scale.unscale(grads)
