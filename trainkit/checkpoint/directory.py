@@ -30,10 +30,10 @@ STEP_RECORD = "_CHECKPOINT_METADATA"
 LOCK = ".trainkit-lock"
 #: what trainkit (and orbax for it) writes in a checkpoint directory, by name: a step, a step set
 #: aside as unreadable, orbax's staging of a step, the lock, ``BackupAndRestore``'s goodput journal
-#: and its staging, a Ray checkpoint being copied in
+#: and its staging, a Ray checkpoint being copied in, another process's writability probe
 _OWN_NAMES = re.compile(
     r"^(\d+|\d+\.unreadable|\d+\.orbax-checkpoint-tmp.*|\.trainkit-lock|goodput\.json|\.goodput\.json\.writing-.*"
-    r"|\.ray-restore-\d+)$"
+    r"|\.ray-restore-\d+|\.trainkit-probe-.*)$"
 )
 #: The suffix of a corrupt step directory moved aside, and how long the other processes wait
 #: (seconds) for process 0 to move it (a filesystem wait: no collective on a path only some see).
@@ -43,8 +43,9 @@ SET_ASIDE, SET_ASIDE_WAIT = ".unreadable", 60.0
 def written_by_trainkit(name: str) -> bool:
     """Whether an entry of a checkpoint directory is one trainkit writes there (by its name).
 
-    >>> [written_by_trainkit(n) for n in ("12", "12.unreadable", ".trainkit-lock", "goodput.json", "notes.txt")]
-    [True, True, True, True, False]
+    >>> names = ("12", "12.orbax-checkpoint-tmp", ".trainkit-lock", ".trainkit-probe-x1", "goodput.json", "notes.txt")
+    >>> [written_by_trainkit(name) for name in names]
+    [True, True, True, True, True, False]
     """
     return _OWN_NAMES.match(name) is not None
 
