@@ -56,12 +56,6 @@ def foreign_entries(directory: str) -> list[str]:
     return sorted(name for name in names if not written_by_trainkit(name))
 
 
-def holds_working_directory(directory: str) -> bool:
-    """Whether ``directory`` is the working directory or one above it (never removed)."""
-    target, here = os.path.realpath(directory), os.path.realpath(os.getcwd())
-    return here == target or here.startswith(target.rstrip(os.sep) + os.sep)
-
-
 def unreadable_steps(directory: str) -> list[str]:
     """The step directories of ``directory`` whose orbax step record is not a JSON object
     (overwritten or truncated files): orbax cannot even open the directory while they are there."""

@@ -24,6 +24,7 @@ from trainkit.checkpoint.checkpointer import Checkpointer, CheckpointError, all_
 from trainkit.checkpoint.manifest import Layout, explain_restore
 from trainkit.core.tree import PyTree
 from trainkit.core.warn import warn_user
+from trainkit.distributed import atomic
 from trainkit.record.session import Session
 
 
@@ -138,7 +139,7 @@ def remove_checkpoints(directory: str | os.PathLike) -> None:
                 os.remove(entry)
             except OSError as error:
                 failures.append(f"{entry} ({error})")
-    keep_folder = os.path.islink(path) or directory_lib.holds_working_directory(folder)
+    keep_folder = os.path.islink(path) or atomic.holds_working_directory(folder)
     if not keep_folder and os.path.isdir(folder) and not os.listdir(folder):
         try:
             os.rmdir(folder)

@@ -106,9 +106,15 @@ def _context(helper: str) -> StepContext:
     return context
 
 
-def _row_weights(batch: Batch) -> jax.Array:
+def row_weights(batch: Batch) -> jax.Array:
+    """Each row's weight: ``mask * sample_weight`` (padded rows 0)."""
     mask = batch["mask"]
     return mask * batch["sample_weight"] if "sample_weight" in batch else mask
+
+
+def weighted_total(row_values: jax.Array, mask: jax.Array, weights: jax.Array) -> jax.Array:
+    """``sum(values * weights)`` over the real rows (padded rows dropped, even if NaN)."""
+    return jnp.where(mask > 0, row_values * weights, 0).sum()
 
 
 def _per_row(values: jax.Array, rows: int, helper: str) -> jax.Array:
@@ -134,15 +140,15 @@ def mean(values: jax.Array, batch: Batch) -> jax.Array:
     rows are left out, even if NaN. ``values`` has this device's rows (the batch's) or, from
     :func:`all_rows`, the global batch's."""
     context, mask = _context("mean"), batch["mask"]
-    rows, weights = mask.shape[0], _row_weights(batch)
+    rows, weights = mask.shape[0], row_weights(batch)
     axis = context.axis_name
     devices = 1 if axis is None else jax.lax.axis_size(axis)
     if devices > 1 and jnp.shape(values)[:1] == (rows * devices,):
         mask, weights = all_rows(mask), all_rows(weights)  # values of the global batch: reduced on every device
         row_values = _per_row(values, mask.shape[0], "mean")
-        total = jnp.where(mask > 0, row_values * weights, 0).sum() / jnp.maximum(mask.sum(), 1.0)
+        total = weighted_total(row_values, mask, weights) / jnp.maximum(mask.sum(), 1.0)
         return _share(total, devices)
-    local = jnp.where(mask > 0, _per_row(values, rows, "mean") * weights, 0).sum()
+    local = weighted_total(_per_row(values, rows, "mean"), mask, weights)
     if axis is None:
         return local / jnp.maximum(mask.sum(), 1.0)
     # the global total's value, this device's rows' gradient: apply_gradients sums the devices' gradients

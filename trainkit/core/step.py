@@ -38,7 +38,15 @@ import numpy as np
 import optax
 from clu.metrics import LastValue
 
-from trainkit.core.custom_step import StepContext, UserTrainStep, active, make_custom_train_step, pmean_floats
+from trainkit.core.custom_step import (
+    StepContext,
+    UserTrainStep,
+    active,
+    make_custom_train_step,
+    pmean_floats,
+    row_weights,
+    weighted_total,
+)
 from trainkit.core.offload import streamed_update, to_device
 from trainkit.core.optimizer_groups import OptimizerGroups
 from trainkit.core.optimizers import learning_rate
@@ -65,13 +73,6 @@ def full_mask(rows: int) -> np.ndarray:
     """
     mask = np.ones(rows, np.float32)
     mask.setflags(write=False)
-    return mask
-
-
-def _row_weights(batch: Batch) -> jax.Array:
-    mask = batch["mask"]
-    if "sample_weight" in batch:
-        return mask * batch["sample_weight"]
     return mask
 
 
@@ -108,7 +109,7 @@ def _rows(loss: jax.Array, num_rows: int, name: str = "loss") -> jax.Array:
 
 def _loss_total(row_loss: jax.Array, batch: Batch) -> jax.Array:
     """``sum(loss * sample_weight)`` over the real rows (padded rows dropped, even if NaN)."""
-    return jnp.where(batch["mask"] > 0, row_loss * _row_weights(batch), 0).sum()
+    return weighted_total(row_loss, batch["mask"], row_weights(batch))
 
 
 def _batch_metrics(
@@ -118,7 +119,7 @@ def _batch_metrics(
     Keras, sample weights apply to the loss and to ``weighted_metrics`` only; other metrics
     count every real row once. ``logs`` (a loss's parts, per row) are reduced as the loss is."""
     mask = batch["mask"]
-    weights = _row_weights(batch)
+    weights = row_weights(batch)
     # The loss follows Keras: sum(loss * sample_weight) / (number of real rows).
     metrics = {"loss": LossAverage(total=loss_total, count=mask.sum())}
     for name, values in logs.items():

@@ -79,6 +79,12 @@ def remove_stale_staging(target: str) -> list[str]:
     return removed
 
 
+def holds_working_directory(path: str) -> bool:
+    """Whether ``path`` is the working directory or a folder above it (never replaced or removed)."""
+    target, here = os.path.realpath(path), os.path.realpath(os.getcwd())
+    return here == target or here.startswith(target.rstrip(os.sep) + os.sep)
+
+
 def check_replaceable(target: str, folder_entries: Collection[str] = ()) -> None:
     """Refuses, before anything is written, to write ``target`` where that would delete what
     trainkit did not write: the working directory or a folder above it, or an existing folder
@@ -92,8 +98,7 @@ def check_replaceable(target: str, folder_entries: Collection[str] = ()) -> None
     FileExistsError: ... holds files this output does not have (notes.txt): ...
     """
     target = os.path.realpath(target)
-    here = os.path.realpath(os.getcwd())
-    if here == target or here.startswith(target.rstrip(os.sep) + os.sep):
+    if holds_working_directory(target):
         raise FileExistsError(
             f"{target!r} is the working directory (or holds it): writing there would replace everything in it. Name "
             "a new file or folder inside it, e.g. 'model' or 'exports/model'."

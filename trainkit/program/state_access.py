@@ -93,7 +93,7 @@ class StateAccess:
         """The optimizer's learning rate; under an optimizer per group, each group's (by name, settable)."""
         if self.program.groups is not None:
             return GroupRates(self)
-        return float(distributed.fetch(optimizers.require_learning_rate(self.require_state().opt_state)))
+        return self.learning_rates()[None]
 
     def learning_rates(self) -> dict[str | None, float]:
         """Each group's learning rate by name, or ``{None: rate}`` for one optimizer."""

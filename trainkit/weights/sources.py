@@ -197,16 +197,15 @@ class OrbaxSource:
 
         self.path, self.description = path, description
         self._metadata = _plain(ocp.StandardCheckpointer().metadata(path).item_metadata.tree)
+        roots = roots or {"": ""}
         self._names: dict[str, str] = {}  # the tree's leaf name -> the entry's name
-        for key, _ in jax.tree_util.tree_leaves_with_path(self._metadata):
+        self.entries: dict[str, Entry] = {}
+        for key, leaf in jax.tree_util.tree_leaves_with_path(self._metadata):
             name = leaf_name(key)
-            root = next((r for r in roots or {"": ""} if name.startswith(r)), None)
+            root = next((r for r in roots if name.startswith(r)), None)
             if root is not None:
-                self._names[name] = (roots or {"": ""})[root] + name[len(root) :]
-        shapes = {leaf_name(key): leaf for key, leaf in jax.tree_util.tree_leaves_with_path(self._metadata)}
-        self.entries = {
-            entry: Entry(tuple(shapes[name].shape), np.dtype(shapes[name].dtype)) for name, entry in self._names.items()
-        }
+                entry = self._names[name] = roots[root] + name[len(root) :]
+                self.entries[entry] = Entry(tuple(leaf.shape), np.dtype(leaf.dtype))
 
     def read(self, name: str, index: Index) -> np.ndarray:
         whole: np.ndarray = np.asarray(self.place({name: None})[name])
