@@ -269,4 +269,6 @@ def test_the_plan_command_says_a_refusal_in_one_line_without_a_traceback(tmp_pat
         capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert result.returncode == 2 and "Traceback" not in result.stderr
+    # refused before JAX starts: no line of its plugins' logging (the CUDA plugin's, when installed) comes first
     assert result.stderr.startswith("python -m trainkit plan: ValueError: Unknown target 'tpu v9:1x1'")
+    assert len(result.stderr.splitlines()) == 1

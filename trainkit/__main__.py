@@ -47,6 +47,12 @@ def load_function(spec: str):
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    from trainkit.program import targets
+
+    try:  # a misspelled target is refused before the script runs or JAX starts (its plugins log to stderr)
+        targets.parse(args.target)
+    except ValueError as error:
+        return _refused(error)
     os.environ.setdefault("JAX_PLATFORMS", "cpu")  # before JAX starts: the CUDA plugin's compiler needs it
     import jax  # imported already (by trainkit), but its backends not started: the setting still applies
 
@@ -59,9 +65,13 @@ def main(argv: list[str] | None = None) -> int:
     try:
         plan = trainer.plan(sample, target=args.target, batch_size=args.batch, candidates=candidates, verbose=1)
     except (ValueError, TypeError, ImportError) as error:  # trainkit's own refusals say what to do: no traceback
-        print(f"python -m trainkit plan: {type(error).__name__}: {error}", file=sys.stderr)
-        return 2
+        return _refused(error)
     return 0 if plan.recommended is not None else 1
+
+
+def _refused(error: Exception) -> int:
+    print(f"python -m trainkit plan: {type(error).__name__}: {error}", file=sys.stderr)
+    return 2
 
 
 if __name__ == "__main__":

@@ -16,9 +16,10 @@ import importlib.util
 import math
 import os
 import re
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import jax
+if TYPE_CHECKING:  # importing jax loads its plugins, which log: `python -m trainkit plan` parses a target first
+    import jax
 
 GIB = 2**30
 
@@ -108,7 +109,7 @@ class Target:
             raise RuntimeError(
                 f"Planning for {self.spec!r} needs JAX_PLATFORMS=cpu set before JAX starts (the CUDA plugin checks "
                 "for a GPU otherwise and does not register); run `JAX_PLATFORMS=cpu python ...` or "
-                "`python -m trainkit.plan`, which sets it."
+                "`python -m trainkit plan`, which sets it."
             )
         return list(
             get_topology_desc(platform="cuda", target_config=H100_TARGET_CONFIG, topology=self.topology).devices
