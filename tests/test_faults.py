@@ -46,9 +46,21 @@ def finish(backup, out, *extra, optimised=False):
 def uninterrupted(root, *extra, optimised=False):
     """The parameters and output of a run never interrupted and without backups (so the saves of
     the runs compared with it must change no number)."""
-    output = finish(root / "backup", root / "ref.npz", "--no-backup", *extra, optimised=optimised)
-    assert not (root / "backup").exists()
-    return params(root / "ref.npz"), output
+    return started_uninterrupted(root, *extra, optimised=optimised)()
+
+
+def started_uninterrupted(root, *extra, optimised=False):
+    """:func:`uninterrupted` started now (it runs beside a test's own runs, which are mostly their
+    start and compile): a function that waits for it and returns its parameters and output."""
+    process = start(root / "backup", root / "ref.npz", "--no-backup", *extra, optimised=optimised)
+
+    def result():
+        output, _ = process.communicate(timeout=300)
+        assert process.returncode == 0, output
+        assert not (root / "backup").exists()
+        return params(root / "ref.npz"), output
+
+    return result
 
 
 def committed_steps(backup):
@@ -87,13 +99,18 @@ def assert_bit_identical(a, b):
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    return uninterrupted(tmp_path_factory.mktemp("reference"))[0]
+def references(tmp_path_factory):
+    """The uninterrupted runs' parameters by strategy (``dp``, ``fsdp``), run side by side."""
+    runs = {
+        strategy: started_uninterrupted(tmp_path_factory.mktemp(f"{strategy}_reference"), "--strategy", strategy)
+        for strategy in ("dp", "fsdp")
+    }
+    return {strategy: run()[0] for strategy, run in runs.items()}
 
 
-@pytest.fixture(scope="module")
-def fsdp_reference(tmp_path_factory):
-    return uninterrupted(tmp_path_factory.mktemp("fsdp_reference"), "--strategy", "fsdp")[0]
+@pytest.fixture
+def reference(references):
+    return references["dp"]
 
 
 @pytest.mark.parametrize(
@@ -101,10 +118,10 @@ def fsdp_reference(tmp_path_factory):
     [("dp", ()), ("fsdp", ()), ("fsdp", ("--offload", "optimizer"))],
     ids=["dp", "fsdp", "fsdp_offload"],
 )
-def test_kill_9_at_a_random_step_then_rerun_finishes_bit_identical(tmp_path, request, strategy, offload):
+def test_kill_9_at_a_random_step_then_rerun_finishes_bit_identical(tmp_path, references, strategy, offload):
     """Killed and rerun, a run ends on the bits of one never interrupted; with the optimizer's
     state in host memory (``offload``), on the bits of the uninterrupted run without it."""
-    reference = request.getfixturevalue("reference" if strategy == "dp" else "fsdp_reference")
+    reference = references[strategy]
     backup = tmp_path / "backup"
     journal = ("--journal-seconds", "0")  # the goodput journal rewritten every step
     process = start(backup, tmp_path / "out.npz", "--sleep", "0.03", "--strategy", strategy, *journal, *offload)
@@ -125,8 +142,7 @@ def test_kill_9_at_a_random_step_then_rerun_finishes_bit_identical(tmp_path, req
 
 def test_kill_9_mid_epoch_of_a_grain_iterator_resumes_bit_identical_without_replaying(tmp_path):
     pytest.importorskip("grain")
-    reference, output = uninterrupted(tmp_path / "reference", "--data", "grain")
-    assert "finished at step 52; read 832 rows" in output  # 52 batches of 16
+    reference_run = started_uninterrupted(tmp_path / "reference", "--data", "grain")
     backup = tmp_path / "backup"
     process = start(backup, tmp_path / "out.npz", "--sleep", "0.03", "--data", "grain", "--every", "1")
     wait_for(lambda: [s for s in committed_steps(backup) if 14 <= s <= 40])  # in the second epoch or later
@@ -138,6 +154,8 @@ def test_kill_9_mid_epoch_of_a_grain_iterator_resumes_bit_identical_without_repl
     # The iterator continued from its saved position: only the remaining batches were read
     # (and the one read to learn the shapes, before the backup was found).
     assert f"read {(52 - resumed) * 16 + 16} rows" in output, output
+    reference, output = reference_run()
+    assert "finished at step 52; read 832 rows" in output  # 52 batches of 16
     assert_bit_identical(params(tmp_path / "out.npz"), reference)
 
 
