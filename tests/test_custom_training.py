@@ -136,7 +136,8 @@ def test_kill_9_mid_epoch_then_backup_and_restore_is_bit_identical(tmp_path):
     common = [sys.executable, str(ROOT / "examples" / "gan.py"), "--devices", "8", "--strategy", "dp", "--rows", "320"]
     common += ["--epochs", "4", "--batch-size", "32", "--min-improvement", "0"]
     # the uninterrupted reference runs beside the one killed (each is mostly its start and compile)
-    reference = subprocess.Popen([*common, "--out", str(tmp_path / "ref.npz")], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, text=True)  # fmt: skip
+    output = {"stdout": subprocess.PIPE, "stderr": subprocess.STDOUT, "text": True, "env": env}
+    reference = subprocess.Popen([*common, "--out", str(tmp_path / "ref.npz")], **output)
     backup = tmp_path / "backup"
     run = [*common, "--backup", str(backup), "--out", str(tmp_path / "out.npz")]
     process = subprocess.Popen([*run, "--sleep", "0.05"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env)
