@@ -107,6 +107,29 @@ def test_a_fused_call_keeps_the_statistics_of_the_step_that_was_due(reference, s
             np.testing.assert_allclose(logged[name], value, rtol=1e-6, atol=1e-6, err_msg=(step, name))
 
 
+def test_a_due_step_in_the_single_steps_after_fused_calls_measures_without_touching_a_donated_state(reference):
+    """#59: calls of 4 steps, then an epoch's last 2 batches one call each, step 6 due in them:
+    the measuring step, looked up there, read the state the call of step 5 had donated
+    ("Array has been deleted"). It is the reference's measurement, and the parameters are
+    those of a fit without statistics, bit for bit."""
+    _, ref_recorder, _ = reference
+
+    def fit(callbacks):
+        trainer = tk.Trainer(Wide(), loss="sparse_categorical_crossentropy", optimizer=optax.adam(1e-3),
+                             strategy="single", steps_per_execution=4)  # fmt: skip
+        trainer.fit(X, Y, batch_size=32, epochs=2, verbose=0, shuffle=False, callbacks=callbacks)
+        return trainer
+
+    stats, recorder = tk.callbacks.GradientStats(every=6, per_layer="Dense"), Recorder()
+    measuring, plain = fit([stats, recorder]), fit([])
+    assert stats.steps == [6, 12], stats.steps
+    for step in stats.steps:
+        for name, value in ref_recorder.logged[step].items():
+            np.testing.assert_allclose(recorder.logged[step][name], value, rtol=1e-6, atol=1e-6, err_msg=(step, name))
+    for ours, theirs in zip(jax.tree.leaves(measuring.params), jax.tree.leaves(plain.params), strict=True):
+        np.testing.assert_array_equal(ours, theirs)
+
+
 def test_nothing_is_measured_or_logged_without_the_callback():
     trainer = tk.Trainer(NoisyMLP(), loss="sparse_categorical_crossentropy", optimizer=optax.sgd(0.1))
     x, y = make_classification(64)

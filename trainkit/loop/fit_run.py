@@ -364,8 +364,10 @@ class EpochSteps:
         self._measured: tuple[TreeFunction, TreeFunction] | None = None
 
     def measured(self) -> tuple[TreeFunction, TreeFunction]:
-        """The train step that measures the statistics, for their due steps (compiled at the
-        first): ``(function, call)``, its call taking the state as the loop carries it."""
+        """The train step that measures the statistics, for their due steps: ``(function, call)``,
+        its call taking the state as the loop carries it. Looked up before the first span of
+        single steps (the lookup reads the live state's shapes, which a call inside a span
+        donates: looked up at a due step inside a span, it read a deleted array)."""
         if self._measured is None:
             function = self.run.steps.function("train_measured")
             self._measured = function, self.run.carried.calls(function)[0]
@@ -427,6 +429,8 @@ class EpochSteps:
             if batch_begin.active:
                 session.about(record)
                 batch_begin(record.first_batch)
+            if self.every is not None and self._measured is None and not fused:
+                self.measured()  # before the span's calls donate the state it reads
             if fused or (run.tuner is not None and run.tuner.steps is None):
                 totals = self.train_otherwise(placed, fused, totals, record)
             elif annotate:  # the span's batches one call each, each marked for the profile
