@@ -37,9 +37,10 @@ class GradientStats(Callback):
     each module whose path matches the regex ``per_layer`` (``re.search``, e.g. ``"Dense"`` or
     ``".*"``) the same per module, named ``grad_norm/<module path>``.
 
-    The train step computes them (a ``lax.cond``: only on those steps), also inside a fused
-    ``steps_per_execution`` call (of at most ``every`` steps, so that no measured step is
-    missed: a larger explicit ``steps_per_execution`` is refused), and keeps them on the
+    The train step computes them on those steps only (one step per call: the loop calls a
+    step compiled to measure on them, another on the rest; a fused ``steps_per_execution``
+    call, of at most ``every`` steps so that no measured step is missed, measures under a
+    ``lax.cond``: a larger explicit ``steps_per_execution`` is refused), and keeps them on the
     device with the epoch's metrics (one vector): they reach the host only on the steps they
     are logged, so the loop never waits for the device in between. They are added to that
     step's batch logs (callbacks after this one, ``Logging`` and ``TensorBoard`` with a
