@@ -130,6 +130,36 @@ def test_a_due_step_in_the_single_steps_after_fused_calls_measures_without_touch
         np.testing.assert_array_equal(ours, theirs)
 
 
+def test_a_short_fit_compiles_one_train_program_whatever_every_is():
+    """#59: every=100 cost a short first fit more than every=1 (its step that measures nothing
+    was a second compile). The measuring step trains every step until the steps have run as long
+    as its compile took (loop/measuring.py): a fit shorter than that compiles as every=1 does."""
+    from jax._src import dispatch
+
+    def compiled_train_programs(every):
+        seen = []
+
+        def listener(event, duration=None, **kwargs):
+            if event == dispatch.BACKEND_COMPILE_EVENT:
+                seen.append(kwargs.get("fun_name"))
+
+        trainer = tk.Trainer(Wide(), loss="sparse_categorical_crossentropy", optimizer=optax.adam(1e-3),
+                             strategy="single", steps_per_execution=1)  # fmt: skip
+        trainer.init(X[:32])
+        stats = tk.callbacks.GradientStats(every=every)
+        jax.monitoring.register_event_duration_secs_listener(listener)
+        try:
+            trainer.fit(X, Y, batch_size=32, epochs=2, verbose=0, shuffle=False, callbacks=[stats])
+        finally:
+            jax.monitoring.unregister_event_duration_listener(listener)
+        return seen, stats.steps
+
+    every_step, steps_1 = compiled_train_programs(1)
+    every_5, steps_5 = compiled_train_programs(5)
+    assert steps_1 == list(range(1, 13)) and steps_5 == [5, 10]
+    assert len(every_5) == len(every_step), (every_5, every_step)
+
+
 def test_nothing_is_measured_or_logged_without_the_callback():
     trainer = tk.Trainer(NoisyMLP(), loss="sparse_categorical_crossentropy", optimizer=optax.sgd(0.1))
     x, y = make_classification(64)

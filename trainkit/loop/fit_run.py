@@ -40,6 +40,7 @@ from trainkit.distributed.watchdog import StallWatchdog
 from trainkit.loop.carried import CarriedState
 from trainkit.loop.dispatch import Preempted, host_metrics, in_order, logs_of, this_process
 from trainkit.loop.hooks import Hooks, LoopView
+from trainkit.loop.measuring import BetweenDue
 from trainkit.loop.tuning import StepsTuner
 from trainkit.record.ledger import Bucket, ProcessLedger
 from trainkit.record.session import FitView, Position, StepRecord
@@ -73,6 +74,8 @@ class FitRun:
         self.tuner: StepsTuner | None = None
         self.last_ready: float | None = None
         self.unfused = False  # the default setting found fusing not worth it in this fit: no more probes
+        every = loop.steps.measured_every  # GradientStats: which step the steps between its due ones call
+        self.between_due = None if every is None else BetweenDue(every)
 
     def run(self) -> dict[str, float]:
         """Trains from ``config.initial_epoch`` (or where a callback's ``resume_at`` says) to
@@ -373,6 +376,14 @@ class EpochSteps:
             self._measured = function, self.run.carried.calls(function)[0]
         return self._measured
 
+    def measures(self, step: int) -> bool:
+        """Whether optimizer step ``step`` (from 1) calls the step that measures the statistics:
+        a due step, or any while :class:`~trainkit.loop.measuring.BetweenDue` says so."""
+        between_due = self.run.between_due
+        if between_due is None or self.every is None:
+            return False
+        return step % self.every == 0 or between_due.measures_between(time.perf_counter())
+
     def place(self, item: Span | None) -> Span | None:
         """A span of host batches on the devices: one stacked batch (``fused``) or a list."""
         if item is None:
@@ -437,20 +448,23 @@ class EpochSteps:
                 state = carried()
                 for number, batch in enumerate(placed, start=position.step + 1):
                     with jax.profiler.StepTraceAnnotation("train", step_num=number):
-                        due = self.every is not None and number % self.every == 0
-                        state, totals = (self.measured()[1] if due else call)(state, totals, batch)
+                        state, totals = (self.measured()[1] if self.measures(number) else call)(state, totals, batch)
                 keep(state)
             elif self.every is None:  # the span's batches one call each; no hook reads the state in between
                 state = carried()
                 for batch in placed:
                     state, totals = call(state, totals, batch)
                 keep(state)
-            else:  # the same, the statistics' due steps through the step that measures them
-                state, number, every = carried(), position.step, self.every
+            else:  # the same, the statistics' due steps (and at first the others: BetweenDue) measuring
+                state, number, every, between_due = carried(), position.step, self.every, run.between_due
+                assert between_due is not None
+                measure, started = self.measured()[1], time.perf_counter()
+                between = measure if between_due.measures_between(started) else call
                 for batch in placed:
                     number += 1
-                    state, totals = (call if number % every else self.measured()[1])(state, totals, batch)
+                    state, totals = (between if number % every else measure)(state, totals, batch)
                 keep(state)
+                between_due.first_call(started, time.perf_counter())
             self.totals = totals
             run.watchdog.progress(record.step)
             session.moved(Position(epoch, record.batch + 1, record.step), data_state)
@@ -469,8 +483,10 @@ class EpochSteps:
         run = self.run
         if not fused:
             for number, batch in enumerate(placed, start=record.step - record.steps + 1):
-                due = self.every is not None and number % self.every == 0
-                totals = run.timed_step(self.measured()[0] if due else self.train_fn, totals, batch)
+                started = time.perf_counter()
+                totals = run.timed_step(self.measured()[0] if self.measures(number) else self.train_fn, totals, batch)
+                if run.between_due is not None:
+                    run.between_due.first_call(started, time.perf_counter())
             return totals
         call, carried, keep = run.carried.calls(run.steps.function("train_steps"))
         with jax.profiler.StepTraceAnnotation("train", step_num=record.step) if self.annotate else _NO_TRACE:
