@@ -38,7 +38,8 @@ class GradientStats(Callback):
     ``".*"``) the same per module, named ``grad_norm/<module path>``.
 
     The train step computes them on those steps only (one step per call: the loop calls a
-    step compiled to measure on them, another on the rest; a fused ``steps_per_execution``
+    step compiled to measure on them, another on the rest once a fit has run long enough to
+    repay its compile, :mod:`trainkit.loop.measuring`; a fused ``steps_per_execution``
     call, of at most ``every`` steps so that no measured step is missed, measures under a
     ``lax.cond``: a larger explicit ``steps_per_execution`` is refused), and keeps them on the
     device with the epoch's metrics (one vector): they reach the host only on the steps they
