@@ -150,14 +150,17 @@ def test_a_short_fit_compiles_one_train_program_whatever_every_is():
         jax.monitoring.register_event_duration_secs_listener(listener)
         try:
             trainer.fit(X, Y, batch_size=32, epochs=2, verbose=0, shuffle=False, callbacks=[stats])
+            first = list(seen)
+            trainer.fit(X, Y, batch_size=32, epochs=1, verbose=0, shuffle=False, callbacks=[stats])
         finally:
             jax.monitoring.unregister_event_duration_listener(listener)
-        return seen, stats.steps
+        return first, seen[len(first) :], stats.steps
 
-    every_step, steps_1 = compiled_train_programs(1)
-    every_5, steps_5 = compiled_train_programs(5)
-    assert steps_1 == list(range(1, 13)) and steps_5 == [5, 10]
+    every_step, _, steps_1 = compiled_train_programs(1)
+    every_5, second_fit, steps_5 = compiled_train_programs(5)
+    assert steps_1 == list(range(13, 19)) and steps_5 == [15], (steps_1, steps_5)  # steps: the last fit's
     assert len(every_5) == len(every_step), (every_5, every_step)
+    assert second_fit == [], second_fit  # the steps' time is counted over the fits, not the time between
 
 
 def test_nothing_is_measured_or_logged_without_the_callback():

@@ -74,8 +74,15 @@ class FitRun:
         self.tuner: StepsTuner | None = None
         self.last_ready: float | None = None
         self.unfused = False  # the default setting found fusing not worth it in this fit: no more probes
-        every = loop.steps.measured_every  # GradientStats: which step the steps between its due ones call
-        self.between_due = None if every is None else BetweenDue(every)
+        self.between_due = self.measuring_plan()  # GradientStats: which step the steps between due ones call
+
+    def measuring_plan(self) -> BetweenDue | None:
+        """The loop's :class:`~trainkit.loop.measuring.BetweenDue` of this fit's measuring step
+        (``None``: no statistics), kept across the trainer's fits."""
+        every = self.steps.measured_every
+        if every is None:
+            return None
+        return self.loop.measuring.setdefault(self.steps.function("train_measured"), BetweenDue(every))
 
     def run(self) -> dict[str, float]:
         """Trains from ``config.initial_epoch`` (or where a callback's ``resume_at`` says) to
@@ -382,7 +389,7 @@ class EpochSteps:
         between_due = self.run.between_due
         if between_due is None or self.every is None:
             return False
-        return step % self.every == 0 or between_due.measures_between(time.perf_counter())
+        return step % self.every == 0 or between_due.measures_between()
 
     def place(self, item: Span | None) -> Span | None:
         """A span of host batches on the devices: one stacked batch (``fused``) or a list."""
@@ -459,12 +466,13 @@ class EpochSteps:
                 state, number, every, between_due = carried(), position.step, self.every, run.between_due
                 assert between_due is not None
                 measure, started = self.measured()[1], time.perf_counter()
-                between = measure if between_due.measures_between(started) else call
+                between = measure if between_due.measures_between() else call
                 for batch in placed:
                     number += 1
                     state, totals = (between if number % every else measure)(state, totals, batch)
                 keep(state)
-                between_due.first_call(started, time.perf_counter())
+                if between_due.counting:
+                    between_due.ran(time.perf_counter() - started)
             self.totals = totals
             run.watchdog.progress(record.step)
             session.moved(Position(epoch, record.batch + 1, record.step), data_state)
@@ -485,8 +493,8 @@ class EpochSteps:
             for number, batch in enumerate(placed, start=record.step - record.steps + 1):
                 started = time.perf_counter()
                 totals = run.timed_step(self.measured()[0] if self.measures(number) else self.train_fn, totals, batch)
-                if run.between_due is not None:
-                    run.between_due.first_call(started, time.perf_counter())
+                if run.between_due is not None and run.between_due.counting:
+                    run.between_due.ran(time.perf_counter() - started)
             return totals
         call, carried, keep = run.carried.calls(run.steps.function("train_steps"))
         with jax.profiler.StepTraceAnnotation("train", step_num=record.step) if self.annotate else _NO_TRACE:

@@ -12,6 +12,7 @@ hook 3 {'loss': 0.5}
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Iterator
 from typing import Any, Protocol, TypeVar
 
@@ -20,6 +21,7 @@ from trainkit.core.totals import EpochTotals
 from trainkit.core.tree import PyTree
 from trainkit.data.prefetch import Prefetcher
 from trainkit.data.source import Source
+from trainkit.loop.measuring import BetweenDue
 from trainkit.loop.tuning import Timings
 from trainkit.record.session import Session
 from trainkit.strategies import Strategy
@@ -165,6 +167,8 @@ class LoopView(Protocol):
     annotate_steps: bool
     #: what the steps tuner measured in the trainer's earlier fits (a later fit decides from them)
     timings: Timings
+    #: by measuring step: which step a fit with statistics calls between their due steps
+    measuring: weakref.WeakKeyDictionary[Callable[..., Any], BetweenDue]
 
     def reader(
         self, dataset: Source, batches: Iterator[T], batch_size: int, read_ahead: bool = True

@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import functools
 import itertools
-from collections.abc import Iterator
+import weakref
+from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
 import jax
@@ -28,6 +29,7 @@ from trainkit.data.prefetch import Prefetcher
 from trainkit.loop.dispatch import concatenate, host_metrics, in_order, logs_of, this_process
 from trainkit.loop.fit_run import FitRun
 from trainkit.loop.hooks import CompiledSteps, Hooks
+from trainkit.loop.measuring import BetweenDue
 from trainkit.loop.tuning import Timings
 from trainkit.record.session import Session
 
@@ -55,6 +57,9 @@ class Loop:
     def __init__(self, session: Session, steps: CompiledSteps):
         self.session, self.steps = session, steps
         self.timings = Timings()  # what the steps tuner measured in this trainer's fits
+        #: by measuring step (GradientStats): whether the steps between due ones still call it (weak:
+        #: a step the setup dropped, and its executable, are not kept alive here)
+        self.measuring: weakref.WeakKeyDictionary[Callable[..., Any], BetweenDue] = weakref.WeakKeyDictionary()
 
     def fit(
         self, dataset: data_lib.Source, batch_size: int, callbacks: Hooks, config: data_lib.FitConfig

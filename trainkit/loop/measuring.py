@@ -5,16 +5,19 @@ that does not (on the others, where measuring cost a dispatch-bound step twice i
 second is a second compile, which a short fit never repays: ``every=100`` cost a first fit of
 1,000 steps more than ``every=1``. So the measuring step trains every step at first, and the
 other one is compiled only once the steps have run as long as the first compile took (a
-ski-rental rule: at most twice the better choice's cost, whatever the fit's length). Both give
-the same parameters, bit for bit; the measuring step reports only on the due steps.
+ski-rental rule: at most twice the better choice's cost, however long the trainer trains; the
+time is counted over its fits, not between them). Both give the same parameters, bit for bit;
+the measuring step reports only on the due steps.
 
 >>> plan = BetweenDue(every=100)
->>> plan.measures_between(now=0.0)          # nothing compiled yet: measure
+>>> plan.measures_between()
 True
->>> plan.first_call(started=0.0, ended=0.5)  # its compile took 0.5 s
->>> plan.measures_between(now=0.8), plan.measures_between(now=1.1)
-(True, False)
->>> BetweenDue(every=1).measures_between(now=0.0)  # every step is due: nothing else to compile
+>>> plan.ran(0.5)                         # the first call: it compiled the measuring step
+>>> plan.ran(0.3); plan.measures_between()
+True
+>>> plan.ran(0.3); plan.measures_between()  # 0.6 s of steps: worth the other compile now
+False
+>>> BetweenDue(every=1).measures_between()  # every step is due: nothing else to compile
 True
 """
 
@@ -22,20 +25,29 @@ from __future__ import annotations
 
 
 class BetweenDue:
-    """Whether the steps between due ones still call the measuring step (see the module)."""
+    """Whether the steps between due ones still call the measuring step (see the module); one
+    per measuring program, kept by the loop across a trainer's fits."""
 
     def __init__(self, every: int):
         self.every = every
-        self.until: float | None = None  # when the steps will have run as long as the first compile
+        self.compile_seconds: float | None = None  # the first call's, which compiled the measuring step
+        self.spent = 0.0  # seconds of steps run since, measuring between due steps
         self.renting = every > 1
 
-    def first_call(self, started: float, ended: float) -> None:
-        """The fit's first call (it compiled the measuring step) ran from ``started`` to ``ended``."""
-        if self.until is None:
-            self.until = ended + (ended - started)
+    @property
+    def counting(self) -> bool:
+        """Whether :meth:`ran` still needs the seconds of the spans run."""
+        return self.renting
 
-    def measures_between(self, now: float) -> bool:
-        """Whether a step between due ones measures now (``now``: ``time.perf_counter()``)."""
-        if self.renting and self.until is not None and now > self.until:
+    def ran(self, seconds: float) -> None:
+        """A span of single steps ran for ``seconds`` (the first one: the measuring step's compile)."""
+        if self.compile_seconds is None:
+            self.compile_seconds = seconds
+            return
+        self.spent += seconds
+        if self.spent > self.compile_seconds:
             self.renting = False  # from now on the step that measures nothing (compiled at its first call)
+
+    def measures_between(self) -> bool:
+        """Whether a step between due ones calls the measuring step."""
         return self.every == 1 or self.renting
