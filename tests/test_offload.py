@@ -210,8 +210,8 @@ def test_on_a_v5e_slice_offload_fits_what_adams_state_does_not():
         model = classifier(Blocks(width, layers), optimizer=optax.adamw(1e-3), offload=offload)
         return model.plan((x, y), target="tpu v5e:2x2", candidates=["fsdp"], verbose=0)
 
-    plain = plan(5, None)
-    (before,), (after,) = plain.rows, plan(5, "optimizer").rows
+    plain = plan(3, None)  # 2.4 B parameters: three blocks compile sooner than more
+    (before,), (after,) = plain.rows, plan(3, "optimizer").rows
     moments = plain.state_bytes["optimizer state"] / devices  # per device
     layer_moments = 2 * 12 * width**2 * 4 / devices
     assert before.fits and after.fits and after.host_bytes == pytest.approx(moments, rel=0.01)
