@@ -386,10 +386,8 @@ class EpochSteps:
     def measures(self, step: int) -> bool:
         """Whether optimizer step ``step`` (from 1) calls the step that measures the statistics:
         a due step, or any while :class:`~trainkit.loop.measuring.BetweenDue` says so."""
-        between_due = self.run.between_due
-        if between_due is None or self.every is None:
-            return False
-        return step % self.every == 0 or between_due.measures_between()
+        between_due = self.run.between_due  # None exactly when no statistics are measured
+        return between_due is not None and (step % between_due.every == 0 or between_due.measures_between())
 
     def place(self, item: Span | None) -> Span | None:
         """A span of host batches on the devices: one stacked batch (``fused``) or a list."""
@@ -447,8 +445,11 @@ class EpochSteps:
             if batch_begin.active:
                 session.about(record)
                 batch_begin(record.first_batch)
-            if self.every is not None and self._measured is None and not fused:
+            between_due = run.between_due  # None exactly when no statistics are measured
+            renting = between_due is not None and between_due.renting and not fused
+            if between_due is not None and self._measured is None and not fused:
                 self.measured()  # before the span's calls donate the state it reads
+            started = time.perf_counter() if renting else 0.0
             if fused or (run.tuner is not None and run.tuner.steps is None):
                 totals = self.train_otherwise(placed, fused, totals, record)
             elif annotate:  # the span's batches one call each, each marked for the profile
@@ -463,16 +464,16 @@ class EpochSteps:
                     state, totals = call(state, totals, batch)
                 keep(state)
             else:  # the same, the statistics' due steps (and at first the others: BetweenDue) measuring
-                state, number, every, between_due = carried(), position.step, self.every, run.between_due
+                state, number, every = carried(), position.step, self.every
                 assert between_due is not None
-                measure, started = self.measured()[1], time.perf_counter()
+                measure = self.measured()[1]
                 between = measure if between_due.measures_between() else call
                 for batch in placed:
                     number += 1
                     state, totals = (between if number % every else measure)(state, totals, batch)
                 keep(state)
-                if between_due.counting:
-                    between_due.ran(time.perf_counter() - started)
+            if renting and between_due is not None:  # the span's seconds (the first span's: the compile)
+                between_due.ran(time.perf_counter() - started)
             self.totals = totals
             run.watchdog.progress(record.step)
             session.moved(Position(epoch, record.batch + 1, record.step), data_state)
@@ -491,10 +492,7 @@ class EpochSteps:
         run = self.run
         if not fused:
             for number, batch in enumerate(placed, start=record.step - record.steps + 1):
-                started = time.perf_counter()
                 totals = run.timed_step(self.measured()[0] if self.measures(number) else self.train_fn, totals, batch)
-                if run.between_due is not None and run.between_due.counting:
-                    run.between_due.ran(time.perf_counter() - started)
             return totals
         call, carried, keep = run.carried.calls(run.steps.function("train_steps"))
         with jax.profiler.StepTraceAnnotation("train", step_num=record.step) if self.annotate else _NO_TRACE:

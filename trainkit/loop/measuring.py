@@ -32,12 +32,7 @@ class BetweenDue:
         self.every = every
         self.compile_seconds: float | None = None  # the first call's, which compiled the measuring step
         self.spent = 0.0  # seconds of steps run since, measuring between due steps
-        self.renting = every > 1
-
-    @property
-    def counting(self) -> bool:
-        """Whether :meth:`ran` still needs the seconds of the spans run."""
-        return self.renting
+        self.renting = every > 1  # while True, :meth:`ran` wants the seconds of each span of single steps
 
     def ran(self, seconds: float) -> None:
         """A span of single steps ran for ``seconds`` (the first one: the measuring step's compile)."""
