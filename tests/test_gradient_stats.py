@@ -163,6 +163,18 @@ def test_a_short_fit_compiles_one_train_program_whatever_every_is():
     assert second_fit == [], second_fit  # the steps' time is counted over the fits, not the time between
 
 
+def test_the_steps_of_a_profiled_fit_count_toward_compiling_the_step_that_measures_nothing():
+    """Steps marked for a profile (``annotate_steps``) run through their own branch of the loop:
+    their seconds count toward the rule as the plain steps' do (once, they counted none, and
+    such a fit measured between the due steps forever)."""
+    trainer = tk.Trainer(Wide(), loss="sparse_categorical_crossentropy", optimizer=optax.adam(1e-3),
+                         strategy="single", steps_per_execution=1)  # fmt: skip
+    trainer.loop.annotate_steps = True
+    trainer.fit(X, Y, batch_size=32, epochs=2, verbose=0, callbacks=[tk.callbacks.GradientStats(every=5)])
+    (plan,) = trainer.loop.measuring.values()
+    assert plan.compile_seconds is not None and plan.spent > 0, (plan.compile_seconds, plan.spent)
+
+
 def test_nothing_is_measured_or_logged_without_the_callback():
     trainer = tk.Trainer(NoisyMLP(), loss="sparse_categorical_crossentropy", optimizer=optax.sgd(0.1))
     x, y = make_classification(64)
