@@ -131,7 +131,8 @@ def main() -> int:
             ratio = 1 / paired_ratio(rounds, kind, "without")  # time ratio: rates inverted
             verdict = "meets" if ratio <= TARGET else "misses"
             print(f"{name:40s} {kind:14s} x{ratio:.3f}  ({verdict} the {TARGET}x target)")
-    first_fits(args.first_fits, args.steps)
+    if args.first_fits:
+        first_fits(args.first_fits, args.steps)
     return 0
 
 

@@ -235,3 +235,31 @@ def test_the_bar_and_verbose_2_print_the_same_digits(xy):
         make_trainer().fit((x, y), **options, callbacks=[ProgressBar(verbose, console=Console(file=buffer, width=200))])
         lines[verbose] = re.search(r"accuracy: \S+ - loss: \S+", buffer.getvalue()).group()
     assert lines[1] == lines[2] and re.fullmatch(r"accuracy: \d\.\d{4} - loss: \d\.\d{4}", lines[1])
+
+
+def test_a_value_added_to_the_batch_logs_without_reading_them_reaches_the_next_reader(xy):
+    """Keras gives the callbacks of a list one logs dict. A callback that adds a value but reads no
+    metric (``reads_batch_logs`` False: no device read for it, as GradientStats) still hands it on:
+    the next callback that reads gets the metrics and the value."""
+    x, y = xy
+
+    class Adds(Callback):
+        async_safe = True
+
+        def reads_batch_logs(self):
+            return False
+
+        def on_train_batch_end(self, batch, logs=None):
+            assert "loss" not in logs  # nothing read for it
+            logs["lr_seen"] = float(batch)
+
+    class Reads(Callback):
+        def __init__(self):
+            self.seen = []
+
+        def on_train_batch_end(self, batch, logs=None):
+            self.seen.append((logs["lr_seen"], "loss" in logs))
+
+    reader = Reads()
+    make_trainer().fit(x, y, batch_size=16, epochs=1, verbose=0, callbacks=[Adds(), reader])
+    assert reader.seen == [(0.0, True), (1.0, True), (2.0, True), (3.0, True)], reader.seen

@@ -195,3 +195,35 @@ def test_bad_arguments_are_refused_before_training():
         tk.callbacks.GradientStats(every=0)
     with pytest.raises(ValueError, match="is not a regular expression"):
         tk.callbacks.GradientStats(per_layer="(")
+
+
+def test_between_due_steps_the_plain_step_carries_no_statistics_and_the_due_ones_see_the_last(reference, monkeypatch):
+    """#59: the plain step between due steps passed the statistics' array through, and XLA copied
+    it every step (+3% on a dispatch-bound step). Once the measuring step stops training every step,
+    the plain one takes the totals without it (loop/measuring.py: SetAside); every measurement and
+    the parameters are unchanged (the reference's; a fit without statistics' bit for bit)."""
+    from trainkit.core import leaf_step
+    from trainkit.loop import measuring
+
+    monkeypatch.setattr(measuring.BetweenDue, "measures_between", lambda self: self.every == 1)  # rented: no
+    arrays_taken, call = [], leaf_step.LeafStep.call_carried
+
+    def counted(self, carried, totals, batch):
+        arrays_taken.append(len(totals.arrays))
+        return call(self, carried, totals, batch)
+
+    monkeypatch.setattr(leaf_step.LeafStep, "call_carried", counted)
+    stats, recorder = tk.callbacks.GradientStats(every=3, per_layer="Dense"), Recorder()
+    trainer = tk.Trainer(Wide(), loss="sparse_categorical_crossentropy", optimizer=optax.adam(1e-3),
+                         strategy="single", steps_per_execution=1)  # fmt: skip
+    trainer.fit(X, Y, batch_size=32, epochs=2, verbose=0, shuffle=False, callbacks=[stats, recorder])
+    assert arrays_taken == [2 if step % 3 == 0 else 1 for step in range(1, 13)], arrays_taken
+    _, ref_recorder, ref_history = reference
+    assert stats.steps == [3, 6, 9, 12], stats.steps
+    for step in stats.steps:
+        for name, value in ref_recorder.logged[step].items():
+            np.testing.assert_allclose(recorder.logged[step][name], value, rtol=1e-6, atol=1e-6, err_msg=(step, name))
+    plain = tk.Trainer(Wide(), loss="sparse_categorical_crossentropy", optimizer=optax.adam(1e-3), strategy="single")
+    plain.fit(X, Y, batch_size=32, epochs=2, verbose=0, shuffle=False)
+    for ours, theirs in zip(jax.tree.leaves(trainer.params), jax.tree.leaves(plain.params), strict=True):
+        np.testing.assert_array_equal(ours, theirs)

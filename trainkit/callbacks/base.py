@@ -110,8 +110,9 @@ class Callback:
         """Whether the coming batch-end hook reads its ``logs`` (by default it does, as in
         Keras). The metrics stay on the device until a callback reads them, so a callback that
         reads them only now and then (the progress bar, on a clock; a logger every
-        ``update_freq`` steps) says so, and between those calls gets an empty dict and costs
-        no device-to-host read."""
+        ``update_freq`` steps) says so, and between those calls gets a dict of what the
+        callbacks before it added (a callback may add values without reading: the next one that
+        reads gets them with the metrics) and costs no device-to-host read."""
         return True
 
     @property

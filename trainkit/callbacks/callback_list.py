@@ -144,6 +144,7 @@ class BatchEndDispatcher(BatchEndHook):
     """A batch-end hook: ``logs`` may be a function that computes them (reading the device),
     called only once a callback that reads this hook's logs comes, its time the loop's (not
     charged to that callback: waiting for the step and reading its metrics is the loop's work).
+    The callbacks before that one get a dict of what they add, merged into the logs when read.
     ``periodic`` (the train hook): its ``period`` is the greatest common divisor of the
     callbacks' :meth:`~trainkit.callbacks.Callback.batch_end_period` (``None`` when one has none)."""
 
@@ -155,12 +156,14 @@ class BatchEndDispatcher(BatchEndHook):
 
     def __call__(self, index: int, logs: Logs | Callable[[], Logs] | None = None) -> None:
         shared, switch = None if callable(logs) else _keras_logs(logs), self.calls.ledger.switch
+        added: Logs = {}  # what callbacks before the first reader put in the logs (Keras's one dict)
         for callback, fn, bucket in self.calls.bound:
             if shared is None and callback.reads_batch_logs():  # the loop's work (waiting for the step, reading
                 shared = _keras_logs(logs() if callable(logs) else logs)  # its metrics): in the loop's bucket
+                shared.update(added)
             previous = switch(bucket)
             try:
-                fn(index, {} if shared is None else shared)
+                fn(index, added if shared is None else shared)
             finally:
                 switch(previous)
 

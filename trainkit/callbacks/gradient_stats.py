@@ -27,7 +27,7 @@ from trainkit import distributed
 from trainkit.callbacks.base import Callback, Logs
 from trainkit.core.statistics import PREFIX, StepStatistics, module_of
 from trainkit.core.tree import leaf_name
-from trainkit.loop.dispatch import host_metrics
+from trainkit.loop.dispatch import host_metric
 from trainkit.monitoring import loggers
 
 
@@ -107,13 +107,13 @@ class GradientStats(Callback):
         return self.spec.every  # its batch-end hook acts on the measured steps only
 
     def reads_batch_logs(self) -> bool:
-        return self._due()  # the batch logs are then shared: the values added reach the callbacks after this one
+        return False  # it adds its values, which reach the callbacks after it that read the logs
 
     def on_train_batch_end(self, batch: int, logs: Logs | None = None) -> None:
         carry = self.session.carry
         if not self._due() or carry is None:
             return
-        vector = host_metrics(carry).metrics[PREFIX + "values"]  # one device read, on this step only
+        vector = host_metric(carry, PREFIX + "values")  # one small device read, on this step only
         if self._names is None:  # the parameters' structure is the fit's: read once (building the state costs ms)
             self._names = self.spec.names(self.session.require_state().params)
         names = self._names

@@ -14,6 +14,7 @@ split into batches.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, Self
@@ -23,6 +24,7 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.tree_util import PyTreeDef
 
 from trainkit.core.tree import ArrayValue, PyTree
 
@@ -300,6 +302,17 @@ class PackedTotals:
             leaves.append(_from_bits(bits, np.dtype(dtype)).reshape(shape))
         return jax.tree.unflatten(treedef, leaves)
 
+    def read_metric(self, name: str) -> PyTree:
+        """The metric ``name`` as NumPy values, reading only the arrays that hold it (one small
+        array for a metric packed apart, :data:`APART`) and unpacking nothing else."""
+        treedef, places = self.layout
+        indices, structure = _metric_leaves(treedef, name)
+        host = {places[i][0]: np.asarray(self.arrays[places[i][0]]) for i in indices}
+        leaves = []
+        for index, offset, shape, dtype in (places[i] for i in indices):
+            leaves.append(_from_bits(host[index][offset : offset + math.prod(shape)], np.dtype(dtype)).reshape(shape))
+        return jax.tree.unflatten(structure, leaves)
+
     def block_until_ready(self) -> PackedTotals:
         """Waits for the step that computed these (its outputs are ready together)."""
         self.arrays[0].block_until_ready()
@@ -310,6 +323,31 @@ class PackedTotals:
 #: statistics, :mod:`trainkit.core.statistics`), so that a step that does not report them passes
 #: their array through whole instead of slicing it out of and back into the others
 APART = ("_stats/",)
+
+
+@functools.lru_cache(maxsize=64)
+def _metric_leaves(treedef: PyTreeDef, name: str) -> tuple[tuple[int, ...], PyTreeDef]:
+    """The indices of metric ``name``'s leaves among the totals' leaves, and its structure."""
+    metric = jax.tree.unflatten(treedef, range(treedef.num_leaves)).metrics[name]
+    return tuple(jax.tree.leaves(metric)), jax.tree.structure(metric)
+
+
+#: where packed totals' leaves live: their structure, and each leaf's (array, offset, shape, dtype)
+Layout = tuple[PyTreeDef, tuple[tuple[int, int, tuple[int, ...], str], ...]]
+
+
+@functools.lru_cache(maxsize=16)
+def without_apart(layout: Layout) -> tuple[int, Layout]:
+    """For packed totals of ``layout``: how many of their arrays (the first ones) hold the metrics
+    not packed apart (:data:`APART`), and the layout of those alone (what a step that reports
+    none of the others takes: :class:`trainkit.loop.measuring.SetAside`)."""
+    treedef, places = layout
+    numbered = jax.tree.unflatten(treedef, range(treedef.num_leaves))
+    kept = numbered.replace(metrics={k: m for k, m in numbered.metrics.items() if not k.startswith(APART)})
+    indices, kept_def = jax.tree.flatten(kept)
+    count = len({places[i][0] for i in indices})
+    assert all(places[i][0] < count for i in indices)  # pack() puts the arrays apart last
+    return count, (kept_def, tuple(places[i] for i in indices))
 
 
 def _storage(dtype: np.dtype) -> np.dtype:

@@ -80,6 +80,15 @@ def host_metrics(totals: PackedTotals) -> EpochTotals:
     return result
 
 
+def host_metric(totals: PackedTotals, name: str) -> PyTree:
+    """One metric of device ``totals`` on the host: on one process only the arrays holding it are
+    read (a metric packed apart is one small array: a due step of ``GradientStats`` reads that)."""
+    last = _last_read[0]
+    if (last is not None and last[0] is totals) or jax.process_count() > 1:
+        return host_metrics(totals).metrics[name]
+    return totals.read_metric(name)
+
+
 #: the last ``(device totals, host totals)`` :func:`host_metrics` read (the device arrays are immutable)
 _last_read: list[tuple[PackedTotals, EpochTotals] | None] = [None]
 

@@ -17,6 +17,7 @@ import contextlib
 import functools
 import itertools
 import logging
+import math
 import statistics
 import time
 from collections.abc import Iterable, Iterator
@@ -40,7 +41,7 @@ from trainkit.distributed.watchdog import StallWatchdog
 from trainkit.loop.carried import CarriedState
 from trainkit.loop.dispatch import Preempted, host_metrics, in_order, logs_of, this_process
 from trainkit.loop.hooks import Hooks, LoopView
-from trainkit.loop.measuring import BetweenDue
+from trainkit.loop.measuring import BetweenDue, SetAside
 from trainkit.loop.tuning import StepsTuner
 from trainkit.record.ledger import Bucket, ProcessLedger
 from trainkit.record.session import FitView, Position, StepRecord
@@ -217,6 +218,7 @@ class FitRun:
         completed(0.0, 0)  # an epoch begins: its first step's time is not measured from the last epoch's end
         watch_spikes = self.steps.spike_skip is not None  # no clock read per step without skip_spikes
         period = batch_end.period  # called for the records covering a multiple of it only (None: every batch)
+        due = 0 if period is None else (start.step // period + 1) * period  # its next multiple (records are contiguous)
         spike_check = time.monotonic() + SPIKE_CHECK_SECONDS
         for record, carry in in_order(EpochSteps(self, train_fn, iter(batches)).dispatch(), lag):
             carry.block_until_ready()  # at most `lag` executions queued behind this one
@@ -225,7 +227,8 @@ class FitRun:
             if watch_spikes and time.monotonic() >= spike_check:  # a long run of skipped spikes stops the run soon
                 self.watch_spikes(host_metrics(carry), start.step, start.batch, start.epoch)
                 spike_check = time.monotonic() + SPIKE_CHECK_SECONDS
-            if batch_end.active and (period is None or record.covers_multiple(period)):
+            if batch_end.active and record.step >= due:  # it covers a multiple of the period (or has none)
+                due = 0 if period is None else (record.step // period + 1) * period
                 session.about(record, carry)
                 batch_end(record.batch, functools.partial(logs_of, carry, order))
         if last is None:
@@ -372,6 +375,7 @@ class EpochSteps:
         self.annotate = run.loop.annotate_steps or run.callbacks.annotates_steps
         self.every = run.steps.measured_every  # statistics due every this many steps (None: never)
         self._measured: tuple[TreeFunction, TreeFunction] | None = None
+        self.aside = SetAside()  # the statistics' array, while the plain step runs
 
     def measured(self) -> tuple[TreeFunction, TreeFunction]:
         """The train step that measures the statistics, for their due steps: ``(function, call)``,
@@ -382,6 +386,24 @@ class EpochSteps:
             function = self.run.steps.function("train_measured")
             self._measured = function, self.run.carried.calls(function)[0]
         return self._measured
+
+    def next_measuring(self, step: int) -> float:
+        """The first step after ``step`` that calls the step measuring the statistics (infinity:
+        none is measured; ``step + 1`` while :class:`~trainkit.loop.measuring.BetweenDue` measures
+        every step). A span of single steps ending before it runs the plain loop, as without statistics."""
+        between_due = self.run.between_due
+        if between_due is None:
+            return math.inf
+        if between_due.measures_between():
+            return step + 1
+        return (step // between_due.every + 1) * between_due.every
+
+    def for_step(self, measuring: bool, totals: PackedTotals) -> PackedTotals:
+        """``totals`` as the train step takes them: whole for the step measuring the statistics
+        (and the fused one), without the statistics' array for the plain one (:class:`SetAside`)."""
+        if self.run.between_due is None:
+            return totals
+        return self.aside.whole(totals) if measuring else self.aside.plain(totals)
 
     def measures(self, step: int) -> bool:
         """Whether optimizer step ``step`` (from 1) calls the step that measures the statistics:
@@ -434,6 +456,8 @@ class EpochSteps:
         run, epoch, annotate, train_fn = self.run, self.epoch, self.annotate, self.train_fn
         session, batch_begin, read_ahead = run.session, run.callbacks.on_train_batch_begin, run.read_ahead
         call, carried, keep = self.run.carried.calls(train_fn)
+        between_due = run.between_due  # None exactly when no statistics are measured
+        measure_from = self.next_measuring(session.position.step)  # no call measures before this step
         upcoming = self.read()
         while upcoming is not None:
             if isinstance(upcoming, Exception):
@@ -445,7 +469,6 @@ class EpochSteps:
             if batch_begin.active:
                 session.about(record)
                 batch_begin(record.first_batch)
-            between_due = run.between_due  # None exactly when no statistics are measured
             renting = between_due is not None and between_due.renting and not fused
             if between_due is not None and self._measured is None and not fused:
                 self.measured()  # before the span's calls donate the state it reads
@@ -456,22 +479,30 @@ class EpochSteps:
                 state = carried()
                 for number, batch in enumerate(placed, start=position.step + 1):
                     with jax.profiler.StepTraceAnnotation("train", step_num=number):
-                        state, totals = (self.measured()[1] if self.measures(number) else call)(state, totals, batch)
+                        measuring = self.measures(number)
+                        step_call = self.measured()[1] if measuring else call
+                        state, totals = step_call(state, self.for_step(measuring, totals), batch)
                 keep(state)
-            elif self.every is None:  # the span's batches one call each; no hook reads the state in between
+            elif record.step < measure_from:  # the span's batches one call each; no hook reads the state in between
                 state = carried()
+                if between_due is not None:
+                    totals = self.aside.plain(totals)
                 for batch in placed:
                     state, totals = call(state, totals, batch)
                 keep(state)
             else:  # the same, the statistics' due steps (and at first the others: BetweenDue) measuring
                 state, number, every = carried(), position.step, self.every
-                assert between_due is not None
-                measure = self.measured()[1]
-                between = measure if between_due.measures_between() else call
+                assert between_due is not None and every is not None and self._measured is not None  # looked up above
+                measure = self._measured[1]
+                between, aside = between_due.measures_between(), self.aside
                 for batch in placed:
                     number += 1
-                    state, totals = (between if number % every else measure)(state, totals, batch)
+                    if between or number % every == 0:
+                        state, totals = measure(state, aside.whole(totals), batch)
+                    else:
+                        state, totals = call(state, aside.plain(totals), batch)
                 keep(state)
+                measure_from = self.next_measuring(record.step)
             if renting and between_due is not None:  # the span's seconds (the first span's: the compile)
                 between_due.ran(time.perf_counter() - started)
             self.totals = totals
@@ -492,10 +523,12 @@ class EpochSteps:
         run = self.run
         if not fused:
             for number, batch in enumerate(placed, start=record.step - record.steps + 1):
-                totals = run.timed_step(self.measured()[0] if self.measures(number) else self.train_fn, totals, batch)
+                measuring = self.measures(number)
+                function = self.measured()[0] if measuring else self.train_fn
+                totals = run.timed_step(function, self.for_step(measuring, totals), batch)
             return totals
         call, carried, keep = run.carried.calls(run.steps.function("train_steps"))
         with jax.profiler.StepTraceAnnotation("train", step_num=record.step) if self.annotate else _NO_TRACE:
-            state, totals = call(carried(), totals, placed)
+            state, totals = call(carried(), self.for_step(True, totals), placed)
         keep(state)
         return totals

@@ -1,4 +1,5 @@
-"""Which compiled step a ``fit`` with statistics (``GradientStats``) calls between its due steps.
+"""Which compiled step a ``fit`` with statistics (``GradientStats``) calls between its due steps
+(:class:`BetweenDue`), and the epoch's totals as each takes them (:class:`SetAside`).
 
 Two programs serve such a fit one step per call: one that measures (on the due steps) and one
 that does not (on the others, where measuring cost a dispatch-bound step twice its time). The
@@ -23,6 +24,9 @@ True
 
 from __future__ import annotations
 
+from trainkit.core.totals import Layout, PackedTotals, without_apart
+from trainkit.core.tree import ArrayValue
+
 
 class BetweenDue:
     """Whether the steps between due ones still call the measuring step (see the module); one
@@ -46,3 +50,42 @@ class BetweenDue:
     def measures_between(self) -> bool:
         """Whether a step between due ones calls the measuring step."""
         return self.every == 1 or self.renting
+
+
+class SetAside:
+    """One epoch's totals as each train step of a fit with statistics takes them: the measuring
+    step the whole totals, the plain step those without the statistics' array, which waits here
+    meanwhile (each buffer a dispatch-bound call takes and returns costs it about 3%: XLA copies
+    an array passed through). The totals the loop hands on may be either: the statistics are read
+    on their due steps only, which the measuring step ran.
+
+    >>> import numpy as np
+    >>> from trainkit.core.totals import EpochTotals, LossAverage, pack
+    >>> from trainkit.core.statistics import PREFIX, DueValue
+    >>> whole = pack(EpochTotals.empty({"loss": LossAverage(np.float32(0), np.float32(0)),
+    ...                                 PREFIX + "values": DueValue(np.zeros(3, np.float32), np.float32(0))}))
+    >>> aside = SetAside()
+    >>> plain = aside.plain(whole)
+    >>> len(whole.arrays), len(plain.arrays), aside.whole(plain).layout == whole.layout
+    (2, 1, True)
+    """
+
+    def __init__(self) -> None:
+        self.arrays: tuple[ArrayValue, ...] | None = None  # the arrays set aside (None: the totals are whole)
+        self.layout: Layout | None = None  # the whole totals' layout
+
+    def plain(self, totals: PackedTotals) -> PackedTotals:
+        """``totals`` without the statistics' arrays (set aside here)."""
+        if self.arrays is not None:
+            return totals  # set aside already
+        count, layout = without_apart(totals.layout)
+        self.arrays, self.layout = totals.arrays[count:], totals.layout
+        return PackedTotals(totals.arrays[:count], layout)
+
+    def whole(self, totals: PackedTotals) -> PackedTotals:
+        """``totals`` with the arrays set aside put back."""
+        if self.arrays is None:
+            return totals
+        whole = PackedTotals(totals.arrays + self.arrays, self.layout)
+        self.arrays = None
+        return whole
