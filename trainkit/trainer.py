@@ -104,7 +104,7 @@ class Trainer:
         custom_loss = own_loss or own_step
         check_trainer_arguments(optimizer, grad_accum_steps, jit_compile, has_loss=loss is not None or custom_loss)
         self.model, self.loss, self.optimizer, self.remat, self.seed = model, loss, optimizer, remat, int(seed)
-        self.objective = Objective(loss, metrics, weighted_metrics, loss_weights)
+        self.objective = Objective(loss, metrics, weighted_metrics, loss_weights, own_loss=own_loss)
         self.run_eagerly = bool(run_eagerly) or jit_compile is False
         self.precision = get_precision(precision)
         self.grad_accum_steps, self.log_grad_norm = int(grad_accum_steps), bool(log_grad_norm)
@@ -135,7 +135,7 @@ class Trainer:
         self, params: PyTree, batch: Batch, rng: jax.Array, *, model_state: PyTree, train: bool
     ) -> tuple[jax.Array, tuple[PyTree, PyTree]]:
         """A batch's (``"x"``, ``"y"``, ``"mask"``, maybe ``"sample_weight"``) ``(per_example_loss, (predictions,
-        new_model_state))``; trainkit applies the mask and weights (a scalar: the rows' mean). Pure."""
+        new_model_state))``, one loss per row (never a mean: trainkit masks and weights the rows). Pure."""
         predictions, model_state = self.apply(params, model_state, batch["x"], rng=rng, train=train)
         return self.objective.loss(predictions, batch["y"]), (predictions, model_state)
 

@@ -5,7 +5,7 @@ A *loss function* here has the signature of :meth:`trainkit.Trainer.compute_loss
 
     compute_loss(params, batch, rng, *, model_state, train) -> (loss, (predictions, model_state[, logs]))
 
-where ``loss`` holds one value per row of the batch (or a scalar mean), and the optional ``logs``
+where ``loss`` holds one value per row of the batch (never a mean: see :func:`_rows`), and the optional ``logs``
 (a dict of per-row values: a loss's parts) are reduced as the loss is and logged by name. The step weights each
 row by ``mask * sample_weight``; under a named device axis it sums totals and counts across
 devices, so the loss of a step is the mean over the real rows of the *global* batch and the
@@ -56,6 +56,7 @@ from trainkit.core.step_feature import StepFeature, StepUpdate
 from trainkit.core.totals import EpochTotals, LossAverage, MetricFn, PackedTotals, WeightedAverage, batch_state, pack
 from trainkit.core.trainable import Trainable
 from trainkit.core.tree import PyTree
+from trainkit.core.watched_batch import WatchedBatch
 
 LossFn = Callable[..., tuple[jax.Array, tuple[Any, Any]]]
 Metrics = dict[str, WeightedAverage]
@@ -87,22 +88,32 @@ def _step_rng(state: TrainState, axis_name: str | None) -> jax.Array:
     return rng
 
 
-def _rows(loss: jax.Array, num_rows: int, name: str = "loss") -> jax.Array:
-    """Per-row loss values; a scalar (a batch mean) is spread evenly over the rows. Raises
-    while tracing for a loss that is not floating (no gradient) or not one value per row."""
+def _rows(loss: jax.Array, num_rows: int, name: str = "loss", sown: bool = False) -> jax.Array:
+    """Per-row loss values. Raises while tracing for a loss that is not floating (no gradient)
+    or not one value per row: a scalar (a batch mean) would count the padded rows of a last
+    partial batch. A value a module sows (``sown``: a regulariser of its weights) may be a
+    scalar, spread evenly over the rows."""
     loss = jnp.asarray(loss)
-    what = "The loss" if name == "loss" else f"The log (or sown loss) {name!r}"
+    what = "The loss" if name == "loss" else f"The {'sown loss' if sown else 'log'} {name!r}"
     if not jnp.issubdtype(loss.dtype, jnp.floating):
         raise ValueError(
             f"{what} has dtype {loss.dtype}: it must be floating, or it has no gradient. Cast inside compute_loss "
             "only what is not differentiated (labels), never the loss."
         )
-    if loss.ndim == 0:
+    if loss.ndim == 0 and sown:
         return jnp.broadcast_to(loss.astype(jnp.float32), (num_rows,))
+    if loss.ndim == 0:
+        raise ValueError(
+            f"{what} is a scalar: return one value per row (shape ({num_rows},)), e.g. without the final "
+            "jnp.mean. trainkit takes the mean itself over the real rows: a mean taken inside counts the padded "
+            "rows of a last partial batch (masked out only when each row has its value). A loss over the whole "
+            "batch (contrastive) belongs in a train_step, reduced with self.mean(values, batch) "
+            "(docs/custom_training.md)."
+        )
     if loss.shape[0] != num_rows:
         raise ValueError(
             f"{what} has shape {loss.shape} for a batch of {num_rows} rows: return one value per row (shape "
-            f"({num_rows}, ...)) or a scalar mean, not values of several rows concatenated."
+            f"({num_rows}, ...)), not values of several rows concatenated."
         )
     return loss.astype(jnp.float32).reshape(num_rows, -1).mean(axis=1)
 
@@ -113,17 +124,26 @@ def _loss_total(row_loss: jax.Array, batch: Batch) -> jax.Array:
 
 
 def _batch_metrics(
-    metric_fns: Mapping[str, MetricFn], predictions, batch: Batch, loss_total, logs: Mapping[str, jax.Array]
+    metric_fns: Mapping[str, MetricFn],
+    predictions,
+    batch: Batch,
+    loss_total,
+    logs: Mapping[str, jax.Array],
+    weighting: Batch | None = None,
 ) -> Metrics:
     """Masked totals and counts of one (device-local) batch; sum them across devices. As in
     Keras, sample weights apply to the loss and to ``weighted_metrics`` only; other metrics
-    count every real row once. ``logs`` (a loss's parts, per row) are reduced as the loss is."""
+    count every real row once. ``logs`` (a loss's parts, per row) are reduced as the loss is
+    (by ``weighting``: the batch, without its weights when the loss applied them itself)."""
     mask = batch["mask"]
     weights = row_weights(batch)
     # The loss follows Keras: sum(loss * sample_weight) / (number of real rows).
     metrics = {"loss": LossAverage(total=loss_total, count=mask.sum())}
     for name, values in logs.items():
-        metrics[name] = LossAverage(total=_loss_total(_rows(values, mask.shape[0], name), batch), count=mask.sum())
+        logged = _rows(values, mask.shape[0], name)
+        metrics[name] = LossAverage(
+            total=_loss_total(logged, batch if weighting is None else weighting), count=mask.sum()
+        )
     for name, fn in metric_fns.items():
         metrics[name] = batch_state(fn, predictions, batch.get("y"), mask=mask, weights=weights)
     return metrics
@@ -157,8 +177,9 @@ def loss_parts(
             "another log): name them otherwise, e.g. 'reconstruction_loss'."
         )
     row_loss = _rows(result[0], rows)  # type: ignore[index]  # checked above
-    for name, value in sown.items():
-        row_loss = row_loss + _rows(value, rows, name)
+    sown = {name: _rows(value, rows, name, sown=True) for name, value in sown.items()}
+    for value in sown.values():
+        row_loss = row_loss + value
     return row_loss, (aux[0], model_state, {**logs, **sown})
 
 
@@ -272,14 +293,17 @@ def make_train_step(
 
         def objective(trained):
             full = to_device(trained if rebuild is None else rebuild(trained))  # offloaded frozen leaves, streamed
-            result = compute_loss(full, batch, rng, model_state=model_state, train=True)
+            watched = WatchedBatch(batch)
+            result = compute_loss(full, watched, rng, model_state=model_state, train=True)
             row_loss, (predictions, new_model_state, logs) = loss_parts(result, batch["mask"].shape[0], metric_fns)
-            total = _loss_total(row_loss, batch)
+            weighting[0] = watched.weighting()  # without the weights when the loss applied them itself
+            total = _loss_total(row_loss, weighting[0])
             return loss_scale.scale(total / batch_rows), (total, predictions, new_model_state, logs)
 
+        weighting: list[Batch] = [batch]
         grads, (total, predictions, model_state, logs) = jax.grad(objective, has_aux=True)(trained)
         grads = grads if rebuild is None else trainable.full_grads(params, grads)
-        return grads, model_state, _batch_metrics(metric_fns, predictions, batch, total, logs)
+        return grads, model_state, _batch_metrics(metric_fns, predictions, batch, total, logs, weighting[0])
 
     def train_step(state: TrainState, batch: Batch) -> tuple[TrainState, Metrics]:
         rng, batch_rows, loss_scale = _step_rng(state, axis_name), _batch_rows(batch, axis_name), state.loss_scale
@@ -326,10 +350,13 @@ def make_eval_step(
 
     def eval_step(state: TrainState, batch: Batch) -> Metrics:
         with contextlib.nullcontext() if context is None else active(context):
-            result = compute_loss(to_device(state.params), batch, state.rng, model_state=state.model_state, train=False)
+            watched = WatchedBatch(batch)
+            result = compute_loss(
+                to_device(state.params), watched, state.rng, model_state=state.model_state, train=False
+            )
         row_loss, (predictions, _, logs) = loss_parts(result, batch["mask"].shape[0], metric_fns)
-        loss_total = _loss_total(row_loss, batch)
-        return _psum(_batch_metrics(metric_fns, predictions, batch, loss_total, logs), axis_name)
+        loss_total = _loss_total(row_loss, watched.weighting())
+        return _psum(_batch_metrics(metric_fns, predictions, batch, loss_total, logs, watched.weighting()), axis_name)
 
     return eval_step
 

@@ -74,6 +74,23 @@ class BatchMetric:
         raise NotImplementedError
 
 
+def per_row(fn: Callable[[Any, Any], jax.Array], predictions: Any, targets: Any) -> jax.Array:
+    """``fn(predictions, targets)`` as one value per row: a function that returns the batch's
+    mean (a scalar, which would count the padded rows of a last partial batch) is evaluated row
+    by row instead (``jax.vmap`` over batches of one: exact for a mean over rows, decided when
+    the step is traced, free per step).
+
+    >>> import numpy as np
+    >>> per_row(lambda p, t: jnp.mean(p == t), np.array([1, 2, 3]), np.array([1, 0, 3])).tolist()
+    [1.0, 0.0, 1.0]
+    """
+    values = jnp.asarray(fn(predictions, targets))
+    if values.ndim == 0:
+        one_row = lambda p, t: fn(jax.tree.map(lambda a: a[None], p), jax.tree.map(lambda a: a[None], t))  # noqa: E731
+        values = jnp.asarray(jax.vmap(one_row)(predictions, targets))
+    return values
+
+
 def batch_state(fn: MetricFn, predictions, targets, *, mask, weights) -> clu.metrics.Metric:
     """One batch's state of the metric ``fn``: a :class:`WeightedAverage` of its per-row values
     (rows counted by ``weights`` for a :class:`Weighted` metric, else once each), or the state a
@@ -81,10 +98,8 @@ def batch_state(fn: MetricFn, predictions, targets, *, mask, weights) -> clu.met
     inner, counted = (fn.fn, weights) if isinstance(fn, Weighted) else (fn, mask)
     if isinstance(inner, BatchMetric):
         return inner.batch_state(predictions, targets, mask=counted, weights=weights)
-    values = jnp.asarray(fn(predictions, targets), jnp.float32)
-    rows = mask.shape[0]
-    values = jnp.broadcast_to(values, (rows,)) if values.ndim == 0 else values.reshape(rows, -1).mean(axis=1)
-    return WeightedAverage.from_values(values, counted)
+    values = per_row(fn, predictions, targets).astype(jnp.float32)
+    return WeightedAverage.from_values(values.reshape(mask.shape[0], -1).mean(axis=1), counted)
 
 
 def compute(totals: dict[str, clu.metrics.Metric], order: Sequence[str] = ("loss",)) -> dict[str, float]:

@@ -55,7 +55,8 @@ class ArrayDataset(Source):
 
     def first(self, rows: int = 1) -> tuple[PyTree, PyTree, PyTree]:
         sl = slice(0, rows)
-        return take(self.x, sl), None if self.y is None else take(self.y, sl), None
+        weights = None if self.sample_weight is None else self.sample_weight[sl]
+        return take(self.x, sl), None if self.y is None else take(self.y, sl), weights
 
     def steps(self, batch_size: int) -> int:
         return -(-self.num_examples // batch_size)

@@ -1,12 +1,15 @@
 """Batching: the rules of Keras's ``x`` / ``y`` / ``sample_weight``, rows, padding and masks.
 
-Every batch has the same static shape. The last partial batch is padded with zero rows whose
-``mask`` is 0, so no sample is dropped, none counts twice and nothing recompiles.
+Every batch has the same static shape. The last partial batch is padded with rows whose
+``mask`` is 0, so no sample is dropped, none counts twice and nothing recompiles. The padded
+rows repeat the batch's real rows, never zeros: the model runs on them too, and an input it
+never sees in the data (an all-zero row, which ``x / ||x||`` turns into NaN) would put NaN in
+the gradient, which the mask does not remove (``0 * NaN``).
 
 >>> import numpy as np
->>> batch = pad_batch(np.ones((3, 2)), np.arange(3), None, 4)
->>> batch["x"].shape, batch["mask"].tolist()
-((4, 2), [1.0, 1.0, 1.0, 0.0])
+>>> batch = pad_batch(np.arange(6.0).reshape(3, 2), np.arange(3), None, 5)
+>>> batch["x"][:, 0].tolist(), batch["y"].tolist(), batch["mask"].tolist()
+([0.0, 2.0, 4.0, 0.0, 2.0], [0, 1, 2, 0, 1], [1.0, 1.0, 1.0, 0.0, 0.0])
 """
 
 from __future__ import annotations
@@ -186,7 +189,8 @@ def abstract_batch(x: PyTree, y: PyTree, w: PyTree, batch_size: int) -> Batch:
 
 
 def pad_batch(x, y, w, batch_size: int, *, copy: bool = False) -> Batch:
-    """A batch dict padded with zero rows to ``batch_size`` and a float ``mask`` of real rows;
+    """A batch dict padded to ``batch_size`` with its real rows repeated (zeros when it has none)
+    and a float ``mask`` of real rows;
     ``copy``: arrays of its own even when nothing is padded (a pipeline's batch may live in the
     pipeline's buffers, such as grain's shared memory, which it frees or reuses after handing
     it over, while JAX on CPU may read a host array in place)."""
@@ -197,7 +201,8 @@ def pad_batch(x, y, w, batch_size: int, *, copy: bool = False) -> Batch:
         if pad == 0:
             return np.array(a) if copy else np.asarray(a)
         a = np.asarray(a)
-        return np.concatenate([a, np.zeros((pad,) + a.shape[1:], a.dtype)])
+        repeated = a[np.arange(pad) % n] if n else np.zeros((pad,) + a.shape[1:], a.dtype)
+        return np.concatenate([a, repeated])
 
     batch: Batch = {"x": _map(padded, x)}
     if y is not None:

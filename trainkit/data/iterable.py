@@ -171,8 +171,8 @@ class IterableDataset(Source):
         return example_spec(self._first[0])
 
     def first(self, rows: int = 1) -> tuple[PyTree, PyTree, PyTree]:
-        x, y, _ = self._first
-        return take(x, slice(0, rows)), None if y is None else take(y, slice(0, rows)), None
+        x, y, w = (None if part is None else take(part, slice(0, rows)) for part in self._first)
+        return x, y, w
 
     def steps(self, batch_size: int | None = None) -> int | None:
         try:

@@ -164,8 +164,7 @@ class RandomAccessSource(Source):
         return example_spec(self._first[0])
 
     def first(self, rows: int = 1) -> tuple[PyTree, PyTree, PyTree]:
-        x, y, _ = self._rows(np.arange(min(rows, self.num_examples)))
-        return x, y, None
+        return self._rows(np.arange(min(rows, self.num_examples)))
 
     def steps(self, batch_size: int) -> int:
         return -(-self.num_examples // batch_size)

@@ -1,7 +1,8 @@
 """Loss functions by name, and per-example evaluation of any loss.
 
 A loss is ``loss(predictions, targets)`` in optax's argument order, returning per-example
-values (shape ``(batch, ...)``) or a scalar mean. Built-in names expect *logits* for the
+values (shape ``(batch, ...)``; one that returns the batch's mean is evaluated row by row:
+:func:`trainkit.core.totals.per_row`). Built-in names expect *logits* for the
 cross-entropies, as Flax models usually output them. Keras's order ``fn(y_true, y_pred)`` is
 taken from a Keras loss object (``keras.losses.SparseCategoricalCrossentropy(from_logits=False)``,
 JAX backend), a function whose parameters are named ``y_true, y_pred``, or one wrapped in
@@ -24,6 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from trainkit.core.totals import per_row
 from trainkit.core.tree import PyTree
 from trainkit.objective import crossentropy
 from trainkit.objective.crossentropy import (  # noqa: F401  (Keras's loss classes, as tk.losses.*)
@@ -307,13 +309,7 @@ def per_example(loss: LossFn) -> LossFn:
     """
 
     def values(predictions, targets):
-        out = jnp.asarray(loss(predictions, targets))
-        if out.ndim == 0:
-            one_row = lambda p, t: loss(  # noqa: E731
-                jax.tree.map(lambda a: a[None], p), jax.tree.map(lambda a: a[None], t)
-            )
-            out = jax.vmap(one_row)(predictions, targets)
-        return _mean_over_features(out)
+        return _mean_over_features(per_row(loss, predictions, targets))
 
     return values
 

@@ -1,6 +1,7 @@
 """Per-batch metric functions (used inside the step), by Keras's names.
 
-A metric is ``metric(predictions, targets) -> per-example values`` (or a scalar mean), reduced
+A metric is ``metric(predictions, targets) -> per-example values`` (one that returns the batch's
+mean is evaluated row by row, so the padded rows never count: :func:`trainkit.core.totals.per_row`), reduced
 exactly by :mod:`trainkit.core.totals` (masked sums and counts, divided once at the end).
 
 >>> import numpy as np

@@ -110,13 +110,17 @@ class Objective:
         metrics: MetricSpec = None,
         weighted_metrics: MetricSpec = None,
         loss_weights: float | Sequence[float] | Mapping[str, float] | None = None,
+        own_loss: bool = False,
     ):
+        """``own_loss``: a trainer's ``compute_loss`` of its own computes the loss; then ``loss`` and
+        ``loss_weights`` count only if it calls :meth:`loss` (:meth:`check_used`)."""
         if loss_weights is not None and not isinstance(loss_weights, (int, float, list, tuple, dict)):
             raise ValueError(
                 "loss_weights must be a float (one output), or a list or dict with one weight per output; "
                 f"received {loss_weights!r} of type {type(loss_weights).__name__}."
             )
         self.spec = (loss, metrics, weighted_metrics, loss_weights)
+        self.own_loss, self.loss_calls = own_loss, 0  # loss_calls: how often :meth:`loss` was traced
         self.structure: tuple | None = None
         self.sparse_labels: dict[str | int | None, tuple[int, int]] = {}
         self.build(None)
@@ -291,6 +295,7 @@ class Objective:
 
     def loss(self, predictions: PyTree, targets: PyTree) -> jax.Array:
         """Per-example ``sum(weight * loss)`` over the outputs with a loss."""
+        self.loss_calls += 1
         total = None
         for out in self.outputs:
             if out.loss is None:
@@ -303,6 +308,19 @@ class Objective:
         if total is None:
             raise ValueError("No output has a loss: give loss=... (for at least one output).")
         return total
+
+    def check_used(self, calls_before: int) -> None:
+        """Raises when ``loss=`` or ``loss_weights=`` were given but the ``compute_loss`` of its own
+        that just ran (traced) did not call :meth:`loss` since ``calls_before``: they would be ignored."""
+        given = [f"{name}={value!r}" for name, value in (("loss", self.spec[0]), ("loss_weights", self.spec[3]))
+                 if value is not None]  # fmt: skip
+        if self.own_loss and given and self.loss_calls == calls_before:
+            raise ValueError(
+                f"{' and '.join(given)} given, but the trainer's compute_loss never computes that loss: it would be "
+                "ignored. Remove it from the Trainer's arguments, or compute it in compute_loss with "
+                "super().compute_loss(params, batch, rng, model_state=model_state, train=train) or "
+                "self.objective.loss(predictions, batch['y'])."
+            )
 
     def check_targets(self, targets: PyTree, outputs: PyTree = None, part: str = "y") -> None:
         """Raises before compiling, per output with a loss: float labels for a sparse loss; and

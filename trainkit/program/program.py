@@ -177,8 +177,10 @@ class Program:
     def training_loss(self, params: PyTree, batch: Batch, rng: jax.Array, *, model_state: PyTree, train: bool):
         """``compute_loss`` with the frozen ``BatchNorm`` layers in inference mode when it trains."""
         layers = self.frozen_layers(params, model_state, batch["x"]) if train else frozenset()
+        calls = self.objective.loss_calls
         with frozen_lib.statistics_frozen(layers):
             result = self.compute_loss(params, batch, rng, model_state=model_state, train=train)
+        self.objective.check_used(calls)
         self._record_logs(result[1][2] if _has_logs(result) else {})
         return result
 

@@ -1,0 +1,111 @@
+"""The ``compute_loss`` contract (#60): one loss per row (a scalar mean counted the padded rows),
+padding that repeats real rows (zeros put NaN in a gradient), ``loss=`` never silently ignored,
+sample weights applied once."""
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from conftest import MLP, make_classification
+
+import trainkit as tk
+
+X, Y = make_classification(200, features=5)  # batches of 64: the last one has 8 real rows and 56 padded
+
+
+def cross_entropy(logits, y):
+    return optax.softmax_cross_entropy_with_integer_labels(logits, y)
+
+
+class MeanLoss(tk.Trainer):
+    """The natural mistake: ``jnp.mean`` of the rows' losses."""
+
+    def compute_loss(self, params, batch, rng, *, model_state, train):
+        logits, model_state = self.apply(params, model_state, batch["x"], rng=rng, train=train)
+        return jnp.mean(cross_entropy(logits, batch["y"])), (logits, model_state)
+
+
+class RowLoss(tk.Trainer):
+    def compute_loss(self, params, batch, rng, *, model_state, train):
+        logits, model_state = self.apply(params, model_state, batch["x"], rng=rng, train=train)
+        return cross_entropy(logits, batch["y"]), (logits, model_state)
+
+
+def test_a_scalar_mean_loss_is_refused_before_the_first_step_naming_the_per_row_form():
+    trainer = MeanLoss(MLP(), optimizer=optax.sgd(0.1), strategy="single")
+    with pytest.raises(ValueError, match=r"The loss is a scalar: return one value per row \(shape \(64,\)\)"):
+        trainer.fit(X, Y, batch_size=64, epochs=2, verbose=0)
+    assert trainer.global_step == 0
+    RowLoss(MLP(), optimizer=optax.sgd(0.1), strategy="single").fit(X, Y, batch_size=64, epochs=1, verbose=0)
+
+
+def test_a_scalar_mean_metric_equals_the_per_row_one_exactly():
+    """A metric returning the batch's mean read 0.1006 for 0.105: the padded rows counted. It is
+    evaluated row by row now, so it equals the per-row metric and Keras's accuracy exactly."""
+
+    def mean_accuracy(logits, y):
+        return jnp.mean((jnp.argmax(logits, -1) == y).astype(jnp.float32))
+
+    def row_accuracy(logits, y):
+        return (jnp.argmax(logits, -1) == y).astype(jnp.float32)
+
+    trainer = tk.Trainer(MLP(), loss="sparse_categorical_crossentropy", optimizer=optax.sgd(0.1),
+                         metrics=[mean_accuracy, row_accuracy, "accuracy"])  # fmt: skip
+    logs = trainer.fit(X, Y, batch_size=64, epochs=2, verbose=0).history
+    assert logs["mean_accuracy"] == logs["row_accuracy"] == logs["accuracy"], logs
+
+
+class Normalised(nn.Module):
+    """``x / ||x||``: undefined at an all-zero row, the rows zero padding used to make."""
+
+    @nn.compact
+    def __call__(self, x):
+        return nn.Dense(3)(x / jnp.linalg.norm(x, axis=-1, keepdims=True))
+
+
+def test_padding_repeats_real_rows_so_a_model_undefined_at_zero_trains_to_finite_weights():
+    """With zero rows as padding the gradient of the last batch was NaN (the mask keeps the loss
+    finite, not 0 * NaN in the gradient) and the weights went NaN in epoch 2."""
+    trainer = tk.Trainer(Normalised(), loss="sparse_categorical_crossentropy", optimizer=optax.adam(1e-2))
+    history = trainer.fit(X, Y, batch_size=64, epochs=2, verbose=0).history
+    assert all(np.isfinite(leaf).all() for leaf in jax.tree.leaves(trainer.params))
+    assert np.isfinite(history["loss"]).all(), history
+
+
+def test_loss_given_beside_a_compute_loss_that_never_uses_it_is_refused():
+    with pytest.raises(ValueError, match=r"loss='mse' and loss_weights=0.5 given, but the trainer's compute_loss"):
+        RowLoss(MLP(), loss="mse", loss_weights=0.5, optimizer=optax.sgd(0.1)).fit(X, Y, batch_size=64, verbose=0)
+
+    class Extended(tk.Trainer):  # Keras's guide: the loss through super(), plus a term
+        def compute_loss(self, params, batch, rng, *, model_state, train):
+            loss, aux = super().compute_loss(params, batch, rng, model_state=model_state, train=train)
+            return loss + 0.0 * jnp.sum(aux[0] ** 2, axis=-1), aux
+
+    trained = Extended(MLP(), loss="sparse_categorical_crossentropy", optimizer=optax.sgd(0.1))
+    plain = tk.Trainer(MLP(), loss="sparse_categorical_crossentropy", optimizer=optax.sgd(0.1))
+    assert (trained.fit(X, Y, batch_size=64, epochs=1, verbose=0).history
+            == plain.fit(X, Y, batch_size=64, epochs=1, verbose=0).history)  # fmt: skip
+
+
+def test_a_compute_loss_that_applies_the_sample_weights_is_not_weighted_again():
+    """Keras's guide weights inside compute_loss: ported as written, each weight counted twice
+    (a logged loss of 3.83 for 2.81). Read there, trainkit applies them no more."""
+    weights = np.random.default_rng(1).uniform(0.0, 3.0, len(X)).astype(np.float32)
+
+    class Weighted(tk.Trainer):
+        def compute_loss(self, params, batch, rng, *, model_state, train):
+            logits, model_state = self.apply(params, model_state, batch["x"], rng=rng, train=train)
+            return cross_entropy(logits, batch["y"]) * batch["sample_weight"], (logits, model_state)
+
+    def fit(trainer):
+        history = trainer.fit(X, Y, sample_weight=weights, batch_size=64, epochs=2, verbose=0,
+                              validation_data=(X, Y, weights)).history  # fmt: skip
+        return history, trainer.params
+
+    ours, ours_params = fit(Weighted(MLP(), optimizer=optax.sgd(0.1)))
+    builtin, builtin_params = fit(tk.Trainer(MLP(), loss="sparse_categorical_crossentropy", optimizer=optax.sgd(0.1)))
+    np.testing.assert_allclose(ours["loss"], builtin["loss"], rtol=1e-6)
+    np.testing.assert_allclose(ours["val_loss"], builtin["val_loss"], rtol=1e-6)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7), ours_params, builtin_params)
