@@ -109,3 +109,95 @@ def test_a_compute_loss_that_applies_the_sample_weights_is_not_weighted_again():
     np.testing.assert_allclose(ours["loss"], builtin["loss"], rtol=1e-6)
     np.testing.assert_allclose(ours["val_loss"], builtin["val_loss"], rtol=1e-6)
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7), ours_params, builtin_params)
+
+
+class TwoOutputs(nn.Module):
+    as_dict: bool = True
+
+    @nn.compact
+    def __call__(self, x):
+        logits, features = nn.Dense(3)(x), nn.Dense(2)(x)
+        return {"logits": logits, "features": features} if self.as_dict else (logits, features)
+
+
+@pytest.mark.parametrize("as_dict, received", [(True, r"a dict of \['features', 'logits'\]"), (False, "a tuple of 2")])
+def test_a_metric_by_name_on_several_outputs_names_the_fix(as_dict, received):
+    """Once a raw "'dict' object has no attribute 'ndim'"."""
+
+    class Logits(tk.Trainer):
+        def compute_loss(self, params, batch, rng, *, model_state, train):
+            out, model_state = self.apply(params, model_state, batch["x"], rng=rng, train=train)
+            logits = out["logits"] if as_dict else out[0]
+            return cross_entropy(logits, batch["y"]), (out, model_state)
+
+    trainer = Logits(TwoOutputs(as_dict), optimizer=optax.sgd(0.1), metrics=["accuracy"])
+    expected = rf"metrics=\['accuracy'\] reads one output, but the predictions are {received}: return the one it"
+    with pytest.raises(ValueError, match=expected):
+        trainer.fit(X, Y, batch_size=64, verbose=0)
+    assert trainer.global_step == 0
+
+
+class NoisyLinen(nn.Module):
+    """A VAE's sampling: a stream of its own name."""
+
+    @nn.compact
+    def __call__(self, x, train: bool = False):
+        h = nn.Dense(4)(x)
+        return nn.Dense(3)(h + jax.random.normal(self.make_rng("noise"), h.shape) if train else h)
+
+
+def test_a_linen_stream_of_any_name_gets_a_key_from_the_step():
+    """``make_rng("noise")`` failed: only a "dropout" stream was passed. Its draws come from the
+    step's key: each step its own, the same again with the same seed."""
+
+    def losses(seed):
+        trainer = tk.Trainer(NoisyLinen(), loss="sparse_categorical_crossentropy", optimizer=optax.sgd(0.0), seed=seed)
+        return trainer.fit(X, Y, batch_size=64, epochs=3, verbose=0, shuffle=False).history["loss"]
+
+    first, again, other = losses(0), losses(0), losses(1)
+    assert first == again and len(set(first)) == 3 and first != other, (first, again, other)
+
+
+def test_set_weights_takes_what_get_weights_and_params_give_and_update_state_keeps_the_callers_arrays():
+    """``set_weights(trainer.params)`` was a KeyError 'params'; ``b.update_state(params=a.state.params)``
+    then training either trainer: "Array has been deleted" (the step donated the shared buffers)."""
+    a = tk.Trainer(MLP(), loss="sparse_categorical_crossentropy", optimizer=optax.sgd(0.1), seed=1)
+    b = tk.Trainer(MLP(), loss="sparse_categorical_crossentropy", optimizer=optax.sgd(0.1), seed=2)
+    a.fit(X, Y, batch_size=64, epochs=1, verbose=0)
+    b.init(X[:64])
+    b.set_weights(a.params)
+    jax.tree.map(np.testing.assert_array_equal, b.params, a.params)
+    b.set_weights(a.get_weights())
+    b.update_state(params=a.state.params)
+    b.fit(X, Y, batch_size=64, epochs=1, verbose=0, shuffle=False)
+    a.fit(X, Y, batch_size=64, epochs=1, verbose=0, shuffle=False)  # a's arrays were b's to donate no more
+    jax.tree.map(np.testing.assert_array_equal, a.params, b.params)  # the same start, the same data
+    with pytest.raises(ValueError, match=r"set_weights takes what get_weights gives .* or the parameters alone"):
+        b.set_weights({"Dense_9": {}})
+
+
+def test_grad_norm_in_the_epoch_logs_is_the_mean_of_its_steps():
+    """It was the epoch's last step's value, beside logs that are epoch means."""
+
+    def grad_norms(**fit):
+        trainer = tk.Trainer(MLP(), loss="sparse_categorical_crossentropy", optimizer=optax.sgd(0.1), seed=3,
+                             log_grad_norm=True, steps_per_execution=1)  # fmt: skip
+        return trainer.fit(X, Y, verbose=0, shuffle=False, **fit).history["grad_norm"]
+
+    per_step = []
+    trainer = tk.Trainer(MLP(), loss="sparse_categorical_crossentropy", optimizer=optax.sgd(0.1), seed=3,
+                         log_grad_norm=True, steps_per_execution=1)  # fmt: skip
+    for start in range(0, 200, 64):  # the same four steps, one fit each
+        rows = slice(start, start + 64)
+        per_step += trainer.fit(X[rows], Y[rows], batch_size=64, verbose=0, shuffle=False).history["grad_norm"]
+    np.testing.assert_allclose(grad_norms(batch_size=64), [np.mean(per_step)], rtol=1e-6)
+
+
+def test_gradient_stats_in_the_epoch_logs_are_the_mean_of_the_epochs_measurements():
+    stats = tk.callbacks.GradientStats(every=1)
+    seen = []
+    record = tk.callbacks.LambdaCallback(on_train_batch_end=lambda batch, logs: seen.append(logs["grad_norm"]))
+    trainer = tk.Trainer(MLP(), loss="sparse_categorical_crossentropy", optimizer=optax.sgd(0.1),
+                         steps_per_execution=1)  # fmt: skip
+    history = trainer.fit(X, Y, batch_size=64, epochs=2, verbose=0, callbacks=[stats, record]).history
+    np.testing.assert_allclose(history["grad_norm"], [np.mean(seen[:4]), np.mean(seen[4:])], rtol=1e-6)

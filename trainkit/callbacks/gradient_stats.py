@@ -45,10 +45,10 @@ class GradientStats(Callback):
     device with the epoch's metrics (one vector): they reach the host only on the steps they
     are logged, so the loop never waits for the device in between. They are added to that
     step's batch logs (callbacks after this one, ``Logging`` and ``TensorBoard`` with a
-    matching ``update_freq``, see them) and the latest ones to every epoch's logs
-    (``history.history["grad_norm/hidden"]``). With ``log_dir``, each measured step is written
-    to TensorBoard there (``log_dir/train``): the scalars, and a histogram per kind over the
-    modules (``grad_norm_by_module``).
+    matching ``update_freq``, see them), and their mean over the epoch's measured steps (the
+    latest, when it measured none) to every epoch's logs (``history.history["grad_norm/hidden"]``).
+    With ``log_dir``, each measured step is written to TensorBoard there (``log_dir/train``):
+    the scalars, and a histogram per kind over the modules (``grad_norm_by_module``).
 
     ``values`` holds the latest measurement, ``steps`` the steps measured in this ``fit``.
     """
@@ -62,6 +62,7 @@ class GradientStats(Callback):
         self.steps: list[int] = []
         self.board: loggers.TensorBoardLogger | None = None
         self._names: list[str] | None = None  # the statistics' names, read at the first measured step
+        self._epoch: list[dict[str, float]] = []  # this epoch's measurements (its log is their mean)
 
     def step_statistics(self) -> StepStatistics:
         return self.spec
@@ -118,6 +119,7 @@ class GradientStats(Callback):
             self._names = self.spec.names(self.session.require_state().params)
         names = self._names
         self.values = {name: float(value) for name, value in zip(names, np.asarray(vector.value), strict=True)}
+        self._epoch.append(self.values)
         record = self.session.require_record()
         self.steps.append(record.step // self.spec.every * self.spec.every)  # the last multiple it covers
         if logs is not None:
@@ -134,9 +136,16 @@ class GradientStats(Callback):
                 kinds.setdefault(f"{name.split('/', 1)[0]}_by_module", []).append(value)
         return {kind: np.asarray(values) for kind, values in kinds.items()}
 
+    def on_epoch_begin(self, epoch: int, logs: Logs | None = None) -> None:
+        self._epoch = []
+
     def on_epoch_end(self, epoch: int, logs: Logs | None = None) -> None:
-        if logs is not None:
-            logs.update(self.values)  # the latest measurement, for History and the epoch loggers
+        if logs is None:
+            return
+        if not self._epoch:  # no step of this epoch was due: the latest measurement
+            logs.update(self.values)
+            return
+        logs.update({name: float(np.mean([m[name] for m in self._epoch])) for name in self._epoch[0]})
 
     def on_train_end(self, logs: Logs | None = None) -> None:
         if self.board is not None:

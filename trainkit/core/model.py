@@ -206,7 +206,7 @@ class LinenModel:
             with nn.intercept_methods(record):
                 if flags:
                     args, kwargs = _split_inputs(x, self._parameters)
-                    variables, rngs = {"params": params, **model_state}, {"dropout": jax.random.PRNGKey(0)}
+                    variables, rngs = {"params": params, **model_state}, _linen_streams(jax.random.PRNGKey(0))
                     keywords: dict[str, Any] = {**kwargs, **flags, "rngs": rngs}  # the user's __call__ keywords
                     return self.module.apply(variables, *args, **keywords)
                 return self.apply(params, model_state, x, rng=jax.random.PRNGKey(0), train=train)[0]
@@ -221,7 +221,7 @@ class LinenModel:
         """The model's call; losses it sows come back in the model state under ``"losses"`` (core/sown.py)."""
         variables = {"params": params, **model_state}
         writable = [*model_state, LOSSES] if train else [LOSSES]
-        out, updates = self._call(variables, x, train, method, rngs={"dropout": rng}, mutable=writable)
+        out, updates = self._call(variables, x, train, method, rngs=_linen_streams(rng), mutable=writable)
         updates = dict(updates)
         if not updates.get(LOSSES):
             updates.pop(LOSSES, None)
@@ -380,6 +380,23 @@ def _stream_tags(rng_state: PyTree) -> tuple[str, ...]:
     ``"default"`` stream, ``nnx.Rngs(0, dropout=1)`` a ``"dropout"`` one)."""
     leaves = jax.tree.leaves(rng_state, is_leaf=lambda leaf: isinstance(leaf, nnx.Variable))
     return tuple(sorted({leaf.tag for leaf in leaves if isinstance(leaf, nnx.RngKey)}))
+
+
+def _linen_streams(rng: jax.Array) -> dict[str, jax.Array]:
+    """A linen model's random streams for one call: ``"dropout"`` the step's key; any other it
+    asks for (``self.make_rng("noise")``, a VAE's) draws from a ``"params"`` stream folded from
+    it (linen's fallback for a stream not passed), each call's draws distinct.
+
+    >>> import flax.linen as nn, jax.numpy as jnp
+    >>> class Noisy(nn.Module):
+    ...     @nn.compact
+    ...     def __call__(self, x):
+    ...         return x + jax.random.normal(self.make_rng("noise"), x.shape)
+    >>> out = Noisy().apply({}, jnp.zeros(2), rngs=_linen_streams(jax.random.PRNGKey(0)))
+    >>> out.shape, bool((out != 0).all())
+    ((2,), True)
+    """
+    return {"dropout": rng, "params": _stream_key(rng, "params")}
 
 
 def _stream_key(rng: jax.Array, tag: str) -> jax.Array:

@@ -5,8 +5,8 @@ exactly as arrays are, optionally read by worker processes.
 >>> import numpy as np
 >>> rows = [(np.full(2, i, np.float32), i) for i in range(5)]  # any len() + [i] collection
 >>> source = RandomAccessSource(rows)
->>> [b["y"].tolist() for b in source.batches(2)]
-[[0, 1], [2, 3], [4, 0]]
+>>> [(b["y"].tolist(), b["mask"].tolist()) for b in source.batches(2)]  # the last batch padded (masked)
+[([0, 1], [1.0, 1.0]), ([2, 3], [1.0, 1.0]), ([4, 4], [1.0, 0.0])]
 """
 
 from __future__ import annotations

@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 
 from trainkit.core.totals import BatchMetric, LossAverage, MetricFn, Weighted, WeightedAverage  # noqa: F401
+from trainkit.core.tree import PyTree
 from trainkit.objective import crossentropy, losses, metric_states
 from trainkit.objective.keras_metrics import (  # noqa: F401
     F1Score,
@@ -207,8 +208,33 @@ def get_metrics(metrics: Sequence[str | MetricFn] | None, *, logits: bool = True
             )
         if name == "loss" or name in resolved:
             raise ValueError(f"Two metrics are named {name!r}; give each a distinct __name__.")
-        resolved[name] = fn
+        resolved[name] = OfOneOutput(name, fn) if isinstance(metric, str) and not isinstance(fn, BatchMetric) else fn
     return resolved
+
+
+class OfOneOutput:
+    """A metric by name, which reads one output: given a dict or tuple of them (a model of several
+    outputs whose metrics name none), it says how to name the one it reads, when traced.
+
+    >>> OfOneOutput("accuracy", METRICS["accuracy"])({"logits": 0, "features": 0}, None)
+    Traceback (most recent call last):
+    ValueError: metrics=['accuracy'] reads one output, but the predictions are a dict of ['features', 'logits']: ...
+    """
+
+    def __init__(self, name: str, fn: MetricFn):
+        self.__name__, self.fn = name, fn
+
+    def __call__(self, predictions: PyTree, targets: PyTree) -> jax.Array:
+        if isinstance(predictions, (dict, list, tuple)):
+            kind = f"dict of {sorted(map(str, predictions))}" if isinstance(predictions, dict) else (
+                f"{type(predictions).__name__} of {len(predictions)}"
+            )  # fmt: skip
+            raise ValueError(
+                f"metrics=[{self.__name__!r}] reads one output, but the predictions are a {kind}: return the one "
+                "it reads as compute_loss's predictions (loss, (outputs['logits'], model_state)), or give the "
+                "targets the outputs' structure and name it, metrics={'logits': [...]} (Keras's form)."
+            )
+        return self.fn(predictions, targets)
 
 
 class LossTerm(BatchMetric):

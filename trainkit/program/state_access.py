@@ -20,6 +20,7 @@ from collections.abc import Iterator, Mapping
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from trainkit import data as data_lib
@@ -81,7 +82,19 @@ class StateAccess:
 
     def update_state(self, **fields: PyTree) -> TrainState:
         """The one way to write the live state: fields (host or device values) placed in the
-        shardings of those they replace; unchanged arrays stay as they are."""
+        shardings of those they replace; unchanged arrays stay as they are. A device array given
+        that is not the live state's own is copied first: the next step donates the state's
+        buffers, which would delete the caller's array (``b.update_state(params=a.state.params)``
+        then training ``a`` or ``b``: "Array has been deleted")."""
+        live = {id(leaf) for leaf in jax.tree.leaves(self.require_state())}
+
+        def owned(leaf: Any) -> Any:
+            return jnp.array(leaf, copy=True) if isinstance(leaf, jax.Array) and id(leaf) not in live else leaf
+
+        return self.write_state(**{name: jax.tree.map(owned, value) for name, value in fields.items()})
+
+    def write_state(self, **fields: PyTree) -> TrainState:
+        """:meth:`update_state` of values trainkit made and holds nowhere else (nothing copied)."""
         state = self.require_state()
         placed = self.decided.require_strategy().put_like(state.replace(**fields), state)
         self.session.replace_state(placed, moves_position=False)
@@ -110,12 +123,12 @@ class StateAccess:
         self.require_settable_learning_rate()
         opt_state, groups = self.require_state().opt_state, self.program.groups
         if group is None:
-            self.update_state(opt_state=optimizers.set_learning_rate(opt_state, value))
+            self.write_state(opt_state=optimizers.set_learning_rate(opt_state, value))
             return
         if groups is None:
             raise ValueError(f"The trainer has one optimizer, not groups: set trainer.learning_rate, not [{group!r}].")
         inner = optimizers.set_learning_rate(groups.inner_state(opt_state, group), value)
-        self.update_state(opt_state=groups.with_inner_state(opt_state, group, inner))
+        self.write_state(opt_state=groups.with_inner_state(opt_state, group, inner))
 
     def require_settable_learning_rate(self) -> None:
         """Refuses, before anything changes, a learning rate that setting would not change: one
@@ -146,8 +159,20 @@ class StateAccess:
         return {"params": host["params"], **host["model_state"]}
 
     def set_weights(self, variables: PyTree) -> None:
-        """Variables from :meth:`weights` put back into the live state (same shapes)."""
-        state, variables = self.require_state(), dict(variables)
+        """Variables from :meth:`weights` (``{"params": ..., **model_state}``), or the parameters
+        alone (``trainer.params``: the model state kept), put into the live state (same shapes)."""
+        state = self.require_state()
+        if isinstance(variables, dict) and str(jax.tree.structure(variables)) == str(jax.tree.structure(state.params)):
+            check_tree_matches("set_weights", state.params, variables)
+            self.update_state(params=variables)
+            return
+        if not isinstance(variables, dict) or "params" not in variables:
+            raise ValueError(
+                f"set_weights takes what get_weights gives ({{'params': ..., **model_state}}) or the parameters alone "
+                f"(trainer.params, a tree of {sorted(state.params)}); received "
+                f"{type(variables).__name__ if not isinstance(variables, dict) else sorted(map(str, variables))}."
+            )
+        variables = dict(variables)
         params = variables.pop("params")
         check_tree_matches("set_weights", (state.params, state.model_state), (params, variables))
         self.update_state(params=params, model_state=variables)
@@ -171,7 +196,7 @@ class StateAccess:
         params, model_state = replaced(state.params, state.model_state, arrays)
         if self.program.lora is not None:  # the base's kernels may be quantised nodes: replaced whole
             params = lora_lib.with_base(state.params, arrays)
-        self.update_state(params=params, model_state=model_state)
+        self.write_state(params=params, model_state=model_state)
 
     def named_weights(self) -> dict[str, np.ndarray]:
         """Host copies of the variables by name (``trainer.save_weights``); under LoRA those of

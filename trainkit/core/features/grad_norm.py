@@ -1,5 +1,6 @@
 """The global gradient norm as a step feature (``Trainer(log_grad_norm=True)``): logged as
-``grad_norm``, one more pass over the reduced gradients (free when the optimizer clips by norm).
+``grad_norm``, one more pass over the reduced gradients (free when the optimizer clips by norm);
+an epoch's log is the mean over its steps, as the other logs are means.
 
 >>> import jax.numpy as jnp
 >>> from trainkit.core.step_feature import StepUpdate
@@ -10,12 +11,15 @@
 
 from __future__ import annotations
 
+import jax.numpy as jnp
 import optax
-from clu.metrics import LastValue
 
 from trainkit.core.step_feature import StepUpdate
+from trainkit.core.totals import WeightedAverage
 
 
 def global_grad_norm(update: StepUpdate) -> StepUpdate:
-    """The feature: the step's global gradient norm as the ``grad_norm`` metric."""
-    return update.with_metrics(grad_norm=LastValue(value=optax.tree.norm(update.grads)))
+    """The feature: the step's global gradient norm as the ``grad_norm`` metric (one step's
+    value, averaged over the steps merged)."""
+    norm = optax.tree.norm(update.grads).astype(jnp.float32)
+    return update.with_metrics(grad_norm=WeightedAverage(total=norm, count=jnp.float32(1)))
