@@ -27,7 +27,7 @@ from trainkit import distributed
 from trainkit import export as export_lib
 from trainkit import weights as weights_lib
 from trainkit.callbacks import Callback, CallbackList, History, lr_finder
-from trainkit.core import custom_step
+from trainkit.core import custom_step, loss_call
 from trainkit.core.lora import LoRA
 from trainkit.core.model import adapt_model
 from trainkit.core.offload import Offload
@@ -155,7 +155,7 @@ class Trainer:
     @property
     def state(self) -> TrainState | None:
         """The live TrainState (None before fit or init)."""
-        return self.session.state
+        return loss_call.outside_a_step(self.session.state)
 
     @property
     def strategy(self) -> Strategy | None:

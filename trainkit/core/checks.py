@@ -22,6 +22,12 @@ import numpy as np
 from trainkit.core.tree import PyTree
 
 
+class SettingError(ValueError):
+    """trainkit's refusal of one of its own arguments for this model (``params=``, ``trainable=``,
+    an optimizer per group), found while the model's variables are traced: raised as it is, never
+    wrapped as an error of the model's call."""
+
+
 def numeric(tree: PyTree, part: str) -> None:
     """Raises for a leaf of strings, objects or dates (only numbers and booleans train)."""
     if tree is None:

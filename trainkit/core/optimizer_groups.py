@@ -26,6 +26,7 @@ from typing import Any
 import jax
 import optax
 
+from trainkit.core.checks import SettingError
 from trainkit.core.tree import PyTree, leaf_name
 
 #: the label of the frozen leaves (``trainable=``, LoRA's base): no update, no state
@@ -96,7 +97,7 @@ class OptimizerGroups:
             what = [
                 f"{key!r} (only frozen parameters, e.g. {frozen[key]})" if key in frozen else repr(key) for key in idle
             ]
-            raise ValueError(
+            raise SettingError(
                 f"optimizer= has keys that update no trainable parameter: {', '.join(what)}. A frozen sub-network (a "
                 "distillation teacher, trainable= leaves it out) gets no gradient, no update and no optimizer state: "
                 "drop its key. A key that matches nothing is misspelt: parameters are named by their paths, e.g. "
@@ -108,7 +109,7 @@ class OptimizerGroups:
                 problems.append(f"{len(none)} trainable parameter(s) match no key: {none[:6]}")
             if several:
                 problems.append(f"{len(several)} match several keys: {several[:6]}")
-            raise ValueError(
+            raise SettingError(
                 f"optimizer= is a dict of {list(self.optimizers)}, and each trainable parameter must match exactly "
                 f"one key (re.match against its path): {'; '.join(problems)}. Add a key for the unmatched ones, make "
                 "overlapping keys exclusive (anchored prefixes such as 'generator/' and 'discriminator/'), or "
@@ -124,7 +125,7 @@ class OptimizerGroups:
 
     def require(self, group: str) -> None:
         if group not in self.optimizers:
-            raise ValueError(
+            raise SettingError(
                 f"There is no optimizer group {group!r}: the groups are {list(self.optimizers)} (the keys of "
                 "optimizer=). Pass one of them, or group=None to update every group."
             )

@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from trainkit.core import tree
+from trainkit.core.checks import SettingError
 from trainkit.core.precision import NoLossScale
 from trainkit.core.tree import PyTree
 
@@ -93,7 +94,7 @@ def check_tree_matches(what: str, expected: PyTree, received: PyTree) -> None:
     names = ("model's variables", "variables given")
     problems = tree.difference("", tree.signature(expected), tree.signature(received), names=names, dtypes=False)
     if problems:
-        raise ValueError(
+        raise SettingError(
             f"{what} does not match the model's variables: "
             + "; ".join(problems[:10])
             + (f" (and {len(problems) - 10} more)" if len(problems) > 10 else "")

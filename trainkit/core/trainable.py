@@ -24,6 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from trainkit.core.checks import SettingError
 from trainkit.core.tree import PyTree, leaf_name, tree_bytes
 
 TrainableSpec = str | Sequence[str] | Callable[[str, Any], bool] | None
@@ -94,7 +95,7 @@ class Trainable:
             try:
                 return bool(self.spec(name, leaf))
             except Exception as error:  # noqa: BLE001 - the user's callable's own error, named as its
-                raise ValueError(
+                raise SettingError(
                     f"The trainable= callable raised {type(error).__name__} for the parameter {name!r} (shape "
                     f"{tuple(np.shape(leaf))}): {error}. It is called as trainable(path, leaf) -> bool for every "
                     "parameter, the leaf possibly abstract (a jax.ShapeDtypeStruct: read its shape and dtype only)."
@@ -115,7 +116,7 @@ class Trainable:
             if self.trains(name, leaf) and not jnp.issubdtype(leaf.dtype, jnp.inexact)
         ]
         if integers:
-            raise ValueError(
+            raise SettingError(
                 f"The model has parameters that are not floats and cannot be trained (no gradient exists for "
                 f"them): {integers[:4]}. Freeze them with trainable= (a regex of the parameters that train, e.g. "
                 "trainable=r'kernel|bias'), or keep such values in another collection than 'params'."
@@ -124,11 +125,11 @@ class Trainable:
             return
         names = [name for name, _ in named]
         if self.spec is None:  # only the extra paths train (LoRA's adapters), and none exists
-            raise ValueError(
+            raise SettingError(
                 f"{self.extra_name}, so nothing would train. The model's parameters are named by their paths, "
                 f"e.g. {names[:4]}."
             )
-        raise ValueError(
+        raise SettingError(
             f"trainable={self.spec!r} matches none of the model's parameters, so nothing would train. Parameters "
             f"are named by their paths, e.g. {names[:4]}; trainable= is searched in them (re.search)."
         )

@@ -27,6 +27,7 @@ import numpy as np
 
 from trainkit import data as data_lib
 from trainkit import distributed
+from trainkit.core import step as step_lib
 from trainkit.core.precision import NoLossScale
 from trainkit.core.tree import PyTree
 from trainkit.core.warn import warn_user
@@ -109,7 +110,46 @@ def prepare(
             warn_changed_result(setup, prepared.first_x)
         setup.create_state(prepared)
         check_outputs(setup, prepared.first_x)
+        if training:
+            check_loss_rows(setup, prepared)
     return prepared
+
+
+def check_loss_rows(setup: Setup, prepared: data_lib.Prepared) -> None:
+    """A ``compute_loss`` of the user's sees each device's rows under a ``pmap`` strategy
+    (``DataParallel``) and each micro-batch's with ``grad_accum_steps``: one whose rows' losses
+    depend on the other rows (a contrastive loss) would compute another loss than on one device
+    (NT-Xent: 1.11 under DataParallel against 2.88 on SingleDevice). Found on up to
+    ``CHECKED_ROWS`` rows of the first batch in inference mode (one row replaced by another: the
+    other rows' losses must not move), and refused with the fix."""
+    program, strategy = setup.program, setup.decided.require_strategy()
+    parts = [f"{type(strategy).__name__} gives it each device's rows"] if strategy.axis_name is not None else []
+    if program.grad_accum_steps > 1:
+        parts.append(f"grad_accum_steps={program.grad_accum_steps} gives it each micro-batch's rows")
+    if not parts or not setup.custom_loss or program.train_step is not None or jax.process_count() > 1:
+        return
+    batch = prepared.sample_batch()
+    rows = min(CHECKED_ROWS, int(np.sum(batch["mask"])))
+    if rows < 3:
+        return
+    small = data_lib.take(batch, slice(0, rows))
+    changed = data_lib.take(small, np.r_[rows - 1, 1:rows])  # row 0 replaced by the last one
+
+    def row_losses(state: Any, batch: Any) -> jax.Array:
+        result = program.training_loss(state.params, batch, state.rng, model_state=state.model_state, train=False)
+        return step_lib.loss_parts(result, rows)[0]
+
+    losses = jax.jit(row_losses)
+    state = setup.session.require_state()
+    before, after = (np.asarray(losses(state, b)) for b in (small, changed))
+    if not np.allclose(before[1:], after[1:], rtol=1e-5, atol=1e-6):
+        raise ValueError(
+            "compute_loss mixes the rows of a batch (a row's loss moved when another row changed: a contrastive "
+            f"or other in-batch loss), and {' and '.join(parts)}: it would compute another loss than on one "
+            "device. Write it as a train_step that gathers the global batch with self.all_rows "
+            "(docs/custom_training.md), or train with strategy='fsdp' or 'single', where compute_loss sees the "
+            "whole batch, and grad_accum_steps=1."
+        )
 
 
 def warn_changed_result(setup: Setup, first_x: PyTree) -> None:

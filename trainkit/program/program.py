@@ -29,7 +29,7 @@ import jax
 import numpy as np
 import optax
 
-from trainkit.core import cost, tree
+from trainkit.core import cost, loss_call, tree
 from trainkit.core import custom_step as custom_lib
 from trainkit.core import frozen_statistics as frozen_lib
 from trainkit.core import lora as lora_lib
@@ -178,9 +178,11 @@ class Program:
         """``compute_loss`` with the frozen ``BatchNorm`` layers in inference mode when it trains."""
         layers = self.frozen_layers(params, model_state, batch["x"]) if train else frozenset()
         calls = self.objective.loss_calls
-        with frozen_lib.statistics_frozen(layers):
+        with frozen_lib.statistics_frozen(layers), loss_call.tracing(train, model_state) as call:
             result = self.compute_loss(params, batch, rng, model_state=model_state, train=train)
         self.objective.check_used(calls)
+        if isinstance(result, tuple) and len(result) == 2 and isinstance(result[1], tuple) and len(result[1]) >= 2:
+            loss_call.check_returned(call, result[1][1])  # any other structure: loss_parts names the contract
         self._record_logs(result[1][2] if _has_logs(result) else {})
         return result
 
@@ -190,7 +192,9 @@ class Program:
         """:attr:`run_model` of ``__call__`` or the module's ``method``; inside a custom step under a
         device axis, with the rng folded by the device (dropout masks differ between devices)."""
         options = {} if method is None else {"method": method}
-        return self.run_model(params, model_state, x, rng=custom_lib.device_rng(rng), train=train, **options)
+        out = self.run_model(params, model_state, x, rng=custom_lib.device_rng(rng), train=train, **options)
+        loss_call.applied(train, model_state, out[1])  # inside a traced compute_loss: its mistakes
+        return out
 
     def _user_train_step(self, state: TrainState, batch: Batch, rng: jax.Array) -> Any:
         """The user's ``train_step``, its logs' names recorded (in their order) when traced."""

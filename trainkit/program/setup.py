@@ -41,6 +41,7 @@ import optax
 
 from trainkit import data as data_lib
 from trainkit import distributed
+from trainkit.core import checks
 from trainkit.core import model as model_lib
 from trainkit.core.state import TrainState, abstract
 from trainkit.core.tree import PyTree
@@ -253,6 +254,8 @@ class Setup:
                 state = abstract(live) if live is not None else self.program.abstract_state(first_x)
                 traced = jax.jit(self.program.outputs).trace(state, first_x)
                 outputs = traced.out_info
+            except checks.SettingError:
+                raise  # trainkit's refusal of its own argument (params=, trainable=, optimizer=), not the model's
             except Exception as error:  # noqa: BLE001 - the model's own error, raised again with its inputs
                 raise ValueError(
                     f"The model raised {type(error).__name__} when called on the first batch, whose inputs are "
