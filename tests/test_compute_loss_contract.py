@@ -3,6 +3,7 @@ padding that repeats real rows (zeros put NaN in a gradient), ``loss=`` never si
 sample weights applied once."""
 
 import flax.linen as nn
+from flax import nnx
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -146,12 +147,25 @@ class NoisyLinen(nn.Module):
         return nn.Dense(3)(h + jax.random.normal(self.make_rng("noise"), h.shape) if train else h)
 
 
-def test_a_linen_stream_of_any_name_gets_a_key_from_the_step():
+class NoisyNNX(nnx.Module):
+    """The same with a stream ``nnx.Rngs`` names ``noise`` (``module.train()`` sets ``deterministic``)."""
+
+    def __init__(self, rngs: nnx.Rngs):
+        self.hidden, self.out = nnx.Linear(5, 4, rngs=rngs), nnx.Linear(4, 3, rngs=rngs)
+        self.rngs, self.deterministic = rngs, True
+
+    def __call__(self, x):
+        h = self.hidden(x)
+        return self.out(h if self.deterministic else h + jax.random.normal(self.rngs.noise(), h.shape))
+
+
+@pytest.mark.parametrize("model", [NoisyLinen, lambda: NoisyNNX(nnx.Rngs(0, noise=1))], ids=["linen", "nnx"])
+def test_a_stream_of_any_name_gets_a_key_from_the_step(model):
     """``make_rng("noise")`` failed: only a "dropout" stream was passed. Its draws come from the
     step's key: each step its own, the same again with the same seed."""
 
     def losses(seed):
-        trainer = tk.Trainer(NoisyLinen(), loss="sparse_categorical_crossentropy", optimizer=optax.sgd(0.0), seed=seed)
+        trainer = tk.Trainer(model(), loss="sparse_categorical_crossentropy", optimizer=optax.sgd(0.0), seed=seed)
         return trainer.fit(X, Y, batch_size=64, epochs=3, verbose=0, shuffle=False).history["loss"]
 
     first, again, other = losses(0), losses(0), losses(1)

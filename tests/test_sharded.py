@@ -98,8 +98,10 @@ def test_batchnorm_and_dropout_agree_under_jit_strategies(name):
     # Adam turns a rounding difference of the all-reduce into a whole step of difference.
     single = train(Mixed(noisy=True), tk.SingleDevice(), data, optax.sgd(0.05))
     other = train(Mixed(noisy=True), STRATEGIES[name](), data, optax.sgd(0.05))
-    # batch statistics span the global batch; dropout masks do not depend on the sharding
-    tree_allclose(other.get_weights(), single.get_weights(), rtol=1e-4, atol=1e-5)
+    # batch statistics span the global batch; dropout masks do not depend on the sharding. The
+    # padded rows repeat real rows (#60) and so enter the statistics with values, not zeros: the
+    # all-reduce's order then rounds more (max difference 3.8e-5; 4.8e-6 with zero rows)
+    tree_allclose(other.get_weights(), single.get_weights(), rtol=1e-4, atol=1e-4)
 
 
 class BNOnly(nn.Module):

@@ -85,11 +85,12 @@ def _sharding_of(leaf: Any) -> Any:
 
 
 def check_tree_matches(what: str, expected: PyTree, received: PyTree) -> None:
-    """Raises a ``ValueError`` naming every path whose presence or shape differs.
+    """Raises a :class:`~trainkit.core.checks.SettingError` (a ``ValueError``) naming every path
+    whose presence or shape differs.
 
     >>> check_tree_matches("params=", {"w": jnp.zeros(2)}, {"w": jnp.zeros(3)})
     Traceback (most recent call last):
-    ValueError: params= does not match the model's variables: ['w']: model's variables shape (2,), ...
+    trainkit.core.checks.SettingError: params= does not match the model's variables: ['w']: model's variables shape (2,), ...
     """
     names = ("model's variables", "variables given")
     problems = tree.difference("", tree.signature(expected), tree.signature(received), names=names, dtypes=False)
