@@ -3,13 +3,13 @@ padding that repeats real rows (zeros put NaN in a gradient), ``loss=`` never si
 sample weights applied once."""
 
 import flax.linen as nn
-from flax import nnx
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
 from conftest import MLP, make_classification
+from flax import nnx
 
 import trainkit as tk
 

@@ -90,7 +90,7 @@ def check_tree_matches(what: str, expected: PyTree, received: PyTree) -> None:
 
     >>> check_tree_matches("params=", {"w": jnp.zeros(2)}, {"w": jnp.zeros(3)})
     Traceback (most recent call last):
-    trainkit.core.checks.SettingError: params= does not match the model's variables: ['w']: model's variables shape (2,), ...
+    trainkit.core.checks.SettingError: params= does not match the model's variables: ['w']: ...
     """
     names = ("model's variables", "variables given")
     problems = tree.difference("", tree.signature(expected), tree.signature(received), names=names, dtypes=False)
