@@ -78,7 +78,7 @@ def _part(state: TrainState, part: str) -> PyTree:
     return flax.serialization.to_state_dict(state)[part] if part else state
 
 
-def _spec_text(sharding) -> str:
+def _spec_text(sharding: jax.sharding.Sharding) -> str:
     if not isinstance(sharding, NamedSharding):
         return type(sharding).__name__
     spec = sharding.spec
@@ -170,7 +170,10 @@ def lower_train_step(trainer: CompiledTrainer, batch: PyTree = None) -> jax.stag
         raise TypeError(
             f"{type(trainer.strategy).__name__}.compile('train', ...) returned a function without .lower()."
         )
-    return function.lower(abstract(trainer.state), pack(trainer.compiled.empty_totals("train")), batch)
+    lowered: jax.stages.Lowered = function.lower(
+        abstract(trainer.state), pack(trainer.compiled.empty_totals("train")), batch
+    )
+    return lowered
 
 
 def step_flops(trainer: CompiledTrainer, batch: PyTree = None) -> float | None:

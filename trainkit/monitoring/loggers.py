@@ -56,7 +56,7 @@ class Logger(Protocol):
     def close(self) -> None: ...
 
 
-def check_log_dir(log_dir: str | os.PathLike, owner: str) -> None:
+def check_log_dir(log_dir: str | os.PathLike[str], owner: str) -> None:
     """Creates ``log_dir`` and writes a file in it, or raises a ``ValueError`` naming it and
     ``owner`` (called at ``on_train_begin``, so nothing fails in the middle of a run).
 
@@ -80,7 +80,7 @@ class TensorBoardLogger:
     scalars are tagged ``{prefix}{name}`` (Keras: ``epoch_loss``). Histograms via
     :meth:`log_histograms`, hyperparameters with TensorBoard's HParams plugin."""
 
-    def __init__(self, log_dir: str | os.PathLike, prefix: str = ""):
+    def __init__(self, log_dir: str | os.PathLike[str], prefix: str = ""):
         from tensorboardX import SummaryWriter
 
         self.log_dir, self.prefix = os.fspath(log_dir), prefix
@@ -120,7 +120,7 @@ class CSVMetricsLogger:
     """Long-format CSV, one row per value: ``step,run,name,value`` (any metric at any step),
     and ``hparams.json`` beside it."""
 
-    def __init__(self, path: str | os.PathLike):
+    def __init__(self, path: str | os.PathLike[str]):
         self.path = os.fspath(path)
         self._file: IO[str] | None = None
 

@@ -39,7 +39,7 @@ def panels(series: Mapping[str, Sequence[float]]) -> dict[str, list[str]]:
     return {base: sorted(grouped[base], key=lambda n: n.startswith("val_")) for base in order}
 
 
-def plot_curves(series: Mapping[str, Sequence[float]], path: str | os.PathLike, title: str | None = None) -> Any:
+def plot_curves(series: Mapping[str, Sequence[float]], path: str | os.PathLike[str], title: str | None = None) -> Any:
     """Draws ``series`` (``{"loss": [...], "val_loss": [...], ...}``, one value per epoch) to
     ``path`` (PNG) and returns the matplotlib figure: one panel per metric, a training line and
     a validation line (dashed) in each."""
@@ -83,7 +83,7 @@ def plot_curves(series: Mapping[str, Sequence[float]], path: str | os.PathLike, 
     return figure
 
 
-def read_series(source: str | os.PathLike) -> dict[str, list[float]]:
+def read_series(source: str | os.PathLike[str]) -> dict[str, list[float]]:
     """Per-epoch series from a Keras ``CSVLogger`` file (``epoch,loss,...``), a
     ``CSVMetricsLogger`` file (``step,run,name,value``: one point per logged step) or a
     TensorBoard log directory (``train/`` and ``validation/`` runs, ``epoch_*`` tags)."""

@@ -16,7 +16,7 @@ sizes, and the train step's FLOPs from XLA's cost analysis.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import NamedTuple, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import jax
 import numpy as np
@@ -95,7 +95,7 @@ def _shape_text(output: PyTree, rows: int) -> str:
     return texts[0] if len(texts) == 1 else "[" + ", ".join(texts) + "]"
 
 
-def _under(tree: PyTree, path: tuple) -> PyTree:
+def _under(tree: PyTree, path: tuple[Any, ...]) -> PyTree:
     for key in path:
         if not isinstance(tree, Mapping) or key not in tree:
             return None

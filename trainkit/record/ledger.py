@@ -161,7 +161,7 @@ class ProcessLedger:
     step_p99: float | None
 
 
-class Buckets(dict):
+class Buckets(dict[str, float]):
     """Seconds by bucket; a bucket no second went to reads as a ``KeyError`` naming those that exist.
 
     >>> try:

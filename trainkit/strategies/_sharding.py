@@ -49,7 +49,7 @@ def _is_mesh_axes(value: Any) -> bool:
 
 def split_rules(
     rules: Sequence[Any], axis_names: Sequence[str]
-) -> tuple[list[tuple[re.Pattern, PartitionSpec]], list[LogicalRule]]:
+) -> tuple[list[tuple[re.Pattern[str], PartitionSpec]], list[LogicalRule]]:
     """``rules`` checked and split into regex rules ``(regex, PartitionSpec)`` and logical
     rules ``(logical name, mesh axis | tuple of axes | None)`` (Flax's ``logical_axis_rules``,
     in order of precedence)."""
@@ -120,7 +120,7 @@ def annotated_spec(
     return best
 
 
-def check_rules(rules: Sequence[Rule], axis_names: Sequence[str]) -> list[tuple[re.Pattern, PartitionSpec]]:
+def check_rules(rules: Sequence[Rule], axis_names: Sequence[str]) -> list[tuple[re.Pattern[str], PartitionSpec]]:
     """Validates ``[(regex, PartitionSpec), ...]`` against the mesh's axis names."""
     checked = []
     for rule in rules:
@@ -157,7 +157,7 @@ def _spec_axes(spec: PartitionSpec) -> list[str]:
     return axes
 
 
-def _entry_size(entry, axis_sizes: Mapping[str, int]) -> int:
+def _entry_size(entry: str | tuple[str, ...] | None, axis_sizes: Mapping[str, int]) -> int:
     if entry is None:
         return 1
     names = entry if isinstance(entry, tuple) else (entry,)
@@ -193,7 +193,7 @@ def leaf_spec(
     *,
     fsdp_axis: str | None,
     min_shard_size: int,
-    rules: Sequence[tuple[re.Pattern, PartitionSpec]] = (),
+    rules: Sequence[tuple[re.Pattern[str], PartitionSpec]] = (),
     annotations: Mapping[str, PartitionSpec] | None = None,
 ) -> PartitionSpec:
     """The ``PartitionSpec`` of one leaf named ``name`` (see the module docstring);
@@ -232,12 +232,12 @@ def partition_specs(
     *,
     fsdp_axis: str | None,
     min_shard_size: int = 2**10,
-    rules: Sequence[tuple[re.Pattern, PartitionSpec]] = (),
+    rules: Sequence[tuple[re.Pattern[str], PartitionSpec]] = (),
     annotations: Mapping[str, PartitionSpec] | None = None,
 ) -> PyTree:
     """A ``PartitionSpec`` for every array leaf of ``tree`` (arrays or ``ShapeDtypeStruct``s)."""
 
-    def spec(path, leaf):
+    def spec(path: tuple[Any, ...], leaf: Any) -> PartitionSpec:
         return leaf_spec(
             leaf_name(path),
             tuple(np.shape(leaf)),
@@ -256,7 +256,9 @@ def partition_specs(
 ADAPTER_A, ADAPTER_B = "_lora_a", "_lora_b"
 
 
-def _adapters_follow_kernels(tree: PyTree, specs: PyTree, rules: Sequence[tuple[re.Pattern, PartitionSpec]]) -> PyTree:
+def _adapters_follow_kernels(
+    tree: PyTree, specs: PyTree, rules: Sequence[tuple[re.Pattern[str], PartitionSpec]]
+) -> PyTree:
     """LoRA's adapters sharded as their kernel is: ``A`` (input dims, rank) takes the kernel's
     input dims' axes, ``B`` (rank, output) its output dim's, so ``x @ A @ B`` moves what ``x @ W``
     moves; a regex rule naming the adapter wins. The kernel may be stored quantised (its values

@@ -75,7 +75,7 @@ class DataParallel(Strategy):
         """``(k, rows, ...)`` stacked batches -> ``(devices, k, rows_per_device, ...)``."""
         local = len(self.mesh.local_devices)
 
-        def split(a):
+        def split(a: np.ndarray) -> np.ndarray:
             return np.swapaxes(np.reshape(a, (a.shape[0], local, a.shape[1] // local) + a.shape[2:]), 0, 1)
 
         return self._put(jax.tree.map(split, host_batches))
@@ -94,7 +94,7 @@ class DataParallel(Strategy):
 
     fuses_steps = True
 
-    def compile(self, kind: str, fn: Callable, abstract_state: PyTree) -> Callable:
+    def compile(self, kind: str, fn: Callable[..., Any], abstract_state: PyTree) -> Callable[..., Any]:
         """``jax.pmap`` over ``data`` with the state and the totals as replicated arguments
         (``in_axes=None``): training steps donate the state and return both replicated; eval
         returns the totals (reduced, the same on every device); predict outputs stay per

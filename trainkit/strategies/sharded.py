@@ -15,7 +15,7 @@ from __future__ import annotations
 import copy
 import functools
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -44,7 +44,14 @@ class ShardedStrategy(Strategy):
     fsdp_axis: str | None = None
     min_shard_size: int = 2**10
 
-    def __init__(self, axis_sizes: dict[str, int | None], *, devices=None, rules=(), min_shard_size=2**10):
+    def __init__(
+        self,
+        axis_sizes: dict[str, int | None],
+        *,
+        devices: Sequence[jax.Device] | None = None,
+        rules: Sequence[Any] = (),
+        min_shard_size: int = 2**10,
+    ):
         self._axis_sizes = dict(axis_sizes)
         self._given_devices = list(devices) if devices is not None else None
         if not isinstance(min_shard_size, (int, np.integer)) or min_shard_size < 1:
@@ -53,7 +60,7 @@ class ShardedStrategy(Strategy):
         self.rules = list(rules)
         self._rules, logical = _sharding.split_rules(self.rules, tuple(self._axis_sizes))
         self.logical_rules = tuple(logical)
-        self.param_axes: dict[str, tuple] = {}  # the model's annotations (see with_annotations)
+        self.param_axes: dict[str, tuple[Any, ...]] = {}  # the model's annotations (see with_annotations)
         self._mesh: Mesh | None = None
 
     # ------------------------------------------------------------------ mesh
@@ -99,7 +106,7 @@ class ShardedStrategy(Strategy):
         return NamedSharding(self.mesh, PartitionSpec(self.batch_axes) if self.batch_axes else PartitionSpec())
 
     # ------------------------------------------------------------------ state
-    def with_annotations(self, param_axes: dict[str, tuple]) -> ShardedStrategy:
+    def with_annotations(self, param_axes: dict[str, tuple[Any, ...]]) -> ShardedStrategy:
         """A copy placing the model's annotated parameters (Flax's
         ``nn.with_logical_partitioning`` / ``nn.with_partitioning`` names), and the optimizer
         moments of those, by its logical rules; this strategy is left as it is. Without
@@ -180,7 +187,8 @@ class ShardedStrategy(Strategy):
         device) about 6 us of its 60. Every mask is placed, the padded ones too: JAX compiles a
         step again for an argument that arrives placed instead of as NumPy."""
         if mask is not full_mask(len(mask)):
-            return jax.device_put(mask, self.batch_sharding)
+            placed: jax.Array = jax.device_put(mask, self.batch_sharding)
+            return placed
         if len(mask) not in self._full_masks:
             self._full_masks[len(mask)] = jax.device_put(mask, self.batch_sharding)
         return self._full_masks[len(mask)]
@@ -196,7 +204,7 @@ class ShardedStrategy(Strategy):
     fuses_steps = True
     offloads = True
 
-    def compile(self, kind: str, fn: Callable, abstract_state: PyTree) -> Callable:
+    def compile(self, kind: str, fn: Callable[..., Any], abstract_state: PyTree) -> Callable[..., Any]:
         """``jax.jit`` with the state's shardings pinned: training steps donate the state and
         carry the replicated totals; eval carries them too; predict keeps the rows split as
         the batch is."""
@@ -228,7 +236,7 @@ class SingleDevice(ShardedStrategy):
         super().__init__({"data": 1}, devices=None if device is None else [device])
 
     def _default_devices(self) -> list[jax.Device]:
-        return jax.local_devices()[:1]
+        return list(jax.local_devices()[:1])
 
     def describe(self) -> str:
         return f"SingleDevice({self.devices[0]})"
