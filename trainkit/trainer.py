@@ -233,7 +233,7 @@ class Trainer:
         self.state_access.set_weights(variables)
 
     def save_weights(
-        self, filepath: str | os.PathLike, *, format="safetensors", layout="flax", rename=(), prefix: str = ""
+        self, filepath: str | os.PathLike[str], *, format="safetensors", layout="flax", rename=(), prefix: str = ""
     ) -> None:
         """The variables (LoRA's merged; ``prefix``: that sub-tree's alone) as safetensors; ``layout="torch"`` for
         PyTorch (docs/finetuning.md)."""
@@ -299,7 +299,7 @@ class Trainer:
         )  # fmt: skip
 
     def export(
-        self, filepath: str | os.PathLike, format: str | None = None, verbose: bool = True, **options: Any
+        self, filepath: str | os.PathLike[str], format: str | None = None, verbose: bool = True, **options: Any
     ) -> None:
         """Keras 3's ``model.export``: ``predict`` with a symbolic batch axis as ``"jax"``, ``"tf_saved_model"`` or
         ``"onnx"`` (float32) by the suffix, ``format`` or ``"jax"``; under LoRA the merged model (docs/export.md)."""

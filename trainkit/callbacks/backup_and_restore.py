@@ -95,7 +95,7 @@ class BackupAndRestore(Callback):
 
     def __init__(
         self,
-        backup_dir: str | os.PathLike | None,
+        backup_dir: str | os.PathLike[str] | None,
         save_freq: str | int = "epoch",
         double_checkpoint: bool = False,
         delete_checkpoint: bool = True,

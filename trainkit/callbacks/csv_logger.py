@@ -39,7 +39,7 @@ class CSVLogger(Callback):
         append: add to an existing file (no second header) instead of overwriting it.
     """
 
-    def __init__(self, filename: str | os.PathLike, separator: str = ",", append: bool = False):
+    def __init__(self, filename: str | os.PathLike[str], separator: str = ",", append: bool = False):
         self.sep = separator
         self.filename = os.fspath(filename)
         self.append = append

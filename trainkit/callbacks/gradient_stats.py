@@ -55,7 +55,7 @@ class GradientStats(Callback):
 
     async_safe = True  # it reads the totals of the step it is about, which the device keeps
 
-    def __init__(self, every: int = 100, per_layer: str | None = None, log_dir: str | os.PathLike | None = None):
+    def __init__(self, every: int = 100, per_layer: str | None = None, log_dir: str | os.PathLike[str] | None = None):
         self.spec = StepStatistics(every, per_layer)
         self.log_dir = None if log_dir is None else os.fspath(log_dir)
         self.values: dict[str, float] = {}

@@ -57,7 +57,7 @@ class ModelCheckpoint(MonitorCallback):
 
     def __init__(
         self,
-        filepath: str | os.PathLike,
+        filepath: str | os.PathLike[str],
         monitor: str = "val_loss",
         verbose: int = 0,
         save_best_only: bool = False,

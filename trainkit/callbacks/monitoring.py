@@ -255,7 +255,7 @@ class Profiler(Callback):
     def reads_batch_logs(self) -> bool:
         return False
 
-    def __init__(self, log_dir: str | os.PathLike, steps: tuple[int, int], memory_profile: bool = False):
+    def __init__(self, log_dir: str | os.PathLike[str], steps: tuple[int, int], memory_profile: bool = False):
         if (
             not isinstance(steps, (tuple, list))
             or len(steps) != 2
@@ -311,7 +311,7 @@ class TensorBoard(_Rate):
 
     def __init__(
         self,
-        log_dir: str | os.PathLike = "logs",
+        log_dir: str | os.PathLike[str] = "logs",
         histogram_freq: int = 0,
         write_graph: bool = True,
         write_images: bool = False,

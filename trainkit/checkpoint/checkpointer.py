@@ -173,7 +173,7 @@ class Checkpointer:
 
     def __init__(
         self,
-        directory: str | os.PathLike,
+        directory: str | os.PathLike[str],
         *,
         max_to_keep: int | None = None,
         best_fn: Callable[[dict], float] | None = None,

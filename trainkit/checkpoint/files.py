@@ -29,7 +29,7 @@ from trainkit.record.session import Session
 
 
 def save(
-    filepath: str | os.PathLike,
+    filepath: str | os.PathLike[str],
     step: int,
     state: PyTree,
     manifest: dict,
@@ -61,7 +61,7 @@ def save(
 
 
 def restore(
-    directory: str | os.PathLike | Checkpointer, target: PyTree, step: int | None = None
+    directory: str | os.PathLike[str] | Checkpointer, target: PyTree, step: int | None = None
 ) -> tuple[PyTree, dict]:
     """The checkpoint's state (the latest, or ``step``) in the shardings of ``target``, and its
     manifest; a directory is opened read-only and closed again."""
@@ -75,7 +75,7 @@ def restore(
 
 
 def save_session(
-    filepath: str | os.PathLike,
+    filepath: str | os.PathLike[str],
     session: Session,
     manifest: dict,
     *,
@@ -94,7 +94,7 @@ def save_session(
 
 
 def restore_session(
-    directory: str | os.PathLike | Checkpointer, session: Session, step: int | None, into: Layout | None
+    directory: str | os.PathLike[str] | Checkpointer, session: Session, step: int | None, into: Layout | None
 ) -> dict[str, Any]:
     """:func:`restore` into ``session``'s live state (``Trainer.load``), in its shardings: the
     position follows a full checkpoint, not a weights-only one; returns the manifest (and warns
@@ -105,7 +105,7 @@ def restore_session(
     return manifest
 
 
-def remove_checkpoints(directory: str | os.PathLike) -> None:
+def remove_checkpoints(directory: str | os.PathLike[str]) -> None:
     """Deletes what trainkit wrote in a checkpoint directory (its steps, its lock, the goodput
     journal), never another file, and the directory itself when that leaves it empty (never the
     working directory or one above it). Through a symbolic link, what the link points to is

@@ -44,7 +44,7 @@ class OptimizerGroups:
         if not spec:
             raise ValueError("optimizer={} names no group: give {'<path regex>': optax.adam(1e-3), ...}.")
         self.optimizers: dict[str, optax.GradientTransformation] = {}
-        self._patterns: dict[str, re.Pattern] = {}
+        self._patterns: dict[str, re.Pattern[str]] = {}
         for key, tx in spec.items():
             if not isinstance(key, str) or key == FROZEN:
                 raise ValueError(

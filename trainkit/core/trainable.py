@@ -32,7 +32,7 @@ TrainableSpec = str | Sequence[str] | Callable[[str, Any], bool] | None
 TRAIN, FREEZE = "trainable", "frozen"
 
 
-def _compiled(pattern: str) -> re.Pattern:
+def _compiled(pattern: str) -> re.Pattern[str]:
     try:
         return re.compile(pattern)
     except re.error as error:

@@ -124,7 +124,7 @@ def check_replaceable(target: str, folder_entries: Collection[str] = ()) -> None
 
 @contextlib.contextmanager
 def staged(
-    path: str | os.PathLike, sidecars: Sequence[str] = SIDECARS, folder_entries: Collection[str] = ()
+    path: str | os.PathLike[str], sidecars: Sequence[str] = SIDECARS, folder_entries: Collection[str] = ()
 ) -> Iterator[str]:
     """A temporary path (in a new folder beside ``path``) to write ``path``'s file or folder
     to; moved into place when the block ends without an error, else removed with everything
@@ -184,7 +184,7 @@ def _commit(moves: Sequence[tuple[str, str]], removals: Sequence[str] = ()) -> N
         _remove(hidden)
 
 
-def write_bytes(path: str | os.PathLike, data: bytes) -> None:
+def write_bytes(path: str | os.PathLike[str], data: bytes) -> None:
     """``data`` as the whole content of ``path``, flushed to disk before it replaces the old file."""
     with staged(path, sidecars=()) as temporary, open(temporary, "wb") as file:
         file.write(data)
@@ -192,6 +192,6 @@ def write_bytes(path: str | os.PathLike, data: bytes) -> None:
         os.fsync(file.fileno())
 
 
-def write_text(path: str | os.PathLike, text: str) -> None:
+def write_text(path: str | os.PathLike[str], text: str) -> None:
     """``text`` (UTF-8) as the whole content of ``path``, as :func:`write_bytes`."""
     write_bytes(path, text.encode())

@@ -16,7 +16,7 @@ import os
 import tempfile
 
 
-def write_problem(directory: str | os.PathLike, probe_bytes: int = 0) -> str | None:
+def write_problem(directory: str | os.PathLike[str], probe_bytes: int = 0) -> str | None:
     """Why ``directory`` cannot be created or a file written in it (``"PermissionError:
     Permission denied"``), or ``None``. With ``probe_bytes``, that many bytes are written and
     synced, so a full disk shows too."""

@@ -64,7 +64,7 @@ SUFFIXES = {".jax": "jax", ".onnx": "onnx"}
 FOLDER_ENTRIES = {"tf_saved_model": frozenset({"saved_model.pb", "variables", "assets", "fingerprint.pb"})}
 
 
-def resolve_format(path: str | os.PathLike, format: str | None) -> str:
+def resolve_format(path: str | os.PathLike[str], format: str | None) -> str:
     """The format of an export to ``path``: its suffix's (``.onnx``, ``.jax``), else ``format``
     (default ``"jax"``); a ``format`` the suffix contradicts is refused.
 
@@ -99,7 +99,7 @@ def check_format(format: str) -> None:
 
 
 def write(
-    path: str | os.PathLike,
+    path: str | os.PathLike[str],
     function: Callable,
     variables: PyTree,
     spec: PyTree,
@@ -131,7 +131,7 @@ def write(
 
 
 def export(
-    path: str | os.PathLike,
+    path: str | os.PathLike[str],
     inference: Callable[[], tuple[Callable, PyTree, PyTree]],
     format: str | None = None,
     *,

@@ -42,7 +42,7 @@ SIDECAR = ".json"
 
 
 def save(
-    path: str | os.PathLike,
+    path: str | os.PathLike[str],
     function: Callable,
     variables: PyTree,
     inputs: PyTree,
@@ -80,12 +80,12 @@ def _checked(described: object, where: str) -> dict:
     return described
 
 
-def _headed(path: str | os.PathLike) -> bool:
+def _headed(path: str | os.PathLike[str]) -> bool:
     with open(path, "rb") as file:
         return file.read(len(MAGIC)) == MAGIC
 
 
-def header(path: str | os.PathLike) -> dict:
+def header(path: str | os.PathLike[str]) -> dict:
     """What the sidecar (or, for an older file, the header) says of a ``"jax"`` export; ``{}``
     for a plain serialization without either."""
     sidecar = os.fspath(path) + SIDECAR
@@ -108,7 +108,7 @@ def header(path: str | os.PathLike) -> dict:
     return _checked(described, f"{path}: its header")
 
 
-def payload(path: str | os.PathLike) -> bytearray:
+def payload(path: str | os.PathLike[str]) -> bytearray:
     """The ``jax.export`` bytes of a ``"jax"`` export, checked against the length and digest its
     sidecar (or older header) records; a plain serialization is returned as it is."""
     described = header(path)
@@ -151,7 +151,7 @@ class LoadedModel:
         return f"LoadedModel({self.path!r}, inputs={self.input_shapes}, platforms={self.exported.platforms})"
 
 
-def load(path: str | os.PathLike) -> LoadedModel:
+def load(path: str | os.PathLike[str]) -> LoadedModel:
     """The ``"jax"`` export at ``path`` as a callable, refused with the reason when this JAX
     cannot run its calling convention or the file is no ``jax.export`` serialization."""
     data = payload(path)

@@ -44,7 +44,7 @@ def _quiet(names: tuple[str, ...]):
             logger.setLevel(level)
 
 
-def save(path: str | os.PathLike, function: Callable, variables: PyTree, inputs: PyTree, opset: int = 21) -> dict:
+def save(path: str | os.PathLike[str], function: Callable, variables: PyTree, inputs: PyTree, opset: int = 21) -> dict:
     """Writes the ONNX model of ``function(variables, x)`` for the symbolic ``inputs`` to ``path``."""
     import jax2onnx
     from jax.extend.core import jaxpr_as_fun

@@ -30,7 +30,7 @@ def _tensor_spec(tf, leaf: jax.ShapeDtypeStruct):
 
 
 def save(
-    path: str | os.PathLike,
+    path: str | os.PathLike[str],
     function: Callable,
     variables: PyTree,
     inputs: PyTree,
