@@ -48,7 +48,7 @@ _CURRENT: contextvars.ContextVar[LossCall | None] = contextvars.ContextVar("loss
 @contextlib.contextmanager
 def tracing(train: bool, model_state: PyTree) -> Iterator[LossCall]:
     """While it lasts, ``compute_loss`` is being traced with ``train`` and ``model_state``."""
-    call = LossCall(train, [id(leaf) for leaf in jax.tree.leaves(model_state)])
+    call = LossCall(train, _ids(model_state))
     token = _CURRENT.set(call)
     try:
         yield call
@@ -69,19 +69,24 @@ def applied(train: bool, given: PyTree, returned: PyTree) -> None:
             "stay on and batch statistics would be used as in training in evaluate and validation. Pass its train "
             "argument on: self.apply(params, model_state, batch['x'], rng=rng, train=train)."
         )
-    if train and [id(leaf) for leaf in jax.tree.leaves(returned)] != [id(leaf) for leaf in jax.tree.leaves(given)]:
+    if train and _ids(returned) != _ids(given):
         call.updated = True
 
 
 def check_returned(call: LossCall, model_state: PyTree) -> None:
     """Refuses a training ``compute_loss`` that returned the model state it was given although
     the model's training call updated it."""
-    if call.train and call.updated and call.given and [id(leaf) for leaf in jax.tree.leaves(model_state)] == call.given:
+    if call.train and call.updated and call.given and _ids(model_state) == call.given:
         raise ValueError(
             "compute_loss returned the model_state it was given, not the one self.apply(..., train=True) returned: "
             "the model's state (BatchNorm's statistics) would never update. Return the new one: "
             "outputs, model_state = self.apply(...); return loss, (outputs, model_state)."
         )
+
+
+def _ids(tree: PyTree) -> list[int]:
+    """The identities of ``tree``'s leaves (tracers: the same value passed on, or a new one)."""
+    return [id(leaf) for leaf in jax.tree.leaves(tree)]
 
 
 def outside_a_step(state: T) -> T:

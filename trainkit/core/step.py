@@ -291,19 +291,18 @@ def make_train_step(
     def micro_step(params, model_state, batch, rng, batch_rows, loss_scale):
         trained, rebuild = (params, None) if not freezes else trainable.split(params)
 
+        watched = WatchedBatch(batch)  # notes whether compute_loss applies the sample weights itself
+
         def objective(trained):
             full = to_device(trained if rebuild is None else rebuild(trained))  # offloaded frozen leaves, streamed
-            watched = WatchedBatch(batch)
             result = compute_loss(full, watched, rng, model_state=model_state, train=True)
             row_loss, (predictions, new_model_state, logs) = loss_parts(result, batch["mask"].shape[0], metric_fns)
-            weighting[0] = watched.weighting()  # without the weights when the loss applied them itself
-            total = _loss_total(row_loss, weighting[0])
+            total = _loss_total(row_loss, watched.weighting())
             return loss_scale.scale(total / batch_rows), (total, predictions, new_model_state, logs)
 
-        weighting: list[Batch] = [batch]
         grads, (total, predictions, model_state, logs) = jax.grad(objective, has_aux=True)(trained)
         grads = grads if rebuild is None else trainable.full_grads(params, grads)
-        return grads, model_state, _batch_metrics(metric_fns, predictions, batch, total, logs, weighting[0])
+        return grads, model_state, _batch_metrics(metric_fns, predictions, batch, total, logs, watched.weighting())
 
     def train_step(state: TrainState, batch: Batch) -> tuple[TrainState, Metrics]:
         rng, batch_rows, loss_scale = _step_rng(state, axis_name), _batch_rows(batch, axis_name), state.loss_scale
@@ -355,8 +354,9 @@ def make_eval_step(
                 to_device(state.params), watched, state.rng, model_state=state.model_state, train=False
             )
         row_loss, (predictions, _, logs) = loss_parts(result, batch["mask"].shape[0], metric_fns)
-        loss_total = _loss_total(row_loss, watched.weighting())
-        return _psum(_batch_metrics(metric_fns, predictions, batch, loss_total, logs, watched.weighting()), axis_name)
+        weighting = watched.weighting()  # without the weights when the loss applied them itself
+        loss_total = _loss_total(row_loss, weighting)
+        return _psum(_batch_metrics(metric_fns, predictions, batch, loss_total, logs, weighting), axis_name)
 
     return eval_step
 

@@ -343,8 +343,14 @@ APART = ("_stats/",)
 @functools.lru_cache(maxsize=64)
 def _metric_leaves(treedef: PyTreeDef, name: str) -> tuple[tuple[int, ...], PyTreeDef]:
     """The indices of metric ``name``'s leaves among the totals' leaves, and its structure."""
-    metric = jax.tree.unflatten(treedef, range(treedef.num_leaves)).metrics[name]
+    metric = _numbered(treedef).metrics[name]
     return tuple(jax.tree.leaves(metric)), jax.tree.structure(metric)
+
+
+def _numbered(treedef: PyTreeDef) -> EpochTotals:
+    """Totals of ``treedef`` whose leaves are their own indices (which leaves a metric holds)."""
+    numbered: EpochTotals = jax.tree.unflatten(treedef, range(treedef.num_leaves))
+    return numbered
 
 
 #: where packed totals' leaves live: their structure, and each leaf's (array, offset, shape, dtype)
@@ -357,7 +363,7 @@ def without_apart(layout: Layout) -> tuple[int, Layout]:
     not packed apart (:data:`APART`), and the layout of those alone (what a step that reports
     none of the others takes: :class:`trainkit.loop.measuring.SetAside`)."""
     treedef, places = layout
-    numbered = jax.tree.unflatten(treedef, range(treedef.num_leaves))
+    numbered = _numbered(treedef)
     kept = numbered.replace(metrics={k: m for k, m in numbered.metrics.items() if not k.startswith(APART)})
     indices, kept_def = jax.tree.flatten(kept)
     count = len({places[i][0] for i in indices})
