@@ -15,8 +15,8 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable, Sequence
-from typing import Any
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any, cast
 
 import jax
 import optax
@@ -86,7 +86,7 @@ class Trainer:
     def __init__(
         self, model: Any, *, loss: LossSpec = None, optimizer: optax.GradientTransformation,
         metrics: MetricSpec = None, weighted_metrics: MetricSpec = None,
-        loss_weights: float | Sequence[float] | dict | None = None,
+        loss_weights: float | Sequence[float] | Mapping[str, float] | None = None,
         strategy: str | Strategy | Auto = "auto", seed: int = 0, params: PyTree | None = None,
         precision: str | Precision | None = "fp32", remat: Remat = None, grad_accum_steps: int = 1,
         log_grad_norm: bool = False, steps_per_execution: int | str | None = None, run_eagerly: bool = False,
@@ -179,8 +179,8 @@ class Trainer:
 
     @property
     def history(self) -> History | None:
-        """The History the last fit returned (None before)."""
-        return self.session.history
+        """The History the last fit returned (None before; the session, in record/, holds it untyped)."""
+        return cast("History | None", self.session.history)
 
     @property
     def stop_training(self) -> bool:
@@ -332,7 +332,7 @@ class Trainer:
     def fit(
         self, x: Any = None, y: PyTree = None, batch_size: int | None = None, epochs: int | None = None,
         verbose: int | str = 1, callbacks: Iterable[Callback] | None = None, validation_split: float = 0.0,
-        validation_data: Any = None, shuffle: bool | str = True, class_weight: dict | None = None,
+        validation_data: Any = None, shuffle: bool | str = True, class_weight: Mapping[int, float] | None = None,
         sample_weight: PyTree = None, initial_epoch: int = 0, steps_per_epoch: int | None = None,
         validation_steps: int | None = None, validation_batch_size: int | None = None,
         validation_freq: int | list[int] = 1, *, validation_interval: int | None = None, max_steps: int | None = None,

@@ -21,6 +21,7 @@ from trainkit.callbacks.base import Callback, Logs
 from trainkit.callbacks.triggers import SaveFrequency
 from trainkit.checkpoint import Checkpointer, CheckpointError, checked_position, remove_checkpoints
 from trainkit.checkpoint.directory import foreign_entries
+from trainkit.checkpoint.manifest import Manifest
 from trainkit.core.local_path import require_local
 from trainkit.core.warn import warn_user
 from trainkit.distributed import ray_train
@@ -175,7 +176,7 @@ class BackupAndRestore(Callback):
     def _journal_path(self) -> str:
         return os.path.join(self.backup_dir, JOURNAL)
 
-    def _carry_ledger(self, manifest: dict, step: int) -> None:
+    def _carry_ledger(self, manifest: Manifest, step: int) -> None:
         """The interrupted runs' goodput ledger carried into this one: the backup's, and when the
         journal shows the run went on past it, the steps after it as lost, and the time since it."""
         saved = manifest.get("goodput")

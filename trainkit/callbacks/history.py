@@ -24,7 +24,7 @@ class History(Callback):
     def __init__(self) -> None:
         self.history: dict[str, list[float]] = {}
         self.epoch: list[int] = []
-        self.validations: list[dict] = []
+        self.validations: list[Logs] = []
         self.goodput: Goodput | None = None
 
     def on_train_begin(self, logs: Logs | None = None) -> None:

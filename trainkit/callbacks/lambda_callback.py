@@ -20,12 +20,12 @@ class LambdaCallback(Callback):
 
     def __init__(
         self,
-        on_epoch_begin: Callable | None = None,
-        on_epoch_end: Callable | None = None,
-        on_train_begin: Callable | None = None,
-        on_train_end: Callable | None = None,
-        on_train_batch_begin: Callable | None = None,
-        on_train_batch_end: Callable | None = None,
+        on_epoch_begin: Callable[..., object] | None = None,
+        on_epoch_end: Callable[..., object] | None = None,
+        on_train_begin: Callable[..., object] | None = None,
+        on_train_end: Callable[..., object] | None = None,
+        on_train_batch_begin: Callable[..., object] | None = None,
+        on_train_batch_end: Callable[..., object] | None = None,
         **kwargs,
     ):
         self.__dict__.update(kwargs)

@@ -103,7 +103,7 @@ class LearningRateScheduler(Callback):
     ``schedule(epoch)``), a Python float, as Keras does; ``learning_rate`` joins the epoch logs.
     For a per-step schedule, pass an optax schedule to the optimizer instead."""
 
-    def __init__(self, schedule: Callable, verbose: int = 0, group: str | None = None):
+    def __init__(self, schedule: Callable[..., float], verbose: int = 0, group: str | None = None):
         self.schedule, self.verbose, self.group = schedule, verbose, group  # group: as ReduceLROnPlateau's
 
     def on_epoch_begin(self, epoch: int, logs: Logs | None = None) -> None:

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
-from trainkit.callbacks.base import Callback
+from trainkit.callbacks.base import Callback, Logs
 from trainkit.callbacks.trainer_view import TrainerView
 from trainkit.core.state import TrainState
 from trainkit.core.tree import PyTree
@@ -173,10 +173,10 @@ class RangeTest(Callback):
         self.raw: list[float] = []
         self.stopped_early = False
 
-    def on_epoch_begin(self, epoch: int, logs: dict | None = None) -> None:
+    def on_epoch_begin(self, epoch: int, logs: Logs | None = None) -> None:
         self.model.state_access.set_learning_rate(float(self.lrs[epoch]))  # every group's, under several
 
-    def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
+    def on_epoch_end(self, epoch: int, logs: Logs | None = None) -> None:
         self.raw.append(float((logs or {})["loss"]))
         smoothed = smooth(self.raw, self.beta)
         best = float(np.min(smoothed))

@@ -75,7 +75,7 @@ def _due(session: Session, every: int | str) -> bool:
     return record.covers_multiple(every) if record is not None else session.position.step % every == 0
 
 
-def _split_runs(logs: Logs) -> tuple[dict, dict]:
+def _split_runs(logs: Logs) -> tuple[Logs, Logs]:
     train = {k: v for k, v in logs.items() if not k.startswith("val_")}
     validation = {k[4:]: v for k, v in logs.items() if k.startswith("val_")}
     return train, validation
@@ -171,7 +171,7 @@ class Logging(_Rate):
         self.loggers, self.update_freq, self.close_at_end = list(loggers_), update_freq, close
         self._failures: dict[int, int] = {}  # consecutive failures per logger
 
-    def _call(self, item: loggers.Logger, method: Callable, *args: Any) -> None:
+    def _call(self, item: loggers.Logger, method: Callable[..., object], *args: object) -> None:
         """One logger call, as a side effect: an error is warned about (naming the logger) and
         training and the other callbacks go on; a logger failing ``MAX_FAILURES`` times in a row
         is dropped for the rest of the run."""
@@ -190,7 +190,7 @@ class Logging(_Rate):
         else:
             self._failures[id(item)] = 0
 
-    def _send(self, step: int, metrics: dict, run: str) -> None:
+    def _send(self, step: int, metrics: Logs, run: str) -> None:
         for item in list(self.loggers):
             self._call(item, item.log_metrics, step, metrics, run)
 

@@ -11,7 +11,15 @@ import time
 from typing import Any
 
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    ProgressColumn,
+    TextColumn,
+    TimeElapsedColumn,
+    TimeRemainingColumn,
+)
 from rich.table import Column
 from rich.text import Text
 
@@ -78,7 +86,7 @@ class _Elapsed(TimeElapsedColumn):
         return super().render(task) if task.finished or self.live else Text("")
 
 
-def bar_columns(width: int) -> list:
+def bar_columns(width: int) -> list[ProgressColumn]:
     """The live bar's columns for a console ``width`` columns wide: the epoch, the bar, the
     step counter, the ETA and the metrics always; while the epoch runs, the elapsed time from
     ``WIDE`` columns and the rate from ``MEDIUM`` (its examples/s from ``WIDE``), so that the

@@ -65,7 +65,7 @@ _WRITER = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="trainkit-
 # refuses new threads in every exit hook, and orbax needs some: there the write is abandoned
 # (orbax renames a step into place only when complete, so nothing half-written is listed) and
 # the error says so.
-_OPEN_WRITERS: weakref.WeakSet = weakref.WeakSet()
+_OPEN_WRITERS: weakref.WeakSet[Checkpointer] = weakref.WeakSet()
 
 
 def _flush_at_exit() -> None:
@@ -176,7 +176,7 @@ class Checkpointer:
         directory: str | os.PathLike[str],
         *,
         max_to_keep: int | None = None,
-        best_fn: Callable[[dict], float] | None = None,
+        best_fn: Callable[[dict[str, float]], float] | None = None,
         best_mode: str = "min",
         enable_async: bool = True,
         read_only: bool = False,
@@ -215,7 +215,7 @@ class Checkpointer:
             raise
         self._last_saved: int | None = None
         self.enable_async = enable_async
-        self._pending: list[concurrent.futures.Future] = []
+        self._pending: list[concurrent.futures.Future[None]] = []
         if not read_only:
             _OPEN_WRITERS.add(self)
 
@@ -224,9 +224,9 @@ class Checkpointer:
         self,
         step: int,
         state: PyTree,
-        manifest: dict,
+        manifest: manifest_lib.Manifest,
         *,
-        metrics: dict | None = None,
+        metrics: dict[str, float] | None = None,
         wait: bool = False,
         weights_only: bool = False,
         overwrite: bool = False,
@@ -314,7 +314,8 @@ class Checkpointer:
         self._manager.delete(step)
 
     def latest_step(self) -> int | None:
-        return self._manager.latest_step()
+        latest: int | None = self._manager.latest_step()
+        return latest
 
     def verified_steps(self) -> list[int]:
         """The steps, newest first, whose manifest reads back and whose array files are all
@@ -329,11 +330,15 @@ class Checkpointer:
         return good
 
     def best_step(self) -> int | None:
-        return self._manager.best_step()
+        best: int | None = self._manager.best_step()
+        return best
 
-    def manifest(self, step: int | None = None) -> dict:
+    def manifest(self, step: int | None = None) -> manifest_lib.Manifest:
         step = self._resolve(step)
-        return self._manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+        manifest: manifest_lib.Manifest = self._manager.restore(
+            step, args=ocp.args.Composite(meta=ocp.args.JsonRestore())
+        )["meta"]
+        return manifest
 
     def _resolve(self, step: int | None) -> int:
         steps = self.steps()
@@ -347,7 +352,7 @@ class Checkpointer:
             )
         return step
 
-    def restore(self, target: PyTree, step: int | None = None) -> tuple[PyTree, dict]:
+    def restore(self, target: PyTree, step: int | None = None) -> tuple[PyTree, manifest_lib.Manifest]:
         """Restores into the structure, shapes and shardings of ``target`` (a state of arrays
         or ``jax.ShapeDtypeStruct``s); raises a :class:`CheckpointError` naming every path
         whose shape or dtype differs. Without ``step``, the newest checkpoint that reads back
@@ -370,7 +375,7 @@ class Checkpointer:
             f"No checkpoint in {self.directory!r} reads back: " + " | ".join(errors or ["every step is corrupt"])
         )
 
-    def _restore(self, target: PyTree, step: int) -> tuple[PyTree, dict]:
+    def _restore(self, target: PyTree, step: int) -> tuple[PyTree, manifest_lib.Manifest]:
         try:
             manifest = self.manifest(step)
         except Exception as error:  # noqa: BLE001 - orbax and json raise many kinds
@@ -463,7 +468,7 @@ _all_finite_jit = jax.jit(
 )
 
 
-def _present(state_dict: dict) -> dict:
+def _present(state_dict: manifest_lib.StateDict) -> manifest_lib.StateDict:
     """The parts of a state's dict that hold something: a part that is ``None`` (the spike
     average of a trainer without ``skip_spikes``) is neither written nor read, so checkpoints
     written before that part existed read back."""

@@ -21,7 +21,7 @@ from typing import Any
 
 from trainkit.checkpoint import directory as directory_lib
 from trainkit.checkpoint.checkpointer import Checkpointer, CheckpointError, all_finite
-from trainkit.checkpoint.manifest import Layout, explain_restore
+from trainkit.checkpoint.manifest import Layout, Manifest, explain_restore
 from trainkit.core.tree import PyTree
 from trainkit.core.warn import warn_user
 from trainkit.distributed import atomic
@@ -32,7 +32,7 @@ def save(
     filepath: str | os.PathLike[str],
     step: int,
     state: PyTree,
-    manifest: dict,
+    manifest: Manifest,
     *,
     max_to_keep: int | None = None,
     weights_only: bool = False,
@@ -62,7 +62,7 @@ def save(
 
 def restore(
     directory: str | os.PathLike[str] | Checkpointer, target: PyTree, step: int | None = None
-) -> tuple[PyTree, dict]:
+) -> tuple[PyTree, Manifest]:
     """The checkpoint's state (the latest, or ``step``) in the shardings of ``target``, and its
     manifest; a directory is opened read-only and closed again."""
     own = not isinstance(directory, Checkpointer)
@@ -77,7 +77,7 @@ def restore(
 def save_session(
     filepath: str | os.PathLike[str],
     session: Session,
-    manifest: dict,
+    manifest: Manifest,
     *,
     max_to_keep: int | None = None,
     weights_only: bool = False,

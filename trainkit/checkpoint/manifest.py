@@ -23,6 +23,12 @@ from trainkit.version import __version__
 
 logger = logging.getLogger("trainkit")
 
+#: A checkpoint's manifest as ``json`` reads it back: each entry of the JSON type its writer gave it
+#: (``position`` a dict of integers, ``tree`` a dict of :func:`~trainkit.core.tree.signature` results, ...).
+Manifest = dict[str, Any]
+#: A state as a checkpoint stores it: ``{"params": ..., "opt_state": ..., ...}``.
+StateDict = dict[str, PyTree]
+
 
 class Layout(Protocol):
     """What a manifest records of the strategy that wrote it (a :class:`trainkit.Strategy`;
@@ -43,7 +49,7 @@ def _require(layout: Layout | None) -> Layout:
     return layout
 
 
-def checked_position(manifest: dict, where: str) -> dict:
+def checked_position(manifest: Manifest, where: str) -> dict[str, int]:
     """The manifest's ``position``: ``epoch``, ``batch`` and ``global_step``, integers >= 0;
     else a :class:`CheckpointError` naming the field (a hand-edited or foreign manifest).
 

@@ -20,6 +20,7 @@ import jax
 
 from trainkit import distributed
 from trainkit.checkpoint.errors import CheckpointError
+from trainkit.checkpoint.manifest import Manifest, StateDict
 from trainkit.core import lora as lora_lib
 from trainkit.core import tree
 from trainkit.core.tree import PyTree
@@ -37,16 +38,16 @@ class Parts:
     adapters_only: bool = False
 
     @classmethod
-    def written_as(cls, manifest: dict, weights_only: bool) -> Parts:
+    def written_as(cls, manifest: Manifest, weights_only: bool) -> Parts:
         """The parts a save writes: a LoRA trainer's (its manifest records ``lora``) adapters only."""
         return cls(weights_only=weights_only, adapters_only="lora" in manifest)
 
     @classmethod
-    def of(cls, manifest: dict) -> Parts:
+    def of(cls, manifest: Manifest) -> Parts:
         """The parts a written checkpoint holds, from its manifest."""
         return cls(weights_only=manifest.get("contents") == "weights", adapters_only="lora" in manifest)
 
-    def written(self, state_dict: dict, manifest: dict) -> tuple[dict, dict]:
+    def written(self, state_dict: StateDict, manifest: Manifest) -> tuple[StateDict, Manifest]:
         """The state dict and manifest a save writes of ``state_dict`` (the manifest's tree and
         ``contents`` matching what is written)."""
         if self.adapters_only:  # the base is the weights it was loaded from: only the adapters are written
@@ -57,20 +58,20 @@ class Parts:
             manifest = dict(manifest, contents="weights", tree=written_tree)
         return state_dict, manifest
 
-    def check(self, manifest: dict, target: PyTree, where: str) -> None:
+    def check(self, manifest: Manifest, target: PyTree, where: str) -> None:
         """Refuses a restore these parts cannot go into (adapters into another base: :func:`_check_base`)."""
         if self.adapters_only:
             _check_base(manifest, target.params, where)
 
-    def stored(self, parts: dict) -> dict:
+    def stored(self, parts: StateDict) -> StateDict:
         """A target's state dict as the checkpoint stores its parts (adapters for parameters)."""
         return {**parts, "params": lora_lib.adapters_only(parts["params"])} if self.adapters_only else parts
 
-    def read(self, parts: dict) -> dict:
+    def read(self, parts: StateDict) -> StateDict:
         """The parts of a target's (stored) state dict the restore reads."""
         return {part: parts[part] for part in WEIGHTS} if self.weights_only else parts
 
-    def restored(self, restored: dict, target: dict) -> dict:
+    def restored(self, restored: StateDict, target: StateDict) -> StateDict:
         """The restored parts as a whole state dict of ``target``'s: adapters into its live base,
         the parts not held (weights only) kept as they are."""
         if self.adapters_only:
@@ -78,7 +79,7 @@ class Parts:
         return {**target, **restored} if self.weights_only else restored
 
 
-def _adapters_part(state_dict: dict, manifest: dict) -> tuple[dict, dict]:
+def _adapters_part(state_dict: StateDict, manifest: Manifest) -> tuple[StateDict, Manifest]:
     """A LoRA trainer's state as its checkpoint holds it: the adapters of the parameters (and
     everything else: the optimizer state is the adapters' alone), the manifest's tree to match."""
     params = lora_lib.adapters_only(state_dict["params"])
@@ -86,7 +87,7 @@ def _adapters_part(state_dict: dict, manifest: dict) -> tuple[dict, dict]:
     return {**state_dict, "params": params}, {**manifest, "tree": written}
 
 
-def _check_base(manifest: dict, params: PyTree, where: str) -> None:
+def _check_base(manifest: Manifest, params: PyTree, where: str) -> None:
     """Refuses adapters restored into a trainer without adapters, into a base stored another way
     (int8, nf4, float), or trained on other base weights than the live ones (their SHA-256)."""
     saved = manifest["lora"]

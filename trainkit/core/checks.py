@@ -19,7 +19,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from trainkit.core.tree import PyTree
+from trainkit.core.tree import PyTree, Shape
 
 
 class SettingError(ValueError):
@@ -101,7 +101,7 @@ def not_one_hot(labels: np.ndarray, loss_name: str, where: str) -> None:
         )
 
 
-def same_shape(targets_shape: tuple, outputs_shape: tuple, loss_name: str, where: str) -> None:
+def same_shape(targets_shape: Shape, outputs_shape: Shape, loss_name: str, where: str) -> None:
     """Per-example shapes of an element-wise loss's targets and outputs must match (``(B,)``
     against ``(B, 1)`` is accepted)."""
     if targets_shape == outputs_shape or (outputs_shape[-1:] == (1,) and targets_shape == outputs_shape[:-1]):

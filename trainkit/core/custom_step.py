@@ -109,7 +109,8 @@ def _context(helper: str) -> StepContext:
 def row_weights(batch: Batch) -> jax.Array:
     """Each row's weight: ``mask * sample_weight`` (padded rows 0)."""
     mask = batch["mask"]
-    return mask * batch["sample_weight"] if "sample_weight" in batch else mask
+    weights: jax.Array = mask * batch["sample_weight"] if "sample_weight" in batch else mask
+    return weights
 
 
 def weighted_total(row_values: jax.Array, mask: jax.Array, weights: jax.Array) -> jax.Array:
@@ -153,7 +154,8 @@ def mean(values: jax.Array, batch: Batch) -> jax.Array:
         return local / jnp.maximum(mask.sum(), 1.0)
     # the global total's value, this device's rows' gradient: apply_gradients sums the devices' gradients
     total = local + jax.lax.stop_gradient(jax.lax.psum(local, axis) - local)
-    return total / jnp.maximum(jax.lax.psum(mask.sum(), axis), 1.0)
+    mean: jax.Array = total / jnp.maximum(jax.lax.psum(mask.sum(), axis), 1.0)
+    return mean
 
 
 def _global_row_ids(batch: Batch, axis: str | None) -> jax.Array:
@@ -308,7 +310,7 @@ def make_custom_eval_step(
     return eval_step
 
 
-def overridden(method: Callable, default: Callable, owner: str) -> bool:
+def overridden(method: Callable[..., object], default: Callable[..., object], owner: str) -> bool:
     """Whether ``method`` (a class's ``train_step`` / ``test_step``) overrides the ``default`` one;
     raises for an override that does not take ``(state, batch, rng)`` (Keras's ``train_step(self,
     state, data)`` or ``train_step(self, data)``, which trainkit would otherwise never call)."""

@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 from collections.abc import Callable, Iterator
+from typing import ParamSpec, TypeVar
 
 import flax.linen as nn
 import jax
@@ -33,6 +34,9 @@ from flax import nnx
 
 from trainkit.core.statistics import module_of
 from trainkit.core.tree import PyTree, leaf_name
+
+P = ParamSpec("P")
+R = TypeVar("R")
 
 _FROZEN: contextvars.ContextVar[frozenset[str]] = contextvars.ContextVar("frozen_statistics", default=frozenset())
 
@@ -108,12 +112,12 @@ def freeze_nnx_layers(module: nnx.Module) -> None:
             layer.use_running_average = True
 
 
-def with_frozen_statistics(compute_loss: Callable, layers: frozenset[str]) -> Callable:
+def with_frozen_statistics(compute_loss: Callable[P, R], layers: frozenset[str]) -> Callable[P, R]:
     """``compute_loss`` whose training calls run the ``layers`` in inference mode."""
     if not layers:
         return compute_loss
 
-    def frozen(*args: PyTree, **kwargs: PyTree) -> PyTree:
+    def frozen(*args: P.args, **kwargs: P.kwargs) -> R:
         with statistics_frozen(layers):
             return compute_loss(*args, **kwargs)
 

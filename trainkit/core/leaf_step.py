@@ -195,7 +195,8 @@ class LeafStep:
 
     def call_carried(self, carried: list[ArrayValue], *rest: PyTree) -> tuple[PyTree, ...]:
         """One call on the state's carried leaves: ``(new carried leaves, *outputs)``."""
-        return self.jitted(carried, *rest)
+        outputs: tuple[PyTree, ...] = self.jitted(carried, *rest)
+        return outputs
 
     def carried(self, leaves: Sequence[ArrayValue]) -> list[ArrayValue]:
         """The state's leaves as this step takes them (the small ones packed on the host and
@@ -223,7 +224,8 @@ class LeafStep:
         """``value`` in the sharding of the live array ``like``, from this process's copy alone
         (a state read on one process is no collective); ``place`` for a host ``like``."""
         if not isinstance(like, jax.Array):
-            return self.place(value)
+            placed: ArrayValue = self.place(value)
+            return placed
         return jax.make_array_from_callback(value.shape, like.sharding, lambda index: value[index])
 
     def state(self, carried: Sequence[ArrayValue]) -> PyTree:
@@ -253,7 +255,8 @@ def _leaves_of(shardings: PyTree, treedef: PyTreeDef) -> list[jax.sharding.Shard
     stands for every leaf)."""
     if isinstance(shardings, jax.sharding.Sharding):
         return [shardings] * treedef.num_leaves
-    return treedef.flatten_up_to(shardings)
+    leaves: list[jax.sharding.Sharding] = treedef.flatten_up_to(shardings)
+    return leaves
 
 
 def _carried(

@@ -30,7 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from trainkit.core.statistics import module_of
-from trainkit.core.tree import ArrayValue, PyTree, Shape, leaf_name
+from trainkit.core.tree import ArrayValue, KeyPath, PyTree, Shape, leaf_name
 
 if TYPE_CHECKING:  # imported when a LoRA is made (qwix is optional until then)
     import flax.linen as nn
@@ -106,7 +106,8 @@ class LoRA:
         import qwix
 
         _let_qwix_record_einsums_on_linen_modules()
-        return qwix.apply_lora_to_model(model, self.provider())
+        wrapped: nn.Module = qwix.apply_lora_to_model(model, self.provider())
+        return wrapped
 
     def wrap_nnx(self, model: nnx.Module, args: tuple[PyTree, ...], kwargs: dict[str, PyTree], seed: int) -> nnx.Module:
         """A copy of the NNX module with adapters, created by running it once on an input
@@ -119,7 +120,8 @@ class LoRA:
                 "quantize_base (QLoRA) works on flax.linen modules; an NNX model trains float LoRA adapters "
                 "(tk.LoRA(quantize_base=None))."
             )
-        return qwix.apply_lora_to_model(model, self.provider(), *args, rngs=nnx.Rngs(seed), **kwargs)
+        wrapped: nnx.Module = qwix.apply_lora_to_model(model, self.provider(), *args, rngs=nnx.Rngs(seed), **kwargs)
+        return wrapped
 
     def merged(self, params: PyTree) -> PyTree:
         """The base model's parameters: each adapted kernel (dequantised if stored quantised)
@@ -193,7 +195,7 @@ def idle_settings(lora: LoRA, params: PyTree) -> list[str]:
     return notes
 
 
-def adapters_only(params: Mapping) -> dict:
+def adapters_only(params: Mapping[str, PyTree]) -> dict[str, PyTree]:
     """The adapters of a parameter tree (nested dicts, as a checkpoint holds it), nothing else.
 
     >>> adapters_only({"d": {"kernel": 1, "kernel_lora_a": 2}, "e": {"bias": 3}})
@@ -223,7 +225,7 @@ def quantization(params: PyTree) -> str | None:
     return None
 
 
-def with_adapters(params: Mapping, adapters: Mapping) -> dict:
+def with_adapters(params: Mapping[str, PyTree], adapters: Mapping[str, PyTree]) -> dict[str, PyTree]:
     """``params`` (nested dicts) with the adapters of ``adapters`` in place of its own."""
     merged = dict(params)
     for key, value in adapters.items():
@@ -267,7 +269,7 @@ def with_base(params: PyTree, arrays: Mapping[str, ArrayValue]) -> PyTree:
     """``params`` with the base leaves named in ``arrays`` replaced; a quantised kernel's float
     values quantised as the live one is (qwix's ``quantize_params``)."""
 
-    def swap(path: jax.tree_util.KeyPath, leaf: PyTree) -> PyTree:
+    def swap(path: KeyPath, leaf: PyTree) -> PyTree:
         value = arrays.get(leaf_name(path))
         if value is None:
             return leaf

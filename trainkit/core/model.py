@@ -19,7 +19,7 @@ import dataclasses
 import functools
 import inspect
 import zlib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from typing import Any, NamedTuple, Protocol, cast
 
 import jax
@@ -31,20 +31,29 @@ from trainkit.core.frozen_statistics import freeze_nnx_layers
 from trainkit.core.lora import LoRA
 from trainkit.core.sown import LOSSES
 from trainkit.core.state import check_tree_matches
-from trainkit.core.tree import PyTree, leaf_name
+from trainkit.core.tree import PyTree, TreeFunction, leaf_name
 
 # Keyword names of ``__call__`` that switch training behaviour, and whether they mean
 # "training" (True) or its negation (False).
 _TRAIN_FLAGS = {"train": True, "training": True, "is_training": True, "deterministic": False}
 #: How the train flags are named in messages.
 TRAIN_FLAG_NAMES = ", ".join(_TRAIN_FLAGS)
+#: A module's place in the model: linen's attribute names, or NNX's path parts (names, list indices).
+ModulePath = tuple[Hashable, ...]
+#: A parameter's partitioning names, one per axis (``None``: that axis not named).
+AxisNames = tuple[str | None, ...]
+#: A logical axis rule ``(logical name, mesh axis or axes)``, as ``flax.linen.logical_axis_rules`` takes it.
+LogicalRule = tuple[str, str | tuple[str, ...] | None]
+#: A model's forward pass, as :meth:`ModelAdapter.apply` runs it (and remat and precision wrap it):
+#: ``(params, model_state, x, *, rng, train, method=None) -> (outputs, new model state)``.
+Apply = Callable[..., tuple[PyTree, PyTree]]
 
 
 class ModuleCall(NamedTuple):
     """One module of a model's forward pass: its path of attribute names (``()``: the model),
     its class name, and its output's shapes (``jax.ShapeDtypeStruct``s; ``None`` unknown)."""
 
-    path: tuple
+    path: ModulePath
     kind: str
     output: PyTree
 
@@ -66,7 +75,7 @@ class ModelAdapter(Protocol):
         """``(outputs, new_model_state)`` of ``__call__``, or of the module's method ``method``."""
         ...
 
-    def param_axes(self, x: PyTree) -> dict[str, tuple]:
+    def param_axes(self, x: PyTree) -> dict[str, AxisNames]:
         """The parameters' partitioning annotations ``{path: names}`` (empty without any)."""
         ...
 
@@ -100,7 +109,7 @@ def _train_kwarg(parameters: dict[str, inspect.Parameter], train: bool) -> dict[
     return {}
 
 
-def _split_inputs(x: PyTree, parameters: dict[str, inspect.Parameter]) -> tuple[tuple, dict]:
+def _split_inputs(x: PyTree, parameters: dict[str, inspect.Parameter]) -> tuple[tuple[PyTree, ...], dict[str, PyTree]]:
     """A dict whose keys are all argument names of ``__call__`` is passed as keywords."""
     if isinstance(x, dict) and x and all(k in parameters for k in x):
         return (), dict(x)
@@ -122,7 +131,7 @@ class LinenModel:
             apply_kwargs["method"] = method
         return self.module.apply(variables, *args, **kwargs, **apply_kwargs)
 
-    def _boxed_init(self, rng: jax.Array, x: PyTree) -> dict:
+    def _boxed_init(self, rng: jax.Array, x: PyTree) -> dict[str, PyTree]:
         params_rng, dropout_rng = jax.random.split(rng)
         args, kwargs = _split_inputs(x, self._parameters)
         kwargs.update(_train_kwarg(self._parameters, False))
@@ -134,7 +143,7 @@ class LinenModel:
         variables.pop(LOSSES, None)  # losses the model sows are each call's, not state (core/sown.py)
         return params, variables
 
-    def param_axes(self, x: PyTree) -> dict[str, tuple]:
+    def param_axes(self, x: PyTree) -> dict[str, AxisNames]:
         """``{"Dense_0/kernel": ("embed", "mlp")}``: the names of the parameters created with
         ``nn.with_logical_partitioning`` or ``nn.with_partitioning`` (traced, not run)."""
         boxed = jax.eval_shape(self._boxed_init, jax.random.PRNGKey(0), x)
@@ -186,12 +195,12 @@ class LinenModel:
         train: bool = False,
         axis: str | None = None,
         flags: dict[str, bool] | None = None,
-    ) -> list[tuple[tuple, nn.Module, PyTree]]:
+    ) -> list[tuple[ModulePath, nn.Module, PyTree]]:
         """Every module whose ``__call__`` a forward pass enters, once each, parents before their
         children: its path, the module and its output's shapes (traced, nothing computed; as
         one device of a named ``axis``, which a layer may reduce over; ``flags``: keywords of
         ``__call__`` passed as given, the train flags left out)."""
-        calls: dict[tuple, tuple | None] = {}
+        calls: dict[ModulePath, tuple[ModulePath, nn.Module, PyTree] | None] = {}
 
         def record(call, args, kwargs, context):
             path = tuple(context.module.path)
@@ -255,7 +264,7 @@ class NNXModel:
         del rng, x  # an NNX module is initialised when it is constructed
         return nnx.to_pure_dict(self._params), nnx.to_pure_dict(self._rest)
 
-    def param_axes(self, x: PyTree) -> dict[str, tuple]:
+    def param_axes(self, x: PyTree) -> dict[str, AxisNames]:
         """The names of the parameters created with ``out_sharding`` metadata (Flax 0.12's name;
         ``sharding_names`` and ``sharding`` are read too), e.g. ``kernel_metadata=...``."""
         del x
@@ -267,7 +276,7 @@ class NNXModel:
         module class's ``__call__`` is wrapped for the duration of the trace, recording the
         calls of this model's own instances only; a submodule never called is listed after them
         without a shape."""
-        calls: dict[tuple, ModuleCall | None] = {}
+        calls: dict[ModulePath, ModuleCall | None] = {}
 
         def forward(params, model_state, x):
             module = self.merge(params, model_state)
@@ -303,7 +312,8 @@ class NNXModel:
         param_state, rest = copy(self._params), copy(self._rest)
         nnx.replace_by_pure_dict(param_state, params)
         nnx.replace_by_pure_dict(rest, model_state)
-        return nnx.merge(self._graphdef, param_state, copy(self._rng_state), rest)
+        module: nnx.Module = nnx.merge(self._graphdef, param_state, copy(self._rng_state), rest)
+        return module
 
     def apply(self, params, model_state, x, *, rng, train, method=None):
         module = self.merge(params, model_state)
@@ -321,7 +331,7 @@ class NNXModel:
 
 
 @contextlib.contextmanager
-def _recording_calls(classes: set[type], paths: dict[int, tuple], calls: dict[tuple, ModuleCall | None]):
+def _recording_calls(classes: set[type], paths: dict[int, ModulePath], calls: dict[ModulePath, ModuleCall | None]):
     """Each class's ``__call__`` wrapped while the context lasts: a call of an instance in
     ``paths`` (by ``id``) is recorded in ``calls`` by its path, parents before children."""
     originals = {cls: cls.__dict__.get("__call__") for cls in classes}
@@ -351,7 +361,7 @@ def _recording_calls(classes: set[type], paths: dict[int, tuple], calls: dict[tu
                 cls.__call__ = original  # type: ignore[method-assign]  # the class as it was
 
 
-def model_method(module: object, name: object) -> Callable:
+def model_method(module: object, name: object) -> Callable[..., Any]:
     """The method ``name`` of the module's class (``apply(..., method="decode")``); a clear error
     naming the methods it has for any other name.
 
@@ -367,7 +377,8 @@ def model_method(module: object, name: object) -> Callable:
         raise ValueError(
             f"method={name!r} is not a method of the model ({type(module).__name__}); its methods are {public}."
         )
-    return found
+    method: Callable[..., Any] = found
+    return method
 
 
 def _layer_name(path: tuple[object, ...], module: object) -> str:
@@ -415,7 +426,7 @@ def _names(leaf: object) -> tuple[str | None, ...] | None:
     return None if names is None else tuple(names)
 
 
-def _annotations(params: PyTree, is_variable) -> dict[str, tuple]:
+def _annotations(params: PyTree, is_variable) -> dict[str, AxisNames]:
     found = {}
     for path, leaf in jax.tree_util.tree_flatten_with_path(params, is_leaf=is_variable)[0]:
         names = _names(leaf)
@@ -463,12 +474,12 @@ def call_error_hint(error: Exception) -> str:
     return "Call the model on a few rows yourself (module.apply or module(x)) to see where it fails."
 
 
-def param_axes(adapter: ModelAdapter, x: PyTree) -> dict[str, tuple]:
+def param_axes(adapter: ModelAdapter, x: PyTree) -> dict[str, AxisNames]:
     """The model's parameter annotations ``{path: names}`` (empty for an adapter without any)."""
     return adapter.param_axes(x)
 
 
-def under_logical_rules(fn: Callable, mesh: jax.sharding.Mesh, rules: Sequence) -> Callable:
+def under_logical_rules(fn: TreeFunction, mesh: jax.sharding.Mesh, rules: Sequence[LogicalRule]) -> TreeFunction:
     """``fn`` traced with ``mesh`` as the abstract mesh (``jax.sharding.use_abstract_mesh``:
     ``jax.set_mesh`` may not be entered under ``jit``) and Flax's logical axis ``rules``
     active, so ``nn.with_logical_constraint`` on activations constrains them on this mesh."""
@@ -534,7 +545,7 @@ class NNXLoRAModel(NNXModel):
         self._wrap(x)
         return super().init(rng, x)
 
-    def param_axes(self, x: PyTree) -> dict[str, tuple]:
+    def param_axes(self, x: PyTree) -> dict[str, AxisNames]:
         self._wrap(x)
         return super().param_axes(x)
 
@@ -551,4 +562,5 @@ def starting_variables(adapter: ModelAdapter, given: PyTree, first_row: PyTree) 
     else:
         variables = (given, {})
     check_tree_matches("params=", abstract, variables)
-    return jax.tree.map(np.asarray, variables)
+    params, model_state = jax.tree.map(np.asarray, variables)
+    return params, model_state

@@ -114,7 +114,8 @@ def to_device(tree: PyTree) -> PyTree:
 
     def moved(leaf: Leaf) -> Leaf:
         if isinstance(leaf, jax.Array) and jax.typeof(leaf).memory_space == jax.memory.Space.Host:
-            return jax.device_put(leaf, jax.memory.Space.Device)
+            on_device: Leaf = jax.device_put(leaf, jax.memory.Space.Device)
+            return on_device
         return leaf
 
     return jax.tree.map(moved, tree)
@@ -292,7 +293,10 @@ def streamed_update(
     _evaluate(jaxpr, env, [jaxpr.outvars[i] for i in rest])
     for i in rest:
         outputs[i] = placed(i)
-    return jax.tree.unflatten(traced.out_tree, [outputs[i] for i in range(len(jaxpr.outvars))])
+    outputs_tree: tuple[PyTree, PyTree] = jax.tree.unflatten(
+        traced.out_tree, [outputs[i] for i in range(len(jaxpr.outvars))]
+    )
+    return outputs_tree
 
 
 def _read(env: dict[Var, jax.Array], var: Var | Literal) -> jax.Array:

@@ -33,11 +33,12 @@ def learning_rate(opt_state: PyTree) -> jax.Array | None:
     """The current learning rate when the optimizer exposes it (``optax.inject_hyperparams``)."""
     for node in jax.tree.leaves(opt_state, is_leaf=_is_injected):
         if _is_injected(node) and "learning_rate" in node.hyperparams:
-            return node.hyperparams["learning_rate"]
+            rate: jax.Array = node.hyperparams["learning_rate"]
+            return rate
     return None
 
 
-def injected(opt_state: PyTree) -> list[dict]:
+def injected(opt_state: PyTree) -> list[dict[str, jax.Array]]:
     """The ``hyperparams`` dicts of every ``optax.inject_hyperparams`` state (device arrays)."""
     return [node.hyperparams for node in jax.tree.leaves(opt_state, is_leaf=_is_injected) if _is_injected(node)]
 

@@ -18,15 +18,16 @@ scale, and the scale doubles after ``growth_interval`` finite steps in a row.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Self
 
+import clu.metrics
 import flax.struct
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.typing import DTypeLike
 
+from trainkit.core.model import Apply
 from trainkit.core.sown import LOSSES, split_sown
 from trainkit.core.tree import PyTree
 
@@ -50,7 +51,7 @@ class NoLossScale:
         """``(new, self)``: every update is applied."""
         return new, self
 
-    def metrics(self) -> dict:
+    def metrics(self) -> dict[str, clu.metrics.Metric]:
         return {}
 
 
@@ -82,10 +83,8 @@ class StaticLossScale:
         chosen = jax.tree.map(lambda a, b: jnp.where(finite, a, b), new, old)
         return chosen, self.adjust(finite)
 
-    def metrics(self) -> dict:
-        from clu.metrics import LastValue
-
-        return {"loss_scale": LastValue(value=self.loss_scale.astype(jnp.float32))}
+    def metrics(self) -> dict[str, clu.metrics.Metric]:
+        return {"loss_scale": clu.metrics.LastValue(value=self.loss_scale.astype(jnp.float32))}
 
 
 @flax.struct.dataclass
@@ -186,7 +185,7 @@ class Precision:
             )
         return StaticLossScale(loss_scale=jnp.asarray(self.loss_scale, jnp.float32))
 
-    def wrap_apply(self, apply: Callable) -> Callable:
+    def wrap_apply(self, apply: Apply) -> Apply:
         """``apply`` with parameters and floating inputs cast to the compute dtype and floating
         outputs cast to the output dtype. Modules that set their own ``dtype`` still compute
         in it: Flax layers cast their inputs to their declared dtype."""

@@ -56,7 +56,7 @@ def redacted(text: str) -> str:
     (``"password": "***"``), command-line options (``--token ***``) and credential headers
     (``X-API-Key: ***``, ``Cookie: ***``) masked."""
 
-    def userinfo(match: re.Match) -> str:
+    def userinfo(match: re.Match[str]) -> str:
         if match["password"]:
             return f"{match['scheme']}{match['user']}:***@"
         return f"{match['scheme']}***@"

@@ -37,12 +37,16 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from trainkit.core.model import LinenModel, ModelAdapter
+from trainkit.core.model import Apply, LinenModel, ModelAdapter, ModulePath
+from trainkit.core.tree import TreeFunction
 
 P = ParamSpec("P")
 R = TypeVar("R")
 
-POLICIES: dict[str, Callable | None] = {
+#: A ``jax.checkpoint`` policy: whether to save an intermediate (``jax.checkpoint_policies``).
+Policy = Callable[..., bool]
+
+POLICIES: dict[str, Policy | None] = {
     "full": None,  # save nothing
     "dots": jax.checkpoint_policies.checkpoint_dots,
     "dots_no_batch": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
@@ -58,7 +62,7 @@ class RematSpec:
     """What to rematerialise: ``modules`` (class names; ``None`` = direct submodules) and the
     ``jax.checkpoint`` policy of what to save inside each."""
 
-    policy: Callable | None
+    policy: Policy | None
     modules: frozenset[str] | None
 
 
@@ -99,7 +103,7 @@ def _is_floating(value: Any) -> bool:
     return all(jnp.issubdtype(leaf.dtype, jnp.floating) for leaf in jax.tree.leaves(value))
 
 
-def recompute_in_backward(fn: Callable, policy: Callable | None) -> Callable:
+def recompute_in_backward(fn: TreeFunction, policy: Policy | None) -> TreeFunction:
     """``fn(variables, rng, *arrays)`` whose backward pass recomputes what ``policy`` does not
     save, inside a ``lax.cond`` on the incoming cotangent.
 
@@ -172,7 +176,7 @@ def _interceptor(spec: RematSpec):
     return intercept
 
 
-def wrap_remat(adapter: ModelAdapter, remat: Any) -> Callable:
+def wrap_remat(adapter: ModelAdapter, remat: Remat) -> Apply:
     """The adapter's ``apply`` with the remat setting applied (unchanged for ``None``)."""
     spec = resolve_remat(remat)
     if spec is None:
@@ -218,7 +222,7 @@ def rematerialised(fn: Callable[P, R], remat: Remat) -> Callable[P, R]:
     return traced
 
 
-def repeated_blocks(calls: Sequence[tuple[tuple, str]]) -> list[str]:
+def repeated_blocks(calls: Sequence[tuple[ModulePath, str]]) -> list[str]:
     """The class names to rematerialise for a model's repeated blocks, from its module calls
     (``(path, class name)``, as :meth:`~trainkit.core.model.ModelAdapter.module_calls` lists
     them): the outermost class called more than once at its outermost depth (a transformer's

@@ -132,7 +132,7 @@ class StepStatistics:
         count = len(self.names(params))
         due = (step % self.every) == 0
 
-        def measure(operands: tuple) -> jax.Array:
+        def measure(operands: tuple[jax.Array, ...]) -> jax.Array:
             return jnp.stack(list(self.measured(*operands).values()))
 
         operands = (grads, updates, params)

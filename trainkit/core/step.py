@@ -30,7 +30,7 @@ import dataclasses
 import functools
 from collections.abc import Callable, Iterable, Mapping
 from functools import partial
-from typing import Any
+from typing import Any, TypeVar
 
 import jax
 import jax.numpy as jnp
@@ -55,12 +55,15 @@ from trainkit.core.state import Batch, TrainState
 from trainkit.core.step_feature import StepFeature, StepUpdate
 from trainkit.core.totals import EpochTotals, LossAverage, MetricFn, PackedTotals, WeightedAverage, batch_state, pack
 from trainkit.core.trainable import Trainable
-from trainkit.core.tree import PyTree
+from trainkit.core.tree import PyTree, TreeFunction
 from trainkit.core.watched_batch import WatchedBatch
 
-LossFn = Callable[..., tuple[jax.Array, tuple[Any, Any]]]
+#: A ``compute_loss``: ``(params, batch, rng, *, model_state, train)`` ->
+#: ``(per-row loss, (predictions, model_state[, logs]))``.
+LossFn = Callable[..., tuple[jax.Array, tuple[PyTree, ...]]]
 Metrics = dict[str, WeightedAverage]
 Totals = EpochTotals | PackedTotals
+T = TypeVar("T")
 
 
 @functools.cache
@@ -77,8 +80,11 @@ def full_mask(rows: int) -> np.ndarray:
     return mask
 
 
-def _psum(tree, axis_name):
-    return tree if axis_name is None else jax.lax.psum(tree, axis_name)
+def _psum(tree: T, axis_name: str | None) -> T:
+    if axis_name is None:
+        return tree
+    summed: T = jax.lax.psum(tree, axis_name)
+    return summed
 
 
 def _step_rng(state: TrainState, axis_name: str | None) -> jax.Array:
@@ -194,7 +200,8 @@ def _microbatches(batch: Batch, k: int) -> Batch:
     not contiguous: every device's (contiguous) part of a sharded batch contributes equally to
     every micro-batch, so no rows move between devices, and the micro-batches are the same
     rows under every strategy (the device parts divide by ``k``)."""
-    return jax.tree.map(lambda a: jnp.swapaxes(a.reshape((a.shape[0] // k, k) + a.shape[1:]), 0, 1), batch)
+    micro: Batch = jax.tree.map(lambda a: jnp.swapaxes(a.reshape((a.shape[0] // k, k) + a.shape[1:]), 0, 1), batch)
+    return micro
 
 
 def _batch_rows(batch: Batch, axis_name: str | None) -> jax.Array:
@@ -204,11 +211,17 @@ def _batch_rows(batch: Batch, axis_name: str | None) -> jax.Array:
     # pmap: differentiate the masked loss sum over the *static* global batch size, then
     # rescale by static / real rows after the one all-reduce: the exact gradient of the
     # mean over the real rows, with no collective before the forward pass.
-    return batch["mask"].shape[0] * jax.lax.psum(1, axis_name)
+    rows: jax.Array = batch["mask"].shape[0] * jax.lax.psum(1, axis_name)
+    return rows
 
 
 def _accumulated(
-    micro_step: Callable, state: TrainState, batch: Batch, rng: jax.Array, batch_rows: jax.Array, steps: int
+    micro_step: Callable[..., tuple[PyTree, PyTree, Metrics]],
+    state: TrainState,
+    batch: Batch,
+    rng: jax.Array,
+    batch_rows: jax.Array,
+    steps: int,
 ) -> tuple[PyTree, PyTree, Metrics]:
     """``micro_step`` over ``steps`` micro-batches of ``batch`` in a ``lax.scan``: the summed
     gradients and metrics, and the model state after the last micro-batch."""
@@ -371,7 +384,7 @@ def make_predict_step(apply: Callable[..., tuple[Any, Any]]) -> Callable[[TrainS
     return predict_step
 
 
-def with_totals(step: Callable, *, trains: bool = True) -> Callable:
+def with_totals(step: TreeFunction, *, trains: bool = True) -> TreeFunction:
     """A train step ``(state, batch) -> (state, metrics)`` as ``(state, totals, batch) ->
     (state, totals)``, or (``trains=False``) an eval step ``(state, batch) -> metrics`` as
     ``(state, totals, batch) -> totals``: the metrics merged into the epoch's

@@ -26,7 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.tree_util import PyTreeDef
 
-from trainkit.core.tree import ArrayValue, PyTree
+from trainkit.core.tree import ArrayValue, KeyPath, PyTree
 
 MetricFn = Callable[[Any, Any], jax.Array]
 
@@ -187,7 +187,7 @@ class EpochTotals:
 
         def replace(self, **changes: Any) -> Self: ...
 
-    metrics: dict
+    metrics: dict[str, PyTree]
     steps: jax.Array  # steps merged
     first_non_finite: jax.Array  # the first step whose loss was not finite
     first_non_finite_loss: jax.Array  # its loss
@@ -210,7 +210,7 @@ class EpochTotals:
         """These totals with a run of skipped steps carried over from the last epoch."""
         return self if self.skipped_run is None else self.replace(skipped_run=np.int32(skipped_run))
 
-    def add(self, metrics: dict) -> EpochTotals:
+    def add(self, metrics: dict[str, PyTree]) -> EpochTotals:
         """This carry with one more step's metrics merged (pure and traceable: it runs inside
         the compiled step). A metric's first step replaces the zeros, so a merge needs no
         identity element (``LastValue``, a maximum); a metric the carry holds and the step does
@@ -242,7 +242,7 @@ class EpochTotals:
         )
 
 
-def _watched(metrics: dict) -> LossAverage:
+def _watched(metrics: dict[str, PyTree]) -> LossAverage:
     """What stands for the loss in a step without one (a custom ``train_step``'s logs): the sum of
     its logs, non-finite when any is."""
     logs = [metric for _, metric in sorted(metrics.items()) if isinstance(metric, LossAverage)]
@@ -305,7 +305,7 @@ class PackedTotals:
 
         def replace(self, **changes: Any) -> Self: ...
 
-    arrays: tuple
+    arrays: tuple[ArrayValue, ...]
     layout: Any = flax.struct.field(pytree_node=False)  # (treedef, ((array index, offset, shape, dtype), ...))
 
     def unpack(self) -> EpochTotals:
@@ -315,7 +315,8 @@ class PackedTotals:
         for index, offset, shape, dtype in places:
             bits = self.arrays[index][offset : offset + math.prod(shape)]  # math.prod: 10x np.prod's speed
             leaves.append(_from_bits(bits, np.dtype(dtype)).reshape(shape))
-        return jax.tree.unflatten(treedef, leaves)
+        totals: EpochTotals = jax.tree.unflatten(treedef, leaves)
+        return totals
 
     def read_metric(self, name: str) -> PyTree:
         """The metric ``name`` as NumPy values, reading only the arrays that hold it (one small
@@ -330,7 +331,7 @@ class PackedTotals:
 
     def block_until_ready(self) -> PackedTotals:
         """Waits for the step that computed these (its outputs are ready together)."""
-        self.arrays[0].block_until_ready()
+        jax.block_until_ready(self.arrays[0])
         return self
 
 
@@ -390,7 +391,7 @@ def _from_bits(bits: jax.Array | np.ndarray, dtype: np.dtype) -> jax.Array | np.
     return bits != 0 if dtype == np.bool_ else jax.lax.bitcast_convert_type(bits, dtype)
 
 
-def _apart(path: tuple) -> bool:
+def _apart(path: KeyPath) -> bool:
     """Whether a leaf at ``path`` in the totals belongs to a metric packed apart (:data:`APART`)."""
     return any(isinstance(key, jax.tree_util.DictKey) and str(key.key).startswith(APART) for key in path)
 

@@ -25,7 +25,7 @@ import numpy as np
 import optax
 
 from trainkit.core.checks import SettingError
-from trainkit.core.tree import PyTree, leaf_name, tree_bytes
+from trainkit.core.tree import Leaf, PyTree, leaf_name, tree_bytes
 
 TrainableSpec = str | Sequence[str] | Callable[[str, Any], bool] | None
 
@@ -144,7 +144,7 @@ class Trainable:
 
         return optax.multi_transform({TRAIN: tx, FREEZE: optax.set_to_zero()}, labels)
 
-    def partition(self, params: PyTree) -> tuple[list, list]:
+    def partition(self, params: PyTree) -> tuple[list[Leaf], list[Leaf]]:
         """``(trainable leaves, frozen leaves)`` of ``params``."""
         leaves, flags = jax.tree.leaves(params), jax.tree.leaves(self.mask(params))
         return [a for a, t in zip(leaves, flags) if t], [a for a, t in zip(leaves, flags) if not t]
@@ -164,14 +164,14 @@ class Trainable:
         named = jax.tree_util.tree_leaves_with_path(params)
         return [leaf_name(path) for (path, _), train in zip(named, flags, strict=True) if not train]
 
-    def split(self, params: PyTree) -> tuple[list, Callable[[list], PyTree]]:
+    def split(self, params: PyTree) -> tuple[list[Leaf], Callable[[list[Leaf]], PyTree]]:
         """``(trainable leaves, rebuild)``: ``rebuild(leaves)`` is ``params`` with its trainable
         leaves replaced by ``leaves`` (what a step differentiates)."""
         leaves, treedef = jax.tree.flatten(params)
         flags = jax.tree.leaves(self.mask(params))
         where = [i for i, train in enumerate(flags) if train]
 
-        def rebuild(trained: list) -> PyTree:
+        def rebuild(trained: list[Leaf]) -> PyTree:
             full = list(leaves)
             for i, leaf in zip(where, trained):
                 full[i] = leaf
@@ -179,7 +179,7 @@ class Trainable:
 
         return [leaves[i] for i in where], rebuild
 
-    def full_grads(self, params: PyTree, trained: list) -> PyTree:
+    def full_grads(self, params: PyTree, trained: list[Leaf]) -> PyTree:
         """Gradients of the trainable leaves as a tree shaped as ``params``: each frozen leaf a
         scalar zero of its dtype (what the optimizer's ``set_to_zero`` partition discards)."""
         leaves, treedef = jax.tree.flatten(params)

@@ -28,6 +28,11 @@ TreeFunction = Callable[..., PyTree]
 JSON = None | bool | int | float | str | list["JSON"] | dict[str, "JSON"]
 #: An array's shape.
 Shape = tuple[int, ...]
+#: A leaf's key path, as ``jax.tree_util``'s ``*_with_path`` functions give it (entries of whatever key
+#: type a pytree node registers: ``DictKey``, ``GetAttrKey``, ``SequenceKey``, a user's own).
+KeyPath = tuple[Any, ...]
+#: ``{path: [shape, dtype name]}``, as :func:`signature` gives it and checkpoint manifests record it.
+Signature = dict[str, list[list[int] | str]]
 #: An index into an array, as ``array[index]`` takes it: slices (or integers), one per axis.
 Index = tuple[slice | int, ...]
 
@@ -47,7 +52,7 @@ def _key(entry: Any) -> Any:
     return entry
 
 
-def signature(tree: PyTree) -> dict[str, list]:
+def signature(tree: PyTree) -> Signature:
     """``{path: [shape, dtype]}`` for every array leaf (``jax.tree_util.keystr`` paths, as
     checkpoint manifests record them)."""
     return {
@@ -58,7 +63,12 @@ def signature(tree: PyTree) -> dict[str, list]:
 
 
 def difference(
-    what: str, expected: dict, received: dict, *, names: tuple[str, str] = ("expected", "received"), dtypes: bool = True
+    what: str,
+    expected: Signature,
+    received: Signature,
+    *,
+    names: tuple[str, str] = ("expected", "received"),
+    dtypes: bool = True,
 ) -> list[str]:
     """Human-readable differences between two :func:`signature` results: leaves only one side
     has, and leaves whose shapes (and, with ``dtypes``, dtypes) differ."""

@@ -16,7 +16,7 @@ from collections.abc import Callable, Mapping
 
 import jax
 
-from trainkit.core.tree import ArrayValue, PyTree, leaf_name
+from trainkit.core.tree import ArrayValue, KeyPath, PyTree, leaf_name
 
 
 def named_variables(
@@ -31,7 +31,7 @@ def named_variables(
 def replaced(params: PyTree, model_state: PyTree, arrays: Mapping[str, ArrayValue]) -> tuple[PyTree, PyTree]:
     """``params`` and ``model_state`` with the leaves named in ``arrays`` replaced."""
 
-    def swap(path: jax.tree_util.KeyPath, leaf: PyTree) -> PyTree:
+    def swap(path: KeyPath, leaf: PyTree) -> PyTree:
         return arrays.get(leaf_name(path), leaf)
 
     return jax.tree_util.tree_map_with_path(swap, params), jax.tree_util.tree_map_with_path(swap, model_state)

@@ -11,8 +11,10 @@ import sys
 from collections.abc import Iterator
 from typing import Any
 
+from trainkit.core.tree import PyTree
 from trainkit.data.iterable import IterableDataset
 from trainkit.data.random_access import HuggingFaceSource, RandomAccessSource
+from trainkit.data.source import Source
 
 
 class _TensorFlowBatches:
@@ -22,7 +24,7 @@ class _TensorFlowBatches:
     def __init__(self, dataset: Any):
         self.dataset = dataset
 
-    def __iter__(self) -> Iterator:
+    def __iter__(self) -> Iterator[PyTree]:
         return iter(self.dataset.as_numpy_iterator())
 
     def __len__(self) -> int:
@@ -63,7 +65,7 @@ def _module(name: str) -> Any:
     return sys.modules.get(name)
 
 
-def adapt(data: Any) -> Any:
+def adapt(data: object) -> Source | None:
     """The :class:`DataSource` for a data library's dataset, or ``None`` when ``data`` is none of
     them (arrays and plain iterables are handled by :func:`trainkit.data.as_dataset`).
 

@@ -66,7 +66,7 @@ class ArrayDataset(Source):
         batch 32), reading such batches in the loop's thread trained 13% faster than handing
         them over from the prefetch thread; larger gathers overlap the device's step there."""
         row_bytes = sum(a.dtype.itemsize * int(np.prod(a.shape[1:])) for a in jax.tree.leaves((self.x, self.y)))
-        return row_bytes * batch_size <= QUICK_BATCH_BYTES
+        return bool(row_bytes * batch_size <= QUICK_BATCH_BYTES)
 
     def batches(self, batch_size: int, request: BatchRequest = FIRST_PASS) -> Iterator[Batch]:
         """Batches of ``batch_size`` rows from batch index ``request.start`` on.
@@ -123,7 +123,7 @@ def split_validation(dataset: Source, validation_split: float) -> tuple[ArrayDat
     )
 
 
-def with_class_weight(dataset: Source, class_weight: dict) -> ArrayDataset:
+def with_class_weight(dataset: Source, class_weight: Mapping[int, float]) -> ArrayDataset:
     """Keras's ``class_weight``: every row weighted by its class (integer labels, ``(B, 1)``
     labels or one-hot targets), 1.0 for classes not in the dict."""
     arrays = _arrays_only(dataset, "class_weight")

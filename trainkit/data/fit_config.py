@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 from typing import NamedTuple
 
+from trainkit.core.tree import JSON
 from trainkit.data.batching import check_positive, check_shuffle
 from trainkit.data.epochs import epochs_until
 from trainkit.data.source import Source
@@ -129,7 +130,7 @@ class FitConfig:
             return (self.max_steps or 2 * self.validation_interval) // self.validation_interval
         return sum(self.validates(e) for e in range(self.initial_epoch, self.epoch_count))
 
-    def loop_settings(self) -> dict:
+    def loop_settings(self) -> dict[str, JSON]:
         """What every process must agree on (checked across processes)."""
         return {
             "epochs": self.epochs,

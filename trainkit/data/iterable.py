@@ -33,20 +33,20 @@ class Backlog:
     """What was read from an iterator and not trained on (``elements``, in order), and the
     thread reading it ahead (``reader``). ``shared``: kept with the iterator itself."""
 
-    elements: list = dataclasses.field(default_factory=list)
-    reader: ReadAhead | None = None
+    elements: list[object] = dataclasses.field(default_factory=list)
+    reader: ReadAhead[object] | None = None
     shared: bool = False
 
 
-_BACKLOGS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_BACKLOGS: weakref.WeakKeyDictionary[Iterator[object], Backlog] = weakref.WeakKeyDictionary()
 #: the backlogs of iterators that take no weak reference (``iter(list)``, ``map``, ``zip``,
 #: ``itertools.islice``), with the iterator itself, the most recently used last
-_HELD: collections.OrderedDict[int, tuple[Iterator, Backlog]] = collections.OrderedDict()
+_HELD: collections.OrderedDict[int, tuple[Iterator[object], Backlog]] = collections.OrderedDict()
 #: how many such iterators keep their backlog (each is kept alive while it is held)
 HELD_ITERATORS = 16
 
 
-def backlog_of(iterator: Iterator) -> Backlog:
+def backlog_of(iterator: Iterator[object]) -> Backlog:
     """The backlog kept with a one-shot ``iterator`` (a generator, ``iter(list)``, ``map``,
     ...), so that every dataset wrapping it serves what an earlier one read (``init``'s shape
     peek, a stop's read-ahead). An iterator that takes no weak reference is held, with its
@@ -113,7 +113,7 @@ class IterableDataset(Source):
     (an adapter's rule, such as a torch ``DataLoader``'s lists).
     """
 
-    def __init__(self, iterable: Iterable, convert: Callable[[Any], Any] | None = None):
+    def __init__(self, iterable: Iterable[object], convert: Callable[[Any], Any] | None = None):
         self.iterable = iterable
         self.convert = convert or (lambda element: element)
         self.one_shot = iter(iterable) is iterable
@@ -165,7 +165,8 @@ class IterableDataset(Source):
         if isinstance(state, bytes):
             _check_data_source_repr(state)
             return {"bytes": state.decode("latin-1")}
-        return state
+        position: JSON = state
+        return position
 
     def element_spec(self) -> PyTree:
         return example_spec(self._first[0])
@@ -180,7 +181,9 @@ class IterableDataset(Source):
         except TypeError:  # a __len__ that refuses (a generator-backed object)
             return None
 
-    def _elements(self, start: int, state: Any, read_ahead: bool = True, read_limit: int | None = None) -> Iterator:
+    def _elements(
+        self, start: int, state: Any, read_ahead: bool = True, read_limit: int | None = None
+    ) -> Iterator[object]:
         # Plain for-loops, not ``yield from``: closing this generator at an epoch's end must
         # not close a one-shot iterator that the next epoch continues.
         if state is not None and self.checkpointable:  # continue where the saved iterator stood
@@ -225,7 +228,7 @@ class IterableDataset(Source):
             reader.stop()
             reader.join()
 
-    def _served(self) -> Iterator:
+    def _served(self) -> Iterator[object]:
         """The elements read before and not trained on (the shape peek, a stop's read-ahead),
         in order."""
         while self._peeked:

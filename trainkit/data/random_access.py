@@ -31,7 +31,7 @@ Batch = dict[str, Any]
 LABEL_COLUMNS = ("label", "labels")
 
 
-def _pick(tree: dict, columns: str | Sequence[str] | None, what: str) -> PyTree:
+def _pick(tree: dict[str, PyTree], columns: str | Sequence[str] | None, what: str) -> PyTree:
     if columns is None:
         return None
     names = [columns] if isinstance(columns, str) else list(columns)
@@ -88,7 +88,7 @@ def _dead_workers(processes: Iterable[multiprocessing.Process]) -> str:
     return ", ".join(ended) or "it ended without an exit status"
 
 
-def _stack(elements: list) -> PyTree:
+def _stack(elements: list[PyTree]) -> PyTree:
     return jax.tree.map(lambda *leaves: np.stack([host_array(a) for a in leaves]), *elements)
 
 
@@ -177,7 +177,7 @@ class RandomAccessSource(Source):
         x, y, w = (None if t is None else jax.tree.map(lambda a: a[:0], t) for t in self._first)
         return x, y, w
 
-    def __getstate__(self) -> dict:
+    def __getstate__(self) -> dict[str, object]:
         return {**self.__dict__, "_pool": None}  # what a worker process receives
 
     def _worker_pool(self) -> concurrent.futures.ProcessPoolExecutor:
@@ -223,7 +223,9 @@ class RandomAccessSource(Source):
             self._worker_pool(),
             collections.deque[concurrent.futures.Future[tuple[PyTree, PyTree, PyTree]]](),
         )
-        workers: dict = {}  # pid -> process, kept: a broken executor forgets its dead workers
+        workers: dict[
+            int, multiprocessing.Process
+        ] = {}  # pid -> process, kept: a broken executor forgets its dead workers
         try:
             for rows in batches_rows:  # at most two batches per worker in flight
                 pending.append(pool.submit(_read_in_worker, rows))

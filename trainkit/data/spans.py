@@ -66,7 +66,7 @@ def executions(
             yield Span([pair[0]], False, 1, pair[1])
             continue
         want = max(1, min(size, room(read)))
-        group: list = []
+        group: list[tuple[PyTree, JSON]] = []
         try:
             group.extend(itertools.islice(pairs, want))
         except Exception:

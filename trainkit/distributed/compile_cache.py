@@ -61,7 +61,7 @@ def configure(setting: str | None = None) -> str | None:
     global _configured
     if setting is None:
         setting = os.environ.get(ENVIRONMENT)
-    current = jax.config.values["jax_compilation_cache_dir"]
+    current: str | None = jax.config.values["jax_compilation_cache_dir"]
     if current and current != _configured:  # the user's own choice
         return current
     directory = directory_for(setting)
@@ -131,4 +131,5 @@ def drop_broken_entries(directory: str) -> list[str]:
 
 def active_directory() -> str | None:
     """The compilation cache directory in use (trainkit's or the user's own), ``None`` when off."""
-    return jax.config.values["jax_compilation_cache_dir"]
+    directory: str | None = jax.config.values["jax_compilation_cache_dir"]
+    return directory

@@ -26,22 +26,26 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Mapping, Sequence
+from typing import IO, Any
 
 #: Seconds the other processes get to exit after SIGTERM before they are killed.
 GRACE_SECONDS = 5.0
 #: Seconds the launcher waits after a first failure for the others, to tell cause from effect.
 SETTLE_SECONDS = 10.0
+#: Each process's first error line, by process index: ``(when it was read, the line)``.
+Errors = dict[int, tuple[float, str]]
 
 
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+        return int(sock.getsockname()[1])
 
 
-def build_env(base: dict, *, process_id: int, nproc: int, port: int, devices_per_proc: int | None) -> dict:
+def build_env(
+    base: Mapping[str, str], *, process_id: int, nproc: int, port: int, devices_per_proc: int | None
+) -> dict[str, str]:
     env = dict(base)
     env.update(
         JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}",
@@ -60,7 +64,7 @@ def build_env(base: dict, *, process_id: int, nproc: int, port: int, devices_per
     return env
 
 
-def _relay(index: int, stream, lock: threading.Lock, errors: dict) -> None:
+def _relay(index: int, stream: IO[str], lock: threading.Lock, errors: Errors) -> None:
     for line in iter(stream.readline, ""):
         if _ERROR_LINE.match(line):  # a traceback's last line; the first one is the root cause of a chain
             errors.setdefault(index, (time.monotonic(), line.strip()))
@@ -74,12 +78,12 @@ def _relay(index: int, stream, lock: threading.Lock, errors: dict) -> None:
 _SECONDARY = re.compile(r"Gloo|Connection reset|Coordination|heartbeat|Barrier|DEADLINE_EXCEEDED|UNAVAILABLE", re.I)
 
 
-def _secondary(process, error) -> bool:
+def _secondary(process: subprocess.Popen[str], error: tuple[float, str] | None) -> bool:
     """A failure caused by a peer's death: a torn-down collective, or (without a Python error
     of its own) the coordination service's abort."""
     if error is not None:
         return bool(_SECONDARY.search(error[1]))
-    return process.returncode == -signal.SIGABRT
+    return bool(process.returncode == -signal.SIGABRT)
 
 
 _ERROR_LINE = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception|Interrupt|Exit)\b.*:")
@@ -115,9 +119,9 @@ def launch(command: Sequence[str], nproc: int, devices_per_proc: int | None = No
         )
     port = port or free_port()
     lock = threading.Lock()
-    processes: list[subprocess.Popen] = []
+    processes: list[subprocess.Popen[str]] = []
     relays: list[threading.Thread] = []
-    errors: dict[int, tuple] = {}
+    errors: Errors = {}
     received: list[int] = []
     previous: dict[signal.Signals, Any] = {}
     if threading.current_thread() is threading.main_thread():
@@ -168,7 +172,9 @@ def launch(command: Sequence[str], nproc: int, devices_per_proc: int | None = No
     return 128 - code if index < 0 or code < 0 else code
 
 
-def _watch(processes, received: list[int], errors: dict, relays) -> tuple[int, int] | None:
+def _watch(
+    processes: list[subprocess.Popen[str]], received: list[int], errors: Errors, relays: list[threading.Thread]
+) -> tuple[int, int] | None:
     """``(index, code)`` of the process that failed first, ``(-1, -signum)`` for a signal the
     launcher received, or ``None`` when every process exited with 0. A peer that fails
     *because* another died (a collective's connection reset) prints its error after the first

@@ -21,14 +21,16 @@ import math
 import os
 import sys
 import time
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Mapping, Sequence
+from typing import Any, TypeVar
 
 import jax
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from trainkit.distributed import engines, environment, joining, ray_train
+
+T = TypeVar("T")
 
 #: Seconds without a heartbeat after which JAX's coordination service declares a process dead
 #: and stops the others (JAX's own default is 100).
@@ -40,7 +42,7 @@ def process_index() -> int:
 
 
 def process_count() -> int:
-    return jax.process_count()
+    return int(jax.process_count())
 
 
 def is_main_process() -> bool:
@@ -336,7 +338,7 @@ def global_replicas(tree: Any) -> Any:
     return jax.tree.map(global_replica, tree)
 
 
-def check_same_configuration(config: dict[str, Any]) -> None:
+def check_same_configuration(config: Mapping[str, object]) -> None:
     """Raises on every process if ``config`` (JSON-able) differs between processes, naming the
     fields and each process's value. Free on one process."""
     if jax.process_count() == 1:
@@ -374,9 +376,9 @@ def broadcast_int(value: int) -> int:
     return int(multihost_utils.broadcast_one_to_all(np.int32(value)))
 
 
-def gather_json(value: Any) -> list:
-    """``value`` (JSON-able) of every process, in process order; ``[value]`` on one process.
-    Call it on every process (it is a collective).
+def gather_json(value: T) -> list[T]:
+    """``value`` (JSON-able: lists, dicts of str keys, numbers, strings; no tuples) of every process,
+    in process order; ``[value]`` on one process. Call it on every process (it is a collective).
 
     >>> gather_json({"next_index": 4})
     [{'next_index': 4}]
@@ -390,4 +392,5 @@ def gather_json(value: Any) -> list:
     padded = np.zeros(longest, np.uint8)
     padded[: len(text)] = text
     rows = np.asarray(multihost_utils.process_allgather(padded))
-    return [json.loads(bytes(row).rstrip(b"\0").decode()) for row in rows]
+    values: list[T] = [json.loads(bytes(row).rstrip(b"\0").decode()) for row in rows]
+    return values

@@ -26,9 +26,11 @@ import re
 import shutil
 import socket
 import sys
-from typing import Any
+from typing import Any, TypeVar
 
 from trainkit.distributed.engines import Job
+
+T = TypeVar("T")
 
 #: a Ray checkpoint written by trainkit: the backup folder's name and the step
 _CHECKPOINT = re.compile(r"^trainkit-(?P<name>.+)-step-(?P<step>\d+)$")
@@ -125,8 +127,9 @@ def preemption_notice() -> bool:
     return ray.train.get_preemption_info() is not None
 
 
-def shared(value: Any) -> Any:
+def shared(value: T) -> T:
     """Rank 0's ``value`` on every worker (Ray's collective)."""
     from ray.train.collective import broadcast_from_rank_zero
 
-    return broadcast_from_rank_zero(value)
+    result: T = broadcast_from_rank_zero(value)
+    return result

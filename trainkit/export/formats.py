@@ -20,13 +20,13 @@ import numpy as np
 
 from trainkit import distributed
 from trainkit.core.local_path import require_local
-from trainkit.core.tree import PyTree
+from trainkit.core.tree import PyTree, TreeFunction
 from trainkit.distributed import atomic
 from trainkit.export import jax_format, onnx_format, tf_saved_model
 from trainkit.export.signature import symbolic_inputs
 
 #: Each format: what writes it, and the packages it needs with how to install them.
-FORMATS: dict[str, tuple[Callable, dict[str, str]]] = {
+FORMATS: dict[str, tuple[Callable[..., dict[str, object]], dict[str, str]]] = {
     "jax": (jax_format.save, {}),
     "tf_saved_model": (tf_saved_model.save, {"tensorflow": "pip install tensorflow-cpu"}),
     "onnx": (
@@ -100,7 +100,7 @@ def check_format(format: str) -> None:
 
 def write(
     path: str | os.PathLike[str],
-    function: Callable,
+    function: TreeFunction,
     variables: PyTree,
     spec: PyTree,
     format: str | None = None,
@@ -132,7 +132,7 @@ def write(
 
 def export(
     path: str | os.PathLike[str],
-    inference: Callable[[], tuple[Callable, PyTree, PyTree]],
+    inference: Callable[[], tuple[TreeFunction, PyTree, PyTree]],
     format: str | None = None,
     *,
     verbose: bool = True,

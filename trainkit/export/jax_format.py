@@ -25,12 +25,12 @@ import functools
 import hashlib
 import json
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import jax
 import numpy as np
 
-from trainkit.core.tree import PyTree
+from trainkit.core.tree import PyTree, TreeFunction
 from trainkit.export.signature import leaf_names, output_names
 
 #: The first bytes of a trainkit ``"jax"`` export written with a header (before the sidecar), and
@@ -43,18 +43,18 @@ SIDECAR = ".json"
 
 def save(
     path: str | os.PathLike[str],
-    function: Callable,
+    function: TreeFunction,
     variables: PyTree,
     inputs: PyTree,
     platforms: Sequence[str] | None = None,
-) -> dict:
+) -> dict[str, object]:
     """Exports ``function(variables, x)`` for the symbolic ``inputs``, the variables inside as
     constants (for ``platforms``, default the current backend), into ``path``, and its
     description into ``path + ".json"``; returns what was written (bytes, calling convention,
     platforms)."""
     exported = jax.export.export(jax.jit(functools.partial(function, variables)), platforms=platforms)(inputs)
     data = bytes(exported.serialize())
-    described = {
+    described: dict[str, object] = {
         "format": 2,
         "payload_bytes": len(data),
         "sha256": hashlib.sha256(data).hexdigest(),
@@ -70,7 +70,7 @@ def save(
     return {"bytes": len(data), **{k: described[k] for k in ("calling_convention_version", "platforms")}}
 
 
-def _checked(described: object, where: str) -> dict:
+def _checked(described: object, where: str) -> dict[str, object]:
     if not (
         isinstance(described, dict)
         and isinstance(described.get("payload_bytes"), int)
@@ -85,7 +85,7 @@ def _headed(path: str | os.PathLike[str]) -> bool:
         return file.read(len(MAGIC)) == MAGIC
 
 
-def header(path: str | os.PathLike[str]) -> dict:
+def header(path: str | os.PathLike[str]) -> dict[str, object]:
     """What the sidecar (or, for an older file, the header) says of a ``"jax"`` export; ``{}``
     for a plain serialization without either."""
     sidecar = os.fspath(path) + SIDECAR

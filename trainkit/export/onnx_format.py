@@ -19,11 +19,10 @@ import contextlib
 import importlib.metadata
 import logging
 import os
-from collections.abc import Callable
 
 import jax
 
-from trainkit.core.tree import PyTree
+from trainkit.core.tree import PyTree, TreeFunction
 from trainkit.export.signature import leaf_names, output_names
 
 #: Loggers that report jax2onnx's internals at WARNING on every conversion (optional plugins it
@@ -44,7 +43,9 @@ def _quiet(names: tuple[str, ...]):
             logger.setLevel(level)
 
 
-def save(path: str | os.PathLike[str], function: Callable, variables: PyTree, inputs: PyTree, opset: int = 21) -> dict:
+def save(
+    path: str | os.PathLike[str], function: TreeFunction, variables: PyTree, inputs: PyTree, opset: int = 21
+) -> dict[str, object]:
     """Writes the ONNX model of ``function(variables, x)`` for the symbolic ``inputs`` to ``path``."""
     import jax2onnx
     from jax.extend.core import jaxpr_as_fun

@@ -9,11 +9,9 @@ leaves of the inputs and outputs (a single array, a tuple, a list or a dict of t
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import jax
 
-from trainkit.core.tree import PyTree
+from trainkit.core.tree import PyTree, TreeFunction
 from trainkit.data import abstract_inputs, is_spec
 
 #: The name of the symbolic batch dimension in every format.
@@ -27,7 +25,7 @@ def symbolic_inputs(spec: PyTree) -> PyTree:
     return abstract_inputs(spec, batch)  # type: ignore[arg-type]  # a symbolic dimension is a size
 
 
-def output_names(function: Callable, variables: PyTree, inputs: PyTree) -> list[str]:
+def output_names(function: TreeFunction, variables: PyTree, inputs: PyTree) -> list[str]:
     """:func:`leaf_names` of the outputs of ``function(variables, x)`` for the symbolic ``inputs``
     (traced, never run)."""
     return leaf_names(jax.eval_shape(lambda x: function(variables, x), inputs), "output")

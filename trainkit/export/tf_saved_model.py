@@ -16,12 +16,12 @@ TensorShape([4, 3])
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import jax
 import numpy as np
 
-from trainkit.core.tree import PyTree
+from trainkit.core.tree import PyTree, TreeFunction
 from trainkit.export.signature import leaf_names, output_names
 
 
@@ -31,11 +31,11 @@ def _tensor_spec(tf, leaf: jax.ShapeDtypeStruct):
 
 def save(
     path: str | os.PathLike[str],
-    function: Callable,
+    function: TreeFunction,
     variables: PyTree,
     inputs: PyTree,
     platforms: Sequence[str] | None = None,
-) -> dict:
+) -> dict[str, object]:
     """Writes the SavedModel of ``function(variables, x)`` for the symbolic ``inputs`` to ``path``."""
     import tensorflow as tf
     from jax.experimental import jax2tf

@@ -21,6 +21,7 @@ import math
 import statistics
 import time
 from collections.abc import Iterable, Iterator
+from typing import Any
 
 import jax
 
@@ -146,7 +147,8 @@ class FitRun:
         processes: tuple[ProcessLedger, ...] = ()
         if jax.process_count() > 1:
             mine = ledger.result(settle=False)
-            rows = distributed.gather_json([mine.buckets, mine.step_median, mine.step_p99])
+            row: list[Any] = [mine.buckets, mine.step_median, mine.step_p99]  # a dict and two numbers
+            rows = distributed.gather_json(row)
             processes = tuple(ProcessLedger(i, *row) for i, row in enumerate(rows))
         ledger.close(processes)
 

@@ -118,7 +118,7 @@ class Loss:
     for the same output follow it, e.g. ``"accuracy"`` thresholds at 0.5 on probabilities).
     Subclasses set ``fn``, a per-example function taking ``from_logits`` and the options."""
 
-    fn: staticmethod
+    fn: staticmethod[..., jax.Array]
 
     def __init__(self, name: str, from_logits: bool, **options):
         self.name = self.__name__ = name

@@ -137,7 +137,7 @@ class ConfusionMatrix(Sums):
     """The weighted confusion matrix (true class x predicted class) and the classes averaged."""
 
     matrix: jax.Array
-    targets: tuple = flax.struct.field(pytree_node=False, default=())
+    targets: tuple[int, ...] = flax.struct.field(pytree_node=False, default=())
 
     def compute(self):
         predicted, actual = jnp.sum(self.matrix, axis=0), jnp.sum(self.matrix, axis=1)

@@ -26,7 +26,7 @@ import numpy as np
 import optax
 
 from trainkit.core.totals import per_row
-from trainkit.core.tree import PyTree
+from trainkit.core.tree import PyTree, Shape
 from trainkit.objective import crossentropy
 from trainkit.objective.crossentropy import (  # noqa: F401  (Keras's loss classes, as tk.losses.*)
     BinaryCrossentropy,
@@ -77,7 +77,7 @@ def binary_crossentropy(logits: jax.Array, labels: jax.Array) -> jax.Array:
     return _mean_over_features(optax.sigmoid_binary_cross_entropy(logits, labels))
 
 
-def pick_crossentropy(target_shape: tuple, output_shape: tuple) -> LossFn:
+def pick_crossentropy(target_shape: Shape, output_shape: Shape) -> LossFn:
     """Keras's ``"crossentropy"`` rule (``compile_utils.is_binary_or_sparse_categorical``), on
     shapes with the batch axis: one output is binary; targets of lower rank, or with one
     feature against several outputs, are class ids; otherwise one-hot.
@@ -230,7 +230,7 @@ LOGITS_LOSSES = (
 )
 
 
-def keras_order(fn: Callable) -> LossFn:
+def keras_order(fn: Callable[[PyTree, PyTree], jax.Array]) -> LossFn:
     """A loss or metric written for Keras, ``fn(y_true, y_pred)``, in trainkit's (optax's)
     order ``(predictions, targets)``.
 
@@ -247,7 +247,7 @@ def keras_order(fn: Callable) -> LossFn:
     return swapped
 
 
-def in_keras_order(fn: Callable) -> Callable:
+def in_keras_order(fn: LossFn) -> LossFn:
     """``fn`` called the way its parameters are named: ``fn(y_true, y_pred)`` (Keras's names)
     gets the targets first (through :func:`keras_order`); any other callable keeps trainkit's
     (optax's) order ``(predictions, targets)``.
@@ -314,7 +314,7 @@ def per_example(loss: LossFn) -> LossFn:
     return values
 
 
-def concrete(loss: LossFn, target_shape: tuple, output_shape: tuple) -> LossFn:
+def concrete(loss: LossFn, target_shape: Shape, output_shape: Shape) -> LossFn:
     """``loss`` itself, or for ``"crossentropy"`` the one it picks for these shapes (with the
     batch axis), so that checks see the loss that will run."""
     return pick_crossentropy(target_shape, output_shape) if loss is crossentropy_by_shapes else loss
@@ -351,7 +351,8 @@ def looks_like_probabilities(outputs: jax.Array, targets: PyTree = None) -> jax.
         flags = (first >= 0) & (first <= 1)
     else:
         flags = (first >= 0) & (xp.abs(first.sum(axis=-1, keepdims=True) - 1) < 1e-3)
-    return xp.all(flags, axis=1).astype(xp.float32)
+    looks: jax.Array = xp.all(flags, axis=1).astype(xp.float32)
+    return looks
 
 
 def is_sparse(loss: object) -> bool:

@@ -134,7 +134,8 @@ METRICS: dict[str, MetricFn] = {
 # names) or probabilities (the output's loss says from_logits=False, as Keras's default).
 def _stateful(cls: type, logits: bool) -> MetricFn:
     """A stateful metric (AUC, precision, ...) reading logits or probabilities."""
-    return cls().with_space(logits)
+    fn: MetricFn = cls().with_space(logits)
+    return fn
 
 
 SPACE_METRICS: dict[str, Callable[[bool], MetricFn]] = {
@@ -174,9 +175,10 @@ def direction(name: str, metric: object = None) -> str | None:
     return "max" if any(part in name for part in RISING) else "min"
 
 
-def get_metrics(metrics: Sequence[str | MetricFn] | None, *, logits: bool = True) -> dict[str, MetricFn]:
+def get_metrics(metrics: Sequence[object] | None, *, logits: bool = True) -> dict[str, MetricFn]:
     """Named per-example metric functions (or :mod:`trainkit.objective.metric_states` objects) for an
-    output of logits (``logits=True``) or probabilities; unknown names list the known ones."""
+    output of logits (``logits=True``) or probabilities, from names, metric objects and callables (anything
+    else refused); unknown names list the known ones."""
     resolved: dict[str, MetricFn] = {}
     for metric in metrics or ():
         if type(metric).__module__.startswith("keras") and hasattr(metric, "update_state"):

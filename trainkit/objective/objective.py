@@ -32,10 +32,15 @@ import jax.numpy as jnp
 import numpy as np
 
 from trainkit.core import checks
-from trainkit.core.totals import BatchMetric
+from trainkit.core.totals import BatchMetric, MetricFn
 from trainkit.core.tree import PyTree
 from trainkit.objective import crossentropy, losses
 from trainkit.objective import metrics as metrics_lib
+
+#: An output's key in a dict or list of outputs (``None``: the only one).
+OutputKey = str | int | None
+#: ``(predictions, targets) -> (this output's predictions, its targets)``.
+Picker = Callable[[PyTree, PyTree], tuple[PyTree, PyTree]]
 
 
 @dataclass(frozen=True)
@@ -45,14 +50,14 @@ class Output:
     and loss weight, and whether the loss reads it as logits."""
 
     name: str
-    key: str | int | None  # the output's key in a dict or list of outputs (None: the only one)
-    loss: Callable | None
+    key: OutputKey
+    loss: losses.LossFn | None
     loss_name: str
     weight: float
     logits: bool
 
 
-def _pick(tree: PyTree, key: str | int | None, what: str) -> PyTree:
+def _pick(tree: PyTree, key: OutputKey, what: str) -> PyTree:
     if key is None:
         return tree
     try:
@@ -79,13 +84,13 @@ def takes_logits(loss: object) -> bool:
     return not losses.is_keras_object(loss)
 
 
-def _as_list(spec: object) -> list:
+def _as_list(spec: object) -> list[object]:
     if spec is None:
         return []
     return list(spec) if isinstance(spec, (list, tuple)) else [spec]
 
 
-def _structure(targets: PyTree) -> tuple[str, list]:
+def _structure(targets: PyTree) -> tuple[str, list[OutputKey]]:
     """``("single", [None])``, ``("dict", sorted keys)`` or ``("list", indices)``."""
     if isinstance(targets, Mapping) and not isinstance(targets, np.ndarray):
         return "dict", sorted(targets)
@@ -121,8 +126,8 @@ class Objective:
             )
         self.spec = (loss, metrics, weighted_metrics, loss_weights)
         self.own_loss, self.loss_calls = own_loss, 0  # loss_calls: how often :meth:`loss` was traced
-        self.structure: tuple | None = None
-        self.sparse_labels: dict[str | int | None, tuple[int, int]] = {}
+        self.structure: tuple[str, tuple[OutputKey, ...]] | None = None
+        self.sparse_labels: dict[OutputKey, tuple[int, int]] = {}
         self.build(None)
 
     # ------------------------------------------------------------------ building
@@ -233,7 +238,7 @@ class Objective:
         )
 
     @staticmethod
-    def _per_output(spec, names, what) -> dict[str, list]:
+    def _per_output(spec: MetricSpec, names: list[str], what: str) -> dict[str, list[object]]:
         if len(names) == 1:  # one output: every metric applies to it (Keras)
             entries = spec.values() if isinstance(spec, dict) else _as_list(spec)
             return {names[0]: [metric for entry in entries for metric in _as_list(entry)]}
@@ -252,7 +257,7 @@ class Objective:
         metrics, weighted = self._metric_specs
         several = len(self.outputs) > 1
         prefix = lambda out, name: f"{out.name}_{name}" if several else name  # noqa: E731
-        fns: dict[str, Callable] = {}
+        fns: dict[str, MetricFn | BatchMetric] = {}
         self.directions: dict[str, str | None] = {"loss": "min"}
         for out in self.outputs:
             select = self._selector(out)
@@ -425,7 +430,7 @@ class Objective:
         return found
 
 
-def _pick_output(key: str | int | None, predictions: PyTree, targets: PyTree) -> tuple[PyTree, PyTree]:
+def _pick_output(key: OutputKey, predictions: PyTree, targets: PyTree) -> tuple[PyTree, PyTree]:
     """One output's predictions and targets from the whole structures."""
     return _pick(predictions, key, "model's outputs"), None if targets is None else _pick(targets, key, "targets")
 
@@ -433,7 +438,7 @@ def _pick_output(key: str | int | None, predictions: PyTree, targets: PyTree) ->
 class _OnOutput:
     """A metric of one output, called on the whole structures."""
 
-    def __init__(self, fn: Callable, pick: Callable):
+    def __init__(self, fn: MetricFn, pick: Picker):
         self.fn, self.pick = fn, pick
         self.__name__ = getattr(fn, "__name__", "metric")  # a user's callable
 
@@ -444,7 +449,7 @@ class _OnOutput:
 class _StatefulOnOutput(BatchMetric):
     """A stateful metric of one output: it keeps its state, on this output."""
 
-    def __init__(self, metric: BatchMetric, pick: Callable):
+    def __init__(self, metric: BatchMetric, pick: Picker):
         self.metric, self.pick = metric, pick
         self.__name__ = getattr(metric, "__name__", "metric")  # a user's metric
 

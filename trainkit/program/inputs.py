@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
 
 import jax
@@ -29,7 +29,7 @@ from trainkit import data as data_lib
 from trainkit import distributed
 from trainkit.core import step as step_lib
 from trainkit.core.precision import NoLossScale
-from trainkit.core.tree import PyTree
+from trainkit.core.tree import JSON, PyTree
 from trainkit.core.warn import warn_user
 from trainkit.data import FitConfig, Validation
 from trainkit.program import auto as auto_lib
@@ -68,7 +68,7 @@ def prepare(
     targets: bool,
     training: bool = False,
     announce: bool = False,
-    config: dict | None = None,
+    config: dict[str, JSON] | None = None,
     run_steps: Callable[[data_lib.Prepared], int | None] | None = None,
 ) -> data_lib.Prepared:
     """The input resolved once, checked across processes, the objective built and checked on
@@ -260,7 +260,7 @@ def prepare_fit(
     validation_data: Any = None,
     validation_split: float = 0.0,
     validation_batch_size: int | None = None,
-    class_weight: dict | None = None,
+    class_weight: Mapping[int, float] | None = None,
     announce: bool = False,
 ) -> FitData:
     """``fit``'s training data prepared (Keras's ``validation_split`` and ``class_weight``
@@ -323,7 +323,7 @@ def prepare_validation(setup: Setup, data: Any, batch_size: int | None) -> data_
     prepared = data_lib.prepare(data, batch_size=batch_size, needs_targets=not setup.custom_loss)
     prepared = capped_at_data(setup, prepared, 1, said=False)
     batches = prepared.source.steps(prepared.batch_size)
-    facts = {"batch_size": prepared.batch_size, "inputs": str(prepared.spec), "rows": prepared.rows}
+    facts: dict[str, JSON] = {"batch_size": prepared.batch_size, "inputs": str(prepared.spec), "rows": prepared.rows}
     distributed.check_same_configuration(
         {f"validation {name}": value for name, value in facts.items()} | {"validation batches": batches}
     )

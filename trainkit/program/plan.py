@@ -33,7 +33,7 @@ from trainkit import distributed
 from trainkit.core import cost as cost_lib
 from trainkit.core.leaf_step import LeafStep
 from trainkit.core.offload import in_host_memory
-from trainkit.core.state import TrainState
+from trainkit.core.state import Batch, TrainState
 from trainkit.core.tree import PyTree, TreeFunction, array_bytes
 from trainkit.data import check_batch_size
 from trainkit.program import budget as budget_lib
@@ -167,7 +167,7 @@ class PlanRow:
     flops: float = 0.0
     bytes_accessed: float = 0.0
     collective_bytes: int = 0
-    collectives: dict = dataclasses.field(default_factory=dict)
+    collectives: dict[str, int] = dataclasses.field(default_factory=dict)
     estimated_seconds: float = math.inf
     measured_seconds: float | None = None
     fits: bool = False
@@ -543,7 +543,7 @@ def _skip_unprofitable(first: PlanRow, rows: Sequence[PlanRow], run_steps: int) 
     return min((worth[id(row)].break_even_steps for row in skipped), default=None)
 
 
-def _wait(side: concurrent.futures.Future | None) -> None:
+def _wait(side: concurrent.futures.Future[object] | None) -> None:
     """Waits for the side compile; a failure is a warm-up's: what needs it fails clearly itself."""
     if side is not None and side.exception() is not None:
         logger.debug("the plan's side compile failed: %s", side.exception())
@@ -595,7 +595,7 @@ def state_bytes_per_device(abstract_state: PyTree, shardings: PyTree) -> int:
 
 
 def plan_step(
-    host_batch: dict,
+    host_batch: Batch,
     candidates: Sequence[Strategy],
     *,
     abstract_state: PyTree,

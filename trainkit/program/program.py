@@ -38,15 +38,25 @@ from trainkit.core.features.gradient_statistics import measure_statistics
 from trainkit.core.features.label_check import check_labels
 from trainkit.core.features.spike_skipping import skip_spikes
 from trainkit.core.lora import LoRA, is_adapter
-from trainkit.core.model import LinenModel, ModelAdapter, param_axes, starting_variables, under_logical_rules, with_lora
+from trainkit.core.model import (
+    Apply,
+    AxisNames,
+    LinenModel,
+    ModelAdapter,
+    param_axes,
+    starting_variables,
+    under_logical_rules,
+    with_lora,
+)
 from trainkit.core.offload import Offload
 from trainkit.core.optimizer_groups import OptimizerGroups
 from trainkit.core.precision import Precision, cast_floating
-from trainkit.core.remat import rematerialised, repeated_blocks, wrap_remat
+from trainkit.core.remat import Remat, rematerialised, repeated_blocks, wrap_remat
 from trainkit.core.spikes import SpikeSkip
 from trainkit.core.state import Batch, TrainState, seed_key
 from trainkit.core.statistics import StepStatistics
 from trainkit.core.step import (
+    LossFn,
     TrainStepOptions,
     make_eval_step,
     make_multi_step,
@@ -57,8 +67,9 @@ from trainkit.core.step import (
 from trainkit.core.step_feature import StepFeature
 from trainkit.core.totals import EpochTotals, pack
 from trainkit.core.trainable import Trainable, TrainableSpec
-from trainkit.core.tree import PyTree
+from trainkit.core.tree import PyTree, TreeFunction
 from trainkit.core.warn import warn_user
+from trainkit.objective import Objective
 from trainkit.program import plan as plan_lib
 from trainkit.strategies import Strategy
 
@@ -96,11 +107,11 @@ class Program:
         self,
         *,
         adapter: ModelAdapter,
-        compute_loss: Callable,
-        apply: Callable | None = None,
-        remat: Any = None,
+        compute_loss: LossFn,
+        apply: Apply | None = None,
+        remat: Remat = None,
         optimizer: optax.GradientTransformation | dict[str, optax.GradientTransformation],
-        objective: Any,
+        objective: Objective,
         precision: Precision,
         grad_accum_steps: int = 1,
         log_grad_norm: bool = False,
@@ -159,7 +170,7 @@ class Program:
         self.frozen_statistics = bool(frozen_statistics)
         self._frozen_layers: frozenset[str] | None = None  # the frozen BatchNorms, found at the first trace
         #: what the train step measures for a callback (``GradientStats``); set by the setup per ``fit``
-        self._param_axes: dict | None = None  # the model's partitioning annotations, once read
+        self._param_axes: dict[str, AxisNames] | None = None  # the model's partitioning annotations, once read
         self._abstract_states: dict[str, PyTree] = {}  # abstract_state by the first row's signature
 
     def frozen_layers(self, params: PyTree, model_state: PyTree, x: PyTree) -> frozenset[str]:
@@ -243,9 +254,10 @@ class Program:
     def create_state(self, strategy: Strategy, first_row: PyTree) -> TrainState:
         """The state built directly in ``strategy``'s shardings (a configured strategy: see
         :meth:`configured`)."""
-        return strategy.create_state(
+        state: TrainState = strategy.create_state(
             self.init_state, starting_variables(self.adapter, self.variables, first_row), first_row, seed_key(self.seed)
         )
+        return state
 
     def configured(self, strategy: Strategy, first_row: PyTree) -> Strategy:
         """``strategy`` configured before it places anything: with the model's parameter
@@ -301,7 +313,7 @@ class Program:
         abstract_state: PyTree,
         first_row: PyTree,
         statistics: StepStatistics | None = None,
-    ) -> Callable:
+    ) -> TreeFunction:
         """``compile(kind, ...)`` for a plan's candidate; :class:`~trainkit.program.plan.NotACandidate`
         for a candidate whose training step would compute another result than ``SingleDevice``'s."""
         reason = self.changes_result(strategy, first_row, abstract_state) if kind == "train" else None
@@ -321,7 +333,7 @@ class Program:
     # ------------------------------------------------------------------ compiled steps
     def compile(
         self, kind: str, strategy: Strategy, abstract_state: PyTree, statistics: StepStatistics | None = None
-    ) -> Callable:
+    ) -> TreeFunction:
         """The ``"train"``, ``"train_measured"`` (the train step that measures the statistics,
         called on their due steps), ``"train_steps"`` (several steps over stacked batches),
         ``"eval"`` or ``"predict"`` step compiled by ``strategy`` (with ``eager``: the pure step
@@ -338,7 +350,7 @@ class Program:
 
     def step(
         self, kind: str, axis: str | None, statistics: StepStatistics | None = None, *, offload: bool | None = None
-    ) -> Callable:
+    ) -> TreeFunction:
         """The pure step a strategy compiles (not compiled): ``"train"`` ``(state, totals,
         batch) -> (state, totals)`` (with statistics, ``"train_measured"`` measures them and
         ``"train"`` does not), ``"train_steps"`` the same over stacked batches (measuring on
@@ -382,7 +394,7 @@ class Program:
         statistics: StepStatistics | None = None,
         *,
         offload: bool | None = None,
-    ) -> Callable:
+    ) -> TreeFunction:
         """The ``"train"`` step ``(state, batch) -> (state, metrics)`` or the ``"eval"`` step
         ``(state, batch) -> metrics``, before their metrics are merged into the totals; the
         statistics (``GradientStats``) measured as ``statistics_when`` says

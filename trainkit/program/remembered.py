@@ -20,6 +20,7 @@ import hashlib
 import json
 import logging
 import os
+from typing import TypedDict, TypeGuard
 
 from trainkit.distributed import atomic
 
@@ -28,7 +29,16 @@ logger = logging.getLogger("trainkit")
 SUBDIRECTORY = "trainkit-auto"
 
 
-def decision_key(facts: dict) -> str:
+class Decision(TypedDict):
+    """A stored ``"auto"`` decision, as :func:`remember` writes it."""
+
+    strategy: str  # the pick's short name
+    reason: str
+    initialised_under: str | None  # the candidate whose initialisation built the state (None: the pick's own)
+    compare_from_steps: float | None  # runs of this many steps or more compare the candidates left uncompiled
+
+
+def decision_key(facts: dict[str, object]) -> str:
     """A stable hash of the facts a decision depends on (JSON, keys sorted)."""
     return hashlib.sha256(json.dumps(facts, sort_keys=True, default=str).encode()).hexdigest()[:32]
 
@@ -37,7 +47,7 @@ def path_for(directory: str, key: str) -> str:
     return os.path.join(directory, SUBDIRECTORY, f"{key}.json")
 
 
-def recall(directory: str | None, key: str, run_steps: int | None = None) -> dict | None:
+def recall(directory: str | None, key: str, run_steps: int | None = None) -> Decision | None:
     """The decision stored under ``key`` (``{"strategy": short name, "reason": ...,
     "initialised_under": short name or None, "compare_from_steps": number or None}``), or
     ``None``: none stored, no directory, an unreadable file, or a decision that left
@@ -47,25 +57,26 @@ def recall(directory: str | None, key: str, run_steps: int | None = None) -> dic
         return None
     try:
         with open(path_for(directory, key)) as file:
-            decision = json.load(file)
+            read = json.load(file)
     except (OSError, ValueError):
         return None
-    if not well_formed(decision):
+    if not well_formed(read):
         return None
+    decision = read
     compare_from = decision.get("compare_from_steps")
     if compare_from is not None and (run_steps is None or run_steps >= compare_from):
         return None
     return decision
 
 
-def well_formed(decision: object) -> bool:
+def well_formed(decision: object) -> TypeGuard[Decision]:
     """Whether a stored decision has the fields and types this version writes (anything else,
     a hand-edited or truncated file, means: plan again).
 
     >>> well_formed({"strategy": "FSDP(fsdp=8)", "initialised_under": ["x"]})
     False
     """
-    if not isinstance(decision, dict) or not isinstance(decision.get("strategy"), str):
+    if not isinstance(decision, dict) or not all(isinstance(decision.get(k), str) for k in ("strategy", "reason")):
         return False
     under, compare_from = decision.get("initialised_under"), decision.get("compare_from_steps")
     number = isinstance(compare_from, (int, float)) and not isinstance(compare_from, bool)

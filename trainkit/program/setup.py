@@ -32,7 +32,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 import jax
@@ -44,7 +44,7 @@ from trainkit import distributed
 from trainkit.core import checks
 from trainkit.core import model as model_lib
 from trainkit.core.state import TrainState, abstract
-from trainkit.core.tree import PyTree
+from trainkit.core.tree import PyTree, TreeFunction
 from trainkit.distributed import compile_cache
 from trainkit.program import auto as auto_lib
 from trainkit.program import ladder as ladder_lib
@@ -175,7 +175,7 @@ class Setup:
         self.compiled.empty_totals("train", host_batch)  # shaped before anything lowers the train step
         return self.decided.require_strategy().put_batch(host_batch)
 
-    def inference(self, float32: bool = False) -> tuple[Callable, PyTree, PyTree]:
+    def inference(self, float32: bool = False) -> tuple[TreeFunction, PyTree, PyTree]:
         """What an export runs: ``predict``'s function ``(variables, x) -> outputs`` (eval mode,
         the precision policy, or with ``float32`` float32 computation), host copies of the
         variables it reads, and the per-example inputs."""

@@ -28,7 +28,7 @@ from trainkit import distributed
 from trainkit.core import lora as lora_lib
 from trainkit.core import optimizers
 from trainkit.core.state import TrainState, check_tree_matches
-from trainkit.core.tree import PyTree
+from trainkit.core.tree import JSON, PyTree
 from trainkit.core.variables import named_variables, replaced
 from trainkit.program.decisions import Decided
 from trainkit.program.program import Program
@@ -96,7 +96,7 @@ class StateAccess:
     def write_state(self, **fields: PyTree) -> TrainState:
         """:meth:`update_state` of values trainkit made and holds nowhere else (nothing copied)."""
         state = self.require_state()
-        placed = self.decided.require_strategy().put_like(state.replace(**fields), state)
+        placed: TrainState = self.decided.require_strategy().put_like(state.replace(**fields), state)
         self.session.replace_state(placed, moves_position=False)
         return placed
 
@@ -228,10 +228,10 @@ class StateAccess:
         state = self.require_state()
         return int(sum(np.prod(leaf.shape) for leaf in jax.tree.leaves((state.params, state.model_state))))
 
-    def settings(self) -> dict:
+    def settings(self) -> dict[str, JSON]:
         """The settings a checkpoint's manifest records besides the position."""
         program = self.program
-        settings: dict[str, Any] = {
+        settings: dict[str, JSON] = {
             "precision": str(program.precision.compute_dtype),
             "seed": program.seed,
             "grad_accum_steps": program.grad_accum_steps,

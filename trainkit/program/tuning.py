@@ -179,7 +179,7 @@ def find_batch_size(
         unit = max(c.num_batch_shards for c in candidates) * setup.program.grad_accum_steps
         rows, default_limit, where = None, resolved.memory_limit, f" for {resolved.spec}"
     # a compile-only executable cannot be cached or read back
-    cache: contextlib.AbstractContextManager = (
+    cache: contextlib.AbstractContextManager[object] = (
         contextlib.nullcontext() if resolved is None else without_persistent_cache()
     )
     sizes = batch_size_lib.candidate_sizes(unit, int(max_batch_size), powers_of_two, rows=rows)

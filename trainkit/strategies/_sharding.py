@@ -31,13 +31,11 @@ import jax
 import numpy as np
 from jax.sharding import PartitionSpec
 
+from trainkit.core.model import LogicalRule
 from trainkit.core.offload import HOST_MEMORY, on_host
 from trainkit.core.tree import PyTree, leaf_name
 
 Rule = tuple[str, PartitionSpec]
-
-
-LogicalRule = tuple[str, str | tuple[str, ...] | None]
 
 
 def _is_mesh_axes(value: Any) -> bool:

@@ -18,6 +18,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from trainkit.core.model import LogicalRule
 from trainkit.core.offload import Offload
 from trainkit.core.remat import Remat
 from trainkit.core.tree import Leaf, PyTree, TreeFunction
@@ -74,7 +75,7 @@ class Strategy:
     remat: Remat = None
     #: Flax logical axis name -> mesh axes, for parameters annotated with
     #: ``nn.with_logical_partitioning`` and for ``nn.with_logical_constraint`` (none by default).
-    logical_rules: tuple[tuple[str, str | tuple[str, ...] | None], ...] = ()
+    logical_rules: tuple[LogicalRule, ...] = ()
 
     @property
     def mesh(self) -> Mesh:
