@@ -44,9 +44,6 @@ ModulePath = tuple[Hashable, ...]
 AxisNames = tuple[str | None, ...]
 #: A logical axis rule ``(logical name, mesh axis or axes)``, as ``flax.linen.logical_axis_rules`` takes it.
 LogicalRule = tuple[str, str | tuple[str, ...] | None]
-#: A model's forward pass, as :meth:`ModelAdapter.apply` runs it (and remat and precision wrap it):
-#: ``(params, model_state, x, *, rng, train, method=None) -> (outputs, new model state)``.
-Apply = Callable[..., tuple[PyTree, PyTree]]
 
 
 class ModuleCall(NamedTuple):

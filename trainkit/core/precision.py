@@ -27,9 +27,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.typing import DTypeLike
 
-from trainkit.core.model import Apply
 from trainkit.core.sown import LOSSES, split_sown
-from trainkit.core.tree import PyTree
+from trainkit.core.tree import Apply, PyTree
 
 
 @flax.struct.dataclass

@@ -37,8 +37,8 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from trainkit.core.model import Apply, LinenModel, ModelAdapter, ModulePath
-from trainkit.core.tree import TreeFunction
+from trainkit.core.model import LinenModel, ModelAdapter, ModulePath
+from trainkit.core.tree import Apply, TreeFunction
 
 P = ParamSpec("P")
 R = TypeVar("R")

@@ -24,6 +24,9 @@ ArrayValue = jax.Array | np.ndarray | np.generic
 Leaf = ArrayValue | jax.ShapeDtypeStruct
 #: A function of pytrees, such as a step a strategy compiled: ``(state, totals, batch) -> ...``.
 TreeFunction = Callable[..., PyTree]
+#: A model's forward pass, as :meth:`~trainkit.core.model.ModelAdapter.apply` runs it (and remat and precision wrap it):
+#: ``(params, model_state, x, *, rng, train, method=None) -> (outputs, new model state)``.
+Apply = Callable[..., tuple[PyTree, PyTree]]
 #: A value ``json.dumps`` writes: a data reader's saved position, a manifest's entry.
 JSON = None | bool | int | float | str | list["JSON"] | dict[str, "JSON"]
 #: An array's shape.

@@ -39,7 +39,6 @@ from trainkit.core.features.label_check import check_labels
 from trainkit.core.features.spike_skipping import skip_spikes
 from trainkit.core.lora import LoRA, is_adapter
 from trainkit.core.model import (
-    Apply,
     AxisNames,
     LinenModel,
     ModelAdapter,
@@ -67,7 +66,7 @@ from trainkit.core.step import (
 from trainkit.core.step_feature import StepFeature
 from trainkit.core.totals import EpochTotals, pack
 from trainkit.core.trainable import Trainable, TrainableSpec
-from trainkit.core.tree import PyTree, TreeFunction
+from trainkit.core.tree import Apply, PyTree, TreeFunction
 from trainkit.core.warn import warn_user
 from trainkit.objective import Objective
 from trainkit.program import plan as plan_lib
