@@ -75,6 +75,25 @@ def test_padding_repeats_real_rows_so_a_model_undefined_at_zero_trains_to_finite
     assert np.isfinite(history["loss"]).all(), history
 
 
+def test_the_normalising_model_trains_as_keras_trains_it_on_the_same_rows():
+    """Keras runs the last partial batch as it is (8 rows); trainkit pads it with repeated rows it
+    masks out: the same model and weights give Keras's losses and weights."""
+    keras = pytest.importorskip("keras")
+    keras.utils.set_random_seed(0)
+    normalise = keras.layers.Lambda(lambda x: x / keras.ops.norm(x, axis=-1, keepdims=True))
+    model = keras.Sequential([keras.Input((5,)), normalise, keras.layers.Dense(3)])
+    model.compile(
+        optimizer=keras.optimizers.SGD(0.1), loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    )
+    kernel, bias = model.get_weights()
+    trainer = tk.Trainer(Normalised(), loss="sparse_categorical_crossentropy", optimizer=optax.sgd(0.1),
+                         params={"Dense_0": {"kernel": kernel, "bias": bias}})  # fmt: skip
+    fit = {"batch_size": 64, "epochs": 2, "shuffle": False, "verbose": 0}
+    theirs, ours = model.fit(X, Y, **fit).history, trainer.fit(X, Y, **fit).history
+    np.testing.assert_allclose(ours["loss"], theirs["loss"], rtol=2e-5)
+    np.testing.assert_allclose(trainer.params["Dense_0"]["kernel"], model.get_weights()[0], rtol=1e-4, atol=1e-6)
+
+
 def test_loss_given_beside_a_compute_loss_that_never_uses_it_is_refused():
     with pytest.raises(ValueError, match=r"loss='mse' and loss_weights=0.5 given, but the trainer's compute_loss"):
         RowLoss(MLP(), loss="mse", loss_weights=0.5, optimizer=optax.sgd(0.1)).fit(X, Y, batch_size=64, verbose=0)
@@ -298,3 +317,42 @@ def test_an_in_batch_loss_is_refused_where_it_would_see_part_of_the_batch(option
     fsdp = InBatch(MLP(), optimizer=optax.sgd(0.1), strategy="fsdp").fit(X, Y, batch_size=64, verbose=0)
     np.testing.assert_allclose(fsdp.history["loss"], single.history["loss"], rtol=1e-5)  # the whole batch on both
     RowLoss(MLP(), optimizer=optax.sgd(0.1), **options).fit(X, Y, batch_size=64, verbose=0)  # a per-row loss trains
+
+
+class NormFeature(nn.Module):
+    """A row's features and their norm: a zero row gives a finite loss and a NaN gradient (the
+    square root's derivative at zero), the mistake a model meets on real data."""
+
+    @nn.compact
+    def __call__(self, x):
+        h = nn.Dense(8, use_bias=False)(x)
+        return nn.Dense(3)(jnp.concatenate([h, jnp.sqrt(jnp.sum(h**2, -1, keepdims=True))], -1))
+
+
+def _zero_row_at_batch_2():
+    x, y = make_classification(64, features=5)
+    x = x.copy()
+    x[37] = 0.0  # batch 2 of 16 rows, step 3
+    return x, y
+
+
+@pytest.mark.parametrize("strategy", ["single", "dp"])
+def test_a_nan_gradient_behind_a_finite_loss_is_named_at_its_own_step_with_the_norm_logged(strategy):
+    x, y = _zero_row_at_batch_2()
+    trainer = tk.Trainer(NormFeature(), loss="sparse_categorical_crossentropy", optimizer=optax.sgd(0.1),
+                         strategy=strategy, log_grad_norm=True)  # fmt: skip
+    with pytest.warns(UserWarning, match=r"The gradient is not finite at step 3 \(batch 2 of epoch 0\), whose loss"):
+        trainer.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0)
+    stopper = tk.callbacks.TerminateOnNaN()
+    trainer = tk.Trainer(NormFeature(), loss="sparse_categorical_crossentropy", optimizer=optax.sgd(0.1),
+                         strategy=strategy, log_grad_norm=True)  # fmt: skip
+    with pytest.warns(UserWarning, match=r"the gradient became nan \(its loss, [0-9.]+, is finite\) at batch 2"):
+        trainer.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0, callbacks=[stopper])
+    assert stopper.stopped_step == 3 and trainer.global_step == 3
+
+
+def test_without_the_norm_the_next_steps_loss_is_named_with_how_to_name_the_gradients_step():
+    x, y = _zero_row_at_batch_2()
+    trainer = tk.Trainer(NormFeature(), loss="sparse_categorical_crossentropy", optimizer=optax.sgd(0.1))
+    with pytest.warns(UserWarning, match=r"The loss is nan at step 4 \(batch 3 of epoch 0\).*log_grad_norm=True"):
+        trainer.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0)

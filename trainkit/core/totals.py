@@ -167,20 +167,18 @@ SKIPPED_WARNING = 25
 @flax.struct.dataclass
 class EpochTotals:
     """The metric totals of the steps so far in an epoch (or an evaluation), kept on the device:
-        the compiled step merges each step's metrics into it, and the host reads it only when
-        something needs the logs. It also watches, without a host read per step, for what the
-        loop warns about: the first non-finite loss and runs of skipped (fp16) steps.
+    the compiled step merges each step's metrics into it, and the host reads it only when
+    something needs the logs. It also watches, without a host read per step, for what the
+    loop warns about: the first non-finite loss and runs of skipped (fp16) steps.
 
-        Indices count the steps merged, from 1; 0 means "none".
+    Indices count the steps merged, from 1; 0 means "none".
 
-        >>> import numpy as np
-
-    from trainkit.core.tree import ArrayValue, PyTree
-        >>> carry = EpochTotals.empty({"loss": LossAverage(total=np.float32(0), count=np.float32(0))})
-        >>> for total in (2.0, np.nan, 4.0):
-        ...     carry = carry.add({"loss": LossAverage(total=jnp.float32(total), count=jnp.float32(2))})
-        >>> int(carry.steps), int(carry.first_non_finite), float(carry.first_non_finite_loss)
-        (3, 2, nan)
+    >>> import numpy as np
+    >>> carry = EpochTotals.empty({"loss": LossAverage(total=np.float32(0), count=np.float32(0))})
+    >>> for total in (2.0, np.nan, 4.0):
+    ...     carry = carry.add({"loss": LossAverage(total=jnp.float32(total), count=jnp.float32(2))})
+    >>> int(carry.steps), int(carry.first_non_finite), float(carry.first_non_finite_loss)
+    (3, 2, nan)
     """
 
     if TYPE_CHECKING:  # flax.struct.dataclass adds it
@@ -189,8 +187,8 @@ class EpochTotals:
 
     metrics: dict[str, PyTree]
     steps: jax.Array  # steps merged
-    first_non_finite: jax.Array  # the first step whose loss was not finite
-    first_non_finite_loss: jax.Array  # its loss
+    first_non_finite: jax.Array  # the first step whose loss (or, logged, gradient norm) was not finite
+    first_non_finite_loss: jax.Array  # its loss (finite when the gradient norm was not)
     # under a loss scale only (``None`` otherwise: no leaves, nothing computed per step)
     skipped_run: jax.Array | None = None  # steps in a row, up to the last one merged, that counted no row
     skipped_alarm: jax.Array | None = None  # the step at which such a run first reached SKIPPED_WARNING
@@ -223,7 +221,11 @@ class EpochTotals:
         merged.update({name: metric for name, metric in (self.metrics or {}).items() if name not in metrics})
         loss = metrics["loss"] if "loss" in metrics else _watched(metrics)
         value = loss.total / jnp.maximum(loss.count, 1.0)
-        new_bad = (self.first_non_finite == 0) & ~jnp.isfinite(loss.total)
+        bad = ~jnp.isfinite(loss.total)
+        norm = metrics.get(GRAD_NORM)
+        if isinstance(norm, WeightedAverage):  # computed anyway: a NaN gradient behind a finite loss, at its step
+            bad = bad | ~jnp.isfinite(norm.total)
+        new_bad = (self.first_non_finite == 0) & bad
         run, alarm, scale = self.skipped_run, self.skipped_alarm, self.skipped_scale
         if "loss_scale" in metrics:  # a loss scale skips steps with non-finite gradients
             assert run is not None and alarm is not None and scale is not None  # carried with a loss scale
@@ -250,6 +252,10 @@ def _watched(metrics: dict[str, PyTree]) -> LossAverage:
         return LossAverage(total=jnp.float32(0), count=jnp.float32(0))
     return LossAverage(total=sum(metric.total for metric in logs), count=logs[0].count)
 
+
+#: The global gradient norm's metric (``Trainer(log_grad_norm=True)``): when the step logs it, a step whose
+#: gradient is not finite behind a finite loss counts as the epoch's first non-finite step.
+GRAD_NORM = "grad_norm"
 
 #: The metric under which a train step reports labels outside the classes (not logged: ``_``).
 LABEL_ALARM = "_labels_out_of_range"
@@ -287,18 +293,16 @@ class LabelAlarm(clu.metrics.Metric):
 @flax.struct.dataclass
 class PackedTotals:
     """:class:`EpochTotals` as one unsigned-integer array per item size (all of them one
-        ``uint32`` array when every leaf takes 4 bytes), each leaf's bits in place: the form the
-        compiled steps take and return. On a dispatch-bound step XLA pays for every buffer a call
-        takes and returns (about 1.5 us each on a CPU), and the totals are a handful of scalars of
-        two or three dtypes. ``layout`` (static) says where each leaf lives.
+    ``uint32`` array when every leaf takes 4 bytes), each leaf's bits in place: the form the
+    compiled steps take and return. On a dispatch-bound step XLA pays for every buffer a call
+    takes and returns (about 1.5 us each on a CPU), and the totals are a handful of scalars of
+    two or three dtypes. ``layout`` (static) says where each leaf lives.
 
-        >>> import numpy as np
-
-    from trainkit.core.tree import ArrayValue, PyTree
-        >>> totals = EpochTotals.empty({"loss": LossAverage(total=np.float32(0), count=np.float32(0))})
-        >>> packed = pack(totals)
-        >>> [(a.shape, a.dtype.name) for a in packed.arrays], int(packed.unpack().steps)
-        ([((5,), 'uint32')], 0)
+    >>> import numpy as np
+    >>> totals = EpochTotals.empty({"loss": LossAverage(total=np.float32(0), count=np.float32(0))})
+    >>> packed = pack(totals)
+    >>> [(a.shape, a.dtype.name) for a in packed.arrays], int(packed.unpack().steps)
+    ([((5,), 'uint32')], 0)
     """
 
     if TYPE_CHECKING:  # flax.struct.dataclass adds it

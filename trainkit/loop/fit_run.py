@@ -32,7 +32,7 @@ from trainkit.core import totals as metrics_lib
 from trainkit.core.spikes import SPIKES
 from trainkit.core.state import abstract
 from trainkit.core.step import batches_at
-from trainkit.core.totals import LABEL_ALARM, SKIPPED_WARNING, EpochTotals, PackedTotals, pack
+from trainkit.core.totals import GRAD_NORM, LABEL_ALARM, SKIPPED_WARNING, EpochTotals, PackedTotals, pack
 from trainkit.core.tree import JSON, PyTree, TreeFunction
 from trainkit.core.warn import warn_user
 from trainkit.data.prefetch import Prefetcher
@@ -315,11 +315,7 @@ class FitRun:
             raise ValueError(self.steps.labels_message(int(alarm.count), int(alarm.value), where))
         bad = int(totals.first_non_finite)
         if self.warn_non_finite and bad:
-            warn_user(
-                f"The loss is {float(totals.first_non_finite_loss)} at step {start_step + bad} (batch "
-                f"{start_batch + bad - 1} of epoch {epoch}); training goes on. Add "
-                "tk.callbacks.TerminateOnNaN() to stop at the first non-finite loss."
-            )
+            warn_user(non_finite_message(totals, start_step, start_batch, epoch))
         if totals.skipped_run is None:  # no loss scale: no step is skipped
             return
         self.skipped_in_a_row = int(totals.skipped_run)
@@ -534,3 +530,26 @@ class EpochSteps:
             state, totals = call(carried(), self.for_step(True, totals), placed)
         keep(state)
         return totals
+
+
+def non_finite_message(totals: EpochTotals, start_step: int, start_batch: int, epoch: int) -> str:
+    """The warning for an epoch's first non-finite step (``totals.first_non_finite`` set): a loss
+    that is not finite, or (the gradient norm logged) a gradient that is not, behind a finite loss.
+    Without the norm, a NaN gradient shows one step late, in the next step's loss: the warning
+    says how to have it named where it happened."""
+    bad, loss = int(totals.first_non_finite), float(totals.first_non_finite_loss)
+    where = f"step {start_step + bad} (batch {start_batch + bad - 1} of epoch {epoch})"
+    stop = "Add tk.callbacks.TerminateOnNaN() to stop at the first non-finite step."
+    if math.isfinite(loss):
+        return (
+            f"The gradient is not finite at {where}, whose loss ({loss:.6g}) is: the parameters it updated are "
+            "not finite from then on (a norm or square root at zero, a log of zero, a division by a zero row); "
+            f"training goes on. {stop}"
+        )
+    unnamed = (
+        ""
+        if GRAD_NORM in totals.metrics
+        else " When the step before had a finite loss, its gradient may have been what was not finite; "
+        "Trainer(log_grad_norm=True) names the step whose gradient was."
+    )
+    return f"The loss is {loss} at {where}; training goes on.{unnamed} {stop}"
