@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any, cast
+from typing import Any, Unpack, cast
 
 import jax
 import optax
@@ -63,12 +63,10 @@ class Trainer:
         optimizer: any ``optax.GradientTransformation``, or one per sub-network by path regex
             (``{"generator": ..., "discriminator": ...}``, ``re.match``; docs/custom_training.md).
         strategy: a :class:`trainkit.Strategy`, a name, or ``"auto"`` (picked by the compiled plan).
-        seed: seeds initialisation, dropout and the shuffle order.
-        params: variables to start from (fine-tuning).
+        seed: seeds initialisation, dropout and the shuffle order. params: variables to start from (fine-tuning).
         precision: ``"fp32"``, ``"bf16"``, ``"fp16"`` (loss scaling) or a ``tk.Precision``.
         remat: ``"full"``, ``"dots"``, ``"dots_no_batch"``, a ``jax.checkpoint`` policy, or class names.
-        grad_accum_steps: micro-batches per global batch in one compiled step.
-        log_grad_norm: also log the global gradient norm (``grad_norm``).
+        grad_accum_steps: micro-batches per global batch in one step. log_grad_norm: also log ``grad_norm``.
         mixes_rows: the model mixes a batch's rows on purpose (else checked before training).
         deterministic: XLA's deterministic GPU ops, and no choice by timing (docs/tuning.md).
         trainable: the parameters that train (a path regex, a list, ``(path, leaf) -> bool``); the others frozen,
@@ -78,9 +76,8 @@ class Trainer:
         offload: ``"optimizer"`` (``"optimizer+frozen"``: and the frozen parameters) in host memory, streamed
             through each step, the same numbers; ``"auto"``: where the step fits only so.
 
-    Override :meth:`compute_loss` for a loss that is not ``loss(predictions, y)``, :meth:`train_step` for a step of
-    your own (docs/custom_training.md). Each argument:
-    docs/quickstart.md, docs/outputs.md, docs/performance.md, docs/precision_and_memory.md.
+    Override :meth:`compute_loss` (a loss not ``loss(predictions, y)``) or :meth:`train_step` (docs/custom_training.md).
+    Each argument: docs/quickstart.md, docs/outputs.md, docs/performance.md, docs/precision_and_memory.md.
     """
 
     def __init__(
@@ -235,10 +232,15 @@ class Trainer:
     def save_weights(
         self, filepath: str | os.PathLike[str], *, format="safetensors", layout="flax", rename=(), prefix: str = ""
     ) -> None:
-        """The variables (LoRA's merged; ``prefix``: that sub-tree's alone) as safetensors; ``layout="torch"`` for
-        PyTorch (docs/finetuning.md)."""
-        named = self.state_access.named_weights()
-        weights_lib.save(named, filepath, format=format, layout=layout, rename=rename, prefix=prefix)
+        """The variables (LoRA's merged; ``prefix``: that sub-tree's) as safetensors, Flax's or PyTorch's layout."""
+        weights_lib.save(self.state_access.named_weights(), filepath, format=format, layout=layout, rename=rename,
+                         prefix=prefix)  # fmt: skip
+
+    def save_pretrained(
+        self, folder: str | os.PathLike[str], *, config: object, **options: Unpack[weights_lib.Pretrained]
+    ) -> None:
+        """A folder Hugging Face's from_pretrained and vLLM read, or LoRA's adapters as PEFT's (docs/finetuning.md)."""
+        weights_lib.save_pretrained(self.state_access, folder, config=config, **options)
 
     def merge_lora(self) -> Trainer:
         """A trainer of the model without adapters, folded into its kernels: the same predictions."""

@@ -494,7 +494,7 @@ def _compile_rows(
         started = time.perf_counter()
         try:
             program, row.function = lower(row.strategy)
-            if not hasattr(program, "compile"):
+            if not isinstance(program, jax.stages.Lowered):
                 raise TypeError(f"{type(row.strategy).__name__}.compile('train', ...)'s result cannot be lowered")
             if announce is not None:
                 row.program_ops = compile_estimate.program_ops(program)

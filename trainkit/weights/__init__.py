@@ -18,7 +18,7 @@ import logging
 import os
 import re
 from collections.abc import Mapping, Sequence
-from typing import NamedTuple, Protocol, overload
+from typing import NamedTuple, Protocol, TypedDict, overload
 
 import jax
 import jax.numpy as jnp
@@ -26,15 +26,26 @@ import numpy as np
 
 from trainkit import distributed
 from trainkit.core.local_path import require_local
+from trainkit.core.lora import LoRA
 from trainkit.core.tree import ArrayValue, Leaf, PyTree, leaf_name
 from trainkit.core.warn import warn_user
 from trainkit.distributed import atomic
-from trainkit.weights import torch_layout
+from trainkit.weights import architecture, peft_adapter, pretrained, torch_layout
 from trainkit.weights.load import Target, check_options, match, place, refuse
 from trainkit.weights.report import LoadReport
 from trainkit.weights.sources import PICKLES, SourceSpec, WeightFileError, open_source
 
-__all__ = ["load", "save", "LoadReport", "Loaded", "Target", "Loadable", "WeightFileError"]
+__all__ = [
+    "load",
+    "save",
+    "save_pretrained",
+    "Pretrained",
+    "LoadReport",
+    "Loaded",
+    "Target",
+    "Loadable",
+    "WeightFileError",
+]
 
 logger = logging.getLogger("trainkit")
 
@@ -48,6 +59,23 @@ class Loadable(Protocol):
     def put_weights(self, arrays: dict[str, ArrayValue], source: str = "") -> None: ...
 
     def named_weights(self) -> dict[str, np.ndarray]: ...
+
+
+class Pretrainable(Loadable, Protocol):
+    """What :func:`save_pretrained` reads: the variables by name, and LoRA's settings and adapters."""
+
+    def named_adapters(self) -> tuple[LoRA, dict[str, np.ndarray]]: ...
+
+
+class Pretrained(TypedDict, total=False):
+    """``trainer.save_pretrained``'s options besides the folder and ``config`` (:func:`save_pretrained`)."""
+
+    rename: Sequence[tuple[str, str]]
+    layout: str
+    dtype: str | None
+    max_shard_size: int | str
+    tokenizer: str | os.PathLike[str] | None
+    adapter: bool
 
 
 class HasStateAccess(Protocol):
@@ -211,21 +239,89 @@ def save(
             "for a pickle (torch.load would fail on it). Name it .safetensors; in PyTorch, read it with "
             "safetensors.torch.load_file(path) and model.load_state_dict(...)."
         )
-    check_options(layout, rename, ())
-    named = {name: named[full] for name, full in under_prefix(named, prefix).items()}
-    import safetensors.numpy
-
-    arrays: dict[str, np.ndarray] = {}
-    for name, value in named.items():
-        mapped = torch_layout.to_torch(name, np.ndim(value)) if layout == "torch" else torch_layout.Mapped(name, None)
-        value = np.asarray(value) if mapped.axes is None else np.transpose(value, mapped.axes)
-        arrays[mapped.name] = np.ascontiguousarray(value)
-        if layout == "torch" and name.startswith("batch_stats/") and name.endswith("/mean"):
-            arrays[mapped.name.replace("running_mean", "num_batches_tracked")] = np.zeros((), np.int64)
-    for pattern, replacement in rename:
-        arrays = {re.sub(pattern, replacement, name): value for name, value in arrays.items()}
+    arrays = written_arrays(named, layout=layout, rename=rename, prefix=prefix)
     if not distributed.is_main_process():
         return
+    import safetensors.numpy
+
     metadata = {"format": "pt" if layout == "torch" else "flax", "writer": "trainkit"}
     with atomic.staged(path, sidecars=()) as temporary:
         safetensors.numpy.save_file(arrays, temporary, metadata=metadata)
+
+
+def written_name(name: str, ndim: int, layout: str, rename: Sequence[tuple[str, str]]) -> torch_layout.Mapped:
+    """The name a variable is written under (``layout``'s, then each ``rename`` pair in order) and the
+    transpose its array takes (``None``: as it is)."""
+    mapped = torch_layout.to_torch(name, ndim) if layout == "torch" else torch_layout.Mapped(name, None)
+    return torch_layout.Mapped(_renamed(mapped.name, rename), mapped.axes)
+
+
+def _renamed(name: str, rename: Sequence[tuple[str, str]]) -> str:
+    for pattern, replacement in rename:
+        name = re.sub(pattern, replacement, name)
+    return name
+
+
+def written_arrays(
+    named: Mapping[str, np.ndarray], *, layout: str = "flax", rename: Sequence[tuple[str, str]] = (), prefix: str = ""
+) -> dict[str, np.ndarray]:
+    """Host arrays by variable name as :func:`save` writes them: under ``prefix`` alone, in ``layout``'s
+    names and layouts (torch's ``num_batches_tracked`` added for each BatchNorm), renamed last."""
+    check_options(layout, rename, ())
+    named = {name: named[full] for name, full in under_prefix(named, prefix).items()}
+    arrays: dict[str, np.ndarray] = {}
+    for name, value in named.items():
+        mapped = written_name(name, np.ndim(value), layout, rename)
+        value = np.asarray(value) if mapped.axes is None else np.transpose(value, mapped.axes)
+        if mapped.name in arrays:
+            raise ValueError(f"rename writes two variables as {mapped.name!r}: make each pair's result distinct.")
+        arrays[mapped.name] = np.ascontiguousarray(value)
+        if layout == "torch" and name.startswith("batch_stats/") and name.endswith("/mean"):
+            counter = torch_layout.to_torch(name, 1).name.replace("running_mean", "num_batches_tracked")
+            arrays[_renamed(counter, rename)] = np.zeros((), np.int64)
+    return arrays
+
+
+def save_pretrained(
+    holder: Pretrainable,
+    folder: str | os.PathLike[str],
+    *,
+    config: object,
+    rename: Sequence[tuple[str, str]] = (),
+    layout: str = "flax",
+    dtype: str | None = None,
+    max_shard_size: int | str = "5GB",
+    tokenizer: str | os.PathLike[str] | None = None,
+    adapter: bool = False,
+) -> None:
+    """A folder ``transformers``' ``from_pretrained`` and vLLM read (:mod:`trainkit.weights.pretrained`):
+    the variables (LoRA's merged) written as :func:`save` names them (``layout``, then ``rename``), in
+    ``dtype``, sharded past ``max_shard_size``, beside ``config``'s ``config.json`` (``dtype`` set) and
+    ``tokenizer``'s files; with ``adapter=True`` LoRA's adapters alone as a PEFT folder. Checked against
+    the config's architecture first where ``transformers`` is installed; written whole or not at all."""
+    settings, base = pretrained.read_config(config)
+    documents: dict[str, object]
+    if adapter:
+        lora, adapters = holder.named_adapters()
+        arrays, modules = peft_adapter.peft_arrays(
+            adapters, lambda name, ndim: written_name(name, ndim, layout, rename).name
+        )
+        expected = architecture.expected_shapes(settings)
+        unknown = [module for module in modules if expected is not None and f"{module}.weight" not in expected]
+        if unknown:
+            raise ValueError(
+                f"The adapters are written for {', '.join(unknown)}, which {settings['architectures'][0]} does not"
+                " have (as '<module>.weight'); nothing was written. Fix the rename pairs (or layout) that name the"
+                " weights."
+            )
+        files = {peft_adapter.ADAPTER_WEIGHTS: pretrained.cast(arrays, dtype)}
+        documents = {
+            peft_adapter.ADAPTER_CONFIG: peft_adapter.peft_config(lora, modules, settings, base, layout != "torch")
+        }
+    else:
+        arrays = pretrained.cast(written_arrays(holder.named_weights(), layout=layout, rename=rename), dtype)
+        architecture.check({name: a.shape for name, a in arrays.items()}, settings)
+        files, documents = pretrained.weight_files(arrays, max_shard_size)
+        settings = {key: value for key, value in settings.items() if key != "torch_dtype"}  # transformers 5: dtype
+        documents["config.json"] = {**settings, "dtype": pretrained.dtype_name(arrays)}
+    pretrained.write_folder(folder, files, documents, pretrained.tokenizer_files(tokenizer))

@@ -27,6 +27,7 @@ import numpy as np
 
 from trainkit.core.local_path import require_local
 from trainkit.core.tree import ArrayValue, Index, PyTree, leaf_name
+from trainkit.weights.pretrained import INDEX, WEIGHTS
 
 #: safetensors' dtype names (the format's header) as NumPy dtypes (bf16 and fp8 from ml_dtypes)
 SAFETENSORS_DTYPES = {
@@ -92,6 +93,11 @@ class SafetensorsSource:
                 self._where[name] = (path, offset, entry)
         self.entries = {name: entry for name, (_, _, entry) in self._where.items()}
         self._maps: dict[str, np.ndarray] = {}
+
+    def shard_of(self, name: str) -> str | None:
+        """The file that holds the entry ``name`` (``None``: no file does)."""
+        where = self._where.get(name)
+        return None if where is None else where[0]
 
     def read(self, name: str, index: Index) -> np.ndarray:
         path, offset, entry = self._where[name]
@@ -333,7 +339,32 @@ def _npz_source(path: str) -> NpzSource:
         ) from None
 
 
+def _indexed_source(path: str) -> SafetensorsSource:
+    """A Hugging Face folder's sharded weights, read through its ``model.safetensors.index.json``: the
+    files its ``weight_map`` names (and no other ``.safetensors`` of the folder, such as an adapter's),
+    each holding the entries the index says it holds."""
+    index = os.path.join(path, INDEX)
+    try:
+        with open(index) as file:
+            weight_map = json.load(file)["weight_map"]
+        files = {name: os.path.join(path, str(shard)) for name, shard in dict(weight_map).items()}
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        raise _refuse(index, f"it is not an index of shards with a weight_map ({type(error).__name__})") from None
+    missing = sorted({shard for shard in files.values() if not os.path.isfile(shard)})
+    if missing:
+        raise _refuse(index, f"it names shards the folder lacks: {', '.join(map(os.path.basename, missing))}")
+    source = SafetensorsSource(sorted(set(files.values())), f"{path} ({len(set(files.values()))} shards by its index)")
+    wrong = sorted(name for name, shard in files.items() if source.shard_of(name) != shard)
+    if wrong:
+        raise _refuse(index, f"its weight_map puts {', '.join(wrong[:5])} in shards that do not hold them")
+    return source
+
+
 def _folder_source(path: str, checkpoints: bool = False) -> WeightSource:
+    if os.path.isfile(os.path.join(path, INDEX)):  # a Hugging Face folder of shards
+        return _indexed_source(path)
+    if os.path.isfile(os.path.join(path, WEIGHTS)):  # a Hugging Face folder's weights (not its adapter's)
+        return SafetensorsSource([os.path.join(path, WEIGHTS)], os.path.join(path, WEIGHTS))
     shards = sorted(glob.glob(os.path.join(path, "*.safetensors")))
     if shards:
         return SafetensorsSource(shards, f"{path} ({len(shards)} safetensors shards)")
