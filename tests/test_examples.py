@@ -57,6 +57,19 @@ def run_example(script, *args, timeout=300):
     return subprocess.run(command, capture_output=True, text=True, env=env, timeout=timeout)
 
 
+def test_the_served_gpt2_example_reads_back_with_trainkits_logits_and_greedy_tokens(tmp_path):
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    result = run_example("serve_gpt2.py", "--epochs", "3", "--out", str(tmp_path))
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert (
+        "loaded 28 tensors" in result.stdout and "save_pretrained wrote config.json, model.safetensors" in result.stdout
+    )
+    difference = float(re.search(r"logits against trainkit's: max difference ([\d.e+-]+)", result.stdout).group(1))
+    assert difference < 1e-4 and "the same tokens: True" in result.stdout
+    assert (tmp_path / "served" / "config.json").is_file()
+
+
 def test_two_output_example_logs_keras_keys_and_learns():
     result = run_example("digits_two_heads.py", "--devices", "8", "--epochs", "10")
     assert result.returncode == 0, result.stdout + result.stderr
@@ -144,7 +157,7 @@ def test_finetune_digits_compares_the_three_ways_and_keeps_the_adapter_checkpoin
 
 
 @pytest.mark.parametrize(
-    "example", ["digits_cnn.py", "digits_two_heads.py", "from_files.py", "lm.py", "finetune_digits.py"]
+    "example", ["digits_cnn.py", "digits_two_heads.py", "from_files.py", "lm.py", "finetune_digits.py", "serve_gpt2.py"]
 )
 def test_every_example_s_help_shows_its_defaults(example):
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}

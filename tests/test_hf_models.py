@@ -1,7 +1,7 @@
 """docs/finetuning.md's Hugging Face recipes on real `transformers` models (where installed): a
 GPT-2 written by ``save_pretrained`` loads into the recipe's Flax GPT-2 with PyTorch's logits,
 trains, and goes back to ``GPT2LMHeadModel.from_pretrained`` with the trainer's logits; the
-Llama-style recipe's names and shapes are those a real ``LlamaForCausalLM`` writes."""
+Llama recipe's names and shapes are those a real ``LlamaForCausalLM`` writes, and its logits PyTorch's."""
 
 import pathlib
 import re
@@ -25,7 +25,7 @@ def recipes() -> dict:
     namespace: dict = {}
     for block in re.findall(r"```python\n(.*?)```", GUIDE.read_text(), re.S)[:3]:
         exec(compile(block, str(GUIDE), "exec"), namespace)
-    assert {"GPT2", "names_in", "names_out", "conv1d_weights", "LlamaLayer", "llama"} <= namespace.keys()
+    assert {"GPT2", "names_in", "names_out", "conv1d_weights", "Llama", "llama_in", "llama_out"} <= namespace.keys()
     return namespace
 
 
@@ -68,31 +68,23 @@ def test_a_saved_gpt2_loads_with_pytorchs_logits_and_goes_back_to_from_pretraine
     np.testing.assert_allclose(ours, _logits(tuned, tokens[:, :-1]), atol=1e-5)
 
 
-def test_the_llama_recipes_names_and_shapes_are_a_real_llamas(recipes, tmp_path):
-    config = transformers.LlamaConfig(
-        vocab_size=32,
-        hidden_size=16,
-        intermediate_size=32,
-        num_hidden_layers=1,
-        num_attention_heads=4,
-        num_key_value_heads=1,
-        tie_word_embeddings=False,
-    )
-    transformers.LlamaForCausalLM(config).save_pretrained(tmp_path / "llama")
+LLAMA = dict(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, tie_word_embeddings=False)  # fmt: skip
+
+
+def test_the_llama_recipe_is_a_real_llama_its_names_shapes_and_logits(recipes, tmp_path):
+    torch.manual_seed(0)
+    published = transformers.LlamaForCausalLM(transformers.LlamaConfig(**LLAMA)).eval()
+    published.save_pretrained(tmp_path / "llama")
     from safetensors.numpy import load_file
 
     stored = load_file(tmp_path / "llama" / "model.safetensors")
-    assert {name: stored[name].shape for name in recipes["llama"]} == {
-        name: value.shape for name, value in recipes["llama"].items()
+    assert {name: a.shape for name, a in stored.items()} == {
+        name: a.shape for name, a in recipes["published_llama"]().items()
     }
-    layer = tk.Trainer(recipes["LlamaLayer"](), loss="mse", optimizer=optax.adam(1e-3), strategy="single")
-    layer.init(np.zeros((2, 16), np.float32))
-    report = tk.weights.load(
-        {name: stored[name] for name in recipes["llama"]},
-        into=layer,
-        layout="torch",
-        rename=[(r"^model\.layers\.0\.(self_attn\.)?", "")],
-    )
-    assert len(report.loaded) == 6
-    q_proj = stored["model.layers.0.self_attn.q_proj.weight"]
-    np.testing.assert_array_equal(layer.get_weights()["params"]["q_proj"]["kernel"], q_proj.T)
+    llama = tk.Trainer(recipes["Llama"](), loss="sparse_categorical_crossentropy", optimizer=optax.adam(1e-3))
+    tokens = np.random.default_rng(2).integers(0, 64, size=(8, 24)).astype(np.int32)
+    llama.init(tokens)
+    report = tk.weights.load(tmp_path / "llama", into=llama, layout="torch", rename=recipes["llama_in"])
+    assert len(report.loaded) == 21 and not report.unexpected
+    np.testing.assert_allclose(llama.predict(tokens, verbose=0), _logits(published, tokens), atol=1e-5)
