@@ -9,6 +9,9 @@ import json
 import os
 import pathlib
 import re
+import signal
+import subprocess
+import sys
 
 import jax
 import numpy as np
@@ -232,3 +235,50 @@ def test_lora_adapters_are_a_peft_folder_with_trainkits_logits_and_so_is_the_mer
     gpt2.save_pretrained(tmp_path / "merged", config=base, rename=recipes["names_out"])
     merged = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "merged").eval()
     np.testing.assert_allclose(ours, logits(merged, TOKENS[:8, :-1]), atol=1e-5)
+
+
+KILLED_WRITER = """
+import os, re, signal, sys, pathlib
+sys.path.insert(0, {tests!r})
+import conftest  # noqa: F401  (8 fake devices)
+import optax, safetensors.numpy
+import trainkit as tk
+
+namespace = {{}}
+for block in re.findall(r"```python\\n(.*?)```", pathlib.Path({guide!r}).read_text(), re.S)[:3]:
+    exec(compile(block, {guide!r}, "exec"), namespace)
+gpt2 = tk.Trainer(namespace["GPT2"](), loss="mse", optimizer=optax.sgd(0.1), strategy="single")
+gpt2.init(namespace["tokens"][:, :-1])
+tk.weights.load({tuned!r}, into=gpt2, layout="torch", rename=namespace["names_in"], as_is=namespace["conv1d_weights"])
+original = safetensors.numpy.save_file
+written = []
+
+
+def killed_on_the_second_shard(arrays, path, metadata=None):
+    if written:
+        os.kill(os.getpid(), signal.SIGKILL)
+    written.append(path)
+    original(arrays, path, metadata=metadata)
+
+
+safetensors.numpy.save_file = killed_on_the_second_shard
+gpt2.save_pretrained({target!r}, config={base!r}, rename=namespace["names_out"], max_shard_size="8KB")
+"""
+
+
+def test_a_write_killed_midway_leaves_the_old_folder_and_the_next_write_clears_its_staging(
+    tuned, base, recipes, tmp_path
+):
+    gpt2, folder = tuned
+    target = tmp_path / "gpt2"
+    gpt2.save_pretrained(target, config=base, rename=recipes["names_out"])
+    before = {name: (target / name).read_bytes() for name in os.listdir(target)}
+    script = KILLED_WRITER.format(tests=str(pathlib.Path(__file__).parent), guide=str(GUIDE), tuned=str(folder),
+                                  target=str(target), base=str(base))  # fmt: skip
+    killed = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert killed.returncode == -signal.SIGKILL, killed.stdout + killed.stderr
+    assert {name: (target / name).read_bytes() for name in os.listdir(target)} == before
+    left = [name for name in os.listdir(tmp_path) if name != "gpt2"]
+    assert len(left) == 1 and left[0].startswith(".gpt2.writing-")  # the killed write's staging, holding a shard
+    gpt2.save_pretrained(target, config=base, rename=recipes["names_out"], max_shard_size="8KB")
+    assert os.listdir(tmp_path) == ["gpt2"] and "model.safetensors.index.json" in os.listdir(target)

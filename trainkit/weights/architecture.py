@@ -15,12 +15,12 @@ from __future__ import annotations
 
 import importlib.util
 from collections.abc import Mapping
-from typing import Any
 
 from trainkit.core.tree import Shape
+from trainkit.weights.pretrained import Config
 
 
-def expected_shapes(config: Mapping[str, Any]) -> dict[str, Shape] | None:
+def expected_shapes(config: Config) -> dict[str, Shape] | None:
     """The names and shapes ``config``'s architecture (``architectures[0]``) writes, or ``None``
     without ``transformers`` (and torch) installed."""
     if importlib.util.find_spec("transformers") is None or importlib.util.find_spec("torch") is None:
@@ -45,7 +45,7 @@ def expected_shapes(config: Mapping[str, Any]) -> dict[str, Shape] | None:
     return shapes
 
 
-def mismatches(written: Mapping[str, Shape], expected: Mapping[str, Shape], config: Mapping[str, Any]) -> list[str]:
+def mismatches(written: Mapping[str, Shape], expected: Mapping[str, Shape], config: Config) -> list[str]:
     """Each difference between the names and shapes written and those expected, one line each."""
     missing = [f"{name} {expected[name]}" for name in expected if name not in written]
     extra = [f"{name} {written[name]}" for name in written if name not in expected]
@@ -61,7 +61,7 @@ def mismatches(written: Mapping[str, Shape], expected: Mapping[str, Shape], conf
     return lines
 
 
-def check(written: Mapping[str, Shape], config: Mapping[str, Any]) -> bool:
+def check(written: Mapping[str, Shape], config: Config) -> bool:
     """Refuses weights that ``config``'s architecture would not read whole (a ``ValueError`` naming each
     difference); ``False`` when nothing could be checked (no ``transformers``), ``True`` when checked."""
     expected = expected_shapes(config)

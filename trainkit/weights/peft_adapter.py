@@ -15,11 +15,11 @@ by ``alpha / rank``); ``target_modules`` the adapted modules' full names, so no 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from typing import Any
 
 import numpy as np
 
 from trainkit.core.lora import ADAPTER_SUFFIXES, LoRA
+from trainkit.weights.pretrained import Config
 
 ADAPTER_CONFIG, ADAPTER_WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
 
@@ -57,9 +57,7 @@ def peft_arrays(
     return arrays, sorted(modules)
 
 
-def peft_config(
-    lora: LoRA, modules: list[str], config: Mapping[str, Any], base: str | None, fan_in_fan_out: bool
-) -> dict[str, Any]:
+def peft_config(lora: LoRA, modules: list[str], config: Config, base: str | None, fan_in_fan_out: bool) -> Config:
     """PEFT's ``adapter_config.json`` for these adapters (``fan_in_fan_out``: the base stores its kernels
     ``(in, out)``, as GPT-2's ``Conv1D`` does)."""
     causal = any(str(name).endswith("ForCausalLM") for name in config["architectures"])

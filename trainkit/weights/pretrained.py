@@ -20,7 +20,7 @@ import re
 import shutil
 import sys
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Protocol, TypeGuard
 
 import numpy as np
 
@@ -50,6 +50,8 @@ FOLDER_FILES = re.compile(
     r"^(config\.json|model(-\d{5}-of-\d{5})?\.safetensors|model\.safetensors\.index\.json|adapter_config\.json"
     r"|adapter_model\.safetensors|README\.md|" + "|".join(re.escape(name) for name in TOKENIZER_FILES) + ")$"
 )
+#: A ``config.json`` as ``json`` reads it: each entry of the JSON type ``transformers`` gave it.
+Config = dict[str, Any]
 _UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
 
 
@@ -78,7 +80,7 @@ def shards(arrays: Mapping[str, np.ndarray], max_bytes: int) -> list[dict[str, n
     return cut
 
 
-def read_config(config: object) -> tuple[dict[str, Any], str | None]:
+def read_config(config: object) -> tuple[Config, str | None]:
     """``(config as a dict, the base folder it came from or None)`` from a folder holding
     ``config.json``, the file itself, a dict or a ``transformers`` config object; refused without
     ``model_type`` and ``architectures`` (readers pick the model class by them)."""
@@ -95,7 +97,7 @@ def read_config(config: object) -> tuple[dict[str, Any], str | None]:
     elif isinstance(config, Mapping):
         read = dict(config)
     elif _is_transformers_config(config):
-        read = config.to_dict()  # type: ignore[attr-defined]  # a transformers.PretrainedConfig
+        read = config.to_dict()
     else:
         raise TypeError(
             f"config= takes the base model's folder, its config.json, a dict or a transformers config; received "
@@ -111,7 +113,11 @@ def read_config(config: object) -> tuple[dict[str, Any], str | None]:
     return read, folder
 
 
-def _is_transformers_config(config: object) -> bool:
+class _TransformersConfig(Protocol):
+    def to_dict(self) -> Config: ...
+
+
+def _is_transformers_config(config: object) -> TypeGuard[_TransformersConfig]:
     transformers = sys.modules.get("transformers")  # an object of its type implies it was imported
     return transformers is not None and isinstance(config, transformers.PretrainedConfig)
 
