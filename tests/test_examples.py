@@ -60,7 +60,8 @@ def run_example(script, *args, timeout=300):
 def test_the_served_gpt2_example_reads_back_with_trainkits_logits_and_greedy_tokens(tmp_path):
     pytest.importorskip("torch")
     pytest.importorskip("transformers")
-    result = run_example("serve_gpt2.py", "--epochs", "3", "--out", str(tmp_path))
+    prompt = "Beautiful is better than ugly. Explicit is better than impl"  # 58 characters: 6 greedy steps to 64
+    result = run_example("serve_gpt2.py", "--epochs", "3", "--prompt", prompt, "--out", str(tmp_path))
     assert result.returncode == 0, result.stdout + result.stderr
     assert (
         "loaded 28 tensors" in result.stdout and "save_pretrained wrote config.json, model.safetensors" in result.stdout
