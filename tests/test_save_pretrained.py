@@ -149,9 +149,10 @@ def test_shards_with_their_index_are_read_by_from_pretrained_and_by_tk_weights_l
         np.testing.assert_array_equal(ours, theirs)
 
 
-def test_bfloat16_is_written_as_bfloat16_and_the_config_says_so(tuned, base, recipes, tmp_path):
+def test_bfloat16_is_written_as_bfloat16_and_the_config_object_says_so(tuned, base, recipes, tmp_path):
     gpt2, _ = tuned
-    gpt2.save_pretrained(tmp_path / "bf16", config=base, rename=recipes["names_out"], dtype="bfloat16")
+    config = transformers.AutoConfig.from_pretrained(base)  # a transformers config object, as config= takes too
+    gpt2.save_pretrained(tmp_path / "bf16", config=config, rename=recipes["names_out"], dtype="bfloat16")
     header = (tmp_path / "bf16" / "model.safetensors").read_bytes()
     described = json.loads(header[8 : 8 + int.from_bytes(header[:8], "little")])
     assert described["__metadata__"]["format"] == "pt"
