@@ -89,3 +89,10 @@ def test_save_weights_under_a_pickle_s_name_is_refused(tmp_path):
     with pytest.raises(ValueError, match=r"ends in '\.pt', which readers take for a pickle.*Name it \.safetensors"):
         trainer().save_weights(tmp_path / "model.pt")
     assert not list(tmp_path.iterdir())
+
+
+def test_rename_pairs_that_write_two_variables_under_one_name_are_refused(tmp_path):
+    """Two variables renamed alike would have left one of them in the file, silently."""
+    with pytest.raises(ValueError, match=r"rename writes two variables as '.*w': make each pair's result distinct"):
+        trainer().save_weights(tmp_path / "model.safetensors", rename=[(r"(kernel|bias)$", "w")])
+    assert not list(tmp_path.iterdir())
