@@ -5,6 +5,10 @@
   devices, parameters are gathered only within an ``fsdp`` group.
 - ``Hybrid(data=2, model=4, rules=[...])``: tensor parallelism; the rules place kernel
   dimensions on the ``model`` axis, the batch is split over ``data``.
+- ``Hybrid(data=2, context=4)``: context parallelism for long sequences; each row's sequence
+  (the batch arrays' ``sequence_axis``) is split over ``context`` inside the step, so every
+  activation along it is too, and the compiler gathers what attention needs (docs/large_models.md).
+  Composes with ``fsdp`` and ``model``.
 
 One size may be left out (``None``): it is the device count divided by the others.
 
@@ -32,6 +36,8 @@ class Hybrid(ShardedStrategy):
             device count divided by the other sizes.
         fsdp: devices along the ``fsdp`` axis (batch split, state sharded), if any.
         model: devices along the ``model`` axis (tensor parallel: placed by ``rules``), if any.
+        context: devices along the ``context`` axis (each sequence split over them), if any.
+        sequence_axis: the batch arrays' sequence dimension (``1``: ``(rows, time, ...)``).
         rules: ``[(regex, PartitionSpec), ...]`` over leaf names like ``params/Dense_0/kernel``.
         min_shard_size: leaves with fewer elements stay replicated over ``fsdp``.
         devices: the devices to use; all devices by default.
@@ -42,25 +48,35 @@ class Hybrid(ShardedStrategy):
         data: int | None = None,
         fsdp: int | None = None,
         model: int | None = None,
+        context: int | None = None,
         *,
+        sequence_axis: int = 1,
         rules: Sequence[tuple[str, PartitionSpec]] = (),
         min_shard_size: int = 2**10,
         devices: Sequence[jax.Device] | None = None,
     ):
-        for name, size in (("data", data), ("fsdp", fsdp), ("model", model)):
+        for name, size in (("data", data), ("fsdp", fsdp), ("model", model), ("context", context)):
             if size is not None and (not isinstance(size, int) or size < 1):
                 raise ValueError(f"Hybrid: {name} must be a positive integer or None; received {size!r}.")
-        if fsdp is None and model is None:
+        if fsdp is None and model is None and context is None:
             raise ValueError(
-                "Hybrid needs an fsdp or a model axis besides data, e.g. Hybrid(data=2, fsdp=4) "
-                "or Hybrid(data=2, model=4, rules=[...]); for data parallelism alone use "
-                "DataParallel() or FSDP()."
+                "Hybrid needs an fsdp, a model or a context axis besides data, e.g. Hybrid(data=2, fsdp=4), "
+                "Hybrid(data=2, model=4, rules=[...]) or Hybrid(data=2, context=4); for data parallelism alone "
+                "use DataParallel() or FSDP()."
+            )
+        if not isinstance(sequence_axis, int) or isinstance(sequence_axis, bool) or sequence_axis < 1:
+            raise ValueError(
+                f"Hybrid: sequence_axis must be a positive integer (axis 0 holds the rows); received {sequence_axis!r}."
             )
         axes = {"data": data}
         if fsdp is not None:
             axes["fsdp"] = fsdp
         if model is not None:
             axes["model"] = model
+        if context is not None:
+            axes["context"] = context
+        self.context_axis = "context" if context is not None else None
+        self.sequence_axis = sequence_axis
         self.batch_axes = tuple(a for a in ("data", "fsdp") if a in axes)
         self.fsdp_axis = "fsdp" if fsdp is not None else None
         super().__init__(axes, devices=devices, rules=rules, min_shard_size=min_shard_size)

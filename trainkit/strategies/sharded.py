@@ -26,7 +26,7 @@ from trainkit import distributed
 from trainkit.core.leaf_step import LeafStep
 from trainkit.core.state import TrainState
 from trainkit.core.step import full_mask
-from trainkit.core.tree import PyTree
+from trainkit.core.tree import PyTree, TreeFunction
 from trainkit.strategies import _sharding
 from trainkit.strategies.base import Strategy, make_mesh
 
@@ -43,6 +43,8 @@ class ShardedStrategy(Strategy):
     batch_axes: tuple[str, ...] = ()
     fsdp_axis: str | None = None
     min_shard_size: int = 2**10
+    context_axis: str | None = None  # the axis each row's sequence is split over inside the step (Hybrid's)
+    sequence_axis: int = 1  # the batch arrays' sequence dimension
 
     def __init__(
         self,
@@ -210,12 +212,37 @@ class ShardedStrategy(Strategy):
         the batch is."""
         state, totals = self.state_sharding(abstract_state), self.replicated()
         batch = self.stacked_batch_sharding if kind == "train_steps" else self.batch_sharding
+        fn = self._sequences_split(fn, kind)
         if kind in ("train", "train_steps"):  # over the state's leaves: the loop threads them (LeafStep)
             ins, outs = (state, totals, batch), (state, totals)
             return LeafStep.jit(fn, abstract_state, in_shardings=ins, out_shardings=outs, replicated=totals)
         if kind == "eval":
             return jax.jit(fn, in_shardings=(state, totals, batch), out_shardings=totals)
         return jax.jit(fn, in_shardings=(state, batch), out_shardings=self.batch_sharding)
+
+    def _sequences_split(self, fn: TreeFunction, kind: str) -> TreeFunction:
+        """``fn`` with its batch's sequences split over the context axis (``sequence_axis`` of each
+        batch array long enough, a multiple of the axis): a layout constraint, so the numbers are
+        the same; every activation along the sequence follows it, and the compiler gathers what a
+        layer needs whole (attention's keys and values). ``fn`` itself without a context axis."""
+        if self.context_axis is None:
+            return fn
+        where, lead = (1, ()) if kind == "predict" else (2, (None,) if kind == "train_steps" else ())
+        axis, size = self.sequence_axis + len(lead), self.mesh.shape[self.context_axis]
+        rows = self.batch_axes or None
+        spec = PartitionSpec(*lead, rows, *[None] * (self.sequence_axis - 1), self.context_axis)
+
+        def split(leaf: jax.Array) -> jax.Array:  # traced
+            if leaf.ndim <= axis or leaf.shape[axis] % size:
+                return leaf
+            constrained: jax.Array = jax.lax.with_sharding_constraint(leaf, NamedSharding(self.mesh, spec))
+            return constrained
+
+        @functools.wraps(fn)
+        def split_step(*args: PyTree) -> PyTree:
+            return fn(*args[:where], jax.tree.map(split, args[where]), *args[where + 1 :])
+
+        return split_step
 
     def fetch_rows(self, tree: PyTree) -> PyTree:
         return jax.tree.map(np.asarray, distributed.fetch(tree))
