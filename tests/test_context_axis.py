@@ -74,3 +74,28 @@ def test_one_sequence_costs_a_device_a_fraction_of_the_least_a_data_sharded_stra
 def test_hybrid_refuses_a_sequence_axis_that_is_not_one():
     with pytest.raises(ValueError, match="sequence_axis must be a positive integer"):
         tk.Hybrid(data=2, context=4, sequence_axis=0)
+
+
+def test_a_context_run_resumes_bit_exact_and_its_checkpoint_loads_onto_single_device_and_fsdp(tmp_path):
+    x, y = data(8)
+    straight = lm(tk.Hybrid(data=2, context=4))
+    straight.fit(x, y, batch_size=2, epochs=2, shuffle=False, verbose=0)
+    first = lm(tk.Hybrid(data=2, context=4))
+    first.fit(x, y, batch_size=2, epochs=1, shuffle=False, verbose=0)
+    first.save(tmp_path / "checkpoint")
+    resumed = lm(tk.Hybrid(data=2, context=4))
+    resumed.init(x[:2])
+    resumed.load(tmp_path / "checkpoint")
+    resumed.fit(x, y, batch_size=2, epochs=2, initial_epoch=1, shuffle=False, verbose=0)
+    for ours, theirs in zip(
+        jax.tree.leaves(resumed.get_weights()), jax.tree.leaves(straight.get_weights()), strict=True
+    ):
+        np.testing.assert_array_equal(ours, theirs)
+    for strategy in ("single", tk.FSDP(min_shard_size=1)):
+        other = lm(strategy)
+        other.init(x[:2])
+        other.load(tmp_path / "checkpoint")
+        for ours, theirs in zip(
+            jax.tree.leaves(other.get_weights()), jax.tree.leaves(first.get_weights()), strict=True
+        ):
+            np.testing.assert_array_equal(ours, theirs)
