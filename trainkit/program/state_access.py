@@ -28,7 +28,7 @@ from trainkit import distributed
 from trainkit.core import lora as lora_lib
 from trainkit.core import optimizers
 from trainkit.core.state import TrainState, check_tree_matches
-from trainkit.core.tree import JSON, PyTree, leaf_name
+from trainkit.core.tree import JSON, PyTree
 from trainkit.core.variables import named_variables, replaced
 from trainkit.program.decisions import Decided
 from trainkit.program.program import Program
@@ -212,9 +212,8 @@ class StateAccess:
                 "save_pretrained(adapter=True): this trainer has no LoRA adapters (Trainer(lora=tk.LoRA(...)) trains "
                 "them); adapter=False writes the whole model."
             )
-        params = distributed.fetch(self.require_state().params)
-        named = {leaf_name(path): leaf for path, leaf in jax.tree_util.tree_leaves_with_path(params)}
-        return lora, {name: np.asarray(leaf) for name, leaf in named.items() if lora_lib.is_adapter(name)}
+        adapters = distributed.fetch(lora_lib.adapters_only(self.require_state().params))  # not the base
+        return lora, {name: np.asarray(leaf) for name, leaf in named_variables(adapters, {}).items()}
 
     def _host_merged(self) -> tuple[PyTree, PyTree]:
         """Host copies of the parameters (under LoRA the merged model's) and the model state."""

@@ -122,9 +122,14 @@ def _is_transformers_config(config: object) -> TypeGuard[_TransformersConfig]:
     return transformers is not None and isinstance(config, transformers.PretrainedConfig)
 
 
+def _floating(array: np.ndarray) -> bool:
+    """Whether ``array`` holds floats, bf16 (an ``ml_dtypes`` type NumPy does not count as floating) too."""
+    return bool(np.issubdtype(array.dtype, np.floating)) or array.dtype.name == "bfloat16"
+
+
 def dtype_name(arrays: Mapping[str, np.ndarray]) -> str:
     """The floating dtype the weights are written in (``"float32"``, ``"bfloat16"``), for ``config.json``."""
-    floating = [a.dtype for a in arrays.values() if np.issubdtype(a.dtype, np.floating) or a.dtype.name == "bfloat16"]
+    floating = [a.dtype for a in arrays.values() if _floating(a)]
     return str(floating[0]) if floating else "float32"
 
 
@@ -137,8 +142,7 @@ def cast(arrays: Mapping[str, np.ndarray], dtype: str | None) -> dict[str, np.nd
     target = np.dtype(ml_dtypes.bfloat16) if dtype == "bfloat16" else np.dtype(dtype)
     if target.kind != "f" and target.name != "bfloat16":
         raise ValueError(f"dtype={dtype!r}: pass a floating dtype ('bfloat16', 'float16', 'float32').")
-    floating = lambda a: np.issubdtype(a.dtype, np.floating) or a.dtype.name == "bfloat16"  # noqa: E731
-    return {name: a.astype(target) if floating(a) else a for name, a in arrays.items()}
+    return {name: a.astype(target) if _floating(a) else a for name, a in arrays.items()}
 
 
 def write_folder(
