@@ -300,6 +300,7 @@ def save_pretrained(
     ``tokenizer``'s files; with ``adapter=True`` LoRA's adapters alone as a PEFT folder. Checked against
     the config's architecture first where ``transformers`` is installed; written whole or not at all."""
     settings, base = pretrained.read_config(config)
+    pretrained.check_not_a_source(folder, base, tokenizer)
     documents: dict[str, object]
     if adapter:
         lora, adapters = holder.named_adapters()

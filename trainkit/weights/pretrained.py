@@ -187,6 +187,20 @@ def weight_files(
     return dict(zip(names, cut)), {INDEX: {"metadata": {"total_size": total}, "weight_map": weight_map}}
 
 
+def check_not_a_source(
+    folder: str | os.PathLike[str], base: str | None, tokenizer: str | os.PathLike[str] | None
+) -> None:
+    """Refuses to write over the folder the config or the tokenizer is read from: the published base
+    model would be replaced by the fine-tuned one."""
+    target = os.path.realpath(os.fspath(folder))
+    for argument, source in (("config", base), ("tokenizer", tokenizer)):
+        if source is not None and os.path.realpath(os.fspath(source)) == target:
+            raise ValueError(
+                f"save_pretrained would write over {os.fspath(folder)!r}, the folder {argument}= reads from: the base "
+                "model there would be replaced. Nothing was written; name a new folder."
+            )
+
+
 def tokenizer_files(tokenizer: str | os.PathLike[str] | None) -> dict[str, str]:
     """The tokenizer and generation files of the base folder ``tokenizer`` by name (none for ``None``);
     refused when the folder holds none of them."""
