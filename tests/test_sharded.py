@@ -160,7 +160,7 @@ def test_hybrid_sizes_must_multiply_to_the_device_count():
 
 
 def test_hybrid_needs_a_second_axis():
-    with pytest.raises(ValueError, match="needs an fsdp, a model or a context axis"):
+    with pytest.raises(ValueError, match="needs an fsdp, a model, a context or a stage axis"):
         tk.Hybrid(data=8)
 
 

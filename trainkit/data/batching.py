@@ -278,18 +278,23 @@ def batch_rows(
             yield order[lo : lo + batch_size][mine]
 
 
-def check_batch_size(batch_size: int, shards: int, *, micro_batches: int = 1, what: str = "batch_size") -> None:
+def check_batch_size(
+    batch_size: int, shards: int, *, micro_batches: int = 1, pipeline: int = 1, what: str = "batch_size"
+) -> None:
     """Raises if ``batch_size`` cannot be split evenly into ``shards`` device parts (each split
-    again into ``micro_batches`` for gradient accumulation)."""
+    again into ``micro_batches`` for gradient accumulation, and each of those into a pipeline's
+    ``pipeline`` microbatches)."""
     if isinstance(batch_size, bool) or not isinstance(batch_size, (int, np.integer)) or batch_size <= 0:
         raise ValueError(f"{what}={batch_size!r}: it must be a positive integer.")
-    parts = shards * micro_batches
+    parts = shards * micro_batches * pipeline
     if batch_size % parts:
         lower = batch_size - batch_size % parts
         upper = lower + parts
         nearest = f"{lower} or {upper}" if lower > 0 else f"{upper}"
-        into = f"{shards} devices" + (
-            f" x {micro_batches} micro-batches (grad_accum_steps)" if micro_batches > 1 else ""
+        into = (
+            f"{shards} devices"
+            + (f" x {micro_batches} micro-batches (grad_accum_steps)" if micro_batches > 1 else "")
+            + (f" x {pipeline} pipeline microbatches (Hybrid(microbatches=...))" if pipeline > 1 else "")
         )
         raise ValueError(
             f"{what}={batch_size} cannot be split evenly across {into} "

@@ -102,9 +102,9 @@ def prepare(
     if setup.decided.strategy is None:
         data_lib.check_batch_size(batch_size, 1, micro_batches=micro_batches)
         setup.choose_strategy(prepared, announce, run_steps=None if run_steps is None else run_steps(prepared))
-    data_lib.check_batch_size(
-        batch_size, setup.decided.require_strategy().num_batch_shards, micro_batches=micro_batches
-    )
+    strategy = setup.decided.require_strategy()
+    pipeline = strategy.microbatches if training else 1
+    data_lib.check_batch_size(batch_size, strategy.num_batch_shards, micro_batches=micro_batches, pipeline=pipeline)
     if setup.session.state is None:
         if training and setup.auto is None:  # "auto" leaves such a strategy out; a given one is said once
             warn_changed_result(setup, prepared.first_x)

@@ -33,6 +33,7 @@ from trainkit import distributed
 from trainkit.core import cost as cost_lib
 from trainkit.core.leaf_step import LeafStep
 from trainkit.core.offload import in_host_memory
+from trainkit.core.pipeline import bubble_fraction
 from trainkit.core.state import Batch, TrainState
 from trainkit.core.tree import PyTree, TreeFunction, array_bytes
 from trainkit.data import check_batch_size
@@ -193,6 +194,33 @@ class PlanRow:
         return self.measured_seconds if self.measured_seconds is not None else self.estimated_seconds
 
     @property
+    def bubble(self) -> float | None:
+        """The fraction of a step each pipeline stage waits (GPipe's ``(S-1)/(M+S-1)``; ``None``:
+        no pipeline)."""
+        axis = self.strategy.stage_axis
+        if axis is None:
+            return None
+        return bubble_fraction(stages=self.strategy.mesh.shape[axis], microbatches=self.strategy.microbatches)
+
+    def layout_notes(self) -> list[str]:
+        """What its pipeline or context axis does, in words (empty: neither)."""
+        notes = []
+        if self.bubble is not None:
+            stages = self.strategy.mesh.shape[self.strategy.stage_axis]
+            notes.append(
+                f"{self.name}: a pipeline of {stages} stages x {self.strategy.microbatches} microbatches; each stage "
+                f"holds 1/{stages} of the stacked blocks ({len(self.strategy.stage_paths)} parameters) and waits "
+                f"{self.bubble:.1%} of a step (GPipe's bubble, (S-1)/(M+S-1))"
+            )
+        context = self.strategy.context_axis
+        if context is not None:
+            notes.append(
+                f"{self.name}: each sequence (batch axis {self.strategy.sequence_axis}) split over "
+                f"{self.strategy.mesh.shape[context]} devices, its activations with it"
+            )
+        return notes
+
+    @property
     def too_big(self) -> bool:
         """It runs this model, but not within the memory limit: compiled above it, refused by the
         target compiler for its memory, or its state alone above it (a measure may make it fit)."""
@@ -318,6 +346,9 @@ class MemoryPlan:
         for r in self.rows:  # each reason whole, wrapped to the console's width
             if r.error:
                 (console or Console()).print(f"{r.name}: {r.error}", highlight=False, markup=False)
+        for r in self.rows:
+            for note in r.layout_notes():
+                (console or Console()).print(note, highlight=False, markup=False)
         (console or Console()).print(self.reason())
         if self.state_bytes:
             parts = ", ".join(f"{name} {_mib(size)} MiB" for name, size in self.state_bytes.items())

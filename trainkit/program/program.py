@@ -49,6 +49,7 @@ from trainkit.core.model import (
 )
 from trainkit.core.offload import Offload
 from trainkit.core.optimizer_groups import OptimizerGroups
+from trainkit.core.pipeline import stacked_parameters, staged
 from trainkit.core.precision import Precision, cast_floating
 from trainkit.core.remat import Remat, rematerialised, repeated_blocks, wrap_remat
 from trainkit.core.spikes import SpikeSkip
@@ -140,7 +141,7 @@ class Program:
             raise ValueError(self.offload_refusal)
         self.lora, self.base_adapter = lora, adapter  # the model without adapters: what merge_lora and export give
         adapter = adapter if lora is None else with_lora(adapter, lora, seed)
-        self.run_model, self.remat = precision.wrap_apply(wrap_remat(adapter, remat)), remat
+        self.run_model, self.remat = staged(precision.wrap_apply(wrap_remat(adapter, remat))), remat
         self.adapter, self.compute_loss, self.apply = adapter, compute_loss, apply or self.run_model
         adapters = "" if lora is None else f"lora=tk.LoRA(targets={lora.targets!r}) matches no module (no adapter made)"
         self.trainable = Trainable.of(trainable, extra=None if lora is None else is_adapter, extra_name=adapters)
@@ -267,6 +268,12 @@ class Program:
             if self._param_axes is None:
                 self._param_axes = param_axes(self.adapter, first_row)
             strategy = strategy.with_annotations(self._param_axes)
+        if strategy.stage_axis is not None:
+            state = self.abstract_state(first_row)
+            stages = strategy.mesh.shape[strategy.stage_axis]
+            strategy = strategy.with_stages(
+                stacked_parameters(self.run_model, state.params, state.model_state, first_row, stages)
+            )
         if not strategy.offloads:
             return strategy
         if not self.offload.frozen:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import jax
 
 from trainkit.strategies.auto import Auto
@@ -24,7 +26,7 @@ __all__ = [
     "resolve_strategy",
 ]
 
-_NAMES = {
+_NAMES: dict[str, Callable[[], Strategy]] = {
     "single": SingleDevice,
     "single_device": SingleDevice,
     "data_parallel": DataParallel,

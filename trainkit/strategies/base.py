@@ -76,6 +76,17 @@ class Strategy:
     #: Flax logical axis name -> mesh axes, for parameters annotated with
     #: ``nn.with_logical_partitioning`` and for ``nn.with_logical_constraint`` (none by default).
     logical_rules: tuple[LogicalRule, ...] = ()
+    #: The mesh axis each row's sequence (the batch arrays' ``sequence_axis``) is split over inside
+    #: the step (``None``: none).
+    context_axis: str | None = None
+    sequence_axis: int = 1
+    #: The mesh axis a pipeline splits the model's stacked blocks over (``None``: no pipeline), and
+    #: into how many microbatches each step's batch goes through it (:mod:`trainkit.core.pipeline`).
+    stage_axis: str | None = None
+    microbatches: int = 1
+    #: The stacked blocks' parameter paths the stages split along their layer axis: set by
+    #: :meth:`with_stages`, from the model.
+    stage_paths: tuple[str, ...] = ()
 
     @property
     def mesh(self) -> Mesh:
@@ -113,6 +124,13 @@ class Strategy:
         measured = copy.copy(self)
         measured.remat = remat
         return measured
+
+    def with_stages(self, paths: Sequence[str]) -> Strategy:
+        """A copy whose ``stage_axis`` splits the parameters at ``paths`` (the model's stacked
+        blocks) along their leading layer axis; this strategy is left as it is."""
+        staged = copy.copy(self)
+        staged.stage_paths = tuple(paths)
+        return staged
 
     def no_offload(self) -> str:
         """Why this strategy cannot keep the optimizer's state in host memory, and what to do."""

@@ -31,12 +31,24 @@ class DataParallel(Strategy):
 
     Args:
         devices: the devices to use; all local devices by default.
+        context, stage: refused: ``jax.pmap`` gives each device whole rows and the whole model, so
+            it can split neither a row's sequence nor the model's layers; ``Hybrid(data=..., context=...)``
+            and ``Hybrid(data=..., stage=...)`` do.
     """
 
     axis_name = "data"
 
-    def __init__(self, devices: Sequence[jax.Device] | None = None):
+    def __init__(
+        self, devices: Sequence[jax.Device] | None = None, *, context: int | None = None, stage: int | None = None
+    ):
         """``devices`` defaults to every device of every process (the local ones on one)."""
+        for name, size, what in (("context", context, "a row's sequence"), ("stage", stage, "the model's layers")):
+            if size is not None:
+                raise ValueError(
+                    f"DataParallel({name}={size!r}): jax.pmap gives every device whole rows and the whole model, "
+                    f"so it cannot split {what} over devices. Use tk.Hybrid(data=..., {name}={size!r}) (jax.jit "
+                    "with shardings), which does, with the rest of the devices on its data axis."
+                )
         self._devices = list(devices) if devices is not None else None
         self._mesh: Mesh | None = None
 

@@ -9,6 +9,10 @@
   (the batch arrays' ``sequence_axis``) is split over ``context`` inside the step, so every
   activation along it is too, and the compiler gathers what attention needs (docs/large_models.md).
   Composes with ``fsdp`` and ``model``.
+- ``Hybrid(data=2, stage=4, microbatches=8)``: a pipeline; the model's stacked blocks (``nn.scan``)
+  are split into 4 stages along their layer axis, and each step's rows (per data group) go through
+  them as 8 microbatches on a GPipe schedule (:mod:`trainkit.core.pipeline`). It belongs across
+  slices or hosts, where only activations cross the slow network (docs/large_models.md).
 
 One size may be left out (``None``): it is the device count divided by the others.
 
@@ -37,6 +41,9 @@ class Hybrid(ShardedStrategy):
         fsdp: devices along the ``fsdp`` axis (batch split, state sharded), if any.
         model: devices along the ``model`` axis (tensor parallel: placed by ``rules``), if any.
         context: devices along the ``context`` axis (each sequence split over them), if any.
+        stage: devices along the ``stage`` axis (the stacked blocks' layers split over them), if any.
+        microbatches: how many microbatches a pipeline cuts each step's batch into (the stage
+            count by default); the bubble each stage waits is ``(stage - 1) / (microbatches + stage - 1)``.
         sequence_axis: the batch arrays' sequence dimension (``1``: ``(rows, time, ...)``).
         rules: ``[(regex, PartitionSpec), ...]`` over leaf names like ``params/Dense_0/kernel``.
         min_shard_size: leaves with fewer elements stay replicated over ``fsdp``.
@@ -49,32 +56,38 @@ class Hybrid(ShardedStrategy):
         fsdp: int | None = None,
         model: int | None = None,
         context: int | None = None,
+        stage: int | None = None,
         *,
+        microbatches: int | None = None,
         sequence_axis: int = 1,
         rules: Sequence[tuple[str, PartitionSpec]] = (),
         min_shard_size: int = 2**10,
         devices: Sequence[jax.Device] | None = None,
     ):
-        for name, size in (("data", data), ("fsdp", fsdp), ("model", model), ("context", context)):
-            if size is not None and (not isinstance(size, int) or size < 1):
+        # the stage axis outermost: across slices or hosts, the devices' slowest links
+        sizes = {"stage": stage, "data": data, "fsdp": fsdp, "model": model, "context": context}
+        for name, size in (*sizes.items(), ("microbatches", microbatches)):
+            if size is not None and (not isinstance(size, int) or isinstance(size, bool) or size < 1):
                 raise ValueError(f"Hybrid: {name} must be a positive integer or None; received {size!r}.")
-        if fsdp is None and model is None and context is None:
+        if all(size is None for name, size in sizes.items() if name != "data"):
             raise ValueError(
-                "Hybrid needs an fsdp, a model or a context axis besides data, e.g. Hybrid(data=2, fsdp=4), "
-                "Hybrid(data=2, model=4, rules=[...]) or Hybrid(data=2, context=4); for data parallelism alone "
-                "use DataParallel() or FSDP()."
+                "Hybrid needs an fsdp, a model, a context or a stage axis besides data, e.g. Hybrid(data=2, fsdp=4), "
+                "Hybrid(data=2, model=4, rules=[...]), Hybrid(data=2, context=4) or Hybrid(data=2, stage=4, "
+                "microbatches=8); for data parallelism alone use DataParallel() or FSDP()."
+            )
+        if microbatches is not None and stage is None:
+            raise ValueError(
+                f"Hybrid: microbatches={microbatches} cuts a batch for a pipeline, and there is no stage axis; "
+                f"add one (Hybrid(data=..., stage=4, microbatches={microbatches})), or use grad_accum_steps= on "
+                "the trainer to accumulate gradients over micro-batches without one."
             )
         if not isinstance(sequence_axis, int) or isinstance(sequence_axis, bool) or sequence_axis < 1:
             raise ValueError(
                 f"Hybrid: sequence_axis must be a positive integer (axis 0 holds the rows); received {sequence_axis!r}."
             )
-        axes = {"data": data}
-        if fsdp is not None:
-            axes["fsdp"] = fsdp
-        if model is not None:
-            axes["model"] = model
-        if context is not None:
-            axes["context"] = context
+        axes = {name: size for name, size in sizes.items() if name == "data" or size is not None}
+        if stage is not None:
+            self.stage_axis, self.microbatches = "stage", microbatches or stage
         self.context_axis = "context" if context is not None else None
         self.sequence_axis = sequence_axis
         self.batch_axes = tuple(a for a in ("data", "fsdp") if a in axes)

@@ -23,10 +23,12 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from trainkit import distributed
+from trainkit.core.gpipe import Schedule
 from trainkit.core.leaf_step import LeafStep
+from trainkit.core.pipeline import pipelined
 from trainkit.core.state import TrainState
 from trainkit.core.step import full_mask
-from trainkit.core.tree import PyTree, TreeFunction
+from trainkit.core.tree import KeyPath, PyTree, TreeFunction, leaf_name
 from trainkit.strategies import _sharding
 from trainkit.strategies.base import Strategy, make_mesh
 
@@ -43,8 +45,6 @@ class ShardedStrategy(Strategy):
     batch_axes: tuple[str, ...] = ()
     fsdp_axis: str | None = None
     min_shard_size: int = 2**10
-    context_axis: str | None = None  # the axis each row's sequence is split over inside the step (Hybrid's)
-    sequence_axis: int = 1  # the batch arrays' sequence dimension
 
     def __init__(
         self,
@@ -121,14 +121,21 @@ class ShardedStrategy(Strategy):
 
     def annotation_specs(self) -> dict[str, PartitionSpec]:
         """``{parameter path: PartitionSpec}`` of the annotated parameters under the logical
-        rules (empty without logical rules: annotations are then not used)."""
+        rules (none without logical rules: annotations are then not used), and of the stacked
+        blocks' parameters a pipeline splits along their layer axis."""
+        stacked = {path: PartitionSpec(self.stage_axis) for path in self.stage_paths}
         if not self.logical_rules:
-            return {}
+            return stacked
         axis_names = tuple(self._axis_sizes)
         return {
             path: _sharding.logical_spec(names, self.logical_rules, axis_names, f"params/{path}")
             for path, names in self.param_axes.items()
-        }
+        } | stacked
+
+    @property
+    def schedule(self) -> Schedule | None:
+        """The pipeline's schedule over ``stage_axis`` (``None``: no pipeline)."""
+        return None if self.stage_axis is None else Schedule(self.mesh, self.stage_axis, self.microbatches)
 
     def state_specs(self, abstract_state: PyTree) -> PyTree:
         """A ``PartitionSpec`` per leaf (errors name the leaf and the rule)."""
@@ -212,7 +219,7 @@ class ShardedStrategy(Strategy):
         the batch is."""
         state, totals = self.state_sharding(abstract_state), self.replicated()
         batch = self.stacked_batch_sharding if kind == "train_steps" else self.batch_sharding
-        fn = self._sequences_split(fn, kind)
+        fn = pipelined(self._sequences_split(fn, kind), self.schedule)
         if kind in ("train", "train_steps"):  # over the state's leaves: the loop threads them (LeafStep)
             ins, outs = (state, totals, batch), (state, totals)
             return LeafStep.jit(fn, abstract_state, in_shardings=ins, out_shardings=outs, replicated=totals)
@@ -232,15 +239,22 @@ class ShardedStrategy(Strategy):
         rows = self.batch_axes or None
         spec = PartitionSpec(*lead, rows, *[None] * (self.sequence_axis - 1), self.context_axis)
 
-        def split(leaf: jax.Array) -> jax.Array:  # traced
-            if leaf.ndim <= axis or leaf.shape[axis] % size:
+        def split(path: KeyPath, leaf: jax.Array) -> jax.Array:  # traced
+            if leaf.ndim <= axis or leaf.shape[axis] < size:  # rows alone (a mask), or features shorter than the axis
                 return leaf
+            if leaf.shape[axis] % size:
+                raise ValueError(
+                    f"{self!r}: the batch's {leaf_name(path) or 'array'} has {leaf.shape[axis]} positions along "
+                    f"sequence_axis={self.sequence_axis}, which do not split evenly over the {size} devices of the "
+                    f"context axis. Pad the sequences to a multiple of {size}, or choose a context size that divides "
+                    f"{leaf.shape[axis]}."
+                )
             constrained: jax.Array = jax.lax.with_sharding_constraint(leaf, NamedSharding(self.mesh, spec))
             return constrained
 
         @functools.wraps(fn)
         def split_step(*args: PyTree) -> PyTree:
-            return fn(*args[:where], jax.tree.map(split, args[where]), *args[where + 1 :])
+            return fn(*args[:where], jax.tree_util.tree_map_with_path(split, args[where]), *args[where + 1 :])
 
         return split_step
 

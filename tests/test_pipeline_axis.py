@@ -1,0 +1,160 @@
+"""The pipeline axis (#62): ``Hybrid(data=2, stage=4, microbatches=8)`` splits a causal LM's stacked
+blocks (``nn.scan``, 4 layers) into 4 stages and runs each step's rows through them as 8 microbatches
+(GPipe); it trains to SingleDevice's numbers, each stage holds a quarter of the blocks, and wrong use
+is refused before anything compiles."""
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import trainkit as tk
+from trainkit.core.pipeline import bubble_fraction
+
+SEQUENCE, WIDTH, VOCAB, HEADS, LAYERS = 512, 64, 64, 4, 4
+
+
+class Block(nn.Module):
+    """One transformer block as ``nn.scan`` takes it: ``(carry, per-layer input) -> (carry, output)``."""
+
+    @nn.compact
+    def __call__(self, x, _):
+        b, t, w = x.shape
+        q, k, v = (a.reshape(b, t, HEADS, w // HEADS) for a in jnp.split(nn.Dense(3 * w)(nn.LayerNorm()(x)), 3, -1))
+        attended = nn.dot_product_attention(q, k, v, mask=nn.make_causal_mask(jnp.ones((b, t))))
+        x = x + nn.Dense(w)(attended.reshape(b, t, w))
+        return x + nn.Dense(w)(nn.gelu(nn.Dense(4 * w)(nn.LayerNorm()(x)))), None
+
+
+class StackedLM(nn.Module):
+    """A causal LM whose blocks are one stacked module: each parameter leads with the layer axis."""
+
+    layers: int = LAYERS
+
+    @nn.compact
+    def __call__(self, tokens):
+        x = nn.Embed(VOCAB, WIDTH)(tokens) + nn.Embed(SEQUENCE, WIDTH)(jnp.arange(tokens.shape[1]))
+        stack = nn.scan(Block, variable_axes={"params": 0}, split_rngs={"params": True}, length=self.layers)
+        x, _ = stack(name="blocks")(x, None)
+        return nn.Dense(VOCAB)(nn.LayerNorm()(x))
+
+
+class UnstackedLM(nn.Module):
+    @nn.compact
+    def __call__(self, tokens):
+        x = nn.Embed(VOCAB, WIDTH)(tokens)
+        for _ in range(2):
+            x, _ = Block()(x, None)
+        return nn.Dense(VOCAB)(x)
+
+
+def data(rows, sequence=SEQUENCE):
+    tokens = np.random.default_rng(0).integers(0, VOCAB, size=(rows, sequence + 1)).astype(np.int32)
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+def lm(strategy, model=None):
+    """SGD, as the context axis's test: Adam would turn gradients that are zero but for rounding into full steps."""
+    return tk.Trainer(
+        model or StackedLM(), loss="sparse_categorical_crossentropy", optimizer=optax.sgd(0.1), strategy=strategy
+    )
+
+
+PIPELINE = dict(data=2, stage=4, microbatches=8)
+
+
+def test_a_stacked_lm_on_a_pipeline_trains_to_single_devices_numbers():
+    """5 steps of 16 rows (2 data groups x 8 microbatches of one row), the last batch padded."""
+    x, y = data(16 * 4 + 5)
+    results = {}
+    for name, strategy in (("single", "single"), ("pipeline", tk.Hybrid(**PIPELINE))):
+        trainer = lm(strategy)
+        history = trainer.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0).history
+        results[name] = (history["loss"], jax.tree.leaves(trainer.get_weights()), trainer.global_step)
+    (loss, weights, steps), (piped_loss, piped_weights, piped_steps) = results["single"], results["pipeline"]
+    assert steps == piped_steps == 5
+    np.testing.assert_allclose(piped_loss, loss, rtol=1e-5)
+    for ours, theirs in zip(piped_weights, weights, strict=True):
+        np.testing.assert_allclose(ours, theirs, atol=1e-5)
+
+
+def test_each_stage_holds_a_quarter_of_the_blocks_and_the_plan_shows_gpipes_bubble():
+    x, y = data(16)
+    trainer = lm(tk.Hybrid(**PIPELINE))
+    trainer.init(x[:1])
+    blocks = trainer.state.params["blocks"]
+    for leaf in jax.tree.leaves(blocks):
+        assert leaf.shape[0] == LAYERS
+        held = {shard.data.shape[0] for shard in leaf.addressable_shards}
+        assert held == {LAYERS // 4}, held  # one layer on each device: a quarter of the blocks
+    embedding = trainer.state.params["Embed_0"]["embedding"]
+    assert {shard.data.shape for shard in embedding.addressable_shards} == {embedding.shape}  # outside the stages
+    plan = lm("single").plan((x, y), batch_size=16, candidates=[tk.Hybrid(**PIPELINE)], verbose=0)
+    (row,) = plan.rows
+    assert row.error is None, row.error
+    assert row.bubble == pytest.approx((4 - 1) / (8 + 4 - 1)) == bubble_fraction(stages=4, microbatches=8)
+    assert "waits 27.3% of a step" in str(plan)
+
+
+@pytest.mark.parametrize(
+    ("model", "batch_size", "match"),
+    [
+        (UnstackedLM(), 16, "repeated blocks stacked into one scan over their layers, and this model has none"),
+        (StackedLM(layers=6), 16, "6 layers, which do not divide into 4 stages"),
+        (StackedLM(), 8, r"cannot be split evenly across 2 devices x 8 pipeline microbatches"),
+    ],
+    ids=["no-stacked-blocks", "layers-not-divisible", "microbatches-do-not-divide-the-batch"],
+)
+def test_wrong_use_of_a_pipeline_is_refused_before_anything_compiles(model, batch_size, match):
+    x, y = data(16, sequence=32)
+    trainer = lm(tk.Hybrid(**PIPELINE), model)
+    with pytest.raises(ValueError, match=match):
+        trainer.fit(x, y, batch_size=batch_size, epochs=1, verbose=0)
+    assert trainer.global_step == 0
+
+
+def test_hybrid_refuses_microbatches_without_a_stage_axis():
+    with pytest.raises(ValueError, match="there is no stage axis"):
+        tk.Hybrid(data=2, fsdp=4, microbatches=8)
+
+
+@pytest.mark.parametrize("axis", ["context", "stage"])
+def test_data_parallel_refuses_a_context_or_a_stage_axis_naming_hybrid(axis):
+    with pytest.raises(ValueError, match=rf"cannot split .* Use tk.Hybrid\(data=\.\.\., {axis}=4\)"):
+        tk.DataParallel(**{axis: 4})
+
+
+def test_a_context_size_that_does_not_divide_the_sequence_is_refused_naming_the_fix():
+    tokens = np.zeros((4, 30), np.int32)
+    trainer = lm(tk.Hybrid(data=2, context=4), UnstackedLM())
+    with pytest.raises(ValueError, match="30 positions along sequence_axis=1, which do not split evenly over the 4"):
+        trainer.fit(tokens, tokens, batch_size=2, epochs=1, verbose=0)
+    assert trainer.global_step == 0
+
+
+def test_a_pipeline_run_resumes_bit_exact_and_its_checkpoint_loads_onto_single_device_and_fsdp(tmp_path):
+    """The stacked parameters are saved in the model's own layout (layers, ...), whatever the stages."""
+    x, y = data(32, sequence=64)
+    straight = lm(tk.Hybrid(**PIPELINE))
+    straight.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
+    first = lm(tk.Hybrid(**PIPELINE))
+    first.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0)
+    first.save(tmp_path / "checkpoint")
+    resumed = lm(tk.Hybrid(**PIPELINE))
+    resumed.init(x[:1])
+    resumed.load(tmp_path / "checkpoint")
+    resumed.fit(x, y, batch_size=16, epochs=2, initial_epoch=1, shuffle=False, verbose=0)
+    for ours, theirs in zip(
+        jax.tree.leaves(resumed.get_weights()), jax.tree.leaves(straight.get_weights()), strict=True
+    ):
+        np.testing.assert_array_equal(ours, theirs)
+    for strategy in ("single", tk.FSDP(min_shard_size=1)):
+        other = lm(strategy)
+        other.init(x[:1])
+        other.load(tmp_path / "checkpoint")
+        for ours, theirs in zip(
+            jax.tree.leaves(other.get_weights()), jax.tree.leaves(first.get_weights()), strict=True
+        ):
+            np.testing.assert_array_equal(ours, theirs)
