@@ -96,6 +96,8 @@ def test_each_stage_holds_a_quarter_of_the_blocks_and_the_plan_shows_gpipes_bubb
     assert row.error is None, row.error
     assert row.bubble == pytest.approx((4 - 1) / (8 + 4 - 1)) == bubble_fraction(stages=4, microbatches=8)
     assert "waits 27.3% of a step" in str(plan)
+    # a pipeline: activations passed from stage to stage, no stacked parameter gathered
+    assert row.collectives.get("collective-permute", 0) > 0 and "all-gather" not in row.collectives, row.collectives
 
 
 @pytest.mark.parametrize(

@@ -7,7 +7,7 @@ shardings it has (FSDP or tensor-parallel parameters inside a stage).
 
 Stage ``s`` holds its ``L/S`` consecutive layers and, at tick ``t`` of ``M + S - 1``, runs them
 on microbatch ``t - s``: stage 0 reads it from the inputs, every other stage receives it from
-the stage before; the last stage's results are kept. Ticks outside a stage's microbatches (the
+the stage before; the last stage's results from tick ``S - 1`` on are the microbatches' outputs. Ticks outside a stage's microbatches (the
 bubble) compute on real rows, never on zeros, so no division by zero puts a NaN in a gradient,
 and their results are dropped.
 
@@ -34,11 +34,13 @@ Arrays = list[jax.Array]
 
 @dataclasses.dataclass(frozen=True)
 class Schedule:
-    """A GPipe schedule: ``microbatches`` through the stages of the ``axis`` of ``mesh``."""
+    """A GPipe schedule: ``microbatches`` through the stages of the ``axis`` of ``mesh``; each
+    microbatch's rows stay split over ``batch_axes`` (the data axes) inside a stage."""
 
     mesh: Mesh
     axis: str
     microbatches: int
+    batch_axes: tuple[str, ...] = ()
 
     @property
     def stages(self) -> int:
@@ -61,15 +63,22 @@ def gpipe(layer: Layer, consts: Arrays, carry: Arrays, stacked: Arrays, schedule
     """The carry ``(M, ...)`` (one entry per microbatch) after every layer of ``stacked`` (each
     ``(L, ...)``, or ``(M, L, ...)``: see :class:`Layer`), the layers split over ``schedule``'s stages."""
     stages, m = schedule.stages, schedule.microbatches
-    per_stage = lambda a: jax.lax.with_sharding_constraint(  # noqa: E731
-        a, NamedSharding(schedule.mesh, PartitionSpec(schedule.axis))
-    )
+    free = PartitionSpec.UNCONSTRAINED
+
+    def per_stage(a: jax.Array, rows: bool = True) -> jax.Array:
+        """``a`` with its leading (stage) axis split over the stages, and its rows (the next axis,
+        for activations) over the data axes; the rest as the compiler places it."""
+        lead = (schedule.axis, schedule.batch_axes or None) if rows else (schedule.axis,)
+        spec = PartitionSpec(*lead, *[free] * (a.ndim - len(lead)))
+        constrained: jax.Array = jax.lax.with_sharding_constraint(a, NamedSharding(schedule.mesh, spec))
+        return constrained
+
     per_micro_stacked = list(layer.stacked_per_micro) or [False] * len(stacked)
     # (L, ...) -> (S, L/S, ...): stage s holds layers s*L/S .. (s+1)*L/S - 1; per-microbatch ones (S, M, L/S, ...)
     local = [
-        per_stage(jnp.moveaxis(x.reshape(m, stages, -1, *x.shape[2:]), 1, 0))
+        per_stage(jnp.moveaxis(x.reshape(m, stages, -1, *x.shape[2:]), 1, 0), rows=False)
         if per
-        else per_stage(x.reshape(stages, -1, *x.shape[1:]))
+        else per_stage(x.reshape(stages, -1, *x.shape[1:]), rows=False)
         for x, per in zip(stacked, per_micro_stacked)
     ]
     stage_index = jnp.arange(stages)
@@ -77,18 +86,15 @@ def gpipe(layer: Layer, consts: Arrays, carry: Arrays, stacked: Arrays, schedule
     def layers(consts_s: Arrays, h: Arrays, local_s: Arrays) -> Arrays:  # one stage, its microbatch
         return jax.lax.scan(lambda h, xs: (layer.fn(consts_s, h, xs), None), h, local_s)[0]
 
-    def tick(state: tuple[Arrays, Arrays], t: jax.Array) -> tuple[tuple[Arrays, Arrays], None]:
-        received, outputs = state
+    def tick(received: Arrays, t: jax.Array) -> tuple[Arrays, Arrays]:
         micro = jnp.clip(t - stage_index, 0, m - 1)  # each stage's microbatch (clipped in the bubble)
         h = [per_stage(r.at[0].set(x[micro[0]])) for x, r in zip(carry, received)]
         consts_s = [c[micro] if per else c for c, per in zip(consts, layer.per_micro)]
         local_s = [x[stage_index, micro] if per else x for x, per in zip(local, per_micro_stacked)]
         in_axes = ([0 if per else None for per in layer.per_micro], 0, 0)
         out = [per_stage(y) for y in jax.vmap(layers, in_axes=in_axes)(consts_s, h, local_s)]
-        done, keep = micro[-1], t >= stages - 1
-        outputs = [o.at[done].set(jnp.where(keep, y[-1], o[done])) for o, y in zip(outputs, out)]
-        return ([jnp.roll(y, 1, axis=0) for y in out], outputs), None
+        return [jnp.roll(y, 1, axis=0) for y in out], [y[-1] for y in out]  # the last stage's, each tick
 
-    start = ([per_stage(jnp.broadcast_to(x[0], (stages, *x.shape[1:]))) for x in carry], list(carry))
-    (_, outputs), _ = jax.lax.scan(tick, start, jnp.arange(m + stages - 1))
-    return outputs
+    start = [per_stage(jnp.broadcast_to(x[0], (stages, *x.shape[1:]))) for x in carry]
+    _, finished = jax.lax.scan(tick, start, jnp.arange(m + stages - 1))
+    return [y[stages - 1 :] for y in finished]  # microbatch t - (S-1) finished at tick t

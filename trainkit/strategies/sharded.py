@@ -135,7 +135,9 @@ class ShardedStrategy(Strategy):
     @property
     def schedule(self) -> Schedule | None:
         """The pipeline's schedule over ``stage_axis`` (``None``: no pipeline)."""
-        return None if self.stage_axis is None else Schedule(self.mesh, self.stage_axis, self.microbatches)
+        if self.stage_axis is None:
+            return None
+        return Schedule(self.mesh, self.stage_axis, self.microbatches, self.batch_axes)
 
     def state_specs(self, abstract_state: PyTree) -> PyTree:
         """A ``PartitionSpec`` per leaf (errors name the leaf and the rule)."""
