@@ -7,9 +7,9 @@ shardings it has (FSDP or tensor-parallel parameters inside a stage).
 
 Stage ``s`` holds its ``L/S`` consecutive layers and, at tick ``t`` of ``M + S - 1``, runs them
 on microbatch ``t - s``: stage 0 reads it from the inputs, every other stage receives it from
-the stage before; the last stage's results from tick ``S - 1`` on are the microbatches' outputs. Ticks outside a stage's microbatches (the
-bubble) compute on real rows, never on zeros, so no division by zero puts a NaN in a gradient,
-and their results are dropped.
+the stage before; the last stage's results from tick ``S - 1`` on are the microbatches'
+outputs. Ticks outside a stage's microbatches (the bubble) compute on real rows, never on
+zeros, so no division by zero puts a NaN in a gradient, and their results are dropped.
 
 >>> import jax, jax.numpy as jnp, numpy as np
 >>> from jax.sharding import Mesh
