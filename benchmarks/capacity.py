@@ -27,6 +27,7 @@ byte plus its scales). The ratio is the found parameter count over the bound.
 
     python benchmarks/capacity.py [--targets "tpu v5e:2x4" ...] [--configs fsdp ...] [--layers 4] [--out F]
     python benchmarks/capacity.py --plot capacity.json docs/images/capacity.png   # the rows found, as bars
+    python benchmarks/capacity.py --axes   # the longest sequence with and without a context axis; two slices
 """
 
 from __future__ import annotations
@@ -222,9 +223,18 @@ def main() -> None:
     parser.add_argument("--configs", nargs="*", default=list(CONFIGS))
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--out", default="capacity.json", help="results, one JSON object per row, appended")
+    parser.add_argument("--axes", action="store_true", help="the context and pipeline rows (capacity_axes.py)")
     args = parser.parse_args()
     if args.plot:
         plot(*args.plot)
+        return
+    if args.axes:
+        import capacity_axes
+
+        for row in capacity_axes.slice_rows() + capacity_axes.sequence_rows():
+            print(json.dumps(row), flush=True)
+            with open(args.out, "a") as file:
+                file.write(json.dumps(row) + "\n")
         return
     print(f"jax {jax.__version__}, trainkit {tk.__version__}; {args.layers} layers, sequence {LENGTH}")
     header = f"{'target':15} {'config':24} {'width':>6} {'params':>9} {'B/param':>8} {'bound':>9} {'ratio':>6} {'s':>6}"

@@ -51,14 +51,14 @@ RULES = {
     "fsdp": [
         ("batch", "fsdp"),
         ("embed", "fsdp"),
-        *[(name, None) for name in ("length", "vocab", "heads", "kv", "mlp")],
+        *[(name, None) for name in ("length", "vocab", "heads", "kv", "mlp", "layers")],
     ],
     "tp": [
         ("batch", "data"),
         ("heads", "model"),
         ("mlp", "model"),
         ("vocab", "model"),
-        *[(name, None) for name in ("length", "embed", "kv")],
+        *[(name, None) for name in ("length", "embed", "kv", "layers")],
     ],
 }
 
@@ -113,8 +113,22 @@ class Block(nn.Module):
         return nn.with_logical_constraint(x, ("batch", "length", "embed"))
 
 
+class StackedBlock(nn.Module):
+    """A :class:`Block` as ``nn.scan`` takes it (``(carry, per-layer input) -> (carry, output)``)."""
+
+    heads: int
+    head_dim: int
+    mlp: int
+
+    @nn.compact
+    def __call__(self, x, _):
+        return Block(self.heads, self.head_dim, self.mlp, name="block")(x), None
+
+
 class ByteLM(nn.Module):
-    """Bytes ``(batch, length)`` -> next-byte logits ``(batch, length, 256)``."""
+    """Bytes ``(batch, length)`` -> next-byte logits ``(batch, length, 256)``; ``stacked=True``:
+    the blocks are one ``nn.scan`` module (each parameter leads with the layer axis, named
+    ``layers``), which a pipeline (``tk.Hybrid(stage=...)``) splits into stages."""
 
     layers: int = 4
     d_model: int = 128
@@ -122,6 +136,7 @@ class ByteLM(nn.Module):
     mlp: int = 512
     max_len: int = 256
     vocab: int = 256
+    stacked: bool = False
 
     @nn.compact
     def __call__(self, tokens):
@@ -133,7 +148,16 @@ class ByteLM(nn.Module):
         )
         x = embed(tokens) + positions[None, : tokens.shape[1]]
         x = nn.with_logical_constraint(x, ("batch", "length", "embed"))
-        for _ in range(self.layers):
+        if self.stacked:
+            stack = nn.scan(
+                StackedBlock,
+                variable_axes={"params": 0},
+                split_rngs={"params": True},
+                length=self.layers,
+                metadata_params={nn.PARTITION_NAME: "layers"},
+            )
+            x, _ = stack(self.heads, self.d_model // self.heads, self.mlp, name="blocks")(x, None)
+        for _ in range(0 if self.stacked else self.layers):
             x = Block(self.heads, self.d_model // self.heads, self.mlp)(x)
         x = nn.LayerNorm(scale_init=logical(nn.initializers.ones, "embed"), use_bias=False)(x)
         return nn.Dense(

@@ -160,3 +160,36 @@ def test_a_pipeline_run_resumes_bit_exact_and_its_checkpoint_loads_onto_single_d
             jax.tree.leaves(other.get_weights()), jax.tree.leaves(first.get_weights()), strict=True
         ):
             np.testing.assert_array_equal(ours, theirs)
+
+
+def test_across_two_tpu_slices_a_pipeline_sends_activations_where_data_parallelism_sends_gradients():
+    """Compiled by libtpu for two v5p slices of 4 chips (not run): a model of wide blocks and short sequences,
+    whose gradients outweigh its activations; the plan's dcn column reads the compiler's sends between slices."""
+    pytest.importorskip("libtpu")
+
+    class Wide(nn.Module):
+        @nn.compact
+        def __call__(self, tokens):
+            x = nn.Embed(VOCAB, 256)(tokens)
+            stack = nn.scan(Dense256, variable_axes={"params": 0}, split_rngs={"params": True}, length=4)
+            x, _ = stack()(x, None)
+            return nn.Dense(VOCAB)(x)
+
+    x, y = data(16, sequence=32)
+    plan = lm("single", Wide()).plan((x, y), batch_size=16, target="tpu v5p:2x2x1 x2", verbose=0)
+    rows = {row.name: row for row in plan.rows}
+    assert set(rows) >= {"Hybrid(data=2, fsdp=4)", "Hybrid(stage=2, data=1, fsdp=4)"}, set(rows)  # by default
+    data_parallel, pipeline = rows["Hybrid(data=2, fsdp=4)"], rows["Hybrid(stage=2, data=1, fsdp=4)"]
+    assert data_parallel.error is None and pipeline.error is None, (data_parallel.error, pipeline.error)
+    blocks = 4 * (256 * 4096 + 4096 + 4096 * 256 + 256)  # the stacked blocks' parameters
+    assert data_parallel.dcn_bytes >= 4 * blocks / 4  # every block gradient (f32), a quarter per device
+    # each microbatch's activations to the next stage and the last stage's to the head, forward and back
+    activations = 2 * 2 * 16 * 32 * 256 * 4 / 4
+    assert activations <= pipeline.dcn_bytes < 0.2 * data_parallel.dcn_bytes, (pipeline.dcn_bytes, activations)
+    assert "dcn" in str(plan)
+
+
+class Dense256(nn.Module):
+    @nn.compact
+    def __call__(self, x, _):
+        return x + nn.Dense(256)(nn.relu(nn.Dense(4096)(x))), None

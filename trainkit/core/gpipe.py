@@ -1,7 +1,7 @@
 """The GPipe schedule over a mesh axis, SPMD under ``jax.jit``: every stage's state is one row
 of arrays that lead with the stage count and are sharded over the ``stage`` axis, each tick
 runs every stage's layers at once (``jax.vmap`` over that leading axis, so each device computes
-its own stage), and a roll of the states by one passes each stage's output to the next (the
+its own stage), and a shift of the states by one passes each stage's output to the next (the
 compiler's collective permute). No ``shard_map``: the layer, traced outside, keeps whatever
 shardings it has (FSDP or tensor-parallel parameters inside a stage).
 
@@ -93,8 +93,13 @@ def gpipe(layer: Layer, consts: Arrays, carry: Arrays, stacked: Arrays, schedule
         local_s = [x[stage_index, micro] if per else x for x, per in zip(local, per_micro_stacked)]
         in_axes = ([0 if per else None for per in layer.per_micro], 0, 0)
         out = [per_stage(y) for y in jax.vmap(layers, in_axes=in_axes)(consts_s, h, local_s)]
-        return [jnp.roll(y, 1, axis=0) for y in out], [y[-1] for y in out]  # the last stage's, each tick
+        # stage s+1 receives stage s's output (stage 0 keeps its own, which it replaces: no wrap-around send)
+        passed = [jnp.concatenate([y[:1], y[:-1]]) for y in out]
+        return passed, out  # every stage's output, left where it is: only the last stage's are read
 
     start = [per_stage(jnp.broadcast_to(x[0], (stages, *x.shape[1:]))) for x in carry]
-    _, finished = jax.lax.scan(tick, start, jnp.arange(m + stages - 1))
-    return [y[stages - 1 :] for y in finished]  # microbatch t - (S-1) finished at tick t
+    _, outs = jax.lax.scan(tick, start, jnp.arange(m + stages - 1))
+    # microbatch t - (S-1) finished at tick t. (Dealing them out over the stages, so that each runs the
+    # head on M/S of them, sent 10% less across two TPU slices, but made XLA's CPU runtime issue its
+    # collectives in different orders on different devices: a deadlock.)
+    return [y[stages - 1 :, stages - 1] for y in outs]

@@ -135,7 +135,7 @@ def remembered_pick(
         name = under = None
     named = {plan_lib.short_name(c): c for c in chosen_from}
     if name is not None and name not in named:  # configured (offload), or a measure the plan added
-        configured = [program.configured(c, prepared.first_x) for c in chosen_from]
+        configured, _ = program.configured_candidates(chosen_from, prepared.first_x)
         variants = configured + [
             measured
             for rung in setup.ladder(prepared.first_x)

@@ -40,6 +40,7 @@ from trainkit.data import check_batch_size
 from trainkit.program import budget as budget_lib
 from trainkit.program import compile_estimate
 from trainkit.program import targets as targets_lib
+from trainkit.program.dcn import dcn_traffic
 from trainkit.strategies import FSDP, DataParallel, Hybrid, SingleDevice, Strategy
 
 logger = logging.getLogger("trainkit")
@@ -168,6 +169,7 @@ class PlanRow:
     flops: float = 0.0
     bytes_accessed: float = 0.0
     collective_bytes: int = 0
+    dcn_bytes: int = 0  # of those, what crosses slices (multi-slice TPU targets): the slow network
     collectives: dict[str, int] = dataclasses.field(default_factory=dict)
     estimated_seconds: float = math.inf
     measured_seconds: float | None = None
@@ -243,7 +245,9 @@ def analyse(row: PlanRow, compiled) -> PlanRow:
     cost = cost_lib.cost_of(compiled)
     row.flops = float(cost.get("flops", 0.0))
     row.bytes_accessed = float(cost.get("bytes accessed", 0.0))
-    row.collective_bytes, row.collectives = collective_traffic(compiled.as_text())
+    text = compiled.as_text()
+    row.collective_bytes, row.collectives = collective_traffic(text)
+    row.dcn_bytes = dcn_traffic(text)
     row.estimated_seconds = estimate_seconds(row.flops, row.bytes_accessed, row.collective_bytes, row.strategy.devices)
     row.compiled = compiled
     return row
@@ -313,7 +317,10 @@ class MemoryPlan:
             f"trainkit plan{where}: MiB per device of {self.memory_limit / 2**20:,.0f}; {kind} ms/step; <- auto's pick"
         )
         hosts = any(r.host_bytes for r in self.rows)  # offload: what stays in host memory, its own column
-        columns = ("args", "temp", "total") + (("host",) if hosts else ()) + ("GFLOP", "comm", "ms")
+        dcn = any(r.dcn_bytes for r in self.rows)  # several slices: what crosses the data-center network
+        columns = ("args", "temp", "total") + (("host",) if hosts else ()) + ("GFLOP", "comm")
+        columns += ("dcn",) if dcn else ()
+        columns += ("ms",)
         columns += ("compile s",) if self.target else ()
         blank = [""] * len(columns)
         rows: list[tuple[str, list[str], str]] = []
@@ -328,7 +335,8 @@ class MemoryPlan:
                 cells = [_mib(r.argument_bytes), _mib(r.temp_bytes), _mib(r.total_bytes)]
                 cells += [_mib(r.host_bytes)] if hosts else []
                 cells += [_short(r.flops / 1e9)]
-                cells += [_mib(r.collective_bytes), _short(r.seconds * 1e3)]
+                cells += [_mib(r.collective_bytes)] + ([_mib(r.dcn_bytes)] if dcn else [])
+                cells += [_short(r.seconds * 1e3)]
                 cells += [f"{r.compile_seconds:.1f}"] if self.target else []
                 rows.append((r.name, cells, verdict))
         table = Table(title=title)
@@ -659,7 +667,9 @@ def plan_step(
     initialiser = next((c for c in candidates if measure and floor(c) <= HEADROOM * limit), None)
 
     def lower(strategy: Strategy) -> tuple[jax.stages.Lowered, TreeFunction]:
-        check_batch_size(np.shape(host_batch["mask"])[0], strategy.num_batch_shards, micro_batches=micro_batches)
+        pipeline = strategy.microbatches if trains else 1
+        rows = np.shape(host_batch["mask"])[0]
+        check_batch_size(rows, strategy.num_batch_shards, micro_batches=micro_batches, pipeline=pipeline)
         abstract = _abstract_in(strategy, abstract_state, limit)
         function: Any = compile_step(strategy, abstract)  # jitted, pmapped or a LeafStep: it lowers
         placed = jax.tree.map(

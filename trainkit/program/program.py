@@ -49,7 +49,7 @@ from trainkit.core.model import (
 )
 from trainkit.core.offload import Offload
 from trainkit.core.optimizer_groups import OptimizerGroups
-from trainkit.core.pipeline import stacked_parameters, staged
+from trainkit.core.pipeline import NotPipelined, stacked_parameters, staged
 from trainkit.core.precision import Precision, cast_floating
 from trainkit.core.remat import Remat, rematerialised, repeated_blocks, wrap_remat
 from trainkit.core.spikes import SpikeSkip
@@ -281,6 +281,20 @@ class Program:
         params = self.abstract_state(first_row).params
         return strategy.with_offload(self.offload.keeping(self.trainable.frozen_paths(params)))
 
+    def configured_candidates(
+        self, candidates: Sequence[Strategy], first_row: PyTree
+    ) -> tuple[list[Strategy], dict[int, str]]:
+        """A plan's candidates :meth:`configured`, and why each one that cannot run this model is
+        left out (by ``id``: a pipeline on a model without stacked blocks is a row, not a crash)."""
+        configured, refused = [], {}
+        for strategy in candidates:
+            try:
+                configured.append(self.configured(strategy, first_row))
+            except NotPipelined as error:
+                configured.append(strategy)
+                refused[id(strategy)] = f"cannot pipeline this model: {error}"
+        return configured, refused
+
     def repeated_blocks(self, first_row: PyTree) -> list[str]:
         """The class names of the model's repeated blocks (:func:`trainkit.core.remat.repeated_blocks`),
         what a plan rematerialises when nothing fits; empty for an NNX model (remat needs linen)
@@ -319,9 +333,13 @@ class Program:
         abstract_state: PyTree,
         first_row: PyTree,
         statistics: StepStatistics | None = None,
+        refusal: str | None = None,
     ) -> TreeFunction:
         """``compile(kind, ...)`` for a plan's candidate; :class:`~trainkit.program.plan.NotACandidate`
-        for a candidate whose training step would compute another result than ``SingleDevice``'s."""
+        for a candidate whose training step would compute another result than ``SingleDevice``'s;
+        a ``ValueError`` of ``refusal`` (why it cannot run this model) when there is one."""
+        if refusal is not None:
+            raise ValueError(refusal)
         reason = self.changes_result(strategy, first_row, abstract_state) if kind == "train" else None
         if self.offload and not strategy.offloads:
             reason = strategy.no_offload()
@@ -486,7 +504,7 @@ class Program:
         first_row = host_batch["x"]  # the model is initialised on a real batch, as it trains
         variables = starting_variables(self.adapter, self.variables, first_row)
         candidates = candidates if candidates is not None else plan_lib.default_candidates()
-        candidates = [self.configured(strategy, first_row) for strategy in candidates]
+        candidates, refused = self.configured_candidates(candidates, first_row)
         abstract_state = self.abstract_state(first_row, variables)
         init_state, key = self.init_state, seed_key(self.seed)
         # traced as one device of a named axis when a candidate has one (a BatchNorm may reduce over it)
@@ -497,7 +515,7 @@ class Program:
             abstract_state=abstract_state,
             totals=pack(self.empty_totals(kind, abstract_state, host_batch, axis, statistics)) if trains else None,
             compile_step=lambda strategy, abstract: self.candidate_step(
-                kind, strategy, abstract, first_row, statistics
+                kind, strategy, abstract, first_row, statistics, refused.get(id(strategy))
             ),
             # one init_fn object for both, so that the second finds the first's executable
             create_state=lambda strategy: strategy.create_state(init_state, variables, first_row, key),

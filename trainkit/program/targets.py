@@ -7,6 +7,9 @@ plugin's compilers, no accelerator needed). See docs/targets.md.
 ('TPU v5e', 16, 16.0)
 >>> parse("h100 2x8").topology, parse("h100 x8").device_count
 ('2x1x8', 8)
+>>> two = parse("tpu v5p:2x2x1 x2")  # two slices of 4 chips, joined by the data-center network
+>>> two.topology, two.slices, two.device_count
+('v5p:2x2x1', 2, 8)
 """
 
 from __future__ import annotations
@@ -71,13 +74,17 @@ runtime_version { major: 12 minor: 9 }
 device_description_str: "NVIDIA H100 80GB HBM3"
 """
 
-SPELLINGS = '"tpu <family>:<AxB[xC]>" (e.g. "tpu v5e:4x4", "tpu v5p:2x2x2") or "h100 x<N>" / "h100 <hosts>x<N>"'
+SPELLINGS = (
+    '"tpu <family>:<AxB[xC]>" (e.g. "tpu v5e:4x4", "tpu v5p:2x2x2"), "tpu <family>:<AxB[xC]> x<slices>" '
+    '(slices joined by the data-center network, e.g. "tpu v5p:2x2x1 x2") or "h100 x<N>" / "h100 <hosts>x<N>"'
+)
 
 
 @dataclasses.dataclass(frozen=True)
 class Target:
     """A parsed target: ``platform`` (``"tpu"`` or ``"cuda"``), the chip, and the topology as
-    the compiler names it (``"v5e:4x4"``, ``"2x1x8"``)."""
+    the compiler names it (``"v5e:4x4"``, ``"2x1x8"``); ``slices`` TPU slices of that topology,
+    joined by the data-center network (DCN), their devices slice after slice."""
 
     spec: str
     platform: str
@@ -85,6 +92,7 @@ class Target:
     topology: str
     device_count: int
     hosts: int
+    slices: int = 1
 
     @property
     def memory_limit(self) -> int:
@@ -102,7 +110,9 @@ class Target:
             os.environ.setdefault("TPU_ACCELERATOR_TYPE", "v5litepod-4")
             # compiling holds no TPU: several processes may load libtpu (else the first one's lockfile refuses the rest)
             os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
-            options = {"chip_config_name": "megacore"} if self.topology.startswith("v4:") else {}
+            options: dict[str, str | int] = {"chip_config_name": "megacore"} if self.topology.startswith("v4:") else {}
+            if self.slices > 1:
+                options["num_slices"] = self.slices
             return list(get_topology_desc(topology_name=self.topology, platform="tpu", **options).devices)
         _require("jax_plugins.xla_cuda12", "gpu-plan", "the CUDA plugin's compiler")
         if os.environ.get("JAX_PLATFORMS", "") != "cpu":
@@ -128,9 +138,9 @@ SIDES = {"v4": 3, "v5e": 2, "v5p": 3, "v6e": 2}
 GPUS_PER_HOST = 8
 
 
-def _slice(spec: str, family: str, dims: str) -> Target:
-    """A TPU slice, refused (with the shapes that exist) when a side is 0 or it has more chips
-    than any slice of its family."""
+def _slice(spec: str, family: str, dims: str, slices: int = 1) -> Target:
+    """A TPU slice (``slices`` of them), refused (with the shapes that exist) when a side is 0 or
+    it has more chips than any slice of its family."""
     sides = [int(d) for d in dims.split("x")]
     count = math.prod(sides)
     if not 0 < count <= MOST_CHIPS[family]:
@@ -145,7 +155,10 @@ def _slice(spec: str, family: str, dims: str) -> Target:
             f'{" (or a multiple of 4)" if SIDES[family] == 3 else ""} (e.g. "tpu {family}:{example}"). '
             f"Spell it {SPELLINGS}."
         )
-    return Target(spec, "tpu", CHIPS[family], f"{family}:{dims}", count, max(1, count // 4))
+    if slices < 1:
+        raise ValueError(f"Target {spec!r} has {slices} slices: at least 1. Spell it {SPELLINGS}.")
+    hosts = max(1, count // 4) * slices
+    return Target(spec, "tpu", CHIPS[family], f"{family}:{dims}", count * slices, hosts, slices)
 
 
 def _side_exists(side: int, sides: int) -> bool:
@@ -157,9 +170,10 @@ def parse(spec: str) -> Target:
     """A target from its spelling (see ``SPELLINGS``); a clear error otherwise, before anything
     is compiled (a slice of 0 or too many chips, a host of 0 or more than 8 GPUs)."""
     text = " ".join(str(spec).lower().split())
-    tpu = re.fullmatch(r"tpu (v4|v5e|v5p|v6e):(\d+(?:x\d+){1,2})", text)
+    tpu = re.fullmatch(r"tpu (v4|v5e|v5p|v6e):(\d+(?:x\d+){1,2})(?: x(\d+))?", text)
     if tpu:
-        return _slice(spec, *tpu.groups())
+        family, dims, slices = tpu.groups()
+        return _slice(spec, family, dims, int(slices or 1))
     gpu = re.fullmatch(r"h100 (?:(\d+)x|x)(\d+)", text)
     if gpu:
         hosts, per_host = int(gpu.group(1) or 1), int(gpu.group(2))

@@ -101,15 +101,18 @@ def without_persistent_cache() -> Iterator[None]:
 def target_candidates(
     given: Sequence[str | Strategy | Callable[[list[jax.Device]], Strategy]] | None, target: targets_lib.Target
 ) -> list[Strategy]:
-    """The candidates on ``target``'s devices: by default DataParallel, FSDP and (on several
-    hosts, or 4 devices and more) a Hybrid of data across hosts x FSDP inside each; ``given``:
-    names (``"dp"``, ``"fsdp"``, ``"hybrid"``), functions ``devices -> Strategy`` (a Hybrid with
+    """The candidates on ``target``'s devices: by default DataParallel, FSDP, (on several
+    hosts, or 4 devices and more) a Hybrid of data across hosts x FSDP inside each, and (on
+    several slices) a pipeline of the slices x FSDP inside each; ``given``: names (``"dp"``,
+    ``"fsdp"``, ``"hybrid"``, ``"pipeline"``), functions ``devices -> Strategy`` (a Hybrid with
     a model axis and its rules, say) or strategies already built on the target's devices."""
     devices = target.devices()
     n, hosts = len(devices), target.hosts if target.hosts > 1 else (2 if len(devices) >= 4 else 1)
     named: dict[str, Callable[[], Strategy]] = {"dp": lambda: DataParallel(devices), "fsdp": lambda: FSDP(devices)}
     if hosts > 1 and n % hosts == 0 and n // hosts > 1:
         named["hybrid"] = lambda: Hybrid(data=hosts, fsdp=n // hosts, devices=devices)
+    if target.slices > 1:  # across slices only: inside one, a pipeline loses to FSDP (docs/large_models.md)
+        named["pipeline"] = lambda: Hybrid(stage=target.slices, fsdp=n // target.slices, devices=devices)
     chosen = []
     for entry in given if given is not None else list(named):
         if isinstance(entry, str):
