@@ -6,10 +6,11 @@ compute, fp32 master weights, AdamW) on ``tpu v5e:2x4``: the longest sequence wh
 fits, without a context axis (``FSDP``, one sequence per device: the least a data-sharded
 strategy holds) and with one (``Hybrid(data=1, context=8)``: one sequence over all 8 devices). The
 search doubles the length from 1,024 until it does not fit, then halves the bracket down to 256
-tokens. The bound of the context row: the FSDP probes' temporaries per sequence, fitted as
-``a T + b T^2`` (activations and attention scores), split eight ways as a perfect context split
-would, beside the context strategy's own state (replicated: a context axis leaves no device to
-shard it over); the ratio is the length found over that bound's length.
+tokens. The bound of the context row: eight times FSDP's longest sequence, what a context axis
+of 8 would hold were a sequence's activations linear in its length (attention's scores grow with
+its square, so a split holds less); the FSDP probes' temporaries, fitted as ``a T + b T^2``, say
+how much of them is quadratic. Under the context axis the state is replicated (the axis leaves
+no device to shard it over).
 
 **Two slices.** A stacked LM (24 layers of width 2,048, 1.2B parameters, sequence 1,024, 32
 sequences a step, the blocks rematerialised) on
@@ -20,9 +21,9 @@ arithmetic: data parallelism reduces each device's gradient shard across the sli
 compute dtype (``2 P / 4`` bytes: ``P`` parameters, bf16, over the 4 devices of a slice's FSDP); the
 pipeline hands
 each microbatch's activations on and their cotangents back at every tick (the bubble's ticks too:
-``M + S - 1`` of them), deals the last stage's outputs out to the other stages, which run the
-head for ``M/S`` microbatches each (``(S-1)/S`` of the outputs, and their cotangents back), all
-bf16 and a quarter per device, plus the gradients of the embedding and head
+``M + S - 1`` of them) and sends the last stage's outputs to the other stages, which run the
+head too (it is replicated over the stages), and their cotangents back, all bf16 and a quarter
+per device, plus the gradients of the embedding and head
 (outside the stages, replicated over them). Loops count once per iteration
 (:mod:`trainkit.program.dcn`).
 
@@ -93,21 +94,22 @@ def sequence_rows() -> list[dict]:
         return compiled
 
     found = {kind: longest(fits(kind)) for kind in probes}
-    # the FSDP temporaries per sequence (one per device) as a T + b T^2, from its two longest probes that compiled
+    # the FSDP temporaries per sequence (one per device) as a T + b T^2, from its two longest probes that compiled:
+    # how much of them grows with the square of the length (attention's scores)
     fitted = sorted((t, r.temp_bytes) for t, r in probes["fsdp"].items() if r.error is None)[-2:]
     (t1, m1), (t2, m2) = fitted
     b = (m2 / t2 - m1 / t1) / (t2 - t1)
     a = m1 / t1 - b * t1
+    longest_fsdp = found["fsdp"]
     context = probes["context"][found["context"]]
-    state = context.argument_bytes  # the replicated state (and the one sequence's tokens)
-    budget = plan_lib.HEADROOM * limit - state
-    bound = (-a + math.sqrt(a * a + 4 * b * budget * devices)) / (2 * b)  # (a T + b T^2) / devices = budget
+    bound = devices * longest_fsdp  # a sequence's activations split 8 ways, were they linear in its length
     return [
         {"row": "longest sequence", "target": SEQUENCE_TARGET, "strategy": "FSDP (one sequence per device)",
-         "length": found["fsdp"]},
+         "length": longest_fsdp, "fsdp_fit": {"a": a, "b": b},
+         "quadratic_share": b * longest_fsdp**2 / (a * longest_fsdp + b * longest_fsdp**2)},
         {"row": "longest sequence", "target": SEQUENCE_TARGET, "strategy": f"Hybrid(data=1, context={devices})",
          "length": found["context"], "bound": bound, "ratio": found["context"] / bound,
-         "fsdp_fit": {"a": a, "b": b}, "state_per_device": state, "temp_per_device": context.temp_bytes},
+         "state_per_device": context.argument_bytes, "temp_per_device": context.temp_bytes, "limit": limit},
     ]  # fmt: skip
 
 
@@ -123,9 +125,9 @@ def slice_rows() -> list[dict]:
     ticks = microbatches + stages - 1
     expected = {
         "data": 2 * parameters / 4,
-        # forward and back: a hand-off each tick (the bubble's too), the last stage's outputs dealt out to the
-        # other stages for the head, and the gradients of what is outside the stages
-        "pipeline": 2 * microbatch * (ticks + microbatches * (stages - 1) / stages) + 2 * outside / 4,
+        # forward and back: a hand-off each tick (the bubble's too), the last stage's outputs to the other
+        # stages, which run the head too (it is replicated over them), and the gradients of what is outside
+        "pipeline": 2 * microbatch * (ticks + microbatches * (stages - 1)) + 2 * outside / 4,
     }
     candidates: dict[str, Candidate] = {
         "data": lambda on: tk.Hybrid(data=2, fsdp=4, devices=on),

@@ -11,6 +11,7 @@ import optax
 import pytest
 
 import trainkit as tk
+from trainkit.program.plan import short_name
 
 SEQUENCE, WIDTH, VOCAB, HEADS = 512, 64, 64, 4
 
@@ -99,3 +100,18 @@ def test_a_context_run_resumes_bit_exact_and_its_checkpoint_loads_onto_single_de
             jax.tree.leaves(other.get_weights()), jax.tree.leaves(first.get_weights()), strict=True
         ):
             np.testing.assert_array_equal(ours, theirs)
+
+
+def test_auto_weighs_a_context_axis_when_the_batch_has_fewer_sequences_than_devices():
+    """Two sequences on eight devices: no data-sharded strategy splits them; a context axis does, and "auto"
+    picks it when one device cannot hold a sequence (a memory limit between the two)."""
+    x, y = data(2)
+    plan = lm("single").plan((x, y), batch_size=2, verbose=0)
+    rows = {row.name: row for row in plan.rows}
+    context, single = rows["Hybrid(data=2, context=4)"], rows["SingleDevice"]
+    assert context.error is None and single.error is None, (context.error, single.error)
+    assert context.total_bytes < single.total_bytes
+    limit = int((context.total_bytes + single.total_bytes) / 2 / 0.9)
+    auto = lm(tk.strategies.Auto(memory_limit=limit, measure=False))
+    auto.fit(x, y, batch_size=2, epochs=1, verbose=0)
+    assert short_name(auto.strategy) == "Hybrid(data=2, context=4)", auto.strategy

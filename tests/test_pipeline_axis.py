@@ -89,6 +89,11 @@ def test_each_stage_holds_a_quarter_of_the_blocks_and_the_plan_shows_gpipes_bubb
         assert leaf.shape[0] == LAYERS
         held = {shard.data.shape[0] for shard in leaf.addressable_shards}
         assert held == {LAYERS // 4}, held  # one layer on each device: a quarter of the blocks
+    fsdp = lm(tk.Hybrid(stage=4, fsdp=2, microbatches=8, min_shard_size=1))
+    fsdp.init(x[:1])
+    kernel = fsdp.state.params["blocks"]["Dense_3"]["kernel"]  # (4, 64, 256): a layer per stage, halved inside
+    assert kernel.sharding.spec == jax.sharding.PartitionSpec("stage", None, "fsdp"), kernel.sharding.spec
+    assert {shard.data.shape for shard in kernel.addressable_shards} == {(1, 64, 128)}
     embedding = trainer.state.params["Embed_0"]["embedding"]
     assert {shard.data.shape for shard in embedding.addressable_shards} == {embedding.shape}  # outside the stages
     plan = lm("single").plan((x, y), batch_size=16, candidates=[tk.Hybrid(**PIPELINE)], verbose=0)

@@ -408,7 +408,31 @@ def default_candidates(devices: Sequence[jax.Device] | None = None) -> list[Stra
         candidates += [DataParallel(devices), FSDP(devices)]
     if processes > 1 and n % processes == 0 and n // processes > 1:
         candidates.append(Hybrid(data=processes, fsdp=n // processes, devices=devices))
+        # a pipeline across hosts, never inside one (a model without stacked blocks: a row with the reason)
+        candidates.append(Hybrid(stage=processes, fsdp=n // processes, devices=devices))
     return candidates
+
+
+def context_candidate(rows: int, sequence: int | None, devices: Sequence[jax.Device] | None = None) -> Strategy | None:
+    """When a batch has fewer rows than there are devices, so that no data-sharded strategy can
+    split it (one sequence per device is what does not fit), a ``Hybrid`` with a context axis:
+    the rows over ``data`` (as many as divide both), each sequence over the other devices; ``None``
+    when the rows fill the devices, or no sequence (``sequence``: its length) splits that way.
+
+    >>> short_name(context_candidate(2, 512, jax.devices()[:8]))
+    'Hybrid(data=2, context=4)'
+    >>> context_candidate(8, 512, jax.devices()[:8]) is None  # FSDP splits eight rows
+    True
+    """
+    devices = list(devices if devices is not None else jax.devices())
+    n = len(devices)
+    if rows >= n or sequence is None:
+        return None
+    data = math.gcd(rows, n)
+    context = n // data
+    if context < 2 or sequence % context:
+        return None
+    return Hybrid(data=data, context=context, devices=devices)
 
 
 @dataclasses.dataclass(frozen=True)

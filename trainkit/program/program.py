@@ -503,7 +503,10 @@ class Program:
         kind = "train" if trains else "predict"
         first_row = host_batch["x"]  # the model is initialised on a real batch, as it trains
         variables = starting_variables(self.adapter, self.variables, first_row)
-        candidates = candidates if candidates is not None else plan_lib.default_candidates()
+        if candidates is None:
+            sequences = [np.shape(leaf)[1] for leaf in jax.tree.leaves(first_row) if np.ndim(leaf) >= 2]
+            context = plan_lib.context_candidate(np.shape(host_batch["mask"])[0], next(iter(sequences), None))
+            candidates = plan_lib.default_candidates() + ([context] if context is not None else [])
         candidates, refused = self.configured_candidates(candidates, first_row)
         abstract_state = self.abstract_state(first_row, variables)
         init_state, key = self.init_state, seed_key(self.seed)

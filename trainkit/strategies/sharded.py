@@ -121,16 +121,14 @@ class ShardedStrategy(Strategy):
 
     def annotation_specs(self) -> dict[str, PartitionSpec]:
         """``{parameter path: PartitionSpec}`` of the annotated parameters under the logical
-        rules (none without logical rules: annotations are then not used), and of the stacked
-        blocks' parameters a pipeline splits along their layer axis."""
-        stacked = {path: PartitionSpec(self.stage_axis) for path in self.stage_paths}
+        rules (empty without logical rules: annotations are then not used)."""
         if not self.logical_rules:
-            return stacked
+            return {}
         axis_names = tuple(self._axis_sizes)
         return {
             path: _sharding.logical_spec(names, self.logical_rules, axis_names, f"params/{path}")
             for path, names in self.param_axes.items()
-        } | stacked
+        }
 
     @property
     def schedule(self) -> Schedule | None:
@@ -140,8 +138,10 @@ class ShardedStrategy(Strategy):
         return Schedule(self.mesh, self.stage_axis, self.microbatches, self.batch_axes)
 
     def state_specs(self, abstract_state: PyTree) -> PyTree:
-        """A ``PartitionSpec`` per leaf (errors name the leaf and the rule)."""
-        return _sharding.partition_specs(
+        """A ``PartitionSpec`` per leaf (errors name the leaf and the rule); a pipeline's stacked
+        parameters (and their optimizer moments) split over ``stage_axis`` along their layer axis,
+        and inside a stage as FSDP splits any leaf."""
+        specs = _sharding.partition_specs(
             abstract_state,
             dict(self.mesh.shape),
             fsdp_axis=self.fsdp_axis,
@@ -149,6 +149,20 @@ class ShardedStrategy(Strategy):
             rules=self._rules,
             annotations=self.annotation_specs(),
         )
+        if not self.stage_paths:
+            return specs
+        stacked = {path: PartitionSpec(self.stage_axis) for path in self.stage_paths}
+        fsdp_size = self.mesh.shape[self.fsdp_axis] if self.fsdp_axis else 1
+
+        def staged(path: KeyPath, leaf: jax.ShapeDtypeStruct, spec: PartitionSpec) -> PartitionSpec:
+            shape = tuple(np.shape(leaf))
+            if _sharding.annotated_spec(leaf_name(path), shape, stacked) is None:
+                return spec
+            inner = _sharding.default_spec(shape[1:], self.fsdp_axis, fsdp_size, self.min_shard_size)
+            return PartitionSpec(self.stage_axis, *inner)
+
+        restaged: PyTree = jax.tree_util.tree_map_with_path(staged, abstract_state, specs)
+        return restaged
 
     def state_sharding(self, abstract_state: PyTree) -> PyTree:
         """A ``NamedSharding`` per leaf; under :meth:`with_offload` the optimizer state's
