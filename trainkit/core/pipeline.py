@@ -38,11 +38,10 @@ from trainkit.core.tree import Apply, PyTree, leaf_name
 P = ParamSpec("P")
 R = TypeVar("R")
 
-#: the repeated blocks the pipeline splits: ``nn.scan`` (a linen ``Block`` stacked), ``nnx.scan``
+#: the repeated blocks the pipeline splits: one ``lax.scan`` over stacked parameters (linen's ``nn.scan``)
 HOW_TO_STACK = (
-    "stack the repeated blocks into one module whose parameters have a leading layer axis: "
-    "nn.scan(Block, variable_axes={'params': 0}, split_rngs={'params': True}, length=layers) in linen, "
-    "nnx.scan over nnx.vmap-created layers in NNX"
+    "stack the repeated blocks into one module whose parameters have a leading layer axis, e.g. "
+    "nn.scan(Block, variable_axes={'params': 0}, split_rngs={'params': True}, length=layers)"
 )
 
 
@@ -88,7 +87,7 @@ def staged(apply: Apply) -> Apply:
 
     def run(params: PyTree, model_state: PyTree, x: PyTree, *, rng: jax.Array | None, train: bool, **options: PyTree):
         schedule = _ACTIVE.get()
-        rows = _rows(x)
+        rows = None if schedule is None else _rows(x)  # no schedule: nothing read (an export's symbolic batch)
         if schedule is None or rows is None or rows % schedule.microbatches:
             return apply(params, model_state, x, rng=rng, train=train, **options)
 
@@ -128,6 +127,10 @@ def _is_var(atom: jcore.Var | jcore.Literal) -> TypeGuard[jcore.Var]:
 def _nbytes(var: jcore.Var | jcore.Literal) -> int:
     aval = cast(jax.core.ShapedArray, var.aval)
     return int(aval.size) * int(aval.dtype.itemsize)
+
+
+def _shape(var: jcore.Var) -> tuple[int, ...]:
+    return tuple(cast(jax.core.ShapedArray, var.aval).shape)
 
 
 @dataclasses.dataclass
@@ -268,6 +271,15 @@ def _run_pipelined(
     split.rows.update(eqn.outvars[:carry])
     after = [e for e in jaxpr.eqns[split.scan + 1 :] if any(v in split.rows for v in e.outvars)]
     _evaluate(after, env, needed, split.rows)
+    rows = jax.tree.leaves(micro_x)[0].shape[1]  # one microbatch's
+    for atom in jaxpr.outvars:
+        shape = _shape(atom) if _is_var(atom) and atom in split.rows else (rows,)
+        if not shape or shape[0] != rows:
+            raise NotPipelined(
+                f"the model returns a value of shape {shape} that depends on the batch but does not lead with its "
+                f"rows ({rows} a microbatch): a pipeline cannot put the microbatches' values back together (a loss "
+                "the model sows, batch statistics it updates). Return per-row values, or train without a stage axis."
+            )
     outs = [_merge_rows(_read(env, a)) if _is_var(a) and a in split.rows else _read(env, a) for a in jaxpr.outvars]
     result: tuple[PyTree, PyTree] = jax.tree.unflatten(jax.tree.structure(out_shape), outs)
     return result

@@ -408,8 +408,6 @@ def default_candidates(devices: Sequence[jax.Device] | None = None) -> list[Stra
         candidates += [DataParallel(devices), FSDP(devices)]
     if processes > 1 and n % processes == 0 and n // processes > 1:
         candidates.append(Hybrid(data=processes, fsdp=n // processes, devices=devices))
-        # a pipeline across hosts, never inside one (a model without stacked blocks: a row with the reason)
-        candidates.append(Hybrid(stage=processes, fsdp=n // processes, devices=devices))
     return candidates
 
 
