@@ -162,6 +162,32 @@ def strategy_table(min_shard_size: int, *, dp4: bool = False, model_rules=None) 
     return table
 
 
+def check_resumes_and_loads_elsewhere(make, strategy, x, y, batch_size, checkpoint):
+    """Trainers ``make(strategy)``: one epoch saved to ``checkpoint``, loaded into a new trainer and trained a
+    second epoch, gives the weights of two epochs straight, bit for bit; the checkpoint loads onto SingleDevice
+    and FSDP with the same weights (a layout-changing strategy saves the model's own layout)."""
+    import trainkit as tk  # here: the conftest sets JAX's and trainkit's environment before trainkit is imported
+
+    straight = make(strategy())
+    straight.fit(x, y, batch_size=batch_size, epochs=2, shuffle=False, verbose=0)
+    first = make(strategy())
+    first.fit(x, y, batch_size=batch_size, epochs=1, shuffle=False, verbose=0)
+    first.save(checkpoint)
+    resumed = make(strategy())
+    resumed.init(x[:1])
+    resumed.load(checkpoint)
+    resumed.fit(x, y, batch_size=batch_size, epochs=2, initial_epoch=1, shuffle=False, verbose=0)
+    pairs = [(resumed, straight)]
+    for other_strategy in ("single", tk.FSDP(min_shard_size=1)):
+        other = make(other_strategy)
+        other.init(x[:1])
+        other.load(checkpoint)
+        pairs.append((other, first))
+    for ours, theirs in pairs:
+        for a, b in zip(jax.tree.leaves(ours.get_weights()), jax.tree.leaves(theirs.get_weights()), strict=True):
+            np.testing.assert_array_equal(a, b)
+
+
 def tree_allclose(a, b, rtol=1e-5, atol=1e-6):
     la, lb = jax.tree.leaves(a), jax.tree.leaves(b)
     assert jax.tree.structure(a) == jax.tree.structure(b)

@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from conftest import check_resumes_and_loads_elsewhere
 
 import trainkit as tk
 from trainkit.program.plan import short_name
@@ -79,27 +80,7 @@ def test_hybrid_refuses_a_sequence_axis_that_is_not_one():
 
 def test_a_context_run_resumes_bit_exact_and_its_checkpoint_loads_onto_single_device_and_fsdp(tmp_path):
     x, y = data(8)
-    straight = lm(tk.Hybrid(data=2, context=4))
-    straight.fit(x, y, batch_size=2, epochs=2, shuffle=False, verbose=0)
-    first = lm(tk.Hybrid(data=2, context=4))
-    first.fit(x, y, batch_size=2, epochs=1, shuffle=False, verbose=0)
-    first.save(tmp_path / "checkpoint")
-    resumed = lm(tk.Hybrid(data=2, context=4))
-    resumed.init(x[:2])
-    resumed.load(tmp_path / "checkpoint")
-    resumed.fit(x, y, batch_size=2, epochs=2, initial_epoch=1, shuffle=False, verbose=0)
-    for ours, theirs in zip(
-        jax.tree.leaves(resumed.get_weights()), jax.tree.leaves(straight.get_weights()), strict=True
-    ):
-        np.testing.assert_array_equal(ours, theirs)
-    for strategy in ("single", tk.FSDP(min_shard_size=1)):
-        other = lm(strategy)
-        other.init(x[:2])
-        other.load(tmp_path / "checkpoint")
-        for ours, theirs in zip(
-            jax.tree.leaves(other.get_weights()), jax.tree.leaves(first.get_weights()), strict=True
-        ):
-            np.testing.assert_array_equal(ours, theirs)
+    check_resumes_and_loads_elsewhere(lm, lambda: tk.Hybrid(data=2, context=4), x, y, 2, tmp_path / "checkpoint")
 
 
 def test_auto_weighs_a_context_axis_when_the_batch_has_fewer_sequences_than_devices():

@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from conftest import check_resumes_and_loads_elsewhere
 
 import trainkit as tk
 from trainkit.core.pipeline import bubble_fraction
@@ -144,27 +145,7 @@ def test_a_context_size_that_does_not_divide_the_sequence_is_refused_naming_the_
 def test_a_pipeline_run_resumes_bit_exact_and_its_checkpoint_loads_onto_single_device_and_fsdp(tmp_path):
     """The stacked parameters are saved in the model's own layout (layers, ...), whatever the stages."""
     x, y = data(32, sequence=64)
-    straight = lm(tk.Hybrid(**PIPELINE))
-    straight.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
-    first = lm(tk.Hybrid(**PIPELINE))
-    first.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0)
-    first.save(tmp_path / "checkpoint")
-    resumed = lm(tk.Hybrid(**PIPELINE))
-    resumed.init(x[:1])
-    resumed.load(tmp_path / "checkpoint")
-    resumed.fit(x, y, batch_size=16, epochs=2, initial_epoch=1, shuffle=False, verbose=0)
-    for ours, theirs in zip(
-        jax.tree.leaves(resumed.get_weights()), jax.tree.leaves(straight.get_weights()), strict=True
-    ):
-        np.testing.assert_array_equal(ours, theirs)
-    for strategy in ("single", tk.FSDP(min_shard_size=1)):
-        other = lm(strategy)
-        other.init(x[:1])
-        other.load(tmp_path / "checkpoint")
-        for ours, theirs in zip(
-            jax.tree.leaves(other.get_weights()), jax.tree.leaves(first.get_weights()), strict=True
-        ):
-            np.testing.assert_array_equal(ours, theirs)
+    check_resumes_and_loads_elsewhere(lm, lambda: tk.Hybrid(**PIPELINE), x, y, 16, tmp_path / "checkpoint")
 
 
 def test_across_two_tpu_slices_a_pipeline_sends_activations_where_data_parallelism_sends_gradients():
