@@ -162,6 +162,21 @@ def strategy_table(min_shard_size: int, *, dp4: bool = False, model_rules=None) 
     return table
 
 
+def check_trains_like_single_device(make, strategy, x, y, batch_size, steps):
+    """``make(strategy)`` fits one epoch of ``steps`` steps to SingleDevice's losses (rtol 1e-5) and weights
+    (atol 1e-5)."""
+    results = []
+    for chosen in ("single", strategy):
+        trainer = make(chosen)
+        history = trainer.fit(x, y, batch_size=batch_size, epochs=1, shuffle=False, verbose=0).history
+        results.append((history["loss"], jax.tree.leaves(trainer.get_weights()), trainer.global_step))
+    (loss, weights, single_steps), (their_loss, their_weights, their_steps) = results
+    assert single_steps == their_steps == steps
+    np.testing.assert_allclose(their_loss, loss, rtol=1e-5)
+    for ours, theirs in zip(their_weights, weights, strict=True):
+        np.testing.assert_allclose(ours, theirs, atol=1e-5)
+
+
 def check_resumes_and_loads_elsewhere(make, strategy, x, y, batch_size, checkpoint):
     """Trainers ``make(strategy)``: one epoch saved to ``checkpoint``, loaded into a new trainer and trained a
     second epoch, gives the weights of two epochs straight, bit for bit; the checkpoint loads onto SingleDevice

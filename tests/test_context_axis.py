@@ -4,12 +4,11 @@ what attention needs; a causal transformer LM trains to SingleDevice's numbers, 
 costs a device a fraction of what a data-sharded strategy can hold it in."""
 
 import flax.linen as nn
-import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from conftest import check_resumes_and_loads_elsewhere
+from conftest import check_resumes_and_loads_elsewhere, check_trains_like_single_device
 
 import trainkit as tk
 from trainkit.program.plan import short_name
@@ -50,16 +49,7 @@ def lm(strategy):
 def test_a_causal_lm_on_a_context_axis_trains_to_single_devices_numbers():
     """20 steps of 2 rows, the last batch padded (39 rows)."""
     x, y = data(39)
-    results = {}
-    for name, strategy in (("single", "single"), ("context", tk.Hybrid(data=2, context=4))):
-        trainer = lm(strategy)
-        history = trainer.fit(x, y, batch_size=2, epochs=1, shuffle=False, verbose=0).history
-        results[name] = (history["loss"], jax.tree.leaves(trainer.get_weights()), trainer.global_step)
-    (loss, weights, steps), (context_loss, context_weights, context_steps) = results["single"], results["context"]
-    assert steps == context_steps == 20
-    np.testing.assert_allclose(context_loss, loss, rtol=1e-5)
-    for ours, theirs in zip(context_weights, weights, strict=True):
-        np.testing.assert_allclose(ours, theirs, atol=1e-5)
+    check_trains_like_single_device(lm, tk.Hybrid(data=2, context=4), x, y, batch_size=2, steps=20)
 
 
 def test_one_sequence_costs_a_device_a_fraction_of_the_least_a_data_sharded_strategy_holds():

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from conftest import check_resumes_and_loads_elsewhere
+from conftest import check_resumes_and_loads_elsewhere, check_trains_like_single_device
 
 import trainkit as tk
 from trainkit.core.pipeline import bubble_fraction
@@ -69,16 +69,7 @@ PIPELINE = dict(data=2, stage=4, microbatches=8)
 def test_a_stacked_lm_on_a_pipeline_trains_to_single_devices_numbers():
     """5 steps of 16 rows (2 data groups x 8 microbatches of one row), the last batch padded."""
     x, y = data(16 * 4 + 5)
-    results = {}
-    for name, strategy in (("single", "single"), ("pipeline", tk.Hybrid(**PIPELINE))):
-        trainer = lm(strategy)
-        history = trainer.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0).history
-        results[name] = (history["loss"], jax.tree.leaves(trainer.get_weights()), trainer.global_step)
-    (loss, weights, steps), (piped_loss, piped_weights, piped_steps) = results["single"], results["pipeline"]
-    assert steps == piped_steps == 5
-    np.testing.assert_allclose(piped_loss, loss, rtol=1e-5)
-    for ours, theirs in zip(piped_weights, weights, strict=True):
-        np.testing.assert_allclose(ours, theirs, atol=1e-5)
+    check_trains_like_single_device(lm, tk.Hybrid(**PIPELINE), x, y, batch_size=16, steps=5)
 
 
 def test_each_stage_holds_a_quarter_of_the_blocks_and_the_plan_shows_gpipes_bubble():
