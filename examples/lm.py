@@ -12,6 +12,7 @@ bits per byte, tokens per second and, where the device's peak is known, MFU.
 
     python examples/lm.py                          # 8 fake CPU devices, FSDP (the default), 600 steps
     python examples/lm.py --strategy tp --steps 300
+    python examples/lm.py --strategy pipeline --steps 300   # the blocks stacked (nn.scan), two stages x data 4
     python examples/lm.py --strategy single --precision bf16 --remat full --grad-accum-steps 2
     python examples/lm.py --plan-target "tpu v5e:4x4" --layers 8 --d-model 1024 --length 1024 --batch-size 256
 
@@ -190,6 +191,8 @@ def strategy_for(name: str):
         return tk.FSDP(rules=RULES["fsdp"])
     if name == "tp":
         return tk.Hybrid(data=2, model=len(jax.devices()) // 2, rules=RULES["tp"])
+    if name == "pipeline":  # the stacked blocks in two stages, the rest of the devices on data
+        return tk.Hybrid(stage=2, microbatches=4)
     return name  # "auto", "single", "dp"
 
 
@@ -197,7 +200,9 @@ def main(argv=None):
     parser = argparse.ArgumentParser(
         description=__doc__.split("\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
     )
-    parser.add_argument("--strategy", default="fsdp", help="fsdp, tp (data x model), dp, single or auto")
+    parser.add_argument(
+        "--strategy", default="fsdp", help="fsdp, tp (data x model), pipeline (stage x data), dp, single or auto"
+    )
     parser.add_argument("--steps", type=int, default=600, help="optimizer steps")
     parser.add_argument("--batch-size", type=int, default=32, help="global batch, in sequences")
     parser.add_argument("--length", type=int, default=128, help="bytes (tokens) per sequence")
@@ -221,7 +226,8 @@ def main(argv=None):
     split = int(len(corpus) * 0.9)
     x, y = windows(corpus[:split], args.length)
     x_val, y_val = windows(corpus[split:], args.length)
-    model = ByteLM(layers=args.layers, d_model=args.d_model, max_len=args.length)
+    # a pipeline splits the blocks stacked into one nn.scan module
+    model = ByteLM(layers=args.layers, d_model=args.d_model, max_len=args.length, stacked=args.strategy == "pipeline")
     schedule = optax.warmup_cosine_decay_schedule(0.0, 3e-3, min(100, args.steps // 10 + 1), args.steps)
     trainer = tk.Trainer(
         model,
