@@ -17,21 +17,30 @@ SEQUENCE, WIDTH, VOCAB, HEADS = 512, 64, 64, 4
 
 
 class Block(nn.Module):
+    """``hand_written``: attention as tk.attention (split by hand over a context axis), else Flax's."""
+
+    hand_written: bool = False
+
     @nn.compact
     def __call__(self, x):
         b, t, w = x.shape
         q, k, v = (a.reshape(b, t, HEADS, w // HEADS) for a in jnp.split(nn.Dense(3 * w)(nn.LayerNorm()(x)), 3, -1))
-        attended = nn.dot_product_attention(q, k, v, mask=nn.make_causal_mask(jnp.ones((b, t))))
+        if self.hand_written:
+            attended = tk.attention(q, k, v, causal=True)
+        else:
+            attended = nn.dot_product_attention(q, k, v, mask=nn.make_causal_mask(jnp.ones((b, t))))
         x = x + nn.Dense(w)(attended.reshape(b, t, w))
         return x + nn.Dense(w)(nn.gelu(nn.Dense(4 * w)(nn.LayerNorm()(x))))
 
 
 class CausalLM(nn.Module):  # 2 layers, width 64, sequence 512
+    hand_written: bool = False
+
     @nn.compact
     def __call__(self, tokens):
         x = nn.Embed(VOCAB, WIDTH)(tokens) + nn.Embed(SEQUENCE, WIDTH)(jnp.arange(tokens.shape[1]))
         for _ in range(2):
-            x = Block()(x)
+            x = Block(self.hand_written)(x)
         return nn.Dense(VOCAB)(nn.LayerNorm()(x))
 
 
@@ -90,34 +99,21 @@ def test_auto_weighs_a_context_axis_when_the_batch_has_fewer_sequences_than_devi
     assert short_name(auto.strategy) == "Hybrid(data=2, context=4)", auto.strategy
 
 
-class HandWrittenBlock(nn.Module):
-    """The block above with its attention written as tk.attention: split by hand over a context axis."""
-
-    @nn.compact
-    def __call__(self, x):
-        b, t, w = x.shape
-        q, k, v = (a.reshape(b, t, HEADS, w // HEADS) for a in jnp.split(nn.Dense(3 * w)(nn.LayerNorm()(x)), 3, -1))
-        x = x + nn.Dense(w)(tk.attention(q, k, v, causal=True).reshape(b, t, w))
-        return x + nn.Dense(w)(nn.gelu(nn.Dense(4 * w)(nn.LayerNorm()(x))))
-
-
-class HandWrittenLM(nn.Module):
-    @nn.compact
-    def __call__(self, tokens):
-        x = nn.Embed(VOCAB, WIDTH)(tokens) + nn.Embed(SEQUENCE, WIDTH)(jnp.arange(tokens.shape[1]))
-        for _ in range(2):
-            x = HandWrittenBlock()(x)
-        return nn.Dense(VOCAB)(nn.LayerNorm()(x))
-
-
 def test_tk_attention_splits_over_the_context_axis_by_hand_and_trains_to_single_devices_numbers():
     """Each device keeps its queries' chunk and all-gathers keys and values (the causal mask from global
     positions): the same numbers as one device, where tk.attention is jax.nn.dot_product_attention."""
     x, y = data(7)
     check_trains_like_single_device(
-        lambda strategy: lm(strategy, HandWrittenLM()), tk.Hybrid(data=2, context=4), x, y, batch_size=2, steps=4
+        lambda strategy: lm(strategy, CausalLM(hand_written=True)),
+        tk.Hybrid(data=2, context=4),
+        x,
+        y,
+        batch_size=2,
+        steps=4,
     )
-    plan = lm("single", HandWrittenLM()).plan((x[:2], y[:2]), batch_size=2, candidates=[tk.Hybrid(data=2, context=4)])
+    plan = lm("single", CausalLM(hand_written=True)).plan(
+        (x[:2], y[:2]), batch_size=2, candidates=[tk.Hybrid(data=2, context=4)]
+    )
     (row,) = plan.rows
     text = row.compiled.as_text()
     gathers = [line for line in text.splitlines() if "all-gather(" in line and "f32[1,512,4,16]" in line.split("=")[1]]

@@ -20,11 +20,12 @@ import contextvars
 import dataclasses
 import functools
 import math
-from collections.abc import Iterator
 
 import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec
+
+from trainkit.core.scoped import scoped
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,14 +40,9 @@ class ContextSplit:
 _ACTIVE: contextvars.ContextVar[ContextSplit | None] = contextvars.ContextVar("context_split", default=None)
 
 
-@contextlib.contextmanager
-def context_split(split: ContextSplit) -> Iterator[None]:
+def context_split(split: ContextSplit) -> contextlib.AbstractContextManager[None]:
     """While a step is traced: :func:`attention` splits over ``split``'s axis."""
-    token = _ACTIVE.set(split)
-    try:
-        yield
-    finally:
-        _ACTIVE.reset(token)
+    return scoped(_ACTIVE, split)
 
 
 def attention(

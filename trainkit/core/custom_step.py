@@ -42,7 +42,7 @@ import contextlib
 import contextvars
 import dataclasses
 import inspect
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -51,6 +51,7 @@ import numpy as np
 import optax
 
 from trainkit.core.optimizer_groups import OptimizerGroups
+from trainkit.core.scoped import scoped
 from trainkit.core.sown import split_sown
 from trainkit.core.state import Batch, TrainState, check_tree_matches
 from trainkit.core.totals import LossAverage
@@ -85,14 +86,9 @@ class StepContext:
 _ACTIVE: contextvars.ContextVar[StepContext | None] = contextvars.ContextVar("trainkit_custom_step", default=None)
 
 
-@contextlib.contextmanager
-def active(context: StepContext) -> Iterator[None]:
+def active(context: StepContext) -> contextlib.AbstractContextManager[None]:
     """The helpers bound to ``context`` while a step is traced (or run eagerly)."""
-    token = _ACTIVE.set(context)
-    try:
-        yield
-    finally:
-        _ACTIVE.reset(token)
+    return scoped(_ACTIVE, context)
 
 
 def _context(helper: str) -> StepContext:

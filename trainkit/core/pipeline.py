@@ -21,11 +21,10 @@ its own key (``fold_in(rng, microbatch)``), so masks differ from one device's.
 
 from __future__ import annotations
 
-import contextlib
 import contextvars
 import dataclasses
 import functools
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import ParamSpec, TypeGuard, TypeVar, cast
 
 import jax
@@ -33,6 +32,7 @@ import jax.numpy as jnp
 from jax.extend import core as jcore
 
 from trainkit.core.gpipe import Layer, Schedule, gpipe
+from trainkit.core.scoped import scoped
 from trainkit.core.tree import Apply, PyTree, leaf_name
 
 P = ParamSpec("P")
@@ -53,15 +53,6 @@ def bubble_fraction(*, stages: int, microbatches: int) -> float:
 _ACTIVE: contextvars.ContextVar[Schedule | None] = contextvars.ContextVar("pipeline", default=None)
 
 
-@contextlib.contextmanager
-def _scheduled(schedule: Schedule) -> Iterator[None]:
-    token = _ACTIVE.set(schedule)
-    try:
-        yield
-    finally:
-        _ACTIVE.reset(token)
-
-
 def pipelined(fn: Callable[P, R], schedule: Schedule | None) -> Callable[P, R]:
     """``fn`` (a step) traced with the model's forward pass run by ``schedule``; ``fn`` itself
     for ``None``."""
@@ -70,7 +61,7 @@ def pipelined(fn: Callable[P, R], schedule: Schedule | None) -> Callable[P, R]:
 
     @functools.wraps(fn)
     def traced(*args: P.args, **kwargs: P.kwargs) -> R:
-        with _scheduled(schedule):
+        with scoped(_ACTIVE, schedule):
             return fn(*args, **kwargs)
 
     return traced
