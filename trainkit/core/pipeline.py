@@ -140,7 +140,7 @@ class _Split:
         for index, eqn in enumerate(jaxpr.eqns):
             uses = [v for v in eqn.invars if _is_var(v)]
             if eqn.primitive.name == "scan" and not eqn.params["reverse"]:
-                consts, carry = eqn.params["num_consts"], eqn.params["num_carry"]
+                consts, carry = _scan_counts(eqn)
                 xs = eqn.invars[consts + carry :]
                 shared_xs = [v for v in xs if not (_is_var(v) and v in rows)]  # the layers' parameters
                 if shared_xs and any(v in rows for v in eqn.invars[consts : consts + carry]):
@@ -172,7 +172,7 @@ class _Split:
         return used | {v for v in self.jaxpr.outvars if _is_var(v)}
 
     def check_outputs(self) -> None:
-        carry = self.eqn.params["num_carry"]
+        _, carry = _scan_counts(self.eqn)
         needed = self.needed()
         if any(v in needed for v in self.eqn.outvars[carry:]):
             raise NotPipelined(
@@ -184,13 +184,22 @@ class _Split:
         """Indices of the jaxpr's inputs the scan takes as its stacked operands (through dtype casts)."""
         made_by = {v: eqn for eqn in self.jaxpr.eqns for v in eqn.outvars}
         found = []
-        start = self.eqn.params["num_consts"] + self.eqn.params["num_carry"]
+        start = sum(_scan_counts(self.eqn))
         for atom in self.eqn.invars[start:]:
             while _is_var(atom) and atom in made_by and made_by[atom].primitive.name == "convert_element_type":
                 atom = made_by[atom].invars[0]
             if _is_var(atom) and atom in self.jaxpr.invars:
                 found.append(self.jaxpr.invars.index(atom))
         return found
+
+
+def _scan_counts(eqn: jcore.JaxprEqn) -> tuple[int, int]:
+    """How many of a ``scan`` eqn's operands are its constants and its carry (the rest are its stacked
+    inputs). jax 0.10 names the counts; jax 0.12 groups the operands in a flat tree ``ft_in``."""
+    if "ft_in" in eqn.params:
+        consts, carry, _ = eqn.params["ft_in"].unpack()
+        return len(consts), len(carry)
+    return eqn.params["num_consts"], eqn.params["num_carry"]
 
 
 def _evaluate(
@@ -248,7 +257,7 @@ def _run_pipelined(
     before = [eqn for eqn in jaxpr.eqns[: split.scan] if any(v in split.rows for v in eqn.outvars)]
     _evaluate(before, env, needed, split.rows)
     eqn = split.eqn
-    consts, carry = eqn.params["num_consts"], eqn.params["num_carry"]
+    consts, carry = _scan_counts(eqn)
     layer_fn = jcore.jaxpr_as_fun(eqn.params["jaxpr"])
     operands = [_read(env, a) for a in eqn.invars]
     per_micro = [_is_var(a) and a in split.rows for a in eqn.invars[:consts]]
