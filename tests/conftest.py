@@ -203,6 +203,15 @@ def check_resumes_and_loads_elsewhere(make, strategy, x, y, batch_size, checkpoi
             np.testing.assert_array_equal(a, b)
 
 
+def attention_written_out(q, k, v):
+    """Causal attention as einsums and a softmax on ``(batch, length, heads, head_dim)``: nothing
+    trainkit can reach to split over a context axis (the compiler gathers what it needs)."""
+    t = q.shape[1]
+    logits = jax.numpy.einsum("bqhd,bkhd->bhqk", q, k) / np.sqrt(q.shape[-1])
+    logits = jax.numpy.where(np.tril(np.ones((t, t), bool)), logits, -1e9)
+    return jax.numpy.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(logits), v)
+
+
 def tree_allclose(a, b, rtol=1e-5, atol=1e-6):
     la, lb = jax.tree.leaves(a), jax.tree.leaves(b)
     assert jax.tree.structure(a) == jax.tree.structure(b)

@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from conftest import check_resumes_and_loads_elsewhere, check_trains_like_single_device
+from conftest import attention_written_out, check_resumes_and_loads_elsewhere, check_trains_like_single_device
 
 import trainkit as tk
 from trainkit.program.plan import short_name
@@ -17,16 +17,19 @@ SEQUENCE, WIDTH, VOCAB, HEADS = 512, 64, 64, 4
 
 
 class Block(nn.Module):
-    """``hand_written``: attention as tk.attention (split by hand over a context axis), else Flax's."""
+    """``attention``: Flax's ``nn.dot_product_attention`` (reached and split by hand over a context
+    axis), ``"tk"`` (tk.attention) or ``"written out"`` (left to the compiler)."""
 
-    hand_written: bool = False
+    attention: str = "flax"
 
     @nn.compact
     def __call__(self, x):
         b, t, w = x.shape
         q, k, v = (a.reshape(b, t, HEADS, w // HEADS) for a in jnp.split(nn.Dense(3 * w)(nn.LayerNorm()(x)), 3, -1))
-        if self.hand_written:
+        if self.attention == "tk":
             attended = tk.attention(q, k, v, causal=True)
+        elif self.attention == "written out":
+            attended = attention_written_out(q, k, v)
         else:
             attended = nn.dot_product_attention(q, k, v, mask=nn.make_causal_mask(jnp.ones((b, t))))
         x = x + nn.Dense(w)(attended.reshape(b, t, w))
@@ -34,13 +37,13 @@ class Block(nn.Module):
 
 
 class CausalLM(nn.Module):  # 2 layers, width 64, sequence 512
-    hand_written: bool = False
+    attention: str = "flax"
 
     @nn.compact
     def __call__(self, tokens):
         x = nn.Embed(VOCAB, WIDTH)(tokens) + nn.Embed(SEQUENCE, WIDTH)(jnp.arange(tokens.shape[1]))
         for _ in range(2):
-            x = Block(self.hand_written)(x)
+            x = Block(self.attention)(x)
         return nn.Dense(VOCAB)(nn.LayerNorm()(x))
 
 
@@ -104,17 +107,26 @@ def test_tk_attention_splits_over_the_context_axis_by_hand_and_trains_to_single_
     positions): the same numbers as one device, where tk.attention is jax.nn.dot_product_attention."""
     x, y = data(7)
     check_trains_like_single_device(
-        lambda strategy: lm(strategy, CausalLM(hand_written=True)),
-        tk.Hybrid(data=2, context=4),
-        x,
-        y,
-        batch_size=2,
-        steps=4,
+        lambda strategy: lm(strategy, CausalLM("tk")), tk.Hybrid(data=2, context=4), x, y, batch_size=2, steps=4
     )
-    plan = lm("single", CausalLM(hand_written=True)).plan(
-        (x[:2], y[:2]), batch_size=2, candidates=[tk.Hybrid(data=2, context=4)]
-    )
+    plan = lm("single", CausalLM("tk")).plan((x[:2], y[:2]), batch_size=2, candidates=[tk.Hybrid(data=2, context=4)])
     (row,) = plan.rows
     text = row.compiled.as_text()
     gathers = [line for line in text.splitlines() if "all-gather(" in line and "f32[1,512,4,16]" in line.split("=")[1]]
     assert gathers, "keys and values gathered whole over the context axis"
+    assert "2 attention call(s) split by hand (tk.attention" in " ".join(row.layout_notes())
+
+
+def test_the_plan_says_when_the_context_axis_did_not_split_a_models_attention():
+    """Attention written out as einsums trains right (the compiler gathers what it needs), and the plan
+    says trainkit did not split it; Flax's nn.dot_product_attention, reached unedited, is split."""
+    x, y = data(2)
+    rows = [
+        lm("single", CausalLM(attention)).plan((x, y), batch_size=2, candidates=[tk.Hybrid(data=2, context=4)]).rows[0]
+        for attention in ("written out", "flax")
+    ]
+    written_out_row, flax_row = rows
+    assert written_out_row.error is None and written_out_row.attention == []
+    assert "did not split the model's attention" in written_out_row.layout_notes()[0]
+    assert [(c.door, c.split) for c in flax_row.attention] == [("nn.dot_product_attention", True)] * 2
+    assert "2 attention call(s) split by hand (nn.dot_product_attention" in flax_row.layout_notes()[0]

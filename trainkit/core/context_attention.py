@@ -1,11 +1,15 @@
-"""``tk.attention``: dot-product attention that a context axis splits by hand.
+"""Attention split over a context axis by hand: ``tk.attention``, and the split any
+``jax.nn.dot_product_attention``-like function gets inside a context step.
 
-Outside a context step it is ``jax.nn.dot_product_attention``. While a step of a strategy with a
-context axis (``Hybrid(data=2, context=4)``) is traced, each device keeps its chunk of the
-queries, all-gathers the keys and values over the axis (MaxText's default ``all_gather`` way),
-and masks by the chunk's global positions; the outputs stay split like the queries. Without it
-the compiler gathers what attention needs from the layout alone; with it, what is gathered is
-stated, not found.
+Outside a context step ``tk.attention`` is ``jax.nn.dot_product_attention``. While a step of a
+strategy with a context axis (``Hybrid(data=2, context=4)``) is traced, each device keeps its
+chunk of the queries, all-gathers the keys and values over the axis (MaxText's default
+``all_gather`` way), and masks causally by the chunk's global positions; a mask or bias is split
+with the queries. Each query's row of attention is computed whole on one device, so the numbers
+are those of one device. Without it the compiler gathers what attention needs from the layout
+alone; with it, what is gathered is stated, not found. :mod:`trainkit.core.attention_reach`
+routes Flax's and JAX's own attention here; every call a step's trace reaches is recorded
+(:func:`attention_calls`), so a plan says whether its context axis split the model's attention.
 
 >>> import jax.numpy as jnp
 >>> q = k = v = jnp.ones((1, 4, 2, 8))  # (batch, length, heads, head_dim)
@@ -18,14 +22,17 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
-import functools
 import math
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec
 
 from trainkit.core.scoped import scoped
+
+_JAX_ATTENTION = jax.nn.dot_product_attention  # bound before attention_reach can route jax.nn's name here
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,8 +43,23 @@ class ContextSplit:
     axis: str
     batch_axes: tuple[str, ...] = ()
 
+    @property
+    def size(self) -> int:
+        return int(self.mesh.shape[self.axis])
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionCall:
+    """One attention call a context step's trace reached: through which door (``tk.attention``,
+    ``nn.MultiHeadDotProductAttention``, ...), and whether it was split by hand (else why not)."""
+
+    door: str
+    split: bool
+    reason: str = ""
+
 
 _ACTIVE: contextvars.ContextVar[ContextSplit | None] = contextvars.ContextVar("context_split", default=None)
+_CALLS: contextvars.ContextVar[list[AttentionCall] | None] = contextvars.ContextVar("attention_calls", default=None)
 
 
 def context_split(split: ContextSplit) -> contextlib.AbstractContextManager[None]:
@@ -45,37 +67,127 @@ def context_split(split: ContextSplit) -> contextlib.AbstractContextManager[None
     return scoped(_ACTIVE, split)
 
 
+def active_split() -> ContextSplit | None:
+    """The context split of the step being traced (``None``: no context axis)."""
+    split = _ACTIVE.get()
+    return None if split is None or split.size == 1 else split
+
+
+@contextlib.contextmanager
+def attention_calls() -> Iterator[list[AttentionCall]]:
+    """Collects the attention calls the traces inside the block reach under a context axis.
+
+    >>> with attention_calls() as calls:
+    ...     pass
+    >>> calls
+    []
+    """
+    calls: list[AttentionCall] = []
+    with scoped(_CALLS, calls):
+        yield calls
+
+
+def _record(door: str, split: bool, reason: str = "") -> None:
+    calls = _CALLS.get()
+    if calls is not None:
+        calls.append(AttentionCall(door, split, reason))
+
+
+# Arguments whose meaning depends on a query's position in the whole sequence (or on the whole
+# array, as a dropout mask does): a call that sets them is left to the compiler.
+_POSITIONAL = ("query_seq_lengths", "local_window_size", "module", "return_residual")
+
+
+def _why_not_split(split: ContextSplit, query: jax.Array, options: Mapping[str, Any]) -> str:
+    if query.ndim < 3:
+        return f"its queries have shape {query.shape}, not (..., length, heads, head_dim)"
+    if query.shape[-3] % split.size:
+        return f"its {query.shape[-3]} query positions do not split over the {split.size} devices of the context axis"
+    if options.get("dropout_rate", 0.0) and not options.get("deterministic", True):
+        return "attention dropout draws its mask for the whole array"
+    for name in _POSITIONAL:
+        if options.get(name) not in (None, False):
+            return f"{name}= depends on positions in the whole sequence"
+    for name in ("bias", "mask"):
+        if options.get(name) is not None and jnp.ndim(options[name]) > query.ndim:
+            return f"its {name} has more dimensions than its queries"
+    return ""
+
+
+def split_attention(
+    attend: Callable[..., jax.Array],
+    door: str,
+    query: jax.Array,
+    key: jax.Array,
+    value: jax.Array,
+    options: Mapping[str, Any],
+) -> jax.Array:
+    """``attend(query, key, value, **options)`` (a ``jax.nn.dot_product_attention``-like function
+    on ``(..., length, heads, head_dim)`` arrays, ``mask``/``bias`` broadcast to ``(..., heads,
+    q_length, kv_length)``), split over the active context axis, or whole where it cannot be
+    split exactly (recorded with the reason)."""
+    split = active_split()
+    if split is None:
+        return attend(query, key, value, **options)
+    reason = _why_not_split(split, query, options)
+    _record(door, not reason, reason)
+    if reason:
+        return attend(query, key, value, **options)
+    axis, batch = split.axis, query.ndim - 3
+    rows = split.batch_axes if batch else ()
+    if rows and query.shape[0] % max(1, math.prod(int(split.mesh.shape[a]) for a in rows)):
+        rows = ()  # rows the data axes do not divide (a micro-batch): whole on each device
+    lead = (rows or None, *[None] * (batch - 1)) if batch else ()
+    sequence_spec = PartitionSpec(*lead, axis)
+    gathers = key.shape[-3] % split.size == 0  # else (cross-attention to a short memory) whole already
+    kv_spec = sequence_spec if gathers else PartitionSpec(*lead)
+    arrays = {n: v for n, v in options.items() if n in ("bias", "mask", "key_value_seq_lengths") and v is not None}
+    specs = {n: _mask_spec(jnp.shape(v), query, axis, rows) for n, v in arrays.items()}
+    if "key_value_seq_lengths" in arrays:
+        specs["key_value_seq_lengths"] = PartitionSpec(rows or None)
+    causal = bool(options.get("is_causal", False))
+    fixed = {n: v for n, v in options.items() if n not in arrays and n != "is_causal"}
+    if "is_causal" in options:
+        fixed["is_causal"] = False  # the causal mask comes from global positions instead
+
+    def local(q: jax.Array, k: jax.Array, v: jax.Array, local_arrays: dict[str, jax.Array]) -> jax.Array:
+        if gathers:
+            k, v = (jax.lax.all_gather(a, axis, axis=a.ndim - 3, tiled=True) for a in (k, v))
+        if causal:
+            start = jax.lax.axis_index(axis) * q.shape[-3]  # this chunk's first global position
+            allowed = (start + jnp.arange(q.shape[-3]))[:, None] >= jnp.arange(k.shape[-3])[None, :]
+            allowed = allowed.reshape((1,) * (q.ndim - 2) + allowed.shape)
+            mask = local_arrays.get("mask")
+            local_arrays = {**local_arrays, "mask": allowed if mask is None else jnp.logical_and(mask, allowed)}
+        with scoped(_ACTIVE, None):  # an attend that calls tk.attention runs whole here
+            return attend(q, k, v, **fixed, **local_arrays)
+
+    run = jax.shard_map(
+        local,
+        mesh=split.mesh,
+        in_specs=(sequence_spec, kv_spec, kv_spec, specs),
+        out_specs=sequence_spec,
+        axis_names={axis, *rows},
+        check_vma=False,
+    )
+    out: jax.Array = run(query, key, value, arrays)
+    return out
+
+
+def _mask_spec(shape: tuple[int, ...], query: jax.Array, axis: str, rows: tuple[str, ...]) -> PartitionSpec:
+    """A mask's or bias's split: its query-length dimension (second from the end) over the context
+    axis where it is not broadcast; its rows with the queries' where it has them."""
+    spec: list[str | tuple[str, ...] | None] = [None] * len(shape)
+    if len(shape) >= 2 and shape[-2] == query.shape[-3]:
+        spec[-2] = axis
+    if rows and len(shape) == query.ndim and shape[0] == query.shape[0]:
+        spec[0] = rows
+    return PartitionSpec(*spec)
+
+
 def attention(
     query: jax.Array, key: jax.Array, value: jax.Array, *, causal: bool = False, scale: float | None = None
 ) -> jax.Array:
     """Softmax attention of ``(batch, length, heads, head_dim)`` arrays, causal or not, split
     over a context axis inside a context step (see the module)."""
-    split = _ACTIVE.get()
-    size = 1 if split is None else int(split.mesh.shape[split.axis])
-    if split is None or size == 1 or query.shape[1] % size or key.shape[1] % size:
-        return jax.nn.dot_product_attention(query, key, value, scale=scale, is_causal=causal)
-    axis, rows = split.axis, split.batch_axes
-    if query.shape[0] % max(1, int(math.prod(split.mesh.shape[a] for a in rows))):
-        rows = ()  # rows the data axes do not divide (a micro-batch): whole on each device
-    spec = PartitionSpec(rows or None, axis)
-
-    def local(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
-        keys = jax.lax.all_gather(k, axis, axis=1, tiled=True)
-        values = jax.lax.all_gather(v, axis, axis=1, tiled=True)
-        if not causal:
-            return jax.nn.dot_product_attention(q, keys, values, scale=scale)
-        start = jax.lax.axis_index(axis) * q.shape[1]  # this chunk's first global position
-        positions = start + jnp.arange(q.shape[1])[:, None]
-        mask = positions >= jnp.arange(keys.shape[1])[None, :]
-        return jax.nn.dot_product_attention(q, keys, values, scale=scale, mask=mask[None, None])
-
-    run = functools.partial(
-        jax.shard_map,
-        mesh=split.mesh,
-        in_specs=(spec, spec, spec),
-        out_specs=spec,
-        axis_names={axis, *rows},
-        check_vma=False,
-    )
-    out: jax.Array = run(local)(query, key, value)
-    return out
+    return split_attention(_JAX_ATTENTION, "tk.attention", query, key, value, {"is_causal": causal, "scale": scale})

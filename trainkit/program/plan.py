@@ -31,6 +31,7 @@ from rich.table import Table
 
 from trainkit import distributed
 from trainkit.core import cost as cost_lib
+from trainkit.core.context_attention import AttentionCall, attention_calls
 from trainkit.core.leaf_step import LeafStep
 from trainkit.core.offload import in_host_memory
 from trainkit.core.pipeline import bubble_fraction
@@ -181,6 +182,7 @@ class PlanRow:
     compile_seconds: float = 0.0  # lowering and compiling it, in wall seconds
     program_ops: int = 0  # the lowered program's operations (StableHLO), counted before it compiles
     timing: budget_lib.Timing | None = None
+    attention: list[AttentionCall] = dataclasses.field(default_factory=list)  # reached under a context axis
     compiled: jax.stages.Compiled | None = dataclasses.field(default=None, repr=False)
     function: TreeFunction | None = dataclasses.field(default=None, repr=False)  # the step that was lowered
 
@@ -218,9 +220,23 @@ class PlanRow:
         if context is not None:
             notes.append(
                 f"{self.name}: each sequence (batch axis {self.strategy.sequence_axis}) split over "
-                f"{self.strategy.mesh.shape[context]} devices, its activations with it"
+                f"{self.strategy.mesh.shape[context]} devices, its activations with it; {self._attention_note()}"
             )
         return notes
+
+    def _attention_note(self) -> str:
+        split = [call for call in self.attention if call.split]
+        whole = {f"{call.door}: {call.reason}" for call in self.attention if not call.split}
+        if not split:
+            said = f" ({'; '.join(sorted(whole))})" if whole else ""
+            return (
+                f"the context axis did not split the model's attention{said}: the compiler gathers what it needs "
+                "from the layout. Write it with tk.attention, nn.MultiHeadDotProductAttention or "
+                "jax.nn.dot_product_attention to have keys and values all-gathered by hand"
+            )
+        doors = sorted({call.door for call in split})
+        note = f"{len(split)} attention call(s) split by hand ({', '.join(doors)}: keys and values all-gathered)"
+        return note + (f"; left to the compiler: {'; '.join(sorted(whole))}" if whole else "")
 
     @property
     def too_big(self) -> bool:
@@ -554,7 +570,8 @@ def _compile_rows(
     for row in rows:
         started = time.perf_counter()
         try:
-            program, row.function = lower(row.strategy)
+            with attention_calls() as row.attention:
+                program, row.function = lower(row.strategy)
             if not isinstance(program, jax.stages.Lowered):
                 raise TypeError(f"{type(row.strategy).__name__}.compile('train', ...)'s result cannot be lowered")
             if announce is not None:

@@ -23,7 +23,8 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from trainkit import distributed
-from trainkit.core.context_attention import ContextSplit, context_split
+from trainkit.core.attention_reach import reaching_attention
+from trainkit.core.context_attention import ContextSplit
 from trainkit.core.gpipe import Schedule
 from trainkit.core.leaf_step import LeafStep
 from trainkit.core.pipeline import pipelined
@@ -251,7 +252,7 @@ class ShardedStrategy(Strategy):
         layer needs whole (attention's keys and values). ``fn`` itself without a context axis."""
         if self.context_axis is None:
             return fn
-        context = ContextSplit(self.mesh, self.context_axis, self.batch_axes)  # what tk.attention splits by hand
+        context = ContextSplit(self.mesh, self.context_axis, self.batch_axes)  # what attention splits by hand
         where, lead = (1, ()) if kind == "predict" else (2, (None,) if kind == "train_steps" else ())
         axis, size = self.sequence_axis + len(lead), self.mesh.shape[self.context_axis]
         rows = self.batch_axes or None
@@ -272,7 +273,7 @@ class ShardedStrategy(Strategy):
 
         @functools.wraps(fn)
         def split_step(*args: PyTree) -> PyTree:
-            with context_split(context):
+            with reaching_attention(context):
                 return fn(*args[:where], jax.tree_util.tree_map_with_path(split, args[where]), *args[where + 1 :])
 
         return split_step
