@@ -13,6 +13,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 import trainkit as tk
 from trainkit.core.attention_reach import reaching_attention
+from trainkit.core.causal_balance import tiles_per_device
 from trainkit.core.context_attention import ContextSplit, attention_calls
 
 B, T, H, D = 2, 16, 2, 8
@@ -71,6 +72,7 @@ def test_each_door_splits_over_the_context_axis_and_gives_one_devices_numbers(do
         assert calls == []  # nothing reached: the compiler gathers what it needs from the layout
     else:
         assert [(c.door, c.split) for c in calls] == [(DOOR_NAMES[door], True)]
+        assert calls[0].balanced == (door in ("tk.attention", "jax.nn.dot_product_attention"))  # plain causal
         assert "all_gather" in text  # keys and values gathered by hand over the context axis
 
 
@@ -105,3 +107,22 @@ def test_attention_dropout_is_left_to_the_compiler_and_recorded_with_the_reason(
     with attention_calls() as calls, reaching_attention(ContextSplit(mesh, "context", ("data",))):
         jax.jit(lambda x: module.apply(params, x, train=True, rngs={"dropout": jax.random.key(1)})).lower(x)
     assert [(c.split, c.reason) for c in calls] == [(False, "attention dropout draws its mask for the whole array")]
+
+
+def test_causal_attention_balanced_over_the_devices_computes_about_half_the_scores():
+    """Balanced, every device computes 2C+1 of the 4C score tiles of its whole block (9 of 16 at C=4):
+    the compiled forward's flops, against the same causal attention with its mask as an array."""
+    mesh = Mesh(np.array(jax.devices()[:8]).reshape(2, 4), ("data", "context"))
+    split = NamedSharding(mesh, PartitionSpec("data", "context"))
+    q = jnp.ones((B, 256, H, 64))  # heads of 64: the score and value products dominate, as in a real model
+    causal_mask = nn.make_causal_mask(jnp.ones((B, 256)))
+    flops = {}
+    for name, attend in {
+        "balanced": lambda q: tk.attention(q, q, q, causal=True),
+        "whole blocks": lambda q: nn.dot_product_attention(q, q, q, mask=causal_mask),
+    }.items():
+        with reaching_attention(ContextSplit(mesh, "context", ("data",))):
+            compiled = jax.jit(attend, in_shardings=split).lower(q).compile()
+        flops[name] = compiled.cost_analysis()["flops"]
+    tiles, whole = tiles_per_device(4)
+    assert flops["balanced"] <= (tiles / whole + 0.1) * flops["whole blocks"], flops

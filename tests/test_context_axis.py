@@ -114,7 +114,9 @@ def test_tk_attention_splits_over_the_context_axis_by_hand_and_trains_to_single_
     text = row.compiled.as_text()
     gathers = [line for line in text.splitlines() if "all-gather(" in line and "f32[1,512,4,16]" in line.split("=")[1]]
     assert gathers, "keys and values gathered whole over the context axis"
-    assert "2 attention call(s) split by hand (tk.attention" in " ".join(row.layout_notes())
+    notes = " ".join(row.layout_notes())
+    assert "2 attention call(s) split by hand (tk.attention" in notes
+    assert "2 causal one(s) balanced (9 of 16 score tiles per device)" in notes
 
 
 def test_the_plan_says_when_the_context_axis_did_not_split_a_models_attention():

@@ -30,6 +30,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec
 
+from trainkit.core.causal_balance import balanced_causal_attention
 from trainkit.core.scoped import scoped
 
 _JAX_ATTENTION = jax.nn.dot_product_attention  # bound before attention_reach can route jax.nn's name here
@@ -56,6 +57,7 @@ class AttentionCall:
     door: str
     split: bool
     reason: str = ""
+    balanced: bool = False  # causal, its score tiles balanced over the devices (trainkit.core.causal_balance)
 
 
 _ACTIVE: contextvars.ContextVar[ContextSplit | None] = contextvars.ContextVar("context_split", default=None)
@@ -87,10 +89,10 @@ def attention_calls() -> Iterator[list[AttentionCall]]:
         yield calls
 
 
-def _record(door: str, split: bool, reason: str = "") -> None:
+def _record(call: AttentionCall) -> None:
     calls = _CALLS.get()
     if calls is not None:
-        calls.append(AttentionCall(door, split, reason))
+        calls.append(call)
 
 
 # Arguments whose meaning depends on a query's position in the whole sequence (or on the whole
@@ -130,7 +132,8 @@ def split_attention(
     if split is None:
         return attend(query, key, value, **options)
     reason = _why_not_split(split, query, options)
-    _record(door, not reason, reason)
+    balanced = not reason and _balances(attend, split, query, key, options)
+    _record(AttentionCall(door, not reason, reason, balanced))
     if reason:
         return attend(query, key, value, **options)
     axis, batch = split.axis, query.ndim - 3
@@ -153,6 +156,8 @@ def split_attention(
     def local(q: jax.Array, k: jax.Array, v: jax.Array, local_arrays: dict[str, jax.Array]) -> jax.Array:
         if gathers:
             k, v = (jax.lax.all_gather(a, axis, axis=a.ndim - 3, tiled=True) for a in (k, v))
+        if balanced:
+            return balanced_causal_attention(q, k, v, axis=axis, size=split.size, scale=options.get("scale"))
         if causal:
             start = jax.lax.axis_index(axis) * q.shape[-3]  # this chunk's first global position
             allowed = (start + jnp.arange(q.shape[-3]))[:, None] >= jnp.arange(k.shape[-3])[None, :]
@@ -172,6 +177,21 @@ def split_attention(
     )
     out: jax.Array = run(query, key, value, arrays)
     return out
+
+
+def _balances(
+    attend: Callable[..., jax.Array], split: ContextSplit, query: jax.Array, key: jax.Array, options: Mapping[str, Any]
+) -> bool:
+    """Whether a call is plain causal self-attention with JAX's semantics, whose query chunks halve:
+    then its tiles are balanced over the devices (:mod:`trainkit.core.causal_balance`)."""
+    plain = all(options.get(name) is None for name in ("bias", "mask", "key_value_seq_lengths", "implementation"))
+    return (
+        attend is _JAX_ATTENTION
+        and bool(options.get("is_causal"))
+        and plain
+        and key.shape[-3] == query.shape[-3]
+        and query.shape[-3] % (2 * split.size) == 0
+    )
 
 
 def _mask_spec(shape: tuple[int, ...], query: jax.Array, axis: str, rows: tuple[str, ...]) -> PartitionSpec:

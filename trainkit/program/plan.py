@@ -31,6 +31,7 @@ from rich.table import Table
 
 from trainkit import distributed
 from trainkit.core import cost as cost_lib
+from trainkit.core.causal_balance import tiles_per_device
 from trainkit.core.context_attention import AttentionCall, attention_calls
 from trainkit.core.leaf_step import LeafStep
 from trainkit.core.offload import in_host_memory
@@ -236,6 +237,10 @@ class PlanRow:
             )
         doors = sorted({call.door for call in split})
         note = f"{len(split)} attention call(s) split by hand ({', '.join(doors)}: keys and values all-gathered)"
+        balanced = sum(call.balanced for call in split)
+        if balanced:
+            tiles, block = tiles_per_device(self.strategy.mesh.shape[self.strategy.context_axis])
+            note += f", {balanced} causal one(s) balanced ({tiles} of {block} score tiles per device)"
         return note + (f"; left to the compiler: {'; '.join(sorted(whole))}" if whole else "")
 
     @property
