@@ -10,6 +10,8 @@ import numpy as np
 import optax
 import pytest
 from conftest import check_resumes_and_loads_elsewhere, check_trains_like_single_device
+from flax import nnx
+from jax.sharding import PartitionSpec as P
 
 import trainkit as tk
 from trainkit.core.pipeline import bubble_fraction
@@ -70,6 +72,78 @@ def test_a_stacked_lm_on_a_pipeline_trains_to_single_devices_numbers():
     """3 steps of 16 rows (2 data groups x 8 microbatches of one row), the last batch padded."""
     x, y = data(16 * 2 + 5)
     check_trains_like_single_device(lm, tk.Hybrid(**PIPELINE), x, y, batch_size=16, steps=3)
+
+
+TENSOR_PARALLEL = [  # Megatron's split inside each stage: qkv and the MLP's first layer by columns, the others by rows
+    (r"blocks/Dense_(0|3)/kernel", P(None, None, "model")),
+    (r"blocks/Dense_(1|2)/kernel", P(None, "model", None)),
+]
+
+
+@pytest.mark.parametrize(
+    "strategy",
+    [
+        pytest.param(lambda: tk.Hybrid(data=2, stage=2, model=2, microbatches=4, rules=TENSOR_PARALLEL), id="model"),
+        pytest.param(lambda: tk.Hybrid(data=2, stage=2, context=2, microbatches=4), id="context"),
+    ],
+)
+def test_a_pipeline_composes_with_tensor_parallel_rules_or_a_context_axis_inside_each_stage(strategy):
+    x, y = data(8 * 2 + 3)
+    check_trains_like_single_device(lm, strategy(), x, y, batch_size=8, steps=3)
+    trainer = lm(strategy())
+    trainer.init(x[:1])
+    if "model" in trainer.strategy.mesh.shape:
+        assert trainer.state.params["blocks"]["Dense_0"]["kernel"].sharding.spec == P("stage", None, "model")
+
+
+def test_a_rule_splitting_the_layer_axis_the_stages_take_is_refused_naming_the_fix():
+    rules = [(r"blocks/Dense_0/kernel", P("model", None, None))]
+    trainer = lm(tk.Hybrid(data=2, stage=2, model=2, microbatches=4, rules=rules))
+    with pytest.raises(
+        ValueError,
+        match=r"the stacked blocks' layer axis, which the stage axis splits.*None there: P\(None, 'model', None\)",
+    ):
+        trainer.init(data(1)[0])
+
+
+class NNXBlock(nnx.Module):
+    def __init__(self, rngs):
+        self.linear = nnx.Linear(WIDTH, WIDTH, rngs=rngs)
+
+    def __call__(self, x):
+        return x + nnx.tanh(self.linear(x))
+
+
+class NNXStacked(nnx.Module):
+    """NNX's stacked blocks: built by nnx.vmap, run by nnx.scan."""
+
+    def __init__(self, rngs):
+        @nnx.split_rngs(splits=LAYERS)
+        @nnx.vmap(in_axes=(0,), out_axes=0)
+        def create(rngs):
+            return NNXBlock(rngs)
+
+        self.embed, self.blocks, self.head = (
+            nnx.Linear(8, WIDTH, rngs=rngs),
+            create(rngs),
+            nnx.Linear(WIDTH, 3, rngs=rngs),
+        )
+
+    def __call__(self, x):
+        @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
+        def forward(x, block):
+            return block(x)
+
+        return self.head(forward(self.embed(x), self.blocks))
+
+
+def test_an_nnx_model_stacked_with_vmap_and_scan_trains_on_a_pipeline_to_single_devices_numbers():
+    rng = np.random.default_rng(0)
+    x, y = rng.normal(size=(37, 8)).astype(np.float32), rng.integers(0, 3, 37)
+    check_trains_like_single_device(lambda s: lm(s, NNXStacked(nnx.Rngs(0))), tk.Hybrid(**PIPELINE), x, y, 16, steps=3)
+    trainer = lm(tk.Hybrid(**PIPELINE), NNXStacked(nnx.Rngs(0)))
+    trainer.init(x[:1])
+    assert trainer.strategy.stage_paths == ("blocks/linear/bias", "blocks/linear/kernel")
 
 
 def test_each_stage_holds_a_quarter_of_the_blocks_and_the_plan_shows_gpipes_bubble():

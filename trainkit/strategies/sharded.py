@@ -157,9 +157,27 @@ class ShardedStrategy(Strategy):
         fsdp_size = self.mesh.shape[self.fsdp_axis] if self.fsdp_axis else 1
 
         def staged(path: KeyPath, leaf: jax.ShapeDtypeStruct, spec: PartitionSpec) -> PartitionSpec:
-            shape = tuple(np.shape(leaf))
-            if _sharding.annotated_spec(leaf_name(path), shape, stacked) is None:
+            name, shape = leaf_name(path), tuple(np.shape(leaf))
+            if _sharding.annotated_spec(name, shape, stacked) is None:
                 return spec
+            ruled = _sharding.leaf_spec(  # a rule's or annotation's own (tensor parallelism inside a stage)
+                name,
+                shape,
+                dict(self.mesh.shape),
+                fsdp_axis=None,
+                min_shard_size=self.min_shard_size,
+                rules=self._rules,
+                annotations=self.annotation_specs(),
+            )
+            if any(entry is not None for entry in ruled):
+                if ruled[0] is not None:
+                    shifted = PartitionSpec(None, *tuple(ruled)[: len(shape) - 1])
+                    raise ValueError(
+                        f"{self!r}: a rule places {name} {shape} as {ruled}, splitting its first axis, the stacked "
+                        f"blocks' layer axis, which the stage axis splits. Write the rule for the stacked shape "
+                        f"(layers first), with None there: {shifted}."
+                    )
+                return PartitionSpec(self.stage_axis, *ruled[1:])
             inner = _sharding.default_spec(shape[1:], self.fsdp_axis, fsdp_size, self.min_shard_size)
             return PartitionSpec(self.stage_axis, *inner)
 
