@@ -238,6 +238,33 @@ def test_auto_picks_one_strategy_for_all_processes(tmp_path):
     rows = re.search(r"plan rows: (.*)", output).group(1)
     assert rows.count("=compiled") == 3 and "DataParallel(data=8)=compiled" in rows, rows
     assert "Hybrid(data=2, fsdp=4)=compiled" in rows, rows  # the data axis across the processes
+    # and a pipeline across the processes, weighed, refused for a model without stacked blocks
+    assert "Hybrid(stage=2, data=1, fsdp=4)=cannot pipeline this model" in rows, rows
+
+
+def test_a_pipeline_with_a_stage_per_process_gives_one_devices_parameters(tmp_path):
+    """Hybrid(stage=2, fsdp=4) on 2 processes x 4 devices: each process holds two of the four stacked
+    layers, and only activations pass between the processes; the numbers are SingleDevice's."""
+    code, output, _ = launch(2, 4, tmp_path / "pipeline.npz", "--strategies", "pipeline")
+    assert code == 0, output
+    code, output, _ = launch(1, 8, tmp_path / "single.npz", "--strategies", "single-stacked")
+    assert code == 0, output
+    pipeline, single = load(tmp_path / "pipeline.npz"), load(tmp_path / "single.npz")
+    keys = [k for k in single if k.startswith("single-stacked/")]
+    assert len(keys) >= 9  # 6 parameters, loss, eval, predict
+    for key in keys:
+        theirs = key.replace("single-stacked/", "pipeline/")
+        # 1e-5: Adam's 21 steps turn the microbatches' other summation order into a few 1e-6 (one process does too)
+        np.testing.assert_allclose(pipeline[theirs], single[key], rtol=2e-5, atol=1e-5, err_msg=key)
+
+
+def test_an_iterable_is_refused_where_processes_share_their_rows(tmp_path):
+    """A stage per process: both processes' devices take the same rows, and each process's iterable
+    yields its own batches, which would be trained on as if the same; refused, naming what works."""
+    code, output, _ = launch(2, 4, tmp_path / "out.npz", "--strategies", "pipeline-iterable")
+    assert code != 0
+    assert "an iterable yields each process its own batches" in output, output[-3000:]
+    assert "Pass arrays or a random-access source" in output
 
 
 def test_fused_steps_on_two_processes_give_the_parameters_of_single_steps_on_one(runs, tmp_path):

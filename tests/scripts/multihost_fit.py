@@ -117,11 +117,26 @@ def main():
             x = nn.Dropout(0.2, deterministic=not train)(x)
             return nn.Dense(3)(x)
 
+    class Layer(nn.Module):
+        @nn.compact
+        def __call__(self, h, _):
+            return h + nn.tanh(nn.Dense(32)(h)), None
+
+    class StackedNet(nn.Module):  # blocks a pipeline splits: one nn.scan over 4 layers
+        @nn.compact
+        def __call__(self, x, train: bool = False):
+            h = nn.Dense(32)(x)
+            h, _ = nn.scan(Layer, variable_axes={"params": 0}, split_rngs={"params": True}, length=4)()(h, None)
+            return nn.Dense(3)(h)
+
     strategies = {
+        "pipeline": lambda: tk.Hybrid(stage=2, fsdp=4, microbatches=4, min_shard_size=16),  # a stage per process
+        "pipeline-iterable": lambda: tk.Hybrid(stage=2, fsdp=4, microbatches=4, min_shard_size=16),
+        "single-stacked": lambda: "single",
         "dp": lambda: tk.DataParallel(),
         "fsdp": lambda: tk.FSDP(min_shard_size=16),
         "hybrid": lambda: tk.Hybrid(data=2, fsdp=4, min_shard_size=16),
-        "auto": lambda: "auto",
+        "auto": lambda: tk.strategies.Auto(always_compare=True),  # every candidate compiled, none skipped
     }
     rng = np.random.default_rng(0)
     x = rng.normal(size=(100, 5)).astype(np.float32)  # batch 16: the last batch holds 4 rows
@@ -139,7 +154,7 @@ def main():
                 results[f"{kind}/{jax.tree_util.keystr(path)}"] = leaf
     for name in filter(None, args.strategies.split(",")):
         trainer = tk.Trainer(
-            Net(),
+            StackedNet() if name.startswith(("pipeline", "single-stacked")) else Net(),
             loss="sparse_categorical_crossentropy",
             optimizer=optax.adam(0.01),
             metrics=["accuracy"],
@@ -188,16 +203,25 @@ def main():
             trainer.fit((x, y), batch_size=16, epochs=3, initial_epoch=2, verbose=1)
         else:
             data, read_ahead = (x, y), True
+            if name.endswith("-iterable"):  # each process its own batches of 8 rows
+                data = [(x[i : i + 8], y[i : i + 8]) for i in range(0, 96, 8)]
             if name == "dp" and args.slow_input_process >= 0:  # the same rows; one process reads them slowly
                 delay = 0.004 if jax.process_index() == args.slow_input_process else 0.0
                 data = tk.sources.RandomAccessSource(SlowRows(x, y, delay))
                 read_ahead = False  # every read in the loop's thread: a slow step (2 cores) never hides it
-            history = trainer.fit(data, batch_size=16, epochs=3, verbose=1, callbacks=callbacks, read_ahead=read_ahead)
+            history = trainer.fit(
+                data,
+                batch_size=None if name.endswith("-iterable") else 16,
+                epochs=3,
+                verbose=1,
+                callbacks=callbacks,
+                read_ahead=read_ahead,
+            )
             results[f"{name}/loss"] = np.asarray(history.history["loss"])
             if saves:  # and its final weights, written by every process together
                 trainer.save_weights(os.path.join(args.save, f"{name}.safetensors"))
         if name == "auto" and jax.process_index() == 0:
-            rows = "; ".join(f"{r.name}={r.error or 'compiled'}" for r in trainer.last_plan.rows)
+            rows = "; ".join(f"{r.name}={r.error or r.skipped or 'compiled'}" for r in trainer.last_plan.rows)
             print(f"plan rows: {rows}", flush=True)
         if args.gather_on_0_only:
             if jax.process_index() == 0:

@@ -41,9 +41,10 @@ class Preempted(SystemExit):
         return f"training preempted after step {self.step}; run the same command again to resume"
 
 
-def this_process(request: BatchRequest) -> BatchRequest:
-    """``request`` for this process's part of every global batch (all of it on one process)."""
-    return dataclasses.replace(request, process_index=jax.process_index(), process_count=jax.process_count())
+def this_process(request: BatchRequest, share: tuple[int, int]) -> BatchRequest:
+    """``request`` for this process's part of every global batch: ``share`` (``(index, count)``,
+    the strategy's :meth:`~trainkit.strategies.Strategy.batch_share`; all of it on one process)."""
+    return dataclasses.replace(request, process_index=share[0], process_count=share[1])
 
 
 def in_order(dispatched: Iterator[T], lag: int) -> Iterator[T]:

@@ -183,7 +183,8 @@ class FitRun:
                     state=resume_state,
                     read_ahead=config.read_ahead,
                     read_limit=read_limit,
-                )
+                ),
+                self.strategy.batch_share(),
             ),
         )
         if config.max_steps is not None:  # nothing read past the last step

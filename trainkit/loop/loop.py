@@ -100,7 +100,8 @@ class Loop:
 
         def dispatch() -> Iterator[Inferred]:
             batches = dataset.batches(
-                batch_size, this_process(data_lib.BatchRequest(split=True, read_ahead=read_ahead))
+                batch_size,
+                this_process(data_lib.BatchRequest(split=True, read_ahead=read_ahead), strategy.batch_share()),
             )
             host_batches = itertools.islice(batches, steps)
             totals = None

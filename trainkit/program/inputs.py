@@ -34,6 +34,7 @@ from trainkit.core.warn import warn_user
 from trainkit.data import FitConfig, Validation
 from trainkit.program import auto as auto_lib
 from trainkit.program.setup import Setup
+from trainkit.strategies import Strategy
 
 #: Rows of the first batch that :func:`check_outputs` runs the model on.
 CHECKED_ROWS = 32
@@ -105,6 +106,7 @@ def prepare(
     strategy = setup.decided.require_strategy()
     pipeline = strategy.microbatches if training else 1
     data_lib.check_batch_size(batch_size, strategy.num_batch_shards, micro_batches=micro_batches, pipeline=pipeline)
+    check_shared_rows(strategy, prepared.source)
     if setup.session.state is None:
         if training and setup.auto is None:  # "auto" leaves such a strategy out; a given one is said once
             warn_changed_result(setup, prepared.first_x)
@@ -331,4 +333,19 @@ def prepare_validation(setup: Setup, data: Any, batch_size: int | None) -> data_
     if prepared.has_targets:
         setup.build_objective(prepared, every=True)
     data_lib.check_batch_size(prepared.batch_size, setup.decided.require_strategy().num_batch_shards)
+    check_shared_rows(setup.decided.require_strategy(), prepared.source)
     return prepared
+
+
+def check_shared_rows(strategy: Strategy, source: data_lib.Source) -> None:
+    """Refuses an iterable on processes that share their rows (a stage axis across hosts): each
+    process's iterable yields its own batches, which the strategy would take as the same rows."""
+    share, processes = strategy.batch_share()[1], jax.process_count()
+    if share == processes or data_lib.own_batch_size(source) is None:
+        return
+    raise ValueError(
+        f"{strategy!r} on {processes} processes: the devices of several processes take the same rows (each batch "
+        f"is {share} part(s), one per group of {processes // share} processes), and an iterable yields each process "
+        "its own batches, which would be trained on as if they were the same rows. Pass arrays or a random-access "
+        "source (the processes of a group then read the same part), or put the data axes across the processes."
+    )

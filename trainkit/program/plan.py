@@ -21,7 +21,7 @@ import math
 import os
 import re
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -429,6 +429,8 @@ def default_candidates(devices: Sequence[jax.Device] | None = None) -> list[Stra
         candidates += [DataParallel(devices), FSDP(devices)]
     if processes > 1 and n % processes == 0 and n // processes > 1:
         candidates.append(Hybrid(data=processes, fsdp=n // processes, devices=devices))
+    if processes > 1 and n % processes == 0:  # a pipeline across the hosts (never inside one: it loses there)
+        candidates.append(Hybrid(stage=processes, fsdp=n // processes, devices=devices))
     return candidates
 
 
@@ -491,6 +493,7 @@ def make_plan(
     run_steps: int | None = None,
     announce: Callable[[PlanRow], None] | None = None,
     first_fit: bool = False,
+    refused: Mapping[int, str] | None = None,
 ) -> MemoryPlan:
     """Compiles ``lower(strategy)`` (a ``jax.stages.Lowered`` and the jitted step it came from,
     kept as the row's ``function``) for each candidate and picks one; with ``first_fit``, one
@@ -507,13 +510,16 @@ def make_plan(
     other one only when it could repay its compile within those steps
     (:mod:`trainkit.program.budget`); the rest keep the reason in ``skipped``. ``announce(row)``
     is told of each candidate before it is lowered (a progress line), and of it again once compiled.
+    ``refused`` (by ``id`` of the candidate): why one cannot run this model at all (a pipeline on a
+    model without stacked blocks); its row says so, and nothing is lowered, skipped or timed for it.
     """
-    rows = [PlanRow(strategy, short_name(strategy)) for strategy in candidates]
+    refused = refused or {}
+    rows = [PlanRow(strategy, short_name(strategy), error=refused.get(id(strategy))) for strategy in candidates]
     limit = int(memory_limit) if memory_limit is not None else device_memory_limit(candidates[0].devices)
     compare_from = None
     with concurrent.futures.ThreadPoolExecutor(max(1, min(len(rows), os.cpu_count() or 1))) as pool:
         side = None if alongside is None else pool.submit(alongside)
-        waiting = list(rows)
+        waiting = [row for row in rows if row.error is None]
         if measure is not None and run_steps is not None:  # staged: see the docstring
             first = None
             while waiting and first is None:  # the simplest candidate that fits, compiled alone
@@ -689,6 +695,7 @@ def plan_step(
     trains: bool = True,
     totals: PyTree = None,
     settings: PlanSettings = PlanSettings(),  # noqa: B008 - a frozen value
+    refused: Mapping[int, str] | None = None,
 ) -> MemoryPlan:
     """Lowers and compiles a step on ``host_batch`` (a padded global batch) under each candidate,
     as ``settings`` says (:class:`PlanSettings`).
@@ -700,7 +707,8 @@ def plan_step(
     one state with ``create_state`` (under the first candidate whose state alone fits; its
     initialisation compiled beside the steps by ``precompile_state``) and copies it into each
     candidate's shardings. Each row keeps its jitted step as ``row.function``; a ``compile_step`` that
-    raises :class:`NotACandidate` (it would compute another result) leaves the reason in the row, ``left_out``.
+    raises :class:`NotACandidate` (it would compute another result) leaves the reason in the row, ``left_out``;
+    ``refused``: see :func:`make_plan`.
     """
     measure, memory_limit, place_batch = settings.measure, settings.memory_limit, settings.place_batch
     limit = int(memory_limit) if memory_limit is not None else device_memory_limit(candidates[0].devices)
@@ -753,7 +761,7 @@ def plan_step(
         alongside = lambda: precompile_state(initialiser)  # noqa: E731
     result = make_plan(
         candidates, lower, memory_limit=memory_limit, measure=run if measure else None, alongside=alongside,
-        run_steps=settings.run_steps, announce=settings.announce, first_fit=settings.first_fit,
+        run_steps=settings.run_steps, announce=settings.announce, first_fit=settings.first_fit, refused=refused,
     )  # fmt: skip
     state, under = host_state[0] if host_state else (None, None)
     return dataclasses.replace(result, initial_state=state, initialised_under=under, target=settings.target)

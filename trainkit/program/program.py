@@ -333,13 +333,9 @@ class Program:
         abstract_state: PyTree,
         first_row: PyTree,
         statistics: StepStatistics | None = None,
-        refusal: str | None = None,
     ) -> TreeFunction:
         """``compile(kind, ...)`` for a plan's candidate; :class:`~trainkit.program.plan.NotACandidate`
-        for a candidate whose training step would compute another result than ``SingleDevice``'s;
-        a ``ValueError`` of ``refusal`` (why it cannot run this model) when there is one."""
-        if refusal is not None:
-            raise ValueError(refusal)
+        for a candidate whose training step would compute another result than ``SingleDevice``'s."""
         reason = self.changes_result(strategy, first_row, abstract_state) if kind == "train" else None
         if self.offload and not strategy.offloads:
             reason = strategy.no_offload()
@@ -518,7 +514,7 @@ class Program:
             abstract_state=abstract_state,
             totals=pack(self.empty_totals(kind, abstract_state, host_batch, axis, statistics)) if trains else None,
             compile_step=lambda strategy, abstract: self.candidate_step(
-                kind, strategy, abstract, first_row, statistics, refused.get(id(strategy))
+                kind, strategy, abstract, first_row, statistics
             ),
             # one init_fn object for both, so that the second finds the first's executable
             create_state=lambda strategy: strategy.create_state(init_state, variables, first_row, key),
@@ -526,6 +522,7 @@ class Program:
             micro_batches=self.grad_accum_steps if trains else 1,
             trains=trains,
             settings=settings,
+            refused=refused,
         )
         parts = self.trainable.state_bytes(abstract_state)
         if self.groups is not None:  # and each group's share of the optimizer's state

@@ -56,9 +56,9 @@ class Strategy:
     places annotated parameters by its ``logical_rules``. Shared, rarely overridden:
     ``create_state`` (the state built directly in its shardings; ``precompile_state`` compiles
     it without running, for ``"auto"`` to do beside other compiles), ``put_state``, ``put_like``
-    (host values into the shardings of live arrays), ``local_rows`` (this process's rows of a
-    global batch) and ``real_rows`` (the real rows of the global batch, from this process's
-    mask).
+    (host values into the shardings of live arrays), ``batch_share`` (which part of every global
+    batch this process reads), ``local_rows`` (this process's rows of a global batch) and
+    ``real_rows`` (the real rows of the global batch, from this process's mask).
     """
 
     axis_name: str | None = None
@@ -166,14 +166,20 @@ class Strategy:
         """Host (or device) values placed in the shardings of the live arrays ``like``."""
         return jax.device_put(tree, jax.tree.map(lambda a: a.sharding, like))
 
-    @staticmethod
-    def local_rows(global_batch: PyTree) -> PyTree:
-        """This process's part of a global host batch: rows ``[p * b, (p + 1) * b)``."""
-        count = jax.process_count()
-        if count == 1:
+    def batch_share(self) -> tuple[int, int]:
+        """Which equal part of every global batch this process reads, of how many: ``(index,
+        count)``. By default each process its own part (``(process_index, process_count)``); a
+        strategy whose devices on several processes take the same rows (a stage axis across
+        hosts) has those processes read the same part."""
+        return jax.process_index(), jax.process_count()
+
+    def local_rows(self, global_batch: PyTree) -> PyTree:
+        """This process's part of a global host batch: rows ``[i * b, (i + 1) * b)`` of its
+        :meth:`batch_share` ``(i, n)``, ``b`` the batch's rows over ``n``."""
+        index, count = self.batch_share()
+        if jax.process_count() == 1:
             return global_batch
         rows = np.shape(jax.tree.leaves(global_batch)[0])[0] // count
-        index = jax.process_index()
 
         def part(a: np.ndarray | jax.Array | jax.ShapeDtypeStruct) -> Leaf:
             if isinstance(a, jax.ShapeDtypeStruct):  # an abstract batch (a plan from shapes): its part's shape
@@ -182,8 +188,7 @@ class Strategy:
 
         return jax.tree.map(part, global_batch)
 
-    @staticmethod
-    def real_rows(local_mask: np.ndarray) -> int:
+    def real_rows(self, local_mask: np.ndarray) -> int:
         """Real rows of the global batch whose part on this process has ``local_mask`` (real
         rows come first, padding follows)."""
         local = int(np.asarray(local_mask).sum())
@@ -191,7 +196,8 @@ class Strategy:
             return local
         from jax.experimental import multihost_utils
 
-        return int(np.asarray(multihost_utils.process_allgather(np.asarray(local))).sum())
+        every = int(np.asarray(multihost_utils.process_allgather(np.asarray(local))).sum())
+        return int(every * self.batch_share()[1] // jax.process_count())  # processes sharing a part counted once
 
     def with_annotations(self, param_axes: dict[str, tuple[str | None, ...]]) -> Strategy:
         """This strategy configured with the model's parameter annotations
