@@ -701,14 +701,13 @@ def plan_step(
     as ``settings`` says (:class:`PlanSettings`).
 
     ``compile_step(strategy, abstract_state)`` returns the jitted step (``(state, totals, batch) ->
-    (state, totals)`` when ``trains``, with ``totals`` the host zeros of the metric totals it carries,
-    else ``(state, batch) -> outputs``); the abstract state carries each candidate's shardings,
-    so nothing is allocated unless ``measure``, which builds
-    one state with ``create_state`` (under the first candidate whose state alone fits; its
-    initialisation compiled beside the steps by ``precompile_state``) and copies it into each
-    candidate's shardings. Each row keeps its jitted step as ``row.function``; a ``compile_step`` that
-    raises :class:`NotACandidate` (it would compute another result) leaves the reason in the row, ``left_out``;
-    ``refused``: see :func:`make_plan`.
+    (state, totals)`` when ``trains``, ``totals`` the host zeros of the metric totals it carries, else
+    ``(state, batch) -> outputs``); the abstract state carries each candidate's shardings, so nothing
+    is allocated unless ``measure``, which builds one state with ``create_state`` (under the first
+    candidate whose state alone fits; its initialisation compiled beside the steps by
+    ``precompile_state``) and copies it into each candidate's shardings. Each row keeps its jitted
+    step as ``row.function``; a ``compile_step`` that raises :class:`NotACandidate` (it would
+    compute another result) leaves the reason in the row, ``left_out``; ``refused``: see :func:`make_plan`.
     """
     measure, memory_limit, place_batch = settings.measure, settings.memory_limit, settings.place_batch
     limit = int(memory_limit) if memory_limit is not None else device_memory_limit(candidates[0].devices)
@@ -737,9 +736,8 @@ def plan_step(
         batch = strategy.put_batch(local) if place_batch else strategy.abstract_batch(local)
         return function.lower(*arguments, batch), function
 
-    host_state: list[
-        tuple[PyTree, Strategy]
-    ] = []  # built once (sharded, by the first candidate that needs it), then copied
+    # built once (sharded, by the first candidate that needs it), then copied
+    host_state: list[tuple[PyTree, Strategy]] = []
 
     def the_host_state(strategy: Strategy) -> PyTree:
         if not host_state:
