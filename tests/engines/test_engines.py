@@ -162,7 +162,9 @@ def test_the_guide_s_sbatch_script_trains_the_digits_as_one_job(slurm, tmp_path)
 
 
 def visible_devices(output: str) -> dict[str, str]:
-    return dict(re.findall(r"process (\d) visible devices (\S+)", output))
+    """Each process's visible GPUs as it printed them; the processes share one stream, unbuffered (a
+    print's text and its newline are two writes), so one's line may run on into another's."""
+    return dict(re.findall(r"process (\d+) visible devices ([\d,]+|all)", output))
 
 
 def test_each_srun_task_and_each_launched_process_takes_its_share_of_the_gpus(slurm):
