@@ -78,22 +78,7 @@ def sequence_rows() -> list[dict]:
     target = targets_lib.parse(SEQUENCE_TARGET)
     devices, limit = target.device_count, float(target.memory_limit)
     probes: dict[str, dict[int, plan_lib.PlanRow]] = {"fsdp": {}, "context": {}}
-
-    def fits(kind: str) -> Callable[[int], bool]:
-        def compiled(length: int) -> bool:
-            model = ByteLM(layers=4, d_model=1024, heads=8, mlp=4096, max_len=length)
-            if kind == "fsdp":
-                row = _plan(model, "fsdp", devices, length, SEQUENCE_TARGET)
-            else:
-                context = lambda on: tk.Hybrid(data=1, context=devices, devices=on)  # noqa: E731
-                row = _plan(model, context, 1, length, SEQUENCE_TARGET)
-            probes[kind][length] = row
-            print(f"  {kind:8} T={length:>7}: {row.total_bytes / 2**30:6.2f} GiB {'fits' if row.fits else 'no'}")
-            return row.fits
-
-        return compiled
-
-    found = {kind: longest(fits(kind)) for kind in probes}
+    found = {kind: longest(_fits(kind, probes[kind])) for kind in probes}
     # the FSDP temporaries per sequence (one per device) as a T + b T^2, from its two longest probes that compiled:
     # how much of them grows with the square of the length (attention's scores)
     fitted = sorted((t, r.temp_bytes) for t, r in probes["fsdp"].items() if r.error is None)[-2:]
@@ -101,16 +86,54 @@ def sequence_rows() -> list[dict]:
     b = (m2 / t2 - m1 / t1) / (t2 - t1)
     a = m1 / t1 - b * t1
     longest_fsdp = found["fsdp"]
-    context = probes["context"][found["context"]]
     bound = devices * longest_fsdp  # a sequence's activations split 8 ways, were they linear in its length
     return [
         {"row": "longest sequence", "target": SEQUENCE_TARGET, "strategy": "FSDP (one sequence per device)",
          "length": longest_fsdp, "fsdp_fit": {"a": a, "b": b},
          "quadratic_share": b * longest_fsdp**2 / (a * longest_fsdp + b * longest_fsdp**2)},
-        {"row": "longest sequence", "target": SEQUENCE_TARGET, "strategy": f"Hybrid(data=1, context={devices})",
-         "length": found["context"], "bound": bound, "ratio": found["context"] / bound,
-         "state_per_device": context.argument_bytes, "temp_per_device": context.temp_bytes, "limit": limit},
+        _context_row("context", found["context"], probes["context"], bound, limit),
+        split_row(bound, start=found["context"]),
     ]  # fmt: skip
+
+
+def split_row(bound: int, start: int) -> dict:
+    """The context row with the model's attention by ``jax.nn.dot_product_attention``, which the
+    context axis splits by hand, balanced (``ByteLM(jax_attention=True)``); the search starts at
+    ``start`` (the written-out row's length)."""
+    target = targets_lib.parse(SEQUENCE_TARGET)
+    probes: dict[int, plan_lib.PlanRow] = {}
+    length = longest(_fits("split", probes), start=start)
+    return _context_row("split", length, probes, bound, float(target.memory_limit))
+
+
+def _fits(kind: str, probes: dict[int, plan_lib.PlanRow]) -> Callable[[int], bool]:
+    """``kind``'s probe of a length: ``fsdp`` (one sequence per device), ``context`` (one sequence
+    over all the devices, the attention written out) or ``split`` (the same, by ``jax.nn``'s)."""
+    devices = targets_lib.parse(SEQUENCE_TARGET).device_count
+
+    def compiled(length: int) -> bool:
+        model = ByteLM(layers=4, d_model=1024, heads=8, mlp=4096, max_len=length, jax_attention=kind == "split")
+        if kind == "fsdp":
+            row = _plan(model, "fsdp", devices, length, SEQUENCE_TARGET)
+        else:
+            context = lambda on: tk.Hybrid(data=1, context=devices, devices=on)  # noqa: E731
+            row = _plan(model, context, 1, length, SEQUENCE_TARGET)
+        probes[length] = row
+        print(
+            f"  {kind:8} T={length:>7}: {row.total_bytes / 2**30:6.2f} GiB {'fits' if row.fits else 'no'}", flush=True
+        )
+        return row.fits
+
+    return compiled
+
+
+def _context_row(kind: str, length: int, probes: dict[int, plan_lib.PlanRow], bound: int, limit: float) -> dict:
+    row, devices = probes[length], targets_lib.parse(SEQUENCE_TARGET).device_count
+    how = "attention by jax.nn, split by hand" if kind == "split" else "attention written out"
+    return {"row": "longest sequence", "target": SEQUENCE_TARGET, "strategy": f"Hybrid(data=1, context={devices})",
+            "attention": how, "length": length, "bound": bound, "ratio": length / bound,
+            "state_per_device": row.argument_bytes, "temp_per_device": row.temp_bytes, "limit": limit,
+            "notes": row.layout_notes()}  # fmt: skip
 
 
 def slice_rows() -> list[dict]:

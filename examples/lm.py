@@ -71,10 +71,13 @@ def logical(init, *names):
 class Attention(nn.Module):
     """Causal multi-head self-attention; query/key/value kernels ``(embed, heads, kv)`` and the
     output kernel ``(heads, kv, embed)``: split over ``heads``, they are Megatron's column and
-    row parallel layers."""
+    row parallel layers. ``by_jax``: the scores by ``jax.nn.dot_product_attention`` (a context
+    axis splits that call by hand, its causal work balanced over the devices) instead of written
+    out (the compiler splits those by the layout alone)."""
 
     heads: int
     head_dim: int
+    by_jax: bool = False
 
     @nn.compact
     def __call__(self, x):
@@ -84,25 +87,32 @@ class Attention(nn.Module):
             jnp.einsum("bld,dhk->blhk", x, self.param(name, logical(init, "embed", "heads", "kv"), shape))
             for name in ("query", "key", "value")
         )
-        length = x.shape[1]
-        mask = jnp.tril(jnp.ones((length, length), bool))
-        scores = jnp.einsum("bqhk,bshk->bhqs", q, k) / math.sqrt(self.head_dim)
-        weights = jax.nn.softmax(jnp.where(mask, scores, jnp.finfo(scores.dtype).min), axis=-1)
-        out = jnp.einsum("bhqs,bshk->bqhk", weights.astype(v.dtype), v)
+        if self.by_jax:
+            out = jax.nn.dot_product_attention(q, k, v, is_causal=True)
+        else:
+            out = self._written_out(q, k, v)
         out_init = nn.initializers.variance_scaling(1.0, "fan_in", "normal", in_axis=(0, 1), out_axis=2)
         kernel = self.param("out", logical(out_init, "heads", "kv", "embed"), (self.heads, self.head_dim, x.shape[-1]))
         return jnp.einsum("blhk,hkd->bld", out, kernel)
+
+    def _written_out(self, q, k, v):
+        length = q.shape[1]
+        mask = jnp.tril(jnp.ones((length, length), bool))
+        scores = jnp.einsum("bqhk,bshk->bhqs", q, k) / math.sqrt(self.head_dim)
+        weights = jax.nn.softmax(jnp.where(mask, scores, jnp.finfo(scores.dtype).min), axis=-1)
+        return jnp.einsum("bhqs,bshk->bqhk", weights.astype(v.dtype), v)
 
 
 class Block(nn.Module):
     heads: int
     head_dim: int
     mlp: int
+    jax_attention: bool = False
 
     @nn.compact
     def __call__(self, x):
         norm = lambda: nn.LayerNorm(scale_init=logical(nn.initializers.ones, "embed"), use_bias=False)  # noqa: E731
-        x = x + Attention(self.heads, self.head_dim)(norm()(x))
+        x = x + Attention(self.heads, self.head_dim, self.jax_attention)(norm()(x))
         x = nn.with_logical_constraint(x, ("batch", "length", "embed"))
         h = nn.Dense(self.mlp, kernel_init=logical(nn.initializers.lecun_normal(), "embed", "mlp"), use_bias=False)(
             norm()(x)
@@ -120,16 +130,19 @@ class StackedBlock(nn.Module):
     heads: int
     head_dim: int
     mlp: int
+    jax_attention: bool = False
 
     @nn.compact
     def __call__(self, x, _):
-        return Block(self.heads, self.head_dim, self.mlp, name="block")(x), None
+        return Block(self.heads, self.head_dim, self.mlp, self.jax_attention, name="block")(x), None
 
 
 class ByteLM(nn.Module):
     """Bytes ``(batch, length)`` -> next-byte logits ``(batch, length, 256)``; ``stacked=True``:
     the blocks are one ``nn.scan`` module (each parameter leads with the layer axis, named
-    ``layers``), which a pipeline (``tk.Hybrid(stage=...)``) splits into stages."""
+    ``layers``), which a pipeline (``tk.Hybrid(stage=...)``) splits into stages;
+    ``jax_attention=True``: each block's attention by ``jax.nn.dot_product_attention``, which a
+    context axis (``tk.Hybrid(context=...)``) splits by hand, balanced (docs/strategies.md)."""
 
     layers: int = 4
     d_model: int = 128
@@ -138,6 +151,7 @@ class ByteLM(nn.Module):
     max_len: int = 256
     vocab: int = 256
     stacked: bool = False
+    jax_attention: bool = False
 
     @nn.compact
     def __call__(self, tokens):
@@ -157,9 +171,9 @@ class ByteLM(nn.Module):
                 length=self.layers,
                 metadata_params={nn.PARTITION_NAME: "layers"},
             )
-            x, _ = stack(self.heads, self.d_model // self.heads, self.mlp, name="blocks")(x, None)
+            x, _ = stack(self.heads, self.d_model // self.heads, self.mlp, self.jax_attention, name="blocks")(x, None)
         for _ in range(0 if self.stacked else self.layers):
-            x = Block(self.heads, self.d_model // self.heads, self.mlp)(x)
+            x = Block(self.heads, self.d_model // self.heads, self.mlp, self.jax_attention)(x)
         x = nn.LayerNorm(scale_init=logical(nn.initializers.ones, "embed"), use_bias=False)(x)
         return nn.Dense(
             self.vocab, kernel_init=logical(nn.initializers.lecun_normal(), "embed", "vocab"), use_bias=False

@@ -3,7 +3,11 @@ over four devices inside the step, so every activation along it is split too and
 what attention needs; a causal transformer LM trains to SingleDevice's numbers, and one sequence
 costs a device a fraction of what a data-sharded strategy can hold it in."""
 
+import pathlib
+import sys
+
 import flax.linen as nn
+import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
@@ -47,8 +51,8 @@ class CausalLM(nn.Module):  # 2 layers, width 64, sequence 512
         return nn.Dense(VOCAB)(nn.LayerNorm()(x))
 
 
-def data(rows):
-    tokens = np.random.default_rng(0).integers(0, VOCAB, size=(rows, SEQUENCE + 1)).astype(np.int32)
+def data(rows, sequence=SEQUENCE):
+    tokens = np.random.default_rng(0).integers(0, VOCAB, size=(rows, sequence + 1)).astype(np.int32)
     return tokens[:, :-1], tokens[:, 1:]
 
 
@@ -83,7 +87,7 @@ def test_hybrid_refuses_a_sequence_axis_that_is_not_one():
 
 
 def test_a_context_run_resumes_bit_exact_and_its_checkpoint_loads_onto_single_device_and_fsdp(tmp_path):
-    x, y = data(8)
+    x, y = data(8, sequence=64)
     check_resumes_and_loads_elsewhere(lm, lambda: tk.Hybrid(data=2, context=4), x, y, 2, tmp_path / "checkpoint")
 
 
@@ -132,3 +136,21 @@ def test_the_plan_says_when_the_context_axis_did_not_split_a_models_attention():
     assert "did not split the model's attention" in written_out_row.layout_notes()[0]
     assert [(c.door, c.split) for c in flax_row.attention] == [("nn.dot_product_attention", True)] * 2
     assert "2 attention call(s) split by hand (nn.dot_product_attention" in flax_row.layout_notes()[0]
+
+
+def test_the_lm_examples_jax_attention_gives_its_written_out_numbers_and_is_split_balanced():
+    """examples/lm.py's ``ByteLM(jax_attention=True)`` (the capacity benchmark's context row): the same
+    parameters and logits as its attention written out, and under a context axis each block's attention
+    is split by hand, its causal tiles balanced."""
+    sys.path.insert(0, str(pathlib.Path(__file__).parent.parent / "examples"))
+    from lm import ByteLM
+
+    tokens = np.random.default_rng(0).integers(0, 256, size=(2, 64)).astype(np.int32)
+    small = dict(layers=2, d_model=32, heads=4, mlp=64, max_len=64)
+    written, by_jax = ByteLM(**small), ByteLM(**small, jax_attention=True)
+    variables = written.init(jax.random.key(0), tokens)
+    assert jax.tree.structure(by_jax.init(jax.random.key(0), tokens)) == jax.tree.structure(variables)
+    np.testing.assert_allclose(by_jax.apply(variables, tokens), written.apply(variables, tokens), atol=1e-5)
+    trainer = tk.Trainer(by_jax, loss="sparse_categorical_crossentropy", optimizer=optax.sgd(0.1))
+    (row,) = trainer.plan((tokens, tokens), batch_size=2, candidates=[tk.Hybrid(data=2, context=4)], verbose=0).rows
+    assert [(c.door, c.split, c.balanced) for c in row.attention] == [("jax.nn.dot_product_attention", True, True)] * 2

@@ -88,7 +88,7 @@ TENSOR_PARALLEL = [  # Megatron's split inside each stage: qkv and the MLP's fir
     ],
 )
 def test_a_pipeline_composes_with_tensor_parallel_rules_or_a_context_axis_inside_each_stage(strategy):
-    x, y = data(8 * 2 + 3)
+    x, y = data(8 * 2 + 3, sequence=64)  # short: the 512-token runs above show the schedule's numbers at length
     check_trains_like_single_device(lm, strategy(), x, y, batch_size=8, steps=3)
     trainer = lm(strategy())
     trainer.init(x[:1])
