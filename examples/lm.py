@@ -13,6 +13,7 @@ bits per byte, tokens per second and, where the device's peak is known, MFU.
     python examples/lm.py                          # 8 fake CPU devices, FSDP (the default), 600 steps
     python examples/lm.py --strategy tp --steps 300
     python examples/lm.py --strategy pipeline --steps 300   # the blocks stacked (nn.scan), two stages x data 4
+    python examples/lm.py --strategy context --length 512   # each sequence split over 4 devices x data 2
     python examples/lm.py --strategy single --precision bf16 --remat full --grad-accum-steps 2
     python examples/lm.py --plan-target "tpu v5e:4x4" --layers 8 --d-model 1024 --length 1024 --batch-size 256
 
@@ -207,6 +208,8 @@ def strategy_for(name: str):
         return tk.Hybrid(data=2, model=len(jax.devices()) // 2, rules=RULES["tp"])
     if name == "pipeline":  # the stacked blocks in two stages, the rest of the devices on data
         return tk.Hybrid(stage=2, microbatches=4)
+    if name == "context":  # each sequence over half the devices, its attention split by hand and balanced
+        return tk.Hybrid(data=2, context=len(jax.devices()) // 2)
     return name  # "auto", "single", "dp"
 
 
@@ -215,7 +218,9 @@ def main(argv=None):
         description=__doc__.split("\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
     )
     parser.add_argument(
-        "--strategy", default="fsdp", help="fsdp, tp (data x model), pipeline (stage x data), dp, single or auto"
+        "--strategy",
+        default="fsdp",
+        help="fsdp, tp (data x model), pipeline (stage x data), context (data x context), dp, single or auto",
     )
     parser.add_argument("--steps", type=int, default=600, help="optimizer steps")
     parser.add_argument("--batch-size", type=int, default=32, help="global batch, in sequences")
@@ -240,8 +245,14 @@ def main(argv=None):
     split = int(len(corpus) * 0.9)
     x, y = windows(corpus[:split], args.length)
     x_val, y_val = windows(corpus[split:], args.length)
-    # a pipeline splits the blocks stacked into one nn.scan module
-    model = ByteLM(layers=args.layers, d_model=args.d_model, max_len=args.length, stacked=args.strategy == "pipeline")
+    # a pipeline splits the blocks stacked into one nn.scan module; a context axis splits jax.nn's attention by hand
+    model = ByteLM(
+        layers=args.layers,
+        d_model=args.d_model,
+        max_len=args.length,
+        stacked=args.strategy == "pipeline",
+        jax_attention=args.strategy == "context",
+    )
     schedule = optax.warmup_cosine_decay_schedule(0.0, 3e-3, min(100, args.steps // 10 + 1), args.steps)
     trainer = tk.Trainer(
         model,

@@ -111,7 +111,7 @@ def test_training_from_shards_through_grain_workers_resumes_bit_identical(tmp_pa
     assert "leaked shared_memory" not in result.stderr, result.stderr  # batches copied out of grain's buffers
 
 
-@pytest.mark.parametrize("strategy", ["tp", "pipeline"])
+@pytest.mark.parametrize("strategy", ["tp", "pipeline", "context"])
 def test_the_language_model_example_trains_in_a_short_mode(strategy):
     """examples/lm.py for a few steps (its full-mode figure is in docs/large_models.md): the
     held-out bits per byte fall below the 8 of a uniform guess, and it reports tokens/s. (The
@@ -124,8 +124,8 @@ def test_the_language_model_example_trains_in_a_short_mode(strategy):
     bits = float(re.search(r"held-out loss (\d+\.\d+) bits per byte after 40 steps", result.stdout).group(1))
     assert bits < 5.5, result.stdout
     assert re.search(r"[\d,]+ tokens/s", result.stdout)
-    expected = {"tp": "mesh data=2, model=4", "pipeline": "mesh stage=2, data=4"}[strategy]
-    assert expected in result.stdout, result.stdout
+    expected = {"tp": "mesh data=2, model=4", "pipeline": "mesh stage=2, data=4", "context": "mesh data=2, context=4"}
+    assert expected[strategy] in result.stdout, result.stdout
 
 
 def test_finetune_digits_compares_the_three_ways_and_keeps_the_adapter_checkpoint_small(tmp_path):
