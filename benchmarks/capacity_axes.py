@@ -10,7 +10,9 @@ tokens. The bound of the context row: eight times FSDP's longest sequence, what 
 of 8 would hold were a sequence's activations linear in its length (attention's scores grow with
 its square, so a split holds less); the FSDP probes' temporaries, fitted as ``a T + b T^2``, say
 how much of them is quadratic. Under the context axis the state is replicated (the axis leaves
-no device to shard it over).
+no device to shard it over). The context row twice: with the model's attention written out (the
+compiler splits it by the layout) and by ``jax.nn.dot_product_attention`` (``ByteLM(
+jax_attention=True)``: trainkit splits it by hand, its causal work balanced; :func:`split_row`).
 
 **Two slices.** A stacked LM (24 layers of width 2,048, 1.2B parameters, sequence 1,024, 32
 sequences a step, the blocks rematerialised) on
