@@ -32,9 +32,10 @@ import sys
 import sysconfig
 import time
 
-if __name__ == "__main__":  # fake CPU devices (8 unless --devices says), set before JAX starts
+if __name__ == "__main__":  # fake CPU devices (8 unless --devices says; 0: the real ones), set before JAX starts
     count = sys.argv[sys.argv.index("--devices") + 1] if "--devices" in sys.argv else "8"
-    os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={count}"
+    if count != "0":
+        os.environ.update(JAX_PLATFORMS="cpu", JAX_NUM_CPU_DEVICES=count)
 
 import flax.linen as nn  # noqa: E402
 import jax  # noqa: E402
@@ -234,7 +235,7 @@ def main(argv=None):
     parser.add_argument(
         "--offload", default=None, choices=["optimizer", "auto"], help="the optimizer's state in host memory"
     )
-    parser.add_argument("--devices", type=int, default=8, help="fake CPU devices (set before JAX starts)")
+    parser.add_argument("--devices", type=int, default=8, help="fake CPU devices (0: the real ones, a GPU or TPU)")
     parser.add_argument("--verbose", type=int, default=1, help="0, 1 or 2, as Keras's fit")
     parser.add_argument(
         "--plan-target", default=None, help='plan for absent devices ("tpu v5e:4x4", "h100 x8") and exit'

@@ -128,6 +128,18 @@ def test_the_language_model_example_trains_in_a_short_mode(strategy):
     assert expected[strategy] in result.stdout, result.stdout
 
 
+def test_the_language_model_example_runs_on_the_real_devices():
+    """``--devices 0``: the machine's own devices (here one CPU; on a TPU machine the chip), no
+    fake-device flag (it once passed ``--xla_force_host_platform_device_count=0``, and the CPU
+    backend could not start)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_NUM_CPU_DEVICES", "JAX_PLATFORMS")}
+    command = [sys.executable, str(ROOT / "examples" / "lm.py"), "--devices", "0", "--strategy", "single"]
+    command += ["--steps", "3", "--layers", "1", "--d-model", "32", "--length", "32", "--corpus-bytes", "50000"]
+    result = subprocess.run(command + ["--verbose", "0"], capture_output=True, text=True, env=env, timeout=300)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert re.search(r"held out\) on 1 cpu devices", result.stdout), result.stdout
+
+
 def test_finetune_digits_compares_the_three_ways_and_keeps_the_adapter_checkpoint_small(tmp_path):
     pytest.importorskip("safetensors")
     # one device: the example's loading into FSDP is tested in test_weights.py; here its figures

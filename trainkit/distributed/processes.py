@@ -28,7 +28,7 @@ import jax
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from trainkit.distributed import engines, environment, joining, ray_train
+from trainkit.distributed import engines, environment, joining, ray_train, tpu_slice
 
 T = TypeVar("T")
 
@@ -110,11 +110,45 @@ def job() -> engines.Job | None:
 def _tpu_pod_job() -> engines.Job | None:
     """A host of a multi-host TPU slice, as JAX's own TPU detection (GCE's metadata, GKE's
     ``TPU_WORKER_HOSTNAMES``) sees it; asked only on a TPU VM, once per process (the slice does
-    not change; every Trainer asks)."""
+    not change; every Trainer asks), and only where the environment says the slice has several
+    hosts or says nothing (:mod:`.tpu_slice`): a single-host machine never asks a metadata server.
+    Where the environment says nothing and the metadata server cannot be reached, this host trains
+    alone (one line says so); where it says several hosts, a :class:`~.engines.JobError` says
+    what to set."""
     from jax._src import cloud_tpu_init
 
     if not cloud_tpu_init.running_in_cloud_tpu_vm:
         return None
+    hosts = tpu_slice.hosts()
+    if hosts == 1:
+        return None
+    if hosts is None and not tpu_slice.metadata_reachable():
+        print(
+            "trainkit: a TPU machine without GCE's metadata server, and nothing in the environment says its "
+            "slice has several hosts (TPU_WORKER_HOSTNAMES, TPU_ACCELERATOR_TYPE): this host trains alone.",
+            file=sys.stderr,
+            flush=True,
+        )
+        return None
+    try:
+        found = _jax_tpu_job()
+    except Exception as error:  # noqa: BLE001 - requests' ConnectionError, a metadata key missing, ...
+        raise _unjoinable(hosts, f"{type(error).__name__}: {str(error)[:200]}") from error
+    if found is None and hosts is not None:
+        raise _unjoinable(hosts, "neither GCE's metadata nor GKE's variables describe the slice")
+    return found
+
+
+def _unjoinable(hosts: int | None, why: str) -> engines.JobError:
+    return engines.JobError(
+        f"The environment says this host is one of {hosts or 'several'} hosts of a TPU slice "
+        f"({tpu_slice.described()}), but JAX's TPU detection could not find the others ({why}). "
+        f"To train together, {tpu_slice.WHAT_TO_SET}."
+    )
+
+
+def _jax_tpu_job() -> engines.Job | None:
+    """The slice's job as JAX's cloud-TPU cluster detection reads it (``None``: one host)."""
     from jax._src import clusters
 
     for cluster in clusters.ClusterEnv._cluster_types:
