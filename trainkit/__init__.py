@@ -31,6 +31,7 @@ if TYPE_CHECKING:  # what __getattr__ imports on first use, for the type checker
     from trainkit.monitoring import debug, loggers
     from trainkit.objective import losses, metrics
     from trainkit.program import plan
+    from trainkit.program.out_of_memory import OutOfMemory
     from trainkit.strategies import FSDP, DataParallel, Hybrid, SingleDevice, Strategy
     from trainkit.trainer import Trainer
 
@@ -42,6 +43,7 @@ LAZY: dict[str, tuple[str, str | None]] = {
     "SpikeSkip": ("trainkit.core.spikes", "SpikeSkip"),
     "CheckpointError": ("trainkit.checkpoint", "CheckpointError"),
     "Preempted": ("trainkit.loop", "Preempted"),
+    "OutOfMemory": ("trainkit.program.out_of_memory", "OutOfMemory"),
     "PREEMPTED_EXIT_CODE": ("trainkit.loop", "PREEMPTED_EXIT_CODE"),
     "Position": ("trainkit.loop", "Position"),
     "StepRecord": ("trainkit.loop", "StepRecord"),
@@ -73,6 +75,7 @@ __all__ = [
     "SpikeSkip",
     "CheckpointError",
     "Preempted",
+    "OutOfMemory",
     "PREEMPTED_EXIT_CODE",
     "Position",
     "StepRecord",

@@ -311,13 +311,13 @@ class Trainer:
 
     def find_batch_size(
         self, x: Any, y: PyTree = None, *, max_batch_size: int = 2**16, memory_limit: int | str | None = None,
-        powers_of_two: bool = True, verbose: int = 1, target: str | None = None,
+        powers_of_two: bool = True, verbose: int = 1, target: str | None = None, headroom: float | None = None,
     ) -> BatchSizeSearch:  # fmt: skip
-        """The largest global batch whose compiled train step fits ``memory_limit`` (default: the device's), found
-        by compiling, never by an OOM; with remat or offload where the smallest does not fit (docs/tuning.md)."""
+        """The largest global batch whose compiled train step fits ``memory_limit`` (default: the device's) less
+        ``headroom``, found by compiling, never by an OOM; with remat or offload where needed (docs/tuning.md)."""
         return tuning.find_batch_size(
             self.setup, x, y, max_batch_size=max_batch_size, memory_limit=memory_limit, powers_of_two=powers_of_two,
-            verbose=verbose, target=target,
+            verbose=verbose, target=target, headroom=headroom,
         )  # fmt: skip
 
     def find_learning_rate(

@@ -150,3 +150,34 @@ def byte_count(value: Any, name: str = "memory_limit") -> int | None:
             f"2**30); received {value!r}."
         )
     return int(count)
+
+
+def fraction(value: Any, name: str) -> float:
+    """``value`` as a fraction in ``[0, 1)``, or a ``ValueError`` naming ``name`` and what it takes.
+
+    >>> fraction(0.05, "headroom")
+    0.05
+    >>> fraction(5, "headroom")  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    ValueError: headroom must be a fraction in [0, 1) (0.05 keeps 5% free); received 5.
+    """
+    if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)) or not 0 <= value < 1:
+        raise ValueError(f"{name} must be a fraction in [0, 1) (0.05 keeps 5% free); received {value!r}.")
+    return float(value)
+
+
+#: what XLA's errors say when a program does not fit the device's memory
+_OUT_OF_MEMORY = ("RESOURCE_EXHAUSTED", "Out of memory", "out of memory", "Ran out of memory")
+
+
+def out_of_memory(error: BaseException) -> bool:
+    """Whether ``error`` is a device's out-of-memory error (XLA's ``RESOURCE_EXHAUSTED``, raised by
+    a TPU's compiler or a GPU's allocator) that trainkit has not named yet.
+
+    >>> out_of_memory(RuntimeError("RESOURCE_EXHAUSTED: Ran out of memory in memory space hbm"))
+    True
+    """
+    named = type(error).__name__ == "OutOfMemory"  # trainkit's own, already named
+    message = str(error)
+    return not named and isinstance(error, (MemoryError, RuntimeError)) and any(s in message for s in _OUT_OF_MEMORY)

@@ -57,6 +57,10 @@ class CompiledSteps(Protocol):
 
     def function(self, kind: str) -> Callable[..., Any]: ...
 
+    def out_of_memory(self, kind: str, error: BaseException) -> BaseException:
+        """trainkit's named error for a device's out-of-memory ``error`` in a ``kind`` step."""
+        ...
+
     @property
     def measured_every(self) -> int | None:
         """Every how many steps the train step measures statistics (``None``: never): the loop

@@ -13,6 +13,7 @@ them and never compiles, places or saves anything, and it holds no run's state: 
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import itertools
 import weakref
@@ -22,6 +23,7 @@ from typing import Any, TypeVar
 import jax
 
 from trainkit import data as data_lib
+from trainkit.core import checks
 from trainkit.core import totals as metrics_lib
 from trainkit.core.totals import pack
 from trainkit.core.tree import PyTree
@@ -66,7 +68,20 @@ class Loop:
     ) -> dict[str, float]:
         """Trains from ``config.initial_epoch`` (or where a callback's ``resume_at`` says) to
         ``config.epochs`` and returns the last epoch's logs (see :class:`~trainkit.loop.fit_run.FitRun`)."""
-        return FitRun(self, dataset, batch_size, callbacks, config).run()
+        with self.out_of_memory_named("train"):
+            return FitRun(self, dataset, batch_size, callbacks, config).run()
+
+    @contextlib.contextmanager
+    def out_of_memory_named(self, kind: str) -> Iterator[None]:
+        """A device's out-of-memory error raised by a ``kind`` run re-raised as trainkit's named
+        :class:`~trainkit.program.out_of_memory.OutOfMemory` (the device's as its cause)."""
+        try:
+            yield
+        except (MemoryError, RuntimeError) as error:
+            named = self.steps.out_of_memory(kind, error) if checks.out_of_memory(error) else error
+            if named is error:
+                raise
+            raise named from error
 
     def reader(
         self, dataset: data_lib.Source, batches: Iterator[T], batch_size: int, read_ahead: bool = True
@@ -137,6 +152,12 @@ class Loop:
         self, dataset: Any, batch_size: int, steps: int | None, callbacks: Hooks, read_ahead: bool = True
     ) -> dict[str, float]:
         """The loss and metrics over ``dataset`` (exact: masked totals over every real row)."""
+        with self.out_of_memory_named("eval"):
+            return self._evaluate(dataset, batch_size, steps, callbacks, read_ahead)
+
+    def _evaluate(
+        self, dataset: Any, batch_size: int, steps: int | None, callbacks: Hooks, read_ahead: bool
+    ) -> dict[str, float]:
         callbacks.on_test_begin()
         order, totals, batch_end = self.steps.log_order, None, callbacks.on_test_batch_end
         for _, last, _, totals in self._inference("test", dataset, batch_size, steps, callbacks, read_ahead):
@@ -149,6 +170,10 @@ class Loop:
 
     def predict(self, dataset: Any, batch_size: int, steps: int | None, callbacks: Hooks) -> PyTree:
         """The model's outputs, one row per real input row (padding removed)."""
+        with self.out_of_memory_named("predict"):
+            return self._predict(dataset, batch_size, steps, callbacks)
+
+    def _predict(self, dataset: Any, batch_size: int, steps: int | None, callbacks: Hooks) -> PyTree:
         strategy = self.steps.require_strategy()
         callbacks.on_predict_begin()
         parts = []

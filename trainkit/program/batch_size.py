@@ -78,6 +78,7 @@ class BatchSizeSearch:
         plans: each compiled size's :class:`~trainkit.program.plan.MemoryPlan` (under the measure, if added).
         added: the memory measure the answer needs (``"remat"``, ...; :mod:`trainkit.program.ladder`): not even
             the smallest batch fit without it. ``None``: none.
+        headroom: the fraction of ``memory_limit`` kept free (``find_batch_size(headroom=...)``).
     """
 
     batch_size: int
@@ -88,12 +89,13 @@ class BatchSizeSearch:
     compile_seconds: dict[int, float]
     plans: dict[int, plan_lib.MemoryPlan] = dataclasses.field(repr=False)
     added: str | None = None
+    headroom: float = 1 - plan_lib.HEADROOM
 
     def __int__(self) -> int:
         return self.batch_size
 
     def __str__(self) -> str:
-        budget = plan_lib.HEADROOM * self.memory_limit
+        budget = (1 - self.headroom) * self.memory_limit
         tried = ", ".join(
             f"{size}: {plan_lib.gib(need)}{'' if need <= budget else ' (too big)'}"
             for size, need in sorted(self.needed.items())
@@ -101,7 +103,8 @@ class BatchSizeSearch:
         largest = " (the largest size allowed)" if self.batch_size == max(self.needed) else ""
         return (
             f"batch_size={self.batch_size}{largest} on {self.strategy}: {plan_lib.gib(self.needed[self.batch_size])} "
-            f"per device, within {plan_lib.HEADROOM:.0%} of {plan_lib.gib(self.memory_limit)} (compiled: {tried}); "
+            f"per device, within {1 - self.headroom:.0%} of {plan_lib.gib(self.memory_limit)} (a headroom of "
+            f"{self.headroom:.0%} kept free: find_batch_size(headroom=...); compiled: {tried}); "
             f"{len(self.plans)} compiles in {self.seconds:.2f} s"
             + (f" (added {self.added}: not even the smallest batch fit without it)" if self.added else "")
         )
@@ -113,6 +116,7 @@ def search(
     memory_limit: int | None,
     default_limit: int,
     rungs: Callable[[], list[ladder_lib.Rung]] | None = None,
+    headroom: float = 1 - plan_lib.HEADROOM,
 ) -> BatchSizeSearch:
     """Bisects ``sizes`` with ``plan_at(size, limit, candidates)`` (a plan of the train step at a
     global batch of ``size`` rows against ``limit`` bytes per device, under ``candidates``, or
@@ -122,7 +126,7 @@ def search(
     When not even the smallest size fits, each of ``rungs()`` (:mod:`trainkit.program.ladder`,
     cheapest first) is applied to the candidates that were only too big there, and the first
     under which the smallest size fits is bisected: the answer's strategy carries the measure,
-    and ``added`` names it."""
+    and ``added`` names it. ``headroom``: the fraction of the limit the plans keep free (said in the answer)."""
     limit = min(int(v) for v in distributed.gather_json(int(memory_limit or default_limit)))
     start, seconds = time.perf_counter(), {}
 
@@ -168,4 +172,5 @@ def search(
         if chosen is not None:
             needed[size] = chosen.total_bytes
     answer = min(distributed.gather_json(sizes[index]))  # the same everywhere, as it must be
-    return BatchSizeSearch(answer, best.name, limit, needed, time.perf_counter() - start, seconds, plans, added)
+    elapsed = time.perf_counter() - start
+    return BatchSizeSearch(answer, best.name, limit, needed, elapsed, seconds, plans, added, headroom)

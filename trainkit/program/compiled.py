@@ -38,6 +38,8 @@ class CompiledFunctions:
         self.statistics: StepStatistics | None = None  # what this fit's training steps measure
         self._functions: dict[tuple[str, StepStatistics | None], TreeFunction] = {}
         self._totals: dict[tuple[str, StepStatistics | None], EpochTotals] = {}
+        #: by kind (``"train"``, ``"eval"``, ``"predict"``): the named error for that run's inputs
+        self._namers: dict[str, Callable[[BaseException], BaseException]] = {}
 
     def use_statistics(self, statistics: StepStatistics | None) -> None:
         """The training steps measure ``statistics`` for this ``fit``'s callbacks (``GradientStats``)."""
@@ -89,6 +91,21 @@ class CompiledFunctions:
             state = abstract(self._state())
             self._functions[key] = self.program.compile(kind, self.decided.require_strategy(), state, self.statistics)
         return self._functions[key]
+
+    def has(self, kind: str) -> bool:
+        """Whether the ``kind`` step is compiled (or adopted) for this fit's statistics."""
+        return self._key(kind) in self._functions
+
+    def name_out_of_memory(self, kind: str, namer: Callable[[BaseException], BaseException]) -> None:
+        """``namer(device_error)`` names an out-of-memory error of this run's ``kind`` steps
+        (:mod:`trainkit.program.out_of_memory`; set when the run's inputs are prepared)."""
+        self._namers[kind] = namer
+
+    def out_of_memory(self, kind: str, error: BaseException) -> BaseException:
+        """trainkit's :class:`~trainkit.program.out_of_memory.OutOfMemory` for a device's
+        out-of-memory ``error`` in a ``kind`` step (``error`` itself where no run named it)."""
+        namer = self._namers.get(kind)
+        return error if namer is None else namer(error)
 
     def adopt(self, kind: str, function: TreeFunction) -> None:
         """``function``, compiled elsewhere (the plan ``"auto"`` chose from), as the ``kind`` step."""

@@ -33,6 +33,7 @@ from trainkit.core.tree import JSON, PyTree
 from trainkit.core.warn import warn_user
 from trainkit.data import FitConfig, Validation
 from trainkit.program import auto as auto_lib
+from trainkit.program import out_of_memory
 from trainkit.program.setup import Setup
 from trainkit.strategies import Strategy
 
@@ -114,6 +115,10 @@ def prepare(
         check_outputs(setup, prepared.first_x)
         if training:
             check_loss_rows(setup, prepared)
+    kind = "train" if training else "eval" if targets else "predict"
+    setup.compiled.name_out_of_memory(kind, lambda error: out_of_memory.named(setup, kind, prepared, cause=error))
+    if training and setup.decided.steps_per_execution == 1:
+        out_of_memory.check_train_step(setup, prepared)  # where the device's memory is known
     return prepared
 
 

@@ -463,7 +463,7 @@ class PlanSettings:
     ``memory_limit`` in bytes (``None``: the devices'); ``place_batch=False`` lowers on the
     batch's shapes alone (a target's compile-only devices); ``announce`` is told each row as it
     is lowered; ``target`` names the devices planned for; ``first_fit`` stops at the first
-    candidate that fits.
+    candidate that fits; ``usable``: the fraction of the limit a step may use (the rest is headroom).
 
     >>> PlanSettings(memory_limit=2**30).measure
     False
@@ -477,6 +477,7 @@ class PlanSettings:
     announce: Callable[[PlanRow], None] | None = None
     target: str | None = None
     first_fit: bool = False
+    usable: float = HEADROOM
 
 
 #: a candidate ``first_fit`` did not compile: the reason begins so
@@ -494,6 +495,7 @@ def make_plan(
     announce: Callable[[PlanRow], None] | None = None,
     first_fit: bool = False,
     refused: Mapping[int, str] | None = None,
+    usable: float = HEADROOM,
 ) -> MemoryPlan:
     """Compiles ``lower(strategy)`` (a ``jax.stages.Lowered`` and the jitted step it came from,
     kept as the row's ``function``) for each candidate and picks one; with ``first_fit``, one
@@ -512,11 +514,12 @@ def make_plan(
     is told of each candidate before it is lowered (a progress line), and of it again once compiled.
     ``refused`` (by ``id`` of the candidate): why one cannot run this model at all (a pipeline on a
     model without stacked blocks); its row says so, and nothing is lowered, skipped or timed for it.
+    A row fits when its step needs at most ``usable`` of the limit.
     """
     refused = refused or {}
     rows = [PlanRow(strategy, short_name(strategy), error=refused.get(id(strategy))) for strategy in candidates]
     limit = int(memory_limit) if memory_limit is not None else device_memory_limit(candidates[0].devices)
-    compare_from = None
+    budget, compare_from = int(usable * limit), None
     with concurrent.futures.ThreadPoolExecutor(max(1, min(len(rows), os.cpu_count() or 1))) as pool:
         side = None if alongside is None else pool.submit(alongside)
         waiting = [row for row in rows if row.error is None]
@@ -524,7 +527,7 @@ def make_plan(
             first = None
             while waiting and first is None:  # the simplest candidate that fits, compiled alone
                 row = waiting.pop(0)
-                _compile_rows(pool, [row], lower, limit, announce)
+                _compile_rows(pool, [row], lower, budget, announce)
                 first = row if row.fits else None
             if first is not None:
                 _wait(side)  # the state's initialisation compiled: measuring builds the state
@@ -533,12 +536,12 @@ def make_plan(
                 waiting = [row for row in waiting if row.skipped is None]
         if first_fit:
             while waiting and not any(row.fits for row in rows):
-                _compile_rows(pool, [waiting.pop(0)], lower, limit, announce)
+                _compile_rows(pool, [waiting.pop(0)], lower, budget, announce)
             fitted = next((row.name for row in rows if row.fits), "")
             for row in waiting:
                 row.skipped = f"{FIRST_FIT_SKIP} {fitted} fits)"
             waiting = []
-        _compile_rows(pool, waiting, lower, limit, announce)
+        _compile_rows(pool, waiting, lower, budget, announce)
         _wait(side)
     if measure is not None:
         for row in waiting:
@@ -565,7 +568,7 @@ def _compile_rows(
     pool: concurrent.futures.ThreadPoolExecutor,
     rows: Sequence[PlanRow],
     lower: Callable[[Strategy], tuple[jax.stages.Lowered, TreeFunction | None]],
-    limit: int,
+    budget: int,
     announce: Callable[[PlanRow], None] | None = None,
 ) -> None:
     """Lowers each row's candidate and compiles it in ``pool``: XLA compiles without the GIL, so
@@ -575,7 +578,7 @@ def _compile_rows(
     ``program_ops`` counted, nothing compiled yet), and again once compiled."""
     if announce is not None and len(rows) > 1:
         for row in rows:
-            _compile_rows(pool, [row], lower, limit, announce)
+            _compile_rows(pool, [row], lower, budget, announce)
         return
     compiling = {}
     for row in rows:
@@ -601,7 +604,7 @@ def _compile_rows(
                 if row.strategy.axis_name is not None and "Unexpected device_id" in str(error):
                     row.error, row.left_out = _PMAP_ACROSS_HOSTS.format(hosts=_hosts(row.strategy)), True
             row.compile_seconds = time.perf_counter() - started
-        row.fits = row.error is None and row.total_bytes <= HEADROOM * limit
+        row.fits = row.error is None and row.total_bytes <= budget
         if announce is not None:
             announce(row)
 
@@ -715,13 +718,13 @@ def plan_step(
     def floor(strategy: Strategy) -> int:
         return state_bytes_per_device(abstract_state, strategy.state_sharding(abstract_state))
 
-    initialiser = next((c for c in candidates if measure and floor(c) <= HEADROOM * limit), None)
+    initialiser = next((c for c in candidates if measure and floor(c) <= settings.usable * limit), None)
 
     def lower(strategy: Strategy) -> tuple[jax.stages.Lowered, TreeFunction]:
         pipeline = strategy.microbatches if trains else 1
         rows = np.shape(host_batch["mask"])[0]
         check_batch_size(rows, strategy.num_batch_shards, micro_batches=micro_batches, pipeline=pipeline)
-        abstract = _abstract_in(strategy, abstract_state, limit)
+        abstract = _abstract_in(strategy, abstract_state, limit, settings.usable)
         function: Any = compile_step(strategy, abstract)  # jitted, pmapped or a LeafStep: it lowers
         placed = jax.tree.map(
             lambda a: jax.ShapeDtypeStruct(np.shape(a), a.dtype, sharding=strategy.replicated()), totals
@@ -760,7 +763,7 @@ def plan_step(
     result = make_plan(
         candidates, lower, memory_limit=memory_limit, measure=run if measure else None, alongside=alongside,
         run_steps=settings.run_steps, announce=settings.announce, first_fit=settings.first_fit, refused=refused,
-    )  # fmt: skip
+        usable=settings.usable)  # fmt: skip
     state, under = host_state[0] if host_state else (None, None)
     return dataclasses.replace(result, initial_state=state, initialised_under=under, target=settings.target)
 
@@ -769,15 +772,15 @@ def plan_step(
 MEMORY_ERRORS = ("the state alone needs", "RESOURCE_EXHAUSTED")
 
 
-def _abstract_in(strategy: Strategy, abstract_state: PyTree, limit: int) -> PyTree:
+def _abstract_in(strategy: Strategy, abstract_state: PyTree, limit: int, usable: float = HEADROOM) -> PyTree:
     """The abstract state in ``strategy``'s shardings; refused (the row's reason) when the
     state alone cannot fit ``limit``, which is not worth a compile."""
     shardings = strategy.state_sharding(abstract_state)
     needed = state_bytes_per_device(abstract_state, shardings)
-    if needed > HEADROOM * limit:
+    if needed > usable * limit:
         raise ValueError(
             f"skipped without compiling: the state alone needs {gib(needed)} per device, above "
-            f"{HEADROOM:.0%} of the {gib(limit)} limit"
+            f"{usable:.0%} of the {gib(limit)} limit"
         )
     return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract_state, shardings)
 

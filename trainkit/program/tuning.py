@@ -155,12 +155,15 @@ def find_batch_size(
     powers_of_two: bool = True,
     verbose: int = 1,
     target: str | None = None,
+    headroom: float | None = None,
 ) -> batch_size_lib.BatchSizeSearch:
     """:meth:`trainkit.Trainer.find_batch_size`: the train step planned (compiled, never run)
     at the sizes a bisection picks, under the setup's strategy or ``"auto"``'s candidates (for a
     ``target``, its candidates on its compile-only devices, nothing placed, and sizes not capped
     by the sample's rows); printed on the main process with ``verbose``. When not even the
-    smallest size fits, the plan's memory measures are tried in turn, as ``plan`` does."""
+    smallest size fits, the plan's memory measures are tried in turn, as ``plan`` does. ``headroom``: the
+    fraction of the memory kept free (default ``1 - tk.plan.HEADROOM``), printed with the answer."""
+    usable = plan_lib.HEADROOM if headroom is None else 1 - checks.fraction(headroom, "headroom")
     resolved = None if target is None else targets_lib.parse(target)
     shapes = shapes_lib.is_shapes((x, y))
     prepared = data_lib.prepare(shapes_lib.stand_in(x), shapes_lib.stand_in(y))
@@ -192,13 +195,14 @@ def find_batch_size(
     def plan_at(size: int, limit: int, among: Sequence[Strategy] | None) -> plan_lib.MemoryPlan:
         batch = prepared.sample_batch(size, abstract=abstract)
         statistics = setup.compiled.statistics  # the last fit's, as its steps are compiled
-        settings = plan_lib.PlanSettings(memory_limit=limit, place_batch=not abstract, target=target)
+        settings = plan_lib.PlanSettings(memory_limit=limit, place_batch=not abstract, target=target, usable=usable)
         chosen = candidates if among is None else among
         return setup.program.plan(batch, chosen, trains=trains, statistics=statistics, settings=settings)
 
     rungs = (lambda: setup.ladder(prepared.first_x)) if trains else None  # the plan's ladder, when nothing fits
     with cache:
-        result = batch_size_lib.search(plan_at, sizes, checks.byte_count(memory_limit), default_limit, rungs)
+        limit = checks.byte_count(memory_limit)
+        result = batch_size_lib.search(plan_at, sizes, limit, default_limit, rungs, headroom=1 - usable)
     if verbose and distributed.is_main_process():
         print(f"find_batch_size{where}: {result}")
     return result
