@@ -412,3 +412,16 @@ def test_every_credential_spelling_is_masked(text, secret):
     shown = redacted(text)
     assert secret not in shown and "***" in shown, shown
     assert redacted("the token expired at the basic step") == "the token expired at the basic step"  # prose kept
+
+
+def test_flops_are_counted_from_the_module_where_a_backend_reports_none():
+    """A lowered step's own analysis (the CPU's here) and the CPU client's count of its HLO module
+    agree; the second is what MFU falls back on where a backend's analysis has no flops (a TPU run
+    of benchmarks/lm_mfu.py printed no MFU)."""
+    import jax
+    import jax.numpy as jnp
+
+    from trainkit.core import cost
+
+    lowered = jax.jit(lambda a, b: jnp.tanh(a @ b)).lower(jnp.ones((16, 32)), jnp.ones((32, 8)))
+    assert cost._hlo_cost(lowered)["flops"] == lowered.cost_analysis()["flops"] >= 2 * 16 * 32 * 8

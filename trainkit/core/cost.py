@@ -24,20 +24,27 @@ def cost_of(stage: Any) -> dict[str, float]:
 
 
 def _hlo_cost(stage: Any) -> dict[str, float]:
-    """XLA's HLO cost analysis of a compiled executable's optimised module, run by the CPU
-    client: the flops of a compile-only GPU step, whose executable has no analysis of its own
-    (JAX's private ``hlo_module_cost_analysis``; ``{}`` where it is missing or fails)."""
+    """XLA's HLO cost analysis of a compiled executable's optimised module (or a lowered stage's
+    module), run by the CPU client: the flops of a compile-only GPU step, whose executable has no
+    analysis of its own, and of a step whose backend reports no flops (JAX's private
+    ``hlo_module_cost_analysis``; ``{}`` where it is missing or fails)."""
     try:
         import jax
         from jax._src.lib import _jax
 
-        module = stage.runtime_executable().hlo_modules()[0]
+        if isinstance(stage, jax.stages.Lowered):
+            module = stage.compiler_ir("hlo").as_hlo_module()
+        else:
+            module = stage.runtime_executable().hlo_modules()[0]
         return dict(_jax.hlo_module_cost_analysis(jax.devices("cpu")[0].client, module))
     except Exception:  # noqa: BLE001 - a private API, a Lowered stage, no CPU backend: no figure
         return {}
 
 
 def flops(stage: Any) -> float | None:
-    """The floating-point operations ``stage`` reports (``None`` when it reports none)."""
+    """The floating-point operations ``stage`` reports, else the CPU client's count of its HLO (a
+    backend's analysis without flops; ``None`` when neither counts any)."""
     value = float(cost_of(stage).get("flops", 0.0))
+    if value <= 0:
+        value = float(_hlo_cost(stage).get("flops", 0.0))
     return value if value > 0 else None
