@@ -5,7 +5,7 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: example test test-engines lint bench clean
+.PHONY: example test test-tpu test-engines lint bench clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -25,6 +25,13 @@ example: $(VENV)/.installed
 
 test: $(VENV)/.installed
 	$(BIN)/python -m pytest -n 2 --dist loadfile --no-loadscope-reorder -q tests --ignore=tests/engines
+
+# The chip's own tests (tests/accelerator/, docs/tpu.md) in ONE process: a TPU admits one (no -n, and
+# no subprocess opens it). Without tests/conftest.py's fake CPU devices; each test skips without an
+# accelerator. On the TPU machine (no registry): `source .whl-tpu/install.sh && make test-tpu`.
+TPU_PYTHON ?= $(if $(wildcard $(BIN)/python),$(BIN)/python,python3)
+test-tpu:
+	$(TPU_PYTHON) -m pytest -q -s -p no:xdist --confcutdir=tests/accelerator tests/accelerator
 
 # SLURM, Open MPI and Ray, run for real (docs/clusters.md): root, `apt-get install slurm-wlm openmpi-bin`
 # and the ray extra; each engine skips with the reason where it is missing. .ci/run installs them.

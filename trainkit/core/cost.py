@@ -33,7 +33,10 @@ def _hlo_cost(stage: Any) -> dict[str, float]:
         from jax._src.lib import _jax
 
         if isinstance(stage, jax.stages.Lowered):
-            module = stage.compiler_ir("hlo").as_hlo_module()
+            computation = stage.compiler_ir("hlo")
+            if computation is None:
+                return {}
+            module = computation.as_hlo_module()
         else:
             module = stage.runtime_executable().hlo_modules()[0]
         return dict(_jax.hlo_module_cost_analysis(jax.devices("cpu")[0].client, module))

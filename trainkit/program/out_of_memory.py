@@ -32,9 +32,7 @@ from trainkit.program import plan as plan_lib
 from trainkit.program.setup import Setup
 from trainkit.strategies import Strategy
 
-#: the per-device memory (bytes, or text such as ``"16GiB"``) every step is checked against, on any
-#: device: a CPU rehearsal of a chip's memory; unset, an accelerator's own limit (a CPU: none)
-MEMORY_VARIABLE = "TRAINKIT_DEVICE_MEMORY"
+MEMORY_VARIABLE = plan_lib.MEMORY_VARIABLE
 
 
 class OutOfMemory(MemoryError):
@@ -72,7 +70,7 @@ def known_limit_from(env: Mapping[str, str], devices: Sequence[jax.Device] | Non
         return checks.byte_count(env[MEMORY_VARIABLE], MEMORY_VARIABLE)
     if devices is None or devices[0].platform == "cpu":
         return None
-    return plan_lib.device_memory_limit(devices)
+    return plan_lib.device_memory_limit(devices)  # the accelerator's own
 
 
 def check_train_step(setup: Setup, prepared: data_lib.Prepared) -> None:
@@ -106,7 +104,7 @@ def named(
     measure that fit, each found by compiling (never by running); ``cause``: the device's error,
     ``reason``: the plan's, when it says more than the bytes."""
     strategy = setup.decided.require_strategy()
-    limit = limit or known_limit_from(os.environ, strategy.devices) or plan_lib.device_memory_limit(strategy.devices)
+    limit = limit or plan_lib.device_memory_limit(strategy.devices)  # TRAINKIT_DEVICE_MEMORY, else the devices'
     size, trains = prepared.batch_size, kind == "train"
     needed = needed or (None if cause is None else bytes_in_message(str(cause)))
     unit = strategy.num_batch_shards * (setup.program.grad_accum_steps if trains else 1)

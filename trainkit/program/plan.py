@@ -30,6 +30,7 @@ from rich.console import Console
 from rich.table import Table
 
 from trainkit import distributed
+from trainkit.core import checks
 from trainkit.core import cost as cost_lib
 from trainkit.core.causal_balance import tiles_per_device
 from trainkit.core.context_attention import AttentionCall, attention_calls
@@ -106,9 +107,16 @@ def collective_traffic(hlo_text: str) -> tuple[int, dict[str, int]]:
     return total, counts
 
 
+#: the per-device memory (bytes, or text such as ``"16GiB"``) every plan, ``find_batch_size`` and
+#: ``fit``'s first step are checked against, on any device: a chip's memory rehearsed on a CPU
+MEMORY_VARIABLE = "TRAINKIT_DEVICE_MEMORY"
+
+
 def device_memory_limit(devices: Sequence[jax.Device]) -> int:
-    """Bytes one device may use: the accelerator's limit, or on CPU the host memory shared by
-    the host's devices."""
+    """Bytes one device may use: ``TRAINKIT_DEVICE_MEMORY`` where it is set, else the
+    accelerator's limit, or on CPU the host memory shared by the host's devices."""
+    if os.environ.get(MEMORY_VARIABLE):
+        return int(checks.byte_count(os.environ[MEMORY_VARIABLE], MEMORY_VARIABLE) or 0)
     stats = None
     try:
         stats = devices[0].memory_stats()

@@ -1,0 +1,172 @@
+"""The checks issue #68 asks of trainkit on one TPU chip, in ONE process (the chip admits one: no
+subprocess opens it here), each row printed as it is measured, then the table and one JSON line:
+
+- the dispatch-bound MLP (``benchmarks/steps_per_execution.py``'s 32-64-10, batch 32): k=1 against
+  a hand-written jit loop (target >= 0.95), k=32 against a hand-written ``lax.scan`` of 32 steps
+  (>= 0.90), paired ratios of alternating rounds;
+- a fresh 1,024-step fit end to end, compiles included (the persistent cache off): the default k's
+  seconds over the better of k=1 and k=32 (<= 1.15);
+- ``examples/lm.py``'s model (8 x 768, length 512, batch 32, AdamW) in bf16: trainkit over a
+  hand-written jit loop (>= 0.98), with its MFU;
+- the plan's step-time estimate over the real step, the 12 x 1,024 LM at batch 128 with remat of
+  its blocks (within 0.7-1.3);
+- ``offload="optimizer"``'s step over the step without it, the 12 x 1,024 LM at batch 32 (<= 1.25);
+- the named out-of-memory error of the 12 x 1,024 LM at batch 512, its text printed.
+
+    source .whl-tpu/install.sh && python3 benchmarks/tpu_suite.py      # on the chip
+    python benchmarks/tpu_suite.py --small                              # a smoke test on a CPU
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import sys
+import time
+
+import jax
+import numpy as np
+import optax
+
+HERE = pathlib.Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(HERE.parent / "examples"))
+import lm_mfu  # noqa: E402
+import steps_per_execution as spe  # noqa: E402
+from lm import ByteLM  # noqa: E402
+from timing import measure, measure_rounds, paired_ratio  # noqa: E402
+
+import trainkit as tk  # noqa: E402
+from trainkit.distributed import compile_cache  # noqa: E402
+from trainkit.monitoring import throughput  # noqa: E402
+
+Row = tuple[str, float, str, str]
+
+
+def sizes(small: bool) -> dict:
+    if small:
+        return {"dispatch": 256, "repeats": 2, "fresh": 256, "mfu": (2, 64, 64, 8), "big": (2, 128, 64), "oom": 64}
+    return {"dispatch": 2048, "repeats": 5, "fresh": 1024, "mfu": (8, 768, 512, 32), "big": (12, 1024, 512),
+            "oom": 512}  # fmt: skip
+
+
+def dispatch_rows(size: dict, k: int = 32) -> list[Row]:
+    x, y = spe.dataset(size["dispatch"])
+    contenders = {
+        "jit": spe.hand_written(x, y, 1),
+        "k=1": spe.trainkit_fit(x, y, 1),
+        "scan": spe.hand_written(x, y, k),
+        f"k={k}": spe.trainkit_fit(x, y, k),
+    }
+    rounds = measure_rounds(contenders, size["dispatch"], size["repeats"])
+    one, fused = paired_ratio(rounds, "k=1", "jit"), paired_ratio(rounds, f"k={k}", "scan")
+    rate = {name: float(np.median(r)) for name, r in rounds.items()}
+    return [
+        ("k=1 / jit loop", one, ">= 0.95", f"{rate['k=1']:.0f} vs {rate['jit']:.0f} steps/s"),
+        (f"k={k} / lax.scan", fused, ">= 0.90", f"{rate[f'k={k}']:.0f} vs {rate['scan']:.0f} steps/s"),
+    ]
+
+
+def fresh_fit_row(size: dict) -> Row:
+    """One fit of ``size["fresh"]`` steps end to end, fresh trainers, the compilation cache off."""
+    os.environ[compile_cache.ENVIRONMENT] = "off"
+    x, y = spe.dataset(size["fresh"])
+    spe.make_trainer(1).fit((x[:64], y[:64]), batch_size=spe.BATCH, epochs=1, verbose=0)  # the process's first costs
+    seconds, picked = {}, {}
+    for k in (1, 32, None):
+        trainer = spe.make_trainer(k)
+        start = time.perf_counter()
+        trainer.fit((x, y), batch_size=spe.BATCH, epochs=1, verbose=0)
+        seconds[k], picked[k] = time.perf_counter() - start, trainer.steps_per_execution
+    best = min(seconds[1], seconds[32])
+    notes = f"default {seconds[None]:.2f} s (k={picked[None]}), k=1 {seconds[1]:.2f} s, k=32 {seconds[32]:.2f} s"
+    return (f"default k, fresh {size['fresh']}-step fit / the better", seconds[None] / best, "<= 1.15", notes)
+
+
+def lm(layers: int, d_model: int, length: int) -> ByteLM:
+    return ByteLM(layers=layers, d_model=d_model, heads=max(1, d_model // 64), mlp=4 * d_model, max_len=length)
+
+
+def mfu_row(size: dict) -> Row:
+    layers, d_model, length, batch = size["mfu"]
+    model, steps = lm(layers, d_model, length), 10
+    x, y = lm_mfu.batches(steps, batch, length)
+    trainer, ours = lm_mfu.trainkit_run(model, x, y, batch, "bf16")
+    rates = measure({"hand": lm_mfu.hand_written_run(model, x, y, batch, "bf16"), "trainkit": ours}, steps, 3)
+    flops, peak = tk.debug.step_flops(trainer), throughput.peak_flops(jax.devices()[0].device_kind, "bf16")
+    mfu = "no peak known" if peak is None or flops is None else f"MFU {flops * rates['trainkit'] / peak:.1%}"
+    notes = f"{1e3 / rates['trainkit']:.1f} vs {1e3 / rates['hand']:.1f} ms/step, {mfu}"
+    return (f"LM {layers}x{d_model} bf16 / jit loop", rates["trainkit"] / rates["hand"], ">= 0.98", notes)
+
+
+def big_trainer(size: dict, **options) -> tk.Trainer:
+    layers, d_model, length = size["big"]
+    return tk.Trainer(lm(layers, d_model, length), loss="sparse_categorical_crossentropy", optimizer=optax.adamw(1e-4),
+                      strategy="single", precision="bf16", **options)  # fmt: skip
+
+
+def step_seconds(trainer: tk.Trainer, batch: int, length: int, steps: int = 5) -> float:
+    """The median step of ``steps`` after a warm-up fit (the compile)."""
+    x, y = lm_mfu.batches(steps, batch, length)
+    trainer.fit((x[:batch], y[:batch]), batch_size=batch, epochs=1, verbose=0)
+    start = time.perf_counter()
+    trainer.fit((x, y), batch_size=batch, epochs=1, verbose=0, shuffle=False)
+    jax.block_until_ready(trainer.state)
+    return (time.perf_counter() - start) / steps
+
+
+def plan_row(size: dict, batch: int = 128) -> Row:
+    length = size["big"][2]
+    x, y = lm_mfu.batches(1, batch, length)
+    trainer = big_trainer(size, remat=["Block"])
+    estimated = trainer.plan((x, y), candidates=[tk.SingleDevice()], verbose=0).rows[0].estimated_seconds
+    real = step_seconds(trainer, batch, length)
+    notes = f"{estimated * 1e3:.1f} vs {real * 1e3:.1f} ms"
+    return ("plan's estimate / real step", estimated / real, "0.7 - 1.3", notes)
+
+
+def offload_row(size: dict, batch: int = 32) -> Row:
+    length = size["big"][2]
+    plain = step_seconds(big_trainer(size), batch, length)
+    offloaded = step_seconds(big_trainer(size, offload="optimizer"), batch, length)
+    notes = f"{offloaded * 1e3:.1f} vs {plain * 1e3:.1f} ms"
+    return ("offload='optimizer' / none", offloaded / plain, "<= 1.25", notes)
+
+
+def out_of_memory_row(size: dict) -> Row:
+    batch, length = size["oom"], size["big"][2]
+    x, y = lm_mfu.batches(1, batch, length)
+    if jax.devices()[0].platform == "cpu":  # a smoke test: the chip's memory rehearsed
+        os.environ["TRAINKIT_DEVICE_MEMORY"] = "16MiB"
+    try:
+        big_trainer(size).fit((x, y), batch_size=batch, epochs=1, verbose=0)
+    except tk.OutOfMemory as error:
+        print(f"the named error:\n{error}")
+        return (f"out of memory at batch {batch}: fits at", float(error.fits_at or 0), "named", str(error.measure))
+    finally:
+        os.environ.pop("TRAINKIT_DEVICE_MEMORY", None)
+    return (f"out of memory at batch {batch}", 0.0, "named", "it fitted: no error to name")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--small", action="store_true", help="tiny sizes: a smoke test on CPU")
+    args = parser.parse_args()
+    size, start, device = sizes(args.small), time.perf_counter(), jax.devices()[0]
+    print(f"jax {jax.__version__}, {device.platform} {device.device_kind}, {'small' if args.small else 'full'} sizes")
+    rows: list[Row] = []
+    singles = (fresh_fit_row, mfu_row, plan_row, offload_row, out_of_memory_row)
+    for measure_rows in (dispatch_rows, *(lambda s, one=one: [one(s)] for one in singles)):
+        for row in measure_rows(size):
+            rows.append(row)
+            print(f"| {row[0]} | {row[1]:.4g} | {row[2]} | {row[3]} |", flush=True)
+    print(f"\n{time.perf_counter() - start:.0f} s\n| check | ratio / value | target | notes |\n|---|---|---|---|")
+    for name, value, target, notes in rows:
+        print(f"| {name} | {value:.4g} | {target} | {notes} |")
+    print(json.dumps({name: value for name, value, _, _ in rows}))
+
+
+if __name__ == "__main__":
+    main()
