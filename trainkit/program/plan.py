@@ -131,13 +131,15 @@ def device_memory_limit(devices: Sequence[jax.Device]) -> int:
 def estimate_seconds(
     flops: float, bytes_accessed: float, collective_bytes: float, devices: Sequence[jax.Device]
 ) -> float:
-    """A roofline estimate of one step: compute or memory time, plus collective time. Fake CPU
-    devices share the host's cores, so their work adds up once they outnumber the cores."""
+    """A roofline estimate of one step: compute or memory time (on a known chip, over the share
+    of its roofline a real step was measured to reach: ``Chip.reached``), plus collective time.
+    Fake CPU devices share the host's cores, so their work adds up once they outnumber the cores."""
     platform, chip = devices[0].platform, targets_lib.chip_of(devices[0])
     flop_rate, memory_rate, link_rate = _THROUGHPUT.get(platform, _THROUGHPUT["gpu"])
+    reached = 1.0
     if chip is not None:  # a known accelerator (or a target's compile-only one): its public figures
-        flop_rate, memory_rate, link_rate = chip.flops, chip.bandwidth, chip.link
-    seconds = max(flops / flop_rate, bytes_accessed / memory_rate) + collective_bytes / link_rate
+        flop_rate, memory_rate, link_rate, reached = chip.flops, chip.bandwidth, chip.link, chip.reached
+    seconds = max(flops / flop_rate, bytes_accessed / memory_rate) / reached + collective_bytes / link_rate
     if platform == "cpu":  # all devices' work shares the host's cores
         seconds *= len(devices) / (os.cpu_count() or 1)
     return seconds

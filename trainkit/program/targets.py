@@ -39,6 +39,10 @@ class Chip:
         bandwidth: memory bytes/s.
         link: interconnect bytes/s per chip (TPU ICI, NVLink), one direction.
         kinds: ``device_kind`` strings of its (compile-only) devices.
+        reached: the share of the compute-or-memory roofline a real train step was measured to reach
+            on the chip (1.0: not measured). TPU v5e: 0.58, a 12 x 1,024 LM (151M parameters, length
+            512, bf16, batch 128, remat of its blocks) whose plan estimated 412.7 ms/step at the peak
+            figures and ran at 710.9 ms (issue #68's run on one chip).
     """
 
     name: str
@@ -48,12 +52,13 @@ class Chip:
     bandwidth: float
     link: float
     kinds: tuple[str, ...]
+    reached: float = 1.0
 
 
 #: Public figures (Google Cloud's TPU pages, NVIDIA's H100 SXM datasheet), approximate.
 CHIPS = {
     "v4": Chip("TPU v4", 32 * GIB, 1.0, 275e12, 1.2e12, 300e9, ("TPU v4",)),
-    "v5e": Chip("TPU v5e", 16 * GIB, 1.0, 197e12, 819e9, 200e9, ("TPU v5 lite", "TPU v5e")),
+    "v5e": Chip("TPU v5e", 16 * GIB, 1.0, 197e12, 819e9, 200e9, ("TPU v5 lite", "TPU v5e"), reached=412.7 / 710.9),
     "v5p": Chip("TPU v5p", 95 * GIB, 1.0, 459e12, 2.765e12, 600e9, ("TPU v5", "TPU v5p")),
     "v6e": Chip("TPU v6e", 32 * GIB, 1.0, 918e12, 1.64e12, 448e9, ("TPU v6 lite", "TPU v6e")),
     "h100": Chip("NVIDIA H100 SXM", 80 * 10**9, 0.75, 989e12, 3.35e12, 450e9, ("NVIDIA H100 80GB HBM3",)),
