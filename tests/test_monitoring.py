@@ -6,6 +6,7 @@ import glob
 import gzip
 import json
 import os
+import re
 import time
 
 import flax.linen as nn
@@ -425,3 +426,24 @@ def test_flops_are_counted_from_the_module_where_a_backend_reports_none():
 
     lowered = jax.jit(lambda a, b: jnp.tanh(a @ b)).lower(jnp.ones((16, 32)), jnp.ones((32, 8)))
     assert cost._hlo_cost(lowered)["flops"] == lowered.cost_analysis()["flops"] >= 2 * 16 * 32 * 8
+
+
+def test_the_progress_bar_and_the_goodput_summary_show_mfu_where_the_peak_is_known(monkeypatch):
+    """A TPU's kind is in the peak table ("TPU v5 lite"); a CPU's is not, so the CPU is given a
+    peak here: the live rate and the summary then show MFU, and without one neither does."""
+    import io
+
+    from rich.console import Console
+
+    def shown(peaks):
+        monkeypatch.setattr(throughput, "PEAK_FLOPS", peaks)
+        out = io.StringIO()
+        bar = tk.callbacks.ProgressBar(verbose=1, console=Console(file=out, force_terminal=True, width=200))
+        trainer().fit(X, Y, batch_size=16, epochs=2, verbose=0, callbacks=[bar])
+        return out.getvalue()
+
+    with_peak = shown({"cpu": (1e9, 1e9)})
+    mfu = [float(m) for m in re.findall(r"MFU (\d+\.\d)% at the median step", with_peak)]
+    assert len(mfu) == 1 and mfu[0] > 0, with_peak
+    assert re.search(r"steps/s, [\d,]+ examples/s, MFU \d+\.\d%", with_peak), with_peak
+    assert "MFU" not in shown({})

@@ -24,6 +24,7 @@ from rich.table import Column
 from rich.text import Text
 
 from trainkit.callbacks.base import Callback, Logs, RunParams
+from trainkit.monitoring import utilisation
 from trainkit.monitoring.goodput import report as goodput_report
 
 #: Seconds between two redraws of the live bar (rich's ``Live`` refreshes at about the same rate).
@@ -72,6 +73,8 @@ class _Rate(TextColumn):
         shown = batch if self.examples or task.finished else None
         text = f"{speed:.1f} steps/s" + (f", {speed * shown:,.0f} examples/s" if shown else "") if speed else ""
         text += f" ({k} steps per call)" if text and k and k > 1 and shown else ""
+        per_step = task.fields.get("mfu_per_step")  # the MFU of one step per second (a known peak)
+        text += f", MFU {speed * per_step:.1%}" if text and per_step else ""
         return Text(text, style="progress.data.speed")
 
 
@@ -133,6 +136,8 @@ class ProgressBar(Callback):
         self._seen, self._next_draw = 0, 0.0  # batches done this epoch; when the bar redraws next
         self._started = 0.0  # the epoch's start
         self._after_first: tuple[int, float] | None = None  # (batches, time) after its first
+        self._mfu_per_step: float | None = None  # a step's flops over the devices' peak (None: unknown)
+        self._mfu_asked = False  # this fit's step lowered for its flops (once its batch is known)
 
     def set_params(self, params: RunParams | None) -> None:
         super().set_params(params)
@@ -144,6 +149,7 @@ class ProgressBar(Callback):
     def on_train_begin(self, logs: Logs | None = None) -> None:
         if self.verbose:
             self.console = self.console or Console()
+            self._mfu_per_step, self._mfu_asked = None, False
 
     def _describe(self, epoch: int) -> str:
         return f"Epoch {epoch + 1}/{self._epochs}" if self._epochs else f"Epoch {epoch + 1}"
@@ -160,7 +166,9 @@ class ProgressBar(Callback):
         self._progress = Progress(*bar_columns(console.width), console=console, refresh_per_second=8)
         total = self._steps
         batch = self.session.batch_size if self.trainer is not None else None
-        self._task = self._progress.add_task(self._describe(epoch), total=total, metrics="", batch=batch)
+        self._task = self._progress.add_task(
+            self._describe(epoch), total=total, metrics="", batch=batch, mfu_per_step=self._mfu_per_step
+        )
         self._seen, self._next_draw = 0, 0.0  # the first batch draws at once
         self._progress.start()
 
@@ -180,7 +188,16 @@ class ProgressBar(Callback):
             return
         self._next_draw = now + REFRESH_SECONDS
         k = self.model.steps_per_execution if self.trainer is not None else None  # "auto" picks it
-        self._progress.update(self._task, completed=self._seen, metrics=format_logs(logs), k=k)
+        mfu = self._mfu()
+        self._progress.update(self._task, completed=self._seen, metrics=format_logs(logs), k=k, mfu_per_step=mfu)
+
+    def _mfu(self) -> float | None:
+        """The MFU of one step per second, where the device's peak is known: the step lowered
+        once per fit, after its first batch (whose shapes it needs)."""
+        if not self._mfu_asked and self.trainer is not None and self.session.batch_spec is not None:
+            self._mfu_asked = True
+            self._mfu_per_step = utilisation.per_step(self.model, self.model.precision.compute_dtype)
+        return self._mfu_per_step
 
     def on_epoch_end(self, epoch: int, logs: Logs | None = None) -> None:
         if self._progress is not None:
@@ -213,7 +230,8 @@ class ProgressBar(Callback):
             self._progress = None
         goodput = self.session.ledger.last if self.trainer is not None else None
         if self.verbose and goodput is not None:
-            (self.console or Console()).print(goodput_report(goodput), highlight=False, soft_wrap=True)
+            mfu = utilisation.at_median(goodput.step_median, self._mfu())
+            (self.console or Console()).print(goodput_report(goodput) + mfu, highlight=False, soft_wrap=True)
 
     def on_exception(self, exception: BaseException) -> None:
         if self._progress is not None:
