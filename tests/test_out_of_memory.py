@@ -87,7 +87,7 @@ def test_a_step_that_fits_is_compiled_once_and_run(rows, monkeypatch):
 def test_the_memory_setting_is_checked(monkeypatch):
     monkeypatch.setenv(out_of_memory.MEMORY_VARIABLE, "lots")
     with pytest.raises(ValueError, match="TRAINKIT_DEVICE_MEMORY must be a positive number of bytes"):
-        out_of_memory.known_limit_from({"TRAINKIT_DEVICE_MEMORY": "lots"}, None)
+        out_of_memory.known_limit(jax.devices())
 
 
 class RefusedByTheChip(tk.SingleDevice):

@@ -21,6 +21,7 @@ if TYPE_CHECKING:  # what __getattr__ imports on first use, for the type checker
     from trainkit import callbacks, data, export, strategies, weights
     from trainkit.checkpoint import CheckpointError
     from trainkit.core import optimizers
+    from trainkit.core.checks import OutOfMemory
     from trainkit.core.context_attention import attention
     from trainkit.core.lora import LoRA
     from trainkit.core.precision import Precision
@@ -31,7 +32,6 @@ if TYPE_CHECKING:  # what __getattr__ imports on first use, for the type checker
     from trainkit.monitoring import debug, loggers
     from trainkit.objective import losses, metrics
     from trainkit.program import plan
-    from trainkit.program.out_of_memory import OutOfMemory
     from trainkit.strategies import FSDP, DataParallel, Hybrid, SingleDevice, Strategy
     from trainkit.trainer import Trainer
 
@@ -43,7 +43,7 @@ LAZY: dict[str, tuple[str, str | None]] = {
     "SpikeSkip": ("trainkit.core.spikes", "SpikeSkip"),
     "CheckpointError": ("trainkit.checkpoint", "CheckpointError"),
     "Preempted": ("trainkit.loop", "Preempted"),
-    "OutOfMemory": ("trainkit.program.out_of_memory", "OutOfMemory"),
+    "OutOfMemory": ("trainkit.core.checks", "OutOfMemory"),
     "PREEMPTED_EXIT_CODE": ("trainkit.loop", "PREEMPTED_EXIT_CODE"),
     "Position": ("trainkit.loop", "Position"),
     "StepRecord": ("trainkit.loop", "StepRecord"),

@@ -5,8 +5,6 @@ offload with the same numbers; a run stopped mid-epoch and resumed bit-exact; an
 then fits at the named batch. Every trainer here lives on ``chip`` (the first device) unless
 placed on ``host_cpu`` for the reference."""
 
-import os
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -122,7 +120,7 @@ def test_an_export_reads_back_with_predict_s_outputs(rows, chip, tmp_path):
 
 
 def chip_memory(chip) -> int:
-    return out_of_memory.known_limit_from(os.environ, [chip]) or 0
+    return out_of_memory.known_limit([chip]) or 0
 
 
 @pytest.fixture

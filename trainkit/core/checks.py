@@ -178,6 +178,35 @@ def out_of_memory(error: BaseException) -> bool:
     >>> out_of_memory(RuntimeError("RESOURCE_EXHAUSTED: Ran out of memory in memory space hbm"))
     True
     """
-    named = type(error).__name__ == "OutOfMemory"  # trainkit's own, already named
     message = str(error)
+    named = isinstance(error, OutOfMemory)  # trainkit's own, already named
     return not named and isinstance(error, (MemoryError, RuntimeError)) and any(s in message for s in _OUT_OF_MEMORY)
+
+
+class OutOfMemory(MemoryError):
+    """A step that does not fit the device's memory, with what fits (raised by
+    :mod:`trainkit.program.out_of_memory`, which finds what fits; ``tk.OutOfMemory``).
+
+    Attributes:
+        kind: the step: ``"train"``, ``"eval"`` or ``"predict"``.
+        batch_size: the global batch it was given.
+        needed: its per-device bytes (``None``: the device's error did not say).
+        available: the device's bytes.
+        fits_at: the largest batch that fits (``None``: not even the smallest).
+        measure: the memory measure under which this batch fits (``None``: none of them).
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        kind: str,
+        batch_size: int,
+        needed: int | None,
+        available: int,
+        fits_at: int | None,
+        measure: str | None,
+    ):
+        super().__init__(message)
+        self.kind, self.batch_size, self.needed, self.available = kind, batch_size, needed, available
+        self.fits_at, self.measure = fits_at, measure

@@ -12,20 +12,19 @@ it runs, as a plan of the trainer's own strategy, and its executable is the one 
 error (XLA's ``RESOURCE_EXHAUSTED``: a TPU's compiler refuses a program above its memory) is
 turned into :class:`OutOfMemory` by the loop, with the device's error as ``__cause__``.
 
->>> known_limit_from({"TRAINKIT_DEVICE_MEMORY": "16GiB"}, None), known_limit_from({}, None)
-(17179869184, None)
+>>> known_limit(jax.devices("cpu"))  # a CPU's memory is the host's: no check (unless TRAINKIT_DEVICE_MEMORY)
 """
 
 from __future__ import annotations
 
 import os
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 
 import jax
 
 from trainkit import data as data_lib
-from trainkit.core import checks
+from trainkit.core.checks import OutOfMemory
 from trainkit.program import batch_size as batch_size_lib
 from trainkit.program import ladder as ladder_lib
 from trainkit.program import plan as plan_lib
@@ -35,42 +34,13 @@ from trainkit.strategies import Strategy
 MEMORY_VARIABLE = plan_lib.MEMORY_VARIABLE
 
 
-class OutOfMemory(MemoryError):
-    """A step that does not fit the device's memory, with what fits.
-
-    Attributes:
-        kind: the step: ``"train"``, ``"eval"`` or ``"predict"``.
-        batch_size: the global batch it was given.
-        needed: its per-device bytes (``None``: the device's error did not say).
-        available: the device's bytes.
-        fits_at: the largest batch that fits (``None``: not even the smallest).
-        measure: the memory measure under which this batch fits (``None``: none of them).
-    """
-
-    def __init__(
-        self,
-        message: str,
-        *,
-        kind: str,
-        batch_size: int,
-        needed: int | None,
-        available: int,
-        fits_at: int | None,
-        measure: str | None,
-    ):
-        super().__init__(message)
-        self.kind, self.batch_size, self.needed, self.available = kind, batch_size, needed, available
-        self.fits_at, self.measure = fits_at, measure
-
-
-def known_limit_from(env: Mapping[str, str], devices: Sequence[jax.Device] | None) -> int | None:
-    """The per-device bytes a step is checked against: ``TRAINKIT_DEVICE_MEMORY``, else what the
-    accelerator reports; ``None`` where neither says (a CPU: its memory is the host's)."""
-    if env.get(MEMORY_VARIABLE):
-        return checks.byte_count(env[MEMORY_VARIABLE], MEMORY_VARIABLE)
-    if devices is None or devices[0].platform == "cpu":
+def known_limit(devices: Sequence[jax.Device]) -> int | None:
+    """The per-device bytes a step is checked against (:func:`~trainkit.program.plan.device_memory_limit`:
+    ``TRAINKIT_DEVICE_MEMORY``, else what the accelerator reports); ``None`` on a CPU without the
+    setting (its memory is the host's, shared)."""
+    if not os.environ.get(MEMORY_VARIABLE) and devices[0].platform == "cpu":
         return None
-    return plan_lib.device_memory_limit(devices)  # the accelerator's own
+    return plan_lib.device_memory_limit(devices)
 
 
 def check_train_step(setup: Setup, prepared: data_lib.Prepared) -> None:
@@ -79,7 +49,7 @@ def check_train_step(setup: Setup, prepared: data_lib.Prepared) -> None:
     :class:`OutOfMemory` when it does not. Nothing to do under ``"auto"`` (its plan chose a strategy
     that fits) or once the step is compiled."""
     strategy = setup.decided.require_strategy()
-    limit = known_limit_from(os.environ, strategy.devices)
+    limit = known_limit(strategy.devices)
     if limit is None or setup.auto is not None or setup.compiled.has("train"):
         return
     plan = _plan_at(setup, prepared, prepared.batch_size, limit, [strategy], trains=True)
