@@ -9,7 +9,7 @@ trainkit runs with its defaults (the same work as the hand-written loop); two mo
 ``log_grad_norm=True`` (one more pass over the gradients) and the cost of one batch-level
 callback that is not ``async_safe`` (the loop then waits for every batch before dispatching the
 next, so that ``on_train_batch_end(i)`` sees the state after batch ``i``, as in Keras), and one
-the same work as a ``train_step`` of one's own (``self.mean``, ``self.apply_gradients``), whose
+the same work as a ``train_step`` of one's own (``state.mean``, ``state.apply_gradients``), whose
 steps/s against the built-in step's is printed as a paired ratio.
 
 The dispatch-bound rows (an MLP 32-64-10, batch 32, one device, where the host loop is the
@@ -148,11 +148,11 @@ class OwnStep(tk.Trainer):
 
     def train_step(self, state, batch, rng):
         def loss_fn(params):
-            logits, _ = self.apply(params, state.model_state, batch["x"], rng=rng, train=True)
-            return self.mean(optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]), batch)
+            logits, _ = state.apply(params, state.model_state, batch["x"], rng=rng, train=True)
+            return state.mean(optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]), batch)
 
         loss, grads = jax.value_and_grad(loss_fn)(state.params)
-        return self.apply_gradients(state, grads), {"loss": loss}
+        return state.apply_gradients(grads), {"loss": loss}
 
 
 def trainkit_fit(model, x, y, batch_size, strategy, log_grad_norm=False, callbacks=(), trainer_class=tk.Trainer):

@@ -6,9 +6,9 @@ update and the generator's, each with its own optimizer, under any strategy.
 The model is one Flax module with two parts (``generator`` and ``discriminator``, reached with
 ``self.apply(..., method="generate")``); ``optimizer={"generator": ..., "discriminator": ...}``
 gives each part its own Adam (keys are regexes matched against parameter paths). ``train_step``
-is Keras's "Customizing what happens in fit()" GAN in trainkit's shape: ``self.normal`` draws the
-noise per row (the same on any device count), ``self.mean`` reduces over the global batch's real
-rows, ``self.apply_gradients(state, grads, "discriminator")`` updates one group. ``fit``,
+is Keras's "Customizing what happens in fit()" GAN in trainkit's shape: ``state.normal`` draws the
+noise per row (the same on any device count), ``state.mean`` reduces over the global batch's real
+rows, ``state.apply_gradients(grads, "discriminator")`` updates one group. ``fit``,
 callbacks, ``steps_per_execution`` and ``BackupAndRestore`` (``--backup``) work as for the
 built-in step. The script prints how far the generated digits' mean image is from the real
 one before and after training, and exits non-zero when a loss is not finite or the gap did not
@@ -71,24 +71,24 @@ def bce(logits, label: float):
 
 class GANTrainer(tk.Trainer):
     def train_step(self, state, batch, rng):
-        z = self.normal(rng, batch, (LATENT,))  # one draw per row, whatever the device count
+        z = state.normal(rng, batch, (LATENT,))  # one draw per row, whatever the device count
 
         def run(params, x, method):
-            return self.apply(params, state.model_state, x, rng=rng, train=True, method=method)[0]
+            return state.apply(params, state.model_state, x, rng=rng, train=True, method=method)[0]
 
         def d_loss_fn(params):
             fake = jax.lax.stop_gradient(run(params, z, "generate"))
             real_loss = bce(run(params, batch["x"], "discriminate"), 1.0)
-            return self.mean(real_loss + bce(run(params, fake, "discriminate"), 0.0), batch)
+            return state.mean(real_loss + bce(run(params, fake, "discriminate"), 0.0), batch)
 
         d_loss, grads = jax.value_and_grad(d_loss_fn)(state.params)
-        state = self.apply_gradients(state, grads, "discriminator")  # the generator sees the updated discriminator
+        state = state.apply_gradients(grads, "discriminator")  # the generator sees the updated discriminator
 
         def g_loss_fn(params):
-            return self.mean(bce(run(params, run(params, z, "generate"), "discriminate"), 1.0), batch)
+            return state.mean(bce(run(params, run(params, z, "generate"), "discriminate"), 1.0), batch)
 
         g_loss, grads = jax.value_and_grad(g_loss_fn)(state.params)
-        state = self.apply_gradients(state, grads, "generator")
+        state = state.apply_gradients(grads, "generator")
         return state, {"d_loss": d_loss, "g_loss": g_loss}
 
 

@@ -6,7 +6,7 @@
 dict of its parts per row: ``reconstruction_loss`` (keras-io's VAE: the pixels' binary
 cross-entropy, summed) and ``kl_loss`` are reduced as the loss is and logged in History
 (``val_kl_loss`` in validation) on any strategy. The module has two parts, reached with
-``self.apply(..., method="encode")`` and ``method="decode"``; ``self.normal`` draws the noise
+``self.apply(..., method="encode")`` and ``method="decode"``; ``batch.normal`` draws the noise
 per row, so the numbers are the same on one device and on eight. The script exits
 non-zero unless the held-out reconstruction beats the mean image's by ``--min-gain``.
 """
@@ -48,7 +48,7 @@ class VAE(nn.Module):
 class VAETrainer(tk.Trainer):
     def compute_loss(self, params, batch, rng, *, model_state, train):
         (mean, log_var), _ = self.apply(params, model_state, batch["x"], rng=rng, train=train, method="encode")
-        z = mean + jnp.exp(0.5 * log_var) * self.normal(rng, batch, mean.shape[1:]) if train else mean
+        z = mean + jnp.exp(0.5 * log_var) * batch.normal(rng, mean.shape[1:]) if train else mean
         logits, model_state = self.apply(params, model_state, z, rng=rng, train=train, method="decode")
         reconstruction_loss = optax.sigmoid_binary_cross_entropy(logits, batch["x"]).sum(axis=-1)
         kl_loss = -0.5 * (1 + log_var - mean**2 - jnp.exp(log_var)).sum(axis=-1)

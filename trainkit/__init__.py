@@ -27,6 +27,7 @@ if TYPE_CHECKING:  # what __getattr__ imports on first use, for the type checker
     from trainkit.core.precision import Precision
     from trainkit.core.spikes import SpikeSkip
     from trainkit.core.state import TrainState
+    from trainkit.core.step_state import StepState
     from trainkit.data import sources
     from trainkit.loop import PREEMPTED_EXIT_CODE, Position, Preempted, StepRecord
     from trainkit.monitoring import debug, loggers
@@ -48,6 +49,7 @@ LAZY: dict[str, tuple[str, str | None]] = {
     "Position": ("trainkit.loop", "Position"),
     "StepRecord": ("trainkit.loop", "StepRecord"),
     "TrainState": ("trainkit.core.state", "TrainState"),
+    "StepState": ("trainkit.core.step_state", "StepState"),
     "Strategy": ("trainkit.strategies", "Strategy"),
     "SingleDevice": ("trainkit.strategies", "SingleDevice"),
     "DataParallel": ("trainkit.strategies", "DataParallel"),
@@ -80,6 +82,7 @@ __all__ = [
     "Position",
     "StepRecord",
     "TrainState",
+    "StepState",
     "Strategy",
     "SingleDevice",
     "DataParallel",

@@ -137,17 +137,14 @@ class Trainer:
         return self.objective.loss(predictions, batch["y"]), (predictions, model_state)
 
     def train_step(self, state: TrainState, batch: Batch, rng: jax.Array) -> tuple[TrainState, dict[str, jax.Array]]:
-        """Override for a step of your own (a GAN's alternating updates): pure, ``(state, batch, rng) -> (state,
-        logs)`` with :meth:`mean`, :meth:`apply_gradients`, :meth:`normal`, :meth:`all_rows`; run by every strategy,
-        fused and resumed as the built-in step, which runs when this is not overridden (docs/custom_training.md)."""
+        """Override for a step of your own (a GAN's): pure, ``(state, batch, rng) -> (state, logs)`` with the helpers
+        on the state (``state.apply``, ``state.apply_gradients(grads, group)``, ``state.mean``, ``state.normal``,
+        ``state.all_rows``); run by every strategy, fused and resumed as the built-in step (docs/custom_training.md)."""
         raise custom_step.not_callable("train_step")
 
     def test_step(self, state: TrainState, batch: Batch, rng: jax.Array) -> dict[str, jax.Array]:
         """Override for an evaluation of your own: pure, ``(state, batch, rng) -> logs`` (default: the loss)."""
         raise custom_step.not_callable("test_step")
-
-    mean, normal = staticmethod(custom_step.mean), staticmethod(custom_step.normal)  # a custom step's helpers
-    all_rows, apply_gradients = staticmethod(custom_step.all_rows), staticmethod(custom_step.apply_gradients)
 
     @property
     def state(self) -> TrainState | None:

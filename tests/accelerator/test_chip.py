@@ -48,11 +48,11 @@ class OwnStep(tk.Trainer):
 
     def train_step(self, state, batch, rng):
         def loss_fn(params):
-            logits, _ = self.apply(params, state.model_state, batch["x"], rng=rng, train=True)
-            return self.mean(optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]), batch)
+            logits, _ = state.apply(params, state.model_state, batch["x"], rng=rng, train=True)
+            return state.mean(optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]), batch)
 
         loss, grads = jax.value_and_grad(loss_fn)(state.params)
-        return self.apply_gradients(state, grads), {"loss": loss}
+        return state.apply_gradients(grads), {"loss": loss}
 
 
 @pytest.mark.parametrize("trainer_class", [tk.Trainer, OwnStep], ids=["built-in", "custom"])

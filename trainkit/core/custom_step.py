@@ -1,235 +1,56 @@
 """A train step of the user's own (``Trainer.train_step(state, batch, rng) -> (state, logs)``)
-and the pure helpers it calls, bound to the strategy's facts while the step is traced: the
-device axis under ``pmap`` (``None`` under ``jit``), the optimizer and its groups, the frozen
-parameters. Each helper gives the same numbers under every strategy and device count:
-
-- :func:`mean`: the masked, weighted mean over the *global* batch (the built-in loss's
-  reduction). Under a device axis its value is the global mean and its gradient is this
-  device's share of it, so that :func:`apply_gradients`, which sums the gradients over the
-  axis, gets exactly the single-device gradient;
-- :func:`apply_gradients`: the optimizer's update of one group's parameters (all: ``None``)
-  and only that group's optimizer state;
-- :func:`normal`: one standard-normal draw per row, keyed by the row's place in the global
-  batch (not by the device);
-- :func:`all_rows`: the global batch's rows of a per-row value (an all-gather over the axis).
-
-:func:`normal` and :func:`all_rows` also serve a ``compute_loss`` (the built-in step binds them too).
-
-:func:`make_custom_train_step` turns the user's step into the ``(state, batch) -> (state,
-metrics)`` every strategy compiles and fuses: the step count advances, the logs (scalars)
-become metrics weighted by the step's real rows, as the built-in logs are.
+as the step every strategy compiles and fuses. The user's step receives a
+:class:`~trainkit.core.step_state.StepState` (its helpers read the strategy's facts from it)
+and a :class:`~trainkit.core.watched_batch.WatchedBatch`; what it returns is checked when it is
+traced: the same parameter and optimizer-state structure, no model-state key the model did not
+declare, the dtypes kept, and no update computed and thrown away. The step count advances and
+the logs (scalars) become metrics weighted by the step's real rows, as the built-in logs are.
 
 >>> import jax, jax.numpy as jnp, optax
 >>> from trainkit.core.state import TrainState
 >>> from trainkit.core.trainable import Trainable
 >>> def step(state, batch, rng):
 ...     def loss_fn(params):
-...         return mean((batch["x"] * params - batch["y"]) ** 2, batch)
+...         return state.mean((batch["x"] * params - batch["y"]) ** 2, batch)
 ...     loss, grads = jax.value_and_grad(loss_fn)(state.params)
-...     return apply_gradients(state, grads), {"loss": loss}
+...     return state.apply_gradients(grads), {"loss": loss}
 >>> tx = optax.sgd(0.1)
->>> context = StepContext(axis_name=None, optimizer=tx, groups=None, trainable=Trainable(None))
+>>> facts = StepFacts(axis_name=None, optimizer=tx, groups=None, trainable=Trainable(None))
 >>> state = TrainState.create(params=jnp.zeros(()), opt_state=tx.init(jnp.zeros(())), model_state={}, seed=0)
 >>> batch = {"x": jnp.ones((4,)), "y": jnp.full((4,), 2.0), "mask": jnp.array([1.0, 1, 1, 0])}
->>> state, metrics = make_custom_train_step(step, context)(state, batch)
+>>> state, metrics = make_custom_train_step(step, facts)(state, batch)
 >>> int(state.step), round(float(state.params), 3), float(metrics["loss"].compute())
 (1, 0.4, 4.0)
 """
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
-import dataclasses
+import dis
 import inspect
+import types
 from collections.abc import Callable
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 
-from trainkit.core.optimizer_groups import OptimizerGroups
-from trainkit.core.scoped import scoped
+from trainkit.core import tree
+from trainkit.core.checks import SettingError
 from trainkit.core.sown import split_sown
 from trainkit.core.state import Batch, TrainState, check_tree_matches
+from trainkit.core.step_helpers import pmean_floats
+from trainkit.core.step_state import StepFacts, StepState, group_mask
 from trainkit.core.totals import LossAverage
-from trainkit.core.trainable import Trainable
-from trainkit.core.tree import PyTree
+from trainkit.core.watched_batch import RowFacts, WatchedBatch
 
 #: ``train_step(state, batch, rng) -> (state, logs)``
-UserTrainStep = Callable[[TrainState, Batch, jax.Array], tuple[TrainState, dict[str, jax.Array]]]
+UserTrainStep = Callable[[StepState, Batch, jax.Array], tuple[TrainState, dict[str, jax.Array]]]
 #: ``test_step(state, batch, rng) -> logs``
-UserTestStep = Callable[[TrainState, Batch, jax.Array], dict[str, jax.Array]]
+UserTestStep = Callable[[StepState, Batch, jax.Array], dict[str, jax.Array]]
 
-
-@dataclasses.dataclass(frozen=True)
-class StepContext:
-    """What the helpers need to know of the step being traced: the device axis (``pmap``; ``None``
-    under ``jit``, where the batch is global), the whole optimizer (frozen leaves included), its
-    groups (``None``: one optimizer), and which parameters train."""
-
-    axis_name: str | None
-    optimizer: optax.GradientTransformation
-    groups: OptimizerGroups | None
-    trainable: Trainable
-    #: the built-in step under a device axis: the key ``compute_loss`` receives (folded with the
-    #: device's index) and the step's own, which :func:`normal` draws from in its place
-    device_rng: jax.Array | None = None
-    step_rng: jax.Array | None = None
-
-    def with_rngs(self, device_rng: jax.Array, step_rng: jax.Array) -> StepContext:
-        return dataclasses.replace(self, device_rng=device_rng, step_rng=step_rng)
-
-
-_ACTIVE: contextvars.ContextVar[StepContext | None] = contextvars.ContextVar("trainkit_custom_step", default=None)
-
-
-def active(context: StepContext) -> contextlib.AbstractContextManager[None]:
-    """The helpers bound to ``context`` while a step is traced (or run eagerly)."""
-    return scoped(_ACTIVE, context)
-
-
-def _context(helper: str) -> StepContext:
-    context = _ACTIVE.get()
-    if context is None:
-        raise RuntimeError(
-            f"trainer.{helper}(...) is a helper of a train_step or test_step of your own: it reads the strategy's "
-            "device axis and the optimizer while trainkit traces that step, so call it inside "
-            "train_step(self, state, batch, rng) or test_step(self, state, batch, rng), never outside."
-        )
-    return context
-
-
-def row_weights(batch: Batch) -> jax.Array:
-    """Each row's weight: ``mask * sample_weight`` (padded rows 0)."""
-    mask = batch["mask"]
-    weights: jax.Array = mask * batch["sample_weight"] if "sample_weight" in batch else mask
-    return weights
-
-
-def weighted_total(row_values: jax.Array, mask: jax.Array, weights: jax.Array) -> jax.Array:
-    """``sum(values * weights)`` over the real rows (padded rows dropped, even if NaN)."""
-    return jnp.where(mask > 0, row_values * weights, 0).sum()
-
-
-def _per_row(values: jax.Array, rows: int, helper: str) -> jax.Array:
-    values = jnp.asarray(values)
-    if values.ndim == 0 or values.shape[0] != rows:
-        raise ValueError(
-            f"trainer.{helper} takes one value per row of the batch (shape ({rows}, ...)); received shape "
-            f"{values.shape}. Compute the loss per row (no jnp.mean over the batch) and let trainer.{helper} reduce it."
-        )
-    return values.astype(jnp.float32).reshape(rows, -1).mean(axis=1)
-
-
-def _share(total: jax.Array, devices: int) -> jax.Array:
-    """``total`` (the same on every device) whose gradient is ``1 / devices`` of it: summed over
-    the devices by :func:`apply_gradients`, the gradient of ``total`` itself."""
-    share = total / devices
-    return share + jax.lax.stop_gradient(total - share)
-
-
-def mean(values: jax.Array, batch: Batch) -> jax.Array:
-    """The mean of per-row ``values`` over the real rows of the global batch, each weighted by its
-    ``sample_weight`` (``sum(values * sample_weight) / real rows``, Keras's loss reduction): padded
-    rows are left out, even if NaN. ``values`` has this device's rows (the batch's) or, from
-    :func:`all_rows`, the global batch's."""
-    context, mask = _context("mean"), batch["mask"]
-    rows, weights = mask.shape[0], row_weights(batch)
-    axis = context.axis_name
-    devices = 1 if axis is None else jax.lax.axis_size(axis)
-    if devices > 1 and jnp.shape(values)[:1] == (rows * devices,):
-        mask, weights = all_rows(mask), all_rows(weights)  # values of the global batch: reduced on every device
-        row_values = _per_row(values, mask.shape[0], "mean")
-        total = weighted_total(row_values, mask, weights) / jnp.maximum(mask.sum(), 1.0)
-        return _share(total, devices)
-    local = weighted_total(_per_row(values, rows, "mean"), mask, weights)
-    if axis is None:
-        return local / jnp.maximum(mask.sum(), 1.0)
-    # the global total's value, this device's rows' gradient: apply_gradients sums the devices' gradients
-    total = local + jax.lax.stop_gradient(jax.lax.psum(local, axis) - local)
-    mean: jax.Array = total / jnp.maximum(jax.lax.psum(mask.sum(), axis), 1.0)
-    return mean
-
-
-def _global_row_ids(batch: Batch, axis: str | None) -> jax.Array:
-    rows = batch["mask"].shape[0]
-    first = 0 if axis is None else jax.lax.axis_index(axis) * rows
-    return first + jnp.arange(rows)
-
-
-def normal(rng: jax.Array, batch: Batch, shape: tuple[int, ...] = (), dtype: Any = jnp.float32) -> jax.Array:
-    """``(rows, *shape)`` standard-normal values, row ``i`` drawn from ``rng`` folded with its
-    place in the global batch: the same numbers on any strategy and device count (a GAN's ``z``,
-    a VAE's noise). In ``compute_loss``, pass the ``rng`` it received as it is: under a device axis
-    that key is the device's, and the step's own is drawn from instead."""
-    context = _context("normal")
-    if context.step_rng is not None and rng is context.device_rng:
-        rng = context.step_rng
-    keys = jax.vmap(lambda i: jax.random.fold_in(rng, i))(_global_row_ids(batch, context.axis_name))
-    return jax.vmap(lambda key: jax.random.normal(key, tuple(shape), dtype))(keys)
-
-
-def all_rows(values: PyTree) -> PyTree:
-    """Every leaf's rows of the whole global batch (an all-gather over the device axis; itself
-    under ``jit``, whose batch is global). ``all_rows(batch["mask"])`` says which are real: leave
-    the padded ones out of a batch-level loss (NT-Xent's negatives)."""
-    axis = _context("all_rows").axis_name
-    if axis is None:
-        return values
-    return jax.tree.map(lambda a: jax.lax.all_gather(a, axis, tiled=True), values)
-
-
-def apply_gradients(state: TrainState, grads: PyTree, group: str | None = None) -> TrainState:
-    """``state`` with the optimizer's update from ``grads`` (shaped as ``state.params``) applied
-    to ``group``'s parameters and optimizer state (``None``: every group); frozen parameters and
-    the other groups untouched, bit for bit. Under a device axis the gradients are summed over it
-    first (:func:`mean`'s gradients are each device's share)."""
-    context = _context("apply_gradients")
-    if group is not None and context.groups is None:
-        raise ValueError(
-            f"apply_gradients(..., group={group!r}) updates one optimizer group, but the trainer has one optimizer. "
-            "Give one per sub-network, optimizer={'generator': ..., 'discriminator': ...}, or pass group=None."
-        )
-    if group is not None:
-        assert context.groups is not None
-        context.groups.require(group)
-    check_tree_matches("apply_gradients(state, grads): grads", state.params, grads)
-    trainable = context.trainable
-    if context.axis_name is not None:
-        grads = _summed(grads, state.params, context, group)
-    if group is None:
-        updates, opt_state = context.optimizer.update(grads, state.opt_state, state.params)
-        return state.replace(params=trainable.apply_updates(state.params, updates), opt_state=opt_state)
-    assert context.groups is not None
-    params, opt_state = context.groups.update(state.params, state.opt_state, grads, group, trainable.trains)
-    return state.replace(params=params, opt_state=opt_state)
-
-
-def _summed(grads: PyTree, params: PyTree, context: StepContext, group: str | None) -> PyTree:
-    """The gradients of the leaves the update reads summed over the device axis (one all-reduce;
-    the frozen leaves and other groups' are left as they are: nothing reads them)."""
-    assert context.axis_name is not None
-    if context.groups is None or group is None:
-        mask = context.trainable.mask(params)
-    else:
-        mask = jax.tree.map(lambda label: label == group, context.groups.labels(params, context.trainable.trains))
-    leaves, treedef = jax.tree.flatten(grads)
-    flags = jax.tree.leaves(mask)
-    summed = iter(jax.lax.psum([g for g, f in zip(leaves, flags) if f], context.axis_name))
-    return jax.tree.unflatten(treedef, [next(summed) if f else g for g, f in zip(leaves, flags)])
-
-
-def pmean_floats(value: jax.Array, axis_name: str) -> jax.Array:
-    """A floating model-state value (batch statistics) averaged over the device axis, exactly
-    itself where every device holds the same (a frozen BatchNorm's statistics, or statistics a
-    BatchNorm already reduced over the axis: a mean of equal floats can round); counters kept."""
-    if not jnp.issubdtype(value.dtype, jnp.floating):
-        return value
-    bounds = jax.lax.pmax(jnp.stack([value, -value]), axis_name)  # the largest and the smallest, in one reduction
-    return jnp.where(bounds[0] == -bounds[1], value, jax.lax.pmean(value, axis_name))
+#: the helpers that moved from the trainer (``self.mean``) to the state the step threads (``state.mean``)
+MOVED_HELPERS = ("apply", "apply_gradients", "mean", "normal", "all_rows")
 
 
 def _checked_logs(logs: object, where: str) -> dict[str, jax.Array]:
@@ -242,7 +63,7 @@ def _checked_logs(logs: object, where: str) -> dict[str, jax.Array]:
     if wrong:
         raise ValueError(
             f"{where} returned logs that are not scalars: {wrong}. Log one number per step (reduce per-row values "
-            "with trainer.mean(values, batch))."
+            "with state.mean(values, batch))."
         )
     return {k: jnp.asarray(v, jnp.float32) for k, v in logs.items()}
 
@@ -256,52 +77,104 @@ def _step_metrics(logs: dict[str, jax.Array], batch: Batch, axis: str | None) ->
 
 
 def make_custom_train_step(
-    user_step: UserTrainStep, context: StepContext
+    user_step: UserTrainStep, facts: StepFacts
 ) -> Callable[[TrainState, Batch], tuple[TrainState, dict[str, LossAverage]]]:
     """The user's ``train_step`` as the step every strategy compiles: its ``rng`` is the state's
-    folded with the step number (the same on every device), its state checked against the one
-    it was given (same structure and shapes), its step count advanced, its model state averaged
-    over the device axis (batch statistics), its logs weighted by the real rows."""
-    axis = context.axis_name
+    folded with the step number (the same on every device), its returned state checked against
+    the one it was given (:func:`check_returned`), its step count advanced, its model state
+    averaged over the device axis (batch statistics), its logs weighted by the real rows."""
+    axis = facts.axis_name
 
     def train_step(state: TrainState, batch: Batch) -> tuple[TrainState, dict[str, LossAverage]]:
         rng = jax.random.fold_in(state.rng, state.step)
-        with active(context):
-            result = user_step(state, batch, rng)
+        traced = facts.for_one_trace()
+        result = user_step(StepState.of(state, traced), WatchedBatch.of(batch, RowFacts(axis)), rng)
         if not (isinstance(result, tuple) and len(result) == 2 and isinstance(result[0], TrainState)):
             raise TypeError(
-                "train_step(self, state, batch, rng) must return (state, logs): the new TrainState (from "
-                "self.apply_gradients(state, grads, ...) or state.replace(...)) and a dict of scalar logs; received "
+                "train_step(self, state, batch, rng) must return (state, logs): the new state (from "
+                "state.apply_gradients(grads, ...) or state.replace(...)) and a dict of scalar logs; received "
                 f"{_describe(result)}."
             )
         new_state, logs = result
-        check_tree_matches("The state train_step returned", state.params, new_state.params)
-        if str(jax.tree.structure(new_state.opt_state)) != str(jax.tree.structure(state.opt_state)):
-            raise ValueError(
-                "The state train_step returned has another optimizer state structure than the one it was given: "
-                "update it only through self.apply_gradients(state, grads, group=...)."
-            )
+        check_returned(state, new_state, traced)
         model_state = split_sown(new_state.model_state)[0]  # losses the model sowed are each call's, not state
         if axis is not None:
             model_state = jax.tree.map(lambda v: pmean_floats(v, axis), model_state)
-        new_state = new_state.replace(
+        kept = new_state.plain() if isinstance(new_state, StepState) else new_state
+        kept = kept.replace(
             step=state.step + 1, rng=state.rng, loss_scale=state.loss_scale, spikes=state.spikes,
             model_state=model_state,
         )  # fmt: skip
-        return new_state, _step_metrics(_checked_logs(logs, "train_step"), batch, axis)
+        return kept, _step_metrics(_checked_logs(logs, "train_step"), batch, axis)
 
     return train_step
 
 
+def check_returned(given: TrainState, returned: TrainState, facts: StepFacts) -> None:
+    """Refuses, when the step is traced, a returned state that would train silently wrong: other
+    parameter or optimizer-state structures, parameters or model state in another dtype, model
+    state the model did not declare, and an update ``apply_gradients`` computed whose parameters
+    or optimizer state were not returned (``state.apply_gradients(...)`` without ``state =``)."""
+    fix = "Return the state the step threaded: state = state.apply_gradients(grads, ...); return state, logs."
+    check_tree_matches("The state train_step returned: its params", given.params, returned.params, fix=fix)
+    if str(jax.tree.structure(returned.opt_state)) != str(jax.tree.structure(given.opt_state)):
+        raise SettingError(
+            "The state train_step returned has another optimizer state structure than the one it was given: "
+            "update it only through state.apply_gradients(grads, group=...)."
+        )
+    declared, kept = split_sown(given.model_state)[0], split_sown(returned.model_state)[0]
+    added = sorted(set(tree.signature(kept)) - set(tree.signature(declared)))
+    if added:
+        raise SettingError(
+            f"train_step returned model_state with {added[:5]}, which the model never declared: trainkit keeps only "
+            "the model's own variables, so they would be dropped. Keep extra state where it is checkpointed and "
+            "sharded (docs/custom_training.md, 'State of your own'): a frozen sub-module's parameters (an EMA "
+            "target) or a variable the model declares (self.variable('queue', ...))."
+        )
+    for part, before, after in (("params", given.params, returned.params), ("model_state", declared, kept)):
+        changed = tree.difference(part, tree.signature(before), tree.signature(after), names=("given", "returned"))
+        if changed:
+            raise SettingError(
+                f"train_step returned {part} in another dtype than it was given: {changed[:3]}. The state keeps "
+                "its dtypes (the precision policy casts for the computation alone): .astype(...) the value back, "
+                "or compute it from the float32 parameters."
+            )
+    _check_updates_kept(given, returned, facts)
+
+
+def _check_updates_kept(given: TrainState, returned: TrainState, facts: StepFacts) -> None:
+    for group in dict.fromkeys(facts.updates.groups):
+        flags = jax.tree.leaves(group_mask(facts, given.params, group))
+        pairs = [(a, b) for a, b, f in zip(jax.tree.leaves(given.params), jax.tree.leaves(returned.params), flags) if f]
+        given_opt, returned_opt = _group_opt_state(given, facts, group), _group_opt_state(returned, facts, group)
+        dropped = "parameters" if pairs and all(a is b for a, b in pairs) else None
+        if dropped is None and given_opt and all(a is b for a, b in zip(given_opt, returned_opt)):
+            dropped = "optimizer state"
+        if dropped is not None:
+            name = "every group" if group is None else f"group {group!r}"
+            call = "grads" if group is None else f"grads, group={group!r}"
+            raise SettingError(
+                f"train_step computed an update of {name} (state.apply_gradients({call})) but returned the {dropped} "
+                "it was given: the update was thrown away, so it would never train. Keep what apply_gradients "
+                f"returns and return it: state = state.apply_gradients({call}); ...; return state, logs."
+            )
+
+
+def _group_opt_state(state: TrainState, facts: StepFacts, group: str | None) -> list[Any]:
+    if group is None or facts.groups is None:
+        return jax.tree.leaves(state.opt_state)
+    return jax.tree.leaves(facts.groups.inner_state(state.opt_state, group))
+
+
 def make_custom_eval_step(
-    user_step: UserTestStep, context: StepContext
+    user_step: UserTestStep, facts: StepFacts
 ) -> Callable[[TrainState, Batch], dict[str, LossAverage]]:
     """The user's ``test_step`` as the eval step (its logs weighted by the real rows)."""
 
     def eval_step(state: TrainState, batch: Batch) -> dict[str, LossAverage]:
-        with active(context):
-            logs = user_step(state, batch, state.rng)
-        return _step_metrics(_checked_logs(logs, "test_step"), batch, context.axis_name)
+        watched = WatchedBatch.of(batch, RowFacts(facts.axis_name))
+        logs = user_step(StepState.of(state, facts.for_one_trace()), watched, state.rng)
+        return _step_metrics(_checked_logs(logs, "test_step"), batch, facts.axis_name)
 
     return eval_step
 
@@ -322,12 +195,44 @@ def overridden(method: Callable[..., object], default: Callable[..., object], ow
         returns = "(state, logs)" if name == "train_step" else "logs"
         raise TypeError(
             f"{owner}.{name} takes ({', '.join(p.name for p in parameters)}), but trainkit calls "
-            f"{name}(self, state, batch, rng) -> {returns}: state a TrainState (state.params, state.opt_state, "
+            f"{name}(self, state, batch, rng) -> {returns}: state a StepState (state.params, state.opt_state, "
             "state.model_state), batch a dict ('x', 'y', 'mask', maybe 'sample_weight'), rng this step's key. "
             "Keras's train_step(self, state, data) / train_step(self, data) map onto it as docs/custom_training.md "
-            "shows (gradients through self.apply_gradients(state, grads), losses through self.mean(values, batch))."
+            "shows (gradients through state.apply_gradients(grads), losses through state.mean(values, batch))."
         )
+    moved = sorted(_trainer_attributes(method, parameters[0].name if parameters else "state") & set(MOVED_HELPERS))
+    if moved:
+        helper = moved[0]
+        raise TypeError(
+            f"{owner}.{name} calls self.{helper}(...): the step's helpers live on the state it threads, which knows "
+            f"the strategy tracing the step. Write state.{helper}(...) instead of self.{helper}(...)"
+            + (" (and drop the state argument: state = state.apply_gradients(grads, group=...))" if helper ==
+               "apply_gradients" else "")
+            + f"; the helpers: {', '.join(f'state.{h}' for h in MOVED_HELPERS)} (docs/custom_training.md)."
+        )  # fmt: skip
     return True
+
+
+def _trainer_attributes(method: Callable[..., object], state_name: str) -> set[str]:
+    """The attributes ``method`` (or a function nested in it) reads from its first argument
+    (``self``), by its bytecode: what ``self.mean(...)`` spells (a method of another name is
+    not followed)."""
+    function = inspect.unwrap(method)
+    if not isinstance(function, types.FunctionType) or not function.__code__.co_varnames:
+        return set()
+    code = function.__code__
+    own, found = code.co_varnames[0], set()
+    codes = [code]
+    while codes:
+        current = codes.pop()
+        codes.extend(c for c in current.co_consts if isinstance(c, types.CodeType))
+        previous = None
+        for instruction in dis.get_instructions(current):
+            if instruction.opname in ("LOAD_ATTR", "LOAD_METHOD") and previous is not None:
+                if previous.opname.startswith("LOAD_") and previous.argval == own and own != state_name:
+                    found.add(str(instruction.argval))
+            previous = instruction
+    return found
 
 
 def not_callable(name: str) -> NotImplementedError:
@@ -337,22 +242,13 @@ def not_callable(name: str) -> NotImplementedError:
         return NotImplementedError(
             "evaluate and validation run test_step(self, state, batch, rng) -> logs, and this trainer has a "
             "train_step of its own but neither loss= nor compute_loss for the built-in evaluation: override "
-            "test_step (e.g. return {'d_loss': self.mean(per_row, batch)}), or pass loss=... ."
+            "test_step (e.g. return {'d_loss': state.mean(per_row, batch)}), or pass loss=... ."
         )
     return NotImplementedError(
         "Trainer.train_step has no body to call: without an override trainkit runs its built-in step (compute_loss, "
         "the optimizer, the metrics) directly. In an override, compute the loss with self.compute_loss(...) or "
-        "self.apply(...) and self.mean(...), and update with self.apply_gradients(state, grads)."
+        "state.apply(...) and state.mean(...), and update with state = state.apply_gradients(grads)."
     )
-
-
-def device_rng(rng: jax.Array) -> jax.Array:
-    """Inside a custom step under a device axis: ``rng`` folded with the device's index (dropout
-    masks differ between devices, as in the built-in step); else ``rng`` itself."""
-    context = _ACTIVE.get()
-    if context is None or context.axis_name is None or context.device_rng is not None:  # the built-in step's: folded
-        return rng
-    return jax.random.fold_in(rng, jax.lax.axis_index(context.axis_name))
 
 
 def _describe(value: object) -> str:

@@ -113,6 +113,31 @@ def _split_inputs(x: PyTree, parameters: dict[str, inspect.Parameter]) -> tuple[
     return (x,), {}
 
 
+def bind_inputs(module: object, method: str | None, inputs: tuple[PyTree, ...], keywords: dict[str, PyTree]) -> PyTree:
+    """The ``x`` :meth:`ModelAdapter.apply` takes for a call of the module's ``method`` (``None``:
+    ``__call__``) on these inputs: one input as it is, several (or keywords) as a dict by the
+    method's argument names, which ``apply`` passes as keywords.
+
+    >>> class Conditional(nn.Module):
+    ...     def __call__(self, z, labels): ...
+    >>> sorted(bind_inputs(Conditional(), None, (1, 2), {}))
+    ['labels', 'z']
+    """
+    if len(inputs) == 1 and not keywords:
+        return inputs[0]
+    call = model_method(module, "__call__" if method is None else method)
+    parameters = [p for p in list(_call_parameters(call).values())[1:] if p.name not in _TRAIN_FLAGS]  # after self
+    try:
+        bound = inspect.Signature(parameters).bind_partial(*inputs, **keywords)
+    except TypeError as error:
+        names = [p.name for p in parameters]
+        raise TypeError(
+            f"state.apply(params, model_state, *inputs, method={method!r}): {type(module).__name__}."
+            f"{method or '__call__'} takes {names}, and {error}."
+        ) from None
+    return dict(bound.arguments)
+
+
 class LinenModel:
     """Adapter for a ``flax.linen.Module``."""
 

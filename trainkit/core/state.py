@@ -84,7 +84,12 @@ def _sharding_of(leaf: Any) -> Any:
     return leaf.sharding if isinstance(leaf, (jax.Array, jax.ShapeDtypeStruct)) else None
 
 
-def check_tree_matches(what: str, expected: PyTree, received: PyTree) -> None:
+def check_tree_matches(
+    what: str,
+    expected: PyTree,
+    received: PyTree,
+    fix: str = "Pass variables created by the same model (e.g. from trainer.get_weights()).",
+) -> None:
     """Raises a :class:`~trainkit.core.checks.SettingError` (a ``ValueError``) naming every path
     whose presence or shape differs.
 
@@ -99,5 +104,5 @@ def check_tree_matches(what: str, expected: PyTree, received: PyTree) -> None:
             f"{what} does not match the model's variables: "
             + "; ".join(problems[:10])
             + (f" (and {len(problems) - 10} more)" if len(problems) > 10 else "")
-            + ". Pass variables created by the same model (e.g. from trainer.get_weights())."
+            + f". {fix}"
         )

@@ -25,7 +25,6 @@ gradient is exactly the single-device gradient.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 from collections.abc import Callable, Iterable, Mapping
@@ -38,25 +37,19 @@ import numpy as np
 import optax
 from clu.metrics import LastValue
 
-from trainkit.core.custom_step import (
-    StepContext,
-    UserTrainStep,
-    active,
-    make_custom_train_step,
-    pmean_floats,
-    row_weights,
-    weighted_total,
-)
+from trainkit.core.custom_step import UserTrainStep, make_custom_train_step
 from trainkit.core.offload import streamed_update, to_device
 from trainkit.core.optimizer_groups import OptimizerGroups
 from trainkit.core.optimizers import learning_rate
 from trainkit.core.sown import split_sown
 from trainkit.core.state import Batch, TrainState
 from trainkit.core.step_feature import StepFeature, StepUpdate
+from trainkit.core.step_helpers import pmean_floats, row_weights, weighted_total
+from trainkit.core.step_state import StepFacts
 from trainkit.core.totals import EpochTotals, LossAverage, MetricFn, PackedTotals, WeightedAverage, batch_state, pack
 from trainkit.core.trainable import Trainable
 from trainkit.core.tree import PyTree, TreeFunction
-from trainkit.core.watched_batch import WatchedBatch
+from trainkit.core.watched_batch import RowFacts, WatchedBatch
 
 #: A ``compute_loss``: ``(params, batch, rng, *, model_state, train)`` ->
 #: ``(per-row loss, (predictions, model_state[, logs]))``.
@@ -113,7 +106,7 @@ def _rows(loss: jax.Array, num_rows: int, name: str = "loss", sown: bool = False
             f"{what} is a scalar: return one value per row (shape ({num_rows},)), e.g. without the final "
             "jnp.mean. trainkit takes the mean itself over the real rows: a mean taken inside counts the padded "
             "rows of a last partial batch (masked out only when each row has its value). A loss over the whole "
-            "batch (contrastive) belongs in a train_step, reduced with self.mean(values, batch) "
+            "batch (contrastive) belongs in a train_step, reduced with state.mean(values, batch) "
             "(docs/custom_training.md)."
         )
     if loss.shape[0] != num_rows:
@@ -274,6 +267,7 @@ class TrainStepOptions:
     offload: bool = False
     groups: OptimizerGroups | None = None
     user_step: UserTrainStep | None = None
+    facts: StepFacts | None = None
 
 
 def make_train_step(
@@ -297,14 +291,14 @@ def make_train_step(
     update_optimizer = functools.partial(streamed_update, tx) if options.offload else tx.update
     trainable = options.trainable if options.trainable is not None else Trainable(None)
     freezes = trainable.freezes
-    context = StepContext(axis_name, tx, options.groups, trainable)  # what trainer.normal / all_rows read
     if options.user_step is not None:  # the user's own step: loss, gradients and update are its
-        return make_custom_train_step(options.user_step, context)
+        assert options.facts is not None, "a step of the user's own needs the strategy's facts"
+        return make_custom_train_step(options.user_step, options.facts)
 
-    def micro_step(params, model_state, batch, rng, batch_rows, loss_scale):
+    def micro_step(params, model_state, batch, rng, batch_rows, loss_scale, *, rows: RowFacts):
         trained, rebuild = (params, None) if not freezes else trainable.split(params)
 
-        watched = WatchedBatch(batch)  # notes whether compute_loss applies the sample weights itself
+        watched = WatchedBatch.of(batch, rows)  # notes whether compute_loss applies the sample weights itself
 
         def objective(trained):
             full = to_device(trained if rebuild is None else rebuild(trained))  # offloaded frozen leaves, streamed
@@ -319,13 +313,11 @@ def make_train_step(
 
     def train_step(state: TrainState, batch: Batch) -> tuple[TrainState, Metrics]:
         rng, batch_rows, loss_scale = _step_rng(state, axis_name), _batch_rows(batch, axis_name), state.loss_scale
-        with active(context.with_rngs(rng, _step_rng(state, None))):
-            if grad_accum_steps == 1:
-                grads, model_state, metrics = micro_step(
-                    state.params, state.model_state, batch, rng, batch_rows, loss_scale
-                )
-            else:
-                grads, model_state, metrics = _accumulated(micro_step, state, batch, rng, batch_rows, grad_accum_steps)
+        micro = partial(micro_step, rows=RowFacts(axis_name, rng, _step_rng(state, None)))  # batch.normal's keys
+        if grad_accum_steps == 1:
+            grads, model_state, metrics = micro(state.params, state.model_state, batch, rng, batch_rows, loss_scale)
+        else:
+            grads, model_state, metrics = _accumulated(micro, state, batch, rng, batch_rows, grad_accum_steps)
         grads, metrics = _psum((grads, metrics), axis_name)  # one all-reduce
         if axis_name is not None:
             model_state = jax.tree.map(partial(pmean_floats, axis_name=axis_name), model_state)
@@ -352,20 +344,14 @@ def make_train_step(
 
 
 def make_eval_step(
-    compute_loss: LossFn,
-    metric_fns: Mapping[str, MetricFn],
-    axis_name: str | None = None,
-    context: StepContext | None = None,
+    compute_loss: LossFn, metric_fns: Mapping[str, MetricFn], axis_name: str | None = None
 ) -> Callable[[TrainState, Batch], Metrics]:
-    """Masked loss and metric sums of one batch, in inference mode; ``context``: what
-    ``trainer.normal`` / ``all_rows`` read in ``compute_loss``."""
+    """Masked loss and metric sums of one batch, in inference mode (``compute_loss``'s
+    ``batch.normal`` / ``batch.all_rows`` under ``axis_name``)."""
 
     def eval_step(state: TrainState, batch: Batch) -> Metrics:
-        with contextlib.nullcontext() if context is None else active(context):
-            watched = WatchedBatch(batch)
-            result = compute_loss(
-                to_device(state.params), watched, state.rng, model_state=state.model_state, train=False
-            )
+        watched = WatchedBatch.of(batch, RowFacts(axis_name))
+        result = compute_loss(to_device(state.params), watched, state.rng, model_state=state.model_state, train=False)
         row_loss, (predictions, _, logs) = loss_parts(result, batch["mask"].shape[0], metric_fns)
         weighting = watched.weighting()  # without the weights when the loss applied them itself
         loss_total = _loss_total(row_loss, weighting)

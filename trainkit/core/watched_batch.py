@@ -15,23 +15,84 @@ False
 True
 >>> import jax; type(jax.tree.map(lambda a: a, batch)) is WatchedBatch   # a pytree as a dict is
 True
+
+A key the data did not give is named with the fix (a step reading ``batch["y"]`` of a ``fit``
+given no targets), and ``batch.normal(rng, shape)`` / ``batch.all_rows(values)`` are
+:mod:`trainkit.core.step_helpers`' draws and gather under the step's device axis (a
+``compute_loss``'s noise, the same on every strategy).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 
+from trainkit.core import step_helpers
 from trainkit.core.state import Batch
+from trainkit.core.tree import PyTree
 
 WEIGHTS = "sample_weight"
+
+
+@dataclasses.dataclass(frozen=True)
+class RowFacts:
+    """The step's device axis (``None`` under ``jit``) and, in the built-in step under a device
+    axis, the key ``compute_loss`` receives (the device's) and the step's own, which
+    :meth:`WatchedBatch.normal` draws from in its place."""
+
+    axis_name: str | None
+    device_rng: jax.Array | None = None
+    step_rng: jax.Array | None = None
+
+
+_MISSING = {
+    "y": "fit, evaluate or train_on_batch received no targets (y): pass them (fit(x, y) or a dataset of (x, y) "
+    "pairs), or leave batch['y'] unread",
+    "sample_weight": "no sample_weight was given: read it with batch.get('sample_weight') (None when absent), or "
+    "pass fit(..., sample_weight=...)",
+}
 
 
 class WatchedBatch(dict[str, Any]):
     """A batch that notes whether its ``sample_weight`` was read (see the module)."""
 
     read_weights = False
+    rows: RowFacts | None = None  # set by the step that hands the batch over
+
+    @classmethod
+    def of(cls, batch: Batch, rows: RowFacts | None = None) -> WatchedBatch:
+        watched = cls(batch)
+        watched.rows = rows
+        return watched
+
+    def __missing__(self, key: str) -> Any:
+        why = _MISSING.get(key, "the data gave no such part")
+        raise KeyError(f"batch[{key!r}]: the batch holds {sorted(self)}; {why}.")
+
+    def normal(self, rng: jax.Array, shape: tuple[int, ...] = (), dtype: Any = jnp.float32) -> jax.Array:
+        """``(rows, *shape)`` standard-normal draws keyed by each row's place in the global batch:
+        the same numbers on every strategy and device count (a VAE's noise in ``compute_loss``;
+        pass the ``rng`` it received as it is)."""
+        rows = self._facts("normal")
+        if rows.step_rng is not None and rng is rows.device_rng:
+            rng = rows.step_rng
+        return step_helpers.normal(rng, self, shape, dtype, rows.axis_name)
+
+    def all_rows(self, values: PyTree) -> PyTree:
+        """The global batch's rows of per-row ``values`` (an all-gather under a device axis)."""
+        return step_helpers.all_rows(values, self._facts("all_rows").axis_name)
+
+    def _facts(self, helper: str) -> RowFacts:
+        if self.rows is None:
+            raise RuntimeError(
+                f"batch.{helper}(...) reads the device axis of the step that handed this batch over, and this batch "
+                "was rebuilt (a jax.tree.map or dict(...) of it) or made outside a step: call it on the batch "
+                "compute_loss or train_step received."
+            )
+        return self.rows
 
     def __getitem__(self, key: str) -> Any:
         if key == WEIGHTS:

@@ -92,6 +92,15 @@ class CompiledFunctions:
             self._functions[key] = self.program.compile(kind, self.decided.require_strategy(), state, self.statistics)
         return self._functions[key]
 
+    def retrace_if_changed(self) -> list[str]:
+        """Forgets the compiled steps when a plain value of the trainer a step of the user's own
+        was traced with has changed since (``trainer.beta = 0`` between two fits): the next run
+        traces them with the new value. Returns what changed (``'beta: 0.1 -> 0.0'``)."""
+        changed = self.program.traced_attributes.changed()
+        if changed:
+            self._functions.clear()
+        return changed
+
     def has(self, kind: str) -> bool:
         """Whether the ``kind`` step is compiled (or adopted) for this fit's statistics."""
         return self._key(kind) in self._functions

@@ -34,6 +34,7 @@ from trainkit.core.warn import warn_user
 from trainkit.data import FitConfig, Validation
 from trainkit.program import auto as auto_lib
 from trainkit.program import out_of_memory
+from trainkit.program.padded_rows import check_padded_rows
 from trainkit.program.setup import Setup
 from trainkit.strategies import Strategy
 
@@ -77,6 +78,9 @@ def prepare(
     it, the strategy chosen and the state created from it. ``run_steps``: the steps the run
     trains on this input (``fit``), which bounds what ``"auto"`` spends comparing."""
     prepared = data_lib.prepare(data, y, sample_weight, batch_size, needs_targets=targets and not setup.custom_loss)
+    changed = setup.compiled.retrace_if_changed()
+    if changed:
+        warn_user(f"Trainer attributes changed since its own step was traced ({'; '.join(changed)}): traced again.")
     micro_batches = setup.program.grad_accum_steps if training else 1
     prepared = capped_at_data(setup, prepared, micro_batches, said=training and batch_size is not None)
     program, batch_size = setup.program, prepared.batch_size
@@ -115,6 +119,8 @@ def prepare(
         check_outputs(setup, prepared.first_x)
         if training:
             check_loss_rows(setup, prepared)
+    if training:
+        check_padded_rows(setup, prepared)
     kind = "train" if training else "eval" if targets else "predict"
     setup.compiled.name_out_of_memory(kind, lambda error: out_of_memory.named(setup, kind, prepared, cause=error))
     if training and setup.decided.steps_per_execution == 1:
@@ -153,7 +159,7 @@ def check_loss_rows(setup: Setup, prepared: data_lib.Prepared) -> None:
         raise ValueError(
             "compute_loss mixes the rows of a batch (a row's loss moved when another row changed: a contrastive "
             f"or other in-batch loss), and {' and '.join(parts)}: it would compute another loss than on one "
-            "device. Write it as a train_step that gathers the global batch with self.all_rows "
+            "device. Write it as a train_step that gathers the global batch with state.all_rows "
             "(docs/custom_training.md), or train with strategy='fsdp' or 'single', where compute_loss sees the "
             "whole batch, and grad_accum_steps=1."
         )

@@ -22,6 +22,8 @@ compiled plan of a batch under candidate strategies.
 from __future__ import annotations
 
 import dataclasses
+import functools
+import types
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -42,6 +44,7 @@ from trainkit.core.model import (
     AxisNames,
     LinenModel,
     ModelAdapter,
+    bind_inputs,
     param_axes,
     starting_variables,
     under_logical_rules,
@@ -65,12 +68,14 @@ from trainkit.core.step import (
     with_totals,
 )
 from trainkit.core.step_feature import StepFeature
+from trainkit.core.step_state import StepFacts, StepState
 from trainkit.core.totals import EpochTotals, pack
 from trainkit.core.trainable import Trainable, TrainableSpec
 from trainkit.core.tree import Apply, PyTree, TreeFunction
 from trainkit.core.warn import warn_user
 from trainkit.objective import Objective
 from trainkit.program import plan as plan_lib
+from trainkit.program.traced_attributes import TracedAttributes
 from trainkit.strategies import Strategy
 
 
@@ -127,6 +132,9 @@ class Program:
         test_step: custom_lib.UserTestStep | None = None,
     ):
         self.train_step, self.test_step = train_step, test_step
+        owner = next((step.__self__ for step in (train_step, test_step) if isinstance(step, types.MethodType)), None)
+        #: the trainer's attributes around each trace of the user's steps (nothing leaks through self)
+        self.traced_attributes = TracedAttributes(owner)
         refusal = custom_step_refusal(
             grad_accum_steps=grad_accum_steps, precision=precision, spike_skip=spike_skip,
             log_grad_norm=log_grad_norm, offload=offload,
@@ -200,20 +208,25 @@ class Program:
     def call_model(
         self, params: PyTree, model_state: PyTree, x: PyTree, *, rng: jax.Array, train: bool, method: str | None = None
     ) -> tuple[PyTree, PyTree]:
-        """:attr:`run_model` of ``__call__`` or the module's ``method``; inside a custom step under a
-        device axis, with the rng folded by the device (dropout masks differ between devices)."""
+        """:attr:`run_model` of ``__call__`` or the module's ``method``."""
         options = {} if method is None else {"method": method}
-        out = self.run_model(params, model_state, x, rng=custom_lib.device_rng(rng), train=train, **options)
+        out = self.run_model(params, model_state, x, rng=rng, train=train, **options)
         loss_call.applied(train, model_state, out[1])  # inside a traced compute_loss: its mistakes
         return out
 
-    def _user_train_step(self, state: TrainState, batch: Batch, rng: jax.Array) -> Any:
+    def _user_train_step(self, state: StepState, batch: Batch, rng: jax.Array) -> Any:
         """The user's ``train_step``, its logs' names recorded (in their order) when traced."""
         assert self.train_step is not None
-        result = self.train_step(state, batch, rng)
+        with self.traced_attributes.tracing("train_step"):
+            result = self.train_step(state, batch, rng)
         if isinstance(result, tuple) and len(result) == 2 and isinstance(result[1], dict):
             self._record_logs(result[1])
         return result
+
+    def _user_test_step(self, state: StepState, batch: Batch, rng: jax.Array) -> Any:
+        assert self.test_step is not None
+        with self.traced_attributes.tracing("test_step"):
+            return self.test_step(state, batch, rng)
 
     def _record_logs(self, logs: Any) -> None:
         if self.log_names is None and isinstance(logs, dict):
@@ -229,9 +242,10 @@ class Program:
         order = self.objective.log_order
         return (order[0], *logs, *order[1:])
 
-    def step_context(self, axis: str | None) -> custom_lib.StepContext:
-        """What a custom step's helpers read under the device ``axis``."""
-        return custom_lib.StepContext(axis, self.optimizer, self.groups, self.trainable)
+    def step_facts(self, axis: str | None) -> StepFacts:
+        """What a custom step's state helpers read under the device ``axis``."""
+        bind = functools.partial(bind_inputs, self.adapter.module)
+        return StepFacts(axis, self.optimizer, self.groups, self.trainable, self.call_model, bind)
 
     # ------------------------------------------------------------------ the initial state
     def init_state(self, variables: PyTree, first_row: PyTree, key: jax.Array) -> TrainState:
@@ -420,9 +434,9 @@ class Program:
         statistics (``GradientStats``) measured as ``statistics_when`` says
         (:meth:`~trainkit.core.statistics.StepStatistics.metrics`)."""
         if kind == "eval" and self.test_step is not None:
-            return custom_lib.make_custom_eval_step(self.test_step, self.step_context(axis))
+            return custom_lib.make_custom_eval_step(self._user_test_step, self.step_facts(axis))
         if kind == "eval":
-            return make_eval_step(self.training_loss, self.objective.metric_fns, axis, self.step_context(axis))
+            return make_eval_step(self.training_loss, self.objective.metric_fns, axis)
         offload = bool(self.offload) if offload is None else offload
         user_step = None if self.train_step is None else self._user_train_step
         features = self.step_features(statistics, statistics_when) if user_step is None else ()
@@ -432,8 +446,9 @@ class Program:
                 "gradients are its locals). Log what you need from train_step's logs, or drop GradientStats."
             )
         options = TrainStepOptions(
-            self.grad_accum_steps, self.trainable, features, offload, groups=self.groups, user_step=user_step
-        )
+            self.grad_accum_steps, self.trainable, features, offload, groups=self.groups, user_step=user_step,
+            facts=None if user_step is None else self.step_facts(axis),
+        )  # fmt: skip
         return make_train_step(self.training_loss, self.optimizer, self.objective.metric_fns, axis, options)
 
     def step_features(self, statistics: StepStatistics | None, when: str = "due") -> tuple[StepFeature, ...]:

@@ -1,0 +1,104 @@
+"""The pure reductions a step of the user's own needs to mean the same on every strategy, each
+told the device axis it runs under (``None`` under ``jit``, whose batch is global): the
+masked, weighted mean over the global batch, one normal draw per global row, the global batch's
+rows. :class:`~trainkit.core.step_state.StepState` binds them to the step being traced
+(``state.mean``, ``state.normal``, ``state.all_rows``); :class:`~trainkit.core.watched_batch.WatchedBatch`
+binds :func:`normal` and :func:`all_rows` for a ``compute_loss`` (``batch.normal``).
+
+>>> import jax.numpy as jnp
+>>> batch = {"mask": jnp.array([1.0, 1.0, 0.0])}
+>>> float(mean(jnp.array([1.0, 3.0, 100.0]), batch, None))   # the padded row left out
+2.0
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from trainkit.core.state import Batch
+from trainkit.core.tree import PyTree
+
+
+def row_weights(batch: Batch) -> jax.Array:
+    """Each row's weight: ``mask * sample_weight`` (padded rows 0)."""
+    mask = batch["mask"]
+    weights: jax.Array = mask * batch["sample_weight"] if "sample_weight" in batch else mask
+    return weights
+
+
+def weighted_total(row_values: jax.Array, mask: jax.Array, weights: jax.Array) -> jax.Array:
+    """``sum(values * weights)`` over the real rows (padded rows dropped, even if NaN)."""
+    return jnp.where(mask > 0, row_values * weights, 0).sum()
+
+
+def _per_row(values: jax.Array, rows: int) -> jax.Array:
+    values = jnp.asarray(values)
+    if values.ndim == 0 or values.shape[0] != rows:
+        raise ValueError(
+            f"state.mean takes one value per row of the batch (shape ({rows}, ...)); received shape {values.shape}. "
+            "Compute the value per row (no jnp.mean over the batch) and let state.mean(values, batch) reduce it."
+        )
+    return values.astype(jnp.float32).reshape(rows, -1).mean(axis=1)
+
+
+def _share(total: jax.Array, devices: int) -> jax.Array:
+    """``total`` (the same on every device) whose gradient is ``1 / devices`` of it: summed over
+    the devices by ``apply_gradients``, the gradient of ``total`` itself."""
+    share = total / devices
+    return share + jax.lax.stop_gradient(total - share)
+
+
+def mean(values: jax.Array, batch: Batch, axis: str | None) -> jax.Array:
+    """The mean of per-row ``values`` over the real rows of the global batch, each weighted by its
+    ``sample_weight`` (Keras's loss reduction): padded rows left out, even if NaN. ``values`` has
+    this device's rows (the batch's) or, from :func:`all_rows`, the global batch's. Under a
+    device axis its value is the global mean and its gradient this device's share of it, so that
+    the gradients summed over the axis are exactly the single-device gradient."""
+    mask = batch["mask"]
+    rows, weights = mask.shape[0], row_weights(batch)
+    devices = 1 if axis is None else jax.lax.axis_size(axis)
+    if devices > 1 and jnp.shape(values)[:1] == (rows * devices,):
+        mask, weights = all_rows(mask, axis), all_rows(weights, axis)  # the global batch's: reduced on every device
+        total = weighted_total(_per_row(values, mask.shape[0]), mask, weights) / jnp.maximum(mask.sum(), 1.0)
+        return _share(total, devices)
+    local = weighted_total(_per_row(values, rows), mask, weights)
+    if axis is None:
+        return local / jnp.maximum(mask.sum(), 1.0)
+    total = local + jax.lax.stop_gradient(jax.lax.psum(local, axis) - local)
+    result: jax.Array = total / jnp.maximum(jax.lax.psum(mask.sum(), axis), 1.0)
+    return result
+
+
+def global_row_ids(batch: Batch, axis: str | None) -> jax.Array:
+    """Each of this device's rows' place in the global batch."""
+    rows = batch["mask"].shape[0]
+    first = 0 if axis is None else jax.lax.axis_index(axis) * rows
+    return first + jnp.arange(rows)
+
+
+def normal(rng: jax.Array, batch: Batch, shape: tuple[int, ...], dtype: Any, axis: str | None) -> jax.Array:
+    """``(rows, *shape)`` standard-normal values, row ``i`` drawn from ``rng`` folded with its
+    place in the global batch: the same numbers on any strategy and device count."""
+    keys = jax.vmap(lambda i: jax.random.fold_in(rng, i))(global_row_ids(batch, axis))
+    return jax.vmap(lambda key: jax.random.normal(key, tuple(shape), dtype))(keys)
+
+
+def all_rows(values: PyTree, axis: str | None) -> PyTree:
+    """Every leaf's rows of the whole global batch (an all-gather over ``axis``; ``values``
+    itself under ``jit``, whose batch is global)."""
+    if axis is None:
+        return values
+    return jax.tree.map(lambda a: jax.lax.all_gather(a, axis, tiled=True), values)
+
+
+def pmean_floats(value: jax.Array, axis_name: str) -> jax.Array:
+    """A floating model-state value (batch statistics) averaged over the device axis, exactly
+    itself where every device holds the same (a frozen BatchNorm's statistics, or statistics a
+    BatchNorm already reduced over the axis: a mean of equal floats can round); counters kept."""
+    if not jnp.issubdtype(value.dtype, jnp.floating):
+        return value
+    bounds = jax.lax.pmax(jnp.stack([value, -value]), axis_name)  # the largest and the smallest, in one reduction
+    return jnp.where(bounds[0] == -bounds[1], value, jax.lax.pmean(value, axis_name))
