@@ -336,3 +336,32 @@ def test_a_forgotten_method_is_named_beside_the_models_error():
         Exception, match=r"(?s)ran the model's __call__ \(method=None\) on inputs of shapes \[\(32, 2\)\]"
     ):
         fit(ForgotMethod)
+
+
+class CriticGradientsToTheGenerator(Alternating):
+    def train_step(self, state, batch, rng):
+        critic_rows, _ = self.losses(state, batch, rng)
+        c_loss, grads = jax.value_and_grad(lambda p: state.mean(critic_rows(p), batch))(state.params)
+        state = state.apply_gradients(grads, "critic")
+        return state.apply_gradients(grads, "generator"), {"c_loss": c_loss}  # the critic's loss: zero for it
+
+
+class OneGroupsLossToAll(tk.Trainer):
+    def train_step(self, state, batch, rng):
+        def loss_fn(params):
+            return state.mean(
+                state.apply(params, state.model_state, batch["x"], rng=rng, train=True, method="judge")[0], batch
+            )
+
+        loss, grads = jax.value_and_grad(loss_fn)(state.params)
+        return state.apply_gradients(grads), {"loss": loss}  # every group: the generator on zero gradients
+
+
+@pytest.mark.parametrize(
+    ("trainer_class", "group"),
+    [(CriticGradientsToTheGenerator, "generator"), (OneGroupsLossToAll, "generator")],
+    ids=["wrong_group", "every_group"],
+)
+def test_a_group_updated_on_gradients_its_loss_never_reads_is_refused(trainer_class, group):
+    with pytest.raises(ValueError, match=rf"updates '{group}' on gradients that are all zero.*never reads '{group}'"):
+        fit(trainer_class)

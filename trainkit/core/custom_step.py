@@ -40,7 +40,7 @@ from trainkit.core.checks import SettingError
 from trainkit.core.sown import split_sown
 from trainkit.core.state import Batch, TrainState, check_tree_matches
 from trainkit.core.step_helpers import pmean_floats
-from trainkit.core.step_state import StepFacts, StepState, group_mask
+from trainkit.core.step_state import StepFacts, StepState, UpdateRecord, group_mask
 from trainkit.core.totals import LossAverage
 from trainkit.core.watched_batch import RowFacts, WatchedBatch
 
@@ -83,31 +83,53 @@ def make_custom_train_step(
     folded with the step number (the same on every device), its returned state checked against
     the one it was given (:func:`check_returned`), its step count advanced, its model state
     averaged over the device axis (batch statistics), its logs weighted by the real rows."""
-    axis = facts.axis_name
 
     def train_step(state: TrainState, batch: Batch) -> tuple[TrainState, dict[str, LossAverage]]:
-        rng = jax.random.fold_in(state.rng, state.step)
-        traced = facts.for_one_trace()
-        result = user_step(StepState.of(state, traced), WatchedBatch.of(batch, RowFacts(axis)), rng)
-        if not (isinstance(result, tuple) and len(result) == 2 and isinstance(result[0], TrainState)):
-            raise TypeError(
-                "train_step(self, state, batch, rng) must return (state, logs): the new state (from "
-                "state.apply_gradients(grads, ...) or state.replace(...)) and a dict of scalar logs; received "
-                f"{_describe(result)}."
-            )
-        new_state, logs = result
-        check_returned(state, new_state, traced)
-        model_state = split_sown(new_state.model_state)[0]  # losses the model sowed are each call's, not state
-        if axis is not None:
-            model_state = jax.tree.map(lambda v: pmean_floats(v, axis), model_state)
-        kept = new_state.plain() if isinstance(new_state, StepState) else new_state
-        kept = kept.replace(
-            step=state.step + 1, rng=state.rng, loss_scale=state.loss_scale, spikes=state.spikes,
-            model_state=model_state,
-        )  # fmt: skip
-        return kept, _step_metrics(_checked_logs(logs, "train_step"), batch, axis)
+        kept, metrics, _ = _run_user_step(user_step, facts, state, batch)
+        return kept, metrics
 
     return train_step
+
+
+def make_audited_train_step(
+    user_step: UserTrainStep, facts: StepFacts
+) -> Callable[[TrainState, Batch], tuple[TrainState, dict[str, LossAverage], dict[str, jax.Array]]]:
+    """:func:`make_custom_train_step` that also returns, by group, whether every gradient an
+    update of that group read was zero (:mod:`trainkit.program.step_audit`)."""
+
+    def audited(state: TrainState, batch: Batch) -> tuple[TrainState, dict[str, LossAverage], dict[str, jax.Array]]:
+        kept, metrics, record = _run_user_step(user_step, facts, state, batch)
+        zero: dict[str, jax.Array] = {}
+        for group, flag in record.zero_gradients:  # any of a group's updates
+            zero[group] = flag if group not in zero else zero[group] | flag
+        return kept, metrics, zero
+
+    return audited
+
+
+def _run_user_step(
+    user_step: UserTrainStep, facts: StepFacts, state: TrainState, batch: Batch
+) -> tuple[TrainState, dict[str, LossAverage], UpdateRecord]:
+    axis = facts.axis_name
+    rng = jax.random.fold_in(state.rng, state.step)
+    traced = facts.for_one_trace()
+    result = user_step(StepState.of(state, traced), WatchedBatch.of(batch, RowFacts(axis)), rng)
+    if not (isinstance(result, tuple) and len(result) == 2 and isinstance(result[0], TrainState)):
+        raise TypeError(
+            "train_step(self, state, batch, rng) must return (state, logs): the new state (from "
+            "state.apply_gradients(grads, ...) or state.replace(...)) and a dict of scalar logs; received "
+            f"{_describe(result)}."
+        )
+    new_state, logs = result
+    check_returned(state, new_state, traced)
+    model_state = split_sown(new_state.model_state)[0]  # losses the model sowed are each call's, not state
+    if axis is not None:
+        model_state = jax.tree.map(lambda v: pmean_floats(v, axis), model_state)
+    kept = new_state.plain() if isinstance(new_state, StepState) else new_state
+    kept = kept.replace(
+        step=state.step + 1, rng=state.rng, loss_scale=state.loss_scale, spikes=state.spikes, model_state=model_state
+    )
+    return kept, _step_metrics(_checked_logs(logs, "train_step"), batch, axis), traced.updates
 
 
 def check_returned(given: TrainState, returned: TrainState, facts: StepFacts) -> None:

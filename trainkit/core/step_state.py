@@ -57,10 +57,21 @@ def _one_input(method: str | None, inputs: tuple[PyTree, ...], keywords: dict[st
 
 class UpdateRecord:
     """The groups ``apply_gradients`` updated while one step is traced (``None``: every group), in
-    order: what the step's return is checked against (an update thrown away is named)."""
+    order: what the step's return is checked against (an update thrown away is named); and for
+    each group an update read, whether all its gradients were zero (a traced flag: computed only
+    where a step outputs it, :mod:`trainkit.program.step_audit`; the compiler drops it elsewhere)."""
 
     def __init__(self) -> None:
         self.groups: list[str | None] = []
+        self.zero_gradients: list[tuple[str, jax.Array]] = []
+
+    def note_gradients(self, facts: StepFacts, params: PyTree, grads: PyTree, group: str | None) -> None:
+        names: tuple[str | None, ...] = (group,) if group is not None or facts.groups is None else facts.groups.names
+        for name in names:
+            flags = jax.tree.leaves(group_mask(facts, params, name))
+            zero = [jnp.all(g == 0) for g, f in zip(jax.tree.leaves(grads), flags) if f]
+            if zero:
+                self.zero_gradients.append(("the parameters" if name is None else name, jnp.stack(zero).all()))
 
     def add(self, group: str | None, has_groups: bool) -> None:
         named = [g for g in self.groups if g is not None]
@@ -151,6 +162,7 @@ class StepState(TrainState):
         facts.updates.add(group, facts.groups is not None)
         if facts.axis_name is not None:
             grads = _summed(grads, self.params, facts, group)
+        facts.updates.note_gradients(facts, self.params, grads, group)
         if group is None:
             updates, opt_state = facts.optimizer.update(grads, self.opt_state, self.params)
             return self.replace(params=facts.trainable.apply_updates(self.params, updates), opt_state=opt_state)

@@ -34,7 +34,7 @@ from trainkit.core.warn import warn_user
 from trainkit.data import FitConfig, Validation
 from trainkit.program import auto as auto_lib
 from trainkit.program import out_of_memory
-from trainkit.program.padded_rows import check_padded_rows
+from trainkit.program.step_audit import audit_own_step
 from trainkit.program.setup import Setup
 from trainkit.strategies import Strategy
 
@@ -120,7 +120,7 @@ def prepare(
         if training:
             check_loss_rows(setup, prepared)
     if training:
-        check_padded_rows(setup, prepared)
+        audit_own_step(setup, prepared)
     kind = "train" if training else "eval" if targets else "predict"
     setup.compiled.name_out_of_memory(kind, lambda error: out_of_memory.named(setup, kind, prepared, cause=error))
     if training and setup.decided.steps_per_execution == 1:

@@ -420,6 +420,12 @@ class Program:
         """LoRA's adapters folded into their kernels (the parameters of the model without them)."""
         return params if self.lora is None else self.lora.merged(params)
 
+    def audited_train_step(self) -> TreeFunction:
+        """The user's ``train_step`` under ``jit`` semantics, returning also whether each group's
+        gradients were all zero (:mod:`trainkit.program.step_audit`)."""
+        assert self.train_step is not None
+        return custom_lib.make_audited_train_step(self._user_train_step, self.step_facts(None))
+
     def metrics_step(
         self,
         kind: str,

@@ -37,6 +37,7 @@ from trainkit.weights.sources import PICKLES, SourceSpec, WeightFileError, open_
 
 __all__ = [
     "load",
+    "copy",
     "save",
     "save_pretrained",
     "Pretrained",
@@ -175,6 +176,29 @@ def load(
         return Loaded(jax.tree.unflatten(jax.tree.structure(into), values), report)
     holder.put_weights(arrays, opened.description)
     return report
+
+
+def copy(trainer: HasStateAccess, *, source: str, into: str) -> LoadReport:
+    """Copies a trainer's variables under ``source`` (``"policy/"``) into those under ``into``
+    (``"reference/"``), by their names below each prefix (parameters and other collections, e.g.
+    ``batch_stats/policy/...``), as strictly as :func:`load` (every name matched, the same
+    shapes); every other variable left as it is. A reference model for DPO or a KL penalty, an
+    EMA target, a teacher distilled from a copy: frozen by ``trainable=`` as any sub-module
+    (docs/custom_training.md).
+
+    >>> import flax.linen as nn, jax.numpy as jnp, numpy as np, optax, trainkit as tk
+    >>> class Pair(nn.Module):
+    ...     @nn.compact
+    ...     def __call__(self, x):
+    ...         return nn.Dense(2, name="policy")(x) - nn.Dense(2, name="reference")(x)
+    >>> trainer = tk.Trainer(Pair(), loss="mse", optimizer=optax.sgd(0.1), strategy="single", trainable=r"^policy/")
+    >>> _ = trainer.init((np.ones((4, 3), np.float32), np.ones((4, 2), np.float32)))
+    >>> report = copy(trainer, source="policy/", into="reference/")
+    >>> np.array_equal(trainer.params["policy"]["kernel"], trainer.params["reference"]["kernel"])
+    True
+    """
+    named = trainer.state_access.named_weights()
+    return load({short: named[full] for short, full in under_prefix(named, source).items()}, into=trainer, prefix=into)
 
 
 def under_prefix(names: Mapping[str, object], prefix: str) -> dict[str, str]:

@@ -1,0 +1,71 @@
+"""A ``train_step`` of the user's own audited before its first update, on up to
+``CHECKED_ROWS`` rows of the first batch (compiled once, under ``jit`` semantics, from the live
+state; nothing kept), for the mistakes no trace can see:
+
+- a group updated on gradients that are all zero (``state.apply_gradients(grads,
+  group="generator")`` with the critic's gradients: the loss never reads the generator, and Adam
+  would still move it) is refused naming the group;
+- where the data pads a partial last batch (or its length is unknown), the step is run twice with
+  different contents in one row marked padded, as the last batch pads it: a log or a parameter
+  that moves counted the padded row (a ``jnp.mean`` over the batch instead of
+  ``state.mean(values, batch)``), and the fit is refused naming the fix.
+
+Audited once per trainer, at its first ``fit``.
+"""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+
+from trainkit import data as data_lib
+from trainkit.core.checks import SettingError
+from trainkit.core.state import Batch
+from trainkit.program.setup import Setup
+
+#: the rows of the first batch the audit runs the step on
+CHECKED_ROWS = 32
+
+
+def audit_own_step(setup: Setup, prepared: data_lib.Prepared) -> None:
+    """Refuses a custom ``train_step`` that updates a group on all-zero gradients, or whose logs
+    or update move with a padded row's content."""
+    program = setup.program
+    if program.train_step is None or setup.audited_own_step or jax.process_count() > 1:
+        return
+    setup.audited_own_step = True
+    batch = prepared.sample_batch()
+    rows = min(CHECKED_ROWS, int(np.sum(batch["mask"])))
+    if rows < 3:
+        return
+    state, step = setup.session.require_state(), jax.jit(program.audited_train_step())
+    small = data_lib.take(batch, slice(0, rows))
+    first, first_logs, zero = step(state, small)
+    for group, flag in zero.items():
+        if bool(flag):
+            raise SettingError(
+                f"train_step updates {group!r} on gradients that are all zero on the first batch: the loss they are "
+                f"the gradients of never reads {group!r}'s parameters (a loss of another group's, or its group= "
+                "left out), and the optimizer would still move them (Adam's moments). Pass the gradients of the loss "
+                "that trains it, with its own group: state.apply_gradients(grads, group='<the group that loss trains>')."
+            )
+    pads = prepared.rows is None or prepared.rows % prepared.batch_size != 0
+    if pads and not jax.tree.leaves(state.model_state):  # batch statistics see padded rows in any step, by design
+        _check_padded_rows(step, state, small, prepared)
+
+
+def _check_padded_rows(step: jax.stages.Wrapped, state: object, small: Batch, prepared: data_lib.Prepared) -> None:
+    rows = len(small["mask"])
+    mask = np.asarray(small["mask"]).copy()
+    mask[-1] = 0  # the last row pads
+    variants = [{**data_lib.take(small, np.r_[0 : rows - 1, source]), "mask": mask} for source in (0, 1)]
+    (first, first_logs, _), (second, second_logs, _) = (step(state, variant) for variant in variants)
+    for what, a, b in (("logs", first_logs, second_logs), ("update", first.params, second.params)):
+        if not all(np.allclose(x, y, rtol=1e-6, atol=1e-7) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b))):
+            rows_said = "" if prepared.rows is None else f" ({prepared.rows} rows in batches of {prepared.batch_size})"
+            raise SettingError(
+                f"train_step's {what} moved when only a padded row changed: the step counts the rows that pad a "
+                f"partial last batch{rows_said}, e.g. with jnp.mean(per_row) over the batch. Reduce per-row values "
+                "with state.mean(values, batch), which leaves the padded rows out (batch['mask'] marks them), or "
+                "pass a batch_size that divides the data."
+            )
