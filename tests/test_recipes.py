@@ -62,15 +62,16 @@ class WGANGP(tk.Trainer):
             penalty = (jnp.sqrt((slopes**2).sum(-1) + 1e-12) - 1.0) ** 2
             return run(params, fake, "judge") - run(params, batch["x"], "judge") + self.penalty * penalty
 
-        for k in range(self.critic_steps):
+        def critic_loss(params, z, eps):
+            return state.mean(critic_rows(params, z, eps), batch)
+
+        for k in range(self.critic_steps):  # five critic updates, each on its own noise
             key = jax.random.fold_in(rng, k)
             z, eps = (
                 state.normal(key, batch, (4,)),
                 jax.nn.sigmoid(state.normal(jax.random.fold_in(key, 1), batch, (1,))),
             )
-            c_loss, grads = jax.value_and_grad(lambda p, z=z, eps=eps: state.mean(critic_rows(p, z, eps), batch))(
-                state.params
-            )
+            c_loss, grads = jax.value_and_grad(critic_loss)(state.params, z, eps)
             state = state.apply_gradients(grads, "critic")
         z = state.normal(jax.random.fold_in(rng, self.critic_steps), batch, (4,))
         g_loss, grads = jax.value_and_grad(lambda p: state.mean(-run(p, run(p, z, "generate"), "judge"), batch))(
@@ -186,8 +187,13 @@ def adam_groups():
 
 RECIPES = {  # name: (build(strategy), x, y, the copy a run starts from)
     "wgan_gp": (lambda s: WGANGP(GAN(), optimizer=adam_groups(), strategy=s), X, None, None),
-    "conditional_gan": (lambda s: ConditionalGAN(GAN(conditional=True), optimizer=adam_groups(), strategy=s), X, LABELS, None),
-    "dpo": (lambda s: DPO(Pair(), optimizer=optax.adam(1e-2), strategy=s, trainable=r"^policy/"), X, PREFERENCES, ("policy/", "reference/")),
+    "conditional_gan": (
+        lambda s: ConditionalGAN(GAN(conditional=True), optimizer=adam_groups(), strategy=s), X, LABELS, None
+    ),
+    "dpo": (
+        lambda s: DPO(Pair(), optimizer=optax.adam(1e-2), strategy=s, trainable=r"^policy/"),
+        X, PREFERENCES, ("policy/", "reference/"),
+    ),
     "byol": (
         lambda s: BYOL(Siamese(), optimizer=optax.adam(1e-2), strategy=s, trainable=r"^(encoder|predictor)/"),
         X, None, ("encoder/", "target/"),

@@ -34,8 +34,8 @@ from trainkit.core.warn import warn_user
 from trainkit.data import FitConfig, Validation
 from trainkit.program import auto as auto_lib
 from trainkit.program import out_of_memory
-from trainkit.program.step_audit import audit_own_step
 from trainkit.program.setup import Setup
+from trainkit.program.step_audit import audit_own_step
 from trainkit.strategies import Strategy
 
 #: Rows of the first batch that :func:`check_outputs` runs the model on.

@@ -46,8 +46,8 @@ def audit_own_step(setup: Setup, prepared: data_lib.Prepared) -> None:
             raise SettingError(
                 f"train_step updates {group!r} on gradients that are all zero on the first batch: the loss they are "
                 f"the gradients of never reads {group!r}'s parameters (a loss of another group's, or its group= "
-                "left out), and the optimizer would still move them (Adam's moments). Pass the gradients of the loss "
-                "that trains it, with its own group: state.apply_gradients(grads, group='<the group that loss trains>')."
+                "left out), and the optimizer would still move them (Adam's moments). Pass the gradients of the "
+                "loss that trains it, with its own group: state.apply_gradients(grads, group='<the group it trains>')."
             )
     pads = prepared.rows is None or prepared.rows % prepared.batch_size != 0
     if pads and not jax.tree.leaves(state.model_state):  # batch statistics see padded rows in any step, by design
