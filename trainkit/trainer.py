@@ -94,14 +94,10 @@ class Trainer:
         if deterministic:  # XLA reads its flags when the backend starts: before anything touches devices
             distributed.enable_determinism()
         distributed.initialize_from_environment()  # a multi-process job: connect first
-        own_step = custom_step.overridden(type(self).train_step, Trainer.train_step, type(self).__name__)
-        own_test = custom_step.overridden(type(self).test_step, Trainer.test_step, type(self).__name__)
-        own_loss = type(self).compute_loss is not Trainer.compute_loss
-        own_test = own_test or (own_step and loss is None and not own_loss)  # no built-in evaluation: test_step's
-        custom_loss = own_loss or own_step
-        check_trainer_arguments(optimizer, grad_accum_steps, jit_compile, has_loss=loss is not None or custom_loss)
+        own = custom_step.overrides(type(self), Trainer, has_loss=loss is not None)  # compute_loss, train_step, ...
+        check_trainer_arguments(optimizer, grad_accum_steps, jit_compile, has_loss=loss is not None or own.loss)
         self.model, self.loss, self.optimizer, self.remat, self.seed = model, loss, optimizer, remat, int(seed)
-        self.objective = Objective(loss, metrics, weighted_metrics, loss_weights, own_loss=own_loss)
+        self.objective = Objective(loss, metrics, weighted_metrics, loss_weights, own_loss=own.compute_loss)
         self.run_eagerly = bool(run_eagerly) or jit_compile is False
         self.precision = get_precision(precision)
         self.grad_accum_steps, self.log_grad_norm = int(grad_accum_steps), bool(log_grad_norm)
@@ -110,13 +106,13 @@ class Trainer:
             optimizer=optimizer, objective=self.objective, precision=self.precision, eager=self.run_eagerly,
             grad_accum_steps=self.grad_accum_steps, log_grad_norm=self.log_grad_norm, variables=params, lora=lora,
             trainable=trainable, spike_skip=skip_spikes, frozen_statistics=frozen_statistics,
-            offload=Offload.of(offload), train_step=self.train_step if own_step else None,
-            test_step=self.test_step if own_test else None,
+            offload=Offload.of(offload), train_step=self.train_step if own.train_step else None,
+            test_step=self.test_step if own.test_step else None,
         )  # fmt: skip
         self.session = Session()  # the one holder of the live state, the position and the flags
         self.setup = Setup(
             self.program, strategy, session=self.session, steps_per_execution=steps_per_execution,
-            custom_loss=custom_loss, mixes_rows=mixes_rows, deterministic=deterministic,
+            custom_loss=own.loss, mixes_rows=mixes_rows, deterministic=deterministic,
         )  # fmt: skip
         self.state_access, self.compiled = self.setup.state_access, self.setup.compiled
         self.loop = Loop(self.session, self.compiled)
@@ -254,16 +250,11 @@ class Trainer:
         """What a checkpoint records besides the arrays (JSON; see docs/checkpointing.md)."""
         return checkpoint_lib.manifest_of(self.session, self.strategy, self.state_access.settings())
 
-    def save(
-        self, filepath: str | os.PathLike[str], *, max_to_keep: int | None = None, weights_only: bool = False,
-        overwrite: bool = True, allow_non_finite: bool = False,
-    ) -> int:  # fmt: skip
-        """Writes the state (or only the variables) and the manifest to ``filepath`` (orbax) at the current step,
-        returned once on disk; refuses an existing step with ``overwrite=False``, NaN unless ``allow_non_finite``."""
-        return checkpoint_lib.save_session(
-            filepath, self.session, self.manifest(), max_to_keep=max_to_keep, weights_only=weights_only,
-            overwrite=overwrite, allow_non_finite=allow_non_finite,
-        )  # fmt: skip
+    def save(self, filepath: str | os.PathLike[str], **options: Unpack[checkpoint_lib.SaveOptions]) -> int:
+        """Writes the state (``weights_only``: the variables) and the manifest to ``filepath`` (orbax) at the current
+        step, returned once on disk, keeping ``max_to_keep``; refuses an existing step with ``overwrite=False``, NaN
+        unless ``allow_non_finite``."""
+        return checkpoint_lib.save_session(filepath, self.session, self.manifest(), **options)
 
     def load(
         self, directory: str | os.PathLike[str] | checkpoint_lib.Checkpointer, step: int | None = None
@@ -284,18 +275,11 @@ class Trainer:
         """The train step as partitioned HLO, with the collectives the compiler inserted."""
         return str(debug.lower_train_step(self, self.setup.placed_sample(sample_batch)).compile().as_text())
 
-    def plan(
-        self, sample_batch: Any, *, batch_size: int | None = None, candidates: Sequence[Strategy] | None = None,
-        measure: bool = False, memory_limit: int | str | None = None, steps: int = plan_lib.MEASURE_STEPS,
-        verbose: int = 1, target: str | None = None, first_fit: bool = False, add_measures: bool = True,
-    ) -> plan_lib.MemoryPlan:  # fmt: skip
-        """The real step compiled under each candidate (``first_fit``: up to the first that fits; none: with remat,
-        then offload, unless ``add_measures=False``): bytes, flops, time, the pick; ``target``: docs/targets.md."""
-        return tuning.plan(
-            self.setup, sample_batch, batch_size=batch_size, candidates=candidates, measure=measure,
-            memory_limit=memory_limit, steps=steps, verbose=verbose, target=target, first_fit=first_fit,
-            add_measures=add_measures,
-        )  # fmt: skip
+    def plan(self, sample_batch: Any, **options: Unpack[tuning.PlanOptions]) -> plan_lib.MemoryPlan:
+        """The real step compiled under each of ``candidates`` at ``batch_size`` (``first_fit``: up to the first that
+        fits; none: with remat, then offload, unless ``add_measures=False``; ``measure``: timed ``steps``) against
+        ``memory_limit``: bytes, flops, time, the pick; ``target``: a pod's compile-only devices (docs/targets.md)."""
+        return tuning.plan(self.setup, sample_batch, **options)
 
     def export(
         self, filepath: str | os.PathLike[str], format: str | None = None, verbose: bool = True, **options: Any
@@ -306,27 +290,19 @@ class Trainer:
         float32 = export_lib.computes_float32(format, self.precision.compute_dtype, type(self).apply is Trainer.apply)
         export_lib.export(filepath, lambda: self.setup.inference(float32), format, verbose=verbose, **options)
 
-    def find_batch_size(
-        self, x: Any, y: PyTree = None, *, max_batch_size: int = 2**16, memory_limit: int | str | None = None,
-        powers_of_two: bool = True, verbose: int = 1, target: str | None = None, headroom: float | None = None,
-    ) -> BatchSizeSearch:  # fmt: skip
-        """The largest global batch whose compiled train step fits ``memory_limit`` (default: the device's) less
-        ``headroom``, found by compiling, never by an OOM; with remat or offload where needed (docs/tuning.md)."""
-        return tuning.find_batch_size(
-            self.setup, x, y, max_batch_size=max_batch_size, memory_limit=memory_limit, powers_of_two=powers_of_two,
-            verbose=verbose, target=target, headroom=headroom,
-        )  # fmt: skip
+    def find_batch_size(self, x: Any, y: PyTree = None, **options: Unpack[tuning.BatchSizeOptions]) -> BatchSizeSearch:
+        """The largest global batch (up to ``max_batch_size``, ``powers_of_two``) whose compiled train step fits
+        ``memory_limit`` (default: the device's) less ``headroom``, found by compiling, never by an OOM; with remat
+        or offload where needed; ``target``: a pod's compile-only devices (docs/tuning.md)."""
+        return tuning.find_batch_size(self.setup, x, y, **options)
 
     def find_learning_rate(
-        self, x: Any, y: PyTree = None, *, batch_size: int | None, min_lr: float = 1e-7, max_lr: float = 1.0,
-        steps: int = 100, early_stop_threshold: float | None = lr_finder.EARLY_STOP_THRESHOLD,
-    ) -> lr_finder.LearningRateSearch:  # fmt: skip
-        """Lightning's range test from ``min_lr`` to ``max_lr``: ``lrs``, smoothed ``losses``, the
-        ``suggestion`` and ``plot(path)``; the trainer is restored exactly (docs/tuning.md)."""
-        return lr_finder.find_learning_rate(
-            self, x, y, batch_size=batch_size, min_lr=min_lr, max_lr=max_lr, steps=steps,
-            early_stop_threshold=early_stop_threshold,
-        )  # fmt: skip
+        self, x: Any, y: PyTree = None, *, batch_size: int | None, **options: Unpack[lr_finder.RangeOptions]
+    ) -> lr_finder.LearningRateSearch:
+        """Lightning's range test over ``steps`` from ``min_lr`` (1e-7) to ``max_lr`` (1.0), stopped past
+        ``early_stop_threshold``: ``lrs``, smoothed ``losses``, the ``suggestion`` and ``plot(path)``; the trainer
+        is restored exactly (docs/tuning.md)."""
+        return lr_finder.find_learning_rate(self, x, y, batch_size=batch_size, **options)
 
     def fit(
         self, x: Any = None, y: PyTree = None, batch_size: int | None = None, epochs: int | None = None,

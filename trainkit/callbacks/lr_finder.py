@@ -20,7 +20,7 @@ import math
 import os
 import warnings
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, TypedDict
 
 import numpy as np
 
@@ -229,15 +229,24 @@ class RangeTested(TrainerView, Protocol):
     ) -> object: ...  # fmt: skip
 
 
+class RangeOptions(TypedDict, total=False):
+    """``Trainer.find_learning_rate``'s options (:func:`find_learning_rate`'s defaults)."""
+
+    min_lr: float
+    max_lr: float
+    steps: int
+    early_stop_threshold: float | None
+
+
 def find_learning_rate(
     trainer: RangeTested,
     x: Any,
     y: Any,
     *,
     batch_size: int | None,
-    min_lr: float,
-    max_lr: float,
-    steps: int,
+    min_lr: float = 1e-7,
+    max_lr: float = 1.0,
+    steps: int = 100,
     early_stop_threshold: float | None = EARLY_STOP_THRESHOLD,
     smoothing: float = SMOOTHING,
 ) -> LearningRateSearch:

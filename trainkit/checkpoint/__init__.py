@@ -7,7 +7,7 @@ True
 """
 
 from trainkit.checkpoint.checkpointer import Checkpointer, CheckpointError, all_finite, check_writable
-from trainkit.checkpoint.files import remove_checkpoints, restore, restore_session, save, save_session
+from trainkit.checkpoint.files import SaveOptions, remove_checkpoints, restore, restore_session, save, save_session
 from trainkit.checkpoint.manifest import build_manifest, checked_position, explain_restore, manifest_of
 
 __all__ = [
@@ -24,4 +24,5 @@ __all__ = [
     "restore_session",
     "save",
     "save_session",
+    "SaveOptions",
 ]

@@ -17,7 +17,7 @@ from __future__ import annotations
 import os
 import shutil
 import sys
-from typing import Any
+from typing import Any, TypedDict
 
 from trainkit.checkpoint import directory as directory_lib
 from trainkit.checkpoint.checkpointer import Checkpointer, CheckpointError, all_finite
@@ -72,6 +72,15 @@ def restore(
     finally:
         if own:
             checkpointer.close()
+
+
+class SaveOptions(TypedDict, total=False):
+    """``Trainer.save``'s options (:func:`save_session`'s defaults)."""
+
+    max_to_keep: int | None
+    weights_only: bool
+    overwrite: bool
+    allow_non_finite: bool
 
 
 def save_session(

@@ -29,7 +29,7 @@ import dis
 import inspect
 import types
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple, Protocol
 
 import jax
 import jax.numpy as jnp
@@ -199,6 +199,41 @@ def make_custom_eval_step(
         return _step_metrics(_checked_logs(logs, "test_step"), batch, facts.axis_name)
 
     return eval_step
+
+
+class Overrides(NamedTuple):
+    """Which of a trainer's override points its class overrides (:func:`overrides`)."""
+
+    compute_loss: bool
+    train_step: bool
+    #: a ``test_step`` of its own, or none to evaluate by (a ``train_step`` of its own, no loss)
+    test_step: bool
+
+    @property
+    def loss(self) -> bool:
+        """The loss is the user's (``compute_loss`` or ``train_step``): ``loss=`` may be left out."""
+        return self.compute_loss or self.train_step
+
+
+class Overridable(Protocol):
+    """A trainer class as :func:`overrides` reads it: its override points."""
+
+    def compute_loss(self, *args: Any, **kwargs: Any) -> Any: ...
+
+    def train_step(self, *args: Any, **kwargs: Any) -> Any: ...
+
+    def test_step(self, *args: Any, **kwargs: Any) -> Any: ...
+
+
+def overrides(cls: type[Overridable], base: type[Overridable], *, has_loss: bool) -> Overrides:
+    """What ``cls`` (a ``Trainer`` subclass) overrides of ``base`` (``Trainer``): raises for a
+    ``train_step`` / ``test_step`` of the wrong signature or the old ``self.`` helpers
+    (:func:`overridden`); ``has_loss``: ``loss=`` was given (else a ``train_step`` of its own
+    evaluates by its ``test_step``)."""
+    step = overridden(cls.train_step, base.train_step, cls.__name__)
+    test = overridden(cls.test_step, base.test_step, cls.__name__)
+    own_loss = cls.compute_loss is not base.compute_loss
+    return Overrides(own_loss, step, test or (step and not has_loss and not own_loss))
 
 
 def overridden(method: Callable[..., object], default: Callable[..., object], owner: str) -> bool:

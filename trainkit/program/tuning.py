@@ -15,7 +15,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from typing import Any, TypedDict
 
 import jax
 from jax.experimental.compilation_cache import compilation_cache as jax_compilation_cache
@@ -32,6 +32,31 @@ from trainkit.program import plan as plan_lib
 from trainkit.program import targets as targets_lib
 from trainkit.program.setup import Setup
 from trainkit.strategies import FSDP, DataParallel, Hybrid, Strategy
+
+
+class PlanOptions(TypedDict, total=False):
+    """``Trainer.plan``'s options (:func:`plan`'s defaults)."""
+
+    batch_size: int | None
+    candidates: Sequence[Strategy] | None
+    measure: bool
+    memory_limit: int | str | None
+    steps: int
+    verbose: int
+    target: str | None
+    first_fit: bool
+    add_measures: bool
+
+
+class BatchSizeOptions(TypedDict, total=False):
+    """``Trainer.find_batch_size``'s options (:func:`find_batch_size`'s defaults)."""
+
+    max_batch_size: int
+    memory_limit: int | str | None
+    powers_of_two: bool
+    verbose: int
+    target: str | None
+    headroom: float | None
 
 
 def plan(
