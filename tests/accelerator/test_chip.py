@@ -113,9 +113,9 @@ def test_an_export_reads_back_with_predict_s_outputs(rows, chip, tmp_path):
     x, y = rows
     trainer = trainer_on(chip)
     trainer.fit(x, y, batch_size=64, epochs=1, verbose=0)
-    trainer.export(tmp_path / "model.jax", verbose=False)
-    loaded = tk.export.load(tmp_path / "model.jax")
-    with jax.default_matmul_precision("highest"):
+    with jax.default_matmul_precision("highest"):  # an export keeps the precision it was traced with: the same here
+        trainer.export(tmp_path / "model.jax", verbose=False)
+        loaded = tk.export.load(tmp_path / "model.jax")
         np.testing.assert_allclose(np.asarray(loaded(x[:7])), trainer.predict(x[:7]), rtol=1e-4, atol=1e-4)
 
 
