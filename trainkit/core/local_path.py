@@ -8,6 +8,14 @@ credential the URL carries.
 >>> require_local("gs://alice:s3cr3t@bucket/run", "save's filepath")
 Traceback (most recent call last):
 ValueError: save's filepath 'gs://alice:***@bucket/run' is a gs:// URL, ...
+
+However it is spelled: ``pathlib.Path("s3://bucket/run")`` (which collapses ``//`` to ``s3:/``),
+``"s3:/bucket/run"``, or with spaces around it. A drive letter (``C:/runs``) is a path.
+
+>>> import pathlib
+>>> require_local(pathlib.Path("s3://bucket/run"), "export's filepath")
+Traceback (most recent call last):
+ValueError: export's filepath 's3:/bucket/run' is a s3:// URL, ...
 """
 
 from __future__ import annotations
@@ -17,7 +25,7 @@ import re
 
 from trainkit.core.redact import redacted
 
-_URL = re.compile(r"^(?P<scheme>[a-zA-Z][a-zA-Z0-9+.-]*)://")
+_URL = re.compile(r"^\s*(?P<scheme>[a-zA-Z][a-zA-Z0-9+.-]+):/")  # two letters or more: C:/ is a drive
 
 
 def require_local(path: str | os.PathLike[str], what: str) -> str:

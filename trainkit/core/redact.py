@@ -9,6 +9,8 @@ query parameters, in any message that may quote a URL (a tracking server's, a bu
 's3://***@bucket/runs'
 >>> redacted("http://alice:p@ss@host:5000/ private_token=abc Authorization: Bearer eyJ.x")
 'http://alice:***@host:5000/ private_token=*** Authorization: Bearer ***'
+>>> redacted("s3:/alice:s3cr3t@bucket/run https://hooks.slack.com/services/T0001/B0002/XXXXsecret")
+'s3:/alice:***@bucket/run https://hooks.slack.com/services/***'
 """
 
 from __future__ import annotations
@@ -16,7 +18,9 @@ from __future__ import annotations
 import re
 
 #: a URL's user-info runs to the authority's last ``@`` (a raw ``@`` in a password, as URL parsers read it)
-_USERINFO = re.compile(r"(?P<scheme>\b[a-zA-Z][a-zA-Z0-9+.-]*://)(?P<user>[^/@\s:'\"?#]*)(?P<password>:[^/\s'\"?#]*)?@")
+_USERINFO = re.compile(
+    r"(?P<scheme>\b[a-zA-Z][a-zA-Z0-9+.-]*:/{1,2})(?P<user>[^/@\s:'\"?#]*)(?P<password>:[^/\s'\"?#]*)?@"
+)  # one slash too: pathlib.Path collapses a URL's "//"
 _TOKEN = re.compile(
     r"(?P<name>\b(?:access_token|token|private_token|refresh_token|id_token|session_token|client_secret|api_key|"
     r"apikey|key|secret|password|passwd|sig|signature|auth|credential|x-amz-signature|x-amz-credential|"
@@ -49,6 +53,14 @@ _HEADER = re.compile(
 )
 
 
+#: a webhook whose path is its credential (Slack's, Discord's, Teams')
+_WEBHOOK = re.compile(
+    r"(?P<name>\bhttps?://(?:hooks\.slack\.com/(?:services|workflows|triggers)|(?:[a-z0-9-]+\.)?discord(?:app)?\.com/"
+    r"api/webhooks|[a-z0-9-]+\.webhook\.office\.com/webhookb2)/)[^\s'\"]+",
+    re.IGNORECASE,
+)
+
+
 def redacted(text: str) -> str:
     """``text`` with URL passwords (``user:***@``), bare user-info tokens (``***@``),
     token-like values (``token=***``, ``client_secret=***``), authorization credentials
@@ -63,6 +75,6 @@ def redacted(text: str) -> str:
 
     masked = _TOKEN.sub(lambda m: f"{m['name']}***", _USERINFO.sub(userinfo, text))
     masked = _JSON_FIELD.sub(lambda m: f'{m["name"]}"***"', masked)
-    for pattern in (_AUTHORIZATION, _ENVIRONMENT, _OPTION, _HEADER):
+    for pattern in (_AUTHORIZATION, _ENVIRONMENT, _OPTION, _HEADER, _WEBHOOK):
         masked = pattern.sub(lambda m: f"{m['name']}***", masked)
     return masked

@@ -26,6 +26,8 @@ import tempfile
 import time
 from collections.abc import Collection, Iterator, Sequence
 
+from trainkit.distributed import filesystem
+
 #: Files a writer may put beside its output under the output's name plus a suffix (ONNX keeps
 #: initializers past 2 GB in ``<model>.onnx.data``): moved with it, or removed when stale.
 SIDECARS = (".data",)
@@ -124,7 +126,11 @@ def check_replaceable(target: str, folder_entries: Collection[str] = ()) -> None
 
 @contextlib.contextmanager
 def staged(
-    path: str | os.PathLike[str], sidecars: Sequence[str] = SIDECARS, folder_entries: Collection[str] = ()
+    path: str | os.PathLike[str],
+    sidecars: Sequence[str] = SIDECARS,
+    folder_entries: Collection[str] = (),
+    *,
+    folder: str | None = None,
 ) -> Iterator[str]:
     """A temporary path (in a new folder beside ``path``) to write ``path``'s file or folder
     to; moved into place when the block ends without an error, else removed with everything
@@ -132,8 +138,11 @@ def staged(
     sidecar the new output does not have is removed, so nothing stale is read with it. Staging
     folders that killed writes to the same target left are removed first. An existing folder at
     ``path`` is replaced only when it holds nothing but ``folder_entries`` (:func:`check_replaceable`,
-    before anything is written)."""
+    before anything is written). ``folder``: the output is a folder, named so in the refusal of an
+    existing file at ``path`` (:func:`~trainkit.distributed.filesystem.require_folder`)."""
     target = os.path.abspath(os.fspath(path))
+    if folder is not None:
+        filesystem.require_folder(target, folder)
     check_replaceable(target, folder_entries)
     parent = os.path.dirname(target)
     os.makedirs(parent, exist_ok=True)

@@ -16,10 +16,34 @@ import os
 import tempfile
 
 
+def file_in_place(folder: str | os.PathLike[str]) -> str | None:
+    """Why a folder cannot be written at ``folder`` without deleting a file: an existing file (or a
+    link to one) is there; ``None`` when nothing or a folder is. Every writer of a folder
+    (checkpoints, backups, exports, ``save_pretrained``, log directories) asks it first.
+
+    >>> import tempfile
+    >>> file_in_place(tempfile.mkstemp()[1]).startswith("it is an existing file")
+    True
+    """
+    if os.path.lexists(folder) and not os.path.isdir(folder):
+        return "it is an existing file, not a folder: writing a folder there would replace it (nothing was changed)"
+    return None
+
+
+def require_folder(folder: str | os.PathLike[str], what: str) -> None:
+    """Raises a ``FileExistsError`` naming ``what`` when :func:`file_in_place` finds a file at ``folder``."""
+    problem = file_in_place(folder)
+    if problem is not None:
+        raise FileExistsError(f"{what} {os.fspath(folder)!r}: {problem}. Name a new path, or move that file.")
+
+
 def write_problem(directory: str | os.PathLike[str], probe_bytes: int = 0) -> str | None:
     """Why ``directory`` cannot be created or a file written in it (``"PermissionError:
-    Permission denied"``), or ``None``. With ``probe_bytes``, that many bytes are written and
-    synced, so a full disk shows too."""
+    Permission denied"``, an existing file there), or ``None``. With ``probe_bytes``, that many
+    bytes are written and synced, so a full disk shows too."""
+    in_place = file_in_place(directory)
+    if in_place is not None:
+        return in_place
     try:
         os.makedirs(directory, exist_ok=True)
         with tempfile.NamedTemporaryFile(dir=os.fspath(directory), prefix=".trainkit-probe-") as probe:

@@ -21,7 +21,7 @@ import numpy as np
 from trainkit import distributed
 from trainkit.core.local_path import require_local
 from trainkit.core.tree import PyTree, TreeFunction
-from trainkit.distributed import atomic
+from trainkit.distributed import atomic, filesystem
 from trainkit.export import jax_format, onnx_format, tf_saved_model
 from trainkit.export.signature import symbolic_inputs
 
@@ -123,7 +123,8 @@ def write(
     # whole (a missing parent folder is created)
     # moved (or a stale one removed) with it
     sidecars = (*atomic.SIDECARS, jax_format.SIDECAR) if format == "jax" else atomic.SIDECARS
-    with atomic.staged(path, sidecars, folder_entries=FOLDER_ENTRIES.get(format, ())) as temporary:
+    folder = f"export's {format!r} folder" if format in FOLDER_ENTRIES else None
+    with atomic.staged(path, sidecars, folder_entries=FOLDER_ENTRIES.get(format, ()), folder=folder) as temporary:
         written = save(temporary, function, variables, symbolic_inputs(spec), **options)
     if verbose:
         details = ", ".join(f"{k} {v}" for k, v in written.items())
@@ -143,4 +144,6 @@ def export(
     require_local(path, "export's filepath")
     format = resolve_format(path, format)
     check_format(format)  # before anything is fetched or traced
+    if format in FOLDER_ENTRIES:
+        filesystem.require_folder(path, f"export's {format!r} folder")
     write(path, *inference(), format, verbose=verbose, **options)

@@ -83,6 +83,7 @@ class TensorBoardLogger:
     def __init__(self, log_dir: str | os.PathLike[str], prefix: str = ""):
         from tensorboardX import SummaryWriter
 
+        filesystem.require_folder(log_dir, "TensorBoard's log_dir")
         self.log_dir, self.prefix = os.fspath(log_dir), prefix
         self._writer_class = SummaryWriter
         self._writers: dict[str, SummaryWriter] = {}

@@ -75,6 +75,7 @@ class StateAccess:
     def __init__(self, program: Program, session: Session, decided: Decided):
         self.program, self.session, self.decided = program, session, decided
         self.weights_source = ""  # where the last tk.weights.load read the variables from
+        self.loaded_path: str | None = None  # the file or folder it read (save_pretrained never writes there)
         self._scheduled_rate: bool | None = None  # whether a schedule sets the injected learning rate
 
     def require_state(self) -> TrainState:
@@ -187,12 +188,13 @@ class StateAccess:
             name: Target(*lora_lib.float_view(leaf)) for name, leaf in named.items() if not lora_lib.is_adapter(name)
         }
 
-    def put_weights(self, arrays: dict[str, Any], source: str = "") -> None:
+    def put_weights(self, arrays: dict[str, Any], source: str = "", path: str | None = None) -> None:
         """Loaded variables (placed in the live shardings) written into the live state (under
         QLoRA the base kernels quantised as the live ones are); ``source`` names where they came
-        from (an adapter checkpoint records it)."""
+        from (an adapter checkpoint records it), ``path`` the file or folder read (``save_pretrained``
+        never writes there)."""
         state = self.require_state()
-        self.weights_source = source
+        self.weights_source, self.loaded_path = source, path
         params, model_state = replaced(state.params, state.model_state, arrays)
         if self.program.lora is not None:  # the base's kernels may be quantised nodes: replaced whole
             params = lora_lib.with_base(state.params, arrays)

@@ -57,7 +57,10 @@ class Loadable(Protocol):
 
     def weight_targets(self) -> dict[str, Target]: ...
 
-    def put_weights(self, arrays: dict[str, ArrayValue], source: str = "") -> None: ...
+    def put_weights(self, arrays: dict[str, ArrayValue], source: str = "", path: str | None = None) -> None: ...
+
+    #: the file or folder the variables were last loaded from (``None``: none, or a dict of arrays)
+    loaded_path: str | None
 
     def named_weights(self) -> dict[str, np.ndarray]: ...
 
@@ -73,7 +76,7 @@ class Pretrained(TypedDict, total=False):
 
     rename: Sequence[tuple[str, str]]
     layout: str
-    dtype: str | None
+    dtype: object
     max_shard_size: int | str
     tokenizer: str | os.PathLike[str] | None
     adapter: bool
@@ -174,7 +177,7 @@ def load(
         flat = jax.tree_util.tree_leaves_with_path(into)
         values = [arrays.get(leaf_name(path), leaf) for path, leaf in flat]
         return Loaded(jax.tree.unflatten(jax.tree.structure(into), values), report)
-    holder.put_weights(arrays, opened.description)
+    holder.put_weights(arrays, opened.description, None if isinstance(source, Mapping) else os.fspath(source))
     return report
 
 
@@ -313,7 +316,7 @@ def save_pretrained(
     config: object,
     rename: Sequence[tuple[str, str]] = (),
     layout: str = "flax",
-    dtype: str | None = None,
+    dtype: object = None,
     max_shard_size: int | str = "5GB",
     tokenizer: str | os.PathLike[str] | None = None,
     adapter: bool = False,
@@ -323,8 +326,13 @@ def save_pretrained(
     ``dtype``, sharded past ``max_shard_size``, beside ``config``'s ``config.json`` (``dtype`` set) and
     ``tokenizer``'s files; with ``adapter=True`` LoRA's adapters alone as a PEFT folder. Checked against
     the config's architecture first where ``transformers`` is installed; written whole or not at all."""
+    pretrained.check_not_a_source(
+        folder, {"config=": config, "tokenizer=": tokenizer, "tk.weights.load(...)": holder.loaded_path}
+    )
     settings, base = pretrained.read_config(config)
-    pretrained.check_not_a_source(folder, base, tokenizer)
+    pretrained.check_json(settings)
+    if dtype is not None:
+        pretrained.dtype_of(dtype)  # a spelling it reads, before anything is fetched
     documents: dict[str, object]
     if adapter:
         lora, adapters = holder.named_adapters()

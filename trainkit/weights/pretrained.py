@@ -44,7 +44,7 @@ TOKENIZER_FILES = (
     "chat_template.json",
     "generation_config.json",
 )
-WEIGHTS, INDEX = "model.safetensors", "model.safetensors.index.json"
+WEIGHTS, INDEX, README = "model.safetensors", "model.safetensors.index.json", "README.md"
 #: The names a folder ``save_pretrained`` wrote may hold: an existing folder holding only these is replaced.
 FOLDER_FILES = re.compile(
     r"^(config\.json|model(-\d{5}-of-\d{5})?\.safetensors|model\.safetensors\.index\.json|adapter_config\.json"
@@ -93,7 +93,10 @@ def read_config(config: object) -> tuple[Config, str | None]:
                 f"config={config!r}: no config.json there. Pass the base model's folder or its config.json."
             )
         with open(path) as file:
-            read = json.load(file)
+            try:
+                read = json.load(file)
+            except (ValueError, RecursionError) as error:
+                raise ValueError(f"config={config!r}: {path} is not a JSON config ({type(error).__name__}).") from None
     elif isinstance(config, Mapping):
         read = dict(config)
     elif _is_transformers_config(config):
@@ -133,16 +136,59 @@ def dtype_name(arrays: Mapping[str, np.ndarray]) -> str:
     return str(floating[0]) if floating else "float32"
 
 
-def cast(arrays: Mapping[str, np.ndarray], dtype: str | None) -> dict[str, np.ndarray]:
-    """The floating arrays in ``dtype`` (``"bfloat16"``, ``"float16"``, ``"float32"``); integers as they are."""
+#: ``save_pretrained(dtype=...)``'s spellings of the dtypes it writes: NumPy's, the usual short ones, torch's
+DTYPES = {
+    name: canonical
+    for canonical, names in {
+        "bfloat16": ("bfloat16", "bf16", "torch.bfloat16"),
+        "float16": ("float16", "fp16", "half", "torch.float16", "torch.half"),
+        "float32": ("float32", "fp32", "float", "torch.float32", "torch.float"),
+    }.items()
+    for name in names
+}
+
+
+def dtype_of(dtype: object) -> str:
+    """The dtype ``save_pretrained(dtype=...)`` names, by any spelling in :data:`DTYPES` (a torch dtype
+    or a NumPy one too).
+
+    >>> dtype_of("bf16"), dtype_of(np.float16)
+    ('bfloat16', 'float16')
+    >>> dtype_of(5)
+    Traceback (most recent call last):
+    ValueError: dtype=5 is not a floating dtype save_pretrained writes: pass 'bfloat16' (or 'bf16', ...
+    """
+    spelled = str(dtype) if not isinstance(dtype, type) else np.dtype(dtype).name
+    if spelled not in DTYPES:
+        raise ValueError(
+            f"dtype={dtype!r} is not a floating dtype save_pretrained writes: pass 'bfloat16' (or 'bf16', "
+            "torch.bfloat16), 'float16' (or 'fp16') or 'float32' (or 'fp32'); None keeps the trainer's."
+        )
+    return DTYPES[spelled]
+
+
+def cast(arrays: Mapping[str, np.ndarray], dtype: object) -> dict[str, np.ndarray]:
+    """The floating arrays in ``dtype`` (any spelling :func:`dtype_of` reads); integers as they are."""
     if dtype is None:
         return dict(arrays)
     import ml_dtypes
 
-    target = np.dtype(ml_dtypes.bfloat16) if dtype == "bfloat16" else np.dtype(dtype)
-    if target.kind != "f" and target.name != "bfloat16":
-        raise ValueError(f"dtype={dtype!r}: pass a floating dtype ('bfloat16', 'float16', 'float32').")
+    name = dtype_of(dtype)
+    target = np.dtype(ml_dtypes.bfloat16) if name == "bfloat16" else np.dtype(name)
     return {name: a.astype(target) if _floating(a) else a for name, a in arrays.items()}
+
+
+def check_json(config: Config) -> None:
+    """Refuses a ``config=`` whose values JSON cannot write (a ``set``), naming the key, before
+    anything is written."""
+    for key, value in config.items():
+        try:
+            json.dumps(value)
+        except (TypeError, ValueError) as error:
+            raise TypeError(
+                f"config= holds {key!r}: {type(value).__name__} ({error}), which config.json cannot hold: give it as "
+                "a JSON value (a list for a set, a str, a number, a dict). Nothing was written."
+            ) from None
 
 
 def write_folder(
@@ -161,7 +207,10 @@ def write_folder(
     import safetensors.numpy
 
     existing = os.listdir(path) if os.path.isdir(path) else []
-    with atomic.staged(path, sidecars=(), folder_entries={n for n in existing if FOLDER_FILES.match(n)}) as staging:
+    entries = {n for n in existing if FOLDER_FILES.match(n)}
+    if README in existing and README not in copied:  # a model card trainkit did not write: kept
+        copied = {**copied, README: os.path.join(path, README)}
+    with atomic.staged(path, sidecars=(), folder_entries=entries, folder="save_pretrained's folder") as staging:
         os.makedirs(staging)
         for name, arrays in files.items():
             safetensors.numpy.save_file(dict(arrays), os.path.join(staging, name), metadata={"format": "pt"})
@@ -187,18 +236,33 @@ def weight_files(
     return dict(zip(names, cut)), {INDEX: {"metadata": {"total_size": total}, "weight_map": weight_map}}
 
 
-def check_not_a_source(
-    folder: str | os.PathLike[str], base: str | None, tokenizer: str | os.PathLike[str] | None
-) -> None:
-    """Refuses to write over the folder the config or the tokenizer is read from: the published base
-    model would be replaced by the fine-tuned one."""
+def check_not_a_source(folder: str | os.PathLike[str], sources: Mapping[str, object]) -> None:
+    """Refuses to write where a source lies: a path ``sources`` names by argument (``config=`` as a
+    folder or its ``config.json``, ``tokenizer=``, the weights the trainer was loaded from) that is the
+    target folder, inside it or above it. The published base would be replaced by the fine-tuned one
+    (or the fine-tuned one written inside it).
+
+    >>> check_not_a_source("base", {"config=": "base/config.json"})
+    Traceback (most recent call last):
+    ValueError: save_pretrained would write 'base', which holds what config= reads ('base/config.json'): ...
+    """
     target = os.path.realpath(os.fspath(folder))
-    for argument, source in (("config", base), ("tokenizer", tokenizer)):
-        if source is not None and os.path.realpath(os.fspath(source)) == target:
+    for argument, source in sources.items():
+        if not isinstance(source, (str, os.PathLike)):
+            continue  # a dict or a transformers config: no file
+        path = os.path.realpath(os.fspath(source))
+        inside, above = _under(path, target), _under(target, path)  # a folder read above the target: its parent
+        if path == target or inside or above:
+            where = "is" if path == target else "holds" if inside else "lies inside"
             raise ValueError(
-                f"save_pretrained would write over {os.fspath(folder)!r}, the folder {argument}= reads from: the base "
-                "model there would be replaced. Nothing was written; name a new folder."
+                f"save_pretrained would write {os.fspath(folder)!r}, which {where} what {argument} reads "
+                f"({os.fspath(source)!r}): the published base there would be replaced (or the fine-tuned model "
+                "written into it). Nothing was written; name a new folder beside it."
             )
+
+
+def _under(path: str, folder: str) -> bool:
+    return path.startswith(folder.rstrip(os.sep) + os.sep)
 
 
 def tokenizer_files(tokenizer: str | os.PathLike[str] | None) -> dict[str, str]:

@@ -347,9 +347,19 @@ def _indexed_source(path: str) -> SafetensorsSource:
     try:
         with open(index) as file:
             weight_map = json.load(file)["weight_map"]
-        files = {name: os.path.join(path, str(shard)) for name, shard in dict(weight_map).items()}
+        shards = dict(weight_map)
     except (OSError, ValueError, KeyError, TypeError) as error:
         raise _refuse(index, f"it is not an index of shards with a weight_map ({type(error).__name__})") from None
+    except RecursionError:  # nested deeper than Python's parser goes
+        raise _refuse(index, "its JSON is nested too deeply to be an index of shards") from None
+    outside = sorted({repr(shard) for shard in shards.values() if not _plain_name(shard)})
+    if outside:
+        raise _refuse(
+            index, f"its weight_map names {', '.join(outside[:3])}: a shard is a file name inside the folder, as "
+            "transformers requires (no folder, '..' or absolute path)",
+        )  # fmt: skip
+    files = {name: os.path.join(path, shard) for name, shard in shards.items()}
+    _check_inside(path, sorted(set(files.values())))
     missing = sorted({shard for shard in files.values() if not os.path.isfile(shard)})
     if missing:
         raise _refuse(index, f"it names shards the folder lacks: {', '.join(map(os.path.basename, missing))}")
@@ -360,13 +370,33 @@ def _indexed_source(path: str) -> SafetensorsSource:
     return source
 
 
+def _plain_name(shard: object) -> bool:
+    """Whether ``shard`` names a file of the folder itself: no separator, not ``.`` or ``..``."""
+    separators = {os.sep, os.altsep or os.sep, "/", "\\"}
+    return isinstance(shard, str) and shard not in ("", ".", "..") and not any(s in shard for s in separators)
+
+
+def _check_inside(folder: str, files: list[str]) -> None:
+    """Refuses a file of ``folder`` that resolves outside it (a symbolic link leading out), before it is opened."""
+    root = os.path.realpath(folder)
+    outside = [name for name in files if not os.path.realpath(name).startswith(root.rstrip(os.sep) + os.sep)]
+    if outside:
+        raise WeightFileError(
+            f"{outside[0]} leads outside the folder {folder} (to {os.path.realpath(outside[0])}): trainkit reads a "
+            "folder's weights from inside it alone. Nothing was loaded; copy the file into the folder, or pass it "
+            "itself."
+        )
+
+
 def _folder_source(path: str, checkpoints: bool = False) -> WeightSource:
     if os.path.isfile(os.path.join(path, INDEX)):  # a Hugging Face folder of shards
         return _indexed_source(path)
     if os.path.isfile(os.path.join(path, WEIGHTS)):  # a Hugging Face folder's weights (not its adapter's)
+        _check_inside(path, [os.path.join(path, WEIGHTS)])
         return SafetensorsSource([os.path.join(path, WEIGHTS)], os.path.join(path, WEIGHTS))
     shards = sorted(glob.glob(os.path.join(path, "*.safetensors")))
     if shards:
+        _check_inside(path, shards)
         return SafetensorsSource(shards, f"{path} ({len(shards)} safetensors shards)")
     if _checkpoint_steps(path) and checkpoints:
         return _checkpoint_variables(path)

@@ -1,0 +1,187 @@
+"""Reliability, seventh round (#70): a published base never replaced, no file turned into a folder,
+no weight read from outside its folder, URLs refused however they are spelled, and the errors of
+round seven named."""
+
+import json
+import os
+import pathlib
+
+import flax.linen as nn
+import numpy as np
+import optax
+import pytest
+import safetensors.numpy
+
+import trainkit as tk
+from trainkit.core.local_path import require_local
+from trainkit.core.redact import redacted
+
+X = np.random.default_rng(0).normal(size=(32, 4)).astype(np.float32)
+Y = (X.sum(axis=1) > 0).astype(np.int32)
+CONFIG = {"model_type": "tiny", "architectures": ["TinyModel"]}
+
+
+@pytest.fixture(scope="module")
+def trainer():
+    trainer = tk.Trainer(
+        nn.Dense(2), loss="sparse_categorical_crossentropy", optimizer=optax.sgd(0.1), strategy="single"
+    )
+    trainer.fit(X, Y, batch_size=16, epochs=1, verbose=0)
+    return trainer
+
+
+def published(folder: pathlib.Path, trainer) -> pathlib.Path:
+    trainer.save_pretrained(folder, config=CONFIG)
+    return folder
+
+
+def snapshot(folder: pathlib.Path) -> dict:
+    return {str(path): path.read_bytes() for path in sorted(folder.rglob("*")) if path.is_file()}
+
+
+@pytest.mark.parametrize(
+    "source", ["config.json", ".", "..", "tokenizer"], ids=["config_file", "folder", "above", "inside"]
+)
+def test_save_pretrained_never_writes_where_a_source_lies(trainer, tmp_path, source):
+    base = published(tmp_path / "base", trainer)
+    (base / "tokenizer.json").write_text("{}")
+    (base / "tokenizer").mkdir()
+    (base / "tokenizer" / "tokenizer.json").write_text("{}")
+    before = snapshot(base)
+    argument = {"config": str(base / "config.json")}
+    target = base
+    if source == "..":
+        argument, target = {"config": str(base)}, base / "finetuned"  # written into the base folder
+    elif source == "tokenizer":
+        argument = {"config": CONFIG, "tokenizer": str(base / "tokenizer")}
+    elif source == ".":
+        argument = {"config": str(base)}
+    with pytest.raises(ValueError, match=r"save_pretrained would write .*what (config|tokenizer)= reads.*Nothing was"):
+        trainer.save_pretrained(target, **argument)
+    assert snapshot(base) == before
+
+
+def test_save_pretrained_never_writes_over_the_weights_it_was_loaded_from(trainer, tmp_path):
+    base = published(tmp_path / "base", trainer)
+    tk.weights.load(base, into=trainer)
+    with pytest.raises(ValueError, match=r"which is what tk.weights.load\(...\) reads"):
+        trainer.save_pretrained(base, config=CONFIG)
+    trainer.save_pretrained(tmp_path / "beside", config=CONFIG)  # a new folder: fine
+
+
+def writers(trainer, path):
+    """Every writer of a folder trainkit has, by name: each writes ``path``."""
+    return {
+        "save": lambda: trainer.save(path),
+        "save_pretrained": lambda: trainer.save_pretrained(path, config=CONFIG),
+        "backup_and_restore": lambda: trainer.fit(
+            X, Y, batch_size=16, verbose=0, callbacks=[tk.callbacks.BackupAndRestore(path)]
+        ),
+        "model_checkpoint": lambda: trainer.fit(
+            X, Y, batch_size=16, verbose=0, callbacks=[tk.callbacks.ModelCheckpoint(path)]
+        ),
+        "tensorboard": lambda: trainer.fit(X, Y, batch_size=16, verbose=0, callbacks=[tk.callbacks.TensorBoard(path)]),
+    }
+
+
+@pytest.mark.parametrize("writer", ["save", "save_pretrained", "backup_and_restore", "model_checkpoint", "tensorboard"])
+def test_no_writer_turns_an_existing_file_into_a_folder(trainer, tmp_path, writer):
+    notes = tmp_path / "results.txt"
+    notes.write_text("the user's own")
+    with pytest.raises((FileExistsError, ValueError, tk.CheckpointError), match=r"results.txt.*existing file, not a"):
+        writers(trainer, notes)[writer]()
+    assert notes.read_text() == "the user's own"
+
+
+def test_an_export_folder_onto_a_file_is_refused_by_the_same_rule(tmp_path):
+    from trainkit.distributed import atomic
+
+    notes = tmp_path / "notes"
+    notes.write_text("mine")
+    with pytest.raises(FileExistsError, match=r"export's 'tf_saved_model' folder .*notes.*existing file"):
+        with atomic.staged(notes, folder="export's 'tf_saved_model' folder") as temporary:
+            os.makedirs(temporary)
+    assert notes.read_text() == "mine"
+
+
+def shards_folder(tmp_path, trainer, name_of_shard) -> pathlib.Path:
+    """A folder of one shard and an index whose weight_map names ``name_of_shard`` for every entry."""
+    folder = tmp_path / "model"
+    folder.mkdir()
+    arrays = {k: np.asarray(v) for k, v in trainer.state_access.named_weights().items()}
+    safetensors.numpy.save_file(arrays, str(folder / "model-00001-of-00001.safetensors"))
+    index = {"metadata": {}, "weight_map": {name: name_of_shard for name in arrays}}
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index))
+    return folder
+
+
+@pytest.mark.parametrize("name", ["../outside/x.safetensors", "/etc/passwd", "sub/x.safetensors"])
+def test_an_index_naming_a_shard_outside_its_folder_is_refused_before_it_is_opened(trainer, tmp_path, name):
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    folder = shards_folder(tmp_path, trainer, name)
+    with pytest.raises(tk.weights.WeightFileError, match=r"a shard is a file name inside the folder"):
+        tk.weights.load(folder, into=trainer)
+
+
+def test_a_shard_linked_from_outside_is_refused(trainer, tmp_path):
+    planted = tmp_path / "planted"
+    planted.mkdir()
+    arrays = {k: np.full_like(np.asarray(v), 7.56) for k, v in trainer.state_access.named_weights().items()}
+    safetensors.numpy.save_file(arrays, str(planted / "x.safetensors"))
+    folder = shards_folder(tmp_path, trainer, "linked.safetensors")
+    (folder / "linked.safetensors").symlink_to(planted / "x.safetensors")
+    before = trainer.get_weights()
+    with pytest.raises(tk.weights.WeightFileError, match=r"leads outside the folder"):
+        tk.weights.load(folder, into=trainer)
+    (folder / "model.safetensors.index.json").unlink()
+    (folder / "model-00001-of-00001.safetensors").unlink()
+    with pytest.raises(tk.weights.WeightFileError, match=r"leads outside the folder"):  # a folder of shards alone
+        tk.weights.load(folder, into=trainer)
+    np.testing.assert_array_equal(trainer.get_weights()["params"]["kernel"], before["params"]["kernel"])
+
+
+def test_a_deeply_nested_index_is_named(trainer, tmp_path):
+    folder = shards_folder(tmp_path, trainer, "model-00001-of-00001.safetensors")
+    (folder / "model.safetensors.index.json").write_text("[" * 100_000)
+    with pytest.raises(tk.weights.WeightFileError, match=r"model.safetensors.index.json.*nested too deeply"):
+        tk.weights.load(folder, into=trainer)
+
+
+@pytest.mark.parametrize(
+    "spelled",
+    [pathlib.Path("s3://bucket/run"), "s3:/bucket/run", " gs://bucket/run", "gs://bucket/run ", "HDFS://host/run"],
+    ids=["path", "one_slash", "leading_space", "trailing_space", "upper"],
+)
+def test_a_url_is_refused_however_it_is_spelled(spelled):
+    with pytest.raises(ValueError, match=r"is a (s3|gs|HDFS):// URL"):
+        require_local(spelled, "save's filepath")
+    assert require_local("C:/runs", "save's filepath") == "C:/runs"  # a drive letter is a path
+
+
+def test_a_credential_in_a_collapsed_url_or_a_webhook_is_never_printed():
+    with pytest.raises(ValueError) as refused:
+        require_local(pathlib.Path("s3://alice:s3cr3t@bucket/run"), "save's filepath")
+    assert "s3cr3t" not in str(refused.value)
+    assert "XXXsecret" not in redacted("posting to https://hooks.slack.com/services/T01/B02/XXXsecret failed")
+
+
+def test_a_readme_trainkit_did_not_write_is_kept(trainer, tmp_path):
+    folder = published(tmp_path / "model", trainer)
+    (folder / "README.md").write_text("# my model card")
+    trainer.save_pretrained(folder, config=CONFIG)
+    assert (folder / "README.md").read_text() == "# my model card"
+
+
+@pytest.mark.parametrize(("spelled", "written"), [("bf16", "bfloat16"), ("fp16", "float16"), ("fp32", "float32")])
+def test_save_pretrained_reads_the_usual_dtype_spellings(trainer, tmp_path, spelled, written):
+    trainer.save_pretrained(tmp_path / spelled, config=CONFIG, dtype=spelled)
+    assert json.loads((tmp_path / spelled / "config.json").read_text())["dtype"] == written
+
+
+def test_an_unknown_dtype_or_a_config_json_cannot_hold_is_named(trainer, tmp_path):
+    with pytest.raises(ValueError, match=r"dtype=5 is not a floating dtype.*'bf16'"):
+        trainer.save_pretrained(tmp_path / "a", config=CONFIG, dtype=5)
+    with pytest.raises(TypeError, match=r"config= holds 'labels': set.*Nothing was written"):
+        trainer.save_pretrained(tmp_path / "b", config={**CONFIG, "labels": {1, 2}})
+    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
