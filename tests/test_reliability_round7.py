@@ -185,3 +185,12 @@ def test_an_unknown_dtype_or_a_config_json_cannot_hold_is_named(trainer, tmp_pat
     with pytest.raises(TypeError, match=r"config= holds 'labels': set.*Nothing was written"):
         trainer.save_pretrained(tmp_path / "b", config={**CONFIG, "labels": {1, 2}})
     assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+
+
+def test_the_plan_command_names_a_script_attribute_that_is_no_function(tmp_path):
+    from trainkit.__main__ import load_function
+
+    script = tmp_path / "script.py"
+    script.write_text("make_trainer = 5\n")
+    with pytest.raises(SystemExit, match=r"script.py:make_trainer is a int, not a function"):
+        load_function(f"{script}:make_trainer")

@@ -246,6 +246,24 @@ def test_lora_adapters_are_a_peft_folder_with_trainkits_logits_and_so_is_the_mer
     np.testing.assert_allclose(ours, logits(merged, TOKENS[:8, :-1]), atol=1e-5)
 
 
+def test_adapters_of_a_base_never_loaded_or_of_another_width_are_refused(recipes, base, tmp_path):
+    lora = tk.LoRA(rank=2, alpha=4, targets="attn")
+    fresh = tk.Trainer(recipes["GPT2"](), loss="sparse_categorical_crossentropy", optimizer=optax.adamw(1e-2),
+                       strategy="single", lora=lora)  # fmt: skip
+    fresh.fit(TOKENS[:, :-1], TOKENS[:, 1:], batch_size=8, epochs=1, verbose=0)  # on a random base
+    with pytest.raises(ValueError, match=r"this trainer's base was never loaded.*tk.weights.load\(base, into=trainer"):
+        fresh.save_pretrained(tmp_path / "a", config=base, rename=recipes["names_out"], adapter=True)
+    tuned = fine_tuned(recipes, base, lora=lora)
+    wider = {**json.loads((base / "config.json").read_text()), "n_embd": 32}
+    with pytest.raises(ValueError, match=r"The adapters of transformer.h.0.attn.c_attn map 16 inputs .* maps 32"):
+        tuned.save_pretrained(tmp_path / "b", config=wider, rename=recipes["names_out"], adapter=True)
+    elsewhere = published(tmp_path / "other", transformers.GPT2LMHeadModel(transformers.GPT2Config(
+        n_embd=16, n_layer=2, n_head=2, n_positions=32, vocab_size=64)))  # fmt: skip
+    with pytest.raises(ValueError, match=r"trained on the base loaded from .* but config= names"):
+        tuned.save_pretrained(tmp_path / "c", config=elsewhere, rename=recipes["names_out"], adapter=True)
+    assert not any((tmp_path / name).exists() for name in "abc")
+
+
 KILLED_WRITER = """
 import os, re, signal, sys, pathlib
 sys.path.insert(0, {tests!r})

@@ -42,6 +42,11 @@ def load_function(spec: str):
     function = module.__dict__.get(name)
     if function is None:
         raise SystemExit(f"{path} defines no {name!r}")
+    if not callable(function):
+        raise SystemExit(
+            f"{path}:{name} is a {type(function).__name__}, not a function: name a function that returns (trainer, "
+            "sample batch), e.g. def make_trainer(): ..."
+        )
     return function
 
 

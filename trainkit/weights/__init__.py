@@ -339,6 +339,7 @@ def save_pretrained(
         arrays, modules = peft_adapter.peft_arrays(
             adapters, lambda name, ndim: written_name(name, ndim, layout, rename).name
         )
+        peft_adapter.check_base(holder.loaded_path, base)
         expected = architecture.expected_shapes(settings)
         unknown = [module for module in modules if expected is not None and f"{module}.weight" not in expected]
         if unknown:
@@ -347,6 +348,8 @@ def save_pretrained(
                 " have (as '<module>.weight'); nothing was written. Fix the rename pairs (or layout) that name the"
                 " weights."
             )
+        if expected is not None:
+            peft_adapter.check_shapes(arrays, modules, expected, transposed=layout != "torch")
         files = {peft_adapter.ADAPTER_WEIGHTS: pretrained.cast(arrays, dtype)}
         documents = {
             peft_adapter.ADAPTER_CONFIG: peft_adapter.peft_config(lora, modules, settings, base, layout != "torch")

@@ -14,6 +14,7 @@ by ``alpha / rank``); ``target_modules`` the adapted modules' full names, so no 
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Mapping
 
 import numpy as np
@@ -55,6 +56,50 @@ def peft_arrays(
     if not modules:
         raise ValueError("adapter=True, but the model has no LoRA adapters: Trainer(lora=tk.LoRA(...)) trains them.")
     return arrays, sorted(modules)
+
+
+def check_base(loaded_path: str | None, base: str | None) -> None:
+    """Refuses adapters PEFT would add to other weights than they were trained on: the trainer's base
+    never loaded (a random base), or loaded from another place than ``config=``'s base folder.
+
+    >>> check_base(None, None)
+    Traceback (most recent call last):
+    ValueError: save_pretrained(adapter=True) writes LoRA's adapters alone, ...
+    """
+    fix = "Load the base the adapters train on first (tk.weights.load(base, into=trainer)), or write the merged model"
+    if loaded_path is None:
+        raise ValueError(
+            "save_pretrained(adapter=True) writes LoRA's adapters alone, which PEFT adds to the published base's "
+            "weights; this trainer's base was never loaded, so its adapters were trained on other weights and "
+            f"PEFT's model would compute something else without a word. {fix} (adapter=False). Nothing was written."
+        )
+    if base is not None:
+        loaded, named = os.path.realpath(loaded_path), os.path.realpath(base)
+        if loaded != named and not loaded.startswith(named.rstrip(os.sep) + os.sep):
+            raise ValueError(
+                f"The adapters were trained on the base loaded from {loaded_path!r}, but config= names {base!r}: "
+                f"PEFT would add them to that base's weights. Pass config={loaded_path!r}'s folder, or {fix[0].lower()}"
+                f"{fix[1:]} (adapter=False). Nothing was written."
+            )
+
+
+def check_shapes(
+    arrays: Mapping[str, np.ndarray], modules: list[str], expected: Mapping[str, tuple[int, ...]], transposed: bool
+) -> None:
+    """Refuses adapters whose ``(in, out)`` differ from their base module's in ``expected`` (the
+    config's architecture, ``(out, in)``; ``transposed``: GPT-2's ``Conv1D``, ``(in, out)``)."""
+    for module in modules:
+        shape = expected.get(f"{module}.weight")
+        if shape is None or len(shape) != 2:
+            continue
+        fan_in, fan_out = (shape[0], shape[1]) if transposed else (shape[1], shape[0])
+        a, b = arrays[f"base_model.model.{module}.lora_A.weight"], arrays[f"base_model.model.{module}.lora_B.weight"]
+        if a.shape[1] != fan_in or b.shape[0] != fan_out:
+            raise ValueError(
+                f"The adapters of {module} map {a.shape[1]} inputs to {b.shape[0]} outputs, but the config's "
+                f"{module} maps {fan_in} to {fan_out}: PEFT could not load them onto that base. Pass the config of "
+                "the base the trainer was loaded from. Nothing was written."
+            )
 
 
 def peft_config(lora: LoRA, modules: list[str], config: Config, base: str | None, fan_in_fan_out: bool) -> Config:
