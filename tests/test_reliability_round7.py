@@ -194,3 +194,29 @@ def test_the_plan_command_names_a_script_attribute_that_is_no_function(tmp_path)
     script.write_text("make_trainer = 5\n")
     with pytest.raises(SystemExit, match=r"script.py:make_trainer is a int, not a function"):
         load_function(f"{script}:make_trainer")
+
+
+def test_a_restore_into_another_hybrid_mesh_of_as_many_devices_is_said(caplog):
+    from trainkit.checkpoint import explain_restore
+
+    into = tk.Hybrid(data=2, fsdp=4)
+    written = {"device_count": 8, "strategy": "Hybrid", "strategy_description": "Hybrid(data=2, context=4)",
+               "mesh": {"data": 2, "context": 4}, "position": {"global_step": 3}}  # fmt: skip
+    with caplog.at_level("WARNING", logger="trainkit"):
+        explain_restore(written, into, None)
+        explain_restore({**written, "mesh": {k: int(v) for k, v in into.mesh.shape.items()}}, into, None)
+    said = [r.getMessage() for r in caplog.records if "Restored step 3" in r.getMessage()]
+    assert len(said) == 1 and "Hybrid(data=2, context=4)" in said[0] and "not bit for bit" in said[0]
+
+
+def test_a_second_process_0_is_told_its_index_may_be_given_twice():
+    import socket
+
+    from trainkit.distributed import joining
+
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        with pytest.raises(RuntimeError, match=r"another process 0 of this job \(an index given twice.*SLURM_PROCID"):
+            joining.check_port_free(f"127.0.0.1:{port}")

@@ -124,15 +124,17 @@ def explain_restore(manifest: dict[str, Any], into: Layout | None, batch_size: i
     """Logs what a restore into another strategy (``into``), device count or batch size means
     for the run's exactness (a batch index is converted by examples seen)."""
     strategy, devices = type(into).__name__, len(_require(into).devices)
-    if manifest.get("device_count") != devices or manifest.get("strategy") != strategy:
+    mesh = {name: int(size) for name, size in _require(into).mesh.shape.items()}
+    same_mesh = manifest.get("mesh") in (None, mesh)  # Hybrid(data=2, context=4) and Hybrid(data=2, stage=4) differ
+    if manifest.get("device_count") != devices or manifest.get("strategy") != strategy or not same_mesh:
         logger.warning(
             "Restored step %s written by %s on %s devices into %s on %s devices: the state is "
             "exact; later steps reduce over another device layout, so they match the "
             "original run to float rounding, not bit for bit.",
             manifest["position"]["global_step"],
-            manifest.get("strategy"),
+            manifest.get("strategy_description", manifest.get("strategy")),
             manifest.get("device_count"),
-            strategy,
+            _require(into).describe(),
             devices,
         )
     if batch_size is not None and manifest.get("batch_size") not in (None, batch_size):

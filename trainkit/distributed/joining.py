@@ -67,8 +67,10 @@ def check_port_free(address: str) -> None:
         except OSError as error:
             raise RuntimeError(
                 f"trainkit: process 0 hosts the job's coordinator on port {port} ({address}), but that port is in "
-                f"use ({error.strerror}): another program, or an earlier run still alive. Pick another port "
-                "(JAX_COORDINATOR_ADDRESS=host:port, or JAX_COORDINATOR_PORT under SLURM and Open MPI) or end it."
+                f"use ({error.strerror}): another process 0 of this job (an index given twice: each process needs its "
+                "own RANK / SLURM_PROCID / OMPI_COMM_WORLD_RANK, 0 to N-1), another program, or an earlier run still "
+                "alive. Give each process its own index, pick another port (JAX_COORDINATOR_ADDRESS=host:port, or "
+                "JAX_COORDINATOR_PORT under SLURM and Open MPI), or end that program."
             ) from None
 
 
