@@ -7,6 +7,7 @@ import os
 import pathlib
 
 import flax.linen as nn
+import jax
 import numpy as np
 import optax
 import pytest
@@ -220,3 +221,38 @@ def test_a_second_process_0_is_told_its_index_may_be_given_twice():
         port = held.getsockname()[1]
         with pytest.raises(RuntimeError, match=r"another process 0 of this job \(an index given twice.*SLURM_PROCID"):
             joining.check_port_free(f"127.0.0.1:{port}")
+
+
+class FrozenBodyNorm(nn.Module):
+    @nn.compact
+    def __call__(self, x, train: bool = False):
+        x = nn.Dense(8, name="body")(x)
+        x = nn.BatchNorm(use_running_average=not train, use_bias=False, use_scale=False, name="norm")(x)
+        return nn.Dense(2, name="head")(x)
+
+
+def nnx_frozen_body_norm():
+    from flax import nnx
+
+    class Model(nnx.Module):
+        def __init__(self, rngs):
+            self.body = nnx.Linear(4, 8, rngs=rngs)
+            self.norm = nnx.BatchNorm(8, use_bias=False, use_scale=False, rngs=rngs)
+            self.head = nnx.Linear(8, 2, rngs=rngs)
+
+        def __call__(self, x):
+            return self.head(self.norm(self.body(x)))
+
+    return Model(nnx.Rngs(0))
+
+
+@pytest.mark.parametrize("make", [FrozenBodyNorm, nnx_frozen_body_norm], ids=["linen", "nnx"])
+def test_a_parameter_free_batchnorm_after_a_frozen_layer_keeps_its_statistics(make):
+    trainer = tk.Trainer(make(), loss="sparse_categorical_crossentropy", optimizer=optax.adam(1e-2), strategy="single",
+                         trainable=r"^head/")  # fmt: skip
+    trainer.init((X, Y))
+    before = {k: v for k, v in trainer.get_weights().items() if k != "params"}
+    trainer.fit(X, Y, batch_size=16, epochs=1, verbose=0)
+    after = {k: v for k, v in trainer.get_weights().items() if k != "params"}
+    assert jax.tree.leaves(before)
+    jax.tree.map(np.testing.assert_array_equal, after, before)

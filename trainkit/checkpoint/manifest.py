@@ -130,7 +130,9 @@ def explain_restore(manifest: dict[str, Any], into: Layout | None, batch_size: i
         logger.warning(
             "Restored step %s written by %s on %s devices into %s on %s devices: the state is "
             "exact; later steps reduce over another device layout, so they match the "
-            "original run to float rounding, not bit for bit.",
+            "original run to float rounding, not bit for bit; and a model with dropout draws its masks "
+            "per device, so under another layout its later steps take other masks (the same "
+            "distribution, other numbers).",
             manifest["position"]["global_step"],
             manifest.get("strategy_description", manifest.get("strategy")),
             manifest.get("device_count"),

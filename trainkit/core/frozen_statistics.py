@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import ParamSpec, TypeVar
 
 import flax.linen as nn
@@ -41,10 +41,14 @@ R = TypeVar("R")
 _FROZEN: contextvars.ContextVar[frozenset[str]] = contextvars.ContextVar("frozen_statistics", default=frozenset())
 
 
-def frozen_layers(layer_paths: list[str], params: PyTree, trains: Callable[[str, PyTree], bool]) -> frozenset[str]:
+def frozen_layers(
+    layer_paths: list[str], params: PyTree, trains: Callable[[str, PyTree], bool], order: Sequence[str] = ()
+) -> frozenset[str]:
     """Of the batch-statistics layers at ``layer_paths`` (``"block/BatchNorm_0"``), those whose
     parameters all are frozen; a layer without parameters (``use_scale=False, use_bias=False``)
-    is frozen when the module holding it is: it has parameters, and none of them trains."""
+    is frozen when the module holding it is (it has parameters, and none of them trains), or else
+    when the last module with parameters called before it (``order``: the modules' paths in the
+    order they are entered) is frozen: the layer normalises what a frozen layer gave it."""
     decided = [
         (leaf_name(path), trains(leaf_name(path), leaf)) for path, leaf in jax.tree_util.tree_leaves_with_path(params)
     ]
@@ -57,7 +61,11 @@ def frozen_layers(layer_paths: list[str], params: PyTree, trains: Callable[[str,
             return not any(own[layer])
         parent = layer.rpartition("/")[0]
         around = [train for name, train in decided if parent and name.startswith(parent + "/")]
-        return bool(around) and not any(around)
+        if around and not any(around):
+            return True
+        before = list(order)[: list(order).index(layer)] if layer in order else []
+        feeding = [path for path in before if own.get(path)]
+        return bool(feeding) and not any(own[feeding[-1]])
 
     return frozenset(p for p in layer_paths if frozen(p))
 

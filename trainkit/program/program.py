@@ -189,7 +189,8 @@ class Program:
             if self.frozen_statistics and self.trainable.freezes:
                 calls = self.adapter.module_calls(params, model_state, x)
                 paths = ["/".join(map(str, call.path)) for call in calls if call.kind == "BatchNorm"]
-                found = frozen_lib.frozen_layers(paths, params, self.trainable.trains)
+                order = ["/".join(map(str, call.path)) for call in calls]
+                found = frozen_lib.frozen_layers(paths, params, self.trainable.trains, order)
             self._frozen_layers = found
         return self._frozen_layers
 
