@@ -208,6 +208,7 @@ def test_a_restore_into_another_hybrid_mesh_of_as_many_devices_is_said(caplog):
         explain_restore({**written, "mesh": {k: int(v) for k, v in into.mesh.shape.items()}}, into, None)
     said = [r.getMessage() for r in caplog.records if "Restored step 3" in r.getMessage()]
     assert len(said) == 1 and "Hybrid(data=2, context=4)" in said[0] and "not bit for bit" in said[0]
+    assert "dropout draws its masks per device" in said[0]
 
 
 def test_a_second_process_0_is_told_its_index_may_be_given_twice():

@@ -121,3 +121,14 @@ def test_the_first_measured_value_is_never_a_spike():
     fitted = trainer(skip=skip)
     fitted.fit(X, Y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
     assert int(fitted.state.spikes.skipped) == 0 and fitted.global_step == 8
+
+
+def test_skipped_updates_are_a_goodput_bucket_of_their_own_not_productive_time():
+    skipping = tk.Trainer(
+        nn.Dense(1), loss="mse", optimizer=optax.adam(1e-2), strategy="single", steps_per_execution=1,
+        skip_spikes=tk.SpikeSkip(factor=4.0, window=8, warmup=3),
+    )  # fmt: skip
+    history = skipping.fit(X, Y_SPIKED, batch_size=BATCH, epochs=2, shuffle=False, verbose=0)
+    assert int(skipping.state.spikes.skipped) == 2
+    buckets = history.goodput.buckets
+    assert 0 < buckets["skipped"] < buckets["step"], buckets

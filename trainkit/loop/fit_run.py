@@ -345,6 +345,7 @@ class FitRun:
             raise RuntimeError(error)
         if warning is not None and ended:
             logger.warning(warning)
+            self.session.ledger.reassign(int(report.count), Bucket.SKIPPED)  # ran, not applied: not productive
 
     def validate_every(self, step: int) -> None:
         """``validation_interval``: after every N-th step is dispatched, validate on its state."""

@@ -27,6 +27,7 @@ ADVICE = {
     "batches (validation_steps)",
     "checkpoint": "writing checkpoints: save less often (save_freq)",
     "lost": "recomputing steps lost to a restart: back up more often (BackupAndRestore(save_freq=...))",
+    "skipped": "updates SpikeSkip threw away: lower the learning rate, or look at the data of those batches",
 }
 #: a loss smaller than this share of the wall time is not named
 NAMED_SHARE = 0.05

@@ -27,6 +27,7 @@ import collections
 import contextlib
 import dataclasses
 import enum
+import statistics
 import threading
 import time
 from collections.abc import Iterator
@@ -61,6 +62,7 @@ class Bucket(enum.StrEnum):
     STEP = "step"  # dispatching and running the training steps: the productive time
     VALIDATION = "validation"
     CHECKPOINT = "checkpoint"  # blocking checkpoint time
+    SKIPPED = "skipped"  # step time of the updates SpikeSkip threw away: run, not applied
     LOST = "lost"  # step time of an interrupted run after its last checkpoint, recomputed after the resume
 
 
@@ -295,6 +297,19 @@ class Ledger:
     def settle(self) -> None:
         """Everything up to now counted (the running bucket stays)."""
         self.switch(self.current)
+
+    def reassign(self, steps: int, to: Bucket | str) -> None:
+        """The step time of ``steps`` steps (the median recent step's, else the mean) counted under
+        ``to`` instead of :data:`PRODUCTIVE`: steps that ran but whose work was thrown away (the
+        updates ``SpikeSkip`` skipped)."""
+        self.settle()
+        productive = self.seconds.get(PRODUCTIVE, 0.0)
+        recent = self.step_times()
+        each = statistics.median(recent) if recent else 0.0
+        moved = min(productive, steps * each)
+        if moved > 0:
+            self.seconds[PRODUCTIVE] = productive - moved
+            self.seconds[str(to)] = self.seconds.get(str(to), 0.0) + moved
 
     def step_completed(self, stamp: float, steps: int = 1) -> None:
         """A call of ``steps`` steps finished at ``stamp`` (``time.perf_counter()``); ``steps=0``
