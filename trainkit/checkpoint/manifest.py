@@ -127,17 +127,19 @@ def explain_restore(manifest: dict[str, Any], into: Layout | None, batch_size: i
     mesh = {name: int(size) for name, size in _require(into).mesh.shape.items()}
     same_mesh = manifest.get("mesh") in (None, mesh)  # Hybrid(data=2, context=4) and Hybrid(data=2, stage=4) differ
     if manifest.get("device_count") != devices or manifest.get("strategy") != strategy or not same_mesh:
+        meshes = "" if same_mesh else f" (mesh {manifest.get('mesh')} -> {mesh})"
         logger.warning(
-            "Restored step %s written by %s on %s devices into %s on %s devices: the state is "
+            "Restored step %s written by %s on %s devices into %s on %s devices%s: the state is "
             "exact; later steps reduce over another device layout, so they match the "
             "original run to float rounding, not bit for bit; and a model with dropout draws its masks "
             "per device, so under another layout its later steps take other masks (the same "
             "distribution, other numbers).",
             manifest["position"]["global_step"],
-            manifest.get("strategy_description", manifest.get("strategy")),
+            manifest.get("strategy"),
             manifest.get("device_count"),
-            _require(into).describe(),
+            strategy,
             devices,
+            meshes,
         )
     if batch_size is not None and manifest.get("batch_size") not in (None, batch_size):
         batch = manifest["position"]["batch"] * manifest["batch_size"] // batch_size
