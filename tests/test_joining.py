@@ -75,3 +75,16 @@ def test_the_launcher_refuses_a_device_count_below_one_in_one_line(count):
     )  # fmt: skip
     assert result.returncode == 2 and "Traceback" not in result.stderr
     assert f"--devices-per-proc must be at least 1 (fake CPU devices per process); received {count}" in result.stderr
+
+
+def test_an_index_given_twice_is_named_by_the_processes_that_end_with_trainkits_line():
+    from concurrent.futures import ThreadPoolExecutor
+
+    address = f"127.0.0.1:{free_port()}"
+    with ThreadPoolExecutor(3) as pool:
+        results = list(pool.map(lambda index: join(address, 3, index)[0], [0, 1, 1]))
+    ours = [r for r in results if r.returncode == JOIN_FAILED]
+    assert results[0] in ours and "two of them were given one index" in results[0].stderr, results[0].stderr[-1500:]
+    assert any("another process was given index 1 too" in r.stderr for r in ours[1:]), [
+        r.stderr[-800:] for r in results
+    ]

@@ -78,11 +78,13 @@ def _unanswered(index: int, count: int, address: str) -> str:
     if index == 0:
         return (
             f"process 0 hosts the coordinator at {address}, and not all of the {count} processes connected to it: "
-            f"the others did not start, started in another job, or cannot reach {address}"
+            f"the others did not start, started in another job, cannot reach {address}, or two of them were given one "
+            "index (the second one's connection is refused)"
         )
     return (
         f"process {index} could not complete its connection to the coordinator at {address}: process 0 (which "
-        f"hosts it) did not start or cannot be reached from here, or not every one of the {count} processes connected"
+        f"hosts it) did not start or cannot be reached from here, not every one of the {count} processes connected, "
+        f"or another process was given index {index} too"
     )
 
 
