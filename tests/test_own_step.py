@@ -365,3 +365,20 @@ class OneGroupsLossToAll(tk.Trainer):
 def test_a_group_updated_on_gradients_its_loss_never_reads_is_refused(trainer_class, group):
     with pytest.raises(ValueError, match=rf"updates '{group}' on gradients that are all zero.*never reads '{group}'"):
         fit(trainer_class)
+
+
+def test_the_compiled_steps_name_their_phases_for_a_profile():
+    import re
+
+    def scopes(text):
+        return {part for name in re.findall(r'op_name="([^"]*)"', text) for part in name.split("/")}
+
+    built_in = tk.Trainer(nn.Dense(2), loss="sparse_categorical_crossentropy", optimizer=optax.adam(1e-2),
+                          strategy="single")  # fmt: skip
+    x = (X[:32], np.zeros((32,), np.int32))
+    built_in.init(x)
+    found = scopes(built_in.compiled_text(x))
+    assert {"loss_and_gradients", "optimizer_update", "apply_updates"} <= found, found
+    own, _ = fit(Alternating)
+    found = scopes(own.compiled_text(X[:32]))
+    assert {"train_step", "apply_gradients_critic", "apply_gradients_generator"} <= found, found

@@ -113,7 +113,8 @@ def _run_user_step(
     axis = facts.axis_name
     rng = jax.random.fold_in(state.rng, state.step)
     traced = facts.for_one_trace()
-    result = user_step(StepState.of(state, traced), WatchedBatch.of(batch, RowFacts(axis)), rng)
+    with jax.named_scope("train_step"):  # the user's step, its updates named within (apply_gradients/<group>)
+        result = user_step(StepState.of(state, traced), WatchedBatch.of(batch, RowFacts(axis)), rng)
     if not (isinstance(result, tuple) and len(result) == 2 and isinstance(result[0], TrainState)):
         raise TypeError(
             "train_step(self, state, batch, rng) must return (state, logs): the new state (from "

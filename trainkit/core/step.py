@@ -307,9 +307,12 @@ def make_train_step(
             total = _loss_total(row_loss, watched.weighting())
             return loss_scale.scale(total / batch_rows), (total, predictions, new_model_state, logs)
 
-        grads, (total, predictions, model_state, logs) = jax.grad(objective, has_aux=True)(trained)
+        with jax.named_scope("loss_and_gradients"):  # a profile's names for the step's phases (kauldron's way)
+            grads, (total, predictions, model_state, logs) = jax.grad(objective, has_aux=True)(trained)
         grads = grads if rebuild is None else trainable.full_grads(params, grads)
-        return grads, model_state, _batch_metrics(metric_fns, predictions, batch, total, logs, watched.weighting())
+        with jax.named_scope("metrics"):
+            metrics = _batch_metrics(metric_fns, predictions, batch, total, logs, watched.weighting())
+        return grads, model_state, metrics
 
     def train_step(state: TrainState, batch: Batch) -> tuple[TrainState, Metrics]:
         rng, batch_rows, loss_scale = _step_rng(state, axis_name), _batch_rows(batch, axis_name), state.loss_scale
@@ -318,14 +321,17 @@ def make_train_step(
             grads, model_state, metrics = micro(state.params, state.model_state, batch, rng, batch_rows, loss_scale)
         else:
             grads, model_state, metrics = _accumulated(micro, state, batch, rng, batch_rows, grad_accum_steps)
-        grads, metrics = _psum((grads, metrics), axis_name)  # one all-reduce
+        with jax.named_scope("all_reduce"):
+            grads, metrics = _psum((grads, metrics), axis_name)  # one all-reduce
         if axis_name is not None:
             model_state = jax.tree.map(partial(pmean_floats, axis_name=axis_name), model_state)
             factor = batch_rows / metrics["loss"].count  # static rows / real rows
             grads = jax.tree.map(lambda g: (g * factor).astype(g.dtype), grads)
         grads = loss_scale.unscale(grads)
-        updates, opt_state = update_optimizer(grads, state.opt_state, state.params)
-        params = trainable.apply_updates(state.params, updates)
+        with jax.named_scope("optimizer_update"):
+            updates, opt_state = update_optimizer(grads, state.opt_state, state.params)
+        with jax.named_scope("apply_updates"):
+            params = trainable.apply_updates(state.params, updates)
         skipped = jax.tree.map(jnp.zeros_like, metrics)  # a skipped step's loss is not an observation
         (params, opt_state, model_state, metrics), loss_scale = loss_scale.guard(
             grads,

@@ -163,12 +163,13 @@ class StepState(TrainState):
         if facts.axis_name is not None:
             grads = _summed(grads, self.params, facts, group)
         facts.updates.note_gradients(facts, self.params, grads, group)
-        if group is None:
-            updates, opt_state = facts.optimizer.update(grads, self.opt_state, self.params)
-            return self.replace(params=facts.trainable.apply_updates(self.params, updates), opt_state=opt_state)
-        assert facts.groups is not None
-        params, opt_state = facts.groups.update(self.params, self.opt_state, grads, group, facts.trainable.trains)
-        return self.replace(params=params, opt_state=opt_state)
+        with jax.named_scope("apply_gradients" if group is None else f"apply_gradients_{group}"):
+            if group is None:
+                updates, opt_state = facts.optimizer.update(grads, self.opt_state, self.params)
+                return self.replace(params=facts.trainable.apply_updates(self.params, updates), opt_state=opt_state)
+            assert facts.groups is not None
+            params, opt_state = facts.groups.update(self.params, self.opt_state, grads, group, facts.trainable.trains)
+            return self.replace(params=params, opt_state=opt_state)
 
     def mean(self, values: jax.Array, batch: Batch) -> jax.Array:
         """The mean of per-row ``values`` over the global batch's real rows, weighted by

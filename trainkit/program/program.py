@@ -465,12 +465,12 @@ class Program:
         is registered."""
         features: list[StepFeature] = []
         if self.spike_skip is not None:  # first: the others see the update it keeps
-            features.append(skip_spikes(self.spike_skip))
+            features.append(jax.named_call(skip_spikes(self.spike_skip), name="skip_spikes"))
         if self.log_grad_norm:
-            features.append(global_grad_norm)
+            features.append(jax.named_call(global_grad_norm, name="grad_norm"))
         if statistics is not None:
-            features.append(measure_statistics(statistics, when))
-        features.append(check_labels(self.objective.labels_out_of_range))
+            features.append(jax.named_call(measure_statistics(statistics, when), name="gradient_statistics"))
+        features.append(jax.named_call(check_labels(self.objective.labels_out_of_range), name="label_check"))
         return tuple(features)
 
     def empty_totals(
