@@ -382,3 +382,19 @@ def test_the_compiled_steps_name_their_phases_for_a_profile():
     own, _ = fit(Alternating)
     found = scopes(own.compiled_text(X[:32]))
     assert {"train_step", "apply_gradients_critic", "apply_gradients_generator"} <= found, found
+
+
+class NamesTheAxis(tk.Trainer):
+    def train_step(self, state, batch, rng):
+        def loss_fn(params):
+            out, _ = state.apply(params, state.model_state, batch["x"], rng=rng, train=True, method="judge")
+            return state.mean(out, batch)
+
+        loss, grads = jax.value_and_grad(loss_fn)(state.params)
+        rows = jax.lax.psum(batch["mask"].sum(), "data")  # an advanced step speaks to DataParallel's axis itself
+        return state.apply_gradients(grads, "critic"), {"loss": loss, "rows": rows}
+
+
+def test_a_step_naming_the_device_axis_itself_trains_under_its_strategy():
+    _, history = fit(NamesTheAxis, rows=90, strategy="dp")
+    assert history["rows"] == [pytest.approx(history["rows"][0])] and history["rows"][0] > 0

@@ -10,7 +10,8 @@ state; nothing kept), for the mistakes no trace can see:
   that moves counted the padded row (a ``jnp.mean`` over the batch instead of
   ``state.mean(values, batch)``), and the fit is refused naming the fix.
 
-Audited once per trainer, at its first ``fit``.
+Audited once per trainer, at its first ``fit``; not at all for a step that names the device axis
+itself (``lax.psum(x, "data")``), which runs under its strategy alone.
 """
 
 from __future__ import annotations
@@ -40,7 +41,10 @@ def audit_own_step(setup: Setup, prepared: data_lib.Prepared) -> None:
         return
     state, step = setup.session.require_state(), jax.jit(program.audited_train_step())
     small = data_lib.take(batch, slice(0, rows))
-    first, first_logs, zero = step(state, small)
+    try:
+        first, first_logs, zero = step(state, small)
+    except NameError:  # the step names the device axis itself (lax.psum(x, "data")): it runs under its strategy only
+        return
     for group, flag in zero.items():
         if bool(flag):
             raise SettingError(
