@@ -398,3 +398,14 @@ class NamesTheAxis(tk.Trainer):
 def test_a_step_naming_the_device_axis_itself_trains_under_its_strategy():
     _, history = fit(NamesTheAxis, rows=90, strategy="dp")
     assert history["rows"] == [pytest.approx(history["rows"][0])] and history["rows"][0] > 0
+
+
+def test_a_value_the_step_reads_changed_by_a_callback_mid_fit_stops_it_naming_the_fix():
+    trainer = Weighted(TwoParts(), optimizer=groups(), strategy="single")
+    anneal = tk.callbacks.LambdaCallback(on_epoch_end=lambda epoch, logs: setattr(trainer, "beta", 0.5))
+    with pytest.raises(RuntimeError, match=r"reads self.beta, which changed during this fit \(beta: 1.0 -> 0.5"):
+        trainer.fit(X, batch_size=32, epochs=3, verbose=0, callbacks=[anneal])
+    assert trainer.global_step == 3  # one epoch trained, its state kept
+    bookkeeping = tk.callbacks.LambdaCallback(on_epoch_end=lambda epoch, logs: setattr(trainer, "seen", epoch))
+    trainer.fit(X, batch_size=32, epochs=2, verbose=0, callbacks=[bookkeeping])  # a value the step never reads
+    assert trainer.seen == 1 and trainer.history.history["beta"] == [0.5, 0.5]

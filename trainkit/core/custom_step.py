@@ -271,11 +271,19 @@ def overridden(method: Callable[..., object], default: Callable[..., object], ow
     return True
 
 
+def read_attributes(*methods: Callable[..., object] | None) -> frozenset[str]:
+    """The attributes the trainer's ``methods`` (its ``train_step`` / ``test_step``) read as
+    ``self.<name>``, by their bytecode (:func:`_trainer_attributes`)."""
+    return frozenset(name for method in methods if method is not None for name in _trainer_attributes(method, ""))
+
+
 def _trainer_attributes(method: Callable[..., object], state_name: str) -> set[str]:
     """The attributes ``method`` (or a function nested in it) reads from its first argument
     (``self``), by its bytecode: what ``self.mean(...)`` spells (a method of another name is
     not followed)."""
     function = inspect.unwrap(method)
+    if isinstance(function, types.MethodType):  # the trainer's bound train_step
+        function = function.__func__
     if not isinstance(function, types.FunctionType) or not function.__code__.co_varnames:
         return set()
     code = function.__code__

@@ -122,6 +122,7 @@ class FitRun:
                     logs.update({f"val_{k}": v for k, v in val_logs.items()})
                 session.moved(Position(epoch + 1, 0, session.position.step), session.data_state)
                 callbacks.on_epoch_end(epoch, logs)
+                refuse_changed_values(self.steps.traced_values_changed(), epoch)
                 if self.done():
                     break
             self.close_ledger()
@@ -532,6 +533,20 @@ class EpochSteps:
             state, totals = call(carried(), self.for_step(True, totals), placed)
         keep(state)
         return totals
+
+
+def refuse_changed_values(changed: list[str], epoch: int) -> None:
+    """Stops ``fit`` (the state that of epoch ``epoch``'s end, intact) when a value the user's own
+    step reads from ``self`` changed during it: the compiled step keeps the one it was traced with,
+    so the change (a callback's annealing) would be ignored without a word."""
+    if changed:
+        raise RuntimeError(
+            f"The train step reads self.{changed[0].split(':')[0]}, which changed during this fit ({changed[0]}, "
+            f"by the end of epoch {epoch}; a callback?), but the compiled step keeps the value it was traced with: "
+            "the change would be ignored. Keep a value that changes while training in the state (a frozen "
+            "parameter or a model variable, written with trainer.update_state), or change it between fits (each "
+            "fit traces the step again with it). The trainer's state is that of this epoch's end."
+        )
 
 
 def non_finite_message(totals: EpochTotals, start_step: int, start_batch: int, epoch: int) -> str:

@@ -74,6 +74,11 @@ class CompiledSteps(Protocol):
         """The train step's ``skip_spikes`` (its skips are reported, and a long run of them stops ``fit``)."""
         ...
 
+    def traced_values_changed(self) -> list[str]:
+        """The plain trainer values a step of the user's own reads that changed since it was traced
+        (``'beta: 1.0 -> 0.5'``): the compiled step would keep the old ones."""
+        ...
+
     def decide_steps(self, steps: int, reason: str) -> None:
         """``steps_per_execution="auto"`` picked ``steps`` batches per call, for ``reason``."""
         ...

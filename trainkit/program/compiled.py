@@ -101,6 +101,11 @@ class CompiledFunctions:
             self._functions.clear()
         return changed
 
+    def traced_values_changed(self) -> list[str]:
+        """The plain values a step of the user's own reads as ``self.<name>`` that changed since it
+        was traced (a callback's ``trainer.beta = ...`` during a fit), kept until the next run."""
+        return self.program.traced_attributes.changed(self.program.read_attributes, forget=False)
+
     def has(self, kind: str) -> bool:
         """Whether the ``kind`` step is compiled (or adopted) for this fit's statistics."""
         return self._key(kind) in self._functions

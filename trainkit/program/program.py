@@ -135,6 +135,8 @@ class Program:
         owner = next((step.__self__ for step in (train_step, test_step) if isinstance(step, types.MethodType)), None)
         #: the trainer's attributes around each trace of the user's steps (nothing leaks through self)
         self.traced_attributes = TracedAttributes(owner)
+        #: the attributes those steps read as ``self.<name>`` (a change of one mid-fit is refused)
+        self.read_attributes = custom_lib.read_attributes(train_step, test_step)
         refusal = custom_step_refusal(
             grad_accum_steps=grad_accum_steps, precision=precision, spike_skip=spike_skip,
             log_grad_norm=log_grad_norm, offload=offload,

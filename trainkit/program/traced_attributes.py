@@ -25,7 +25,7 @@ trainkit.core.checks.SettingError: train_step set self.leaked while trainkit tra
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 
 from trainkit.core.checks import SettingError
 
@@ -80,13 +80,17 @@ class TracedAttributes:
             )
         self.values.update(_plain_attributes(self.owner))
 
-    def changed(self) -> list[str]:
-        """``'name: old -> new'`` for each plain value that changed since the steps were traced
-        (then forgotten: the next trace notes them again)."""
+    def changed(self, names: Collection[str] | None = None, forget: bool = True) -> list[str]:
+        """``'name: old -> new'`` for each plain value (of ``names``, default all) that changed since
+        the steps were traced; ``forget``: then forgotten (the next trace notes them again)."""
         if self.owner is None or not self.values:
             return []
         now = _plain_attributes(self.owner)
-        changed = [f"{k}: {v!r} -> {now.get(k)!r}" for k, v in self.values.items() if k not in now or now[k] != v]
-        if changed:
+        changed = [
+            f"{k}: {v!r} -> {now.get(k)!r}"
+            for k, v in self.values.items()
+            if (names is None or k in names) and (k not in now or now[k] != v)
+        ]
+        if changed and forget:
             self.values = {}
         return changed
