@@ -42,7 +42,7 @@ def audit_own_step(setup: Setup, prepared: data_lib.Prepared) -> None:
     state, step = setup.session.require_state(), jax.jit(program.audited_train_step())
     small = data_lib.take(batch, slice(0, rows))
     try:
-        first, first_logs, zero = step(state, small)
+        _, _, zero = step(state, small)
     except NameError:  # the step names the device axis itself (lax.psum(x, "data")): it runs under its strategy only
         return
     for group, flag in zero.items():
