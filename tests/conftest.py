@@ -1,13 +1,20 @@
 """Fakes 8 CPU devices before JAX is imported; shared tiny models and data."""
 
+import contextlib
+import importlib.util
+import io
 import os
+import pathlib
 import re
+import typing
 
 #: XLA:CPU's backend without its LLVM optimisation passes: the suite's tiny programs compile in
 #: about 0.7 of the time (measured on test_keras_fit_semantics + test_sharded: 86.6 -> 68.8 s) and
 #: compute the same results (the same HLO; every comparison of the suite passes either way).
 #: Benchmarks, examples and `make example` run fully optimised; only the tests set it.
 TEST_XLA_FLAGS = ["--xla_backend_optimization_level=0"]
+# Not "--xla_cpu_use_fusion_emitters=false" (jaxlib 0.10; 0.12 has no such flag): it compiles in about 0.6 of
+# the time, but computes fused FSDP steps wrongly (test_steps_per_execution's fsdp8 run off by 2.6e-2).
 os.environ["XLA_FLAGS"] = " ".join(
     [f for f in os.environ.get("XLA_FLAGS", "").split() if "device_count" not in f]
     + ["--xla_force_host_platform_device_count=8", *TEST_XLA_FLAGS]
@@ -36,12 +43,14 @@ import tempfile  # noqa: E402
 from jax._src import compilation_cache as jax_compilation_cache  # noqa: E402
 
 #: "" in a process multiprocessing spawned: a data worker (grain's, torch's) that imported a test
-#: module to unpickle a source defined there compiles nothing and would leave the directory behind
+#: module to unpickle a source defined there compiles nothing and would leave the directory behind.
+#: (A directory shared by both xdist workers saved nothing measurable: their files compile different programs.)
 COMPILATION_CACHE = ""
 if "--multiprocessing-fork" not in sys.orig_argv:
     COMPILATION_CACHE = tempfile.mkdtemp(prefix="trainkit-tests-jax-cache-")
     jax.config.update("jax_compilation_cache_dir", COMPILATION_CACHE)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+
 #: modules that count compiles or set up compilation caches of their own: no shared cache there
 OWN_COMPILATION_CACHE = {"test_compile", "test_auto_reproducible"}
 
@@ -212,6 +221,50 @@ def attention_written_out(q, k, v):
     return jax.numpy.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(logits), v)
 
 
+EXAMPLES = pathlib.Path(__file__).parent.parent / "examples"
+
+
+def load_example(name: str, prefix: str = "example"):
+    """``examples/<name>.py`` imported as a module of its own, ``<prefix>_<name>`` (run afresh)."""
+    spec = importlib.util.spec_from_file_location(f"{prefix}_{name}", EXAMPLES / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses (linen modules) look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+class ExampleRun(typing.NamedTuple):
+    """What an example run gives, as ``subprocess.run`` does."""
+
+    returncode: int
+    stdout: str
+    stderr: str
+
+
+def run_example_here(script: str, *args: str) -> ExampleRun:
+    """``examples/<script> args...`` in this test process, by its ``main(argv)``: on the 8 fake devices
+    JAX already has (``--devices 8`` runs as ``--devices 0``, the devices there are), through the suite's
+    compilation cache, its output captured and the environment variables it sets put back. For the runs
+    that need no fresh process (``make example``, the examples' ``--help`` and a run on the machine's
+    real devices start one)."""
+    arguments = list(args)
+    if "--devices" in arguments:
+        at = arguments.index("--devices")
+        assert int(arguments[at + 1]) == len(jax.devices()), f"{script} asks for {arguments[at + 1]} devices"
+        arguments[at + 1] = "0"
+    module = load_example(pathlib.Path(script).stem, prefix="example_here")
+    stdout, stderr, environment = io.StringIO(), io.StringIO(), dict(os.environ)
+    try:
+        with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
+            code = module.main(arguments)
+    finally:
+        os.environ.clear()
+        os.environ.update(environment)
+        sys.modules.pop(module.__name__, None)
+    returncode = code if isinstance(code, int) else 0  # lm.py's main returns its loss; its script exits 0
+    return ExampleRun(returncode, stdout.getvalue(), stderr.getvalue())
+
+
 def tree_allclose(a, b, rtol=1e-5, atol=1e-6):
     la, lb = jax.tree.leaves(a), jax.tree.leaves(b)
     assert jax.tree.structure(a) == jax.tree.structure(b)
@@ -269,26 +322,33 @@ def pytest_unconfigure(config):
         shutil.rmtree(COMPILATION_CACHE, ignore_errors=True)
 
 
-#: The test files by their serial seconds in a measured run (2026-12-02: 214, 156, 108, 102, 70,
-#: 65, 55, 50, 43, 42, 41, 40, 38 s), run first; the others follow in their own order.
-#: `make test` runs `--dist loadfile --no-loadscope-reorder`: each worker takes the next file
-#: in this order, so the run does not end with one worker on a long file while the other idles
-#: (xdist's own order, by the number of tests, ran test_faults last: about 50 s of one idle core).
+#: The test files by their serial seconds in a measured run (2026-12-06, on 2 busy cores: 242, 217, 146,
+#: 127, 109, 82, 76, 72, 69, 61, 56, 55, 55, 54, 52, 48, 47, 45, 44, 41, 38 s), run first; the others
+#: follow in their own order. `make test` runs `--dist loadfile --no-loadscope-reorder`: each worker takes
+#: the next file in this order, so the run does not end with one worker on a long file while the other
+#: idles (xdist's own order, by the number of tests, ran test_faults last: about 50 s of one idle core).
 HEAVIEST_FIRST = (
-    "test_multihost",
     "test_examples",
-    "test_faults",
-    "test_custom_training",
+    "test_multihost",
+    "test_pipeline_axis",
     "test_docs",
-    "test_compile",
+    "test_custom_training",
+    "test_faults",
+    "test_recipes",
+    "test_context_axis",
     "test_tuning",
-    "test_targets",
-    "test_auto_reproducible",
-    "test_steps_per_execution",
-    "test_keras_outputs",
+    "test_ports",
     "test_keras_fit_semantics",
     "test_finetuning",
+    "test_save_pretrained",
+    "test_keras_outputs",
+    "test_monitoring",
+    "test_steps_per_execution",
+    "test_compile",
+    "test_offload",
+    "test_plan",
     "test_sharded",
+    "test_compute_loss_contract",
 )
 
 

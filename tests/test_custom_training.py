@@ -1,7 +1,6 @@
 """The user's own training logic (#58): losses that log their parts, an optimizer per
 sub-network, a train step of one's own, each the same on every strategy."""
 
-import importlib.util
 import pathlib
 import re
 import subprocess
@@ -13,20 +12,12 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from conftest import strategy_table, subprocess_cache_env, tree_allclose
+from conftest import load_example, strategy_table, subprocess_cache_env, tree_allclose
 from flax import nnx
 
 import trainkit as tk
 
 ROOT = pathlib.Path(__file__).parent.parent
-
-
-def load_example(name):
-    spec = importlib.util.spec_from_file_location(f"example_{name}", ROOT / "examples" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclasses (linen modules) look their module up
-    spec.loader.exec_module(module)
-    return module
 
 
 gan, vae, distillation = load_example("gan"), load_example("vae"), load_example("distillation")

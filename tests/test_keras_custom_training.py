@@ -3,14 +3,13 @@ in trainkit, on the same digits in the same order from the same initial weights 
 with optax's epsilon): trainkit reaches Keras's final figures (#58). Only the VAE's noise differs
 (Keras's seed generator against trainkit's per-row draws)."""
 
-import importlib.util
 import pathlib
-import sys
 
 import keras
 import numpy as np
 import optax
 import pytest
+from conftest import load_example
 
 import trainkit as tk
 
@@ -18,15 +17,7 @@ ROOT = pathlib.Path(__file__).parent.parent
 assert keras.backend.backend() == "jax"
 
 
-def load_example(name):
-    spec = importlib.util.spec_from_file_location(f"keras_example_{name}", ROOT / "examples" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-vae, distillation = load_example("vae"), load_example("distillation")
+vae, distillation = load_example("vae", "keras_example"), load_example("distillation", "keras_example")
 EPOCHS = 15
 
 
