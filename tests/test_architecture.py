@@ -36,7 +36,14 @@ ALLOWED = {
     # checked first (program/targets.py, which imports JAX only when it compiles)
     "__main__": {"program"},
     "version": set(),
+    # JAX's, Flax's and qwix's internals, each behind one named function; imports nothing of trainkit's
+    "internals": set(),
 }
+for _package, _allowed in ALLOWED.items():  # every package may reach JAX's internals, through internals/ only
+    if _package != "internals":
+        _allowed.add("internals")
+#: the modules of JAX and qwix that are not their public API: imported by internals/ only
+PRIVATE_MODULES = ("jax._src", "jax.extend", "qwix._src")
 #: modules that may import every package: the facade and the public namespace
 EVERYTHING = {"trainer", "__init__"}
 #: namespaces whose names are imported on first use (a ``LAZY`` table): the type checker reads
@@ -177,6 +184,57 @@ def test_no_import_cycle():
 def test_few_top_level_modules():
     top = sorted(p.name for p in PACKAGE.glob("*.py"))
     assert len(top) <= TOP_LEVEL_LIMIT, f"{len(top)} top-level modules: {top}; move code into a package"
+
+
+def internal_reaches(tree: ast.Module) -> list[str]:
+    """Imports of (and names written as strings for) JAX's and qwix's private modules."""
+    found = []
+    for node in ast.walk(tree):
+        names = []
+        if isinstance(node, ast.ImportFrom) and node.module:
+            names = [node.module]
+        elif isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str) and " " not in node.value:
+            names = [node.value]
+        found += [f"line {node.lineno}: {name}" for name in names if name.startswith(PRIVATE_MODULES)]
+    return found
+
+
+def attribute_settings(tree: ast.Module) -> list[str]:
+    """``setattr(x, ...)`` and ``object.__setattr__(x, ...)`` on anything but ``self`` (a frozen dataclass
+    setting its own fields is fine)."""
+    found = []
+    for node in ast.walk(tree):
+        if not (isinstance(node, ast.Call) and node.args):
+            continue
+        plain = isinstance(node.func, ast.Name) and node.func.id == "setattr"
+        forced = isinstance(node.func, ast.Attribute) and node.func.attr == "__setattr__"
+        target = node.args[0]
+        if (plain or forced) and not (isinstance(target, ast.Name) and target.id == "self"):
+            found.append(f"line {node.lineno}: {ast.unparse(node.func)}({ast.unparse(target)}, ...)")
+    return found
+
+
+@pytest.mark.parametrize("name", sorted(n for n in MODULES if package_of(n) != "internals"))
+def test_jax_internals_are_reached_through_internals_only(name):
+    """Outside internals/, no module imports ``jax._src`` / ``jax.extend`` / ``qwix._src``; under core/,
+    none sets an attribute on an object it does not own (a module's function, a frozen module's field)."""
+    tree = ast.parse(MODULES[name].read_text())
+    reaches = internal_reaches(tree)
+    assert not reaches, f"trainkit.{name} reaches {reaches}: add a named function to trainkit/internals/"
+    if package_of(name) == "core":
+        settings = attribute_settings(tree)
+        assert not settings, f"trainkit.{name} sets {settings}: core/ mutates nothing it does not own"
+
+
+def test_docs_name_every_module_in_one_line():
+    docs = (PACKAGE.parent / "docs" / "architecture.md").read_text()
+    index = docs[docs.index("## Every module, one line each") :]
+    listed = {line.split("`")[1] for line in index.splitlines() if line.startswith("- `")}
+    files = {path.relative_to(PACKAGE).as_posix() for path in MODULES.values()}
+    assert not files - listed, f"docs/architecture.md's module index lacks {sorted(files - listed)}: add one line each"
+    assert not listed - files, f"docs/architecture.md names modules that are gone: {sorted(listed - files)}"
 
 
 def test_every_package_says_what_it_is_for():
@@ -342,6 +400,17 @@ def test_the_rules_can_fail(tmp_path):
         "line 6: vars(self)",
     ]
     assert long_functions(ast.parse("def f():\n" + "    x = 1\n" * 80)) == ["f (81 lines, line 1)"]
+    private = "from jax._src import xla_bridge\nimport jax.extend.core\nsys.modules.get('qwix._src.ptq')\n"
+    assert internal_reaches(ast.parse(private)) == [
+        "line 1: jax._src",
+        "line 2: jax.extend.core",
+        "line 3: qwix._src.ptq",
+    ]
+    settings = "setattr(jax.nn, 'f', g)\nobject.__setattr__(module, 'x', 1)\nobject.__setattr__(self, 'y', 2)\n"
+    assert attribute_settings(ast.parse(settings)) == [
+        "line 1: setattr(jax.nn, ...)",
+        "line 2: object.__setattr__(module, ...)",
+    ]
     assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
     assert find_cycle({"a": {"b"}, "b": set()}) is None
     spread = {"core.features.a": {"core.features.b"}, "core.features.b": set(), "loop.x": {"core.features.a"}}

@@ -422,10 +422,10 @@ def test_flops_are_counted_from_the_module_where_a_backend_reports_none():
     import jax
     import jax.numpy as jnp
 
-    from trainkit.core import cost
+    from trainkit.internals.runtime import hlo_cost
 
     lowered = jax.jit(lambda a, b: jnp.tanh(a @ b)).lower(jnp.ones((16, 32)), jnp.ones((32, 8)))
-    assert cost._hlo_cost(lowered)["flops"] == lowered.cost_analysis()["flops"] >= 2 * 16 * 32 * 8
+    assert hlo_cost(lowered)["flops"] == lowered.cost_analysis()["flops"] >= 2 * 16 * 32 * 8
 
 
 def test_the_progress_bar_and_the_goodput_summary_show_mfu_where_the_peak_is_known(monkeypatch):

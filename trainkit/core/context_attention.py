@@ -7,7 +7,7 @@ chunk of the queries, all-gathers the keys and values over the axis (MaxText's d
 ``all_gather`` way), and masks causally by the chunk's global positions; a mask or bias is split
 with the queries. Each query's row of attention is computed whole on one device, so the numbers
 are those of one device. Without it the compiler gathers what attention needs from the layout
-alone; with it, what is gathered is stated, not found. :mod:`trainkit.core.attention_reach`
+alone; with it, what is gathered is stated, not found. :mod:`trainkit.strategies.attention_reach`
 routes Flax's and JAX's own attention here; every call a step's trace reaches is recorded
 (:func:`attention_calls`), so a plan says whether its context axis split the model's attention.
 

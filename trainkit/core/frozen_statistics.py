@@ -34,6 +34,7 @@ from flax import nnx
 
 from trainkit.core.statistics import module_of
 from trainkit.core.tree import PyTree, leaf_name
+from trainkit.internals.rebinding import field_set
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -84,12 +85,8 @@ def _interceptor(
     ):
         if module.use_running_average is None:  # given at call time: given True instead
             return call(*args[:1], **{**kwargs, "use_running_average": True})
-        before = module.use_running_average  # given to the constructor: True while this call runs
-        object.__setattr__(module, "use_running_average", True)  # a linen module is a frozen dataclass
-        try:
+        with field_set(module, "use_running_average", True):  # given to the constructor: True for this call
             return call(*args, **kwargs)
-        finally:
-            object.__setattr__(module, "use_running_average", before)
     return call(*args, **kwargs)
 
 

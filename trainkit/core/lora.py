@@ -21,7 +21,6 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import re
-import sys
 from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
@@ -31,6 +30,7 @@ import numpy as np
 
 from trainkit.core.statistics import module_of
 from trainkit.core.tree import ArrayValue, KeyPath, PyTree, Shape, leaf_name
+from trainkit.internals.qwix import is_quantized, let_qwix_record_einsums_on_linen_modules
 
 if TYPE_CHECKING:  # imported when a LoRA is made (qwix is optional until then)
     import flax.linen as nn
@@ -44,17 +44,6 @@ QUANTIZED = (None, "nf4", "int8")
 def is_adapter(name: str) -> bool:
     """Whether a parameter path names a LoRA adapter (``Dense_0/kernel_lora_a``)."""
     return name.endswith(ADAPTER_SUFFIXES)
-
-
-#: the module of qwix's quantised-parameter node, ``WithAux``
-QWIX_PTQ = "qwix._src.providers.ptq"
-
-
-def is_quantized(leaf: object) -> bool:
-    """Whether a parameter node is a qwix quantised array (its ``qvalue`` and ``scale`` inside).
-    Without qwix imported (no LoRA in this process) nothing is: qwix is not imported for it."""
-    ptq = sys.modules.get(QWIX_PTQ)
-    return ptq is not None and isinstance(leaf, ptq.WithAux)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,7 +94,7 @@ class LoRA:
         """The linen module with qwix's LoRA interception (the module itself is not changed)."""
         import qwix
 
-        _let_qwix_record_einsums_on_linen_modules()
+        let_qwix_record_einsums_on_linen_modules()
         wrapped: nn.Module = qwix.apply_lora_to_model(model, self.provider())
         return wrapped
 
@@ -127,25 +116,6 @@ class LoRA:
         """The base model's parameters: each adapted kernel (dequantised if stored quantised)
         plus ``scale * A @ B``; the adapters removed."""
         return _merge(params, self.scale)
-
-
-def _let_qwix_record_einsums_on_linen_modules() -> None:
-    """qwix 0.1.8's LoRA ``einsum`` (a kernel used through ``jnp.einsum``, as attention's
-    ``(embed, heads, kv)`` kernels are) records its LoRA equation on the current module, for
-    debugging, with ``setattr``, which a linen module refuses outside ``setup``
-    (``SetAttributeFrozenModuleError``): every linen model with such a kernel failed. That one
-    call, in that one qwix module, is given a ``setattr`` that writes the record as a plain
-    attribute; everything else is Python's ``setattr``. Idempotent."""
-    import flax.linen as linen
-    from qwix._src.providers import lora as qwix_lora
-
-    def setattr_recording(target: object, name: str, value: object) -> None:
-        if isinstance(target, linen.Module) and name.endswith("_lora_einsum_str"):
-            object.__setattr__(target, name, value)  # a debugging note, not a field of the module
-        else:
-            setattr(target, name, value)
-
-    vars(qwix_lora).setdefault("setattr", setattr_recording)
 
 
 def _merge(node: PyTree, scale: float) -> PyTree:

@@ -39,9 +39,9 @@ from collections.abc import Sequence
 import jax
 import numpy as np
 import optax
-from jax.extend.core import ClosedJaxpr, Jaxpr, JaxprEqn, Literal, Var
 
 from trainkit.core.tree import Leaf, PyTree, array_bytes
+from trainkit.internals.jaxpr import ClosedJaxpr, Jaxpr, JaxprEqn, Literal, Var, called_jaxpr, is_literal, is_var
 
 #: The names ``Trainer(offload=...)`` takes.
 OFFLOADS = ("optimizer", "optimizer+frozen", "auto")
@@ -137,13 +137,13 @@ def _bits_of(jaxpr: Jaxpr, input_bits: Sequence[int]) -> dict[Var, int]:
     bits: dict[Var, int] = dict(zip(jaxpr.invars, input_bits, strict=True))
 
     def read(var: Var | Literal) -> int:
-        return 0 if isinstance(var, Literal) else bits.get(var, 0)
+        return 0 if is_literal(var) else bits.get(var, 0)
 
     for eqn in jaxpr.eqns:
-        inner = _called(eqn)
+        inner = called_jaxpr(eqn)
         if inner is not None:
             inside = _bits_of(inner, [read(v) for v in eqn.invars])
-            outs = [0 if isinstance(v, Literal) else inside.get(v, 0) for v in inner.outvars]
+            outs = [0 if is_literal(v) else inside.get(v, 0) for v in inner.outvars]
         else:
             union = 0
             for var in eqn.invars:
@@ -151,16 +151,6 @@ def _bits_of(jaxpr: Jaxpr, input_bits: Sequence[int]) -> dict[Var, int]:
             outs = [union] * len(eqn.outvars)
         bits.update(zip(eqn.outvars, outs, strict=True))
     return bits
-
-
-def _called(eqn: JaxprEqn) -> Jaxpr | None:
-    """The body of a plain call (``jit`` inside the update), whose inputs are the call's."""
-    inner = eqn.params.get("jaxpr")
-    if isinstance(inner, ClosedJaxpr):
-        inner = inner.jaxpr
-    if isinstance(inner, Jaxpr) and len(inner.invars) == len(eqn.invars) and not inner.constvars:
-        return inner
-    return None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -186,7 +176,7 @@ def _trace(tx: optax.GradientTransformation, grads: PyTree, opt_state: PyTree, p
     for k, position in enumerate(host_inputs):
         input_bits[position] = 1 << k
     bits = _bits_of(closed.jaxpr, input_bits)
-    masks = [0 if isinstance(v, Literal) else bits.get(v, 0) for v in closed.jaxpr.outvars]
+    masks = [0 if is_literal(v) else bits.get(v, 0) for v in closed.jaxpr.outvars]
     groups = _joined(len(host_inputs), masks)
     sizes = [sum(_bytes(flat_state[host_inputs[k] - first]) for k in group) for group in groups]
     groups = _merged(groups, sizes)
@@ -300,7 +290,7 @@ def streamed_update(
 
 
 def _read(env: dict[Var, jax.Array], var: Var | Literal) -> jax.Array:
-    return var.val if isinstance(var, Literal) else env[var]
+    return var.val if is_literal(var) else env[var]
 
 
 def _evaluate(jaxpr: Jaxpr, env: dict[Var, jax.Array], wanted: Sequence[Var | Literal]) -> None:
@@ -308,18 +298,18 @@ def _evaluate(jaxpr: Jaxpr, env: dict[Var, jax.Array], wanted: Sequence[Var | Li
     loop, restricted to a slice of the program). A plain call (a ``jit`` inside the update, such
     as optax's bias correction over every moment at once) is followed inside, for the outputs
     wanted only: its other outputs may read leaves of other groups, not on the device yet."""
-    needed = {v for v in wanted if isinstance(v, Var) and v not in env}
+    needed = {v for v in wanted if is_var(v) and v not in env}
     chosen: list[tuple[JaxprEqn, list[int]]] = []
     for eqn in reversed(jaxpr.eqns):
         outputs = [i for i, v in enumerate(eqn.outvars) if v in needed]
         if not outputs:
             continue
         chosen.append((eqn, outputs))
-        inner = _called(eqn)
+        inner = called_jaxpr(eqn)
         inputs = range(len(eqn.invars)) if inner is None else _inputs_read(inner, outputs)
-        needed.update(v for i in inputs if isinstance(v := eqn.invars[i], Var) and v not in env)
+        needed.update(v for i in inputs if is_var(v := eqn.invars[i]) and v not in env)
     for eqn, outputs in reversed(chosen):
-        inner = _called(eqn)
+        inner = called_jaxpr(eqn)
         if inner is None:
             with eqn.ctx.manager:
                 values = eqn.primitive.bind(
@@ -330,7 +320,7 @@ def _evaluate(jaxpr: Jaxpr, env: dict[Var, jax.Array], wanted: Sequence[Var | Li
         inside: dict[Var, jax.Array] = {
             var: _read(env, outer)
             for var, outer in zip(inner.invars, eqn.invars, strict=True)
-            if isinstance(outer, Literal) or outer in env
+            if is_literal(outer) or outer in env
         }
         _evaluate(inner, inside, [inner.outvars[i] for i in outputs])
         env.update((eqn.outvars[i], _read(inside, inner.outvars[i])) for i in outputs)
@@ -338,12 +328,12 @@ def _evaluate(jaxpr: Jaxpr, env: dict[Var, jax.Array], wanted: Sequence[Var | Li
 
 def _inputs_read(jaxpr: Jaxpr, outputs: Sequence[int]) -> list[int]:
     """The positions of ``jaxpr``'s inputs that its ``outputs`` read (calls followed inside)."""
-    needed = {v for i in outputs if isinstance(v := jaxpr.outvars[i], Var)}
+    needed = {v for i in outputs if is_var(v := jaxpr.outvars[i])}
     for eqn in reversed(jaxpr.eqns):
         wanted = [i for i, v in enumerate(eqn.outvars) if v in needed]
         if not wanted:
             continue
-        inner = _called(eqn)
+        inner = called_jaxpr(eqn)
         inputs = range(len(eqn.invars)) if inner is None else _inputs_read(inner, wanted)
-        needed.update(v for i in inputs if isinstance(v := eqn.invars[i], Var))
+        needed.update(v for i in inputs if is_var(v := eqn.invars[i]))
     return [i for i, var in enumerate(jaxpr.invars) if var in needed]

@@ -20,9 +20,9 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import optax
-from jax.extend.core import Literal
 
 from trainkit.core.tree import PyTree
+from trainkit.internals.jaxpr import Jaxpr, is_literal
 
 
 def _is_injected(node: Any) -> bool:
@@ -114,15 +114,15 @@ def rate_is_scheduled(tx: optax.GradientTransformation, opt_state: PyTree, param
     return not _depends_on_first_input(closed.jaxpr)
 
 
-def _depends_on_first_input(jaxpr: Any) -> bool:
+def _depends_on_first_input(jaxpr: Jaxpr) -> bool:
     """Whether the first output of ``jaxpr`` is computed from its first input (an equation
     with a dependent input makes all its outputs dependent)."""
     dependent = {jaxpr.invars[0]}
     for equation in jaxpr.eqns:
-        if any(not isinstance(v, Literal) and v in dependent for v in equation.invars):
+        if any(not is_literal(v) and v in dependent for v in equation.invars):
             dependent.update(equation.outvars)
     out = jaxpr.outvars[0]
-    return not isinstance(out, Literal) and out in dependent
+    return not is_literal(out) and out in dependent
 
 
 def set_learning_rate(opt_state: PyTree, value: float) -> PyTree:

@@ -25,15 +25,15 @@ import contextvars
 import dataclasses
 import functools
 from collections.abc import Callable, Sequence
-from typing import ParamSpec, TypeGuard, TypeVar, cast
+from typing import ParamSpec, TypeVar, cast
 
 import jax
 import jax.numpy as jnp
-from jax.extend import core as jcore
 
 from trainkit.core.gpipe import Layer, Schedule, gpipe
 from trainkit.core.scoped import scoped
 from trainkit.core.tree import Apply, PyTree, leaf_name
+from trainkit.internals import jaxpr as jcore
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -111,11 +111,7 @@ def _rows(x: PyTree) -> int | None:
 
 
 # ---------------------------------------------------------------------- the split forward pass
-def _is_var(atom: jcore.Var | jcore.Literal) -> TypeGuard[jcore.Var]:
-    return isinstance(atom, jcore.Var)
-
-
-def _nbytes(var: jcore.Var | jcore.Literal) -> int:
+def _nbytes(var: jcore.Atom) -> int:
     aval = cast(jax.core.ShapedArray, var.aval)
     return int(aval.size) * int(aval.dtype.itemsize)
 
@@ -138,11 +134,11 @@ class _Split:
         rows = set(jaxpr.invars[shared_inputs:])
         candidates: list[tuple[int, int]] = []  # (stacked bytes, eqn index)
         for index, eqn in enumerate(jaxpr.eqns):
-            uses = [v for v in eqn.invars if _is_var(v)]
+            uses = [v for v in eqn.invars if jcore.is_var(v)]
             if eqn.primitive.name == "scan" and not eqn.params["reverse"]:
-                consts, carry = _scan_counts(eqn)
+                consts, carry = jcore.scan_counts(eqn)
                 xs = eqn.invars[consts + carry :]
-                shared_xs = [v for v in xs if not (_is_var(v) and v in rows)]  # the layers' parameters
+                shared_xs = [v for v in xs if not (jcore.is_var(v) and v in rows)]  # the layers' parameters
                 if shared_xs and any(v in rows for v in eqn.invars[consts : consts + carry]):
                     candidates.append((sum(_nbytes(v) for v in shared_xs), index))
             if any(v in rows for v in uses):
@@ -168,11 +164,11 @@ class _Split:
         return self.jaxpr.eqns[self.scan]
 
     def needed(self) -> set[jcore.Var]:
-        used = {v for eqn in self.jaxpr.eqns for v in eqn.invars if _is_var(v)}
-        return used | {v for v in self.jaxpr.outvars if _is_var(v)}
+        used = {v for eqn in self.jaxpr.eqns for v in eqn.invars if jcore.is_var(v)}
+        return used | {v for v in self.jaxpr.outvars if jcore.is_var(v)}
 
     def check_outputs(self) -> None:
-        _, carry = _scan_counts(self.eqn)
+        _, carry = jcore.scan_counts(self.eqn)
         needed = self.needed()
         if any(v in needed for v in self.eqn.outvars[carry:]):
             raise NotPipelined(
@@ -184,22 +180,13 @@ class _Split:
         """Indices of the jaxpr's inputs the scan takes as its stacked operands (through dtype casts)."""
         made_by = {v: eqn for eqn in self.jaxpr.eqns for v in eqn.outvars}
         found = []
-        start = sum(_scan_counts(self.eqn))
+        start = sum(jcore.scan_counts(self.eqn))
         for atom in self.eqn.invars[start:]:
-            while _is_var(atom) and atom in made_by and made_by[atom].primitive.name == "convert_element_type":
+            while jcore.is_var(atom) and atom in made_by and made_by[atom].primitive.name == "convert_element_type":
                 atom = made_by[atom].invars[0]
-            if _is_var(atom) and atom in self.jaxpr.invars:
+            if jcore.is_var(atom) and atom in self.jaxpr.invars:
                 found.append(self.jaxpr.invars.index(atom))
         return found
-
-
-def _scan_counts(eqn: jcore.JaxprEqn) -> tuple[int, int]:
-    """How many of a ``scan`` eqn's operands are its constants and its carry (the rest are its stacked
-    inputs). jax 0.10 names the counts; jax 0.12 groups the operands in a flat tree ``ft_in``."""
-    if "ft_in" in eqn.params:
-        consts, carry, _ = eqn.params["ft_in"].unpack()
-        return len(consts), len(carry)
-    return eqn.params["num_consts"], eqn.params["num_carry"]
 
 
 def _evaluate(
@@ -211,18 +198,16 @@ def _evaluate(
         return
     made = [v for eqn in eqns for v in eqn.outvars]
     made_set = set(made)
-    inputs = list(dict.fromkeys(v for eqn in eqns for v in eqn.invars if _is_var(v) and v not in made_set))
+    inputs = list(dict.fromkeys(v for eqn in eqns for v in eqn.invars if jcore.is_var(v) and v not in made_set))
     outputs = [v for v in made if v in needed]
-    effects = frozenset().union(*(eqn.effects for eqn in eqns))
-    info = jcore.DebugInfo("pipeline", "trainkit.core.pipeline", None, ("",) * len(outputs))
-    fn = jcore.jaxpr_as_fun(jcore.ClosedJaxpr(jcore.Jaxpr([], inputs, outputs, list(eqns), effects, info), []))
+    fn = jcore.function_of(eqns, inputs, outputs, "pipeline")
     if rows is not None:
         fn = jax.vmap(fn, in_axes=[0 if v in rows else None for v in inputs])
     env.update(zip(outputs, fn(*[env[v] for v in inputs])))
 
 
-def _read(env: dict[jcore.Var, PyTree], atom: jcore.Var | jcore.Literal) -> PyTree:
-    if isinstance(atom, jcore.Literal):
+def _read(env: dict[jcore.Var, PyTree], atom: jcore.Atom) -> PyTree:
+    if jcore.is_literal(atom):
         return atom.val
     return env[atom]
 
@@ -257,15 +242,15 @@ def _run_pipelined(
     before = [eqn for eqn in jaxpr.eqns[: split.scan] if any(v in split.rows for v in eqn.outvars)]
     _evaluate(before, env, needed, split.rows)
     eqn = split.eqn
-    consts, carry = _scan_counts(eqn)
-    layer_fn = jcore.jaxpr_as_fun(eqn.params["jaxpr"])
+    consts, carry = jcore.scan_counts(eqn)
+    layer_fn = jcore.scan_body(eqn)
     operands = [_read(env, a) for a in eqn.invars]
-    per_micro = [_is_var(a) and a in split.rows for a in eqn.invars[:consts]]
+    per_micro = [jcore.is_var(a) and a in split.rows for a in eqn.invars[:consts]]
     carried = [
-        v if _is_var(a) and a in split.rows else jnp.broadcast_to(v, (m, *jnp.shape(v)))
+        v if jcore.is_var(a) and a in split.rows else jnp.broadcast_to(v, (m, *jnp.shape(v)))
         for a, v in zip(eqn.invars[consts : consts + carry], operands[consts : consts + carry])
     ]
-    stacked_per_micro = [_is_var(a) and a in split.rows for a in eqn.invars[consts + carry :]]
+    stacked_per_micro = [jcore.is_var(a) and a in split.rows for a in eqn.invars[consts + carry :]]
     layer = Layer(lambda c, h, xs: list(layer_fn(*c, *h, *xs))[:carry], per_micro, stacked_per_micro)
     env.update(zip(eqn.outvars[:carry], gpipe(layer, operands[:consts], carried, operands[consts + carry :], schedule)))
     split.rows.update(eqn.outvars[:carry])
@@ -273,13 +258,13 @@ def _run_pipelined(
     _evaluate(after, env, needed, split.rows)
     rows = jax.tree.leaves(micro_x)[0].shape[1]  # one microbatch's
     for atom in jaxpr.outvars:
-        shape = _shape(atom) if _is_var(atom) and atom in split.rows else (rows,)
+        shape = _shape(atom) if jcore.is_var(atom) and atom in split.rows else (rows,)
         if not shape or shape[0] != rows:
             raise NotPipelined(
                 f"the model returns a value of shape {shape} that depends on the batch but does not lead with its "
                 f"rows ({rows} a microbatch): a pipeline cannot put the microbatches' values back together (a loss "
                 "the model sows, batch statistics it updates). Return per-row values, or train without a stage axis."
             )
-    outs = [_merge_rows(_read(env, a)) if _is_var(a) and a in split.rows else _read(env, a) for a in jaxpr.outvars]
+    outs = [_merge_rows(_read(env, a)) if jcore.is_var(a) and a in split.rows else _read(env, a) for a in jaxpr.outvars]
     result: tuple[PyTree, PyTree] = jax.tree.unflatten(jax.tree.structure(out_shape), outs)
     return result

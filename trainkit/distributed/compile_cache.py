@@ -27,6 +27,7 @@ import warnings
 import jax
 
 from trainkit.distributed import filesystem
+from trainkit.internals.runtime import check_cache_entry
 
 ENVIRONMENT = "TRAINKIT_COMPILATION_CACHE"
 OFF = ("off", "0", "false", "no", "none")
@@ -99,8 +100,6 @@ def drop_broken_entries(directory: str) -> list[str]:
     >>> drop_broken_entries(tempfile.mkdtemp())
     []
     """
-    from jax._src import compilation_cache  # JAX's own decompression, whichever it uses here
-
     marker = os.path.join(directory, VERIFIED)
     since = os.path.getmtime(marker) if os.path.exists(marker) else 0.0
     started, broken = time.time(), []
@@ -112,7 +111,7 @@ def drop_broken_entries(directory: str) -> list[str]:
                 data = f.read()
             if not data:
                 raise ValueError("empty")
-            compilation_cache.decompress_executable(data)
+            check_cache_entry(data)  # JAX's own decompression, whichever it uses here
         except Exception:  # noqa: BLE001 - zlib.error, zstd errors, ValueError, OSError
             broken.append(entry.name)
             for path in (entry.path, entry.path[: -len("-cache")] + "-atime"):

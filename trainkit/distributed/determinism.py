@@ -20,7 +20,7 @@ import os
 
 import jax
 
-from trainkit.distributed.processes import _backend_started
+from trainkit.internals.runtime import backends_started
 
 #: The flags ``deterministic=True`` needs in ``XLA_FLAGS`` before the backend starts.
 DETERMINISTIC_FLAGS = ("--xla_gpu_deterministic_ops=true",)
@@ -51,7 +51,7 @@ def enable_determinism() -> None:
     missing = missing_flags(flags)
     if not missing:
         return
-    started = _backend_started()
+    started = backends_started()
     reason = problem(missing, started=started, platforms={d.platform for d in jax.devices()} if started else set())
     if reason is not None:
         raise RuntimeError(reason)

@@ -29,6 +29,7 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from trainkit.distributed import engines, environment, joining, ray_train, tpu_slice
+from trainkit.internals import runtime
 
 T = TypeVar("T")
 
@@ -51,12 +52,7 @@ def is_main_process() -> bool:
 
 
 def is_initialized() -> bool:
-    checker = getattr(jax.distributed, "is_initialized", None)
-    if checker is not None:
-        return bool(checker())
-    from jax._src import distributed as _distributed  # older JAX: no public check
-
-    return _distributed.global_state.client is not None
+    return runtime.distributed_initialized()
 
 
 #: seconds this process spent starting (``jax.distributed``, the backend) not yet in a goodput ledger
@@ -67,22 +63,13 @@ def take_startup_seconds() -> dict[str, float]:
     """The start-up seconds of this process not yet counted, once (the first ``fit``'s ledger
     takes them): ``jax.distributed``'s connection, and the backend's start, which this starts
     (timed) when nothing has yet."""
-    if not _backend_started():
+    if not runtime.backends_started():
         start = time.perf_counter()
         jax.devices()
         _STARTUP["backend"] = _STARTUP.get("backend", 0.0) + time.perf_counter() - start
     taken = dict(_STARTUP)
     _STARTUP.clear()
     return taken
-
-
-def _backend_started() -> bool:
-    try:
-        from jax._src import xla_bridge
-
-        return bool(getattr(xla_bridge, "_backends", {}))
-    except Exception:  # noqa: BLE001 - a private detail; assume not started
-        return False
 
 
 def requested_by_environment() -> bool:
@@ -115,9 +102,7 @@ def _tpu_pod_job() -> engines.Job | None:
     Where the environment says nothing and the metadata server cannot be reached, this host trains
     alone (one line says so); where it says several hosts, a :class:`~.engines.JobError` says
     what to set."""
-    from jax._src import cloud_tpu_init
-
-    if not cloud_tpu_init.running_in_cloud_tpu_vm:
+    if not runtime.on_cloud_tpu_vm():
         return None
     hosts = tpu_slice.hosts()
     if hosts == 1:
@@ -149,13 +134,11 @@ def _unjoinable(hosts: int | None, why: str) -> engines.JobError:
 
 def _jax_tpu_job() -> engines.Job | None:
     """The slice's job as JAX's cloud-TPU cluster detection reads it (``None``: one host)."""
-    from jax._src import clusters
-
-    for cluster in clusters.ClusterEnv._cluster_types:
-        if cluster.name in ("gcetpu", "gketpu") and cluster.is_env_present():
-            count = cluster.get_process_count()
-            return engines.Job("tpu", count, None, None, detection=cluster.name) if count > 1 else None
-    return None
+    found = runtime.tpu_slice_processes()
+    if found is None or found[1] < 2:
+        return None
+    detection, count = found
+    return engines.Job("tpu", count, None, None, detection=detection)
 
 
 def initialize(
@@ -207,7 +190,7 @@ def _join(
     """``jax.distributed.initialize`` for ``found`` (its values already merged with the arguments),
     bounded by :func:`trainkit.distributed.joining.bounded` where the coordinator is known (its
     address resolved first; on process 0, its port checked free)."""
-    if _backend_started():
+    if runtime.backends_started():
         raise RuntimeError(
             "tk.distributed.initialize() must run before anything touches JAX's devices, but the "
             "backend has already started (something called jax.devices(), created an array or "
@@ -307,9 +290,7 @@ def _everyone_gathers() -> None:
     """A coordination-service barrier before a cross-process gather, with a timeout."""
     global _gathers
     _gathers += 1
-    from jax._src import distributed as _distributed
-
-    client = _distributed.global_state.client
+    client = runtime.distributed_client()
     if client is None:
         return
     timeout = environment.seconds("TRAINKIT_GATHER_TIMEOUT", GATHER_TIMEOUT)

@@ -20,11 +20,11 @@ import os
 import sys
 import threading
 import time
-from typing import Any
 
 import jax
 
 from trainkit.distributed import environment
+from trainkit.internals.runtime import distributed_client
 
 #: Seconds without progress before a peer that is behind is declared stalled
 #: (``TRAINKIT_STALL_TIMEOUT`` overrides it).
@@ -32,21 +32,12 @@ STALL_TIMEOUT = 600.0
 _PREFIX = "trainkit/progress/"
 
 
-def _client():
-    try:
-        from jax._src import distributed as _distributed
-
-        return _distributed.global_state.client
-    except Exception:  # noqa: BLE001 - a private detail; without it, no watchdog
-        return None
-
-
 class StallWatchdog:
     """Publishes this process's step and watches the others' (see the module docstring)."""
 
     def __init__(self, timeout: float | None = None):
         self.timeout = environment.seconds("TRAINKIT_STALL_TIMEOUT", timeout or STALL_TIMEOUT)
-        self.client: Any = _client() if jax.process_count() > 1 else None  # JAX's coordination client
+        self.client = distributed_client() if jax.process_count() > 1 else None  # JAX's coordination client
         self.active = self.client is not None
         self._step, self._moved = -1, time.monotonic()
         self._moved_at = time.time()  # wall-clock time of the last step (what peers compare)
@@ -72,6 +63,8 @@ class StallWatchdog:
             self._step, self._moved, self._moved_at = step, time.monotonic(), time.time()
 
     def _publish(self, step: int) -> None:
+        if self.client is None:
+            return
         try:
             self.client.key_value_set(
                 f"{_PREFIX}{jax.process_index()}", f"{step} {self._moved_at}", allow_overwrite=True
@@ -91,6 +84,8 @@ class StallWatchdog:
                     self._end(stalled)
 
     def _stalled_peers(self) -> list[tuple[int, int, float]]:
+        if self.client is None:
+            return []
         try:
             entries = self.client.key_value_dir_get(_PREFIX)
         except Exception:  # noqa: BLE001

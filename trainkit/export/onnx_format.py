@@ -48,7 +48,8 @@ def save(
 ) -> dict[str, object]:
     """Writes the ONNX model of ``function(variables, x)`` for the symbolic ``inputs`` to ``path``."""
     import jax2onnx
-    from jax.extend.core import jaxpr_as_fun
+
+    from trainkit.internals.jaxpr import as_function
 
     leaves, treedef = jax.tree.flatten(inputs)
 
@@ -62,7 +63,7 @@ def save(
         with _quiet(_CHATTY):
             # "file": initializers past protobuf's 2 GB go to a sidecar path + ".data" (ONNX external data)
             jax2onnx.to_onnx(
-                jaxpr_as_fun(traced), leaves, opset=opset, return_mode="file", output_path=str(path), **names
+                as_function(traced), leaves, opset=opset, return_mode="file", output_path=str(path), **names
             )
     except (AttributeError, ImportError) as error:  # jax2onnx reads JAX internals, which move between releases
         raise RuntimeError(

@@ -23,7 +23,6 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from trainkit import distributed
-from trainkit.core.attention_reach import reaching_attention
 from trainkit.core.context_attention import ContextSplit
 from trainkit.core.gpipe import Schedule
 from trainkit.core.leaf_step import LeafStep
@@ -32,6 +31,7 @@ from trainkit.core.state import TrainState
 from trainkit.core.step import full_mask
 from trainkit.core.tree import KeyPath, PyTree, TreeFunction, leaf_name
 from trainkit.strategies import _sharding
+from trainkit.strategies.attention_reach import reaching_attention
 from trainkit.strategies.base import Strategy, make_mesh
 
 

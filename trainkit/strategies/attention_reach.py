@@ -41,6 +41,7 @@ import flax.linen.attention as linen_attention
 import jax
 
 from trainkit.core.context_attention import ContextSplit, active_split, context_split, split_attention
+from trainkit.internals.rebinding import field_set, rebound
 
 _FLAX_ATTENTION = linen_attention.dot_product_attention
 _JAX_ATTENTION = jax.nn.dot_product_attention
@@ -75,22 +76,23 @@ class _Routing:
 
     def __init__(self) -> None:
         self._lock, self._users = threading.Lock(), 0
+        self._bound: contextlib.ExitStack | None = None
 
     @contextlib.contextmanager
     def active(self) -> Iterator[None]:
         with self._lock:
             if self._users == 0:
-                for module, name, _, routed in _BY_NAME:
-                    setattr(module, name, routed)
+                self._bound = contextlib.ExitStack()
+                self._bound.enter_context(rebound([(module, name, routed) for module, name, _, routed in _BY_NAME]))
             self._users += 1
         try:
             yield
         finally:
             with self._lock:
                 self._users -= 1
-                if self._users == 0:
-                    for module, name, original, _ in _BY_NAME:
-                        setattr(module, name, original)
+                if self._users == 0 and self._bound is not None:
+                    self._bound.close()  # every original back
+                    self._bound = None
 
 
 _ROUTING = _Routing()
@@ -106,11 +108,8 @@ def _intercept_multi_head(next_fun: Callable[..., Any], args: Any, kwargs: Any, 
         and module.attention_fn is _FLAX_ATTENTION
     ):
         return next_fun(*args, **kwargs)
-    object.__setattr__(module, "attention_fn", _MULTI_HEAD)  # a frozen dataclass field, for this call
-    try:
+    with field_set(module, "attention_fn", _MULTI_HEAD):  # a frozen dataclass field, for this call
         return next_fun(*args, **kwargs)
-    finally:
-        object.__setattr__(module, "attention_fn", _FLAX_ATTENTION)
 
 
 @contextlib.contextmanager
