@@ -7,6 +7,7 @@ the setup assign no other object's attributes and snapshot nothing with ``vars``
 import ast
 import importlib
 import pathlib
+import re
 import subprocess
 import sys
 
@@ -57,6 +58,7 @@ FUNCTION_LIMIT = 80  # lines of any function or method in trainkit/
 OWNERSHIP_CHECKED = ("loop", "program.setup")
 TOP_LEVEL_LIMIT = 6  # .py files directly in trainkit/, __init__ included
 PROBE_LIMIT = 40  # getattr / hasattr calls, each on a third-party object (a user's callable, a JAX or torch type)
+ANY_LIMIT = 150  # ``Any`` in annotations (parameters, returns, annotated names): each removal a real type
 
 
 def modules():
@@ -237,6 +239,38 @@ def test_docs_name_every_module_in_one_line():
     assert not listed - files, f"docs/architecture.md names modules that are gone: {sorted(listed - files)}"
 
 
+def any_annotations(tree: ast.Module) -> int:
+    """How many times ``Any`` is written in the module's annotations (a parameter's, a return's, an
+    annotated name's; in string annotations too)."""
+
+    def count(node: ast.AST | None) -> int:
+        if node is None:
+            return 0
+        names = [n for n in ast.walk(node) if isinstance(n, ast.Name) and n.id == "Any"]
+        names += [n for n in ast.walk(node) if isinstance(n, ast.Attribute) and n.attr == "Any"]
+        text = [n for n in ast.walk(node) if isinstance(n, ast.Constant) and isinstance(n.value, str)]
+        return len(names) + sum(len(re.findall(r"\bAny\b", t.value)) for t in text)
+
+    found = 0
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            arguments = node.args.posonlyargs + node.args.args + node.args.kwonlyargs
+            arguments += [a for a in (node.args.vararg, node.args.kwarg) if a is not None]
+            found += sum(count(a.annotation) for a in arguments) + count(node.returns)
+        elif isinstance(node, ast.AnnAssign):
+            found += count(node.annotation)
+    return found
+
+
+def test_any_stays_rare():
+    counts = {name: any_annotations(ast.parse(path.read_text())) for name, path in MODULES.items()}
+    total = sum(counts.values())
+    most = sorted(counts.items(), key=lambda item: -item[1])[:5]
+    assert total <= ANY_LIMIT, (
+        f"{total} Any in annotations (at most {ANY_LIMIT}); the most: {most}. Write the real type"
+    )
+
+
 def test_every_package_says_what_it_is_for():
     for init in PACKAGE.glob("*/__init__.py"):
         doc = ast.get_docstring(ast.parse(init.read_text()))
@@ -406,6 +440,7 @@ def test_the_rules_can_fail(tmp_path):
         "line 2: jax.extend.core",
         "line 3: qwix._src.ptq",
     ]
+    assert any_annotations(ast.parse("def f(a: Any, *b: 'list[Any]') -> dict[str, Any]:\n    c: Any = 1\n")) == 4
     settings = "setattr(jax.nn, 'f', g)\nobject.__setattr__(module, 'x', 1)\nobject.__setattr__(self, 'y', 2)\n"
     assert attribute_settings(ast.parse(settings)) == [
         "line 1: setattr(jax.nn, ...)",

@@ -29,7 +29,7 @@ from trainkit import weights as weights_lib
 from trainkit.callbacks import Callback, CallbackList, History, lr_finder
 from trainkit.core import custom_step, loss_call
 from trainkit.core.lora import LoRA
-from trainkit.core.model import adapt_model
+from trainkit.core.model import Model, adapt_model
 from trainkit.core.offload import Offload
 from trainkit.core.precision import Precision, get_precision
 from trainkit.core.remat import Remat
@@ -37,7 +37,7 @@ from trainkit.core.spikes import SpikeSkip
 from trainkit.core.state import Batch, TrainState
 from trainkit.core.trainable import TrainableSpec
 from trainkit.core.tree import PyTree, TreeFunction
-from trainkit.data import FitConfig
+from trainkit.data import DataInput, FitConfig
 from trainkit.loop import Loop
 from trainkit.monitoring import debug
 from trainkit.monitoring import summary as summary_lib
@@ -81,7 +81,7 @@ class Trainer:
     """
 
     def __init__(
-        self, model: Any, *, loss: LossSpec = None, optimizer: optax.GradientTransformation,
+        self, model: Model, *, loss: LossSpec = None, optimizer: optax.GradientTransformation,
         metrics: MetricSpec = None, weighted_metrics: MetricSpec = None,
         loss_weights: float | Sequence[float] | Mapping[str, float] | None = None,
         strategy: str | Strategy | Auto = "auto", seed: int = 0, params: PyTree | None = None,
@@ -197,7 +197,7 @@ class Trainer:
         """The one way to write the live state: fields placed in the shardings of those they replace."""
         return self.state_access.update_state(**fields)
 
-    def init(self, sample_batch: Any) -> TrainState:
+    def init(self, sample_batch: DataInput) -> TrainState:
         """The state from a sample batch (as ``fit`` takes), the strategy chosen first under ``"auto"``."""
         return self.setup.init(sample_batch)
 
@@ -210,7 +210,7 @@ class Trainer:
         """The number of scalars in all variables (parameters and model state), as Keras counts."""
         return self.state_access.count_params()
 
-    def summary(self, sample: Any = None, console: Console | None = None) -> None:
+    def summary(self, sample: DataInput = None, console: Console | None = None) -> None:
         """Keras's ``summary()``: modules, output shapes, parameters, step FLOPs; a ``sample`` initialises first."""
         (console or Console()).print(summary_lib.summary_view(self, self.setup.summary_inputs(sample)))
 
@@ -246,7 +246,7 @@ class Trainer:
         merged.init(sample)
         return merged
 
-    def manifest(self) -> dict[str, Any]:
+    def manifest(self) -> checkpoint_lib.Manifest:
         """What a checkpoint records besides the arrays (JSON; see docs/checkpointing.md)."""
         return checkpoint_lib.manifest_of(self.session, self.strategy, self.state_access.settings())
 
@@ -258,7 +258,7 @@ class Trainer:
 
     def load(
         self, directory: str | os.PathLike[str] | checkpoint_lib.Checkpointer, step: int | None = None
-    ) -> dict[str, Any]:
+    ) -> checkpoint_lib.Manifest:
         """Restores the latest checkpoint (or ``step``), saved under any strategy or device count (or the
         variables of a ``save_weights_only`` one), after ``init(sample_batch)``; returns the manifest."""
         return checkpoint_lib.restore_session(directory, self.session, step, self.strategy)
@@ -267,15 +267,15 @@ class Trainer:
         """The compiled ``"train"``, ``"eval"`` or ``"predict"`` step (compiled once)."""
         return self.compiled.function(kind)
 
-    def lowered_text(self, sample_batch: Any = None) -> str:
+    def lowered_text(self, sample_batch: DataInput = None) -> str:
         """The train step as StableHLO (default: for the last ``fit``'s batch shape)."""
         return debug.lower_train_step(self, self.setup.placed_sample(sample_batch)).as_text()
 
-    def compiled_text(self, sample_batch: Any = None) -> str:
+    def compiled_text(self, sample_batch: DataInput = None) -> str:
         """The train step as partitioned HLO, with the collectives the compiler inserted."""
         return str(debug.lower_train_step(self, self.setup.placed_sample(sample_batch)).compile().as_text())
 
-    def plan(self, sample_batch: Any, **options: Unpack[tuning.PlanOptions]) -> plan_lib.MemoryPlan:
+    def plan(self, sample_batch: DataInput, **options: Unpack[tuning.PlanOptions]) -> plan_lib.MemoryPlan:
         """The real step compiled under each of ``candidates`` at ``batch_size`` (``first_fit``: up to the first that
         fits; none: with remat, then offload, unless ``add_measures=False``; ``measure``: timed ``steps``) against
         ``memory_limit``: bytes, flops, time, the pick; ``target``: a pod's compile-only devices (docs/targets.md)."""
@@ -290,14 +290,16 @@ class Trainer:
         float32 = export_lib.computes_float32(format, self.precision.compute_dtype, type(self).apply is Trainer.apply)
         export_lib.export(filepath, lambda: self.setup.inference(float32), format, verbose=verbose, **options)
 
-    def find_batch_size(self, x: Any, y: PyTree = None, **options: Unpack[tuning.BatchSizeOptions]) -> BatchSizeSearch:
+    def find_batch_size(
+        self, x: DataInput, y: PyTree = None, **options: Unpack[tuning.BatchSizeOptions]
+    ) -> BatchSizeSearch:
         """The largest global batch (up to ``max_batch_size``, ``powers_of_two``) whose compiled train step fits
         ``memory_limit`` (default: the device's) less ``headroom``, found by compiling, never by an OOM; with remat
         or offload where needed; ``target``: a pod's compile-only devices (docs/tuning.md)."""
         return tuning.find_batch_size(self.setup, x, y, **options)
 
     def find_learning_rate(
-        self, x: Any, y: PyTree = None, *, batch_size: int | None, **options: Unpack[lr_finder.RangeOptions]
+        self, x: DataInput, y: PyTree = None, *, batch_size: int | None, **options: Unpack[lr_finder.RangeOptions]
     ) -> lr_finder.LearningRateSearch:
         """Lightning's range test over ``steps`` from ``min_lr`` (1e-7) to ``max_lr`` (1.0), stopped past
         ``early_stop_threshold``: ``lrs``, smoothed ``losses``, the ``suggestion`` and ``plot(path)``; the trainer
@@ -305,9 +307,9 @@ class Trainer:
         return lr_finder.find_learning_rate(self, x, y, batch_size=batch_size, **options)
 
     def fit(
-        self, x: Any = None, y: PyTree = None, batch_size: int | None = None, epochs: int | None = None,
+        self, x: DataInput = None, y: PyTree = None, batch_size: int | None = None, epochs: int | None = None,
         verbose: int | str = 1, callbacks: Iterable[Callback] | None = None, validation_split: float = 0.0,
-        validation_data: Any = None, shuffle: bool | str = True, class_weight: Mapping[int, float] | None = None,
+        validation_data: DataInput = None, shuffle: bool | str = True, class_weight: Mapping[int, float] | None = None,
         sample_weight: PyTree = None, initial_epoch: int = 0, steps_per_epoch: int | None = None,
         validation_steps: int | None = None, validation_batch_size: int | None = None,
         validation_freq: int | list[int] = 1, *, validation_interval: int | None = None, max_steps: int | None = None,
@@ -334,7 +336,7 @@ class Trainer:
         return callback_list.require_history()
 
     def evaluate(
-        self, x: Any = None, y: PyTree = None, batch_size: int | None = None, verbose: int | str = 0,
+        self, x: DataInput = None, y: PyTree = None, batch_size: int | None = None, verbose: int | str = 0,
         sample_weight: PyTree = None, steps: int | None = None, callbacks: Iterable[Callback] | None = None,
         return_dict: bool = False,
     ) -> float | list[float] | dict[str, float]:  # fmt: skip
@@ -345,8 +347,8 @@ class Trainer:
         return self.objective.keras_result(logs, return_dict)
 
     def train_on_batch(
-        self, x: Any, y: PyTree = None, sample_weight: PyTree = None, class_weight: dict[int, float] | None = None,
-        return_dict: bool = False,
+        self, x: DataInput, y: PyTree = None, sample_weight: PyTree = None,
+        class_weight: dict[int, float] | None = None, return_dict: bool = False,
     ) -> float | list[float] | dict[str, float]:  # fmt: skip
         """One optimizer step on exactly these rows (Keras's ``train_on_batch``, padded to a size the
         devices split): that batch's loss and metrics, as :meth:`evaluate` returns them."""
@@ -358,18 +360,18 @@ class Trainer:
         return self.objective.keras_result({k: v[-1] for k, v in history.history.items()}, return_dict)
 
     def test_on_batch(
-        self, x: Any, y: PyTree = None, sample_weight: PyTree = None, return_dict: bool = False
+        self, x: DataInput, y: PyTree = None, sample_weight: PyTree = None, return_dict: bool = False
     ) -> float | list[float] | dict[str, float]:
         """The loss and metrics of exactly these rows (Keras's ``test_on_batch``)."""
         size = inputs.one_batch_size(self.setup, x)
         return self.evaluate(x, y, sample_weight=sample_weight, batch_size=size, return_dict=return_dict)
 
-    def predict_on_batch(self, x: Any) -> PyTree:
+    def predict_on_batch(self, x: DataInput) -> PyTree:
         """The outputs of exactly these rows (Keras's ``predict_on_batch``)."""
         return self.predict(x, batch_size=inputs.one_batch_size(self.setup, x))
 
     def predict(
-        self, x: Any = None, batch_size: int | None = None, verbose: int | str = 0, steps: int | None = None,
+        self, x: DataInput = None, batch_size: int | None = None, verbose: int | str = 0, steps: int | None = None,
         callbacks: Iterable[Callback] | None = None,
     ) -> PyTree:  # fmt: skip
         """Outputs with exactly one row per input row (a pytree for several outputs); ``x`` as ``fit`` takes

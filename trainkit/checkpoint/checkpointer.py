@@ -28,7 +28,6 @@ import threading
 import time
 import weakref
 from collections.abc import Callable
-from typing import Any
 
 import flax.serialization
 import jax
@@ -436,7 +435,7 @@ class Checkpointer:
     def __enter__(self) -> Checkpointer:
         return self
 
-    def __exit__(self, *exc_info: Any) -> None:
+    def __exit__(self, *exc_info: object) -> None:
         self.close()
 
     def close(self) -> None:
@@ -494,7 +493,7 @@ def _let_late_reads_finish() -> None:
     previous = sys.unraisablehook
     last = [time.monotonic()]
 
-    def hook(unraisable: Any) -> None:
+    def hook(unraisable: sys.UnraisableHookArgs) -> None:
         error = unraisable.exc_value
         if isinstance(error, RuntimeError) and str(error) == "Event loop is closed":
             last[0] = time.monotonic()

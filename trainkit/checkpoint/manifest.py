@@ -25,6 +25,7 @@ logger = logging.getLogger("trainkit")
 
 #: A checkpoint's manifest as ``json`` reads it back: each entry of the JSON type its writer gave it
 #: (``position`` a dict of integers, ``tree`` a dict of :func:`~trainkit.core.tree.signature` results, ...).
+#: a checkpoint's manifest as JSON read back (its entries read by key, each checked where it is used)
 Manifest = dict[str, Any]
 #: A state as a checkpoint stores it: ``{"params": ..., "opt_state": ..., ...}``.
 StateDict = dict[str, PyTree]
@@ -77,7 +78,7 @@ def checked_position(manifest: Manifest, where: str) -> dict[str, int]:
 LAYOUT = 2
 
 
-def older_layout(manifest: dict[str, Any]) -> str:
+def older_layout(manifest: Manifest) -> str:
     """For a checkpoint whose state does not match: a sentence saying it was written by an older
     trainkit, whose state paths may be spelt otherwise (``""`` for one of this layout).
 
@@ -97,7 +98,7 @@ def older_layout(manifest: dict[str, Any]) -> str:
 
 def build_manifest(
     state: PyTree, strategy: Layout, position: Position, data_state: JSON = None, **settings: JSON
-) -> dict[str, Any]:
+) -> Manifest:
     """What a checkpoint records besides the arrays: versions, the strategy and mesh, the data
     ``position`` (``epoch``, ``batch``, ``step``) and ``data_state`` (every process's, gathered),
     ``settings`` (precision, seed, batch size...) and the shape and dtype of every leaf of the
@@ -120,7 +121,7 @@ def build_manifest(
     }
 
 
-def explain_restore(manifest: dict[str, Any], into: Layout | None, batch_size: int | None) -> None:
+def explain_restore(manifest: Manifest, into: Layout | None, batch_size: int | None) -> None:
     """Logs what a restore into another strategy (``into``), device count or batch size means
     for the run's exactness (a batch index is converted by examples seen)."""
     strategy, devices = type(into).__name__, len(_require(into).devices)
@@ -154,7 +155,7 @@ def explain_restore(manifest: dict[str, Any], into: Layout | None, batch_size: i
         )
 
 
-def manifest_of(session: Session, strategy: Layout | None, settings: dict[str, JSON]) -> dict[str, Any]:
+def manifest_of(session: Session, strategy: Layout | None, settings: dict[str, JSON]) -> Manifest:
     """The manifest of ``session``'s live state under ``strategy`` (a ``Strategy``): the trainer's
     ``settings``, the batch size and data state, and the goodput ledger so far when it runs (a
     resume carries it on: ``BackupAndRestore``)."""

@@ -25,7 +25,6 @@ import os
 import sys
 import traceback
 from collections.abc import Callable, Iterator
-from typing import Any
 
 _ABSL, _ASYNCIO, _TRAINKIT = logging.getLogger("absl"), logging.getLogger("asyncio"), logging.getLogger("trainkit")
 _ORBAX = f"{os.sep}orbax{os.sep}"
@@ -51,7 +50,7 @@ class ThreadTracebacksToDebug(logging.Filter):
         return True
 
 
-def _completion_after_close(unraisable: Any) -> bool:
+def _completion_after_close(unraisable: sys.UnraisableHookArgs) -> bool:
     """Whether an unraisable exception is a completion reported to a closed asyncio event loop
     (``call_soon_threadsafe`` raising ``RuntimeError('Event loop is closed')``)."""
     error = unraisable.exc_value
@@ -65,16 +64,17 @@ class LateCompletionsToDebug:
     """A ``sys.unraisablehook`` that makes a completion reported to a closed event loop a debug
     record of trainkit's logger and hands every other unraisable exception to ``previous``."""
 
-    def __init__(self, previous: Callable[[Any], object]):
+    def __init__(self, previous: Callable[[sys.UnraisableHookArgs], object]):
         self.previous = previous
 
-    def __call__(self, unraisable: Any) -> None:
+    def __call__(self, unraisable: sys.UnraisableHookArgs) -> None:
         if not _completion_after_close(unraisable):
             self.previous(unraisable)
             return
         with contextlib.suppress(Exception):  # at interpreter exit, logging may be gone
-            failure = (unraisable.exc_type, unraisable.exc_value, unraisable.exc_traceback)
-            _TRAINKIT.debug("a write finished after orbax's event loop closed on a failed write", exc_info=failure)
+            _TRAINKIT.debug(
+                "a write finished after orbax's event loop closed on a failed write", exc_info=unraisable.exc_value
+            )
 
 
 def install() -> None:

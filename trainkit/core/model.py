@@ -40,6 +40,8 @@ _TRAIN_FLAGS = {"train": True, "training": True, "is_training": True, "determini
 TRAIN_FLAG_NAMES = ", ".join(_TRAIN_FLAGS)
 #: A module's place in the model: linen's attribute names, or NNX's path parts (names, list indices).
 ModulePath = tuple[Hashable, ...]
+#: the model a Trainer takes: a Flax module, linen or NNX
+Model = nn.Module | nnx.Module
 #: A parameter's partitioning names, one per axis (``None``: that axis not named).
 AxisNames = tuple[str | None, ...]
 #: A logical axis rule ``(logical name, mesh axis or axes)``, as ``flax.linen.logical_axis_rules`` takes it.
@@ -62,7 +64,8 @@ def _shapes(tree: PyTree) -> PyTree:
 class ModelAdapter(Protocol):
     """What the rest of trainkit needs from a model (``module``: the user's own)."""
 
-    module: Any
+    @property
+    def module(self) -> Model: ...
 
     def init(self, rng: jax.Array, x: PyTree) -> tuple[PyTree, PyTree]: ...
 

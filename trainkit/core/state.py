@@ -21,7 +21,7 @@ from trainkit.core.checks import SettingError
 from trainkit.core.precision import NoLossScale
 from trainkit.core.tree import PyTree
 
-Batch = dict[str, Any]
+Batch = dict[str, PyTree]
 
 
 @flax.struct.dataclass

@@ -150,7 +150,7 @@ def _batch_metrics(
 
 def loss_parts(
     result: object, rows: int, metric_names: Iterable[str] = ()
-) -> tuple[jax.Array, tuple[Any, Any, dict[str, Any]]]:
+) -> tuple[jax.Array, tuple[PyTree, PyTree, dict[str, jax.Array]]]:
     """``compute_loss``'s result as ``(row_loss, (predictions, model_state, logs))`` for a batch of
     ``rows``: ``logs`` empty when it returned two parts; the losses the model sowed
     (:mod:`trainkit.core.sown`) taken out of the model state, added to the loss and logged. Raises,
@@ -451,6 +451,6 @@ def make_multi_step(
     return multi_step
 
 
-def batches_at(stacked: Any, index: int) -> Any:
+def batches_at(stacked: PyTree, index: int) -> PyTree:
     """Entry ``index`` of every leaf stacked on a leading axis (one step's batch)."""
     return jax.tree.map(lambda a: a[index], stacked)

@@ -28,7 +28,7 @@ from jax.tree_util import PyTreeDef
 
 from trainkit.core.tree import ArrayValue, KeyPath, PyTree
 
-MetricFn = Callable[[Any, Any], jax.Array]
+MetricFn = Callable[[PyTree, PyTree], jax.Array]
 
 
 @flax.struct.dataclass
@@ -74,7 +74,7 @@ class BatchMetric:
         raise NotImplementedError
 
 
-def per_row(fn: Callable[[Any, Any], jax.Array], predictions: Any, targets: Any) -> jax.Array:
+def per_row(fn: MetricFn, predictions: PyTree, targets: PyTree) -> jax.Array:
     """``fn(predictions, targets)`` as one value per row: a function that returns the batch's
     mean (a scalar, which would count the padded rows of a last partial batch) is evaluated row
     by row instead (``jax.vmap`` over batches of one: exact for a mean over rows, decided when
@@ -409,7 +409,7 @@ def pack(totals: EpochTotals) -> PackedTotals:
     keys = sorted(set(groups), key=lambda group: (group[0], str(group[1])))
     xp = np if all(isinstance(leaf, (np.ndarray, np.generic)) for leaf in leaves) else jnp
     places: list[tuple[int, int, tuple[int, ...], str]] = []
-    parts: list[list[Any]] = [[] for _ in keys]
+    parts: list[list[ArrayValue]] = [[] for _ in keys]
     sizes = [0] * len(keys)
     for leaf, group in zip(leaves, groups, strict=True):
         dtype, index = np.dtype(leaf.dtype), keys.index(group)

@@ -25,10 +25,10 @@ given no targets), and ``batch.normal(rng, shape)`` / ``batch.all_rows(values)``
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jax.typing import DTypeLike
 
 from trainkit.core import step_helpers
 from trainkit.core.state import Batch
@@ -56,7 +56,7 @@ _MISSING = {
 }
 
 
-class WatchedBatch(dict[str, Any]):
+class WatchedBatch(dict[str, PyTree]):
     """A batch that notes whether its ``sample_weight`` was read (see the module)."""
 
     read_weights = False
@@ -68,11 +68,11 @@ class WatchedBatch(dict[str, Any]):
         watched.rows = rows
         return watched
 
-    def __missing__(self, key: str) -> Any:
+    def __missing__(self, key: str) -> PyTree:
         why = _MISSING.get(key, "the data gave no such part")
         raise KeyError(f"batch[{key!r}]: the batch holds {sorted(self)}; {why}.")
 
-    def normal(self, rng: jax.Array, shape: tuple[int, ...] = (), dtype: Any = jnp.float32) -> jax.Array:
+    def normal(self, rng: jax.Array, shape: tuple[int, ...] = (), dtype: DTypeLike = jnp.float32) -> jax.Array:
         """``(rows, *shape)`` standard-normal draws keyed by each row's place in the global batch:
         the same numbers on every strategy and device count (a VAE's noise in ``compute_loss``;
         pass the ``rng`` it received as it is)."""
@@ -94,12 +94,12 @@ class WatchedBatch(dict[str, Any]):
             )
         return self.rows
 
-    def __getitem__(self, key: str) -> Any:
+    def __getitem__(self, key: str) -> PyTree:
         if key == WEIGHTS:
             self.read_weights = True
         return super().__getitem__(key)
 
-    def get(self, key: str, default: Any = None) -> Any:
+    def get(self, key: str, default: PyTree = None) -> PyTree:
         if key == WEIGHTS:
             self.read_weights = True
         return super().get(key, default)
@@ -112,7 +112,7 @@ class WatchedBatch(dict[str, Any]):
         return {key: value for key, value in self.items() if key != WEIGHTS}
 
 
-def _flatten(batch: WatchedBatch) -> tuple[tuple[tuple[jax.tree_util.DictKey, Any], ...], tuple[str, ...]]:
+def _flatten(batch: WatchedBatch) -> tuple[tuple[tuple[jax.tree_util.DictKey, PyTree], ...], tuple[str, ...]]:
     keys = tuple(sorted(batch))  # as a dict flattens; read without noting (a transform reads every leaf)
     return tuple((jax.tree_util.DictKey(key), dict.__getitem__(batch, key)) for key in keys), keys
 

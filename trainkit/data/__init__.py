@@ -35,12 +35,13 @@ from trainkit.data.fit_config import FitConfig, Validation, validates
 from trainkit.data.iterable import IterableDataset
 from trainkit.data.prepare import Prepared, as_dataset, check_validation_runs, own_batch_size, prepare
 from trainkit.data.random_access import HuggingFaceSource, RandomAccessSource
-from trainkit.data.source import FIRST_PASS, BatchRequest, DataSource, Source, UserSource
+from trainkit.data.source import FIRST_PASS, BatchRequest, DataInput, DataSource, Source, UserSource
 
 __all__ = [
     "ArrayDataset",
     "Batch",
     "BatchRequest",
+    "DataInput",
     "DataSource",
     "FIRST_PASS",
     "FitConfig",

@@ -70,7 +70,7 @@ def backlog_of(iterator: Iterator[object]) -> Backlog:
     return held[1]
 
 
-def detached(element: Any) -> Any:
+def detached(element: PyTree) -> PyTree:
     """``element`` with its NumPy arrays copied: what is kept of an element read before it is
     trained on, since a loader may refill one buffer and yield it again.
 
@@ -113,7 +113,7 @@ class IterableDataset(Source):
     (an adapter's rule, such as a torch ``DataLoader``'s lists).
     """
 
-    def __init__(self, iterable: Iterable[object], convert: Callable[[Any], Any] | None = None):
+    def __init__(self, iterable: Iterable[object], convert: Callable[[object], PyTree] | None = None):
         self.iterable = iterable
         self.convert = convert or (lambda element: element)
         self.one_shot = iter(iterable) is iterable
@@ -134,7 +134,7 @@ class IterableDataset(Source):
         checks.numeric(y, "y")
         self._first = (x, y, w)
 
-    def _split(self, element: Any) -> tuple[PyTree, PyTree, PyTree]:
+    def _split(self, element: PyTree) -> tuple[PyTree, PyTree, PyTree]:
         x, y, w = split_xyw(self.convert(element))
         return to_host(x), to_host(y), to_host(w)
 

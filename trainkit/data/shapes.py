@@ -18,8 +18,10 @@ from typing import Any
 import jax
 import numpy as np
 
+from trainkit.core.tree import PyTree
 
-def is_shapes(data: Any) -> bool:
+
+def is_shapes(data: object) -> bool:
     """Whether ``data`` (a batch, an ``(x, y[, w])`` tuple) has ``jax.ShapeDtypeStruct`` leaves;
     refused when it mixes them with arrays (one batch is given one way)."""
     leaves = jax.tree.leaves(data)
@@ -33,7 +35,7 @@ def is_shapes(data: Any) -> bool:
     return bool(shapes) and all(shapes)
 
 
-def stand_in(data: Any) -> Any:
+def stand_in(data: PyTree) -> PyTree:
     """``data`` with each ``jax.ShapeDtypeStruct`` a read-only zero array of its shape and dtype
     that takes no memory (every element the same zero)."""
 

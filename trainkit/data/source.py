@@ -9,12 +9,19 @@ True
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator
-from typing import Any, Protocol, runtime_checkable
+from collections.abc import Iterable, Iterator
+from typing import Any, Protocol, TypeAlias, runtime_checkable
 
-from trainkit.core.tree import JSON, PyTree
+from trainkit.core.tree import JSON, Leaf, PyTree
 
-Batch = dict[str, Any]
+Batch = dict[str, PyTree]
+
+
+#: What ``fit`` / ``evaluate`` / ``predict`` (and ``init``, ``plan``, ``summary``) take as ``x``, as Keras's do:
+#: arrays, or a dict / tuple / list of them (``(x, y)``, ``(x, y, sample_weight)``), their shapes
+#: (``jax.ShapeDtypeStruct``), a :class:`DataSource`, or an iterable of batches (a ``tf.data``, grain,
+#: torch or Hugging Face dataset, a generator); ``None`` where ``y`` carries the data.
+DataInput: TypeAlias = "Leaf | Iterable[object] | Source | DataSource | None"
 
 
 @dataclasses.dataclass(frozen=True)

@@ -373,7 +373,7 @@ def check_same_configuration(config: Mapping[str, object]) -> None:
         )
 
 
-def _digest(value: Any) -> int:
+def _digest(value: object) -> int:
     text = json.dumps(value, sort_keys=True, default=str).encode()
     return int.from_bytes(hashlib.sha256(text).digest()[:7], "little")
 

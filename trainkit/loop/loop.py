@@ -149,14 +149,14 @@ class Loop:
         return in_order(dispatch(), self.max_in_flight if runs_ahead else 0)
 
     def evaluate(
-        self, dataset: Any, batch_size: int, steps: int | None, callbacks: Hooks, read_ahead: bool = True
+        self, dataset: data_lib.Source, batch_size: int, steps: int | None, callbacks: Hooks, read_ahead: bool = True
     ) -> dict[str, float]:
         """The loss and metrics over ``dataset`` (exact: masked totals over every real row)."""
         with self.out_of_memory_named("eval"):
             return self._evaluate(dataset, batch_size, steps, callbacks, read_ahead)
 
     def _evaluate(
-        self, dataset: Any, batch_size: int, steps: int | None, callbacks: Hooks, read_ahead: bool
+        self, dataset: data_lib.Source, batch_size: int, steps: int | None, callbacks: Hooks, read_ahead: bool
     ) -> dict[str, float]:
         callbacks.on_test_begin()
         order, totals, batch_end = self.steps.log_order, None, callbacks.on_test_batch_end
@@ -168,12 +168,12 @@ class Loop:
         callbacks.on_test_end(logs)
         return logs
 
-    def predict(self, dataset: Any, batch_size: int, steps: int | None, callbacks: Hooks) -> PyTree:
+    def predict(self, dataset: data_lib.Source, batch_size: int, steps: int | None, callbacks: Hooks) -> PyTree:
         """The model's outputs, one row per real input row (padding removed)."""
         with self.out_of_memory_named("predict"):
             return self._predict(dataset, batch_size, steps, callbacks)
 
-    def _predict(self, dataset: Any, batch_size: int, steps: int | None, callbacks: Hooks) -> PyTree:
+    def _predict(self, dataset: data_lib.Source, batch_size: int, steps: int | None, callbacks: Hooks) -> PyTree:
         strategy = self.steps.require_strategy()
         callbacks.on_predict_begin()
         parts = []

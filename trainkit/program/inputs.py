@@ -20,7 +20,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Callable, Mapping
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import jax
 import numpy as np
@@ -31,7 +31,7 @@ from trainkit.core import step as step_lib
 from trainkit.core.precision import NoLossScale
 from trainkit.core.tree import JSON, PyTree
 from trainkit.core.warn import warn_user
-from trainkit.data import FitConfig, Validation
+from trainkit.data import DataInput, FitConfig, Validation
 from trainkit.program import auto as auto_lib
 from trainkit.program import out_of_memory
 from trainkit.program.setup import Setup
@@ -63,7 +63,7 @@ def _same_rows(rows: np.ndarray, first: np.ndarray) -> bool:
 
 def prepare(
     setup: Setup,
-    data: Any,
+    data: DataInput,
     y: PyTree = None,
     sample_weight: PyTree = None,
     batch_size: int | None = None,
@@ -148,7 +148,7 @@ def check_loss_rows(setup: Setup, prepared: data_lib.Prepared) -> None:
     small = data_lib.take(batch, slice(0, rows))
     changed = data_lib.take(small, np.r_[rows - 1, 1:rows])  # row 0 replaced by the last one
 
-    def row_losses(state: Any, batch: Any) -> jax.Array:
+    def row_losses(state: PyTree, batch: PyTree) -> jax.Array:
         result = program.training_loss(state.params, batch, state.rng, model_state=state.model_state, train=False)
         return step_lib.loss_parts(result, rows)[0]
 
@@ -235,7 +235,7 @@ def check_outputs(setup: Setup, first_x: PyTree) -> None:
         )
 
 
-def one_batch_size(setup: Setup, data: Any) -> int:
+def one_batch_size(setup: Setup, data: DataInput) -> int:
     """A batch size holding all rows of ``data`` that the devices can split (``*_on_batch``)."""
     return data_lib.one_batch_size(
         data, setup.decided.strategy.num_batch_shards if setup.decided.strategy is not None else 1
@@ -244,7 +244,7 @@ def one_batch_size(setup: Setup, data: Any) -> int:
 
 def prepare_run(
     setup: Setup,
-    data: Any,
+    data: DataInput,
     y: PyTree,
     sample_weight: PyTree,
     batch_size: int | None,
@@ -265,12 +265,12 @@ def prepare_run(
 def prepare_fit(
     setup: Setup,
     config: FitConfig,
-    data: Any,
+    data: DataInput,
     y: PyTree,
     sample_weight: PyTree,
     batch_size: int | None,
     *,
-    validation_data: Any = None,
+    validation_data: DataInput = None,
     validation_split: float = 0.0,
     validation_batch_size: int | None = None,
     class_weight: Mapping[int, float] | None = None,
@@ -328,7 +328,7 @@ def prepare_fit(
     )
 
 
-def prepare_validation(setup: Setup, data: Any, batch_size: int | None) -> data_lib.Prepared:
+def prepare_validation(setup: Setup, data: DataInput, batch_size: int | None) -> data_lib.Prepared:
     """Validation data prepared by the data layer and checked against what training built (not
     prepared as a second training input): the same per-example inputs, its targets checked
     against the objective and the model's outputs (every label of arrays), a batch the devices

@@ -25,7 +25,6 @@ import dataclasses
 import functools
 import types
 from collections.abc import Callable, Sequence
-from typing import Any
 
 import jax
 import numpy as np
@@ -217,7 +216,7 @@ class Program:
         loss_call.applied(train, model_state, out[1])  # inside a traced compute_loss: its mistakes
         return out
 
-    def _user_train_step(self, state: StepState, batch: Batch, rng: jax.Array) -> Any:
+    def _user_train_step(self, state: StepState, batch: Batch, rng: jax.Array) -> PyTree:
         """The user's ``train_step``, its logs' names recorded (in their order) when traced."""
         assert self.train_step is not None
         with self.traced_attributes.tracing("train_step"):
@@ -226,12 +225,12 @@ class Program:
             self._record_logs(result[1])
         return result
 
-    def _user_test_step(self, state: StepState, batch: Batch, rng: jax.Array) -> Any:
+    def _user_test_step(self, state: StepState, batch: Batch, rng: jax.Array) -> PyTree:
         assert self.test_step is not None
         with self.traced_attributes.tracing("test_step"):
             return self.test_step(state, batch, rng)
 
-    def _record_logs(self, logs: Any) -> None:
+    def _record_logs(self, logs: PyTree) -> None:
         if self.log_names is None and isinstance(logs, dict):
             self.log_names = tuple(logs)
 
@@ -555,7 +554,7 @@ class Program:
         return dataclasses.replace(plan, state_bytes=parts)
 
 
-def _has_logs(result: Any) -> bool:
+def _has_logs(result: PyTree) -> bool:
     return isinstance(result, tuple) and len(result) == 2 and isinstance(result[1], tuple) and len(result[1]) == 3
 
 

@@ -33,7 +33,7 @@ import dataclasses
 import hashlib
 import logging
 from collections.abc import Sequence
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import jax
 import numpy as np
@@ -45,6 +45,7 @@ from trainkit.core import checks
 from trainkit.core import model as model_lib
 from trainkit.core.state import TrainState, abstract
 from trainkit.core.tree import PyTree, TreeFunction
+from trainkit.data import DataInput
 from trainkit.distributed import compile_cache
 from trainkit.program import auto as auto_lib
 from trainkit.program import ladder as ladder_lib
@@ -167,7 +168,7 @@ class Setup:
         return strategy.describe()
 
     # ------------------------------------------------------------------ the input
-    def placed_sample(self, sample_batch: Any) -> PyTree:
+    def placed_sample(self, sample_batch: DataInput) -> PyTree:
         """A sample batch (any form ``fit`` takes) placed by the strategy, for lowering; ``None``
         for ``None`` or before the state exists."""
         if sample_batch is None or self.session.state is None:
@@ -190,7 +191,7 @@ class Setup:
 
         return predict, variables, self.decided.input_spec
 
-    def summary_inputs(self, sample_batch: Any) -> SummaryInputs | None:
+    def summary_inputs(self, sample_batch: DataInput) -> SummaryInputs | None:
         """What ``summary`` shows (``None``: no state and no sample to trace): abstract inputs of
         ``SUMMARY_ROWS`` examples, the state (its shapes suffice), and the sample placed for
         lowering the train step when it has targets. A sample initialises a trainer with a
@@ -216,7 +217,7 @@ class Setup:
         x = data_lib.abstract_inputs(self.decided.input_spec, SUMMARY_ROWS)
         return SummaryInputs(x, self.session.require_state(), step_batch)
 
-    def init(self, sample_batch: Any) -> TrainState:
+    def init(self, sample_batch: DataInput) -> TrainState:
         """The state for a sample batch (see :meth:`trainkit.Trainer.init`)."""
         prepared = data_lib.prepare(sample_batch, default_batch_size=None)
         if self.session.state is None:

@@ -34,13 +34,13 @@ import functools
 import inspect
 import threading
 from collections.abc import Callable, Iterator
-from typing import Any
 
 import flax.linen as nn
 import flax.linen.attention as linen_attention
 import jax
 
 from trainkit.core.context_attention import ContextSplit, active_split, context_split, split_attention
+from trainkit.core.tree import PyTree
 from trainkit.internals.rebinding import field_set, rebound
 
 _FLAX_ATTENTION = linen_attention.dot_product_attention
@@ -52,7 +52,7 @@ def _routed(original: Callable[..., jax.Array], door: str) -> Callable[..., jax.
     signature = inspect.signature(original)
 
     @functools.wraps(original)  # its signature too: MultiHeadDotProductAttention filters its arguments by it
-    def routed(*args: Any, **kwargs: Any) -> jax.Array:
+    def routed(*args: object, **kwargs: object) -> jax.Array:
         if active_split() is None:
             return original(*args, **kwargs)
         options = dict(signature.bind(*args, **kwargs).arguments)
@@ -98,7 +98,12 @@ class _Routing:
 _ROUTING = _Routing()
 
 
-def _intercept_multi_head(next_fun: Callable[..., Any], args: Any, kwargs: Any, context: Any) -> Any:
+def _intercept_multi_head(
+    next_fun: Callable[..., PyTree],
+    args: tuple[PyTree, ...],
+    kwargs: dict[str, PyTree],
+    context: nn.module.InterceptorContext,
+) -> PyTree:
     """A Flax method interceptor: ``MultiHeadDotProductAttention.__call__`` with Flax's own
     attention runs with the routed one (the module's field swapped for the call, then restored)."""
     module = context.module

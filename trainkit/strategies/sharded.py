@@ -15,7 +15,7 @@ from __future__ import annotations
 import copy
 import functools
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -82,16 +82,14 @@ class ShardedStrategy(Strategy):
     def _resolve_sizes(self, count: int) -> dict[str, int]:
         """Fills in one ``None`` axis size from the device count; checks the product."""
         known = math.prod(v for v in self._axis_sizes.values() if v is not None)
-        sizes: dict[str, Any] = dict(self._axis_sizes)
-        missing = [k for k, v in sizes.items() if v is None]
-        if missing:
-            if count % known:
-                raise ValueError(
-                    f"{type(self).__name__}: the given axis sizes "
-                    f"{ {k: v for k, v in sizes.items() if v is not None} } (product {known}) do "
-                    f"not divide the {count} devices; choose sizes whose product divides {count}."
-                )
-            sizes[missing[0]] = count // known
+        given = {k: v for k, v in self._axis_sizes.items() if v is not None}
+        missing = [k for k, v in self._axis_sizes.items() if v is None]
+        if missing and count % known:
+            raise ValueError(
+                f"{type(self).__name__}: the given axis sizes {given} (product {known}) do "
+                f"not divide the {count} devices; choose sizes whose product divides {count}."
+            )
+        sizes = {k: count // known if v is None else v for k, v in self._axis_sizes.items()}
         product = math.prod(sizes.values())
         if product != count:
             raise ValueError(
@@ -283,7 +281,7 @@ class ShardedStrategy(Strategy):
     fuses_steps = True
     offloads = True
 
-    def compile(self, kind: str, fn: Callable[..., Any], abstract_state: PyTree) -> Callable[..., Any]:
+    def compile(self, kind: str, fn: TreeFunction, abstract_state: PyTree) -> TreeFunction:
         """``jax.jit`` with the state's shardings pinned: training steps donate the state and
         carry the replicated totals; eval carries them too; predict keeps the rows split as
         the batch is."""

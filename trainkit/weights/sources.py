@@ -242,7 +242,7 @@ class OrbaxSource:
         return {self._names[leaf_name(key)]: leaf for key, leaf in jax.tree_util.tree_leaves_with_path(restored)}
 
 
-def _plain(tree: Any) -> Any:
+def _plain(tree: PyTree) -> PyTree:
     """Orbax's tree metadata as nested dicts of leaves with ``shape`` and ``dtype``."""
     if isinstance(tree, Mapping):
         return {key: _plain(value) for key, value in tree.items()}
