@@ -27,6 +27,7 @@ import sys
 import time
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 
@@ -150,6 +151,26 @@ def out_of_memory_row(size: dict) -> Row:
     return (f"out of memory at batch {batch}", 0.0, "named", "it fitted: no error to name")
 
 
+def attention_row(size: dict, steps: int = 10) -> Row:
+    """#71: ``tk.attention``'s Pallas kernel against XLA's attention, forward and backward of a causal
+    call at length 2,048 in bf16 (4 rows, 8 heads of 128): steps per second, kernel over XLA."""
+    if jax.devices()[0].platform != "tpu":
+        return ("attention kernel / xla at 2,048 (rate)", 0.0, ">= 1", "skipped: the kernel runs on a TPU")
+    rng = np.random.default_rng(0)
+    q, k, v = (jnp.asarray(rng.normal(size=(4, 2048, 8, 128)), jnp.bfloat16) for _ in range(3))
+
+    def contender(implementation: str):
+        def loss(*qkv):
+            return (tk.attention(*qkv, causal=True, implementation=implementation).astype(jnp.float32) ** 2).mean()
+
+        gradients = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
+        return lambda: [jax.block_until_ready(gradients(q, k, v)) for _ in range(steps)] and None
+
+    rounds = measure_rounds({"pallas": contender("pallas"), "xla": contender("xla")}, steps, size["repeats"])
+    ratio = paired_ratio(rounds, "pallas", "xla")
+    return ("attention kernel / xla at 2,048 (rate)", ratio, ">= 1", f"{len(rounds['xla'])} paired rounds")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--small", action="store_true", help="tiny sizes: a smoke test on CPU")
@@ -157,7 +178,7 @@ def main() -> None:
     size, start, device = sizes(args.small), time.perf_counter(), jax.devices()[0]
     print(f"jax {jax.__version__}, {device.platform} {device.device_kind}, {'small' if args.small else 'full'} sizes")
     rows: list[Row] = []
-    singles = (fresh_fit_row, mfu_row, plan_row, offload_row, out_of_memory_row)
+    singles = (fresh_fit_row, mfu_row, plan_row, offload_row, out_of_memory_row, attention_row)
     for measure_rows in (dispatch_rows, *(lambda s, one=one: [one(s)] for one in singles)):
         for row in measure_rows(size):
             rows.append(row)

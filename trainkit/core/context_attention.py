@@ -30,6 +30,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec
 
+from trainkit.core import attention_kernels
 from trainkit.core.causal_balance import balanced_causal_attention
 from trainkit.core.scoped import scoped
 
@@ -206,8 +207,40 @@ def _mask_spec(shape: tuple[int, ...], query: jax.Array, axis: str, rows: tuple[
 
 
 def attention(
-    query: jax.Array, key: jax.Array, value: jax.Array, *, causal: bool = False, scale: float | None = None
+    query: jax.Array,
+    key: jax.Array,
+    value: jax.Array,
+    *,
+    causal: bool = False,
+    mask: jax.Array | None = None,
+    bias: jax.Array | None = None,
+    scale: float | None = None,
+    implementation: str | None = None,
 ) -> jax.Array:
-    """Softmax attention of ``(batch, length, heads, head_dim)`` arrays, causal or not, split
-    over a context axis inside a context step (see the module)."""
-    return split_attention(_JAX_ATTENTION, "tk.attention", query, key, value, {"is_causal": causal, "scale": scale})
+    """Softmax attention of ``(batch, length, heads, head_dim)`` arrays (keys and values may have fewer
+    heads: grouped), causal or not, ``mask`` / ``bias`` broadcast to ``(batch, heads, q_length, kv_length)``
+    as ``jax.nn.dot_product_attention`` takes them; run by the implementation chosen per device and shape
+    (``implementation=None``: the Pallas kernel on a TPU, see :mod:`trainkit.core.attention_kernels`) and
+    split over a context axis inside a context step (see the module)."""
+    masked = mask is not None or bias is not None
+    choice = attention_kernels.choose(
+        query, key, causal=causal, masked=masked, implementation=implementation, platform=jax.default_backend()
+    )
+    if choice.name.startswith("pallas") and active_split() is not None:
+        if implementation is not None:
+            raise ValueError(
+                f"tk.attention: implementation={implementation!r} does not yet run under a context axis (its query "
+                "chunks need the kernel's offset causal mask). Pass implementation=None or 'xla' there."
+            )
+        choice = attention_kernels.Choice("xla", "tk.attention: under a context axis, XLA's attention (split by hand)")
+    attention_kernels.note_once(choice.note)
+    if choice.name == "cudnn":
+        out: jax.Array = _JAX_ATTENTION(
+            query, key, value, bias, mask, scale=scale, is_causal=causal, implementation="cudnn"
+        )
+        return out
+    if choice.name.startswith("pallas"):
+        interpret = choice.name == "pallas-interpret"
+        return attention_kernels.splash_attention(query, key, value, causal=causal, scale=scale, interpret=interpret)
+    options = {"is_causal": causal, "scale": scale, "mask": mask, "bias": bias}
+    return split_attention(_JAX_ATTENTION, "tk.attention", query, key, value, options)

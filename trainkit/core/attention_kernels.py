@@ -1,0 +1,142 @@
+"""The attention ``tk.attention`` runs, chosen per device and shape: on a TPU the Pallas splash
+kernel (``jax.experimental.pallas.ops.tpu.splash_attention``, as MaxText and Levanter train with:
+scores never written out whole, fully masked blocks of a causal mask skipped), on a GPU cuDNN's
+fused attention where it takes the dtype, else XLA's written-out attention
+(``jax.nn.dot_product_attention(implementation="xla")``). ``implementation=`` forces one:
+``"xla"``, ``"pallas"`` (a TPU), ``"pallas-interpret"`` (the same kernel run by JAX's Pallas
+interpreter on any device: slow, for tests), ``"cudnn"`` (a GPU); one that cannot run here, or
+cannot take the call, is refused by name. Where the automatic choice cannot give the kernel a call
+(a length not a multiple of its block, a ``mask`` or ``bias``), it routes it to XLA with a
+one-line note, never a wrong number.
+
+Arrays are ``(batch, length, heads, head_dim)``; keys and values may have fewer heads than the
+queries (grouped heads, repeated for the kernel).
+
+>>> import jax.numpy as jnp
+>>> q = jnp.ones((1, 256, 2, 64))
+>>> choose(q, q, causal=True, masked=False, implementation=None, platform="tpu").name
+'pallas'
+>>> choose(q[:, :200], q[:, :200], causal=True, masked=False, implementation=None, platform="tpu").note
+'tk.attention: length 200 is not a multiple of the Pallas kernel's block of 128: XLA's attention instead'
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from trainkit.core.warn import warn_user
+
+#: the implementations ``tk.attention(implementation=...)`` takes, and the platforms each runs on
+IMPLEMENTATIONS = {"xla": None, "pallas": "tpu", "pallas-interpret": None, "cudnn": "gpu"}
+#: the splash kernel's smallest block along a sequence (a TPU's lane width)
+BLOCK = 128
+_NOTED: set[str] = set()
+
+
+@dataclasses.dataclass(frozen=True)
+class Choice:
+    """Which attention runs (``name``), and the note that says why not the kernel (``""``: none)."""
+
+    name: str
+    note: str = ""
+
+
+def choose(
+    query: jax.Array, key: jax.Array, *, causal: bool, masked: bool, implementation: str | None, platform: str
+) -> Choice:
+    """The attention for a call of these shapes on ``platform`` (``jax.default_backend()``'s name)."""
+    if implementation is not None and implementation not in IMPLEMENTATIONS:
+        raise ValueError(
+            f"tk.attention: implementation={implementation!r} is not one of {sorted(IMPLEMENTATIONS)} (or None: "
+            "chosen per device and shape)."
+        )
+    if implementation is None:
+        if platform == "gpu" and query.dtype in (jnp.bfloat16, jnp.float16) and not masked:
+            return Choice("cudnn")
+        if platform != "tpu":
+            return Choice("xla")
+        why = _kernel_refuses(query, key, masked)
+        return Choice("xla", f"tk.attention: {why}: XLA's attention instead") if why else Choice("pallas")
+    needs = IMPLEMENTATIONS[implementation]
+    if needs is not None and platform != needs:
+        raise ValueError(
+            f"tk.attention: implementation={implementation!r} runs on a {needs.upper()}, and this program is "
+            f"compiled for {platform!r}. Pass implementation=None (chosen per device), 'xla', or "
+            "'pallas-interpret' (the Pallas kernel interpreted: any device, slowly)."
+        )
+    why = _kernel_refuses(query, key, masked) if implementation.startswith("pallas") else ""
+    if why:
+        raise ValueError(f"tk.attention: implementation={implementation!r} cannot take this call: {why}.")
+    return Choice(implementation)
+
+
+def _kernel_refuses(query: jax.Array, key: jax.Array, masked: bool) -> str:
+    """Why the splash kernel cannot take a call (``""``: it can)."""
+    if masked:
+        return "a mask= or bias= array is not a mask the Pallas kernel takes (causal=True is)"
+    if query.ndim != 4:
+        return f"queries of shape {query.shape} are not (batch, length, heads, head_dim)"
+    for name, length in (("length", query.shape[1]), ("key length", key.shape[1])):
+        if length % BLOCK:
+            return f"{name} {length} is not a multiple of the Pallas kernel's block of {BLOCK}"
+    if query.shape[2] % key.shape[2]:
+        return f"{query.shape[2]} query heads are not a multiple of the {key.shape[2]} key and value heads"
+    return ""
+
+
+def note_once(note: str) -> None:
+    """A routing note, shown once per process and reason (a step is traced more than once)."""
+    if note and note not in _NOTED:
+        _NOTED.add(note)
+        warn_user(note)
+
+
+def block_size(length: int) -> int:
+    """The largest of 512, 256, 128 that divides ``length`` (the kernel's tile along a sequence)."""
+    return next(block for block in (512, 256, BLOCK) if length % block == 0)
+
+
+@functools.cache
+def _kernel(
+    heads: int, q_length: int, kv_length: int, causal: bool, interpret: bool
+) -> Callable[[jax.Array, jax.Array, jax.Array], jax.Array]:
+    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as splash
+    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as masks
+
+    shape = (q_length, kv_length)
+    head_mask = masks.CausalMask(shape) if causal else masks.FullMask(shape)
+    bq, bkv = block_size(q_length), block_size(kv_length)
+    sizes = splash.BlockSizes(
+        block_q=bq, block_kv=bkv, block_kv_compute=bkv, block_q_dkv=bq, block_kv_dkv=bkv,
+        block_kv_dkv_compute=bkv, block_q_dq=bq, block_kv_dq=bkv,
+    )  # fmt: skip
+    mask = masks.MultiHeadMask([head_mask] * heads)
+    with jax.ensure_compile_time_eval():  # its block tables concrete arrays, kept across traces (cached)
+        kernel: Callable[[jax.Array, jax.Array, jax.Array], jax.Array] = splash.make_splash_mha_single_device(
+            mask, block_sizes=sizes, interpret=interpret
+        )
+    return kernel
+
+
+def splash_attention(
+    query: jax.Array, key: jax.Array, value: jax.Array, *, causal: bool, scale: float | None, interpret: bool
+) -> jax.Array:
+    """Softmax attention of ``(batch, length, heads, head_dim)`` arrays by the splash kernel (each
+    row of the batch through the kernel; grouped key and value heads repeated to the queries')."""
+    heads, depth = query.shape[2], query.shape[3]
+    groups = heads // key.shape[2]
+    if groups > 1:
+        key, value = (jnp.repeat(a, groups, axis=2) for a in (key, value))
+    scale = 1.0 / math.sqrt(depth) if scale is None else scale
+    kernel = _kernel(heads, query.shape[1], key.shape[1], causal, interpret)
+    to_heads = functools.partial(jnp.swapaxes, axis1=1, axis2=2)  # (batch, heads, length, head_dim)
+    scaled = (query * np.asarray(scale, query.dtype)).astype(query.dtype)
+    out = jax.vmap(kernel)(to_heads(scaled), to_heads(key), to_heads(value))
+    return to_heads(out).astype(query.dtype)
