@@ -73,9 +73,10 @@ def logical(init, *names):
 class Attention(nn.Module):
     """Causal multi-head self-attention; query/key/value kernels ``(embed, heads, kv)`` and the
     output kernel ``(heads, kv, embed)``: split over ``heads``, they are Megatron's column and
-    row parallel layers. ``by_jax``: the scores by ``jax.nn.dot_product_attention`` (a context
-    axis splits that call by hand, its causal work balanced over the devices) instead of written
-    out (the compiler splits those by the layout alone)."""
+    row parallel layers. ``by_jax``: the scores by ``tk.attention`` (JAX's attention; on a TPU the
+    Pallas kernel, which never writes them out whole; a context axis splits that call by hand, its
+    causal work balanced over the devices) instead of written out (the compiler splits those by the
+    layout alone)."""
 
     heads: int
     head_dim: int
@@ -90,7 +91,7 @@ class Attention(nn.Module):
             for name in ("query", "key", "value")
         )
         if self.by_jax:
-            out = jax.nn.dot_product_attention(q, k, v, is_causal=True)
+            out = tk.attention(q, k, v, causal=True)
         else:
             out = self._written_out(q, k, v)
         out_init = nn.initializers.variance_scaling(1.0, "fan_in", "normal", in_axis=(0, 1), out_axis=2)
@@ -143,7 +144,7 @@ class ByteLM(nn.Module):
     """Bytes ``(batch, length)`` -> next-byte logits ``(batch, length, 256)``; ``stacked=True``:
     the blocks are one ``nn.scan`` module (each parameter leads with the layer axis, named
     ``layers``), which a pipeline (``tk.Hybrid(stage=...)``) splits into stages;
-    ``jax_attention=True``: each block's attention by ``jax.nn.dot_product_attention``, which a
+    ``jax_attention=True``: each block's attention by ``tk.attention`` (the Pallas kernel on a TPU), which a
     context axis (``tk.Hybrid(context=...)``) splits by hand, balanced (docs/strategies.md)."""
 
     layers: int = 4
@@ -246,13 +247,14 @@ def main(argv=None):
     split = int(len(corpus) * 0.9)
     x, y = windows(corpus[:split], args.length)
     x_val, y_val = windows(corpus[split:], args.length)
-    # a pipeline splits the blocks stacked into one nn.scan module; a context axis splits jax.nn's attention by hand
+    # a pipeline splits the blocks stacked into one nn.scan module; a context axis splits tk.attention by hand, and
+    # on a TPU tk.attention is the Pallas kernel (long sequences on one chip)
     model = ByteLM(
         layers=args.layers,
         d_model=args.d_model,
         max_len=args.length,
         stacked=args.strategy == "pipeline",
-        jax_attention=args.strategy == "context",
+        jax_attention=args.strategy == "context" or jax.default_backend() == "tpu",
     )
     schedule = optax.warmup_cosine_decay_schedule(0.0, 3e-3, min(100, args.steps // 10 + 1), args.steps)
     trainer = tk.Trainer(

@@ -153,4 +153,4 @@ def test_the_lm_examples_jax_attention_gives_its_written_out_numbers_and_is_spli
     np.testing.assert_allclose(by_jax.apply(variables, tokens), written.apply(variables, tokens), atol=1e-5)
     trainer = tk.Trainer(by_jax, loss="sparse_categorical_crossentropy", optimizer=optax.sgd(0.1))
     (row,) = trainer.plan((tokens, tokens), batch_size=2, candidates=[tk.Hybrid(data=2, context=4)], verbose=0).rows
-    assert [(c.door, c.split, c.balanced) for c in row.attention] == [("jax.nn.dot_product_attention", True, True)] * 2
+    assert [(c.door, c.split, c.balanced) for c in row.attention] == [("tk.attention", True, True)] * 2

@@ -70,7 +70,7 @@ PIPELINE = dict(data=2, stage=4, microbatches=8)
 
 def test_a_stacked_lm_on_a_pipeline_trains_to_single_devices_numbers():
     """3 steps of 16 rows (2 data groups x 8 microbatches of one row), the last batch padded."""
-    x, y = data(16 * 2 + 5)
+    x, y = data(16 * 2 + 5, sequence=128)
     check_trains_like_single_device(lm, tk.Hybrid(**PIPELINE), x, y, batch_size=16, steps=3)
 
 
@@ -88,7 +88,7 @@ TENSOR_PARALLEL = [  # Megatron's split inside each stage: qkv and the MLP's fir
     ],
 )
 def test_a_pipeline_composes_with_tensor_parallel_rules_or_a_context_axis_inside_each_stage(strategy):
-    x, y = data(8 * 2 + 3, sequence=64)  # short: the 512-token runs above show the schedule's numbers at length
+    x, y = data(8 * 2 + 3, sequence=64)  # short: the run above shows the schedule's numbers on longer rows
     check_trains_like_single_device(lm, strategy(), x, y, batch_size=8, steps=3)
     trainer = lm(strategy())
     trainer.init(x[:1])
