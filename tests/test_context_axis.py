@@ -15,6 +15,7 @@ import pytest
 from conftest import attention_written_out, check_resumes_and_loads_elsewhere, check_trains_like_single_device
 
 import trainkit as tk
+from trainkit.core.context_attention import active_split
 from trainkit.program.plan import short_name
 
 SEQUENCE, WIDTH, VOCAB, HEADS = 512, 64, 64, 4
@@ -125,17 +126,44 @@ def test_tk_attention_splits_over_the_context_axis_by_hand_and_trains_to_single_
 
 def test_the_plan_says_when_the_context_axis_did_not_split_a_models_attention():
     """Attention written out as einsums trains right (the compiler gathers what it needs), and the plan
-    says trainkit did not split it; Flax's nn.dot_product_attention, reached unedited, is split."""
+    says trainkit did not split it; so does Flax's nn.dot_product_attention by default, which
+    ``reach_attention=True`` reaches unedited and splits."""
     x, y = data(2)
+    cases = [("written out", tk.Hybrid(data=2, context=4)), ("flax", tk.Hybrid(data=2, context=4))]
+    cases.append(("flax", tk.Hybrid(data=2, context=4, reach_attention=True)))
     rows = [
-        lm("single", CausalLM(attention)).plan((x, y), batch_size=2, candidates=[tk.Hybrid(data=2, context=4)]).rows[0]
-        for attention in ("written out", "flax")
+        lm("single", CausalLM(attention)).plan((x, y), batch_size=2, candidates=[strategy]).rows[0]
+        for attention, strategy in cases
     ]
-    written_out_row, flax_row = rows
-    assert written_out_row.error is None and written_out_row.attention == []
-    assert "did not split the model's attention" in written_out_row.layout_notes()[0]
-    assert [(c.door, c.split) for c in flax_row.attention] == [("nn.dot_product_attention", True)] * 2
-    assert "2 attention call(s) split by hand (nn.dot_product_attention" in flax_row.layout_notes()[0]
+    written_out_row, flax_row, reached_row = rows
+    for row in (written_out_row, flax_row):
+        assert row.error is None and row.attention == []
+        assert "did not split the model's attention" in row.layout_notes()[0]
+        assert "reach_attention=True" in row.layout_notes()[0]
+    assert [(c.door, c.split) for c in reached_row.attention] == [("nn.dot_product_attention", True)] * 2
+    assert "2 attention call(s) split by hand (nn.dot_product_attention" in reached_row.layout_notes()[0]
+
+
+class Raising(nn.Module):
+    """Calls JAX's and Flax's attention, then fails while the step is traced under the context axis
+    (its first calls, checking the outputs on the host, pass)."""
+
+    @nn.compact
+    def __call__(self, tokens):
+        x = nn.Embed(VOCAB, WIDTH)(tokens).reshape(*tokens.shape, HEADS, WIDTH // HEADS)
+        x = jax.nn.dot_product_attention(x, x, x, is_causal=True) + nn.dot_product_attention(x, x, x)
+        if active_split() is not None:
+            raise RuntimeError("the model fails mid-trace")
+        return nn.Dense(VOCAB)(x.reshape(*tokens.shape, WIDTH))
+
+
+def test_the_reached_names_are_put_back_when_the_trace_raises():
+    originals = (jax.nn.dot_product_attention, nn.dot_product_attention, nn.attention.dot_product_attention)
+    x, y = data(8, sequence=64)
+    trainer = lm(tk.Hybrid(data=2, context=4, reach_attention=True), Raising())
+    with pytest.raises(RuntimeError, match="the model fails mid-trace"):
+        trainer.fit(x, y, batch_size=8, epochs=1, verbose=0)
+    assert (jax.nn.dot_product_attention, nn.dot_product_attention, nn.attention.dot_product_attention) == originals
 
 
 def test_the_lm_examples_jax_attention_gives_its_written_out_numbers_and_is_split_balanced():

@@ -16,8 +16,8 @@ queries (grouped heads, repeated for the kernel).
 >>> q = jnp.ones((1, 256, 2, 64))
 >>> choose(q, q, causal=True, masked=False, implementation=None, platform="tpu").name
 'pallas'
->>> choose(q[:, :200], q[:, :200], causal=True, masked=False, implementation=None, platform="tpu").note
-'tk.attention: length 200 is not a multiple of the Pallas kernel's block of 128: XLA's attention instead'
+>>> print(choose(q[:, :200], q[:, :200], causal=True, masked=False, implementation=None, platform="tpu").note)
+tk.attention: length 200 is not a multiple of the Pallas kernel's block of 128: XLA's attention instead
 """
 
 from __future__ import annotations

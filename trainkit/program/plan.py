@@ -242,8 +242,9 @@ class PlanRow:
             said = f" ({'; '.join(sorted(whole))})" if whole else ""
             return (
                 f"the context axis did not split the model's attention{said}: the compiler gathers what it needs "
-                "from the layout. Write it with tk.attention, nn.MultiHeadDotProductAttention or "
-                "jax.nn.dot_product_attention to have keys and values all-gathered by hand"
+                "from the layout. Write it with tk.attention (or, for nn.MultiHeadDotProductAttention and "
+                "jax.nn.dot_product_attention, pass Hybrid(..., reach_attention=True)) to have keys and values "
+                "all-gathered by hand"
             )
         doors = sorted({call.door for call in split})
         note = f"{len(split)} attention call(s) split by hand ({', '.join(doors)}: keys and values all-gathered)"

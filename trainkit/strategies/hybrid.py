@@ -48,6 +48,12 @@ class Hybrid(ShardedStrategy):
         rules: ``[(regex, PartitionSpec), ...]`` over leaf names like ``params/Dense_0/kernel``.
         min_shard_size: leaves with fewer elements stay replicated over ``fsdp``.
         devices: the devices to use; all devices by default.
+        reach_attention: under a context axis, also split by hand the attention a model calls as
+            ``jax.nn.dot_product_attention``, ``nn.dot_product_attention`` or Flax's
+            ``MultiHeadDotProductAttention`` without being edited: while the step is traced those
+            names are rebound (under a lock) and a Flax interceptor sees every module call, then
+            all is put back. Off by default: ``tk.attention`` is split without it, and other
+            attention is split by the compiler from the layout (the plan says which).
     """
 
     def __init__(
@@ -63,6 +69,7 @@ class Hybrid(ShardedStrategy):
         rules: Sequence[tuple[str, PartitionSpec]] = (),
         min_shard_size: int = 2**10,
         devices: Sequence[jax.Device] | None = None,
+        reach_attention: bool = False,
     ):
         # the stage axis outermost: across slices or hosts, the devices' slowest links
         sizes = {"stage": stage, "data": data, "fsdp": fsdp, "model": model, "context": context}
@@ -89,6 +96,7 @@ class Hybrid(ShardedStrategy):
         if stage is not None:
             self.stage_axis, self.microbatches = "stage", microbatches or stage
         self.context_axis = "context" if context is not None else None
+        self.reach_attention = reach_attention
         self.sequence_axis = sequence_axis
         self.batch_axes = tuple(a for a in ("data", "fsdp") if a in axes)
         self.fsdp_axis = "fsdp" if fsdp is not None else None

@@ -23,7 +23,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from trainkit import distributed
-from trainkit.core.context_attention import ContextSplit
+from trainkit.core.context_attention import ContextSplit, context_split
 from trainkit.core.gpipe import Schedule
 from trainkit.core.leaf_step import LeafStep
 from trainkit.core.pipeline import pipelined
@@ -321,9 +321,11 @@ class ShardedStrategy(Strategy):
             constrained: jax.Array = jax.lax.with_sharding_constraint(leaf, NamedSharding(self.mesh, spec))
             return constrained
 
+        reach = reaching_attention if self.reach_attention else context_split  # tk.attention's split either way
+
         @functools.wraps(fn)
         def split_step(*args: PyTree) -> PyTree:
-            with reaching_attention(context):
+            with reach(context):
                 return fn(*args[:where], jax.tree_util.tree_map_with_path(split, args[where]), *args[where + 1 :])
 
         return split_step
