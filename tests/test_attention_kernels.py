@@ -116,3 +116,49 @@ def test_on_a_cpu_the_default_is_xla_attention_with_its_mask_and_bias():
         ours = tk.attention(q, k, v, mask=mask, bias=bias)
     theirs = jax.nn.dot_product_attention(q, k, v, bias=bias, mask=mask)
     np.testing.assert_array_equal(ours, theirs)
+
+
+class ContextLM(nn.Module):
+    """A causal LM of one attention layer over 1,024 positions (a chunk of 256 per device of 4)."""
+
+    implementation: str
+
+    @nn.compact
+    def __call__(self, tokens):
+        x = nn.Embed(32, 32)(tokens) + nn.Embed(1024, 32)(jnp.arange(tokens.shape[1]))
+        b, t, w = x.shape
+        q, k, v = (a.reshape(b, t, 2, w // 2) for a in jnp.split(nn.Dense(3 * w)(x), 3, -1))
+        attended = tk.attention(q, k, v, causal=True, implementation=self.implementation)
+        return nn.Dense(32)(x + nn.Dense(w)(attended.reshape(b, t, w)))
+
+
+def test_under_a_context_axis_each_devices_chunk_runs_through_the_kernel_to_single_devices_numbers():
+    """Hybrid(data=2, context=4): each device's 256 queries through the kernel against the keys it can see
+    (its causal mask offset by the chunk's start), equal to SingleDevice with XLA's attention (SGD)."""
+    tokens = np.random.default_rng(0).integers(0, 32, size=(4, 1025)).astype(np.int32)
+    runs = []
+    for implementation, strategy in (("xla", "single"), ("pallas-interpret", tk.Hybrid(data=2, context=4))):
+        trainer = tk.Trainer(
+            ContextLM(implementation), loss="sparse_categorical_crossentropy", optimizer=optax.sgd(0.5),
+            strategy=strategy,
+        )  # fmt: skip
+        history = trainer.fit(tokens[:, :-1], tokens[:, 1:], batch_size=2, epochs=1, shuffle=False, verbose=0)
+        runs.append((history.history["loss"], jax.tree.leaves(trainer.get_weights())))
+    (loss, weights), (their_loss, their_weights) = runs
+    np.testing.assert_allclose(their_loss, loss, rtol=1e-5)
+    for ours, theirs in zip(their_weights, weights, strict=True):
+        np.testing.assert_allclose(ours, theirs, atol=1e-5)
+    plan = tk.Trainer(
+        ContextLM("pallas-interpret"), loss="sparse_categorical_crossentropy", optimizer=optax.sgd(0.5)
+    ).plan((tokens[:2, :-1], tokens[:2, 1:]), batch_size=2, candidates=[tk.Hybrid(data=2, context=4)], verbose=0)
+    assert [(call.door, call.split) for call in plan.rows[0].attention] == [("tk.attention", True)]
+
+
+def test_under_a_context_axis_a_chunk_the_kernel_cannot_take_is_refused_naming_the_way_out():
+    tokens = np.zeros((2, 256), np.int32)  # chunks of 64 over a context axis of 4
+    trainer = tk.Trainer(
+        ContextLM("pallas-interpret"), loss="sparse_categorical_crossentropy", optimizer=optax.sgd(0.5),
+        strategy=tk.Hybrid(data=2, context=4),
+    )  # fmt: skip
+    with pytest.raises(ValueError, match=r"chunks of a multiple of 128; received queries of length 256"):
+        trainer.fit(tokens, tokens, batch_size=2, epochs=1, verbose=0)

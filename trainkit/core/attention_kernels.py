@@ -105,13 +105,13 @@ def block_size(length: int) -> int:
 
 @functools.cache
 def _kernel(
-    heads: int, q_length: int, kv_length: int, causal: bool, interpret: bool
+    heads: int, q_length: int, kv_length: int, causal: bool, interpret: bool, offset: int = 0
 ) -> Callable[[jax.Array, jax.Array, jax.Array], jax.Array]:
     from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as splash
     from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as masks
 
     shape = (q_length, kv_length)
-    head_mask = masks.CausalMask(shape) if causal else masks.FullMask(shape)
+    head_mask = masks.CausalMask(shape, offset=offset) if causal else masks.FullMask(shape)
     bq, bkv = block_size(q_length), block_size(kv_length)
     sizes = splash.BlockSizes(
         block_q=bq, block_kv=bkv, block_kv_compute=bkv, block_q_dkv=bq, block_kv_dkv=bkv,
@@ -126,16 +126,24 @@ def _kernel(
 
 
 def splash_attention(
-    query: jax.Array, key: jax.Array, value: jax.Array, *, causal: bool, scale: float | None, interpret: bool
+    query: jax.Array,
+    key: jax.Array,
+    value: jax.Array,
+    *,
+    causal: bool,
+    scale: float | None,
+    interpret: bool,
+    offset: int = 0,
 ) -> jax.Array:
     """Softmax attention of ``(batch, length, heads, head_dim)`` arrays by the splash kernel (each
-    row of the batch through the kernel; grouped key and value heads repeated to the queries')."""
+    row of the batch through the kernel; grouped key and value heads repeated to the queries');
+    ``offset``: the queries' first position among the keys' (a causal chunk of a longer sequence)."""
     heads, depth = query.shape[2], query.shape[3]
     groups = heads // key.shape[2]
     if groups > 1:
         key, value = (jnp.repeat(a, groups, axis=2) for a in (key, value))
     scale = 1.0 / math.sqrt(depth) if scale is None else scale
-    kernel = _kernel(heads, query.shape[1], key.shape[1], causal, interpret)
+    kernel = _kernel(heads, query.shape[1], key.shape[1], causal, interpret, offset)
     to_heads = functools.partial(jnp.swapaxes, axis1=1, axis2=2)  # (batch, heads, length, head_dim)
     scaled = (query * np.asarray(scale, query.dtype)).astype(query.dtype)
     out = jax.vmap(kernel)(to_heads(scaled), to_heads(key), to_heads(value))

@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
+import functools
 import math
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
@@ -226,13 +227,17 @@ def attention(
     choice = attention_kernels.choose(
         query, key, causal=causal, masked=masked, implementation=implementation, platform=jax.default_backend()
     )
-    if choice.name.startswith("pallas") and active_split() is not None:
-        if implementation is not None:
-            raise ValueError(
-                f"tk.attention: implementation={implementation!r} does not yet run under a context axis (its query "
-                "chunks need the kernel's offset causal mask). Pass implementation=None or 'xla' there."
+    split = active_split()
+    if choice.name.startswith("pallas") and split is not None:
+        if implementation is None:  # the kernel's split is not yet measured on a chip: asked for by name only
+            choice = attention_kernels.Choice(
+                "xla", "tk.attention: under a context axis, XLA's attention split by hand"
             )
-        choice = attention_kernels.Choice("xla", "tk.attention: under a context axis, XLA's attention (split by hand)")
+        else:
+            _record(AttentionCall("tk.attention", True, balanced=False))
+            return _split_kernel(
+                query, key, value, split, causal=causal, scale=scale, interpret=choice.name != "pallas"
+            )
     attention_kernels.note_once(choice.note)
     if choice.name == "cudnn":
         out: jax.Array = _JAX_ATTENTION(
@@ -244,3 +249,51 @@ def attention(
         return attention_kernels.splash_attention(query, key, value, causal=causal, scale=scale, interpret=interpret)
     options = {"is_causal": causal, "scale": scale, "mask": mask, "bias": bias}
     return split_attention(_JAX_ATTENTION, "tk.attention", query, key, value, options)
+
+
+def _split_kernel(
+    query: jax.Array,
+    key: jax.Array,
+    value: jax.Array,
+    split: ContextSplit,
+    *,
+    causal: bool,
+    scale: float | None,
+    interpret: bool,
+) -> jax.Array:
+    """The Pallas kernel under a context axis: each device's contiguous query chunk against the keys and
+    values gathered whole; causal, against the prefix it can see, the kernel's causal mask offset by the
+    chunk's start (one static kernel per position on the axis, chosen by ``lax.switch``). The chunk and
+    the prefixes must be multiples of the kernel's block."""
+    axis, size = split.axis, split.size
+    chunk = query.shape[1] // size
+    if query.shape[1] % size or chunk % attention_kernels.BLOCK or key.shape[1] != query.shape[1]:
+        raise ValueError(
+            f"tk.attention: the Pallas kernel under a context axis of {size} needs self-attention whose length splits "
+            f"into chunks of a multiple of {attention_kernels.BLOCK}; received queries of length {query.shape[1]} "
+            f"and keys of length {key.shape[1]}. Pass implementation=None (XLA's attention, split by hand)."
+        )
+    rows = split.batch_axes
+    if rows and query.shape[0] % max(1, math.prod(int(split.mesh.shape[a]) for a in rows)):
+        rows = ()
+    spec = PartitionSpec(rows or None, axis)
+
+    def prefix(position: int, q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
+        end = (position + 1) * chunk
+        return attention_kernels.splash_attention(
+            q, k[:, :end], v[:, :end], causal=True, scale=scale, interpret=interpret, offset=position * chunk
+        )
+
+    def local(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
+        k, v = (jax.lax.all_gather(a, axis, axis=1, tiled=True) for a in (k, v))
+        if not causal:
+            return attention_kernels.splash_attention(q, k, v, causal=False, scale=scale, interpret=interpret)
+        branches = [functools.partial(prefix, position) for position in range(size)]
+        out: jax.Array = jax.lax.switch(jax.lax.axis_index(axis), branches, q, k, v)
+        return out
+
+    run = jax.shard_map(
+        local, mesh=split.mesh, in_specs=(spec, spec, spec), out_specs=spec, axis_names={axis, *rows}, check_vma=False
+    )
+    result: jax.Array = run(query, key, value)
+    return result
