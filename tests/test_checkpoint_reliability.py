@@ -489,3 +489,23 @@ def test_a_checkpoint_of_an_older_layout_is_named_as_such(data, tmp_path):
     edit_manifest(tmp_path / "backup" / "4", older)
     with pytest.raises(CheckpointError, match=r"written by an older trainkit \(0\.0\.9, checkpoint layout 1; this one"):
         make().fit(x, y, batch_size=16, epochs=3, verbose=0, callbacks=[BackupAndRestore(tmp_path / "backup")])
+
+
+def test_a_journal_write_killed_midway_leaves_a_backup_that_resumes_and_is_cleaned_up(data, tmp_path):
+    """A process killed while ``goodput.json`` was being replaced leaves the old journal set aside
+    (``.goodput.json.old-<pid>``, as test_faults' kill -9 once did): the next run resumes from the backup
+    (not refused as a folder holding foreign files), and deletes it with the backups when it completes."""
+    x, y = data
+    backup = tmp_path / "backup"
+    stop = tk.callbacks.LambdaCallback(on_epoch_end=stop_at(1))
+    with pytest.raises(RuntimeError, match="stop"):
+        make().fit(x, y, batch_size=16, epochs=3, verbose=0, callbacks=[BackupAndRestore(backup), stop])
+    (backup / ".goodput.json.old-6636").write_text("{}")  # the aside copy a killed commit leaves
+    resumed, straight = make(), make()
+    resumed.fit(x, y, batch_size=16, epochs=3, verbose=0, callbacks=[BackupAndRestore(backup)])
+    straight.fit(x, y, batch_size=16, epochs=3, verbose=0)
+    assert resumed.global_step == straight.global_step > 0 and not backup.exists()
+    for ours, theirs in zip(
+        jax.tree.leaves(resumed.get_weights()), jax.tree.leaves(straight.get_weights()), strict=True
+    ):
+        np.testing.assert_array_equal(ours, theirs)

@@ -30,9 +30,11 @@ STEP_RECORD = "_CHECKPOINT_METADATA"
 LOCK = ".trainkit-lock"
 #: what trainkit (and orbax for it) writes in a checkpoint directory, by name: a step, a step set
 #: aside as unreadable, orbax's staging of a step, the lock, ``BackupAndRestore``'s goodput journal
-#: and its staging, a Ray checkpoint being copied in, another process's writability probe
+#: and its staging (and the old journal set aside while a new one is moved in, left by a process
+#: killed in between), a Ray checkpoint being copied in, another process's writability probe
 _OWN_NAMES = re.compile(
     r"^(\d+|\d+\.unreadable|\d+\.orbax-checkpoint-tmp.*|\.trainkit-lock|goodput\.json|\.goodput\.json\.writing-.*"
+    r"|\.goodput\.json\.old-\d+"
     r"|\.ray-restore-\d+|\.trainkit-probe-.*)$"
 )
 #: The suffix of a corrupt step directory moved aside, and how long the other processes wait
@@ -46,6 +48,8 @@ def written_by_trainkit(name: str) -> bool:
     >>> names = ("12", "12.orbax-checkpoint-tmp", ".trainkit-lock", ".trainkit-probe-x1", "goodput.json", "notes.txt")
     >>> [written_by_trainkit(name) for name in names]
     [True, True, True, True, True, False]
+    >>> written_by_trainkit(".goodput.json.old-6636")  # a killed journal write's old copy
+    True
     """
     return _OWN_NAMES.match(name) is not None
 
