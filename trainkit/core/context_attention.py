@@ -118,6 +118,15 @@ def _why_not_split(split: ContextSplit, query: jax.Array, options: Mapping[str, 
     return ""
 
 
+def _row_axes(split: ContextSplit, query: jax.Array) -> tuple[str, ...]:
+    """The mesh axes the queries' rows are split over inside the split: the step's batch axes, or none
+    where they do not divide the rows (a micro-batch: whole on each device)."""
+    rows = split.batch_axes
+    if rows and query.shape[0] % max(1, math.prod(int(split.mesh.shape[a]) for a in rows)):
+        return ()
+    return rows
+
+
 def split_attention(
     attend: Callable[..., jax.Array],
     door: str,
@@ -139,9 +148,7 @@ def split_attention(
     if reason:
         return attend(query, key, value, **options)
     axis, batch = split.axis, query.ndim - 3
-    rows = split.batch_axes if batch else ()
-    if rows and query.shape[0] % max(1, math.prod(int(split.mesh.shape[a]) for a in rows)):
-        rows = ()  # rows the data axes do not divide (a micro-batch): whole on each device
+    rows = _row_axes(split, query) if batch else ()
     lead = (rows or None, *[None] * (batch - 1)) if batch else ()
     sequence_spec = PartitionSpec(*lead, axis)
     gathers = key.shape[-3] % split.size == 0  # else (cross-attention to a short memory) whole already
@@ -273,9 +280,7 @@ def _split_kernel(
             f"into chunks of a multiple of {attention_kernels.BLOCK}; received queries of length {query.shape[1]} "
             f"and keys of length {key.shape[1]}. Pass implementation=None (XLA's attention, split by hand)."
         )
-    rows = split.batch_axes
-    if rows and query.shape[0] % max(1, math.prod(int(split.mesh.shape[a]) for a in rows)):
-        rows = ()
+    rows = _row_axes(split, query)
     spec = PartitionSpec(rows or None, axis)
 
     def prefix(position: int, q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
