@@ -14,6 +14,7 @@ subprocess opens it here), each row printed as it is measured, then the table an
 - the named out-of-memory error of the 12 x 1,024 LM at batch 512, its text printed.
 
     source .whl-tpu/install.sh && python3 benchmarks/tpu_suite.py      # on the chip
+    python3 benchmarks/tpu_suite.py --only attention_row               # one row (a function's name)
     python benchmarks/tpu_suite.py --small                              # a smoke test on a CPU
 """
 
@@ -174,13 +175,15 @@ def attention_row(size: dict, steps: int = 10) -> Row:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--small", action="store_true", help="tiny sizes: a smoke test on CPU")
+    parser.add_argument("--only", nargs="+", default=None, help="these rows' functions only, e.g. attention_row")
     args = parser.parse_args()
     size, start, device = sizes(args.small), time.perf_counter(), jax.devices()[0]
     print(f"jax {jax.__version__}, {device.platform} {device.device_kind}, {'small' if args.small else 'full'} sizes")
     rows: list[Row] = []
     singles = (fresh_fit_row, mfu_row, plan_row, offload_row, out_of_memory_row, attention_row)
-    for measure_rows in (dispatch_rows, *(lambda s, one=one: [one(s)] for one in singles)):
-        for row in measure_rows(size):
+    chosen = [dispatch_rows, *singles] if args.only is None else [globals()[name] for name in args.only]
+    for one in chosen:
+        for row in one(size) if one is dispatch_rows else [one(size)]:
             rows.append(row)
             print(f"| {row[0]} | {row[1]:.4g} | {row[2]} | {row[3]} |", flush=True)
     print(f"\n{time.perf_counter() - start:.0f} s\n| check | ratio / value | target | notes |\n|---|---|---|---|")

@@ -55,15 +55,16 @@ if "--multiprocessing-fork" not in sys.orig_argv:
 OWN_COMPILATION_CACHE = {"test_compile", "test_auto_reproducible"}
 
 
-def subprocess_cache_env() -> dict[str, str]:
-    """Environment entries that give a test's child processes this process's compilation cache
-    (the many trainers of one multi-process run compile the same programs); for tests whose
-    children use no "auto" decision (a cache given to JAX also holds the remembered picks)."""
-    return {
-        "JAX_COMPILATION_CACHE_DIR": COMPILATION_CACHE,
-        "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
-        "XLA_FLAGS": " ".join(TEST_XLA_FLAGS),  # no device count: the child sets its own
-    }
+def subprocess_cache_env(processes: int = 1) -> dict[str, str]:
+    """Environment entries that give a test's child processes this process's compiler flags and,
+    for a job of one process, its compilation cache (its trainers compile the programs this one
+    did); for tests whose children use no "auto" decision (a cache given to JAX also holds the
+    remembered picks). A job of several CPU processes gets no cache: trainkit would turn it off
+    with a warning (trainkit/distributed/compile_cache.py says why)."""
+    flags = {"XLA_FLAGS": " ".join(TEST_XLA_FLAGS)}  # no device count: the child sets its own
+    if processes > 1:
+        return flags
+    return flags | {"JAX_COMPILATION_CACHE_DIR": COMPILATION_CACHE, "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0"}
 
 
 #: what JAX's CUDA plugin (the gpu-plan extra) prints on stderr at `import jax` on a machine

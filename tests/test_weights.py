@@ -313,7 +313,7 @@ def test_two_processes_load_the_values_of_one_each_reading_only_its_shards(tmp_p
     save_numpy({k: v.astype(np.float32) for k, v in entries.items()}, tmp_path / "w.safetensors")
     script = pathlib.Path(__file__).parent / "scripts" / "multihost_weights.py"
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_NUM_CPU_DEVICES")}
-    env |= subprocess_cache_env()
+    env |= subprocess_cache_env(processes=2)
     for nproc, devices in ((2, 4),):  # the values of one process are the file's, compared below
         out = tmp_path / f"{nproc}.npz"
         command = [sys.executable, "-m", "trainkit.launch", "--nproc", str(nproc), "--devices-per-proc", str(devices)]

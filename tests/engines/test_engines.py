@@ -38,7 +38,8 @@ def cpu_env(**extra: str) -> dict[str, str]:
         r"^(SLURM_|OMPI_|PMI|JAX_COORDINATOR|JAX_NUM_PROCESSES|JAX_PROCESS_ID|RAY_ADDRESS|WORLD_SIZE|RANK)"
     )
     env = {k: v for k, v in os.environ.items() if not engine.match(k) and k not in ("XLA_FLAGS", "JAX_NUM_CPU_DEVICES")}
-    env |= subprocess_cache_env() | {"JAX_PLATFORMS": "cpu", "JAX_NUM_CPU_DEVICES": "2", "PYTHONUNBUFFERED": "1"}
+    env |= subprocess_cache_env(processes=2)
+    env |= {"JAX_PLATFORMS": "cpu", "JAX_NUM_CPU_DEVICES": "2", "PYTHONUNBUFFERED": "1"}
     env["XLA_FLAGS"] = " ".join([*TEST_XLA_FLAGS, "--xla_force_host_platform_device_count=2"])
     return env | extra
 

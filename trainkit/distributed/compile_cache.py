@@ -10,6 +10,12 @@ used (read-only, or a file) turns the cache off with one warning, and an entry a
 truncated is deleted before JAX reads it (JAX never replaces an existing entry, so every later
 run would warn and compile again).
 
+Off in a job of several processes on CPUs (:func:`unshared_reason`): JAX keys a CPU program by
+each process's own devices and only process 0 writes, so every other process compiles anyway, and
+on jax 0.12.1 a cross-process program process 0 loads from the cache waits forever for the one the
+others compiled (both hang in their first step). A cache directory the user gave JAX is turned off
+there too, with a warning.
+
 >>> directory_for("off") is None
 True
 >>> directory_for("on") == directory_for(None) == default_directory()
@@ -58,14 +64,26 @@ def configure(setting: str | None = None) -> str | None:
     """Points JAX's persistent compilation cache at the directory ``setting`` names (default:
     ``$TRAINKIT_COMPILATION_CACHE``, else the user cache directory) and returns it, or turns
     trainkit's cache off (``"off"``) and returns ``None``. Leaves a directory the user set on
-    JAX untouched. Called by every ``Trainer``; cheap after the first call."""
+    JAX untouched, except in a job the cache cannot serve (:func:`unshared_reason`: turned off,
+    with a warning). Called by every ``Trainer`` (after the processes connected, before the
+    first compile); cheap after the first call."""
     global _configured
     if setting is None:
         setting = os.environ.get(ENVIRONMENT)
     current: str | None = jax.config.values["jax_compilation_cache_dir"]
-    if current and current != _configured:  # the user's own choice
-        return current
-    directory = directory_for(setting)
+    reason = unshared_reason()
+    if current and current != _configured:  # the user's own choice, kept unless it cannot serve this job
+        if reason is None:
+            return current
+        warnings.warn(
+            f"JAX's compilation cache ({current!r}) is turned off for this job of {reason}. It saves no time "
+            "here: the other processes compile every step anyway.",
+            stacklevel=3,
+        )
+        jax.config.update("jax_compilation_cache_dir", None)
+        _configured = None
+        return None
+    directory = None if reason is not None else directory_for(setting)
     if directory == _configured:
         return directory
     if directory is None:
@@ -126,6 +144,23 @@ def drop_broken_entries(directory: str) -> list[str]:
     except OSError:
         pass  # checked again next time
     return broken
+
+
+def unshared_reason() -> str | None:
+    """Why trainkit keeps the cache off for this job (``None``: it may be on). Several processes
+    on CPUs: only process 0 could read what it wrote (JAX keys a CPU program by the process's
+    own devices), so the others compile anyway, and on jax 0.12.1 the program process 0 loads
+    and the ones the others compile deadlock in their first collective.
+
+    >>> unshared_reason() is None  # one process
+    True
+    """
+    if jax.process_count() > 1 and jax.default_backend() == "cpu":
+        return (
+            f"{jax.process_count()} processes on CPUs: only process 0 could read its own entries, and on jax 0.12.1 "
+            "a step it loads from the cache hangs with the ones the other processes compiled"
+        )
+    return None
 
 
 def active_directory() -> str | None:

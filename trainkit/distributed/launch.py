@@ -99,9 +99,10 @@ def _describe(code: int) -> str:
 
 
 def _die_with_parent() -> None:
-    """In the child, before exec: SIGTERM when the launcher dies, even by SIGKILL (Linux)."""
+    """In the child, before exec: SIGKILL when the launcher dies, even by SIGKILL (Linux). Not
+    SIGTERM: JAX's preemption notifier takes it, and a process waiting in a collective would stay."""
     try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
     except (OSError, AttributeError):  # not Linux: the launcher's own handlers still forward
         pass
 
