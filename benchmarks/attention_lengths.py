@@ -7,6 +7,7 @@ kernel on a TPU); ``xla``: written out (the scores of length^2 per head in devic
 a row per compile and one JSON line.
 
     source .whl-tpu/install.sh && python3 benchmarks/attention_lengths.py          # on the chip
+    python benchmarks/attention_lengths.py --target "tpu v5e:2x2"           # the same search, compile-only here
     python benchmarks/attention_lengths.py --layers 2 --d-model 128 --heads 1 --start 128 --step 128 \\
         --limit-bytes 200e6                                                          # a CPU smoke test
 """
@@ -27,6 +28,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "example
 from lm import ByteLM  # noqa: E402
 
 import trainkit as tk  # noqa: E402
+from trainkit.program import targets  # noqa: E402
 
 
 def trainer(args: argparse.Namespace, attention: str, length: int) -> tk.Trainer:
@@ -46,10 +48,16 @@ def trainer(args: argparse.Namespace, attention: str, length: int) -> tk.Trainer
 def fits(args: argparse.Namespace, attention: str, length: int) -> bool:
     """Whether the train step at ``length`` fits the device (or ``--limit-bytes``), by compiling it."""
     start = time.perf_counter()
-    tokens = jax.ShapeDtypeStruct((1, length), np.int32)
-    limit = {"memory_limit": int(args.limit_bytes)} if args.limit_bytes else {}
-    plan = trainer(args, attention, length).plan((tokens, tokens), verbose=0, add_measures=False, **limit)
+    rows = 1
+    options: dict = {"memory_limit": int(args.limit_bytes)} if args.limit_bytes else {}
+    if args.target:  # DataParallel over the slice: each chip holds the whole state and one row, as one chip alone
+        rows = targets.parse(args.target).device_count
+        options |= {"target": args.target, "candidates": ["dp"]}
+    tokens = jax.ShapeDtypeStruct((rows, length), np.int32)
+    plan = trainer(args, attention, length).plan((tokens, tokens), verbose=0, add_measures=False, **options)
     row = plan.rows[0]
+    if row.error and not row.error.startswith(("The train step", "RESOURCE_EXHAUSTED")) and "memory" not in row.error:
+        raise RuntimeError(row.error)
     print(
         f"  {attention:6} {length:7,} tokens: {'fits' if row.fits else 'too big'}, "
         f"{row.total_bytes / 2**30:.2f} GiB ({time.perf_counter() - start:.0f} s)",
@@ -73,14 +81,17 @@ def longest(args: argparse.Namespace, attention: str) -> int:
 
 
 def runs(args: argparse.Namespace, attention: str, length: int) -> float:
-    """The median seconds of a real step at ``length`` (``fit`` of 3 rows, batch 1)."""
+    """Seconds per real step at ``length``: a ``fit`` of 3 rows at batch 1 (compiled), then a second, timed."""
     rng = np.random.default_rng(0)
     tokens = rng.integers(0, 256, size=(3, length + 1), dtype=np.int32)
-    history = trainer(args, attention, length).fit(tokens[:, :-1], tokens[:, 1:], batch_size=1, epochs=1, verbose=0)
+    run = trainer(args, attention, length)
+    run.fit(tokens[:, :-1], tokens[:, 1:], batch_size=1, epochs=1, verbose=0)
+    start = time.perf_counter()
+    history = run.fit(tokens[:, :-1], tokens[:, 1:], batch_size=1, epochs=1, verbose=0)
+    seconds = (time.perf_counter() - start) / 3
     loss = history.history["loss"][-1]
     assert np.isfinite(loss), f"{attention} at {length}: loss {loss}"
-    median = history.goodput.step_median
-    return float("nan") if median is None else median
+    return seconds
 
 
 def main() -> None:
@@ -93,6 +104,7 @@ def main() -> None:
     parser.add_argument("--max-length", type=int, default=131072)
     parser.add_argument("--limit-bytes", type=float, default=0.0, help="a memory limit (default: the device's)")
     parser.add_argument("--attention", nargs="+", default=["xla", "pallas"])
+    parser.add_argument("--target", default=None, help='compile for one chip of absent devices ("tpu v5e:2x2")')
     args = parser.parse_args()
     device = jax.devices()[0]
     print(f"jax {jax.__version__}, {device.platform} {device.device_kind}: {args.layers} x {args.d_model}, batch 1")
@@ -100,9 +112,9 @@ def main() -> None:
     for attention in args.attention:
         found[attention] = longest(args, attention)
         print(f"{attention}: {found[attention]:,} tokens fit", flush=True)
-        if found[attention]:
+        if found[attention] and not args.target:
             seconds = runs(args, attention, found[attention])
-            print(f"{attention}: steps at {found[attention]:,} tokens ran (median {seconds * 1e3:.1f} ms)", flush=True)
+            print(f"{attention}: steps at {found[attention]:,} tokens ran ({seconds * 1e3:.0f} ms a step)", flush=True)
     if found.get("xla"):
         print(f"kernel / xla: {found.get('pallas', 0) / found['xla']:.2f}x the length")
     print(json.dumps(found))

@@ -132,10 +132,12 @@ class ContextLM(nn.Module):
         return nn.Dense(32)(x + nn.Dense(w)(attended.reshape(b, t, w)))
 
 
-def test_under_a_context_axis_each_devices_chunk_runs_through_the_kernel_to_single_devices_numbers():
-    """Hybrid(data=2, context=4): each device's 256 queries through the kernel against the keys it can see
-    (its causal mask offset by the chunk's start), equal to SingleDevice with XLA's attention (SGD)."""
-    tokens = np.random.default_rng(0).integers(0, 32, size=(4, 1025)).astype(np.int32)
+@pytest.mark.parametrize("length, balanced", [(1024, True), (512, False)])
+def test_under_a_context_axis_each_devices_chunk_runs_through_the_kernel_to_single_devices_numbers(length, balanced):
+    """Hybrid(data=2, context=4): each device's queries through the kernel against the keys they can see
+    (each causal mask offset by its chunk's start), equal to SingleDevice with XLA's attention (SGD). Chunks
+    of 256 run balanced (half-chunks d and 7-d of 128 each); chunks of 128, one block, contiguous."""
+    tokens = np.random.default_rng(0).integers(0, 32, size=(4, length + 1)).astype(np.int32)
     runs = []
     for implementation, strategy in (("xla", "single"), ("pallas-interpret", tk.Hybrid(data=2, context=4))):
         trainer = tk.Trainer(
@@ -151,7 +153,9 @@ def test_under_a_context_axis_each_devices_chunk_runs_through_the_kernel_to_sing
     plan = tk.Trainer(
         ContextLM("pallas-interpret"), loss="sparse_categorical_crossentropy", optimizer=optax.sgd(0.5)
     ).plan((tokens[:2, :-1], tokens[:2, 1:]), batch_size=2, candidates=[tk.Hybrid(data=2, context=4)], verbose=0)
-    assert [(call.door, call.split) for call in plan.rows[0].attention] == [("tk.attention", True)]
+    assert [(call.door, call.split, call.balanced) for call in plan.rows[0].attention] == [
+        ("tk.attention", True, balanced)
+    ]
 
 
 def test_under_a_context_axis_a_chunk_the_kernel_cannot_take_is_refused_naming_the_way_out():

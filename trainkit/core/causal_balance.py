@@ -55,13 +55,7 @@ def balanced_causal_attention(
     devices; see the module). ``T/C`` must be even."""
     half = query.shape[-3] // 2
     here = jax.lax.axis_index(axis)
-    first, second = query[..., :half, :, :], query[..., half:, :, :]  # global half-chunks 2d and 2d+1
-    to_first = [(d, _owner(2 * d, size)) for d in range(size)]
-    to_second = [(d, _owner(2 * d + 1, size)) for d in range(size)]
-    got_first, got_second = jax.lax.ppermute(first, axis, to_first), jax.lax.ppermute(second, axis, to_second)
-    even = here % 2 == 0  # an even device gets its early half-chunk from the first permute
-    early, late = jnp.where(even, got_first, got_second), jnp.where(even, got_second, got_first)
-    chunks = jnp.stack([early, late])  # (2, ..., half, heads, dim): half-chunks `here` and 2C-1-here
+    chunks = jnp.stack(balanced_halves(query, axis=axis, size=size))  # (2, ..., half, heads, dim)
     heads = query.shape[-2]
     keys, values = (jnp.repeat(a, heads // a.shape[-2], axis=-2) for a in (keys, values))  # grouped queries
     scale = 1 / math.sqrt(query.shape[-1]) if scale is None else scale
@@ -92,7 +86,31 @@ def balanced_causal_attention(
             for a, b in ((top, new_top), (total, new_total), (out, new_out))
         )
     out = (out / jnp.swapaxes(total, -1, -2)[..., None]).astype(query.dtype)
-    back_first, back_second = jnp.where(even, out[0], out[1]), jnp.where(even, out[1], out[0])
-    first_out = jax.lax.ppermute(back_first, axis, [(b, a) for a, b in to_first])
-    second_out = jax.lax.ppermute(back_second, axis, [(b, a) for a, b in to_second])
-    return jnp.concatenate([first_out, second_out], axis=-3)
+    return contiguous_halves(out[0], out[1], axis=axis, size=size)
+
+
+def _moves(size: int) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+    """Where each device's first and second half-chunks (global ``2d`` and ``2d+1``) go."""
+    return [(d, _owner(2 * d, size)) for d in range(size)], [(d, _owner(2 * d + 1, size)) for d in range(size)]
+
+
+def balanced_halves(chunk: jax.Array, *, axis: str, size: int) -> tuple[jax.Array, jax.Array]:
+    """This device's two half-chunks of the balanced layout, ``(early, late)``: global half-chunks
+    ``here`` and ``2C-1-here`` of a sequence split contiguously over ``axis`` (``chunk``: this
+    device's ``(..., T/C, heads, dim)``), by two ``ppermute`` calls. :func:`contiguous_halves` undoes it."""
+    half = chunk.shape[-3] // 2
+    to_first, to_second = _moves(size)
+    got_first = jax.lax.ppermute(chunk[..., :half, :, :], axis, to_first)
+    got_second = jax.lax.ppermute(chunk[..., half:, :, :], axis, to_second)
+    even = jax.lax.axis_index(axis) % 2 == 0  # an even device gets its early half-chunk from the first permute
+    return jnp.where(even, got_first, got_second), jnp.where(even, got_second, got_first)
+
+
+def contiguous_halves(early: jax.Array, late: jax.Array, *, axis: str, size: int) -> jax.Array:
+    """:func:`balanced_halves` undone: this device's contiguous chunk from the balanced half-chunks."""
+    to_first, to_second = _moves(size)
+    even = jax.lax.axis_index(axis) % 2 == 0
+    back_first, back_second = jnp.where(even, early, late), jnp.where(even, late, early)
+    first = jax.lax.ppermute(back_first, axis, [(b, a) for a, b in to_first])
+    second = jax.lax.ppermute(back_second, axis, [(b, a) for a, b in to_second])
+    return jnp.concatenate([first, second], axis=-3)

@@ -32,7 +32,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec
 
 from trainkit.core import attention_kernels
-from trainkit.core.causal_balance import balanced_causal_attention
+from trainkit.core.causal_balance import balanced_causal_attention, balanced_halves, contiguous_halves
 from trainkit.core.scoped import scoped
 
 _JAX_ATTENTION = jax.nn.dot_product_attention  # bound before attention_reach can route jax.nn's name here
@@ -236,12 +236,16 @@ def attention(
     )
     split = active_split()
     if choice.name.startswith("pallas") and split is not None:
-        if implementation is None:  # the kernel's split is not yet measured on a chip: asked for by name only
+        if implementation is None and not _kernel_splits(query, key, split):
             choice = attention_kernels.Choice(
-                "xla", "tk.attention: under a context axis, XLA's attention split by hand"
+                "xla",
+                f"tk.attention: under a context axis of {split.size}, queries of length {query.shape[1]} do not split "
+                f"into chunks of a multiple of the kernel's block ({attention_kernels.BLOCK}): XLA's attention, "
+                "split by hand",
             )
         else:
-            _record(AttentionCall("tk.attention", True, balanced=False))
+            balanced = causal and (query.shape[1] // split.size) % (2 * attention_kernels.BLOCK) == 0
+            _record(AttentionCall("tk.attention", True, balanced=balanced))
             return _split_kernel(
                 query, key, value, split, causal=causal, scale=scale, interpret=choice.name != "pallas"
             )
@@ -258,6 +262,12 @@ def attention(
     return split_attention(_JAX_ATTENTION, "tk.attention", query, key, value, options)
 
 
+def _kernel_splits(query: jax.Array, key: jax.Array, split: ContextSplit) -> bool:
+    """Whether the kernel takes this self-attention split over the context axis (chunks of whole blocks)."""
+    length = query.shape[1]
+    return key.shape[1] == length and length % split.size == 0 and (length // split.size) % attention_kernels.BLOCK == 0
+
+
 def _split_kernel(
     query: jax.Array,
     key: jax.Array,
@@ -268,13 +278,16 @@ def _split_kernel(
     scale: float | None,
     interpret: bool,
 ) -> jax.Array:
-    """The Pallas kernel under a context axis: each device's contiguous query chunk against the keys and
-    values gathered whole; causal, against the prefix it can see, the kernel's causal mask offset by the
-    chunk's start (one static kernel per position on the axis, chosen by ``lax.switch``). The chunk and
-    the prefixes must be multiples of the kernel's block."""
+    """The Pallas kernel under a context axis: each device's queries against the keys and values
+    gathered whole; causal, each query chunk against the prefix it can see, the kernel's causal mask
+    offset by the chunk's start (static kernels per position on the axis, chosen by ``lax.switch``).
+    Causal and balanced where a chunk's halves are multiples of the kernel's block: device ``d``
+    runs half-chunks ``d`` and ``2C-1-d`` (:mod:`trainkit.core.causal_balance`), ``2C + 1`` half-chunks
+    of keys on every device; else its contiguous chunk (the last device sees all ``C`` chunks). The
+    chunk must be a multiple of the kernel's block."""
     axis, size = split.axis, split.size
     chunk = query.shape[1] // size
-    if query.shape[1] % size or chunk % attention_kernels.BLOCK or key.shape[1] != query.shape[1]:
+    if not _kernel_splits(query, key, split):
         raise ValueError(
             f"tk.attention: the Pallas kernel under a context axis of {size} needs self-attention whose length splits "
             f"into chunks of a multiple of {attention_kernels.BLOCK}; received queries of length {query.shape[1]} "
@@ -283,19 +296,31 @@ def _split_kernel(
     rows = _row_axes(split, query)
     spec = PartitionSpec(rows or None, axis)
 
-    def prefix(position: int, q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
-        end = (position + 1) * chunk
+    balanced = chunk % (2 * attention_kernels.BLOCK) == 0
+
+    def prefix(index: int, length: int, q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
+        """Queries of global chunk ``index`` (of ``length`` rows) against the keys up to their end."""
+        end = (index + 1) * length
         return attention_kernels.splash_attention(
-            q, k[:, :end], v[:, :end], causal=True, scale=scale, interpret=interpret, offset=position * chunk
+            q, k[:, :end], v[:, :end], causal=True, scale=scale, interpret=interpret, offset=index * length
         )
+
+    def pair(position: int, early: jax.Array, late: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
+        half = chunk // 2
+        return jnp.stack([prefix(position, half, early, k, v), prefix(2 * size - 1 - position, half, late, k, v)])
 
     def local(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
         k, v = (jax.lax.all_gather(a, axis, axis=1, tiled=True) for a in (k, v))
+        here = jax.lax.axis_index(axis)
         if not causal:
             return attention_kernels.splash_attention(q, k, v, causal=False, scale=scale, interpret=interpret)
-        branches = [functools.partial(prefix, position) for position in range(size)]
-        out: jax.Array = jax.lax.switch(jax.lax.axis_index(axis), branches, q, k, v)
-        return out
+        if not balanced:
+            branches = [functools.partial(prefix, position, chunk) for position in range(size)]
+            out: jax.Array = jax.lax.switch(here, branches, q, k, v)
+            return out
+        early, late = balanced_halves(q, axis=axis, size=size)
+        both = jax.lax.switch(here, [functools.partial(pair, position) for position in range(size)], early, late, k, v)
+        return contiguous_halves(both[0], both[1], axis=axis, size=size)
 
     run = jax.shard_map(
         local, mesh=split.mesh, in_specs=(spec, spec, spec), out_specs=spec, axis_names={axis, *rows}, check_vma=False
