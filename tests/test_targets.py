@@ -223,3 +223,26 @@ def test_compiles_for_a_target_neither_read_nor_write_the_persistent_cache():
         assert requests
     finally:
         jax.monitoring.unregister_event_listener(count)
+
+
+class KernelAttention(nn.Module):
+    """Causal self-attention by ``tk.attention`` (implementation chosen per device): on a TPU, the kernel."""
+
+    @nn.compact
+    def __call__(self, tokens):
+        import trainkit as tk
+
+        x = nn.Embed(32, 256)(tokens)
+        q, k, v = (nn.DenseGeneral((2, 128))(x) for _ in range(3))
+        return nn.Dense(32)(tk.attention(q, k, v, causal=True).reshape(*x.shape[:2], 256))
+
+
+def test_a_plan_for_a_tpu_slice_traces_the_attention_kernel_the_slice_runs():
+    """Compiled here on a CPU for a v5e slice, ``tk.attention`` picks what the slice's chips run (the
+    Pallas kernel, a Mosaic custom call), not what this host would (XLA's attention)."""
+    tokens = np.zeros((4, 256), np.int32)
+    trainer = classifier(KernelAttention(), optimizer=optax.sgd(0.1))
+    plan = trainer.plan((tokens, tokens), target="tpu v5e:2x2", candidates=["dp"], verbose=0, add_measures=False)
+    row = plan.rows[0]
+    assert row.error is None and row.compiled is not None
+    assert "tpu_custom_call" in row.compiled.as_text()

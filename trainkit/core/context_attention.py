@@ -232,7 +232,12 @@ def attention(
     split over a context axis inside a context step (see the module)."""
     masked = mask is not None or bias is not None
     choice = attention_kernels.choose(
-        query, key, causal=causal, masked=masked, implementation=implementation, platform=jax.default_backend()
+        query,
+        key,
+        causal=causal,
+        masked=masked,
+        implementation=implementation,
+        platform=attention_kernels.target_platform(),
     )
     split = active_split()
     if choice.name.startswith("pallas") and split is not None:
