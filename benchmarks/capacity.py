@@ -28,6 +28,10 @@ byte plus its scales). The ratio is the found parameter count over the bound.
     python benchmarks/capacity.py [--targets "tpu v5e:2x4" ...] [--configs fsdp ...] [--layers 4] [--out F]
     python benchmarks/capacity.py --plot capacity.json docs/images/capacity.png   # the rows found, as bars
     python benchmarks/capacity.py --axes   # the longest sequence with and without a context axis; two slices
+
+The longest sequence one chip trains with ``tk.attention``'s kernel against XLA's attention (the
+12 x 1,024 model at batch 1), measured on a v5e chip beside the same search compiled here for
+``"tpu v5e:2x2"``, is ``benchmarks/attention_lengths.py`` (its figures: ``attention_lengths_results.jsonl``).
 """
 
 from __future__ import annotations
