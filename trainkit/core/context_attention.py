@@ -249,8 +249,7 @@ def attention(
                 "split by hand",
             )
         else:
-            balanced = causal and (query.shape[1] // split.size) % (2 * attention_kernels.BLOCK) == 0
-            _record(AttentionCall("tk.attention", True, balanced=balanced))
+            _record(AttentionCall("tk.attention", True, balanced=causal and _kernel_balances(query, split)))
             return _split_kernel(
                 query, key, value, split, causal=causal, scale=scale, interpret=choice.name != "pallas"
             )
@@ -271,6 +270,11 @@ def _kernel_splits(query: jax.Array, key: jax.Array, split: ContextSplit) -> boo
     """Whether the kernel takes this self-attention split over the context axis (chunks of whole blocks)."""
     length = query.shape[1]
     return key.shape[1] == length and length % split.size == 0 and (length // split.size) % attention_kernels.BLOCK == 0
+
+
+def _kernel_balances(query: jax.Array, split: ContextSplit) -> bool:
+    """Whether the kernel's causal split balances: each chunk's halves are whole blocks."""
+    return (query.shape[1] // split.size) % (2 * attention_kernels.BLOCK) == 0
 
 
 def _split_kernel(
@@ -301,7 +305,7 @@ def _split_kernel(
     rows = _row_axes(split, query)
     spec = PartitionSpec(rows or None, axis)
 
-    balanced = chunk % (2 * attention_kernels.BLOCK) == 0
+    balanced = _kernel_balances(query, split)
 
     def prefix(index: int, length: int, q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
         """Queries of global chunk ``index`` (of ``length`` rows) against the keys up to their end."""
