@@ -7,6 +7,7 @@ kernel on a TPU); ``xla``: written out (the scores of length^2 per head in devic
 a row per compile and one JSON line.
 
     source .whl-tpu/install.sh && python3 benchmarks/attention_lengths.py          # on the chip
+    python3 benchmarks/attention_lengths.py --time-at 2048                    # the step's speed at 2,048, on the chip
     python benchmarks/attention_lengths.py --target "tpu v5e:2x2"           # the same search, compile-only here
     python benchmarks/attention_lengths.py --layers 2 --d-model 128 --heads 1 --start 128 --step 128 \\
         --limit-bytes 200e6                                                          # a CPU smoke test
@@ -105,8 +106,16 @@ def main() -> None:
     parser.add_argument("--limit-bytes", type=float, default=0.0, help="a memory limit (default: the device's)")
     parser.add_argument("--attention", nargs="+", default=["xla", "pallas"])
     parser.add_argument("--target", default=None, help='compile for one chip of absent devices ("tpu v5e:2x2")')
+    parser.add_argument("--time-at", type=int, default=0, help="only time a step of each attention at this length")
     args = parser.parse_args()
     device = jax.devices()[0]
+    if args.time_at:  # the model's whole train step, kernel against XLA attention
+        seconds = {attention: runs(args, attention, args.time_at) for attention in args.attention}
+        print(", ".join(f"{a}: {s * 1e3:.1f} ms a step" for a, s in seconds.items()), flush=True)
+        if "xla" in seconds and "pallas" in seconds:
+            ratio = seconds["xla"] / seconds["pallas"]
+            print(f"kernel / xla at {args.time_at:,} tokens: {ratio:.2f}x the steps a second")
+        return
     print(f"jax {jax.__version__}, {device.platform} {device.device_kind}: {args.layers} x {args.d_model}, batch 1")
     found: dict[str, int] = {}
     for attention in args.attention:
