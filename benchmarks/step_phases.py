@@ -107,7 +107,7 @@ def device_times(folder: str, chip: bool) -> dict[str, float]:
     return times
 
 
-def dump(directory: str, hlo: str, folder: str) -> None:
+def dump(directory: str, hlo: str, folder: str, chip: bool) -> None:
     """The compiled text and, per profile plane and line, its event names (to see why ops go unmatched)."""
     from jax.profiler import ProfileData
 
@@ -124,7 +124,7 @@ def dump(directory: str, hlo: str, folder: str) -> None:
                 for event in events[:3]:
                     lines.append(f"    stats: {list(event.stats)[:12]}")
     (out / "profile_names.txt").write_text("\n".join(lines))
-    times = sorted(device_times(folder, jax.devices()[0].platform != "cpu").items(), key=lambda item: -item[1])
+    times = sorted(device_times(folder, chip).items(), key=lambda item: -item[1])
     (out / "op_times.txt").write_text("\n".join(f"{micros:.1f}\t{name}" for name, micros in times))
 
 
@@ -146,14 +146,15 @@ def main() -> None:
     trainer = tk.Trainer(model, loss="sparse_categorical_crossentropy", optimizer=optax.adamw(1e-3),
                          strategy="single", precision=args.precision, steps_per_execution=1)  # fmt: skip
     trainer.fit(x, y, batch_size=args.batch_size, epochs=1, verbose=0)  # compiled and warm
-    phases = instruction_phases(trainer.compiled_text((x[: args.batch_size], y[: args.batch_size])))
+    hlo = trainer.compiled_text((x[: args.batch_size], y[: args.batch_size]))
+    phases = instruction_phases(hlo)
     folder = tempfile.mkdtemp(prefix="trainkit-profile-")
     with jax.profiler.trace(folder):
         trainer.fit(x, y, batch_size=args.batch_size, epochs=1, verbose=0)
-    if args.dump:
-        dump(args.dump, trainer.compiled_text((x[: args.batch_size], y[: args.batch_size])), folder)
     by_phase: dict[str, float] = collections.defaultdict(float)
     chip = jax.devices()[0].platform != "cpu"  # every event an executed op (a CPU's host plane has Python's too)
+    if args.dump:
+        dump(args.dump, hlo, folder, chip)
     for op, micros in device_times(folder, chip).items():
         if op in phases or chip:
             by_phase[phases.get(op, "unnamed (ops without an op_name)")] += micros

@@ -304,7 +304,6 @@ def _split_kernel(
         )
     rows = _row_axes(split, query)
     spec = PartitionSpec(rows or None, axis)
-
     balanced = _kernel_balances(query, split)
 
     def prefix(index: int, length: int, q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
@@ -320,9 +319,9 @@ def _split_kernel(
 
     def local(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
         k, v = (jax.lax.all_gather(a, axis, axis=1, tiled=True) for a in (k, v))
-        here = jax.lax.axis_index(axis)
         if not causal:
             return attention_kernels.splash_attention(q, k, v, causal=False, scale=scale, interpret=interpret)
+        here = jax.lax.axis_index(axis)
         if not balanced:
             branches = [functools.partial(prefix, position, chunk) for position in range(size)]
             out: jax.Array = jax.lax.switch(here, branches, q, k, v)
