@@ -9,8 +9,9 @@ script, it prints the table of the last run.
 
 Each process writes ``stats-<pid>.json`` to ``$SUITE_PROFILE_DIR`` (default: ``suite-profile`` in
 the temporary directory), which the run's first process empties of earlier ``stats-*.json`` files.
-A compile JAX loaded from its persistent cache is counted under ``backend_compile`` too (with the
-seconds of the load): the cache's hits are the ``cache_hits`` column.
+Every column but ``tests`` is seconds. A program JAX loaded from its persistent cache is counted
+under ``backend_compile`` too (with the seconds of the load); ``cache_load`` is the seconds those
+loads took.
 
 >>> table({"test_a": {"wall": 2.0, "cpu": 1.5, "children": 0.5, "tests": 1}}, {})[1].split()[:3]
 ['2.0', '1.5', '0.5']
@@ -33,9 +34,9 @@ EVENTS = {
     "/jax/core/compile/jaxpr_trace_duration": "trace",
     "/jax/core/compile/jaxpr_to_mlir_module_duration": "lower",
     "/jax/core/compile/backend_compile_duration": "backend_compile",
-    "/jax/compilation_cache/cache_retrieval_time_sec": "cache_hits",
+    "/jax/compilation_cache/cache_retrieval_time_sec": "cache_load",
 }
-COLUMNS = ("wall", "cpu", "children", "trace", "lower", "backend_compile", "cache_hits", "tests")
+COLUMNS = ("wall", "cpu", "children", "trace", "lower", "backend_compile", "cache_load", "tests")
 
 _by_file: dict[str, collections.Counter[str]] = collections.defaultdict(collections.Counter)
 _by_function: dict[str, collections.Counter[str]] = collections.defaultdict(collections.Counter)
@@ -44,6 +45,7 @@ _started = [0.0, 0.0, 0.0]  # the running test's start: wall clock, this process
 
 
 def folder() -> pathlib.Path:
+    """Where each process writes its figures and the script reads them."""
     return pathlib.Path(os.environ.get("SUITE_PROFILE_DIR") or pathlib.Path(tempfile.gettempdir(), "suite-profile"))
 
 
