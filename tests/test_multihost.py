@@ -7,6 +7,7 @@ import re
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 
 import numpy as np
@@ -22,7 +23,8 @@ def clean_env(processes=2):
     return env | subprocess_cache_env(processes)
 
 
-def launch(nproc, devices, *args, timeout=420, env=None):
+def start(nproc, devices, *args, env=None):
+    """The launcher of ``nproc`` processes of ``devices`` fake devices each running the script, started."""
     command = [
         sys.executable,
         "-m",
@@ -34,10 +36,27 @@ def launch(nproc, devices, *args, timeout=420, env=None):
         str(SCRIPT),
         *map(str, args),
     ]
-    start = time.monotonic()
     env = clean_env(nproc) | (env or {})
-    result = subprocess.run(command, capture_output=True, text=True, env=env, cwd=ROOT, timeout=timeout)
-    return result.returncode, result.stdout + result.stderr, time.monotonic() - start
+    output = tempfile.TemporaryFile("w+")  # not a pipe: a job started alongside another never waits on a full one
+    return subprocess.Popen(command, stdout=output, stderr=subprocess.STDOUT, text=True, env=env, cwd=ROOT), output
+
+
+def finish(started, start_time, timeout=420):
+    """``(exit code, output, seconds since start_time)`` of a started launcher."""
+    launcher, output = started
+    try:
+        launcher.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        launcher.kill()
+        raise
+    with output:
+        output.seek(0)
+        return launcher.returncode, output.read(), time.monotonic() - start_time
+
+
+def launch(nproc, devices, *args, timeout=420, env=None):
+    start_time = time.monotonic()
+    return finish(start(nproc, devices, *args, env=env), start_time, timeout)
 
 
 def load(path):
@@ -66,14 +85,14 @@ def runs(tmp_path_factory):
         1: None,
         2: {"JAX_COMPILATION_CACHE_DIR": str(root / "jax-cache"), "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0"},
     }
+    launchers = {}  # both jobs at once: each waits on its own processes' collectives much of the time
     for nproc, devices in ((1, 8), (2, 4)):
-        board = root / f"board{nproc}"
-        saves = root / f"checkpoints{nproc}"  # each strategy's, after epoch 2
+        board, saves = root / f"board{nproc}", root / f"checkpoints{nproc}"  # saves: each strategy's, after epoch 2
         out = root / f"{nproc}x{devices}.npz"
-        code, output, _ = launch(
-            nproc, devices, out, "--data", data[nproc], "--tensorboard", board, "--save", saves, *slow[nproc],
-            env=cache[nproc],
-        )  # fmt: skip
+        args = (out, "--data", data[nproc], "--tensorboard", board, "--save", saves, *slow[nproc])
+        launchers[nproc] = (start(nproc, devices, *args, env=cache[nproc]), time.monotonic(), out, board, saves)
+    for nproc, (launcher, started, out, board, saves) in launchers.items():
+        code, output, _ = finish(launcher, started)
         assert code == 0, output
         results[nproc] = (load(out), output, board, saves)
     return results
@@ -355,6 +374,39 @@ def test_the_launcher_forwards_sigterm_and_sigint_and_leaves_no_child(tmp_path, 
     while any(alive(pid) for pid in pids) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not any(alive(pid) for pid in pids)
+
+
+FAILING_PEER = """
+import os, time
+import trainkit as tk
+tk.distributed.initialize()  # JAX's preemption notifier now takes SIGTERM: process 0 stays on one
+print("ready", os.getpid(), flush=True)
+if tk.distributed.process_index() == 1:
+    time.sleep(1)
+    raise RuntimeError("process 1 fails on purpose")
+time.sleep(120)  # as a process waiting in a collective for the failed one
+"""
+
+
+def test_after_a_process_fails_the_others_are_killed_within_a_second(tmp_path):
+    """Not the 5 s a forwarded SIGTERM gets (a preemption, where each process writes its backup): a peer of a
+    failed process waits in a collective, ignores SIGTERM, and would sit until JAX's heartbeat timeout."""
+    script = tmp_path / "failing_peer.py"
+    script.write_text(FAILING_PEER)
+    command = [sys.executable, "-m", "trainkit.launch", "--nproc", "2", str(script)]
+    launcher = subprocess.Popen(
+        command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=clean_env(), cwd=ROOT
+    )
+    lines, ending = [], None
+    for line in launcher.stdout:
+        lines.append(line)
+        if "ending the other processes" in line:
+            ending = time.monotonic()
+    launcher.wait(timeout=60)
+    output = "".join(lines)
+    assert launcher.returncode == 1 and ending is not None, output
+    assert "[launch] process 1 exited with code 1 (RuntimeError: process 1 fails on purpose); ending the" in output
+    assert time.monotonic() - ending < 3.0, output  # SIGTERM, then SIGKILL after PEER_FAILED_GRACE_SECONDS
 
 
 def test_the_processes_die_with_a_killed_launcher(tmp_path):

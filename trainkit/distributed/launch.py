@@ -29,8 +29,13 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import IO, Any
 
-#: Seconds the other processes get to exit after SIGTERM before they are killed.
+#: Seconds the processes get to exit after a SIGTERM or SIGINT the launcher forwarded (a preemption: every
+#: process is alive and can write its backup) before they are killed.
 GRACE_SECONDS = 5.0
+#: Seconds the others get after one process failed: they wait in a collective for the failed one, and JAX's
+#: preemption notifier takes SIGTERM without ending them (they would sit until the coordination service's
+#: heartbeat timeout, ~20 s), so they are killed after this long.
+PEER_FAILED_GRACE_SECONDS = 1.0
 #: Seconds the launcher waits after a first failure for the others, to tell cause from effect.
 SETTLE_SECONDS = 10.0
 #: Each process's first error line, by process index: ``(when it was read, the line)``.
@@ -110,7 +115,8 @@ def _die_with_parent() -> None:
 def launch(command: Sequence[str], nproc: int, devices_per_proc: int | None = None, port: int | None = None) -> int:
     """Runs ``command`` as ``nproc`` processes; returns 0, or the first failing process's code.
     SIGTERM and SIGINT sent to the launcher are forwarded to every process (which then end
-    within ``GRACE_SECONDS``), and the processes die with the launcher."""
+    within ``GRACE_SECONDS``); when one fails, the others are ended within
+    ``PEER_FAILED_GRACE_SECONDS``; the processes die with the launcher."""
     if nproc < 1:
         raise ValueError(f"--nproc must be at least 1; received {nproc}.")
     if devices_per_proc is not None and devices_per_proc < 1:
@@ -158,7 +164,10 @@ def launch(command: Sequence[str], nproc: int, devices_per_proc: int | None = No
                     error = f" ({errors[index][1]})" if index in errors else ""
                     who = f"process {index} {_describe(code)}{error}"
                 print(f"[launch] {who}; ending the other processes", flush=True)
-            _end(processes, signal.Signals(-code) if index < 0 else signal.SIGTERM)
+            if index < 0:
+                _end(processes, signal.Signals(-code), GRACE_SECONDS)
+            else:
+                _end(processes, signal.SIGTERM, PEER_FAILED_GRACE_SECONDS)
     finally:
         for signum, handler in previous.items():
             signal.signal(signum, handler)
@@ -213,11 +222,12 @@ def _watch(
     return first, processes[first].returncode
 
 
-def _end(processes, signum: signal.Signals = signal.SIGTERM) -> None:
+def _end(processes: list[subprocess.Popen[str]], signum: signal.Signals, grace: float) -> None:
+    """Sends ``signum`` to the processes still running and kills those not ended ``grace`` seconds later."""
     for process in processes:
         if process.poll() is None:
             process.send_signal(signum)
-    deadline = time.monotonic() + GRACE_SECONDS
+    deadline = time.monotonic() + grace
     for process in processes:
         try:
             process.wait(timeout=max(0.0, deadline - time.monotonic()))
