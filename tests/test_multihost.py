@@ -343,9 +343,10 @@ def alive(pid):
         return f.read().split()[2] != "Z"
 
 
-def start_launcher(tmp_path, nproc=2):
-    script = tmp_path / "sleeper.py"
-    script.write_text(SLEEPER)
+def start_launcher(tmp_path, nproc=2, source=SLEEPER):
+    """``python -m trainkit.launch`` of ``source``, once each process printed "ready <pid>": ``(launcher, pids)``."""
+    script = tmp_path / "launched.py"
+    script.write_text(source)
     launcher = subprocess.Popen(
         [sys.executable, "-m", "trainkit.launch", "--nproc", str(nproc), str(script)],
         stdout=subprocess.PIPE,
@@ -391,12 +392,7 @@ time.sleep(120)  # as a process waiting in a collective for the failed one
 def test_after_a_process_fails_the_others_are_killed_within_a_second(tmp_path):
     """Not the 5 s a forwarded SIGTERM gets (a preemption, where each process writes its backup): a peer of a
     failed process waits in a collective, ignores SIGTERM, and would sit until JAX's heartbeat timeout."""
-    script = tmp_path / "failing_peer.py"
-    script.write_text(FAILING_PEER)
-    command = [sys.executable, "-m", "trainkit.launch", "--nproc", "2", str(script)]
-    launcher = subprocess.Popen(
-        command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=clean_env(), cwd=ROOT
-    )
+    launcher, _ = start_launcher(tmp_path, source=FAILING_PEER)
     lines, ending = [], None
     for line in launcher.stdout:
         lines.append(line)

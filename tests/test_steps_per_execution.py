@@ -4,12 +4,11 @@ execution as Keras 3 does, and stop, validate and resume where single steps woul
 
 import re
 
-import flax.linen as nn
 import jax
 import numpy as np
 import optax
 import pytest
-from conftest import MLP, make_classification, strategy_table
+from conftest import MLP, NoisyMLP, make_classification, strategy_table
 from test_compile import compiles  # noqa: F401 - the compile-counting fixture
 
 import trainkit as tk
@@ -20,21 +19,6 @@ N, BATCH, K = 330, 32, 4  # 11 batches per epoch: two fused executions and a las
 STRATEGIES = strategy_table(min_shard_size=16)
 
 
-class NoisyMLP(nn.Module):
-    """conftest's NoisyMLP (BatchNorm and Dropout) with no bias before the BatchNorm, as real networks are
-    written: BatchNorm subtracts the batch mean, so that bias's gradient is zero but for rounding, and
-    Adam scales rounding into full steps (2.6e-2 apart in 22 steps between two compiled forms of one step
-    on jaxlib 0.10's older CPU emitters): the comparison would weigh noise, not the fused steps."""
-
-    @nn.compact
-    def __call__(self, x, train: bool = False):
-        x = nn.Dense(16, use_bias=False)(x)
-        x = nn.BatchNorm(use_running_average=not train, momentum=0.9)(x)
-        x = nn.relu(x)
-        x = nn.Dropout(0.2, deterministic=not train)(x)
-        return nn.Dense(3)(x)
-
-
 @pytest.fixture(scope="module")
 def xy():
     return make_classification(N)
@@ -42,7 +26,7 @@ def xy():
 
 def make(strategy="single", k=1, model=None, **kwargs):
     return tk.Trainer(
-        model or NoisyMLP(),
+        model or NoisyMLP(dense_bias=False),  # the fused steps compared, not the rounding Adam scales up
         loss="sparse_categorical_crossentropy",
         optimizer=optax.adam(1e-2),
         metrics=["accuracy"],
