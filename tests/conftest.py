@@ -1,6 +1,7 @@
 """Fakes 8 CPU devices before JAX is imported; shared tiny models and data."""
 
 import contextlib
+import importlib.metadata
 import importlib.util
 import io
 import os
@@ -14,10 +15,24 @@ import typing
 #: Benchmarks, examples and `make example` run fully optimised; only the tests set it.
 TEST_XLA_FLAGS = ["--xla_backend_optimization_level=0"]
 
-# Not "--xla_cpu_use_fusion_emitters=false" (jaxlib 0.10's CPU emitters of before its MLIR fusion emitters;
-# 0.12 refuses the flag): the suite's CPU falls to about 0.78, every result the same, but the process aborts
-# now and then (SIGABRT, no message) running test_pipeline_axis's resumed pipeline fit: 3 of 12 runs of that
-# file, none of 8 without it (2026-12-06, docs/performance.md).
+
+def _jaxlib_version() -> tuple[int, ...]:
+    """The installed jaxlib's version, read without importing JAX (its flags are read at import)."""
+    release = importlib.metadata.version("jaxlib").split("+")[0].split(".")
+    return tuple(int(part) for part in release[:3] if part.isdigit())
+
+
+#: jaxlib 0.10's CPU emitters of before its MLIR fusion emitters: the suite compiles in about 0.66 of the CPU
+#: (docs/performance.md, "Where the test suite's time goes"), every result the same. jaxlib 0.12 has only the
+#: new emitters and refuses the flag (CI's Python 3.12 run tests those).
+if (0, 10) <= _jaxlib_version() < (0, 11):
+    TEST_XLA_FLAGS.append("--xla_cpu_use_fusion_emitters=false")
+#: XLA:CPU runs the 8 fake devices' programs on a thread pool sized by the machine's cores: a collective waits
+#: on a pool thread for its peers, and when every thread waits, a device whose turn never comes hangs the others
+#: until XLA aborts the process ("Termination timeout for `all reduce RendezvousKey...`"). The pipeline's step,
+#: whose loop of all-to-alls runs beside an all-reduce, did so in 2 of 17 runs with the emitters above on this
+#: 2-core machine, in none of 30 with the pool XLA sizes by NPROC instead (docs/performance.md).
+os.environ["NPROC"] = "32"
 os.environ["XLA_FLAGS"] = " ".join(
     [f for f in os.environ.get("XLA_FLAGS", "").split() if "device_count" not in f]
     + ["--xla_force_host_platform_device_count=8", *TEST_XLA_FLAGS]
