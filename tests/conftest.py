@@ -37,6 +37,8 @@ os.environ["XLA_FLAGS"] = " ".join(
     [f for f in os.environ.get("XLA_FLAGS", "").split() if "device_count" not in f]
     + ["--xla_force_host_platform_device_count=8", *TEST_XLA_FLAGS]
 )
+#: the tests' compiler flags as a child process takes them: without the device count (the child sets its own)
+CHILD_XLA_FLAGS = " ".join(TEST_XLA_FLAGS)
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # Hermetic runs: no compiled step comes from an earlier run (tests/test_compile.py turns it on).
 os.environ.setdefault("TRAINKIT_COMPILATION_CACHE", "off")
@@ -79,7 +81,7 @@ def subprocess_cache_env(processes: int = 1) -> dict[str, str]:
     did); for tests whose children use no "auto" decision (a cache given to JAX also holds the
     remembered picks). A job of several CPU processes gets no cache: trainkit would turn it off
     with a warning (trainkit/distributed/compile_cache.py says why)."""
-    flags = {"XLA_FLAGS": " ".join(TEST_XLA_FLAGS)}  # no device count: the child sets its own
+    flags = {"XLA_FLAGS": CHILD_XLA_FLAGS}
     if processes > 1:
         return flags
     return flags | {"JAX_COMPILATION_CACHE_DIR": COMPILATION_CACHE, "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0"}

@@ -11,7 +11,7 @@ import jax
 import numpy as np
 import optax
 import pytest
-from conftest import MLP, TEST_XLA_FLAGS, make_classification
+from conftest import CHILD_XLA_FLAGS, MLP, make_classification
 from jax._src import dispatch
 
 import trainkit as tk
@@ -83,7 +83,7 @@ def test_a_new_seed_loads_the_initial_state_another_seed_compiled(tmp_path):
 def run_script(cache_setting, tmp_path):
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_NUM_CPU_DEVICES")}
     env["TRAINKIT_COMPILATION_CACHE"] = cache_setting
-    env["XLA_FLAGS"] = " ".join(TEST_XLA_FLAGS)  # compiled as this process compiles, with the child's device count
+    env["XLA_FLAGS"] = CHILD_XLA_FLAGS  # compiled as this process compiles
     env["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"  # JAX skips programs compiled in under 1 s
     env["XDG_CACHE_HOME"] = str(tmp_path / "xdg")
     result = subprocess.run([sys.executable, str(SCRIPT)], capture_output=True, text=True, env=env, timeout=300)
@@ -105,7 +105,7 @@ def test_the_cache_is_on_by_default_in_the_user_cache_directory_and_off_by_one_s
     assert not (tmp_path / "off" / "xdg").exists()
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "TRAINKIT_COMPILATION_CACHE")}
     env.update(XDG_CACHE_HOME=str(tmp_path / "xdg"), JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0")
-    env["XLA_FLAGS"] = " ".join(TEST_XLA_FLAGS)
+    env["XLA_FLAGS"] = CHILD_XLA_FLAGS
     result = subprocess.run([sys.executable, str(SCRIPT)], capture_output=True, text=True, env=env, timeout=300)
     assert result.returncode == 0, result.stderr
     assert len(os.listdir(tmp_path / "xdg" / "trainkit" / "jax")) >= 2
@@ -152,7 +152,7 @@ def startup_run(tmp_path, **env_settings):
     env.update(
         {"JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0", "XDG_CACHE_HOME": str(tmp_path / "xdg"), **env_settings}
     )
-    env["XLA_FLAGS"] = " ".join(TEST_XLA_FLAGS)
+    env["XLA_FLAGS"] = CHILD_XLA_FLAGS
     if "TRAINKIT_COMPILATION_CACHE" not in env_settings:
         env.pop("TRAINKIT_COMPILATION_CACHE", None)
     return subprocess.run([sys.executable, str(SCRIPT)], capture_output=True, text=True, env=env, timeout=300)

@@ -13,7 +13,7 @@ import jax
 import numpy as np
 import optax
 import pytest
-from conftest import TEST_XLA_FLAGS, NoisyMLP, Wide, classifier, make_classification
+from conftest import CHILD_XLA_FLAGS, NoisyMLP, Wide, classifier, make_classification
 
 import trainkit as tk
 from trainkit.distributed import determinism
@@ -24,10 +24,9 @@ LIMITS = (2**20, 2**22, 2**24)
 
 
 def clean_env(**extra):
-    """This environment for a child process: no compilation cache, the tests' compiler flags (the child compiles
-    as this process does) without their device count (the child sets its own)."""
+    """This environment for a child process: no compilation cache, the tests' compiler flags."""
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_NUM_CPU_DEVICES")}
-    return env | {"TRAINKIT_COMPILATION_CACHE": "off", "XLA_FLAGS": " ".join(TEST_XLA_FLAGS)} | extra
+    return env | {"TRAINKIT_COMPILATION_CACHE": "off", "XLA_FLAGS": CHILD_XLA_FLAGS} | extra
 
 
 @pytest.fixture(scope="module")
