@@ -52,6 +52,10 @@ def parse_args(argv=None):
     parser.add_argument("--grad-accum-steps", type=int, default=1, help="micro-batches per optimizer step")
     parser.add_argument("--min-accuracy", type=float, default=0.95, help="exit non-zero below this test accuracy")
     parser.add_argument("--verbose", type=int, default=1, help="0, 1 or 2, as Keras's fit")
+    parser.add_argument(
+        "--data-on-device", choices=["auto", "on", "off"], default="auto",
+        help="keep the arrays on the devices, a fused call gathering its rows there (docs/data.md)",
+    )  # fmt: skip
     parser.add_argument("--out", default=None, help="checkpoint and CSV log directory (default: a new temp dir)")
     parser.add_argument(
         "--backup", default=None, help="BackupAndRestore's folder: run again to resume (under Ray: Ray's checkpoints)"
@@ -134,6 +138,7 @@ def main(argv=None) -> int:
         validation_data=(images[validation], labels[validation]),
         verbose=args.verbose,
         callbacks=callbacks,
+        data_on_device={"auto": "auto", "on": True, "off": False}[args.data_on_device],
     )
     seconds = time.perf_counter() - start
     if trainer.last_plan is not None:

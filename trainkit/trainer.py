@@ -313,16 +313,16 @@ class Trainer:
         sample_weight: PyTree = None, initial_epoch: int = 0, steps_per_epoch: int | None = None,
         validation_steps: int | None = None, validation_batch_size: int | None = None,
         validation_freq: int | list[int] = 1, *, validation_interval: int | None = None, max_steps: int | None = None,
-        read_ahead: bool = True,
+        read_ahead: bool = True, data_on_device: bool | str = "auto",
     ) -> History:  # fmt: skip
         """Keras's ``fit`` (``x``: docs/data.md): a ``History``, callbacks in Keras 3's order; ``epochs=None``: 1,
-        or with ``max_steps`` as many as reach it. ``validation_interval=N`` validates every N steps;
-        ``read_ahead=False`` reads the data only in this thread (a generator tied to its thread)."""
+        or with ``max_steps`` as many as reach it. ``validation_interval=N`` validates every N steps; ``read_ahead``,
+        ``data_on_device``: where the data is read and kept (docs/data.md)."""
         callbacks = CallbackList.checked(callbacks)  # before anything is built
         config = FitConfig(
             epochs=epochs, initial_epoch=initial_epoch, steps_per_epoch=steps_per_epoch, max_steps=max_steps,
             shuffle=shuffle, seed=self.seed, validation_freq=validation_freq, validation_steps=validation_steps,
-            validation_interval=validation_interval, read_ahead=read_ahead,
+            validation_interval=validation_interval, read_ahead=read_ahead, data_on_device=data_on_device,
         ).checked(has_validation=validation_data is not None or bool(validation_split))  # fmt: skip
         with self.session.ledger.running(distributed.take_startup_seconds()):  # history.goodput: where time went
             self.compiled.use_statistics(CallbackList.step_statistics_of(callbacks))  # in the train step

@@ -451,6 +451,29 @@ def make_multi_step(
     return multi_step
 
 
+def make_gathered_steps(
+    multi_step: Callable[[TrainState, EpochTotals, Batch], tuple[TrainState, EpochTotals]],
+) -> Callable[[TrainState, EpochTotals, Batch], tuple[TrainState, EpochTotals]]:
+    """``multi_step`` (:func:`make_multi_step`) fed from data kept on the devices: its batch is
+    ``{"table": every row's parts, "rows": (k, batch) indices, "mask": (k, batch)}``, and the
+    call gathers the ``k`` batches with one take of each array, then runs the same steps on them
+    (so the numbers are those of the host's batches).
+
+    >>> import jax.numpy as jnp
+    >>> seen = make_gathered_steps(lambda state, totals, batches: (state, batches))
+    >>> table = {"x": jnp.arange(5.0) * 10}
+    >>> seen(0, None, {"table": table, "rows": jnp.array([[4, 0]]), "mask": jnp.ones((1, 2))})[1]["x"].tolist()
+    [[40.0, 0.0]]
+    """
+
+    def gathered_steps(state: TrainState, totals: EpochTotals, batch: Batch) -> tuple[TrainState, EpochTotals]:
+        rows = batch["rows"]
+        batches = {name: jax.tree.map(lambda a: a[rows], part) for name, part in batch["table"].items()}
+        return multi_step(state, totals, {**batches, "mask": batch["mask"]})
+
+    return gathered_steps
+
+
 def batches_at(stacked: PyTree, index: int) -> PyTree:
     """Entry ``index`` of every leaf stacked on a leading axis (one step's batch)."""
     return jax.tree.map(lambda a: a[index], stacked)

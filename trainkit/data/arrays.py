@@ -29,6 +29,7 @@ from trainkit.data.batching import (
     to_host,
 )
 from trainkit.data.source import FIRST_PASS, BatchRequest, Source
+from trainkit.data.spans import IndexedSpan, Rows, span_indices, stack
 
 #: The largest batch (bytes of x and y) that the loop assembles in its own thread.
 QUICK_BATCH_BYTES = 256 * 1024
@@ -75,21 +76,70 @@ class ArrayDataset(Source):
         its part of each global batch: rows ``[p * b, (p + 1) * b)`` of the padded global batch,
         ``b = batch_size / process_count``, so the parts of all processes, in process order,
         are exactly the single-process batch."""
+        for rows in self.rows(batch_size, request):
+            yield self.gather(rows)
+
+    gathers_rows = True
+
+    def rows(self, batch_size: int, request: BatchRequest = FIRST_PASS) -> Iterator[Rows]:
+        """:meth:`batches` named by their rows, nothing gathered (:meth:`gather` and
+        :meth:`gather_stacked` gather them)."""
         r = request
         local = batch_size // r.process_count
-        parts = (self.x, self.y, self.sample_weight)
-        plain = all(t is None or isinstance(t, np.ndarray) for t in parts)  # no tree to walk
         for rows in batch_rows(
             self.num_examples, batch_size, r.shuffle, r.seed, r.epoch, r.start, r.process_index, r.process_count
         ):
-            if plain:  # single arrays: gathered without a tree walk; a full batch needs no padding
-                x = rows_of(self.x, rows)
-                y = None if self.y is None else rows_of(self.y, rows)
-                w = None if self.sample_weight is None else rows_of(self.sample_weight, rows)
-                yield full_batch(x, y, w) if len(x) == local else pad_batch(x, y, w, local)
-                continue
-            tx, ty, tw = (None if t is None else take(t, rows) for t in parts)
-            yield pad_batch(tx, ty, tw, local)
+            yield Rows(rows, local)
+
+    def gather(self, named: Rows) -> Batch:
+        """The batch ``named`` names, padded to its size with its real rows repeated."""
+        local, rows = named.size, named.rows
+        parts = (self.x, self.y, self.sample_weight)
+        if all(t is None or isinstance(t, np.ndarray) for t in parts):  # single arrays: no tree to walk
+            x = rows_of(self.x, rows)
+            y = None if self.y is None else rows_of(self.y, rows)
+            w = None if self.sample_weight is None else rows_of(self.sample_weight, rows)
+            return full_batch(x, y, w) if len(x) == local else pad_batch(x, y, w, local)
+        tx, ty, tw = (None if t is None else take(t, rows) for t in parts)
+        return pad_batch(tx, ty, tw, local)
+
+    def gather_stacked(self, span: list[Rows]) -> Batch:
+        """The batches of ``span`` stacked on a leading axis, as :func:`~trainkit.data.spans.stack`
+        of their :meth:`gather` s, with one take of each array for the whole span (a fused
+        call's input in one piece)."""
+        named = span_indices(span)
+        if named is None:  # a process's empty part of the last batch: nothing to index
+            stacked: Batch = stack([self.gather(rows) for rows in span])
+            return stacked
+        return self.gather_indices(*named)
+
+    def gather_indices(self, indices: np.ndarray, mask: np.ndarray) -> Batch:
+        """The batch (or stacked batches) of the rows ``indices`` (any leading shape) with ``mask``."""
+        batch: Batch = {"x": take(self.x, indices)}
+        if self.y is not None:
+            batch["y"] = take(self.y, indices)
+        if self.sample_weight is not None:
+            batch["sample_weight"] = np.asarray(rows_of(self.sample_weight, indices), np.float32)
+        batch["mask"] = mask
+        return batch
+
+    def indexed_stacked(self, span: list[Rows]) -> IndexedSpan | Batch:
+        """``span`` as the rows a call gathers from :meth:`table` on the devices (its stacked
+        host batches where a batch has no real row)."""
+        named = span_indices(span)
+        if named is None:
+            return self.gather_stacked(span)
+        return IndexedSpan(named[0].astype(np.int32), named[1])
+
+    def table(self) -> Batch:
+        """Every row, as the devices keep it under ``data_on_device``: the batch's parts
+        without ``mask`` (weights in float32, as batches carry them)."""
+        table: Batch = {"x": self.x}
+        if self.y is not None:
+            table["y"] = self.y
+        if self.sample_weight is not None:
+            table["sample_weight"] = np.asarray(self.sample_weight, np.float32)
+        return table
 
 
 def _arrays_only(dataset: Source, what: str) -> ArrayDataset:

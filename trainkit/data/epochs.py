@@ -15,6 +15,7 @@ from dataclasses import replace
 
 from trainkit.data.batching import Batch
 from trainkit.data.source import FIRST_PASS, BatchRequest, Source
+from trainkit.data.spans import Rows
 
 
 def epoch_steps(dataset: Source, batch_size: int, steps_per_epoch: int | None, epochs: int) -> int | None:
@@ -63,7 +64,8 @@ def epoch_batches(
     *,
     continuing: bool = False,
     request: BatchRequest = FIRST_PASS,
-) -> Iterator[Batch]:
+    named_rows: bool = False,
+) -> Iterator[Batch | Rows]:
     """The batches of epoch ``epoch`` from batch ``first`` on, at most ``steps`` per epoch
     (the order, the data state and the process as ``request`` says).
 
@@ -71,7 +73,8 @@ def epoch_batches(
     walks on through the pass the previous epoch left, and ends early where that pass ends;
     the next epoch starts a new pass, shuffled by its own index. Epoch ``e`` is thus the
     ``e % E``-th slice of ``steps`` batches of pass ``e // E`` (``E`` epochs per pass), so any
-    position ``(epoch, batch)`` maps to one batch (exact resume).
+    position ``(epoch, batch)`` maps to one batch (exact resume). ``named_rows``: the batches
+    named by their rows, to be gathered later (a source that ``gathers_rows``).
 
     >>> import numpy as np
     >>> from trainkit.data.arrays import ArrayDataset
@@ -79,12 +82,13 @@ def epoch_batches(
     >>> [[b["y"][0].item() for b in epoch_batches(data, 2, e, 0, 4, continuing=True)] for e in range(3)]
     [[0, 2, 4, 6], [8], [0, 2, 4, 6]]
     """
+    read = dataset.rows if named_rows else dataset.batches
     if not continuing:
         limit = None if steps is None else max(steps - first, 0)
-        return itertools.islice(dataset.batches(batch_size, replace(request, epoch=epoch, start=first)), limit)
+        return itertools.islice(read(batch_size, replace(request, epoch=epoch, start=first)), limit)
     per_pass = dataset.steps(batch_size)
     assert per_pass is not None and steps is not None  # continuing: a sized dataset and steps_per_epoch
     passes, part = divmod(epoch, -(-per_pass // steps))
     start, end = part * steps + first, min((part + 1) * steps, per_pass)
-    batches = dataset.batches(batch_size, replace(request, epoch=passes, start=start))
+    batches: Iterator[Batch | Rows] = read(batch_size, replace(request, epoch=passes, start=start))
     return itertools.islice(batches, max(end - start, 0))

@@ -52,7 +52,10 @@ class FitConfig:
     after the epochs ``validation_freq`` names, or with ``validation_interval`` after every that
     many optimizer steps; ``continuing``: epochs walk on through the data (Keras's ``steps_per_epoch`` on arrays);
     ``warn_non_finite``: warn once per epoch when the loss is not finite; ``read_ahead``: data
-    may be read in a background thread (``False``: every element in the thread that calls ``fit``).
+    may be read in a background thread (``False``: every element in the thread that calls ``fit``);
+    ``data_on_device``: in-memory arrays kept on the devices, a fused call gathering its rows
+    there (``"auto"``, ``True`` or ``False``; resolved to a bool once the data is prepared:
+    :mod:`trainkit.program.device_data`).
     """
 
     epochs: int | None = 1
@@ -69,6 +72,7 @@ class FitConfig:
     warn_non_finite: bool = True
     continuing: bool = False
     read_ahead: bool = True
+    data_on_device: bool | str = "auto"
 
     def checked(self, *, has_validation: bool = False) -> FitConfig:
         """This config from ``fit``'s arguments, each refused with a clear error before anything
@@ -92,6 +96,8 @@ class FitConfig:
             )
         validates(0, config.validation_freq)
         check_shuffle(config.shuffle)
+        if not isinstance(config.data_on_device, bool) and config.data_on_device != "auto":
+            raise ValueError(f"data_on_device must be 'auto', True or False; received {config.data_on_device!r}.")
         return config
 
     @property

@@ -12,7 +12,10 @@ import dataclasses
 from collections.abc import Iterable, Iterator
 from typing import Any, Protocol, TypeAlias, runtime_checkable
 
+import numpy as np
+
 from trainkit.core.tree import JSON, Leaf, PyTree
+from trainkit.data.spans import IndexedSpan, Rows
 
 Batch = dict[str, PyTree]
 
@@ -95,9 +98,14 @@ class Source:
     - ``assembles_quickly(batch_size)``: a batch costs less to assemble in the loop's thread
       than to hand over from a background thread (small in-memory arrays), so the loop reads
       it there.
+    - ``gathers_rows``: the batches can be named by their rows (``rows``, yielding
+      :class:`~trainkit.data.spans.Rows`) and gathered later, one batch (``gather``), the
+      stacked batches of a fused call in one piece (``gather_stacked``), or by the devices
+      from the rows kept there (``table``, ``indexed_stacked``, ``gather_indices``): in-memory arrays.
     """
 
     one_shot: bool = False
+    gathers_rows: bool = False
     checkpointable: bool = False
     num_examples: int | None = None
 
@@ -123,6 +131,25 @@ class Source:
 
     def get_state(self) -> JSON:
         return None
+
+    def rows(self, batch_size: int, request: BatchRequest = FIRST_PASS) -> Iterator[Rows]:
+        """:meth:`batches` named by their rows (a source that ``gathers_rows``)."""
+        raise NotImplementedError(f"{type(self).__name__} does not gather rows (gathers_rows is False)")
+
+    def gather(self, rows: Rows) -> Batch:
+        raise NotImplementedError(f"{type(self).__name__} does not gather rows (gathers_rows is False)")
+
+    def gather_stacked(self, span: list[Rows]) -> Batch:
+        raise NotImplementedError(f"{type(self).__name__} does not gather rows (gathers_rows is False)")
+
+    def gather_indices(self, indices: np.ndarray, mask: np.ndarray) -> Batch:
+        raise NotImplementedError(f"{type(self).__name__} does not gather rows (gathers_rows is False)")
+
+    def indexed_stacked(self, span: list[Rows]) -> IndexedSpan | Batch:
+        raise NotImplementedError(f"{type(self).__name__} does not gather rows (gathers_rows is False)")
+
+    def table(self) -> Batch:
+        raise NotImplementedError(f"{type(self).__name__} does not gather rows (gathers_rows is False)")
 
 
 class UserSource(Source):

@@ -1,7 +1,9 @@
 """Executions: an epoch's host batches grouped into the spans that the batch hooks see.
 
 With ``steps_per_execution=k`` the loop trains ``k`` batches per compiled call: their host
-arrays are stacked on a new leading axis (``np.stack``) in the prefetch thread. Batches that
+arrays are stacked on a new leading axis (``np.stack``) in the prefetch thread; in-memory
+arrays, whose batches the reader names by their rows (:class:`Rows`), are gathered for the
+whole call in one take of each array (:class:`Assembly`). Batches that
 cannot fill a whole call (the end of the data, or a cut) are trained one by one with the
 single-step function, so a fit compiles at most two train shapes (``k`` steps and one step),
 and the batch hooks still run once for them all, as Keras's last, shorter execution does. A
@@ -18,6 +20,7 @@ call is cut short where training must stop between two steps whatever the callba
 
 from __future__ import annotations
 
+import functools
 import itertools
 from collections.abc import Callable, Iterator
 from typing import NamedTuple
@@ -39,6 +42,79 @@ class Span(NamedTuple):
     data_state: JSON
 
 
+class Rows(NamedTuple):
+    """A batch of an in-memory source named by its rows, gathered when its span is assembled:
+    ``rows``, this process's real rows of it (a slice or indices), ``size``, the rows of the
+    padded batch (the real ones repeated, masked).
+
+    >>> span_indices([Rows(slice(0, 2), 2), Rows(np.array([3, 2]), 2)])[0].tolist()
+    [[0, 1], [3, 2]]
+    """
+
+    rows: slice | np.ndarray
+    size: int
+
+
+def padded_indices(rows: Rows) -> np.ndarray | None:
+    """The indices of the padded batch ``rows`` names: its real rows, then those repeated in
+    order up to its size (:func:`~trainkit.data.batching.pad_batch`'s padding); ``None`` for a
+    batch with no real row (a process's empty part of the last batch).
+
+    >>> padded_indices(Rows(np.array([7, 3, 5]), 5)).tolist()
+    [7, 3, 5, 7, 3]
+    """
+    real = np.arange(rows.rows.start, rows.rows.stop) if isinstance(rows.rows, slice) else np.asarray(rows.rows)
+    count = len(real)
+    if count == 0:
+        return None
+    return real if count == rows.size else np.concatenate([real, real[np.arange(rows.size - count) % count]])
+
+
+def span_indices(span: list[Rows]) -> tuple[np.ndarray, np.ndarray] | None:
+    """The rows of a span's padded batches as one ``(batches, size)`` index array and their
+    masks (``None`` where a batch has no real row: its span is gathered batch by batch).
+
+    >>> indices, masks = span_indices([Rows(slice(0, 2), 2), Rows(np.array([3]), 2)])
+    >>> indices.tolist(), masks.tolist()
+    ([[0, 1], [3, 3]], [[1.0, 1.0], [1.0, 0.0]])
+    """
+    parts = [padded_indices(rows) for rows in span]
+    if any(part is None for part in parts):
+        return None
+    real = [r.rows.stop - r.rows.start if isinstance(r.rows, slice) else len(r.rows) for r in span]
+    size = span[0].size
+    masks = full_masks(len(span), size)
+    if any(count != size for count in real):
+        masks = (np.arange(size) < np.asarray(real)[:, None]).astype(np.float32)
+    return np.stack(parts), masks  # type: ignore[arg-type]  # no None left
+
+
+class IndexedSpan(NamedTuple):
+    """A fused call's batches named by their rows in data kept on the devices (``fit(...,
+    data_on_device=True)``): ``rows``, ``(batches, size)`` indices, and ``mask``, their masks;
+    the compiled call gathers the rows itself."""
+
+    rows: np.ndarray
+    mask: np.ndarray
+
+
+@functools.cache
+def full_masks(batches: int, rows: int) -> np.ndarray:
+    """The stacked masks of ``batches`` full batches of ``rows`` rows, built once per shape and
+    shared (read-only), as :func:`~trainkit.core.step.full_mask` is for one batch."""
+    masks = np.ones((batches, rows), np.float32)
+    masks.setflags(write=False)
+    return masks
+
+
+class Assembly(NamedTuple):
+    """How the reader's items become a span's host batches: ``one(item)``, a batch trained in
+    a call of its own; ``stacked(items)``, a fused call's batches stacked on a leading axis."""
+
+    one: Callable[..., PyTree]  # of a Rows or a batch, as the reader yields them
+    stacked: Callable[..., PyTree]
+
+
 def stack(batches: list[PyTree]) -> PyTree:
     """Host batches of one structure stacked on a new leading axis.
 
@@ -58,8 +134,19 @@ def _stacked(*arrays: np.ndarray) -> np.ndarray:
     return np.stack(arrays)
 
 
+def _itself(batch: PyTree) -> PyTree:
+    return batch
+
+
+#: The reader's items are the host batches themselves.
+AS_READ = Assembly(_itself, stack)
+
+
 def executions(
-    pairs: Iterator[tuple[PyTree, JSON]], size: int | Callable[[], int], room: Callable[[int], int]
+    pairs: Iterator[tuple[PyTree | Rows, JSON]],
+    size: int | Callable[[], int],
+    room: Callable[[int], int],
+    assembly: Assembly = AS_READ,
 ) -> Iterator[Span]:
     """A :class:`Span` per span of ``steps`` batches: ``fused``, the batches
     stacked into one (``steps == size``, one call); otherwise a list of ``steps <= size``
@@ -67,7 +154,9 @@ def executions(
     ``pairs`` yields each host batch with the data's position
     after it; ``state`` is the position after the span's last batch. ``room(i)``: how many
     steps may run, uncut, from the ``i``-th batch read here on. An error of the data is raised
-    after the span of the batches read before it."""
+    after the span of the batches read before it. ``assembly``: how the items read become
+    the span's batches (:class:`Assembly`; by default they are the batches)."""
+    one = assembly.one
     read, fixed = 0, size
     current: Callable[[], int] = fixed if callable(fixed) else (lambda: fixed)
     while True:
@@ -77,7 +166,7 @@ def executions(
             if pair is None:
                 return
             read += 1
-            yield Span([pair[0]], False, 1, pair[1])
+            yield Span([one(pair[0])], False, 1, pair[1])
             continue
         want = max(1, min(size, room(read)))
         group: list[tuple[PyTree, JSON]] = []
@@ -85,16 +174,16 @@ def executions(
             group.extend(itertools.islice(pairs, want))
         except Exception:
             if group:
-                yield Span([batch for batch, _ in group], False, len(group), group[-1][1])
+                yield Span([one(batch) for batch, _ in group], False, len(group), group[-1][1])
             raise
         if not group:
             return
         read += len(group)
-        batches = [batch for batch, _ in group]
+        items = [item for item, _ in group]
         if len(group) == size > 1:
-            yield Span(stack(batches), True, size, group[-1][1])
+            yield Span(assembly.stacked(items), True, size, group[-1][1])
         else:
-            yield Span(batches, False, len(group), group[-1][1])
+            yield Span([one(item) for item in items], False, len(group), group[-1][1])
 
 
 def room_until(step: int, max_steps: int | None, every: int | None) -> Callable[[int], int]:

@@ -21,7 +21,7 @@ import math
 import statistics
 import time
 from collections.abc import Iterable, Iterator
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 
@@ -37,7 +37,7 @@ from trainkit.core.tree import JSON, PyTree, TreeFunction
 from trainkit.core.warn import warn_user
 from trainkit.data.prefetch import Prefetcher
 from trainkit.data.source import BatchRequest
-from trainkit.data.spans import Span, executions, room_until
+from trainkit.data.spans import AS_READ, Assembly, IndexedSpan, Rows, Span, executions, room_until
 from trainkit.distributed.watchdog import StallWatchdog
 from trainkit.loop.carried import CarriedState
 from trainkit.loop.dispatch import Preempted, host_metrics, in_order, logs_of, this_process
@@ -77,6 +77,13 @@ class FitRun:
         self.last_ready: float | None = None
         self.unfused = False  # the default setting found fusing not worth it in this fit: no more probes
         self.between_due = self.measuring_plan()  # GradientStats: which step the steps between due ones call
+        self._table: PyTree = None  # data_on_device: every row on the devices, placed at the first fused call
+
+    def table(self) -> PyTree:
+        """``data_on_device``: the data's rows on every device, placed once per ``fit``."""
+        if self._table is None:
+            self._table = self.strategy.put_table(self.dataset.table())
+        return self._table
 
     def measuring_plan(self) -> BetweenDue | None:
         """The loop's :class:`~trainkit.loop.measuring.BetweenDue` of this fit's measuring step
@@ -170,7 +177,7 @@ class FitRun:
         this_epoch = None if config.steps is None else config.steps - first
         due = [n for n in (this_epoch, self.steps_left()) if n is not None]
         read_limit = max(min(due), 0) if due else None  # a generator is read ahead no further than this epoch
-        batches: Iterator[PyTree] = data_lib.epoch_batches(
+        batches: Iterator[PyTree | Rows] = data_lib.epoch_batches(
             self.dataset,
             self.batch_size,
             epoch,
@@ -187,6 +194,7 @@ class FitRun:
                 ),
                 self.strategy.batch_share(),
             ),
+            named_rows=self.dataset.gathers_rows,  # gathered when their span is: a fused call's in one piece
         )
         if config.max_steps is not None:  # nothing read past the last step
             batches = itertools.islice(batches, self.steps_left())
@@ -195,17 +203,25 @@ class FitRun:
         with reader:
             return self.train_epoch(train_fn, reader)
 
-    def train_reader(self, batches: Iterator[PyTree]) -> Prefetcher[Span | None]:
+    def train_reader(self, batches: Iterator[PyTree | Rows]) -> Prefetcher[Span | None]:
         """The epoch's :class:`~trainkit.data.spans.Span` s, assembled ahead like the loop's
         reader assembles batches; the data position is read in the same thread, right after each batch."""
         dataset = self.dataset
-        pairs: Iterator[tuple[PyTree, JSON]]
+        pairs: Iterator[tuple[PyTree | Rows, JSON]]
         if dataset.checkpointable:
             pairs = ((batch, dataset.get_state()) for batch in batches)
         else:
             pairs = zip(batches, itertools.repeat(None))
         size = lambda: self.steps.steps_per_execution  # noqa: E731 - "auto" may change it mid-epoch
-        spans = executions(pairs, size, room_until(self.session.position.step, self.config.max_steps, self.every))
+        room = room_until(self.session.position.step, self.config.max_steps, self.every)
+        assembly = AS_READ
+        if (
+            dataset.gathers_rows
+        ):  # a fused call's rows gathered in one piece, by the host or (data_on_device) the devices
+            assembly = Assembly(
+                dataset.gather, dataset.indexed_stacked if self.config.data_on_device else dataset.gather_stacked
+            )
+        spans = executions(pairs, size, room, assembly)
         return self.loop.reader(dataset, spans, self.batch_size, read_ahead=self.config.read_ahead)
 
     def train_epoch(self, train_fn: TreeFunction, batches: Iterable[Span | None]) -> tuple[int, dict[str, float]]:
@@ -362,6 +378,13 @@ class FitRun:
         self.validation_logs = {f"val_{k}": v for k, v in val_logs.items()}
 
 
+class Gathered(NamedTuple):
+    """A placed fused span whose call gathers its batches on the devices (``data_on_device``):
+    ``{"table", "rows", "mask"}``."""
+
+    batch: PyTree
+
+
 class EpochSteps:
     """The dispatch of one epoch's spans: each placed, its begin hook called, trained, and
     yielded with the totals after it (the epoch's totals live on the device, shaped by its first
@@ -417,6 +440,8 @@ class EpochSteps:
         if item is None:
             return None
         strategy, batches, session = self.run.strategy, item.batches, self.run.session
+        if isinstance(batches, IndexedSpan):  # data_on_device: the rows, gathered by the call
+            return self.place_indexed(item, batches)
         placed = strategy.put_batches(batches) if item.fused else [strategy.put_batch(b) for b in batches]
         if self.first_host is None:  # the first span's first host batch shapes the epoch's totals
             self.first_host = batches_at(batches, 0) if item.fused else batches[0]
@@ -424,6 +449,19 @@ class EpochSteps:
             self.spec_seen = True
             session.saw_batch(abstract(strategy.put_batch(batches_at(batches, 0)) if item.fused else placed[0]))
         return Span(placed, item.fused, item.steps, item.data_state)  # not _replace: this runs every step
+
+    def place_indexed(self, item: Span, indexed: IndexedSpan) -> Span:
+        """A fused span named by its rows on the devices: the table (placed once) with the rows
+        and masks, as ``"train_steps_gathered"`` takes them."""
+        strategy = self.run.strategy
+        if self.first_host is None or not self.spec_seen:  # its first batch, as the host would have sent it
+            host = self.run.dataset.gather_indices(indexed.rows[0], indexed.mask[0])
+            self.first_host = host if self.first_host is None else self.first_host
+            if not self.spec_seen:
+                self.spec_seen = True
+                self.run.session.saw_batch(abstract(strategy.put_batch(host)))
+        rows = strategy.put_batches({"rows": indexed.rows, "mask": indexed.mask})
+        return Span(Gathered({"table": self.run.table(), **rows}), True, item.steps, item.data_state)
 
     def read(self) -> Span | Exception | None:
         """The next placed span; an error of the data is kept (noted with where it happened)
@@ -522,6 +560,12 @@ class EpochSteps:
         """A span not trained one plain call per batch: one fused call (``steps_per_execution``),
         or timed single steps while ``steps_per_execution="auto"`` decides."""
         run = self.run
+        if isinstance(placed, Gathered):  # data_on_device: the call gathers its batches
+            call, carried, keep = run.carried.calls(run.steps.function("train_steps_gathered"))
+            with jax.profiler.StepTraceAnnotation("train", step_num=record.step) if self.annotate else _NO_TRACE:
+                state, totals = call(carried(), self.for_step(True, totals), placed.batch)
+            keep(state)
+            return totals
         if not fused:
             for number, batch in enumerate(placed, start=record.step - record.steps + 1):
                 measuring = self.measures(number)

@@ -33,7 +33,7 @@ from trainkit.core.tree import JSON, PyTree
 from trainkit.core.warn import warn_user
 from trainkit.data import DataInput, FitConfig, Validation
 from trainkit.program import auto as auto_lib
-from trainkit.program import out_of_memory
+from trainkit.program import device_data, out_of_memory
 from trainkit.program.setup import Setup
 from trainkit.program.step_audit import audit_own_step
 from trainkit.strategies import Strategy
@@ -324,6 +324,7 @@ def prepare_fit(
             warn_non_finite=config.warn_non_finite
             and isinstance(setup.session.require_state().loss_scale, NoLossScale),
             continuing=data_lib.continues_across_epochs(source, batch_size, config.steps_per_epoch),
+            data_on_device=device_data.decide(config.data_on_device, source, setup.decided.require_strategy()),
         ),
     )
 

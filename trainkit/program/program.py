@@ -61,6 +61,7 @@ from trainkit.core.step import (
     LossFn,
     TrainStepOptions,
     make_eval_step,
+    make_gathered_steps,
     make_multi_step,
     make_predict_step,
     make_train_step,
@@ -395,10 +396,11 @@ class Program:
         ``(state, totals, batch) -> totals`` (``totals``: the epoch's
         :class:`~trainkit.core.totals.EpochTotals`), ``"predict"`` ``(state, batch) -> outputs``.
         ``offload``: the optimizer's state is in host memory (``None``: as the trainer says)."""
-        if kind == "train_steps":
-            return make_multi_step(
+        if kind in ("train_steps", "train_steps_gathered"):
+            steps = make_multi_step(
                 with_totals(self.metrics_step("train", axis, "due", statistics, offload=offload)), unrolled=self.eager
             )
+            return steps if kind == "train_steps" else make_gathered_steps(steps)
         if kind == "predict":
             return make_predict_step(self.apply)
         when = "always" if kind == "train_measured" else "never"

@@ -65,6 +65,11 @@ class Strategy:
     #: Whether it can train ``k`` stacked batches in one call (``steps_per_execution``): a
     #: strategy that implements ``put_batches`` and compiles ``"train_steps"`` declares ``True``.
     fuses_steps: bool = False
+    #: Whether a fused call can gather its batches from data kept on the devices
+    #: (``fit(..., data_on_device=True)``): a strategy that compiles ``"train_steps_gathered"``
+    #: (``fn(state, totals, {"table", "rows", "mask"})``, the table replicated, the rows and masks
+    #: split as stacked batches are) and places the table with ``put_table`` declares ``True``.
+    gathers_on_device: bool = False
     #: Whether it can keep the optimizer's state in host memory (``Trainer(offload="optimizer")``):
     #: a strategy whose ``state_sharding`` places it as :meth:`with_offload` says declares ``True``.
     offloads: bool = False
@@ -165,6 +170,10 @@ class Strategy:
         """Host values on every device of the mesh (the metric totals a step carries)."""
         return jax.device_put(tree, self.replicated())
 
+    def put_table(self, table: PyTree) -> PyTree:
+        """Every row of in-memory data on every device (``data_on_device``): replicated."""
+        return self.put_replicated(table)
+
     def put_like(self, tree: PyTree, like: PyTree) -> PyTree:
         """Host (or device) values placed in the shardings of the live arrays ``like``."""
         return jax.device_put(tree, jax.tree.map(lambda a: a.sharding, like))
@@ -224,6 +233,12 @@ class Strategy:
         reduced over devices; ``"predict"``: one output row per example). The default calls
         the ``compile_<kind>`` hook below, which a custom strategy may override instead."""
         hooks = {"train": self.compile_train, "train_steps": self.compile_train_steps, "eval": self.compile_eval}
+        if kind == "train_steps_gathered":
+            raise NotImplementedError(
+                f"{type(self).__name__} cannot gather a fused call's batches from data on the devices (it does not "
+                "declare gathers_on_device = True). Pass fit(..., data_on_device=False), or use strategy='single', "
+                "tk.FSDP() or tk.Hybrid(...)."
+            )
         return hooks.get(kind, self.compile_predict)(fn, abstract_state)
 
     def compile_train(self, step_fn: TreeFunction, abstract_state: PyTree) -> TreeFunction:

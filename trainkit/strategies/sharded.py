@@ -281,14 +281,31 @@ class ShardedStrategy(Strategy):
     fuses_steps = True
     offloads = True
 
+    @property
+    def gathers_on_device(self) -> bool:  # type: ignore[override]  # declared per configuration
+        """Whether a fused call can gather its batches on the devices: not under a context
+        axis or a pipeline, whose steps split or schedule the batch they are given."""
+        return self.context_axis is None and self.schedule is None
+
+    def _no_gathering(self) -> str:
+        return (
+            f"{self!r} cannot gather a fused call's batches from data on the devices: under a context axis or a "
+            "pipeline the step splits or schedules the batch it is given. Pass fit(..., data_on_device=False)."
+        )
+
     def compile(self, kind: str, fn: TreeFunction, abstract_state: PyTree) -> TreeFunction:
         """``jax.jit`` with the state's shardings pinned: training steps donate the state and
         carry the replicated totals; eval carries them too; predict keeps the rows split as
         the batch is."""
         state, totals = self.state_sharding(abstract_state), self.replicated()
-        batch = self.stacked_batch_sharding if kind == "train_steps" else self.batch_sharding
+        batch: PyTree = self.stacked_batch_sharding if kind == "train_steps" else self.batch_sharding
+        if kind == "train_steps_gathered":  # the rows of data kept whole on every device
+            if not self.gathers_on_device:
+                raise NotImplementedError(self._no_gathering())
+            stacked = self.stacked_batch_sharding
+            batch = {"table": self.replicated(), "rows": stacked, "mask": stacked}
         fn = pipelined(self._sequences_split(fn, kind), self.schedule)
-        if kind in ("train", "train_steps"):  # over the state's leaves: the loop threads them (LeafStep)
+        if kind in ("train", "train_steps", "train_steps_gathered"):  # over the state's leaves (LeafStep)
             ins, outs = (state, totals, batch), (state, totals)
             return LeafStep.jit(fn, abstract_state, in_shardings=ins, out_shardings=outs, replicated=totals)
         if kind == "eval":
