@@ -287,6 +287,25 @@ def test_the_default_fuses_what_the_tuner_picks_to_the_same_result(xy, monkeypat
     assert_same_run(single, default, single.fit((x, y), batch_size=BATCH, epochs=2, verbose=0), history)
 
 
+def test_the_default_goes_back_to_one_step_where_fused_calls_measure_slower(xy, monkeypatch):
+    """The default checks its pick on the first fused calls: where they measure slower a step than
+    one step per call, the fit trains one step per call from then on (and later fits stay there),
+    to the bits of k=1; the fused compile's measured cost is kept for later decisions."""
+    from trainkit.loop import tuning
+
+    monkeypatch.setattr(tuning.StepsTuner, "decide", lambda self, host, device: K)
+    monkeypatch.setattr(tuning.FusedCheck, "per_step", lambda self: 1.0)  # a fused step "measured" at 1 s
+    x, y = xy
+    default, single = make("single", None), make("single", 1)
+    spans = AsyncSpans()
+    history = default.fit((x, y), batch_size=BATCH, epochs=3, callbacks=[spans], verbose=0)
+    sizes = [last - first + 1 for _, _, first, last in spans.records]
+    assert sizes.count(K) == 1 + tuning.CHECKS and sizes[-7:] == [1] * 7  # compile, checks, then one a call
+    assert default.steps_per_execution == 1 and not default.setup.decided.tunes_steps
+    assert default.loop.timings.compile_factor is not None and default.loop.timings.compile_factor > 0
+    assert_same_run(single, default, single.fit((x, y), batch_size=BATCH, epochs=3, verbose=0), history)
+
+
 def test_the_default_keeps_one_step_where_the_fit_would_not_repay_the_compile(xy, monkeypatch):
     """A k the rest of the fit does not repay (the host time saved below the compile's
     estimate) leaves the fit at one step per call, undecided: the next fit decides again, from

@@ -43,7 +43,7 @@ from trainkit.loop.carried import CarriedState
 from trainkit.loop.dispatch import Preempted, host_metrics, in_order, logs_of, this_process
 from trainkit.loop.hooks import Hooks, LoopView
 from trainkit.loop.measuring import BetweenDue, SetAside
-from trainkit.loop.tuning import StepsTuner
+from trainkit.loop.tuning import FusedCheck, StepsTuner
 from trainkit.record.ledger import Bucket, ProcessLedger
 from trainkit.record.session import FitView, Position, StepRecord
 
@@ -76,6 +76,7 @@ class FitRun:
         self.tuner: StepsTuner | None = None
         self.last_ready: float | None = None
         self.unfused = False  # the default setting found fusing not worth it in this fit: no more probes
+        self.fused_check: FusedCheck | None = None  # the default's fused calls timed against one step per call
         self.between_due = self.measuring_plan()  # GradientStats: which step the steps between due ones call
         self._table: PyTree = None  # data_on_device: every row on the devices, placed at the first fused call
 
@@ -266,8 +267,8 @@ class FitRun:
         caps = [self.config.steps, self.callbacks.execution_cap, self.config.max_steps, self.every]
         self.last_ready = None
         cap = min((c for c in caps if c is not None), default=None)
-        tuner = StepsTuner(cap, self.remaining_steps(), repaid_only=self.steps.steps_by_default)
-        timings = self.loop.timings
+        timings = self.loop.timings  # compile_factor: a fused compile measured on these devices, once one ran
+        tuner = StepsTuner(cap, self.remaining_steps(), self.steps.steps_by_default, timings.compile_factor)
         if tuner.steps is None and tuner.repaid_only and timings.host is not None and timings.device is not None:
             tuner.first_call(timings.first_call)  # an earlier fit timed the steps: decided without probes
             tuner.decide_from(timings.host, timings.device)
@@ -313,12 +314,31 @@ class FitRun:
         if steps == 1 and tuner.repaid_only:
             self.unfused = True
             return
+        host, device = statistics.median(tuner.hosts), statistics.median(tuner.devices)
         reason = (
-            f"picked {steps}: {1e6 * statistics.median(tuner.hosts):.0f} us of host time per call, "
-            f"{1e6 * statistics.median(tuner.devices):.0f} us of device time per step"
+            f"picked {steps}: {1e6 * host:.0f} us of host time per call, {1e6 * device:.0f} us of device time per step"
         )
         self.steps.decide_steps(steps, reason)
+        if tuner.repaid_only:  # the default: its guess checked on the first fused calls
+            self.fused_check = FusedCheck(steps, max(host, device), time.perf_counter())  # k=1 overlaps them
         logger.info("steps_per_execution='auto' %s", reason)
+
+    def checked_fused(self, check: FusedCheck) -> None:
+        """The default's fused calls were timed (:class:`~trainkit.loop.tuning.FusedCheck`): the
+        fused compile's cost is known on these devices, and where the fused steps were no faster
+        than one step per call, this trainer trains one step per call from now on."""
+        self.fused_check = None
+        if check.compile_seconds is not None:
+            self.loop.timings.saw_fused_compile(check.compile_seconds)
+        if distributed.broadcast_int(int(bool(check.verdict))):  # process 0's timings decide for all
+            return
+        reason = (
+            f"went back to 1: {check.steps} per call measured {1e6 * check.per_step():.1f} us a step against "
+            f"{1e6 * check.single:.1f} us at one per call"
+        )
+        self.steps.decide_steps(1, reason)
+        self.unfused = True
+        logger.info("steps_per_execution (default) %s", reason)
 
     def watch(self, totals: EpochTotals, start_step: int, start_batch: int, epoch: int) -> None:
         """The epoch's warnings, from its totals: the first non-finite loss (unless a callback
@@ -560,22 +580,26 @@ class EpochSteps:
         """A span not trained one plain call per batch: one fused call (``steps_per_execution``),
         or timed single steps while ``steps_per_execution="auto"`` decides."""
         run = self.run
-        if isinstance(placed, Gathered):  # data_on_device: the call gathers its batches
-            call, carried, keep = run.carried.calls(run.steps.function("train_steps_gathered"))
-            with jax.profiler.StepTraceAnnotation("train", step_num=record.step) if self.annotate else _NO_TRACE:
-                state, totals = call(carried(), self.for_step(True, totals), placed.batch)
-            keep(state)
-            return totals
         if not fused:
             for number, batch in enumerate(placed, start=record.step - record.steps + 1):
                 measuring = self.measures(number)
                 function = self.measured()[0] if measuring else self.train_fn
                 totals = run.timed_step(function, self.for_step(measuring, totals), batch)
             return totals
-        call, carried, keep = run.carried.calls(run.steps.function("train_steps"))
+        gathered = isinstance(placed, Gathered)  # data_on_device: the call gathers its batches
+        function = run.steps.function("train_steps_gathered" if gathered else "train_steps")
+        call, carried, keep = run.carried.calls(function)
+        check = run.fused_check
+        if check is not None:
+            check.calling(time.perf_counter())  # the first fused call compiles
         with jax.profiler.StepTraceAnnotation("train", step_num=record.step) if self.annotate else _NO_TRACE:
-            state, totals = call(carried(), self.for_step(True, totals), placed)
+            state, totals = call(carried(), self.for_step(True, totals), placed.batch if gathered else placed)
         keep(state)
+        if check is not None:  # the default's guess, checked on its first fused calls
+            totals.block_until_ready()
+            check.ready(time.perf_counter())
+            if check.verdict is not None:
+                run.checked_fused(check)
         return totals
 
 

@@ -9,9 +9,13 @@ checkpoints, loggers) and the callbacks that need a call per batch.
 
 Left to its default (``Trainer(steps_per_execution=None)``), the tuner fuses only where the run
 repays it: the host time ``k`` steps per call save over the rest of the fit must exceed
-:data:`FUSED_COMPILE_FACTOR` times the trainer's longest first call of a fit (the one that
-compiled the one-step program), an estimate of compiling the fused one. A short fit stays at
-one step per call and decides again next time.
+the fused program's compile: :data:`FUSED_COMPILE_FACTOR` times the trainer's longest first
+call of a fit (the one that compiled the one-step program) until a fused compile was measured
+on this trainer's devices, then the measured ratio. A short fit stays at one step per call and
+decides again next time. Once fused, the default checks its guess (:class:`FusedCheck`): a few
+fused calls are timed, and where they are no faster a step than one step per call was, the
+fit goes back to one step per call for good (the device's fused call may cost the host more
+per step than its saved dispatch: a fused call never loses to k=1 by more than its checks).
 
 >>> tuner = StepsTuner(cap=64)
 >>> for _ in range(PROBES):
@@ -55,6 +59,8 @@ class Timings:
     first_call: float = 0.0
     host: float | None = None
     device: float | None = None
+    #: a fused program's compile over the first call, measured on these devices (``None``: not yet)
+    compile_factor: float | None = None
 
     def saw_first_call(self, seconds: float) -> float:
         """Records a fit's first call; returns the longest so far."""
@@ -63,6 +69,11 @@ class Timings:
 
     def saw_steps(self, host: float, device: float) -> None:
         self.host, self.device = host, device
+
+    def saw_fused_compile(self, seconds: float) -> None:
+        """A fused program's first call took ``seconds``: its ratio to the longest first call."""
+        if self.first_call > 0:
+            self.compile_factor = seconds / self.first_call
 
 
 class StepsTuner:
@@ -77,7 +88,13 @@ class StepsTuner:
     1
     """
 
-    def __init__(self, cap: int | None, remaining: int | None = None, repaid_only: bool = False):
+    def __init__(
+        self,
+        cap: int | None,
+        remaining: int | None = None,
+        repaid_only: bool = False,
+        compile_factor: float | None = None,
+    ):
         self.cap = max(1, min(MOST, cap if cap is not None else MOST))
         self.hosts: list[float] = []
         self.devices: list[float] = []
@@ -85,6 +102,8 @@ class StepsTuner:
         self.remaining, self.repaid_only = remaining, repaid_only
         #: the trainer's longest first call of a fit, in seconds (the one-step program's compile)
         self.compile_seconds = 0.0
+        #: the fused compile over that first call: measured on these devices, else the prior
+        self.compile_factor = FUSED_COMPILE_FACTOR if compile_factor is None else compile_factor
 
     def first_call(self, seconds: float) -> None:
         """The trainer's longest first call of a fit (what a fused program's compile is weighed by)."""
@@ -114,4 +133,50 @@ class StepsTuner:
         compiling the fused program costs (:data:`FUSED_COMPILE_FACTOR` first calls)."""
         if self.remaining is None:
             return False
-        return self.remaining * host * (1 - 1 / steps) > FUSED_COMPILE_FACTOR * self.compile_seconds
+        return self.remaining * host * (1 - 1 / steps) > self.compile_factor * self.compile_seconds
+
+
+#: Fused calls timed (after the one that compiles) before the default keeps or drops fusing.
+CHECKS = 3
+
+
+class FusedCheck:
+    """Whether ``steps`` per call, picked by the default setting, train faster a step than one
+    step per call did (``single``: its seconds a step, the larger of its host and device time,
+    which one step per call overlaps). :meth:`ready` takes the
+    time each fused call's results were ready; the first call compiles (its seconds, from
+    ``started``, are the fused compile), the next :data:`CHECKS` intervals are the fused
+    steps' cost, reading and placing their batches included. ``verdict`` is ``None`` until
+    then, then ``True`` (keep fusing) or ``False``.
+
+    >>> check = FusedCheck(steps=32, single=100e-6, started=0.0)
+    >>> for ready in (2.0, 2.004, 2.008, 2.012):  # 4 ms a call of 32: 125 us a step
+    ...     check.ready(ready)
+    >>> check.verdict, round(check.compile_seconds, 3)
+    (False, 2.0)
+    """
+
+    def __init__(self, steps: int, single: float, started: float):
+        self.steps, self.single = steps, single
+        self.last: float = started
+        self.compile_seconds: float | None = None
+        self.intervals: list[float] = []
+        self.verdict: bool | None = None
+
+    def calling(self, when: float) -> None:
+        """A fused call starts at ``when``: the first one's compile is timed from there."""
+        if self.compile_seconds is None:
+            self.last = when
+
+    def ready(self, when: float) -> None:
+        if self.compile_seconds is None:
+            self.compile_seconds = when - self.last
+        else:
+            self.intervals.append(when - self.last)
+        self.last = when
+        if len(self.intervals) >= CHECKS:
+            self.verdict = self.per_step() < self.single
+
+    def per_step(self) -> float:
+        """The fused calls' median seconds a step."""
+        return statistics.median(self.intervals) / self.steps
