@@ -135,19 +135,24 @@ def test_an_index_naming_a_shard_outside_its_folder_is_refused_before_it_is_open
         tk.weights.load(folder, into=trainer)
 
 
-def test_a_shard_linked_from_outside_is_refused(trainer, tmp_path):
+@pytest.mark.parametrize("target", ["folder", "fifo"])
+def test_a_shard_linked_to_what_is_not_a_file_is_refused(trainer, tmp_path, target):
+    """#81 (FL9) replaced round seven's rule: a link to a regular file is read wherever it leads (a Hugging
+    Face cache); a link to a folder or a pipe is refused before it is opened (a pipe would block the read)."""
     planted = tmp_path / "planted"
     planted.mkdir()
-    arrays = {k: np.full_like(np.asarray(v), 7.56) for k, v in trainer.state_access.named_weights().items()}
-    safetensors.numpy.save_file(arrays, str(planted / "x.safetensors"))
+    if target == "fifo":
+        os.mkfifo(planted / "x.safetensors")
+    else:
+        (planted / "x.safetensors").mkdir()
     folder = shards_folder(tmp_path, trainer, "linked.safetensors")
     (folder / "linked.safetensors").symlink_to(planted / "x.safetensors")
     before = trainer.get_weights()
-    with pytest.raises(tk.weights.WeightFileError, match=r"leads outside the folder"):
+    with pytest.raises(tk.weights.WeightFileError, match=r"linked.safetensors links to .* not a regular file"):
         tk.weights.load(folder, into=trainer)
     (folder / "model.safetensors.index.json").unlink()
     (folder / "model-00001-of-00001.safetensors").unlink()
-    with pytest.raises(tk.weights.WeightFileError, match=r"leads outside the folder"):  # a folder of shards alone
+    with pytest.raises(tk.weights.WeightFileError, match=r"not a regular file"):  # a folder of shards alone
         tk.weights.load(folder, into=trainer)
     np.testing.assert_array_equal(trainer.get_weights()["params"]["kernel"], before["params"]["kernel"])
 

@@ -19,6 +19,7 @@ import numpy as np
 
 from trainkit import distributed
 from trainkit.callbacks.base import Callback, Logs
+from trainkit.core.local_path import require_local
 
 
 def _cell(value):
@@ -41,7 +42,7 @@ class CSVLogger(Callback):
 
     def __init__(self, filename: str | os.PathLike[str], separator: str = ",", append: bool = False):
         self.sep = separator
-        self.filename = os.fspath(filename)
+        self.filename = require_local(filename, "CSVLogger's filename")
         self.append = append
         self.writer: Any = None  # a csv.DictWriter once the header is known
         self.keys: list[str] | None = None

@@ -26,6 +26,7 @@ import numpy as np
 
 from trainkit.callbacks.base import Callback, Logs
 from trainkit.callbacks.trainer_view import TrainerView
+from trainkit.core.local_path import require_local
 from trainkit.core.state import TrainState
 from trainkit.core.tree import PyTree
 from trainkit.core.warn import warn_user
@@ -143,6 +144,7 @@ class LearningRateSearch:
     def plot(self, path: str | os.PathLike[str], suggest: bool = True) -> Figure:
         """The smoothed loss against the rate (log scale), the suggestion marked, as a PNG at
         ``path`` (matplotlib, the ``monitoring`` extra); returns the figure."""
+        path = require_local(path, "LearningRateSearch.plot's path")
         import matplotlib
 
         matplotlib.use("Agg")

@@ -21,6 +21,7 @@ from trainkit import distributed
 from trainkit.callbacks.base import Callback, Logs
 from trainkit.callbacks.trainer_view import TrainerView
 from trainkit.core import optimizers
+from trainkit.core.local_path import require_local
 from trainkit.core.redact import redacted
 from trainkit.core.tree import leaf_name
 from trainkit.core.warn import warn_user
@@ -263,7 +264,8 @@ class Profiler(Callback):
             or steps[0] > steps[1]
         ):
             raise ValueError(f"steps must be (first, last) optimizer steps, 1 <= first <= last; received {steps!r}.")
-        self.log_dir, self.steps, self.memory_profile = os.fspath(log_dir), tuple(steps), memory_profile
+        self.log_dir = require_local(log_dir, "Profiler's log_dir")
+        self.steps, self.memory_profile = tuple(steps), memory_profile
         self.tracing = False
 
     def on_train_begin(self, logs: Logs | None = None) -> None:
@@ -321,7 +323,7 @@ class TensorBoard(_Rate):
         tokens_per_example: int | None = None,
     ):
         super().__init__(tokens_per_example)
-        self.log_dir = os.fspath(log_dir)
+        self.log_dir = require_local(log_dir, "TensorBoard's log_dir")
         self.histogram_freq, self.write_graph, self.write_images = histogram_freq, write_graph, write_images
         self.write_steps_per_second = write_steps_per_second
         self.update_freq = 1 if update_freq == "batch" else update_freq

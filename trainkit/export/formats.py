@@ -71,6 +71,7 @@ def resolve_format(path: str | os.PathLike[str], format: str | None) -> str:
     >>> resolve_format("m.onnx", None), resolve_format("served", "tf_saved_model"), resolve_format("m", None)
     ('onnx', 'tf_saved_model', 'jax')
     """
+    path = require_local(path, "the export's path")
     suffix = os.path.splitext(os.fspath(path))[1].lower()
     named = SUFFIXES.get(suffix)
     if format is not None and named is not None and format != named:
@@ -141,8 +142,7 @@ def export(
 ) -> None:
     """:meth:`trainkit.Trainer.export`: ``format`` checked first, then what ``inference()``
     returns (the function, its host variables, the per-example input spec) written by :func:`write`."""
-    require_local(path, "export's filepath")
-    format = resolve_format(path, format)
+    format = resolve_format(path, format)  # a URL refused first
     check_format(format)  # before anything is fetched or traced
     if format in FOLDER_ENTRIES:
         filesystem.require_folder(path, f"export's {format!r} folder")

@@ -30,6 +30,7 @@ from collections.abc import Sequence
 import jax
 import numpy as np
 
+from trainkit.core.local_path import require_local
 from trainkit.core.tree import PyTree, TreeFunction
 from trainkit.export.signature import leaf_names, output_names
 
@@ -154,6 +155,7 @@ class LoadedModel:
 def load(path: str | os.PathLike[str]) -> LoadedModel:
     """The ``"jax"`` export at ``path`` as a callable, refused with the reason when this JAX
     cannot run its calling convention or the file is no ``jax.export`` serialization."""
+    path = require_local(path, "tk.export.load's path")
     data = payload(path)
     try:
         exported = jax.export.deserialize(data)

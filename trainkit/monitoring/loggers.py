@@ -27,6 +27,7 @@ from typing import IO, TYPE_CHECKING, Any, Literal, Protocol, TypeVar, runtime_c
 
 import numpy as np
 
+from trainkit.core.local_path import require_local
 from trainkit.core.redact import redacted
 from trainkit.distributed import atomic, filesystem
 
@@ -83,8 +84,8 @@ class TensorBoardLogger:
     def __init__(self, log_dir: str | os.PathLike[str], prefix: str = ""):
         from tensorboardX import SummaryWriter
 
+        self.log_dir, self.prefix = require_local(log_dir, "TensorBoardLogger's log_dir"), prefix
         filesystem.require_folder(log_dir, "TensorBoard's log_dir")
-        self.log_dir, self.prefix = os.fspath(log_dir), prefix
         self._writer_class = SummaryWriter
         self._writers: dict[str, SummaryWriter] = {}
 
@@ -122,7 +123,7 @@ class CSVMetricsLogger:
     and ``hparams.json`` beside it."""
 
     def __init__(self, path: str | os.PathLike[str]):
-        self.path = os.fspath(path)
+        self.path = require_local(path, "CSVMetricsLogger's path")
         self._file: IO[str] | None = None
 
     def _opened(self) -> IO[str]:
@@ -243,7 +244,9 @@ class WandbLogger:
     ):
         import wandb
 
-        self.run = wandb.init(project=project, dir=os.fspath(dir), mode=mode, reinit="create_new", **init)
+        self.run = wandb.init(
+            project=project, dir=require_local(dir, "WandbLogger's dir"), mode=mode, reinit="create_new", **init
+        )
 
     def log_metrics(self, step: int, metrics: dict[str, float], run: str = "train") -> None:
         prefix = "val_" if run == "validation" else ""

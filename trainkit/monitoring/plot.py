@@ -21,6 +21,7 @@ import sys
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from trainkit.core.local_path import require_local
 from trainkit.distributed import atomic
 
 #: Epoch-level logs that are not curves worth a panel.
@@ -43,6 +44,7 @@ def plot_curves(series: Mapping[str, Sequence[float]], path: str | os.PathLike[s
     """Draws ``series`` (``{"loss": [...], "val_loss": [...], ...}``, one value per epoch) to
     ``path`` (PNG) and returns the matplotlib figure: one panel per metric, a training line and
     a validation line (dashed) in each."""
+    path = require_local(path, "the plot's path")
     import matplotlib
 
     matplotlib.use("Agg")

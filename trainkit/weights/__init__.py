@@ -326,6 +326,7 @@ def save_pretrained(
     ``dtype``, sharded past ``max_shard_size``, beside ``config``'s ``config.json`` (``dtype`` set) and
     ``tokenizer``'s files; with ``adapter=True`` LoRA's adapters alone as a PEFT folder. Checked against
     the config's architecture first where ``transformers`` is installed; written whole or not at all."""
+    folder = require_local(folder, "save_pretrained's folder")  # a URL refused before anything is read
     pretrained.check_not_a_source(
         folder, {"config=": config, "tokenizer=": tokenizer, "tk.weights.load(...)": holder.loaded_path}
     )

@@ -359,10 +359,10 @@ def _indexed_source(path: str) -> SafetensorsSource:
             "transformers requires (no folder, '..' or absolute path)",
         )  # fmt: skip
     files = {name: os.path.join(path, shard) for name, shard in shards.items()}
-    _check_inside(path, sorted(set(files.values())))
-    missing = sorted({shard for shard in files.values() if not os.path.isfile(shard)})
+    missing = sorted({shard for shard in files.values() if not os.path.lexists(shard)})
     if missing:
         raise _refuse(index, f"it names shards the folder lacks: {', '.join(map(os.path.basename, missing))}")
+    _check_regular(sorted(set(files.values())))
     source = SafetensorsSource(sorted(set(files.values())), f"{path} ({len(set(files.values()))} shards by its index)")
     wrong = sorted(name for name, shard in files.items() if source.shard_of(name) != shard)
     if wrong:
@@ -376,15 +376,17 @@ def _plain_name(shard: object) -> bool:
     return isinstance(shard, str) and shard not in ("", ".", "..") and not any(s in shard for s in separators)
 
 
-def _check_inside(folder: str, files: list[str]) -> None:
-    """Refuses a file of ``folder`` that resolves outside it (a symbolic link leading out), before it is opened."""
-    root = os.path.realpath(folder)
-    outside = [name for name in files if not os.path.realpath(name).startswith(root.rstrip(os.sep) + os.sep)]
-    if outside:
+def _check_regular(files: list[str]) -> None:
+    """Refuses a file of a folder that is, or links to, something other than a regular file (a
+    device, a pipe, a folder), before it is opened. A link to a regular file is read wherever it
+    leads: a Hugging Face cache's snapshot links each file to its blob (``../../blobs/<sha>``)."""
+    odd = [name for name in files if not os.path.isfile(name)]  # isfile follows links: a regular file only
+    if odd:
+        target = os.path.realpath(odd[0])
         raise WeightFileError(
-            f"{outside[0]} leads outside the folder {folder} (to {os.path.realpath(outside[0])}): trainkit reads a "
-            "folder's weights from inside it alone. Nothing was loaded; copy the file into the folder, or pass it "
-            "itself."
+            f"{odd[0]} {'links to ' + target + ', which' if target != os.path.abspath(odd[0]) else ''} is not a "
+            "regular file (a device, a pipe or a folder): trainkit reads weights from regular files alone. Nothing "
+            "was loaded; point the name at the weights file itself."
         )
 
 
@@ -392,11 +394,11 @@ def _folder_source(path: str, checkpoints: bool = False) -> WeightSource:
     if os.path.isfile(os.path.join(path, INDEX)):  # a Hugging Face folder of shards
         return _indexed_source(path)
     if os.path.isfile(os.path.join(path, WEIGHTS)):  # a Hugging Face folder's weights (not its adapter's)
-        _check_inside(path, [os.path.join(path, WEIGHTS)])
+        _check_regular([os.path.join(path, WEIGHTS)])
         return SafetensorsSource([os.path.join(path, WEIGHTS)], os.path.join(path, WEIGHTS))
     shards = sorted(glob.glob(os.path.join(path, "*.safetensors")))
     if shards:
-        _check_inside(path, shards)
+        _check_regular(shards)
         return SafetensorsSource(shards, f"{path} ({len(shards)} safetensors shards)")
     if _checkpoint_steps(path) and checkpoints:
         return _checkpoint_variables(path)

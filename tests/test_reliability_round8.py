@@ -1,0 +1,158 @@
+"""Reliability, eighth round (#81): Hugging Face cache folders load, and the round's other rows."""
+
+import hashlib
+import json
+import pathlib
+
+import flax.linen as nn
+import numpy as np
+import optax
+import pytest
+import safetensors.numpy
+
+import trainkit as tk
+
+X = np.random.default_rng(0).normal(size=(32, 4)).astype(np.float32)
+Y = (X.sum(axis=1) > 0).astype(np.int32)
+CONFIG = {"model_type": "tiny", "architectures": ["TinyModel"]}
+
+
+@pytest.fixture
+def trainer():
+    trainer = tk.Trainer(
+        nn.Dense(2), loss="sparse_categorical_crossentropy", optimizer=optax.sgd(0.1), strategy="single"
+    )
+    trainer.init(X[:1])
+    return trainer
+
+
+def cached(repo: pathlib.Path, files: dict[str, bytes], revision: str = "0123abcd") -> pathlib.Path:
+    """``files`` laid out as ``huggingface_hub`` caches a download: each file's bytes in
+    ``blobs/<sha256>``, and ``snapshots/<revision>/<name>`` a relative link to its blob."""
+    snapshot = repo / "snapshots" / revision
+    snapshot.mkdir(parents=True)
+    (repo / "blobs").mkdir()
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(revision)
+    for name, content in files.items():
+        digest = hashlib.sha256(content).hexdigest()
+        (repo / "blobs" / digest).write_bytes(content)
+        (snapshot / name).symlink_to(pathlib.Path("..") / ".." / "blobs" / digest)
+    return snapshot
+
+
+def weights_bytes(arrays: dict[str, np.ndarray]) -> bytes:
+    return safetensors.numpy.save(arrays)
+
+
+@pytest.mark.parametrize("sharded", [False, True], ids=["single_file", "sharded"])
+def test_a_hugging_face_cache_snapshot_loads(trainer, tmp_path, sharded):
+    """FL9: a cache snapshot whose files link to ../../blobs/<sha> is read (it was refused as leading
+    outside the folder), one file or shards through their index."""
+    kernel, bias = np.full((4, 2), 0.25, np.float32), np.full((2,), -0.5, np.float32)
+    if sharded:
+        index = {"metadata": {}, "weight_map": {"kernel": "model-00001-of-00002.safetensors",
+                                                 "bias": "model-00002-of-00002.safetensors"}}  # fmt: skip
+        files = {
+            "model-00001-of-00002.safetensors": weights_bytes({"kernel": kernel}),
+            "model-00002-of-00002.safetensors": weights_bytes({"bias": bias}),
+            "model.safetensors.index.json": json.dumps(index).encode(),
+        }
+    else:
+        files = {"model.safetensors": weights_bytes({"kernel": kernel, "bias": bias})}
+    snapshot = cached(tmp_path / "models--someone--tiny", files | {"config.json": b"{}"})
+    tk.weights.load(snapshot, into=trainer)
+    np.testing.assert_array_equal(trainer.get_weights()["params"]["kernel"], kernel)
+    np.testing.assert_array_equal(trainer.get_weights()["params"]["bias"], bias)
+
+
+# ---------------------------------------------------------------- SE4: every path goes through one URL check
+SECRET_URL = "s3://AKIAEXAMPLE:pw-s3cr3t@bucket/run/x.csv"
+PATH_NAMES = __import__("re").compile(r"(^|_)(dir|path|filepath|filename|folder|directory|file)$")
+
+
+def path_arguments() -> set[str]:
+    """Every argument of the public API named as a file system path: ``Owner.method(argument)``."""
+    import inspect
+
+    from trainkit.callbacks.lr_finder import LearningRateSearch
+
+    owners: list[tuple[str, object]] = [("Trainer", tk.Trainer), ("LearningRateSearch", LearningRateSearch)]
+    for module in (tk.callbacks, tk.weights, tk.export):
+        owners += [(name, getattr(module, name)) for name in module.__all__]
+    owners += [(name, obj) for name, obj in vars(tk.loggers).items() if inspect.isclass(obj) and obj.__module__ ==
+               tk.loggers.__name__ and not name.startswith("_")]  # fmt: skip
+    found = set()
+    for name, owner in owners:
+        members = [(name, owner)]
+        if inspect.isclass(owner):
+            members += [(f"{name}.{m}", f) for m, f in inspect.getmembers(owner, inspect.isfunction) if m[0] != "_"]
+        for label, member in members:
+            try:
+                parameters = inspect.signature(member).parameters  # type: ignore[arg-type]
+            except (TypeError, ValueError):
+                continue
+            found |= {f"{label}({p})" for p in parameters if PATH_NAMES.search(p)}
+    return found
+
+
+def fitted() -> tk.Trainer:
+    trainer = tk.Trainer(
+        nn.Dense(2), loss="sparse_categorical_crossentropy", optimizer=optax.sgd(0.1), strategy="single"
+    )
+    trainer.fit(X, Y, batch_size=16, epochs=1, verbose=0)
+    return trainer
+
+
+def calls(url: str) -> dict[str, object]:
+    """Each path argument given ``url``: a function that raises the URL's error (or does not)."""
+    from trainkit.callbacks.lr_finder import LearningRateSearch
+
+    cb, loggers = tk.callbacks, tk.loggers
+    spec = {"x": ((3,), "float32")}
+    search = LearningRateSearch([1e-3, 1e-2], [1.0, 0.5], [1.0, 0.5], 1e-3, stopped_early=False)
+    return {
+        "Trainer.export(filepath)": lambda: fitted().export(url),
+        "Trainer.load(directory)": lambda: fitted().load(url),
+        "Trainer.save(filepath)": lambda: fitted().save(url),
+        "Trainer.save_pretrained(folder)": lambda: fitted().save_pretrained(url, config=CONFIG),
+        "Trainer.save_weights(filepath)": lambda: fitted().save_weights(url),
+        "BackupAndRestore(backup_dir)": lambda: cb.BackupAndRestore(url),
+        "CSVLogger(filename)": lambda: cb.CSVLogger(url),
+        "GradientStats(log_dir)": lambda: cb.GradientStats(log_dir=url),
+        "History.plot(path)": lambda: cb.History().plot(url),
+        "ModelCheckpoint(filepath)": lambda: cb.ModelCheckpoint(url),
+        "Profiler(log_dir)": lambda: cb.Profiler(url, steps=(1, 2)),
+        "TensorBoard(log_dir)": lambda: cb.TensorBoard(url),
+        "LearningRateSearch.plot(path)": lambda: search.plot(url),
+        "LoadedModel(path)": None,  # the label of a model load() read
+        "export(path)": lambda: tk.export.export(url, lambda: (lambda w, x: x, 1.0, spec)),
+        "load(path)": lambda: tk.export.load(url),
+        "resolve_format(path)": lambda: tk.export.resolve_format(url, None),
+        "write(path)": lambda: tk.export.write(url, lambda w, x: x, 1.0, spec, "jax", verbose=False),
+        "save(path)": lambda: tk.weights.save({"w": np.zeros(2, np.float32)}, url),
+        "save_pretrained(folder)": lambda: tk.weights.save_pretrained(fitted().state_access, url, config=CONFIG),
+        "Loadable.put_weights(path)": None,  # a protocol's member: the path is the one load() checked
+        "TensorBoardLogger(log_dir)": lambda: loggers.TensorBoardLogger(url),
+        "CSVMetricsLogger(path)": lambda: loggers.CSVMetricsLogger(url),
+        "WandbLogger(dir)": lambda: loggers.WandbLogger(dir=url, mode="disabled"),
+    }
+
+
+def test_every_path_argument_of_the_public_api_is_listed():
+    """A new path argument must join ``calls`` (and so the URL check): the list is the API's own."""
+    assert path_arguments() == set(calls(SECRET_URL)), "add the new path argument to calls() above"
+
+
+@pytest.mark.parametrize("argument", sorted(calls(SECRET_URL)))
+def test_a_url_is_refused_by_every_path_argument_with_its_secret_masked(argument, tmp_path, monkeypatch):
+    """SE4: GradientStats, Profiler and CSVLogger took a URL for a local folder (``https:/user:pw@host``
+    written) or printed its password; every path now goes through ``require_local``."""
+    call = calls(SECRET_URL)[argument]
+    if call is None:
+        pytest.skip("not a path trainkit opens")
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ValueError, match=r"is a s3:// URL") as raised:
+        call()
+    assert "s3cr3t" not in str(raised.value)
+    assert not any(tmp_path.rglob("*")), "nothing may be written for a URL"
