@@ -156,3 +156,57 @@ def test_a_url_is_refused_by_every_path_argument_with_its_secret_masked(argument
         call()
     assert "s3cr3t" not in str(raised.value)
     assert not any(tmp_path.rglob("*")), "nothing may be written for a URL"
+
+
+# ---------------------------------------------------------------- AT14: causal tk.attention under a context axis
+class CausalAttention(nn.Module):
+    """One causal ``tk.attention`` layer: ``"alibi"`` (a bias), ``"cross"`` (16 queries on the first 8
+    positions' keys) or ``"twelve"`` (self-attention of 12 positions: chunks of 3 that do not halve)."""
+
+    variant: str
+
+    @nn.compact
+    def __call__(self, tokens):
+        import jax.numpy as jnp
+
+        x = nn.Embed(16, 16)(tokens)
+        b, t, _ = x.shape
+        q = nn.Dense(16)(x).reshape(b, t, 2, 8)
+        memory = x[:, :8] if self.variant == "cross" else x
+        k, v = (nn.Dense(16)(memory).reshape(b, memory.shape[1], 2, 8) for _ in range(2))
+        bias = None
+        if self.variant == "alibi":
+            distance = jnp.arange(t)[None, :] - jnp.arange(t)[:, None]
+            bias = (jnp.array([0.5, 0.25])[:, None, None] * jnp.minimum(distance, 0))[None]  # (1, heads, t, t)
+        attended = tk.attention(q, k, v, causal=True, bias=bias)
+        return nn.Dense(16)(attended.reshape(b, t, 16))
+
+
+@pytest.mark.parametrize("variant, length", [("alibi", 16), ("cross", 16), ("twelve", 12)])
+def test_causal_attention_under_a_context_axis_trains_as_on_one_device(variant, length):
+    """AT14: each raised trainkit's own TypeError (the mask passed twice to the split attention)."""
+    from conftest import check_trains_like_single_device
+
+    tokens = np.random.default_rng(1).integers(0, 16, size=(8, length + 1)).astype(np.int32)
+
+    def make(strategy):
+        model = CausalAttention(variant)
+        return tk.Trainer(model, loss="sparse_categorical_crossentropy", optimizer=optax.sgd(0.1), strategy=strategy)
+
+    x, y = tokens[:, :-1], tokens[:, 1:]
+    check_trains_like_single_device(make, tk.Hybrid(data=2, context=4), x, y, batch_size=4, steps=2)
+
+
+def test_the_docs_give_tk_attentions_own_defaults():
+    """AT2: docs/large_models.md gave ``causal=True`` as the default; the code's is False."""
+    import inspect
+    import re
+
+    text = (pathlib.Path(__file__).parent.parent / "docs" / "large_models.md").read_text()
+    documented = re.search(r"`tk\.attention\(query, key, value, ([^`]*)\)`", text)
+    assert documented is not None
+    defaults = dict(part.split("=") for part in documented[1].split(", "))
+    actual = {
+        n: repr(p.default) for n, p in inspect.signature(tk.attention).parameters.items() if p.default is not p.empty
+    }
+    assert defaults == actual

@@ -158,7 +158,8 @@ def split_attention(
     if "key_value_seq_lengths" in arrays:
         specs["key_value_seq_lengths"] = PartitionSpec(rows or None)
     causal = bool(options.get("is_causal", False))
-    fixed = {n: v for n, v in options.items() if n not in arrays and n != "is_causal"}
+    # the arrays split (and a None mask or bias) are passed by local() alone: passed twice they were a TypeError
+    fixed = {n: v for n, v in options.items() if n not in ("bias", "mask", "key_value_seq_lengths", "is_causal")}
     if "is_causal" in options:
         fixed["is_causal"] = False  # the causal mask comes from global positions instead
 
