@@ -471,3 +471,42 @@ def test_a_torchrun_environment_connects_the_processes(tmp_path):
     outputs = [p.communicate(timeout=180)[0] for p in processes]
     assert [p.returncode for p in processes] == [0, 0], outputs
     assert "process 1 of 2 done" in outputs[1]
+
+
+EXITING_PEER = """
+import os, sys
+import flax.linen as nn, numpy as np, optax
+import trainkit as tk
+tk.distributed.initialize()
+print("ready", os.getpid(), flush=True)
+
+
+class ExitAtStep3(tk.callbacks.Callback):
+    def on_train_batch_end(self, batch, logs=None):
+        if tk.distributed.process_index() == 1 and self.model.global_step >= 3:
+            print("process 1 calls sys.exit(3)", flush=True)
+            sys.exit(3)
+
+
+x = np.random.default_rng(0).normal(size=(512, 4)).astype(np.float32)
+trainer = tk.Trainer(nn.Dense(2), loss="sparse_categorical_crossentropy", optimizer=optax.sgd(0.1), strategy=tk.FSDP())
+trainer.fit(x, (x[:, 0] > 0).astype(np.int32), batch_size=16, epochs=100, verbose=0, callbacks=[ExitAtStep3()])
+"""
+
+
+def test_a_sys_exit_in_one_process_ends_the_job_with_its_status(tmp_path):
+    """#81 (MX2): a callback's ``sys.exit(3)`` on process 1 at step 3 left both processes alive at 240 s (JAX's
+    shutdown barrier waited for a peer stuck in a collective); now the job ends at once, the launcher naming
+    process 1 and its status 3."""
+    launcher, _ = start_launcher(tmp_path, source=EXITING_PEER)
+    lines, exited = [], None
+    for line in launcher.stdout:
+        lines.append(line)
+        if "process 1 calls sys.exit(3)" in line:
+            exited = time.monotonic()
+    launcher.wait(timeout=120)
+    output = "".join(lines)
+    assert exited is not None and time.monotonic() - exited < 30, output
+    assert launcher.returncode == 3, output
+    assert "[launch] process 1 exited with code 3" in output, output
+    assert "process 1 of 2 leaves the job with exit status 3: SystemExit raised in fit" in output, output

@@ -268,6 +268,29 @@ def _exit_fast_on_uncaught_errors() -> None:
     sys.excepthook = excepthook
 
 
+def leave_now(error: SystemExit, where: str) -> None:
+    """``sys.exit(...)`` raised out of ``where`` (``fit``: a callback's) on one process of a
+    multi-process job ends that process at once with the status it asked for. Left to the
+    normal interpreter exit, JAX's shutdown barrier waits for peers that wait in a collective for
+    this process: the job hung for minutes and the status was lost. The launcher (or the
+    coordination service's heartbeat) then ends the others, naming this one and its status. On
+    one process it returns: the ``SystemExit`` goes on as Python raises it."""
+    if process_count() <= 1:
+        return
+    code = error.code
+    status = 0 if code is None else code if isinstance(code, int) else 1
+    if not isinstance(code, int) and code is not None:
+        print(code, file=sys.stderr)  # as Python prints a non-integer exit "status"
+    print(
+        f"trainkit: process {process_index()} of {process_count()} leaves the job with exit status {status}: "
+        f"SystemExit raised in {where} (sys.exit); the other processes are ended with it.",
+        file=sys.stderr,
+    )
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
+
+
 def initialize_from_environment() -> None:
     """``initialize()`` when this process is one of several of a job (:func:`job`) and it has
     not run; a :class:`~trainkit.distributed.engines.JobError` naming the fix when it is one of

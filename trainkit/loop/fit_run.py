@@ -140,6 +140,8 @@ class FitRun:
             session.ledger.settle()
             session.ledger.close()  # the failed fit's ledger, to the failure (this process's: no collective here)
             callbacks.on_exception(error)
+            if isinstance(error, SystemExit) and not isinstance(error, Preempted):  # one process's sys.exit
+                distributed.leave_now(error, "fit")  # several processes: this one ends now, its peers with it
             raise
         finally:
             self.watchdog.__exit__()
