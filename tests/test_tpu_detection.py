@@ -4,6 +4,11 @@ address nothing listens on). A single-host slice (v5litepod-1) trains with one l
 multi-host one (v5litepod-16) is refused by name before anything is built; the real detection runs
 and fails as it would on such a machine (requests' ConnectionError)."""
 
+import os
+import subprocess
+import sys
+import time
+
 import numpy as np
 import optax
 import pytest
@@ -88,3 +93,65 @@ def test_a_multi_host_slice_trains_alone_when_asked(tpu_vm):
     tpu_vm.setenv("TRAINKIT_DISTRIBUTED", "off")
     assert processes.job() is None
     assert np.isfinite(fit_once())
+
+
+# ---------------------------------------------------------------- #81: a slice the environment describes whole
+SLICE = {"TPU_WORKER_HOSTNAMES": "127.0.0.1,127.0.0.1", "TPU_WORKER_ID": "1", "MEGASCALE_NUM_SLICES": "1"}
+
+
+def test_a_slice_the_environment_describes_is_joined_without_jax_detection(tpu_vm):
+    """TP9: with the worker list and this host's id set (MEGASCALE_NUM_SLICES=1 too), JAX's detection
+    queried the metadata server anyway (a raw ConnectionError); now the job is read from the variables."""
+    for name, value in SLICE.items():
+        tpu_vm.setenv(name, value)
+    asked = []
+    tpu_vm.setattr(processes, "_jax_tpu_job", lambda: asked.append(1))
+    found = processes.job()
+    assert (found.engine, found.num_processes, found.process_id) == ("tpu", 2, 1)
+    assert found.coordinator_address == f"127.0.0.1:{tpu_slice.COORDINATOR_PORT}" and found.detection == "deactivate"
+    assert asked == []
+
+
+@pytest.mark.parametrize(
+    "changes, says",
+    [
+        ({"TPU_WORKER_ID": "abc"}, r"TPU_WORKER_ID='abc' is not a non-negative integer"),
+        ({"TPU_WORKER_ID": "2"}, r"TPU_WORKER_ID=2 is past the 2 workers of TPU_WORKER_HOSTNAMES"),
+        ({"TPU_WORKER_ID": ""}, r"TPU_WORKER_ID \(this host's place\) is not set"),
+        ({"MEGASCALE_NUM_SLICES": "0"}, r"MEGASCALE_NUM_SLICES='0' is not a positive integer"),
+        ({"TPU_ACCELERATOR_TYPE": "v5litepod-16"}, r"lists 2 workers, but the accelerator type 'v5litepod-16' has 4"),
+        ({"TPU_WORKER_HOSTNAMES": "no-such-host.invalid,b"}, r"no-such-host.invalid:8482 .* does not resolve"),
+    ],
+    ids=["id-not-a-number", "id-past-the-list", "id-missing", "no-slices", "contradicting-type", "unresolvable"],
+)
+def test_a_slice_described_wrongly_is_named_at_once(tpu_vm, changes, says):
+    """TP9 / TP10 / TP4: int('abc'), JAX's ValueError, a silent lone run or a 43 s wait before; now a JobError
+    naming the variable and its value, before anything is built and without a metadata query."""
+    for name, value in (SLICE | changes).items():
+        tpu_vm.setenv(name, value)
+    start = time.monotonic()
+    with pytest.raises(JobError, match=says):
+        processes.job()
+    assert time.monotonic() - start < 5
+
+
+TPU_JOIN = """
+from jax._src import cloud_tpu_init
+from jax._src.clusters import cloud_tpu_cluster
+cloud_tpu_init.running_in_cloud_tpu_vm = cloud_tpu_cluster.running_in_cloud_tpu_vm = True
+import trainkit.distributed as d
+d.initialize()
+"""
+
+
+def test_a_slice_whose_peer_never_comes_ends_within_the_join_bound():
+    """TP9: a C++ SIGABRT at 48 s before (TRAINKIT_JOIN_TIMEOUT was not applied on the TPU path)."""
+    from trainkit.distributed.joining import JOIN_FAILED
+
+    env = {k: v for k, v in os.environ.items() if k not in TPU_VARIABLES and k != "XLA_FLAGS"}
+    env |= SLICE | {"TRAINKIT_JOIN_TIMEOUT": "2", "JAX_PLATFORMS": "cpu", "GCE_METADATA_IP": NO_METADATA}
+    start = time.monotonic()
+    result = subprocess.run([sys.executable, "-c", TPU_JOIN], capture_output=True, text=True, env=env, timeout=120)
+    assert result.returncode == JOIN_FAILED, result.stderr[-2000:]
+    assert "trainkit: this process (1 of 2, tpu) waited 2 s to join the job" in result.stderr, result.stderr[-2000:]
+    assert time.monotonic() - start < 2 + 45  # the bound, and a loaded machine's Python and JAX start

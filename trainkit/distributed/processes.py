@@ -104,6 +104,27 @@ def _tpu_pod_job() -> engines.Job | None:
     what to set."""
     if not runtime.on_cloud_tpu_vm():
         return None
+    try:
+        described = tpu_slice.environment_job()
+    except tpu_slice.SliceError as error:
+        raise engines.JobError(
+            f"This TPU host's environment describes its slice, but not as a job can be joined from: {error}. "
+            f"Set the variables to what the slice is ({tpu_slice.described()}), or TRAINKIT_DISTRIBUTED=off to "
+            "train on each host alone."
+        ) from None
+    if described is not None:  # everything said: JAX's detection (and its metadata queries) never runs
+        coordinator, count, index = described
+        if count == 1:
+            return None
+        try:
+            joining.resolved(coordinator)
+        except RuntimeError:
+            raise engines.JobError(
+                f"The coordinator of this TPU slice, {coordinator} (the first worker of "
+                f"{tpu_slice.described()}), does not resolve: no host could reach it. Name the slice's hosts as "
+                "the other hosts reach them (each host's DNS name or IP address, in worker order)."
+            ) from None
+        return engines.Job("tpu", count, index, coordinator)
     hosts = tpu_slice.hosts()
     if hosts == 1:
         return None

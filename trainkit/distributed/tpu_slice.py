@@ -39,7 +39,9 @@ WHAT_TO_SET = (
 SLICE_VARIABLES = (
     "TPU_WORKER_HOSTNAMES",
     "TPU_PROCESS_ADDRESSES",
+    "TPU_WORKER_ID",
     "MEGASCALE_NUM_SLICES",
+    "MEGASCALE_SLICE_ID",
     "MEGASCALE_COORDINATOR_ADDRESS",
     "TPU_HOST_BOUNDS",
     "TPU_ACCELERATOR_TYPE",
@@ -105,3 +107,67 @@ def described(env: Mapping[str, str] | None = None) -> str:
 
 def _positive(value: str | None) -> int | None:
     return int(value) if value is not None and value.strip().isdigit() and int(value) > 0 else None
+
+
+#: The port JAX's cloud-TPU detection gives the coordinator on the first worker (``coordinator_port``
+#: in ``jax/_src/clusters/cloud_tpu_cluster.py``): processes started by either way meet there.
+COORDINATOR_PORT = 8482
+
+
+class SliceError(ValueError):
+    """The environment describes a TPU slice in a way no job can be joined from (raised as a
+    :class:`~trainkit.distributed.engines.JobError` by the caller)."""
+
+
+def _count(env: Mapping[str, str], name: str, default: int | None, least: int) -> int | None:
+    """``env[name]`` as an integer of at least ``least`` (``default`` when unset), else a
+    :class:`SliceError` naming the variable and its value."""
+    value = env.get(name)
+    if value is None or not value.strip():
+        return default
+    if not value.strip().isdigit() or int(value) < least:
+        raise SliceError(f"{name}={value!r} is not {'a positive' if least else 'a non-negative'} integer")
+    return int(value)
+
+
+def environment_job(env: Mapping[str, str] | None = None) -> tuple[str, int, int] | None:
+    """``(coordinator_address, num_processes, process_id)`` of the slice the environment describes
+    whole: the worker list (``TPU_PROCESS_ADDRESSES`` or ``TPU_WORKER_HOSTNAMES``) and this host's
+    place in it (``TPU_WORKER_ID``), times ``MEGASCALE_NUM_SLICES`` (``MEGASCALE_SLICE_ID``: this
+    slice's place), the coordinator on the first worker (or ``MEGASCALE_COORDINATOR_ADDRESS``) at
+    JAX's port, as JAX's own detection computes them, without asking a metadata server. ``None``
+    without a worker list; a :class:`SliceError` naming the variable where the values cannot be a
+    job (an id that is not a number or past the list, counts that contradict each other).
+
+    >>> environment_job({"TPU_WORKER_HOSTNAMES": "t-0,t-1", "TPU_WORKER_ID": "1"})
+    ('t-0:8482', 2, 1)
+    >>> environment_job({"TPU_WORKER_HOSTNAMES": "t-0,t-1", "TPU_WORKER_ID": "2"})
+    Traceback (most recent call last):
+    trainkit.distributed.tpu_slice.SliceError: TPU_WORKER_ID=2 is past the 2 workers of TPU_WORKER_HOSTNAMES (0 to 1)
+    """
+    env = os.environ if env is None else env
+    listed = "TPU_PROCESS_ADDRESSES" if env.get("TPU_PROCESS_ADDRESSES") else "TPU_WORKER_HOSTNAMES"
+    workers = [host.strip() for host in (env.get(listed) or "").split(",") if host.strip()]
+    if not workers:
+        return None
+    if not (env.get("TPU_WORKER_ID") or "").strip():
+        raise SliceError(f"{listed} lists {len(workers)} workers but TPU_WORKER_ID (this host's place) is not set")
+    worker = _count(env, "TPU_WORKER_ID", 0, 0)
+    slices = _count(env, "MEGASCALE_NUM_SLICES", 1, 1)
+    slice_id = _count(env, "MEGASCALE_SLICE_ID", 0, 0)
+    assert worker is not None and slices is not None and slice_id is not None  # defaults given
+    if worker >= len(workers):
+        raise SliceError(
+            f"TPU_WORKER_ID={worker} is past the {len(workers)} workers of {listed} (0 to {len(workers) - 1})"
+        )
+    if slice_id >= slices:
+        raise SliceError(f"MEGASCALE_SLICE_ID={slice_id} is past MEGASCALE_NUM_SLICES={slices} (0 to {slices - 1})")
+    accelerator = env.get("TPU_ACCELERATOR_TYPE") or env.get("ACCELERATOR_TYPE") or ""
+    per_slice = accelerator_hosts(accelerator)
+    if per_slice is not None and per_slice != len(workers):
+        raise SliceError(
+            f"{listed} lists {len(workers)} workers, but the accelerator type {accelerator!r} has {per_slice} "
+            "host(s) a slice"
+        )
+    coordinator = (env.get("MEGASCALE_COORDINATOR_ADDRESS") or workers[0]).split(":")[0]
+    return f"{coordinator}:{COORDINATOR_PORT}", len(workers) * slices, worker + slice_id * len(workers)
