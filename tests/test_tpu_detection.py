@@ -155,3 +155,9 @@ def test_a_slice_whose_peer_never_comes_ends_within_the_join_bound():
     assert result.returncode == JOIN_FAILED, result.stderr[-2000:]
     assert "trainkit: this process (1 of 2, tpu) waited 2 s to join the job" in result.stderr, result.stderr[-2000:]
     assert time.monotonic() - start < 2 + 45  # the bound, and a loaded machine's Python and JAX start
+
+
+def test_a_worker_list_of_this_host_alone_needs_no_id(tpu_vm):
+    """A single-host VM may list itself (``TPU_WORKER_HOSTNAMES=localhost``, as compile-only targets set it)."""
+    tpu_vm.setenv("TPU_WORKER_HOSTNAMES", "localhost")
+    assert processes.job() is None

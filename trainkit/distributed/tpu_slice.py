@@ -150,7 +150,7 @@ def environment_job(env: Mapping[str, str] | None = None) -> tuple[str, int, int
     workers = [host.strip() for host in (env.get(listed) or "").split(",") if host.strip()]
     if not workers:
         return None
-    if not (env.get("TPU_WORKER_ID") or "").strip():
+    if not (env.get("TPU_WORKER_ID") or "").strip() and len(workers) > 1:  # one worker: this host, alone
         raise SliceError(f"{listed} lists {len(workers)} workers but TPU_WORKER_ID (this host's place) is not set")
     worker = _count(env, "TPU_WORKER_ID", 0, 0)
     slices = _count(env, "MEGASCALE_NUM_SLICES", 1, 1)
