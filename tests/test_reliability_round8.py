@@ -210,3 +210,28 @@ def test_the_docs_give_tk_attentions_own_defaults():
         n: repr(p.default) for n, p in inspect.signature(tk.attention).parameters.items() if p.default is not p.empty
     }
     assert defaults == actual
+
+
+# ---------------------------------------------------------------- SE8 / SE9 / SP2: credentials kept out of messages
+@pytest.mark.parametrize(
+    "text, secret",
+    [
+        ("token ghp_0123456789abcdefghijABCDEFGHIJ012345 rejected", "ghp_0123456789"),
+        ("github_pat_11ABCDEFG0123456789_abcdefghijklmnopqrstuvwxyz in the remote", "github_pat_11"),
+        ("POST https://api.telegram.org/bot123456789:AAHdqTcvCH1vGWJxfSeofSAs0K5PALDsaw0/sendMessage", "AAHdqTcv"),
+        ("chat 987654321:AAE-abcdefghijklmnopqrstuvwxyz0123456 said", "AAE-abcdef"),
+    ],
+)
+def test_bare_tokens_are_masked(text, secret):
+    from trainkit.core.redact import redacted
+
+    assert secret not in redacted(text) and "***" in redacted(text)
+
+
+def test_a_password_in_the_coordinator_address_is_never_printed():
+    """SE8: ``JAX_COORDINATOR_ADDRESS=alice:s3cr3t@node0:1234`` was printed whole in the join's error."""
+    from trainkit.distributed import joining
+
+    with pytest.raises(RuntimeError, match=r"'\*\*\*@node0:1234' does not resolve") as raised:
+        joining.resolved("alice:s3cr3t@node0:1234")
+    assert "s3cr3t" not in str(raised.value)

@@ -11,6 +11,14 @@ query parameters, in any message that may quote a URL (a tracking server's, a bu
 'http://alice:***@host:5000/ private_token=*** Authorization: Bearer ***'
 >>> redacted("s3:/alice:s3cr3t@bucket/run https://hooks.slack.com/services/T0001/B0002/XXXXsecret")
 's3:/alice:***@bucket/run https://hooks.slack.com/services/***'
+
+Tokens that are credentials by their form alone, wherever they stand (GitHub's, Hugging Face's, Slack's,
+AWS access key ids, a Telegram bot's):
+
+>>> redacted("push with ghp_0123456789abcdefghijABCDEFGHIJ012345")
+'push with ***'
+>>> redacted("https://api.telegram.org/bot123456789:AAH-abcdefghijklmnopqrstuvwxyz0123456/sendMessage")
+'https://api.telegram.org/bot***/sendMessage'
 """
 
 from __future__ import annotations
@@ -61,12 +69,20 @@ _WEBHOOK = re.compile(
 )
 
 
+#: a credential recognisable by its form alone
+_BARE = re.compile(
+    r"(?<![A-Za-z0-9_])(?:gh[pousr]_[A-Za-z0-9]{30,}|github_pat_[A-Za-z0-9_]{20,}|hf_[A-Za-z0-9]{30,}|"
+    r"xox[abprs]-[A-Za-z0-9-]{10,}|AKIA[0-9A-Z]{16})(?![A-Za-z0-9_-])"
+    r"|(?:(?<![A-Za-z0-9_])|(?<=bot))\d{6,12}:[A-Za-z0-9_-]{30,}"  # a Telegram bot's, alone or in its API's URL
+)
+
+
 def redacted(text: str) -> str:
     """``text`` with URL passwords (``user:***@``), bare user-info tokens (``***@``),
     token-like values (``token=***``, ``client_secret=***``), authorization credentials
     (``Authorization: Bearer ***``), environment variables (``HF_TOKEN=***``), JSON fields
     (``"password": "***"``), command-line options (``--token ***``) and credential headers
-    (``X-API-Key: ***``, ``Cookie: ***``) masked."""
+    (``X-API-Key: ***``, ``Cookie: ***``) masked, and tokens credentials by their form (``ghp_...``)."""
 
     def userinfo(match: re.Match[str]) -> str:
         if match["password"]:
@@ -77,4 +93,4 @@ def redacted(text: str) -> str:
     masked = _JSON_FIELD.sub(lambda m: f'{m["name"]}"***"', masked)
     for pattern in (_AUTHORIZATION, _ENVIRONMENT, _OPTION, _HEADER, _WEBHOOK):
         masked = pattern.sub(lambda m: f"{m['name']}***", masked)
-    return masked
+    return _BARE.sub("***", masked)

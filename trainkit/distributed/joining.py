@@ -35,6 +35,16 @@ def join_timeout(given: float | None = None) -> float:
     return float(given) if given is not None else environment.seconds("TRAINKIT_JOIN_TIMEOUT", JOIN_TIMEOUT)
 
 
+def shown(address: str) -> str:
+    """``address`` as messages print it: a user-info part (``user:password@``, a mistake in a
+    coordinator address) masked.
+
+    >>> shown("alice:s3cr3t@node0:1234"), shown("node0:1234")
+    ('***@node0:1234', 'node0:1234')
+    """
+    return "***@" + address.rpartition("@")[2] if "@" in address else address
+
+
 def resolved(address: str) -> tuple[str, int]:
     """``(host, port)`` of a ``host:port`` coordinator address, checked to resolve (no wait on a
     name that never will)."""
@@ -42,14 +52,14 @@ def resolved(address: str) -> tuple[str, int]:
     host = host.strip("[]")
     if not host or not port.isdigit():
         raise RuntimeError(
-            f"trainkit: the coordinator address {address!r} is not host:port (e.g. 'node0:1234'): set "
+            f"trainkit: the coordinator address {shown(address)!r} is not host:port (e.g. 'node0:1234'): set "
             "JAX_COORDINATOR_ADDRESS (or the engine's variables) to one."
         )
     try:
         socket.getaddrinfo(host, int(port))
     except (socket.gaierror, UnicodeError) as error:
         raise RuntimeError(
-            f"trainkit: the coordinator address {address!r} does not resolve ({error}): no process could reach it. "
+            f"trainkit: the coordinator address {shown(address)!r} does not resolve ({error}): no process could reach it. "
             "Check the host name the launcher set (JAX_COORDINATOR_ADDRESS, MASTER_ADDR, the first node of the "
             "SLURM step)."
         ) from None
