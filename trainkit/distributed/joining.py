@@ -59,8 +59,8 @@ def resolved(address: str) -> tuple[str, int]:
         socket.getaddrinfo(host, int(port))
     except (socket.gaierror, UnicodeError) as error:
         raise RuntimeError(
-            f"trainkit: the coordinator address {shown(address)!r} does not resolve ({error}): no process could reach it. "
-            "Check the host name the launcher set (JAX_COORDINATOR_ADDRESS, MASTER_ADDR, the first node of the "
+            f"trainkit: the coordinator address {shown(address)!r} does not resolve ({error}): no process could reach "
+            "it. Check the host name the launcher set (JAX_COORDINATOR_ADDRESS, MASTER_ADDR, the first node of the "
             "SLURM step)."
         ) from None
     return host, int(port)
