@@ -235,3 +235,48 @@ def test_a_password_in_the_coordinator_address_is_never_printed():
     with pytest.raises(RuntimeError, match=r"'\*\*\*@node0:1234' does not resolve") as raised:
         joining.resolved("alice:s3cr3t@node0:1234")
     assert "s3cr3t" not in str(raised.value)
+
+
+# ---------------------------------------------------------------- OM5 / OM11: out-of-memory messages
+def test_with_no_batch_that_fits_the_message_does_not_point_at_one(monkeypatch):
+    """OM5: the message ended "fits at the batch named above" though none was named."""
+    monkeypatch.setenv("TRAINKIT_DEVICE_MEMORY", "1024")
+    x = np.random.default_rng(0).normal(size=(64, 32)).astype(np.float32)
+    trainer = tk.Trainer(nn.Dense(64), loss="mse", optimizer=optax.adam(1e-3), strategy="single")
+    with pytest.raises(tk.OutOfMemory) as raised:
+        trainer.fit(x, np.zeros((64, 64), np.float32), batch_size=8, verbose=0)
+    text = str(raised.value)
+    assert raised.value.fits_at is None and "no smaller batch fits" in text
+    assert "named above" not in text and "fits once the model, its precision or the strategy change" in text
+
+
+class RaisesAtStep2(tk.callbacks.Callback):
+    def on_train_batch_end(self, batch, logs=None):
+        if batch == 1:
+            raise RuntimeError("CUDA out of memory in my callback's own torch model")
+
+
+def out_of_memory_batches():
+    for index in range(4):
+        if index == 2:
+            raise RuntimeError("DataLoader worker: out of memory decoding image 17")
+        yield X[:8], Y[:8]
+
+
+@pytest.mark.parametrize("where", ["callback", "data"])
+def test_a_memory_error_of_the_data_or_a_callback_is_not_the_devices(where):
+    """OM11: a callback's or the data's RuntimeError mentioning "out of memory" became the train step's
+    tk.OutOfMemory, its own note lost; only the device's RESOURCE_EXHAUSTED is renamed now."""
+    trainer = tk.Trainer(
+        nn.Dense(2), loss="sparse_categorical_crossentropy", optimizer=optax.sgd(0.1), strategy="single"
+    )
+    if where == "callback":
+        run = lambda: trainer.fit(X, Y, batch_size=8, verbose=0, callbacks=[RaisesAtStep2()])  # noqa: E731
+    else:
+        run = lambda: trainer.fit(out_of_memory_batches(), verbose=0)  # noqa: E731
+    with pytest.raises(RuntimeError) as raised:
+        run()
+    assert not isinstance(raised.value, tk.OutOfMemory), raised.value
+    assert "out of memory" in str(raised.value)
+    if where == "data":
+        assert any("raised by the data while reading batch 2" in note for note in raised.value.__notes__)

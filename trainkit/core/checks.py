@@ -173,14 +173,16 @@ _OUT_OF_MEMORY = ("RESOURCE_EXHAUSTED", "Out of memory", "out of memory", "Ran o
 
 def out_of_memory(error: BaseException) -> bool:
     """Whether ``error`` is a device's out-of-memory error (XLA's ``RESOURCE_EXHAUSTED``, raised by
-    a TPU's compiler or a GPU's allocator) that trainkit has not named yet.
+    a TPU's compiler or a GPU's allocator: a ``jax.errors.JaxRuntimeError``) that trainkit has not
+    named yet. Another error that mentions memory (a data loader's, a callback's) is its own.
 
-    >>> out_of_memory(RuntimeError("RESOURCE_EXHAUSTED: Ran out of memory in memory space hbm"))
+    >>> out_of_memory(jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: Ran out of memory in memory space hbm"))
     True
+    >>> out_of_memory(RuntimeError("CUDA out of memory in the data loader's worker"))
+    False
     """
     message = str(error)
-    named = isinstance(error, OutOfMemory)  # trainkit's own, already named
-    return not named and isinstance(error, (MemoryError, RuntimeError)) and any(s in message for s in _OUT_OF_MEMORY)
+    return isinstance(error, jax.errors.JaxRuntimeError) and any(s in message for s in _OUT_OF_MEMORY)
 
 
 class OutOfMemory(MemoryError):

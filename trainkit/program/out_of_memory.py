@@ -98,8 +98,15 @@ def named(
             "  - then bf16 parameters, which halve their bytes (precision=tk.Precision(param_dtype='bfloat16', "
             "compute_dtype='bfloat16')), or a strategy that shards the state (FSDP)"
         )
+    fix = (
+        "at the batch named above"
+        if fits_at is not None
+        else "with the measure named above"
+        if fitting is not None
+        else "once the model, its precision or the strategy change as above"
+    )
     return OutOfMemory(
-        "\n".join(lines) + "\n" + _what_happened(setup, cause),
+        "\n".join(lines) + "\n" + _what_happened(setup, cause, fix),
         kind=kind, batch_size=size, needed=needed, available=limit, fits_at=fits_at,
         measure=None if fitting is None else fitting[0].name,
     )  # fmt: skip
@@ -110,16 +117,16 @@ def _how(rung: ladder_lib.Rung) -> str:
     return f"Trainer({', '.join(settings)})"
 
 
-def _what_happened(setup: Setup, cause: BaseException | None) -> str:
-    """Whether anything ran, and whether the trainer's state is still whole."""
+def _what_happened(setup: Setup, cause: BaseException | None, fix: str) -> str:
+    """Whether anything ran, and whether the trainer's state is still whole; ``fix``: how it fits."""
     if cause is None:
         where = f" ({MEMORY_VARIABLE} set)" if os.environ.get(MEMORY_VARIABLE) else ""
-        return f"Nothing was run{where}: the trainer is as it was, and fits at the batch named above."
+        return f"Nothing was run{where}: the trainer is as it was, and fits {fix}."
     state = setup.session.state
     if state is not None and any(isinstance(leaf, jax.Array) and leaf.is_deleted() for leaf in jax.tree.leaves(state)):
         return (
             "The device refused the step after the state was handed to it (donated): the trainer's state is gone. "
-            "Load the last checkpoint (trainer.load or BackupAndRestore) before fitting at the batch named above."
+            f"Load the last checkpoint (trainer.load or BackupAndRestore) before fitting {fix}."
         )
     return "The device refused the step (its error is this one's __cause__); the trainer's state is whole."
 
