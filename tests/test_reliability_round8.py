@@ -280,3 +280,14 @@ def test_a_memory_error_of_the_data_or_a_callback_is_not_the_devices(where):
     assert "out of memory" in str(raised.value)
     if where == "data":
         assert any("raised by the data while reading batch 2" in note for note in raised.value.__notes__)
+
+
+def test_an_empty_batch_mid_stream_is_named_as_such():
+    """IN4: it was reported as "the dataset is empty"."""
+    batches = [(X[:8], Y[:8]), (X[:0], Y[:0]), (X[8:16], Y[8:16])]
+    trainer = tk.Trainer(
+        nn.Dense(2), loss="sparse_categorical_crossentropy", optimizer=optax.sgd(0.1), strategy="single"
+    )
+    with pytest.raises(ValueError, match=r"Batch 1 of the iterable has 0 rows \(its first had 8\)") as raised:
+        trainer.fit(batches, epochs=1, verbose=0)
+    assert "dataset is empty" not in str(raised.value)

@@ -118,9 +118,11 @@ def check_no_number_lists(parts: dict[str, PyTree]) -> None:
             )
 
 
-def check_lengths(parts: dict[str, PyTree]) -> int:
+def check_lengths(
+    parts: dict[str, PyTree], empty: str = "The dataset is empty (0 rows); pass at least one example."
+) -> int:
     """The rows every part has alike; a scalar, unequal lengths or no rows refused with what to
-    pass."""
+    pass (``empty``: the message for no rows)."""
     lengths = {}
     for part, tree in parts.items():
         if tree is None:
@@ -140,7 +142,7 @@ def check_lengths(parts: dict[str, PyTree]) -> int:
         )
     n = next(iter(lengths.values()))
     if n == 0:
-        raise ValueError("The dataset is empty (0 rows); pass at least one example.")
+        raise ValueError(empty)
     return n
 
 

@@ -246,7 +246,12 @@ class IterableDataset(Source):
         r = request
         for index, element in enumerate(self._elements(r.start, r.state, r.read_ahead, r.read_limit), r.start):
             x, y, w = self._split(element)
-            n = check_lengths({"x": x, "y": y, "sample_weight": w})
+            empty = (
+                f"Batch {index} of the iterable has 0 rows (its first had {self.batch_size}): every batch needs at "
+                "least one row. A filter or the last shard of a split may leave a batch empty; drop empty batches "
+                "in the pipeline before fit."
+            )
+            n = check_lengths({"x": x, "y": y, "sample_weight": w}, empty)
             spec = example_spec((x, y))
             if spec != first_spec:
                 raise ValueError(
