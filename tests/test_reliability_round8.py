@@ -291,3 +291,31 @@ def test_an_empty_batch_mid_stream_is_named_as_such():
     with pytest.raises(ValueError, match=r"Batch 1 of the iterable has 0 rows \(its first had 8\)") as raised:
         trainer.fit(batches, epochs=1, verbose=0)
     assert "dataset is empty" not in str(raised.value)
+
+
+@pytest.mark.parametrize("what", ["save_weights", "export"])
+def test_a_failed_write_names_the_target_not_its_staging_file(what, tmpfs):
+    """FL8: a full disk's OSError named the hidden ``.<name>.writing-...`` file trainkit wrote to."""
+    trainer = tk.Trainer(nn.Dense(1024), loss="mse", optimizer=optax.sgd(0.1), strategy="single")
+    trainer.init(np.zeros((1, 1024), np.float32))  # 4 MiB of weights on a 4 MiB disk
+    target = tmpfs / ("model.safetensors" if what == "save_weights" else "model.jax")
+    with pytest.raises(OSError) as raised:
+        getattr(trainer, what)(target)
+    assert str(target) in str(raised.value) and ".writing-" not in str(raised.value), raised.value
+    assert not any(tmpfs.iterdir())  # nothing left behind
+
+
+def test_a_planted_step_link_is_named_not_taken_for_a_full_disk(tmp_path):
+    """FL5: a symbolic link at a step's path made ModelCheckpoint stop the fit with "free disk space" advice."""
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    directory = tmp_path / "checkpoints"
+    directory.mkdir()
+    (directory / "4").symlink_to(elsewhere)  # 32 rows in batches of 8: epoch 1 ends at step 4
+    trainer = tk.Trainer(
+        nn.Dense(2), loss="sparse_categorical_crossentropy", optimizer=optax.sgd(0.1), strategy="single"
+    )
+    with pytest.raises(tk.CheckpointError, match=r"Step 4 would be written at .*4, which is already there as a "
+                       r"symbolic link to .*elsewhere, not a checkpoint") as raised:  # fmt: skip
+        trainer.fit(X, Y, batch_size=8, epochs=2, verbose=0, callbacks=[tk.callbacks.ModelCheckpoint(directory)])
+    assert "Free disk space" not in str(raised.value) and not any(elsewhere.iterdir())

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import atexit
 import concurrent.futures
+import errno
 import logging
 import os
 import re
@@ -142,10 +143,45 @@ def _write_error(manager: ocp.CheckpointManager, directory: str, error: Exceptio
         pass
     last = manager.latest_step()
     kept = f"the last complete checkpoint is step {last}" if last is not None else "no complete checkpoint exists yet"
+    full = any(getattr(cause, "errno", None) in _FULL for cause in _chain(error)) or "No space left" in str(error)
+    fix = "Free disk space" if full else "Check what is in the way in that directory (its permissions, a file there)"
     return CheckpointError(
         f"Writing a checkpoint to {directory!r} failed ({type(error).__name__}: {error}). "
-        f"The training state in memory is intact and {kept}. Free disk space or choose "
+        f"The training state in memory is intact and {kept}. {fix} or choose "
         "another directory, then save again (trainer.save(...))."
+    )
+
+
+#: the errors of a full disk or quota
+_FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+
+
+def _chain(error: BaseException) -> list[BaseException]:
+    """``error`` and its causes and contexts."""
+    seen: list[BaseException] = []
+    current: BaseException | None = error
+    while current is not None and current not in seen:
+        seen.append(current)
+        current = current.__cause__ or current.__context__
+    return seen
+
+
+def _check_nothing_in_the_way(directory: str, step: int) -> None:
+    """Refuses to write step ``step`` where its path already holds what orbax did not write as a
+    step (a symbolic link, a file, a folder without a step's metadata): the write would fail half-way
+    or go through the link."""
+    path = os.path.join(directory, str(step))
+    if not os.path.lexists(path):
+        return
+    if os.path.islink(path):
+        what = f"a symbolic link to {os.path.realpath(path)}"
+    elif not os.path.isdir(path):
+        what = "a file"
+    else:
+        return  # a folder: orbax's own (a step it lists, or its partial write, which it replaces)
+    raise CheckpointError(
+        f"Step {step} would be written at {path}, which is already there as {what}, not a checkpoint. Nothing was "
+        "written; the training state in memory is intact. Remove it, or choose another directory."
     )
 
 
@@ -239,6 +275,7 @@ class Checkpointer:
         if self.read_only:
             raise CheckpointError(f"{self.directory!r} was opened read-only; open it again to save.")
         self._collect_errors(block=True)  # at most one write in flight; its error surfaces here
+        _check_nothing_in_the_way(self.directory, int(step))
         if step == self._last_saved or step in self.steps():
             if not overwrite:
                 return False
@@ -309,7 +346,9 @@ class Checkpointer:
         return self._last_saved
 
     def delete(self, step: int) -> None:
-        """Removes the checkpoint of ``step``."""
+        """Removes the checkpoint of ``step`` (refused for a link or file at its path: trainkit
+        removes only what it wrote)."""
+        _check_nothing_in_the_way(self.directory, int(step))
         self._manager.delete(step)
 
     def latest_step(self) -> int | None:

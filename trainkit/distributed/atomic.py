@@ -147,16 +147,33 @@ def staged(
     parent = os.path.dirname(target)
     os.makedirs(parent, exist_ok=True)
     remove_stale_staging(target)
-    staging = tempfile.mkdtemp(dir=parent, prefix=f".{os.path.basename(target)}.writing-{os.getpid()}@{_host()}-")
+    try:
+        staging = tempfile.mkdtemp(dir=parent, prefix=f".{os.path.basename(target)}.writing-{os.getpid()}@{_host()}-")
+    except OSError as error:
+        raise _naming(error, target, error.filename or "", "its folder cannot be written") from error
     try:
         temporary = os.path.join(staging, os.path.basename(target))
-        yield temporary
+        try:
+            yield temporary
+        except OSError as error:  # the writer's error names the hidden staging file, or no file: name the target
+            raise _naming(error, target, temporary, "nothing was replaced") from error
         moves = [(temporary, target)]
         moves += [(temporary + suffix, target + suffix) for suffix in sidecars if os.path.exists(temporary + suffix)]
         stale = [target + s for s in sidecars if not os.path.exists(temporary + s) and os.path.isfile(target + s)]
         _commit(moves, stale)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
+
+
+def _naming(error: OSError, target: str, hidden: str, what: str) -> OSError:
+    """``error`` (raised writing a staged file) as the same kind of error naming ``target``, not the
+    hidden staging path ``hidden`` it was written at."""
+    reason = error.strerror or str(error).replace(hidden, "") or type(error).__name__  # no hidden path
+    try:
+        named = type(error)(error.errno or 0, f"{reason} (writing {target}; {what})", target)
+    except TypeError:  # an OSError subclass of another signature
+        named = OSError(error.errno or 0, f"{reason} (writing {target}; {what})", target)
+    return named
 
 
 def _remove(path: str) -> None:

@@ -273,7 +273,12 @@ def save(
 
     metadata = {"format": "pt" if layout == "torch" else "flax", "writer": "trainkit"}
     with atomic.staged(path, sidecars=()) as temporary:
-        safetensors.numpy.save_file(arrays, temporary, metadata=metadata)
+        try:
+            safetensors.numpy.save_file(arrays, temporary, metadata=metadata)
+        except Exception as error:  # noqa: BLE001 - safetensors' Rust error for an OS one: an OSError for the target
+            if "I/O error" not in str(error):
+                raise
+            raise OSError(f"{error}") from error  # staged() names the target
 
 
 def written_name(name: str, ndim: int, layout: str, rename: Sequence[tuple[str, str]]) -> torch_layout.Mapped:
