@@ -319,3 +319,21 @@ def test_a_planted_step_link_is_named_not_taken_for_a_full_disk(tmp_path):
                        r"symbolic link to .*elsewhere, not a checkpoint") as raised:  # fmt: skip
         trainer.fit(X, Y, batch_size=8, epochs=2, verbose=0, callbacks=[tk.callbacks.ModelCheckpoint(directory)])
     assert "Free disk space" not in str(raised.value) and not any(elsewhere.iterdir())
+
+
+@pytest.mark.parametrize("config", ["folder", "file"])
+def test_save_pretrained_inside_the_base_is_refused_however_the_config_is_named(tmp_path, config):
+    """SP1: ``config=<base>`` refused a target inside the base, ``config=<base>/config.json`` let it be written."""
+    import json as json_lib
+
+    base = tmp_path / "base"
+    base.mkdir()
+    (base / "config.json").write_text(json_lib.dumps(CONFIG))
+    trainer = tk.Trainer(
+        nn.Dense(2), loss="sparse_categorical_crossentropy", optimizer=optax.sgd(0.1), strategy="single"
+    )
+    trainer.init(X[:1])
+    source = base if config == "folder" else base / "config.json"
+    with pytest.raises(ValueError, match=r"save_pretrained would write .*sub'?, which lies inside what config= reads"):
+        trainer.save_pretrained(base / "sub", config=source)
+    assert not (base / "sub").exists()

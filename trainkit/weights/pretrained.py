@@ -251,7 +251,8 @@ def check_not_a_source(folder: str | os.PathLike[str], sources: Mapping[str, obj
         if not isinstance(source, (str, os.PathLike)):
             continue  # a dict or a transformers config: no file
         path = os.path.realpath(os.fspath(source))
-        inside, above = _under(path, target), _under(target, path)  # a folder read above the target: its parent
+        home = path if os.path.isdir(path) or not os.path.exists(path) else os.path.dirname(path)  # a file: its folder
+        inside, above = _under(path, target), _under(target, home)  # the folder read is above the target
         if path == target or inside or above:
             where = "is" if path == target else "holds" if inside else "lies inside"
             raise ValueError(
