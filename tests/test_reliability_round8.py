@@ -5,6 +5,7 @@ import json
 import pathlib
 
 import flax.linen as nn
+import jax
 import numpy as np
 import optax
 import pytest
@@ -337,3 +338,48 @@ def test_save_pretrained_inside_the_base_is_refused_however_the_config_is_named(
     with pytest.raises(ValueError, match=r"save_pretrained would write .*sub'?, which lies inside what config= reads"):
         trainer.save_pretrained(base / "sub", config=source)
     assert not (base / "sub").exists()
+
+
+# ---------------------------------------------------------------- a new user's habits in a step of their own
+class TwoInputs(nn.Module):
+    @nn.compact
+    def __call__(self, first, second):
+        return nn.Dense(2)(first) + nn.Dense(2)(second)
+
+
+def test_a_model_of_two_arguments_given_a_tuple_is_told_how_the_tuple_arrives():
+    trainer = tk.Trainer(
+        TwoInputs(), loss="sparse_categorical_crossentropy", optimizer=optax.sgd(0.1), strategy="single"
+    )
+    with pytest.raises(ValueError, match=r"(?s)missing 1 required positional argument.*reaches the model as ONE argument"):
+        trainer.fit((X, X), Y, batch_size=8, verbose=0)
+
+
+class OwnStep(tk.Trainer):
+    mistake = "normal"
+
+    def train_step(self, state, batch, rng):
+        if self.mistake == "normal":
+            state.normal(rng, (4,))  # the batch left out
+        params = state.params
+
+        def loss(params_given):  # reads state.params, not its argument
+            logits, _ = state.apply(params, state.model_state, batch["x"], rng=rng, train=True)
+            return state.mean(optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]), batch)
+
+        grads = jax.grad(loss)(params)
+        return state.apply_gradients(grads), {}
+
+
+@pytest.mark.parametrize("mistake, says", [
+    ("normal", r"state.normal\(rng, batch, shape\) takes the step's batch second"),
+    ("closure", r"all zero on the first batch: the loss they are the gradients of does not depend on them\. Most "
+                r"often a loss function that reads state.params"),
+])  # fmt: skip
+def test_a_users_step_mistake_is_named_with_its_fix(mistake, says):
+    """state.normal(rng, shape) was a raw TypeError from inside trainkit; a loss closing over state.params got
+    advice about optimizer groups the trainer does not have."""
+    trainer = OwnStep(nn.Dense(2), loss="sparse_categorical_crossentropy", optimizer=optax.sgd(0.1), strategy="single")
+    trainer.mistake = mistake
+    with pytest.raises((TypeError, ValueError), match=says):
+        trainer.fit(X, Y, batch_size=8, verbose=0)

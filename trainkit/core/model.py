@@ -484,6 +484,12 @@ def call_error_hint(error: Exception) -> str:
             "with nn.Dropout(rate, deterministic=not train) and nn.BatchNorm(use_running_average=not train). "
             f"trainkit sets any one of {TRAIN_FLAG_NAMES} (deterministic=True means evaluation)."
         )
+    if isinstance(error, TypeError) and "required positional argument" in message:
+        return (
+            "A tuple or list given as x reaches the model as ONE argument (Keras's multi-input x): "
+            "`def __call__(self, inputs)` with `first, second = inputs`, or pass a dict whose keys name "
+            "__call__'s arguments (x={'first': a, 'second': b}: passed as keyword arguments)."
+        )
     if isinstance(error, KeyError):
         return (
             f"The model looked up {message}, which its inputs lack: a dict given as x is passed to the model as it "

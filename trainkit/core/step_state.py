@@ -180,6 +180,12 @@ class StepState(TrainState):
     def normal(self, rng: jax.Array, batch: Batch, shape: tuple[int, ...] = (), dtype: Any = jnp.float32) -> jax.Array:
         """``(rows, *shape)`` standard-normal draws keyed by each row's place in the global batch:
         the same on every strategy and device count (a GAN's ``z``)."""
+        if not isinstance(batch, dict) or "mask" not in batch:
+            raise TypeError(
+                f"state.normal(rng, batch, shape) takes the step's batch second (its rows key the draws, so they are "
+                f"the same on any device count); received {type(batch).__name__} {batch!r:.60}. Call "
+                "state.normal(rng, batch, (latent_dim,)), e.g. z = state.normal(rng, batch, (64,))."
+            )
         return step_helpers.normal(rng, batch, shape, dtype, self.facts.axis_name)
 
     def all_rows(self, values: PyTree) -> PyTree:

@@ -45,14 +45,27 @@ def audit_own_step(setup: Setup, prepared: data_lib.Prepared) -> None:
         _, _, zero = step(state, small)
     except NameError:  # the step names the device axis itself (lax.psum(x, "data")): it runs under its strategy only
         return
+    closure = (
+        "a loss function that reads state.params (or a variable from outside) instead of the parameters it is "
+        "given: jax.grad(loss)(state.params) differentiates only what loss computes from its argument, so "
+        "def loss(params): model(state.params, ...) has zero gradients. Compute the loss from the argument"
+    )
     for group, flag in zero.items():
-        if bool(flag):
+        if not bool(flag):
+            continue
+        if group == "the parameters":  # no optimizer groups: group= is not the fix
             raise SettingError(
-                f"train_step updates {group!r} on gradients that are all zero on the first batch: the loss they are "
-                f"the gradients of never reads {group!r}'s parameters (a loss of another group's, or its group= "
-                "left out), and the optimizer would still move them (Adam's moments). Pass the gradients of the "
-                "loss that trains it, with its own group: state.apply_gradients(grads, group='<the group it trains>')."
+                f"train_step updates the parameters on gradients that are all zero on the first batch: the loss "
+                f"they are the gradients of does not depend on them. Most often {closure}: "
+                "def loss(params): model(params, ...)."
             )
+        raise SettingError(
+            f"train_step updates {group!r} on gradients that are all zero on the first batch: the loss they are "
+            f"the gradients of never reads {group!r}'s parameters (a loss of another group's, or its group= "
+            "left out), and the optimizer would still move them (Adam's moments). Pass the gradients of the "
+            "loss that trains it, with its own group: state.apply_gradients(grads, group='<the group it trains>'). "
+            f"Or {closure}."
+        )
     pads = prepared.rows is None or prepared.rows % prepared.batch_size != 0
     if pads and not jax.tree.leaves(state.model_state):  # batch statistics see padded rows in any step, by design
         _check_padded_rows(step, state, small, prepared)
