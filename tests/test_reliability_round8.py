@@ -3,6 +3,7 @@
 import hashlib
 import json
 import pathlib
+import time
 
 import flax.linen as nn
 import jax
@@ -351,7 +352,9 @@ def test_a_model_of_two_arguments_given_a_tuple_is_told_how_the_tuple_arrives():
     trainer = tk.Trainer(
         TwoInputs(), loss="sparse_categorical_crossentropy", optimizer=optax.sgd(0.1), strategy="single"
     )
-    with pytest.raises(ValueError, match=r"(?s)missing 1 required positional argument.*reaches the model as ONE argument"):
+    with pytest.raises(
+        ValueError, match=r"(?s)missing 1 required positional argument.*reaches the model as ONE argument"
+    ):
         trainer.fit((X, X), Y, batch_size=8, verbose=0)
 
 
@@ -383,3 +386,32 @@ def test_a_users_step_mistake_is_named_with_its_fix(mistake, says):
     trainer.mistake = mistake
     with pytest.raises((TypeError, ValueError), match=says):
         trainer.fit(X, Y, batch_size=8, verbose=0)
+
+
+# ---------------------------------------------------------------- SE2 / SE9: tracking servers' credentials
+def test_a_tracking_librarys_retry_warning_is_masked(caplog, tmp_path):
+    """SE2: urllib3's retries in MLflow's thread logged the tracking URL with its ?token=."""
+    pytest.importorskip("mlflow")
+    tk.loggers.MLflowLogger(f"sqlite:///{tmp_path / 'runs.db'}").close()  # installs the masking
+    with caplog.at_level("WARNING"):
+        __import__("logging").getLogger("urllib3.connectionpool").warning(
+            "Retrying (Retry(total=4)) after connection broken by '%s': %s",
+            "NewConnectionError",
+            "/api/2.0/mlflow/runs/get?run_id=3&token=s3cr3t-token",
+        )
+    (record,) = [r for r in caplog.records if r.name == "urllib3.connectionpool"]
+    assert "s3cr3t-token" not in record.getMessage() and "token=***" in record.getMessage()
+
+
+def test_an_unreachable_wandb_server_is_bounded_and_its_password_masked(tmp_path, monkeypatch):
+    """SE9: WandbLogger online with an unreachable server ran past 90 s; the error now comes within the
+    timeout (wandb's init_timeout and its own retry) without the base URL's password."""
+    pytest.importorskip("wandb")
+    monkeypatch.setenv("WANDB_BASE_URL", "http://alice:pw-s3cr3t@127.0.0.1:9")
+    monkeypatch.setenv("WANDB_API_KEY", "0" * 40)
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"W&B \(online\) could not start the run") as raised:
+        tk.loggers.WandbLogger(dir=tmp_path, mode="online", timeout=2)
+    assert time.monotonic() - start < 60
+    assert "pw-s3cr3t" not in str(raised.value)

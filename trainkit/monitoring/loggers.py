@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import csv
 import json
+import logging
 import os
 from collections.abc import Callable, Mapping
 from typing import IO, TYPE_CHECKING, Any, Literal, Protocol, TypeVar, runtime_checkable
@@ -178,6 +179,29 @@ def bounded(call: Callable[[], T], seconds: float, what: str) -> T:
     return result[0]
 
 
+class _Redacting(logging.Filter):
+    """Masks the credentials in a library's log records (urllib3's retries quote the URL they retry)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        masked = redacted(message)
+        if masked != message:
+            record.msg, record.args = masked, None
+        return True
+
+
+#: the loggers of the libraries a tracking logger talks through, whose records may quote a URL with its token
+LIBRARY_LOGGERS = ("urllib3.connectionpool", "urllib3.util.retry", "urllib3", "mlflow", "wandb")
+
+
+def mask_library_logs() -> None:
+    """Adds one :class:`_Redacting` filter to each of :data:`LIBRARY_LOGGERS` (once)."""
+    for name in LIBRARY_LOGGERS:
+        library = logging.getLogger(name)
+        if not any(isinstance(existing, _Redacting) for existing in library.filters):
+            library.addFilter(_Redacting())
+
+
 class MLflowLogger:
     """An MLflow run (``pip install mlflow``), in ``tracking_uri`` (a ``sqlite:///runs.db``
     database or a server; mlflow 3 no longer takes a ``file:`` directory for runs). Validation
@@ -190,6 +214,7 @@ class MLflowLogger:
         self, tracking_uri: str, experiment: str = "trainkit", run_name: str | None = None, timeout: float = 30.0
     ):
         self.tracking_uri, self.timeout = tracking_uri, float(timeout)
+        mask_library_logs()  # urllib3's retry warnings quote the URL, its ?token= too
 
         def start() -> tuple[MlflowClient, str]:
             import mlflow
@@ -233,20 +258,30 @@ class MLflowLogger:
 
 class WandbLogger:
     """A Weights & Biases run (``pip install wandb``), offline by default (files under
-    ``dir/wandb``, uploaded later with ``wandb sync``). Validation metrics are ``val_<name>``."""
+    ``dir/wandb``, uploaded later with ``wandb sync``). Validation metrics are ``val_<name>``.
+    Online, starting the run waits at most ``timeout`` seconds for the server (wandb's
+    ``init_timeout``, unless ``settings=`` says otherwise); a failure is raised with the
+    server's credentials masked."""
 
     def __init__(
         self,
         project: str = "trainkit",
         dir: str | os.PathLike[str] = ".",
         mode: Literal["online", "offline", "disabled", "shared"] = "offline",
+        timeout: float = 30.0,
         **init: Any,  # wandb.init's other keywords, passed as given
     ):
         import wandb
 
-        self.run = wandb.init(
-            project=project, dir=require_local(dir, "WandbLogger's dir"), mode=mode, reinit="create_new", **init
-        )
+        mask_library_logs()
+        folder = require_local(dir, "WandbLogger's dir")
+        init.setdefault("settings", wandb.Settings(init_timeout=float(timeout)))
+        try:
+            self.run = wandb.init(project=project, dir=folder, mode=mode, reinit="create_new", **init)
+        except Exception as error:  # noqa: BLE001 - wandb raises many kinds; its text may quote the server's URL
+            raise RuntimeError(
+                f"W&B ({mode}) could not start the run: {type(error).__name__}: {redacted(str(error))}"
+            ) from None
 
     def log_metrics(self, step: int, metrics: dict[str, float], run: str = "train") -> None:
         prefix = "val_" if run == "validation" else ""
