@@ -217,13 +217,10 @@ class FitRun:
             pairs = zip(batches, itertools.repeat(None))
         size = lambda: self.steps.steps_per_execution  # noqa: E731 - "auto" may change it mid-epoch
         room = room_until(self.session.position.step, self.config.max_steps, self.every)
-        assembly = AS_READ
-        if (
-            dataset.gathers_rows
-        ):  # a fused call's rows gathered in one piece, by the host or (data_on_device) the devices
-            assembly = Assembly(
-                dataset.gather, dataset.indexed_stacked if self.config.data_on_device else dataset.gather_stacked
-            )
+        assembly = AS_READ  # in-memory rows: a fused call's gathered in one piece, by the host or the devices
+        if dataset.gathers_rows:
+            stacked = dataset.indexed_stacked if self.config.data_on_device else dataset.gather_stacked
+            assembly = Assembly(dataset.gather, stacked)
         spans = executions(pairs, size, room, assembly)
         return self.loop.reader(dataset, spans, self.batch_size, read_ahead=self.config.read_ahead)
 
