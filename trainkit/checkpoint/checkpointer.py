@@ -143,7 +143,9 @@ def _write_error(manager: ocp.CheckpointManager, directory: str, error: Exceptio
         pass
     last = manager.latest_step()
     kept = f"the last complete checkpoint is step {last}" if last is not None else "no complete checkpoint exists yet"
-    full = any(isinstance(cause, OSError) and cause.errno in _FULL for cause in _chain(error)) or "No space left" in str(error)
+    full = any(
+        isinstance(cause, OSError) and cause.errno in _FULL for cause in _chain(error)
+    ) or "No space left" in str(error)
     fix = "Free disk space" if full else "Check what is in the way in that directory (its permissions, a file there)"
     return CheckpointError(
         f"Writing a checkpoint to {directory!r} failed ({type(error).__name__}: {error}). "
