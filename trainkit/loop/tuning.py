@@ -71,8 +71,9 @@ class Timings:
         self.host, self.device = host, device
 
     def saw_fused_compile(self, seconds: float) -> None:
-        """A fused program's first call took ``seconds``: its ratio to the longest first call."""
-        if self.first_call > 0:
+        """A fused program's first call took ``seconds``: its ratio to the longest first call, kept
+        from the trainer's first fused program (a later fit's first call may find it compiled)."""
+        if self.first_call > 0 and self.compile_factor is None:
             self.compile_factor = seconds / self.first_call
 
 
