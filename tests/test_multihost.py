@@ -389,17 +389,22 @@ time.sleep(120)  # as a process waiting in a collective for the failed one
 """
 
 
+def launched_until_done(tmp_path, source, marker, timeout):
+    """The launcher of ``source`` run to its end: ``(launcher, output, when the line with marker came)``."""
+    launcher, _ = start_launcher(tmp_path, source=source)
+    lines, marked = [], None
+    for line in launcher.stdout:
+        lines.append(line)
+        if marker in line:
+            marked = time.monotonic()
+    launcher.wait(timeout=timeout)
+    return launcher, "".join(lines), marked
+
+
 def test_after_a_process_fails_the_others_are_killed_within_a_second(tmp_path):
     """Not the 5 s a forwarded SIGTERM gets (a preemption, where each process writes its backup): a peer of a
     failed process waits in a collective, ignores SIGTERM, and would sit until JAX's heartbeat timeout."""
-    launcher, _ = start_launcher(tmp_path, source=FAILING_PEER)
-    lines, ending = [], None
-    for line in launcher.stdout:
-        lines.append(line)
-        if "ending the other processes" in line:
-            ending = time.monotonic()
-    launcher.wait(timeout=60)
-    output = "".join(lines)
+    launcher, output, ending = launched_until_done(tmp_path, FAILING_PEER, "ending the other processes", 60)
     assert launcher.returncode == 1 and ending is not None, output
     assert "[launch] process 1 exited with code 1 (RuntimeError: process 1 fails on purpose); ending the" in output
     assert time.monotonic() - ending < 3.0, output  # SIGTERM, then SIGKILL after PEER_FAILED_GRACE_SECONDS
@@ -498,14 +503,7 @@ def test_a_sys_exit_in_one_process_ends_the_job_with_its_status(tmp_path):
     """#81 (MX2): a callback's ``sys.exit(3)`` on process 1 at step 3 left both processes alive at 240 s (JAX's
     shutdown barrier waited for a peer stuck in a collective); now the job ends at once, the launcher naming
     process 1 and its status 3."""
-    launcher, _ = start_launcher(tmp_path, source=EXITING_PEER)
-    lines, exited = [], None
-    for line in launcher.stdout:
-        lines.append(line)
-        if "process 1 calls sys.exit(3)" in line:
-            exited = time.monotonic()
-    launcher.wait(timeout=120)
-    output = "".join(lines)
+    launcher, output, exited = launched_until_done(tmp_path, EXITING_PEER, "process 1 calls sys.exit(3)", 120)
     assert exited is not None and time.monotonic() - exited < 30, output
     assert launcher.returncode == 3, output
     assert "[launch] process 1 exited with code 3" in output, output
