@@ -1,8 +1,11 @@
 """Reliability, eighth round (#81): Hugging Face cache folders load, and the round's other rows."""
 
 import hashlib
+import inspect
 import json
+import logging
 import pathlib
+import re
 import time
 
 import flax.linen as nn
@@ -70,13 +73,11 @@ def test_a_hugging_face_cache_snapshot_loads(trainer, tmp_path, sharded):
 
 # ---------------------------------------------------------------- SE4: every path goes through one URL check
 SECRET_URL = "s3://AKIAEXAMPLE:pw-s3cr3t@bucket/run/x.csv"
-PATH_NAMES = __import__("re").compile(r"(^|_)(dir|path|filepath|filename|folder|directory|file)$")
+PATH_NAMES = re.compile(r"(^|_)(dir|path|filepath|filename|folder|directory|file)$")
 
 
 def path_arguments() -> set[str]:
     """Every argument of the public API named as a file system path: ``Owner.method(argument)``."""
-    import inspect
-
     from trainkit.callbacks.lr_finder import LearningRateSearch
 
     owners: list[tuple[str, object]] = [("Trainer", tk.Trainer), ("LearningRateSearch", LearningRateSearch)]
@@ -201,9 +202,6 @@ def test_causal_attention_under_a_context_axis_trains_as_on_one_device(variant, 
 
 def test_the_docs_give_tk_attentions_own_defaults():
     """AT2: docs/large_models.md gave ``causal=True`` as the default; the code's is False."""
-    import inspect
-    import re
-
     text = (pathlib.Path(__file__).parent.parent / "docs" / "large_models.md").read_text()
     documented = re.search(r"`tk\.attention\(query, key, value, ([^`]*)\)`", text)
     assert documented is not None
@@ -326,11 +324,9 @@ def test_a_planted_step_link_is_named_not_taken_for_a_full_disk(tmp_path):
 @pytest.mark.parametrize("config", ["folder", "file"])
 def test_save_pretrained_inside_the_base_is_refused_however_the_config_is_named(tmp_path, config):
     """SP1: ``config=<base>`` refused a target inside the base, ``config=<base>/config.json`` let it be written."""
-    import json as json_lib
-
     base = tmp_path / "base"
     base.mkdir()
-    (base / "config.json").write_text(json_lib.dumps(CONFIG))
+    (base / "config.json").write_text(json.dumps(CONFIG))
     trainer = tk.Trainer(
         nn.Dense(2), loss="sparse_categorical_crossentropy", optimizer=optax.sgd(0.1), strategy="single"
     )
@@ -389,12 +385,12 @@ def test_a_users_step_mistake_is_named_with_its_fix(mistake, says):
 
 
 # ---------------------------------------------------------------- SE2 / SE9: tracking servers' credentials
-def test_a_tracking_librarys_retry_warning_is_masked(caplog, tmp_path):
+def test_a_tracking_library_retry_warning_is_masked(caplog, tmp_path):
     """SE2: urllib3's retries in MLflow's thread logged the tracking URL with its ?token=."""
     pytest.importorskip("mlflow")
     tk.loggers.MLflowLogger(f"sqlite:///{tmp_path / 'runs.db'}").close()  # installs the masking
     with caplog.at_level("WARNING"):
-        __import__("logging").getLogger("urllib3.connectionpool").warning(
+        logging.getLogger("urllib3.connectionpool").warning(
             "Retrying (Retry(total=4)) after connection broken by '%s': %s",
             "NewConnectionError",
             "/api/2.0/mlflow/runs/get?run_id=3&token=s3cr3t-token",
