@@ -108,6 +108,7 @@ def batches_of(x, y):
     "case, expected",
     [
         ("pmap", "does not gather a fused call's batches on its devices"),
+        ("context", "under a context axis or a pipeline the step splits or schedules the batch"),
         ("iterable", "not in-memory arrays"),
         ("too_large", "more than 25% of its"),
         ("not_a_setting", "data_on_device must be 'auto', True or False; received 'yes'"),
@@ -115,9 +116,12 @@ def batches_of(x, y):
 )
 def test_data_on_device_refused_by_name(case, expected, data, monkeypatch):
     x, y = data
-    trainer = make(strategy=tk.DataParallel() if case == "pmap" else "single", steps_per_execution=2)
+    strategies = {"pmap": tk.DataParallel, "context": lambda: tk.Hybrid(data=2, context=4)}
+    trainer = make(strategy=strategies.get(case, tk.SingleDevice)(), steps_per_execution=2)
     setting = "yes" if case == "not_a_setting" else True
     inputs = (batches_of(x, y), None) if case == "iterable" else (x, y)
+    if case == "context":  # 8 positions a row, split over the context axis's 4 devices
+        inputs = make_classification(100, features=8)
     if case == "too_large":
         x, y = make_classification(4096, features=64)
         inputs = (x, y)

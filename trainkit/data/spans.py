@@ -55,38 +55,35 @@ class Rows(NamedTuple):
     size: int
 
 
-def padded_indices(rows: Rows) -> np.ndarray | None:
-    """The indices of the padded batch ``rows`` names: its real rows, then those repeated in
-    order up to its size (:func:`~trainkit.data.batching.pad_batch`'s padding); ``None`` for a
-    batch with no real row (a process's empty part of the last batch).
+def padded_indices(real: np.ndarray, size: int) -> np.ndarray:
+    """The indices of a padded batch of ``size`` rows whose real rows are ``real`` (at least
+    one): those, then they repeated in order (:func:`~trainkit.data.batching.pad_batch`'s padding).
 
-    >>> padded_indices(Rows(np.array([7, 3, 5]), 5)).tolist()
+    >>> padded_indices(np.array([7, 3, 5]), 5).tolist()
     [7, 3, 5, 7, 3]
     """
-    real = np.arange(rows.rows.start, rows.rows.stop) if isinstance(rows.rows, slice) else np.asarray(rows.rows)
     count = len(real)
-    if count == 0:
-        return None
-    return real if count == rows.size else np.concatenate([real, real[np.arange(rows.size - count) % count]])
+    return real if count == size else np.concatenate([real, real[np.arange(size - count) % count]])
 
 
 def span_indices(span: list[Rows]) -> tuple[np.ndarray, np.ndarray] | None:
     """The rows of a span's padded batches as one ``(batches, size)`` index array and their
-    masks (``None`` where a batch has no real row: its span is gathered batch by batch).
+    masks (``None`` where a batch has no real row, a process's empty part of the last batch:
+    its span is gathered batch by batch).
 
     >>> indices, masks = span_indices([Rows(slice(0, 2), 2), Rows(np.array([3]), 2)])
     >>> indices.tolist(), masks.tolist()
     ([[0, 1], [3, 3]], [[1.0, 1.0], [1.0, 0.0]])
     """
-    parts = [padded_indices(rows) for rows in span]
-    if any(part is None for part in parts):
+    reals = [np.arange(r.rows.start, r.rows.stop) if isinstance(r.rows, slice) else np.asarray(r.rows) for r in span]
+    counts = [len(real) for real in reals]
+    if 0 in counts:
         return None
-    real = [r.rows.stop - r.rows.start if isinstance(r.rows, slice) else len(r.rows) for r in span]
     size = span[0].size
-    masks = full_masks(len(span), size)
-    if any(count != size for count in real):
-        masks = (np.arange(size) < np.asarray(real)[:, None]).astype(np.float32)
-    return np.stack(parts), masks  # type: ignore[arg-type]  # no None left
+    indices = np.stack([padded_indices(real, size) for real in reals])
+    if all(count == size for count in counts):
+        return indices, full_masks(len(span), size)
+    return indices, (np.arange(size) < np.asarray(counts)[:, None]).astype(np.float32)
 
 
 class IndexedSpan(NamedTuple):

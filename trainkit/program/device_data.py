@@ -27,6 +27,7 @@ import numpy as np
 from trainkit.data import Source
 from trainkit.program.plan import device_memory_limit
 from trainkit.strategies import Strategy
+from trainkit.strategies.base import GATHERING_SPLIT_BATCH
 
 #: The share of one device's memory (``device_memory_limit``) the kept rows may take: the rest is
 #: the step's (its state, activations and the batches in flight).
@@ -48,7 +49,9 @@ def refusal(source: Source, strategy: Strategy) -> str | None:
             "there is no table to keep on the devices"
         )
     if not strategy.gathers_on_device:
-        return f"{strategy!r} does not gather a fused call's batches on its devices (pmap, a context axis, a pipeline)"
+        return f"{strategy!r} does not gather a fused call's batches on its devices (DataParallel's pmap)"
+    if strategy.context_axis is not None or strategy.stage_axis is not None:
+        return f"{strategy!r}: {GATHERING_SPLIT_BATCH}"
     if jax.process_count() > 1:
         return f"this job has {jax.process_count()} processes, and the rows are kept per process only with one"
     needed, limit = table_bytes(source), device_memory_limit(strategy.devices)

@@ -30,6 +30,13 @@ def make_mesh(devices: Sequence[jax.Device], shape: Sequence[int], names: Sequen
     return Mesh(array, tuple(names), axis_types=(jax.sharding.AxisType.Auto,) * len(names))
 
 
+#: why a strategy that gathers on its devices cannot under a context axis or a pipeline
+GATHERING_SPLIT_BATCH = (
+    "under a context axis or a pipeline the step splits or schedules the batch it is given, so a fused call cannot "
+    "gather its batches from data kept on the devices"
+)
+
+
 class Strategy:
     """Base class of every strategy; subclass it and override the members below.
 
@@ -68,7 +75,8 @@ class Strategy:
     #: Whether a fused call can gather its batches from data kept on the devices
     #: (``fit(..., data_on_device=True)``): a strategy that compiles ``"train_steps_gathered"``
     #: (``fn(state, totals, {"table", "rows", "mask"})``, the table replicated, the rows and masks
-    #: split as stacked batches are) and places the table with ``put_table`` declares ``True``.
+    #: split as stacked batches are) and places the table with ``put_table`` declares ``True`` (it is
+    #: refused all the same under a context axis or a pipeline: :data:`GATHERING_SPLIT_BATCH`).
     gathers_on_device: bool = False
     #: Whether it can keep the optimizer's state in host memory (``Trainer(offload="optimizer")``):
     #: a strategy whose ``state_sharding`` places it as :meth:`with_offload` says declares ``True``.

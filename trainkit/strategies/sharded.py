@@ -32,7 +32,7 @@ from trainkit.core.step import full_mask
 from trainkit.core.tree import KeyPath, PyTree, TreeFunction, leaf_name
 from trainkit.strategies import _sharding
 from trainkit.strategies.attention_reach import reaching_attention
-from trainkit.strategies.base import Strategy, make_mesh
+from trainkit.strategies.base import GATHERING_SPLIT_BATCH, Strategy, make_mesh
 
 
 class ShardedStrategy(Strategy):
@@ -281,17 +281,7 @@ class ShardedStrategy(Strategy):
     fuses_steps = True
     offloads = True
 
-    @property
-    def gathers_on_device(self) -> bool:  # type: ignore[override]  # declared per configuration
-        """Whether a fused call can gather its batches on the devices: not under a context
-        axis or a pipeline, whose steps split or schedule the batch they are given."""
-        return self.context_axis is None and self.schedule is None
-
-    def _no_gathering(self) -> str:
-        return (
-            f"{self!r} cannot gather a fused call's batches from data on the devices: under a context axis or a "
-            "pipeline the step splits or schedules the batch it is given. Pass fit(..., data_on_device=False)."
-        )
+    gathers_on_device = True  # but under a context axis or a pipeline (refused where it is asked for)
 
     def compile(self, kind: str, fn: TreeFunction, abstract_state: PyTree) -> TreeFunction:
         """``jax.jit`` with the state's shardings pinned: training steps donate the state and
@@ -300,8 +290,8 @@ class ShardedStrategy(Strategy):
         state, totals = self.state_sharding(abstract_state), self.replicated()
         batch: PyTree = self.stacked_batch_sharding if kind == "train_steps" else self.batch_sharding
         if kind == "train_steps_gathered":  # the rows of data kept whole on every device
-            if not self.gathers_on_device:
-                raise NotImplementedError(self._no_gathering())
+            if self.context_axis is not None or self.schedule is not None:
+                raise NotImplementedError(f"{self!r}: {GATHERING_SPLIT_BATCH}. Pass fit(..., data_on_device=False).")
             stacked = self.stacked_batch_sharding
             batch = {"table": self.replicated(), "rows": stacked, "mask": stacked}
         fn = pipelined(self._sequences_split(fn, kind), self.schedule)
