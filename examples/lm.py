@@ -8,7 +8,8 @@ activations are constrained with ``nn.with_logical_constraint`` (``batch``, ``le
 (Megatron-style: attention heads and the MLP's hidden units split over ``model``) without a
 line of it changing. The corpus is the ``.py`` files of the running interpreter's standard
 library, read as bytes (vocabulary 256); the last 10% is held out. The report: held-out loss in
-bits per byte, tokens per second and, where the device's peak is known, MFU.
+bits per byte, tokens per second and, where the device's peak is known, MFU (the model's own
+flops) and HFU (the compiler's count).
 
     python examples/lm.py                          # 8 fake CPU devices, FSDP (the default), 600 steps
     python examples/lm.py --strategy tp --steps 300
@@ -292,12 +293,11 @@ def main(argv=None):
     )
     val_loss = trainer.evaluate((x_val, y_val), batch_size=args.batch_size)
     tokens_per_second = timer.steps * args.batch_size * args.length / timer.seconds
-    flops = tk.debug.step_flops(trainer)
     peak = throughput.peak_flops(jax.devices()[0].device_kind, args.precision)
+    per_second = timer.steps / timer.seconds / (peak * len(jax.devices())) if peak else 0.0
+    model, hardware = tk.debug.model_step_flops(trainer), tk.debug.step_flops(trainer)  # MFU's and HFU's counts
     mfu = (
-        ""
-        if peak is None or flops is None
-        else f", MFU {flops * timer.steps / timer.seconds / (peak * len(jax.devices())):.1%}"
+        f", MFU {model * per_second:.1%} (HFU {hardware * per_second:.1%})" if per_second and model and hardware else ""
     )
     print(
         f"held-out loss {val_loss / math.log(2):.3f} bits per byte after {trainer.global_step} steps; "

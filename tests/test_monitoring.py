@@ -183,9 +183,14 @@ def test_step_flops_and_mfu():
     flops = tk.debug.step_flops(run)
     forward = 2 * 16 * (5 * 16 + 16 * 3)  # MLP 5-16-3 (conftest), batch 16: two matmuls
     assert 2.5 * forward < flops < 5 * forward  # forward, backward and the update
-    meter = throughput.Meter(examples_per_step=16, flops_per_step=flops, peak_flops=flops * 100)
+    model = tk.debug.model_step_flops(run)
+    assert model == 3 * forward  # the model's own: its matmuls, three times the forward's
+    meter = throughput.Meter(
+        examples_per_step=16, flops_per_step=flops, peak_flops=flops * 100, model_flops_per_step=model
+    )
     rates = meter.rates(steps=50, seconds=1.0)
-    assert rates["examples_per_second"] == 800 and rates["mfu"] == pytest.approx(0.5)
+    assert rates["examples_per_second"] == 800 and rates["hfu"] == pytest.approx(0.5)
+    assert rates["mfu"] == pytest.approx(0.5 * model / flops)
     assert throughput.peak_flops("cpu") is None
     assert throughput.peak_flops("NVIDIA A100-SXM4-80GB", "float32") == 156e12
     assert throughput.peak_flops("TPU v5 lite", "bfloat16") == 197e12
@@ -370,11 +375,15 @@ def test_remat_shows_as_recomputed_work_in_the_compiled_count():
         )
         trainer.fit(x, y, batch_size=64, epochs=1, verbose=0)
         counts["remat" if remat else "none"] = tk.debug.compiled_step_flops(trainer)
+        counts["model remat" if remat else "model none"] = tk.debug.model_step_flops(trainer)
     # each block's forward once more, in the lowered step (jax.checkpoint's recomputation is in its
     # gradient) and in the compiled one: neither is the model's own count under remat
     assert counts["remat"].model > 1.1 * counts["none"].model, counts
     assert counts["remat"].total > 1.1 * counts["none"].total, counts
     assert 0.8 < counts["remat"].recomputed < 1.3, counts
+    # the model's own count, which MFU divides by, is remat's and not: its matmuls, as the shapes say
+    forward = 2 * 64 * (3 * (64 * 256 + 256 * 64) + 64 * 8)
+    assert counts["model remat"] == counts["model none"] == 3 * forward, counts
 
 
 def test_the_loggers_throughput_counts_the_compiled_step_where_mfu_is_known(tmp_path, monkeypatch):

@@ -83,7 +83,7 @@ def _split_runs(logs: Logs) -> tuple[Logs, Logs]:
 
 
 class _Rate(Callback):
-    """Examples/s (tokens/s, TFLOP/s, MFU) over the steps since the last reading."""
+    """Examples/s (tokens/s, TFLOP/s, MFU and HFU) over the steps since the last reading."""
 
     async_safe = True
 
@@ -97,11 +97,12 @@ class _Rate(Callback):
         devices = jax.devices()
         precision = np.dtype(trainer.precision.compute_dtype).name
         peak = throughput.peak_flops(devices[0].device_kind, precision)
-        flops = None
+        flops = model = None
         try:  # where MFU is known, the compiled step's count (docs/monitoring.md); else the lowered step's
             if peak is not None:
                 counted = debug.compiled_step_flops(trainer)  # a compile: a persistent-cache hit for a real model
                 flops = None if counted is None else counted.total
+                model = debug.model_step_flops(trainer)  # the model's own: MFU (docs/monitoring.md)
             else:  # a CPU: TFLOP/s only, without compiling the step again
                 flops = debug.step_flops(trainer)
         except Exception:  # noqa: BLE001 - a strategy without .lower(): no FLOP figures
@@ -111,6 +112,7 @@ class _Rate(Callback):
             tokens_per_example=self.tokens_per_example,
             flops_per_step=flops,
             peak_flops=None if peak is None else peak * len(devices),
+            model_flops_per_step=model,
         )
 
     def _learning_rate(self) -> dict[str, float]:

@@ -73,8 +73,8 @@ class _Rate(TextColumn):
         shown = batch if self.examples or task.finished else None
         text = f"{speed:.1f} steps/s" + (f", {speed * shown:,.0f} examples/s" if shown else "") if speed else ""
         text += f" ({k} steps per call)" if text and k and k > 1 and shown else ""
-        per_step = task.fields.get("mfu_per_step")  # the MFU of one step per second (a known peak)
-        text += f", MFU {speed * per_step:.1%}" if text and per_step else ""
+        per_step = task.fields.get("mfu_per_step")  # utilisation.Utilisation of one step per second (a known peak)
+        text += per_step.shown(speed) if text and per_step else ""
         return Text(text, style="progress.data.speed")
 
 
@@ -136,7 +136,7 @@ class ProgressBar(Callback):
         self._seen, self._next_draw = 0, 0.0  # batches done this epoch; when the bar redraws next
         self._started = 0.0  # the epoch's start
         self._after_first: tuple[int, float] | None = None  # (batches, time) after its first
-        self._mfu_per_step: float | None = None  # a step's flops over the devices' peak (None: unknown)
+        self._mfu_per_step: utilisation.Utilisation | None = None  # a step's flops over the peak (None: unknown)
         self._mfu_asked = False  # this fit's step lowered for its flops (once its batch is known)
 
     def set_params(self, params: RunParams | None) -> None:
@@ -191,9 +191,9 @@ class ProgressBar(Callback):
         mfu = self._mfu()
         self._progress.update(self._task, completed=self._seen, metrics=format_logs(logs), k=k, mfu_per_step=mfu)
 
-    def _mfu(self) -> float | None:
-        """The MFU of one step per second, where the device's peak is known: the step lowered
-        once per fit, after its first batch (whose shapes it needs)."""
+    def _mfu(self) -> utilisation.Utilisation | None:
+        """MFU and HFU of one step per second, where the device's peak is known: the model traced
+        and the step lowered once per fit, after its first batch (whose shapes they need)."""
         if not self._mfu_asked and self.trainer is not None and self.session.batch_spec is not None:
             self._mfu_asked = True
             self._mfu_per_step = utilisation.per_step(self.model, self.model.precision.compute_dtype)
@@ -230,7 +230,8 @@ class ProgressBar(Callback):
             self._progress = None
         goodput = self.session.ledger.last if self.trainer is not None else None
         if self.verbose and goodput is not None:
-            mfu = utilisation.at_median(goodput.step_median, self._mfu())
+            counted = self._mfu()
+            mfu = "" if counted is None else counted.at_median(goodput.step_median)
             (self.console or Console()).print(goodput_report(goodput) + mfu, highlight=False, soft_wrap=True)
 
     def on_exception(self, exception: BaseException) -> None:

@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec
 
-from trainkit.core import attention_kernels
+from trainkit.core import attention_kernels, cost
 from trainkit.core.causal_balance import balanced_causal_attention, balanced_halves, contiguous_halves
 from trainkit.core.scoped import scoped
 
@@ -230,7 +230,29 @@ def attention(
     heads: grouped), causal or not, ``mask`` / ``bias`` broadcast to ``(batch, heads, q_length, kv_length)``
     as ``jax.nn.dot_product_attention`` takes them; run by the implementation chosen per device and shape
     (``implementation=None``: the Pallas kernel on a TPU, see :mod:`trainkit.core.attention_kernels`) and
-    split over a context axis inside a context step (see the module)."""
+    split over a context axis inside a context step (see the module). Causal, it is traced in
+    :data:`~trainkit.core.cost.CAUSAL_ATTENTION_SCOPE`, so the model's flops count half its scores."""
+    if not causal:
+        return _attention(
+            query, key, value, causal=False, mask=mask, bias=bias, scale=scale, implementation=implementation
+        )
+    with jax.named_scope(cost.CAUSAL_ATTENTION_SCOPE):
+        return _attention(
+            query, key, value, causal=True, mask=mask, bias=bias, scale=scale, implementation=implementation
+        )
+
+
+def _attention(
+    query: jax.Array,
+    key: jax.Array,
+    value: jax.Array,
+    *,
+    causal: bool,
+    mask: jax.Array | None,
+    bias: jax.Array | None,
+    scale: float | None,
+    implementation: str | None,
+) -> jax.Array:
     masked = mask is not None or bias is not None
     choice = attention_kernels.choose(
         query,

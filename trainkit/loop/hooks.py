@@ -69,6 +69,10 @@ class CompiledSteps(Protocol):
 
     def empty_totals(self, kind: str, host_batch: PyTree = None) -> EpochTotals: ...
 
+    def model_flops(self, x: PyTree) -> float:
+        """One train step's flops on inputs ``x`` as the model's matrix multiplies count them."""
+        ...
+
     @property
     def spike_skip(self) -> SpikeSkip | None:
         """The train step's ``skip_spikes`` (its skips are reported, and a long run of them stops ``fit``)."""

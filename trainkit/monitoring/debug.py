@@ -190,6 +190,33 @@ def step_flops(trainer: CompiledTrainer, batch: PyTree = None) -> float | None:
     return flops * (len(strategy.devices) if per_device_program else 1)
 
 
+def model_step_flops(trainer: CompiledTrainer, batch: PyTree = None) -> float | None:
+    """One train step's flops on all devices together as the model's own matrix multiplies count
+    them, as MaxText and PaLM count MFU: three times the forward pass's, causal ``tk.attention``
+    halved (:func:`trainkit.core.cost.model_flops`), the same under every strategy and with or
+    without remat, a Pallas kernel's included (the compiler counts a kernel as nothing). On the
+    inputs of ``batch`` (as :func:`lower_train_step`; by default the last ``fit``'s); ``None``
+    where the model has no matrix multiply.
+
+    >>> import numpy as np, optax, flax.linen as nn, trainkit as tk
+    >>> trainer = tk.Trainer(nn.Dense(3), loss="mse", optimizer=optax.sgd(0.1))
+    >>> _ = trainer.fit(np.ones((32, 5), np.float32), np.ones((32, 3), np.float32), batch_size=16, verbose=0)
+    >>> model_step_flops(trainer)  # 3 x (2 x 16 rows x 5 inputs x 3 outputs)
+    1440.0
+    """
+    if trainer.state is None:
+        raise RuntimeError("The trainer has no state yet: call fit(...) or init(sample_batch) first.")
+    inputs = (trainer.session.batch_spec if batch is None else batch)["x"]
+    per_device_rows = _strategy(trainer).axis_name is not None  # pmap places (devices, rows, ...)
+
+    def whole(leaf: jax.ShapeDtypeStruct) -> jax.ShapeDtypeStruct:
+        shape = (leaf.shape[0] * leaf.shape[1], *leaf.shape[2:]) if per_device_rows else leaf.shape
+        return jax.ShapeDtypeStruct(shape, leaf.dtype)
+
+    flops = trainer.compiled.model_flops(jax.tree.map(whole, inputs))
+    return flops or None
+
+
 @dataclasses.dataclass(frozen=True)
 class StepFlops:
     """A train step's floating-point operations as the compiler counts them: ``per_device`` (the

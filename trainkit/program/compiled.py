@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from trainkit.core import cost
 from trainkit.core.spikes import SpikeSkip
 from trainkit.core.state import TrainState, abstract
 from trainkit.core.statistics import StepStatistics
@@ -124,6 +125,11 @@ class CompiledFunctions:
     def adopt(self, kind: str, function: TreeFunction) -> None:
         """``function``, compiled elsewhere (the plan ``"auto"`` chose from), as the ``kind`` step."""
         self._functions[self._key(kind)] = function
+
+    def model_flops(self, x: PyTree) -> float:
+        """One train step's flops on inputs ``x`` (global shapes) as the model's own matrix
+        multiplies count them (:func:`trainkit.core.cost.model_flops`: remat and the compiler aside)."""
+        return cost.model_flops(self.program.outputs, abstract(self._state()), x)
 
     def empty_totals(self, kind: str, host_batch: PyTree = None) -> EpochTotals:
         """Host zeros of the metric totals the ``kind`` step carries (``"train"``,
