@@ -499,6 +499,32 @@ trainer.fit(x, (x[:, 0] > 0).astype(np.int32), batch_size=16, epochs=100, verbos
 """
 
 
+EXITING_BEFORE_FIT = """
+import os, sys
+import flax.linen as nn, numpy as np, optax
+import trainkit as tk
+tk.distributed.initialize()
+print("ready", os.getpid(), flush=True)
+trainer = tk.Trainer(nn.Dense(2), loss="sparse_categorical_crossentropy", optimizer=optax.sgd(0.1), strategy=tk.FSDP())
+if tk.distributed.process_index() == 1:
+    print("process 1 calls sys.exit(3) before fit", flush=True)
+    sys.exit(3)
+x = np.random.default_rng(0).normal(size=(512, 4)).astype(np.float32)
+trainer.fit(x, (x[:, 0] > 0).astype(np.int32), batch_size=16, epochs=100, verbose=0)
+"""
+
+
+def test_a_sys_exit_before_fit_ends_the_job_naming_its_process_and_status(tmp_path):
+    """#81 (MX1/MX4): ``sys.exit(3)`` on process 1 before ``fit`` ended the job at ~33 s with process 0 blamed
+    (its collective's deadline) and the status 3 lost; the launcher's processes run the script through
+    trainkit.distributed.script_runner, which sees the SystemExit: process 1 leaves at once with its status."""
+    launcher, output, exited = launched_until_done(tmp_path, EXITING_BEFORE_FIT, "calls sys.exit(3) before fit", 120)
+    assert exited is not None and time.monotonic() - exited < 30, output
+    assert launcher.returncode == 3, output
+    assert "[launch] process 1 exited with code 3" in output, output
+    assert "process 1 of 2 leaves the job with exit status 3: SystemExit raised in" in output, output
+
+
 def test_a_sys_exit_in_one_process_ends_the_job_with_its_status(tmp_path):
     """#81 (MX2): a callback's ``sys.exit(3)`` on process 1 at step 3 left both processes alive at 240 s (JAX's
     shutdown barrier waited for a peer stuck in a collective); now the job ends at once, the launcher naming

@@ -6,7 +6,8 @@ machine's GPUs: 2 processes on 8 GPUs take 4 each, also inside a SLURM allocatio
 ``--devices-per-proc K`` that many fake CPU devices, so the unchanged script connects through
 ``tk.distributed.initialize``. Output lines are prefixed with
 the process index. If a process fails, the launcher says which, ends the others and exits with
-its code; for a cluster, see docs/multihost.md.
+its code, a ``sys.exit(3)`` outside ``fit`` included (each process runs the script through
+:mod:`trainkit.distributed.script_runner`); for a cluster, see docs/multihost.md.
 
     python -m trainkit.launch --nproc 2 --devices-per-proc 4 examples/digits_cnn.py --epochs 3
 
@@ -248,7 +249,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     refuse_inside_a_job(args.nproc)
     try:
-        return launch([sys.executable, args.script, *args.args], args.nproc, args.devices_per_proc, args.port)
+        command = [sys.executable, "-m", "trainkit.distributed.script_runner", args.script, *args.args]  # sees sys.exit
+        return launch(command, args.nproc, args.devices_per_proc, args.port)
     except ValueError as error:  # the arguments' own check: a usage line, not a traceback
         parser.error(str(error))
 
