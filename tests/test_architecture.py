@@ -22,8 +22,10 @@ ALLOWED = {
     "record": {"core"},
     "objective": {"core"},
     "data": {"core"},
-    "strategies": {"core", "distributed"},
-    "program": {"core", "record", "objective", "data", "strategies", "distributed", "weights"},
+    # tk.attention, its kernels, its context split and the doors to a model's own attention
+    "attn": {"core"},
+    "strategies": {"core", "distributed", "attn"},
+    "program": {"core", "record", "objective", "data", "strategies", "distributed", "weights", "attn"},
     "weights": {"core", "distributed"},
     "loop": {"core", "record", "data", "distributed", "strategies"},
     "checkpoint": {"core", "record", "distributed"},
@@ -453,3 +455,17 @@ def test_the_rules_can_fail(tmp_path):
         "core.features.a imports the feature core.features.b: features know only the seam",
         "loop.x imports ['core.features.a']: only program.program registers features",
     ]
+
+
+def test_attention_and_its_kernels_live_in_one_package():
+    """#82: ``tk.attention``, the kernels it chooses from, its context split and the doors to a model's own
+    attention are one package (``trainkit/attn/``), its choice made in ``kernels.choose`` and run in the
+    one function ``dispatch.attention``: no module elsewhere runs a Pallas kernel or splits attention."""
+    import trainkit as tk
+
+    assert tk.attention.__module__ == "trainkit.attn.dispatch"
+    kernel_words = re.compile(r"experimental\.pallas|splash_attention|split_attention|AttentionCall\(")
+    outside = [n for n, path in MODULES.items() if package_of(n) != "attn" and kernel_words.search(path.read_text())]
+    assert not outside, f"attention's kernels or split outside trainkit/attn/: {outside}"
+    dispatch = MODULES["attn.dispatch"].read_text()
+    assert dispatch.count("kernels.choose(") == 1 and dispatch.count("\ndef ") == 1, "one function decides and runs"

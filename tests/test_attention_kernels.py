@@ -14,7 +14,7 @@ import optax
 import pytest
 
 import trainkit as tk
-from trainkit.core import attention_kernels
+from trainkit.attn import kernels as attention_kernels
 
 BATCH, LENGTH, HEADS, DEPTH = 2, 256, 4, 32
 

@@ -12,9 +12,9 @@ from conftest import attention_written_out
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 import trainkit as tk
-from trainkit.core.causal_balance import tiles_per_device
-from trainkit.core.context_attention import ContextSplit, attention_calls
-from trainkit.strategies.attention_reach import reaching_attention
+from trainkit.attn import ContextSplit, attention_calls
+from trainkit.attn.causal_balance import tiles_per_device
+from trainkit.attn.reach import reaching_attention
 
 B, T, H, D = 2, 16, 2, 8
 

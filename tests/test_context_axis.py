@@ -15,7 +15,7 @@ import pytest
 from conftest import attention_written_out, check_resumes_and_loads_elsewhere, check_trains_like_single_device
 
 import trainkit as tk
-from trainkit.core.context_attention import active_split
+from trainkit.attn import active_split
 from trainkit.program.plan import short_name
 
 SEQUENCE, WIDTH, VOCAB, HEADS = 512, 64, 64, 4

@@ -19,10 +19,10 @@ from trainkit.version import __version__
 
 if TYPE_CHECKING:  # what __getattr__ imports on first use, for the type checker
     from trainkit import callbacks, data, export, strategies, weights
+    from trainkit.attn import attention
     from trainkit.checkpoint import CheckpointError
     from trainkit.core import optimizers
     from trainkit.core.checks import OutOfMemory
-    from trainkit.core.context_attention import attention
     from trainkit.core.lora import LoRA
     from trainkit.core.precision import Precision
     from trainkit.core.spikes import SpikeSkip
@@ -55,7 +55,7 @@ LAZY: dict[str, tuple[str, str | None]] = {
     "DataParallel": ("trainkit.strategies", "DataParallel"),
     "FSDP": ("trainkit.strategies", "FSDP"),
     "Hybrid": ("trainkit.strategies", "Hybrid"),
-    "attention": ("trainkit.core.context_attention", "attention"),
+    "attention": ("trainkit.attn", "attention"),
     "callbacks": ("trainkit.callbacks", None),
     "data": ("trainkit.data", None),
     "export": ("trainkit.export", None),

@@ -172,7 +172,7 @@ def test_tk_attention_runs_the_pallas_kernel_within_bf16_of_float32_xla_attentio
     its outputs and gradients in bf16 are within 3e-2 of XLA attention's in float32."""
     if chip.platform != "tpu":
         pytest.skip("the Pallas kernel runs on a TPU")
-    from trainkit.core import attention_kernels
+    from trainkit.attn import kernels as attention_kernels
 
     rng = np.random.default_rng(0)
     q, k, v = (jnp.asarray(rng.normal(size=(1, 2048, 8, 128)), jnp.float32) for _ in range(3))

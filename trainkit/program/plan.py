@@ -30,10 +30,10 @@ from rich.console import Console
 from rich.table import Table
 
 from trainkit import distributed
+from trainkit.attn import AttentionCall, attention_calls
+from trainkit.attn.causal_balance import tiles_per_device
 from trainkit.core import checks
 from trainkit.core import cost as cost_lib
-from trainkit.core.causal_balance import tiles_per_device
-from trainkit.core.context_attention import AttentionCall, attention_calls
 from trainkit.core.leaf_step import LeafStep
 from trainkit.core.offload import in_host_memory
 from trainkit.core.pipeline import bubble_fraction

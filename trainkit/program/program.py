@@ -30,7 +30,8 @@ import jax
 import numpy as np
 import optax
 
-from trainkit.core import attention_kernels, cost, loss_call, tree
+from trainkit.attn.kernels import compiled_for
+from trainkit.core import cost, loss_call, tree
 from trainkit.core import custom_step as custom_lib
 from trainkit.core import frozen_statistics as frozen_lib
 from trainkit.core import lora as lora_lib
@@ -383,7 +384,7 @@ class Program:
             step = rematerialised(step, strategy.remat)
         if strategy.logical_rules:  # nn.with_logical_constraint in the model
             step = under_logical_rules(step, strategy.mesh, strategy.logical_rules)
-        step = attention_kernels.compiled_for(step, strategy.devices[0].platform)  # a target's, not this host's
+        step = compiled_for(step, strategy.devices[0].platform)  # a target's, not this host's
         return strategy.compile("train" if kind == "train_measured" else kind, step, abstract_state)
 
     def step(

@@ -94,7 +94,7 @@ class Strategy:
     context_axis: str | None = None
     sequence_axis: int = 1
     #: Under a context axis, also split the attention a model calls by JAX's or Flax's own names
-    #: (``Hybrid(reach_attention=True)``; :mod:`trainkit.strategies.attention_reach`).
+    #: (``Hybrid(reach_attention=True)``; :mod:`trainkit.attn.reach`).
     reach_attention: bool = False
     #: The mesh axis a pipeline splits the model's stacked blocks over (``None``: no pipeline), and
     #: into how many microbatches each step's batch goes through it (:mod:`trainkit.core.pipeline`).

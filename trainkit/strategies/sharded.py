@@ -23,7 +23,8 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from trainkit import distributed
-from trainkit.core.context_attention import ContextSplit, context_split
+from trainkit.attn import ContextSplit, context_split
+from trainkit.attn.reach import reaching_attention
 from trainkit.core.gpipe import Schedule
 from trainkit.core.leaf_step import LeafStep
 from trainkit.core.pipeline import pipelined
@@ -31,7 +32,6 @@ from trainkit.core.state import TrainState
 from trainkit.core.step import full_mask
 from trainkit.core.tree import KeyPath, PyTree, TreeFunction, leaf_name
 from trainkit.strategies import _sharding
-from trainkit.strategies.attention_reach import reaching_attention
 from trainkit.strategies.base import GATHERING_SPLIT_BATCH, Strategy, make_mesh
 
 

@@ -1,5 +1,5 @@
-"""Attention split over a context axis by hand: ``tk.attention``, and the split any
-``jax.nn.dot_product_attention``-like function gets inside a context step.
+"""Attention split over a context axis by hand: the split ``tk.attention`` (:mod:`.dispatch`) and
+any ``jax.nn.dot_product_attention``-like function get inside a context step.
 
 Outside a context step ``tk.attention`` is ``jax.nn.dot_product_attention``. While a step of a
 strategy with a context axis (``Hybrid(data=2, context=4)``) is traced, each device keeps its
@@ -7,13 +7,13 @@ chunk of the queries, all-gathers the keys and values over the axis (MaxText's d
 ``all_gather`` way), and masks causally by the chunk's global positions; a mask or bias is split
 with the queries. Each query's row of attention is computed whole on one device, so the numbers
 are those of one device. Without it the compiler gathers what attention needs from the layout
-alone; with it, what is gathered is stated, not found. :mod:`trainkit.strategies.attention_reach`
+alone; with it, what is gathered is stated, not found. :mod:`trainkit.attn.reach`
 routes Flax's and JAX's own attention here; every call a step's trace reaches is recorded
 (:func:`attention_calls`), so a plan says whether its context axis split the model's attention.
 
->>> import jax.numpy as jnp
+>>> import jax, jax.numpy as jnp
 >>> q = k = v = jnp.ones((1, 4, 2, 8))  # (batch, length, heads, head_dim)
->>> attention(q, k, v, causal=True).shape
+>>> split_attention(jax.nn.dot_product_attention, "example", q, k, v, {"is_causal": True}).shape  # no split active
 (1, 4, 2, 8)
 """
 
@@ -31,11 +31,11 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec
 
-from trainkit.core import attention_kernels, cost
-from trainkit.core.causal_balance import balanced_causal_attention, balanced_halves, contiguous_halves
+from trainkit.attn import kernels
+from trainkit.attn.causal_balance import balanced_causal_attention, balanced_halves, contiguous_halves
 from trainkit.core.scoped import scoped
 
-_JAX_ATTENTION = jax.nn.dot_product_attention  # bound before attention_reach can route jax.nn's name here
+JAX_ATTENTION = jax.nn.dot_product_attention  # bound before attention.reach can route jax.nn's name here
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,7 +59,7 @@ class AttentionCall:
     door: str
     split: bool
     reason: str = ""
-    balanced: bool = False  # causal, its score tiles balanced over the devices (trainkit.core.causal_balance)
+    balanced: bool = False  # causal, its score tiles balanced over the devices (trainkit.attn.causal_balance)
 
 
 _ACTIVE: contextvars.ContextVar[ContextSplit | None] = contextvars.ContextVar("context_split", default=None)
@@ -91,7 +91,7 @@ def attention_calls() -> Iterator[list[AttentionCall]]:
         yield calls
 
 
-def _record(call: AttentionCall) -> None:
+def record(call: AttentionCall) -> None:
     calls = _CALLS.get()
     if calls is not None:
         calls.append(call)
@@ -144,7 +144,7 @@ def split_attention(
         return attend(query, key, value, **options)
     reason = _why_not_split(split, query, options)
     balanced = not reason and _balances(attend, split, query, key, options)
-    _record(AttentionCall(door, not reason, reason, balanced))
+    record(AttentionCall(door, not reason, reason, balanced))
     if reason:
         return attend(query, key, value, **options)
     axis, batch = split.axis, query.ndim - 3
@@ -193,10 +193,10 @@ def _balances(
     attend: Callable[..., jax.Array], split: ContextSplit, query: jax.Array, key: jax.Array, options: Mapping[str, Any]
 ) -> bool:
     """Whether a call is plain causal self-attention with JAX's semantics, whose query chunks halve:
-    then its tiles are balanced over the devices (:mod:`trainkit.core.causal_balance`)."""
+    then its tiles are balanced over the devices (:mod:`trainkit.attn.causal_balance`)."""
     plain = all(options.get(name) is None for name in ("bias", "mask", "key_value_seq_lengths", "implementation"))
     return (
-        attend is _JAX_ATTENTION
+        attend is JAX_ATTENTION
         and bool(options.get("is_causal"))
         and plain
         and key.shape[-3] == query.shape[-3]
@@ -215,92 +215,12 @@ def _mask_spec(shape: tuple[int, ...], query: jax.Array, axis: str, rows: tuple[
     return PartitionSpec(*spec)
 
 
-def attention(
-    query: jax.Array,
-    key: jax.Array,
-    value: jax.Array,
-    *,
-    causal: bool = False,
-    mask: jax.Array | None = None,
-    bias: jax.Array | None = None,
-    scale: float | None = None,
-    implementation: str | None = None,
-) -> jax.Array:
-    """Softmax attention of ``(batch, length, heads, head_dim)`` arrays (keys and values may have fewer
-    heads: grouped), causal or not, ``mask`` / ``bias`` broadcast to ``(batch, heads, q_length, kv_length)``
-    as ``jax.nn.dot_product_attention`` takes them; run by the implementation chosen per device and shape
-    (``implementation=None``: the Pallas kernel on a TPU, see :mod:`trainkit.core.attention_kernels`) and
-    split over a context axis inside a context step (see the module). Causal, it is traced in
-    :data:`~trainkit.core.cost.CAUSAL_ATTENTION_SCOPE`, so the model's flops count half its scores."""
-    if not causal:
-        return _attention(
-            query, key, value, causal=False, mask=mask, bias=bias, scale=scale, implementation=implementation
-        )
-    with jax.named_scope(cost.CAUSAL_ATTENTION_SCOPE):
-        return _attention(
-            query, key, value, causal=True, mask=mask, bias=bias, scale=scale, implementation=implementation
-        )
-
-
-def _attention(
-    query: jax.Array,
-    key: jax.Array,
-    value: jax.Array,
-    *,
-    causal: bool,
-    mask: jax.Array | None,
-    bias: jax.Array | None,
-    scale: float | None,
-    implementation: str | None,
-) -> jax.Array:
-    masked = mask is not None or bias is not None
-    choice = attention_kernels.choose(
-        query,
-        key,
-        causal=causal,
-        masked=masked,
-        implementation=implementation,
-        platform=attention_kernels.target_platform(),
-    )
-    split = active_split()
-    if choice.name.startswith("pallas") and split is not None:
-        if implementation is None and not _kernel_splits(query, key, split):
-            choice = attention_kernels.Choice(
-                "xla",
-                f"tk.attention: under a context axis of {split.size}, queries of length {query.shape[1]} do not split "
-                f"into chunks of a multiple of the kernel's block ({attention_kernels.BLOCK}): XLA's attention, "
-                "split by hand",
-            )
-        else:
-            _record(AttentionCall("tk.attention", True, balanced=causal and _kernel_balances(query, split)))
-            return _split_kernel(
-                query, key, value, split, causal=causal, scale=scale, interpret=choice.name != "pallas"
-            )
-    attention_kernels.note_once(choice.note)
-    if choice.name == "cudnn":
-        out: jax.Array = _JAX_ATTENTION(
-            query, key, value, bias, mask, scale=scale, is_causal=causal, implementation="cudnn"
-        )
-        return out
-    if choice.name.startswith("pallas"):
-        interpret = choice.name == "pallas-interpret"
-        return attention_kernels.splash_attention(query, key, value, causal=causal, scale=scale, interpret=interpret)
-    options = {"is_causal": causal, "scale": scale, "mask": mask, "bias": bias}
-    return split_attention(_JAX_ATTENTION, "tk.attention", query, key, value, options)
-
-
-def _kernel_splits(query: jax.Array, key: jax.Array, split: ContextSplit) -> bool:
-    """Whether the kernel takes this self-attention split over the context axis (chunks of whole blocks)."""
-    length = query.shape[1]
-    return key.shape[1] == length and length % split.size == 0 and (length // split.size) % attention_kernels.BLOCK == 0
-
-
-def _kernel_balances(query: jax.Array, split: ContextSplit) -> bool:
+def kernel_balances(query: jax.Array, split: ContextSplit) -> bool:
     """Whether the kernel's causal split balances: each chunk's halves are whole blocks."""
-    return (query.shape[1] // split.size) % (2 * attention_kernels.BLOCK) == 0
+    return (query.shape[1] // split.size) % (2 * kernels.BLOCK) == 0
 
 
-def _split_kernel(
+def split_kernel(
     query: jax.Array,
     key: jax.Array,
     value: jax.Array,
@@ -314,25 +234,20 @@ def _split_kernel(
     gathered whole; causal, each query chunk against the prefix it can see, the kernel's causal mask
     offset by the chunk's start (static kernels per position on the axis, chosen by ``lax.switch``).
     Causal and balanced where a chunk's halves are multiples of the kernel's block: device ``d``
-    runs half-chunks ``d`` and ``2C-1-d`` (:mod:`trainkit.core.causal_balance`), ``2C + 1`` half-chunks
+    runs half-chunks ``d`` and ``2C-1-d`` (:mod:`trainkit.attn.causal_balance`), ``2C + 1`` half-chunks
     of keys on every device; else its contiguous chunk (the last device sees all ``C`` chunks). The
-    chunk must be a multiple of the kernel's block."""
+    chunk must be a multiple of the kernel's block (:func:`~trainkit.attn.kernels.choose` said so)."""
     axis, size = split.axis, split.size
     chunk = query.shape[1] // size
-    if not _kernel_splits(query, key, split):
-        raise ValueError(
-            f"tk.attention: the Pallas kernel under a context axis of {size} needs self-attention whose length splits "
-            f"into chunks of a multiple of {attention_kernels.BLOCK}; received queries of length {query.shape[1]} "
-            f"and keys of length {key.shape[1]}. Pass implementation=None (XLA's attention, split by hand)."
-        )
+    assert kernels.kernel_splits(query, key, size), "kernels.choose refuses or reroutes such a call"
     rows = _row_axes(split, query)
     spec = PartitionSpec(rows or None, axis)
-    balanced = _kernel_balances(query, split)
+    balanced = kernel_balances(query, split)
 
     def prefix(index: int, length: int, q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
         """Queries of global chunk ``index`` (of ``length`` rows) against the keys up to their end."""
         end = (index + 1) * length
-        return attention_kernels.splash_attention(
+        return kernels.splash_attention(
             q, k[:, :end], v[:, :end], causal=True, scale=scale, interpret=interpret, offset=index * length
         )
 
@@ -343,7 +258,7 @@ def _split_kernel(
     def local(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
         k, v = (jax.lax.all_gather(a, axis, axis=1, tiled=True) for a in (k, v))
         if not causal:
-            return attention_kernels.splash_attention(q, k, v, causal=False, scale=scale, interpret=interpret)
+            return kernels.splash_attention(q, k, v, causal=False, scale=scale, interpret=interpret)
         here = jax.lax.axis_index(axis)
         if not balanced:
             branches = [functools.partial(prefix, position, chunk) for position in range(size)]

@@ -2,7 +2,7 @@
 the model being edited.
 
 While a step with a context axis is traced (:func:`reaching_attention`), three doors lead to
-:func:`~trainkit.core.context_attention.split_attention`:
+:func:`~trainkit.attn.context_axis.split_attention`:
 
 - ``nn.MultiHeadDotProductAttention`` (and ``nn.SelfAttention``) with Flax's default
   ``attention_fn``: a Flax method interceptor (as the frozen-statistics feature uses) gives the
@@ -18,7 +18,7 @@ and the plan's notes say no attention was split.
 
 >>> import jax, jax.numpy as jnp
 >>> from jax.sharding import Mesh
->>> from trainkit.core.context_attention import ContextSplit, attention_calls
+>>> from trainkit.attn import ContextSplit, attention_calls
 >>> mesh = Mesh(jax.devices()[:4], ("context",))
 >>> q = jnp.ones((1, 8, 2, 4))
 >>> with attention_calls() as calls, reaching_attention(ContextSplit(mesh, "context")):
@@ -39,7 +39,7 @@ import flax.linen as nn
 import flax.linen.attention as linen_attention
 import jax
 
-from trainkit.core.context_attention import ContextSplit, active_split, context_split, split_attention
+from trainkit.attn.context_axis import ContextSplit, active_split, context_split, split_attention
 from trainkit.core.tree import PyTree
 from trainkit.internals.rebinding import field_set, rebound
 

@@ -5,7 +5,8 @@ fused attention where it takes the dtype, else XLA's written-out attention
 (``jax.nn.dot_product_attention(implementation="xla")``). ``implementation=`` forces one:
 ``"xla"``, ``"pallas"`` (a TPU), ``"pallas-interpret"`` (the same kernel run by JAX's Pallas
 interpreter on any device: slow, for tests), ``"cudnn"`` (a GPU); one that cannot run here, or
-cannot take the call, is refused by name. Where the automatic choice cannot give the kernel a call
+cannot take the call, is refused by name. :func:`choose` decides, also under a context axis;
+:func:`trainkit.attn.attention` runs what it chose. Where the automatic choice cannot give the kernel a call
 (a length not a multiple of its block, a ``mask`` or ``bias``), it routes it to XLA with a
 one-line note, never a wrong number.
 
@@ -78,9 +79,17 @@ class Choice:
 
 
 def choose(
-    query: jax.Array, key: jax.Array, *, causal: bool, masked: bool, implementation: str | None, platform: str
+    query: jax.Array,
+    key: jax.Array,
+    *,
+    causal: bool,
+    masked: bool,
+    implementation: str | None,
+    platform: str,
+    split_size: int = 1,
 ) -> Choice:
-    """The attention for a call of these shapes on ``platform`` (``jax.default_backend()``'s name)."""
+    """The attention for a call of these shapes on ``platform`` (``jax.default_backend()``'s name),
+    inside a step whose context axis splits each sequence ``split_size`` ways (1: none)."""
     if implementation is not None and implementation not in IMPLEMENTATIONS:
         raise ValueError(
             f"tk.attention: implementation={implementation!r} is not one of {sorted(IMPLEMENTATIONS)} (or None: "
@@ -91,7 +100,7 @@ def choose(
             return Choice("cudnn")
         if platform != "tpu":
             return Choice("xla")
-        why = _kernel_refuses(query, key, masked)
+        why = _kernel_refuses(query, key, masked) or _split_refuses(query, key, split_size)
         return Choice("xla", f"tk.attention: {why}: XLA's attention instead") if why else Choice("pallas")
     needs = IMPLEMENTATIONS[implementation]
     if needs is not None and platform != needs:
@@ -100,10 +109,33 @@ def choose(
             f"compiled for {platform!r}. Pass implementation=None (chosen per device), 'xla', or "
             "'pallas-interpret' (the Pallas kernel interpreted: any device, slowly)."
         )
-    why = _kernel_refuses(query, key, masked) if implementation.startswith("pallas") else ""
-    if why:
-        raise ValueError(f"tk.attention: implementation={implementation!r} cannot take this call: {why}.")
+    if implementation.startswith("pallas"):
+        why = _kernel_refuses(query, key, masked)
+        if why:
+            raise ValueError(f"tk.attention: implementation={implementation!r} cannot take this call: {why}.")
+        if _split_refuses(query, key, split_size):
+            raise ValueError(
+                f"tk.attention: the Pallas kernel under a context axis of {split_size} needs self-attention whose "
+                f"length splits into chunks of a multiple of {BLOCK}; received queries of length {query.shape[1]} "
+                f"and keys of length {key.shape[1]}. Pass implementation=None (XLA's attention, split by hand)."
+            )
     return Choice(implementation)
+
+
+def kernel_splits(query: jax.Array, key: jax.Array, parts: int) -> bool:
+    """Whether the kernel takes this self-attention split ``parts`` ways over a context axis (whole blocks each)."""
+    length = query.shape[1]
+    return key.shape[1] == length and length % parts == 0 and (length // parts) % BLOCK == 0
+
+
+def _split_refuses(query: jax.Array, key: jax.Array, parts: int) -> str:
+    """Why the kernel cannot take a call split ``parts`` ways over a context axis (``""``: it can)."""
+    if parts == 1 or kernel_splits(query, key, parts):
+        return ""
+    return (
+        f"under a context axis of {parts}, queries of length {query.shape[1]} do not split into chunks of a multiple "
+        f"of the kernel's block ({BLOCK}); split by hand"
+    )
 
 
 def _kernel_refuses(query: jax.Array, key: jax.Array, masked: bool) -> str:
