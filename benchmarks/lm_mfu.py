@@ -3,7 +3,7 @@ a hand-written jitted optax loop with the same model, optimizer, precision and b
 
 Both run the same number of steps after a warm-up, alternating, medians of ``--repeats``; the
 flops of one step come from the compiled step's cost analysis (``tk.debug.step_flops``), the
-peak from ``trainkit.monitoring.throughput.PEAK_FLOPS`` (none on CPU: then only tokens/s and the ratio).
+peak from ``trainkit.core.chips.CHIPS`` (none on CPU: then only tokens/s and the ratio).
 Target on a GPU: trainkit >= 0.97x the hand-written loop.
 
     python benchmarks/lm_mfu.py --layers 8 --d-model 512 --length 512 --batch-size 32 --precision bf16

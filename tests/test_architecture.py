@@ -5,6 +5,7 @@ the setup assign no other object's attributes and snapshot nothing with ``vars``
 (with everything it inherits) stays small, no function is long, one ``PyTree`` alias."""
 
 import ast
+import math
 import importlib
 import pathlib
 import re
@@ -469,3 +470,17 @@ def test_attention_and_its_kernels_live_in_one_package():
     assert not outside, f"attention's kernels or split outside trainkit/attn/: {outside}"
     dispatch = MODULES["attn.dispatch"].read_text()
     assert dispatch.count("kernels.choose(") == 1 and dispatch.count("\ndef ") == 1, "one function decides and runs"
+
+
+def test_one_table_of_chips():
+    """#82: a chip's figures (peak flop/s, bandwidths, link rates) are written once, in core/chips.py, which MFU,
+    the plan and its targets all read: no other module holds a figure of that size (a power of ten is a unit)."""
+    figures = {}
+    for name, path in MODULES.items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            value = node.value if isinstance(node, ast.Constant) else None
+            if isinstance(value, float) and value >= 1e9 and not math.log10(value).is_integer():
+                figures.setdefault(name, []).append(value)
+    assert set(figures) == {"core.chips"}, (
+        f"chip figures outside core/chips.py: { {n: v for n, v in figures.items() if n != 'core.chips'} }"
+    )

@@ -14,8 +14,7 @@ import pytest
 from conftest import make_classification
 
 import trainkit as tk
-from trainkit.core import cost
-from trainkit.monitoring import throughput
+from trainkit.core import chips, cost
 
 
 @pytest.mark.parametrize("strategy", ["single", "data_parallel", "fsdp"])
@@ -90,7 +89,7 @@ def test_the_progress_bar_shows_mfu_beside_hfu_and_remat_raises_only_hfu(monkeyp
     from trainkit.monitoring import utilisation
 
     x, y = make_classification(64, features=32)
-    monkeypatch.setattr(throughput, "PEAK_FLOPS", {"cpu": (1e9, 1e9)})  # as if this CPU had a data sheet
+    monkeypatch.setattr(chips, "CHIPS", (chips.Chip("a CPU", ("cpu",), 1e9, 1e9),))  # as if it had a data sheet
     shares = {}
     for remat in (None, ["_Block"]):
         out = io.StringIO()

@@ -16,6 +16,7 @@ import pytest
 from conftest import MLP, Wide, classifier, make_classification, own_stderr_lines, saved_steps
 
 import trainkit as tk
+from trainkit.core import chips
 from trainkit.monitoring import throughput
 
 X, Y = make_classification(96)
@@ -391,7 +392,7 @@ def test_the_loggers_throughput_counts_the_compiled_step_where_mfu_is_known(tmp_
     trainer, _ = fit([logging], epochs=1)
     assert logging.meter.flops_per_step == tk.debug.step_flops(trainer)  # a CPU: no peak, no second compile
     assert "tflops_per_second" in (tmp_path / "metrics.csv").read_text()
-    monkeypatch.setitem(throughput.PEAK_FLOPS, "cpu", (1e12, 1e12))  # as if this CPU had a data sheet
+    monkeypatch.setattr(chips, "CHIPS", (*chips.CHIPS, chips.Chip("a CPU", ("cpu",), 1e12, 1e12)))  # a data sheet
     logging = tk.callbacks.Logging([tk.loggers.CSVMetricsLogger(tmp_path / "again.csv")])
     trainer, _ = fit([logging], epochs=1)
     assert logging.meter.flops_per_step == tk.debug.compiled_step_flops(trainer).total
@@ -445,7 +446,7 @@ def test_the_progress_bar_and_the_goodput_summary_show_mfu_where_the_peak_is_kno
     from rich.console import Console
 
     def shown(peaks):
-        monkeypatch.setattr(throughput, "PEAK_FLOPS", peaks)
+        monkeypatch.setattr(chips, "CHIPS", tuple(chips.Chip(kind, (kind,), *flops) for kind, flops in peaks.items()))
         out = io.StringIO()
         bar = tk.callbacks.ProgressBar(verbose=1, console=Console(file=out, force_terminal=True, width=200))
         trainer().fit(X, Y, batch_size=16, epochs=2, verbose=0, callbacks=[bar])

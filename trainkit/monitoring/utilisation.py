@@ -1,6 +1,6 @@
 """MFU for the progress bar and the goodput summary: the share of the devices' peak a step per
 second uses, counted two ways (where the peak is known: an accelerator in
-:data:`~.throughput.PEAK_FLOPS`; a CPU has none, and then nothing is traced or lowered). **MFU**
+:data:`trainkit.core.chips.CHIPS`; a CPU has none, and then nothing is traced or lowered). **MFU**
 counts the model's own flops (:func:`~trainkit.monitoring.debug.model_step_flops`: its matrix
 multiplies, three times the forward's, causal attention halved), as MaxText and PaLM do, so remat
 does not inflate it; **HFU** the lowered step's flops (the compiler's count: remat's recomputation

@@ -32,7 +32,7 @@ from rich.table import Table
 from trainkit import distributed
 from trainkit.attn import AttentionCall, attention_calls
 from trainkit.attn.causal_balance import tiles_per_device
-from trainkit.core import checks
+from trainkit.core import checks, chips
 from trainkit.core import cost as cost_lib
 from trainkit.core.leaf_step import LeafStep
 from trainkit.core.offload import in_host_memory
@@ -79,10 +79,6 @@ _DTYPE_BYTES = {
     "c64": 8,
     "c128": 16,
 }
-
-# Rough per-device throughput (flop/s, memory bytes/s, collective bytes/s) by platform, for the
-# estimate only; ``measure=True`` replaces it by real timings.
-_THROUGHPUT = {"cpu": (5e10, 1e10, 5e9), "gpu": (5e13, 2e12, 1e11), "tpu": (1e14, 1e12, 1e11)}
 
 
 class NotACandidate(ValueError):
@@ -132,13 +128,14 @@ def estimate_seconds(
     flops: float, bytes_accessed: float, collective_bytes: float, devices: Sequence[jax.Device]
 ) -> float:
     """A roofline estimate of one step: compute or memory time (on a known chip, over the share
-    of its roofline a real step was measured to reach: ``Chip.reached``), plus collective time.
+    of its roofline a real step was measured to reach: ``Roofline.reached``), plus collective time.
     Fake CPU devices share the host's cores, so their work adds up once they outnumber the cores."""
     platform, chip = devices[0].platform, targets_lib.chip_of(devices[0])
-    flop_rate, memory_rate, link_rate = _THROUGHPUT.get(platform, _THROUGHPUT["gpu"])
+    flop_rate, memory_rate, link_rate = chips.UNKNOWN_RATES.get(platform, chips.UNKNOWN_RATES["gpu"])
     reached = 1.0
-    if chip is not None:  # a known accelerator (or a target's compile-only one): its public figures
-        flop_rate, memory_rate, link_rate, reached = chip.flops, chip.bandwidth, chip.link, chip.reached
+    if chip is not None and chip.roofline is not None:  # a known accelerator (or a target's): its public figures
+        roofline = chip.roofline
+        flop_rate, memory_rate, link_rate, reached = chip.flops, roofline.bandwidth, roofline.link, roofline.reached
     seconds = max(flops / flop_rate, bytes_accessed / memory_rate) / reached + collective_bytes / link_rate
     if platform == "cpu":  # all devices' work shares the host's cores
         seconds *= len(devices) / (os.cpu_count() or 1)

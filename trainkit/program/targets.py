@@ -21,48 +21,14 @@ import os
 import re
 from typing import TYPE_CHECKING, Any
 
+from trainkit.core import chips
+from trainkit.core.chips import Chip
+
 if TYPE_CHECKING:  # importing jax loads its plugins, which log: `python -m trainkit plan` parses a target first
     import jax
 
-GIB = 2**30
-
-
-@dataclasses.dataclass(frozen=True)
-class Chip:
-    """One accelerator's public figures: what the estimate and the fit check use.
-
-    Attributes:
-        name: as the docs name it.
-        memory: device memory, bytes.
-        usable: the share of it a program may use (GPU: JAX preallocates 75% by default).
-        flops: peak dense bf16 flop/s.
-        bandwidth: memory bytes/s.
-        link: interconnect bytes/s per chip (TPU ICI, NVLink), one direction.
-        kinds: ``device_kind`` strings of its (compile-only) devices.
-        reached: the share of the compute-or-memory roofline a real train step was measured to reach
-            on the chip (1.0: not measured). TPU v5e: 0.58, a 12 x 1,024 LM (151M parameters, length
-            512, bf16, batch 128, remat of its blocks) whose plan estimated 412.7 ms/step at the peak
-            figures and ran at 710.9 ms (issue #68's run on one chip).
-    """
-
-    name: str
-    memory: int
-    usable: float
-    flops: float
-    bandwidth: float
-    link: float
-    kinds: tuple[str, ...]
-    reached: float = 1.0
-
-
-#: Public figures (Google Cloud's TPU pages, NVIDIA's H100 SXM datasheet), approximate.
-CHIPS = {
-    "v4": Chip("TPU v4", 32 * GIB, 1.0, 275e12, 1.2e12, 300e9, ("TPU v4",)),
-    "v5e": Chip("TPU v5e", 16 * GIB, 1.0, 197e12, 819e9, 200e9, ("TPU v5 lite", "TPU v5e"), reached=412.7 / 710.9),
-    "v5p": Chip("TPU v5p", 95 * GIB, 1.0, 459e12, 2.765e12, 600e9, ("TPU v5", "TPU v5p")),
-    "v6e": Chip("TPU v6e", 32 * GIB, 1.0, 918e12, 1.64e12, 448e9, ("TPU v6 lite", "TPU v6e")),
-    "h100": Chip("NVIDIA H100 SXM", 80 * 10**9, 0.75, 989e12, 3.35e12, 450e9, ("NVIDIA H100 80GB HBM3",)),
-}
+#: the chips a target may name, from the one table (:mod:`trainkit.core.chips`)
+CHIPS = chips.FAMILIES
 
 #: The compile-only CUDA client needs the GPU described (XLA's ``GpuTargetConfigProto``): an H100 SXM.
 H100_TARGET_CONFIG = """gpu_device_info {
@@ -102,7 +68,9 @@ class Target:
     @property
     def memory_limit(self) -> int:
         """Bytes a step may use on one device."""
-        return int(self.chip.memory * self.chip.usable)
+        roofline = self.chip.roofline
+        assert roofline is not None, f"{self.chip.name} is a target: the table gives its memory"
+        return int(roofline.memory * roofline.usable)
 
     def devices(self) -> list[jax.Device]:
         """The target's compile-only devices (nothing can run on them; nothing is allocated)."""
@@ -136,34 +104,31 @@ def _require(module: str, extra: str, what: str) -> None:
         raise ImportError(f"A plan for this target needs {what}: pip install 'trainkit[{extra}]' (pinned to your jax).")
 
 
-#: the most chips one slice of each TPU family has (Google Cloud's TPU pages); an H100 host's GPUs
-MOST_CHIPS = {"v4": 4096, "v5e": 256, "v5p": 8960, "v6e": 256}
-#: the sides of a family's slices: a 2-D mesh (v5e, v6e) or a 3-D torus (v4, v5p)
-SIDES = {"v4": 3, "v5e": 2, "v5p": 3, "v6e": 2}
+#: an H100 host's GPUs (a TPU slice's largest size and sides are in the chips' table)
 GPUS_PER_HOST = 8
 
 
 def _slice(spec: str, family: str, dims: str, slices: int = 1) -> Target:
     """A TPU slice (``slices`` of them), refused (with the shapes that exist) when a side is 0 or
     it has more chips than any slice of its family."""
-    sides = [int(d) for d in dims.split("x")]
-    count = math.prod(sides)
-    if not 0 < count <= MOST_CHIPS[family]:
+    sides, chip = [int(d) for d in dims.split("x")], CHIPS[family]
+    count, most, shape = math.prod(sides), chip.most_chips, chip.sides
+    if not 0 < count <= most:
         raise ValueError(
-            f"Target {spec!r} has {count} chips: a TPU {family} slice has 1 to {MOST_CHIPS[family]}, every side at "
+            f"Target {spec!r} has {count} chips: a TPU {family} slice has 1 to {most}, every side at "
             f'least 1 (e.g. "tpu {family}:{"2x2" if len(sides) == 2 else "2x2x1"}"). Spell it {SPELLINGS}.'
         )
-    if len(sides) != SIDES[family] or not all(_side_exists(side, len(sides)) for side in sides):
-        example = "4x4" if SIDES[family] == 2 else "2x2x2"
+    if len(sides) != shape or not all(_side_exists(side, len(sides)) for side in sides):
+        example = "4x4" if shape == 2 else "2x2x2"
         raise ValueError(
-            f"Target {spec!r} is not a {family} slice: its slices have {SIDES[family]} sides, each a power of two"
-            f'{" (or a multiple of 4)" if SIDES[family] == 3 else ""} (e.g. "tpu {family}:{example}"). '
+            f"Target {spec!r} is not a {family} slice: its slices have {shape} sides, each a power of two"
+            f'{" (or a multiple of 4)" if shape == 3 else ""} (e.g. "tpu {family}:{example}"). '
             f"Spell it {SPELLINGS}."
         )
     if slices < 1:
         raise ValueError(f"Target {spec!r} has {slices} slices: at least 1. Spell it {SPELLINGS}.")
     hosts = max(1, count // 4) * slices
-    return Target(spec, "tpu", CHIPS[family], f"{family}:{dims}", count * slices, hosts, slices)
+    return Target(spec, "tpu", chip, f"{family}:{dims}", count * slices, hosts, slices)
 
 
 def _side_exists(side: int, sides: int) -> bool:
@@ -193,5 +158,4 @@ def parse(spec: str) -> Target:
 
 def chip_of(device: Any) -> Chip | None:
     """The chip of a (real or compile-only) device, when the table knows its kind."""
-    kind = str(device.device_kind)
-    return next((chip for chip in CHIPS.values() if kind in chip.kinds), None)
+    return chips.chip_of_kind(str(device.device_kind))
