@@ -5,8 +5,8 @@ the setup assign no other object's attributes and snapshot nothing with ``vars``
 (with everything it inherits) stays small, no function is long, one ``PyTree`` alias."""
 
 import ast
-import math
 import importlib
+import math
 import pathlib
 import re
 import subprocess
