@@ -70,9 +70,12 @@ def _checked_logs(logs: object, where: str) -> dict[str, jax.Array]:
 
 def _step_metrics(logs: dict[str, jax.Array], batch: Batch, axis: str | None) -> dict[str, LossAverage]:
     """Each log weighted by the step's real rows (an epoch's log: the mean of its steps' logs
-    weighted by their rows, as the built-in logs are)."""
+    weighted by their rows, as the built-in logs are); under a device axis averaged over it first,
+    exactly itself where every device has the same (``state.mean``'s), per-device means (a
+    ``jnp.mean`` over each device's rows) averaged as their gradients are."""
     rows = batch["mask"].sum()
-    rows = rows if axis is None else jax.lax.psum(rows, axis)
+    if axis is not None:
+        rows, logs = jax.lax.psum(rows, axis), {name: pmean_floats(value, axis) for name, value in logs.items()}
     return {name: LossAverage(total=value * rows, count=rows) for name, value in logs.items()}
 
 

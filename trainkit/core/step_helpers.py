@@ -44,30 +44,26 @@ def _per_row(values: jax.Array, rows: int) -> jax.Array:
     return values.astype(jnp.float32).reshape(rows, -1).mean(axis=1)
 
 
-def _share(total: jax.Array, devices: int) -> jax.Array:
-    """``total`` (the same on every device) whose gradient is ``1 / devices`` of it: summed over
-    the devices by ``apply_gradients``, the gradient of ``total`` itself."""
-    share = total / devices
-    return share + jax.lax.stop_gradient(total - share)
-
-
 def mean(values: jax.Array, batch: Batch, axis: str | None) -> jax.Array:
     """The mean of per-row ``values`` over the real rows of the global batch, each weighted by its
     ``sample_weight`` (Keras's loss reduction): padded rows left out, even if NaN. ``values`` has
     this device's rows (the batch's) or, from :func:`all_rows`, the global batch's. Under a
-    device axis its value is the global mean and its gradient this device's share of it, so that
-    the gradients summed over the axis are exactly the single-device gradient."""
+    device axis its value is the global mean and its gradient ``devices`` times this device's share
+    of it (of the global batch's: the gradient itself), so that the gradients averaged over the axis
+    (``apply_gradients``, as pmap's data parallelism averages per-device means) are exactly the
+    single-device gradient: a ``jnp.mean`` over the batch gives it too wherever no row pads."""
     mask = batch["mask"]
     rows, weights = mask.shape[0], row_weights(batch)
     devices = 1 if axis is None else jax.lax.axis_size(axis)
     if devices > 1 and jnp.shape(values)[:1] == (rows * devices,):
         mask, weights = all_rows(mask, axis), all_rows(weights, axis)  # the global batch's: reduced on every device
-        total = weighted_total(_per_row(values, mask.shape[0]), mask, weights) / jnp.maximum(mask.sum(), 1.0)
-        return _share(total, devices)
+        whole: jax.Array = weighted_total(_per_row(values, mask.shape[0]), mask, weights) / jnp.maximum(mask.sum(), 1.0)
+        return whole  # the same on every device, and so its gradient: averaged over the axis, itself
     local = weighted_total(_per_row(values, rows), mask, weights)
     if axis is None:
         return local / jnp.maximum(mask.sum(), 1.0)
-    total = local + jax.lax.stop_gradient(jax.lax.psum(local, axis) - local)
+    scaled = devices * local  # a power of two: exact
+    total = scaled + jax.lax.stop_gradient(jax.lax.psum(local, axis) - scaled)
     result: jax.Array = total / jnp.maximum(jax.lax.psum(mask.sum(), axis), 1.0)
     return result
 

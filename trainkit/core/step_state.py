@@ -146,8 +146,9 @@ class StepState(TrainState):
         """This state with the optimizer's update from ``grads`` (shaped as ``state.params``, or as
         ``state.params[group]`` for a group that is a top-level sub-tree) applied to ``group``'s
         parameters and optimizer state (``None``: every group); frozen parameters and the other
-        groups untouched, bit for bit. Under a device axis the gradients are summed over it first
-        (:meth:`mean`'s gradients are each device's share)."""
+        groups untouched, bit for bit. Under a device axis the gradients are averaged over it first,
+        as pmap's data parallelism does (:meth:`mean`'s gradients are scaled for it; a ``jnp.mean``
+        over each device's rows gives the one-device gradient too, wherever no row pads)."""
         facts = self.facts
         if group is not None and facts.groups is None:
             raise SettingError(
@@ -161,7 +162,7 @@ class StepState(TrainState):
         grads = _whole_tree(self.params, grads, group)
         facts.updates.add(group, facts.groups is not None)
         if facts.axis_name is not None:
-            grads = _summed(grads, self.params, facts, group)
+            grads = _averaged(grads, self.params, facts, group)
         facts.updates.note_gradients(facts, self.params, grads, group)
         with jax.named_scope("apply_gradients" if group is None else f"apply_gradients_{group}"):
             if group is None:
@@ -216,14 +217,14 @@ def _whole_tree(params: PyTree, grads: PyTree, group: str | None) -> PyTree:
     return grads
 
 
-def _summed(grads: PyTree, params: PyTree, facts: StepFacts, group: str | None) -> PyTree:
-    """The gradients of the leaves the update reads summed over the device axis (one all-reduce;
+def _averaged(grads: PyTree, params: PyTree, facts: StepFacts, group: str | None) -> PyTree:
+    """The gradients of the leaves the update reads averaged over the device axis (one all-reduce;
     the frozen leaves and other groups' are left as they are: nothing reads them)."""
     assert facts.axis_name is not None
     leaves, treedef = jax.tree.flatten(grads)
     flags = jax.tree.leaves(group_mask(facts, params, group))
-    summed = iter(jax.lax.psum([g for g, f in zip(leaves, flags) if f], facts.axis_name))
-    return jax.tree.unflatten(treedef, [next(summed) if f else g for g, f in zip(leaves, flags)])
+    averaged = iter(jax.lax.pmean([g for g, f in zip(leaves, flags) if f], facts.axis_name))
+    return jax.tree.unflatten(treedef, [next(averaged) if f else g for g, f in zip(leaves, flags)])
 
 
 def group_mask(facts: StepFacts, params: PyTree, group: str | None) -> PyTree:
