@@ -409,3 +409,38 @@ def test_a_value_the_step_reads_changed_by_a_callback_mid_fit_stops_it_naming_th
     bookkeeping = tk.callbacks.LambdaCallback(on_epoch_end=lambda epoch, logs: setattr(trainer, "seen", epoch))
     trainer.fit(X, batch_size=32, epochs=2, verbose=0, callbacks=[bookkeeping])  # a value the step never reads
     assert trainer.seen == 1 and trainer.history.history["beta"] == [0.5, 0.5]
+
+
+@pytest.mark.parametrize(
+    "value", [np.float32(0.5), jnp.float32(0.5), np.array(0.5)], ids=["np.float32", "jnp.float32", "0-d array"]
+)
+def test_a_number_of_any_kind_the_step_reads_is_watched_as_a_float_is(value):
+    """#82 (CU11): ``self.beta`` changed as a NumPy scalar, a JAX scalar or a 0-d array was silently ignored (only
+    a Python number was watched): now a change during fit stops it by name, and one between fits retraces."""
+    trainer = Weighted(TwoParts(), optimizer=groups(), strategy="single")
+    anneal = tk.callbacks.LambdaCallback(on_epoch_end=lambda epoch, logs: setattr(trainer, "beta", value))
+    with pytest.raises(RuntimeError, match=r"reads self.beta, which changed during this fit \(beta: 1.0 -> 0.5"):
+        trainer.fit(X, batch_size=32, epochs=3, verbose=0, callbacks=[anneal])
+    trainer.beta = value * 0.5
+    with pytest.warns(UserWarning, match=r"beta: 1.0 -> 0.25.*traced again"):  # the traced value, then this one
+        assert trainer.fit(X, batch_size=32, verbose=0).history["beta"] == [0.25]
+
+
+class GeneratorWarmUp(Alternating):
+    """The critic trains; the generator gets zero gradients on purpose for now, and says so."""
+
+    def train_step(self, state, batch, rng):
+        critic_rows, _ = self.losses(state, batch, rng)
+        c_loss, grads = jax.value_and_grad(lambda p: state.mean(critic_rows(p), batch))(state.params)
+        state = state.apply_gradients(grads, "critic")
+        resting = jax.tree.map(jnp.zeros_like, state.params)
+        return state.apply_gradients(resting, "generator", allow_zero_gradients=True), {"c_loss": c_loss}
+
+
+def test_zero_gradients_meant_for_a_group_are_allowed_when_the_step_says_so():
+    """#82 (CU9): a correct step whose group gets zero gradients on purpose (a generator's warm-up) was refused by
+    the zero-gradient audit with no way to say it is meant; the refusal now names the way, which trains."""
+    with pytest.raises(ValueError, match=r"allow_zero_gradients=True"):
+        fit(CriticGradientsToTheGenerator)
+    trainer, history = fit(GeneratorWarmUp, epochs=2)
+    assert np.isfinite(history["c_loss"]).all() and trainer.global_step == 6

@@ -142,13 +142,17 @@ class StepState(TrainState):
                 )
             raise
 
-    def apply_gradients(self, grads: PyTree, group: str | None = None) -> StepState:
+    def apply_gradients(
+        self, grads: PyTree, group: str | None = None, *, allow_zero_gradients: bool = False
+    ) -> StepState:
         """This state with the optimizer's update from ``grads`` (shaped as ``state.params``, or as
         ``state.params[group]`` for a group that is a top-level sub-tree) applied to ``group``'s
         parameters and optimizer state (``None``: every group); frozen parameters and the other
         groups untouched, bit for bit. Under a device axis the gradients are averaged over it first,
         as pmap's data parallelism does (:meth:`mean`'s gradients are scaled for it; a ``jnp.mean``
-        over each device's rows gives the one-device gradient too, wherever no row pads)."""
+        over each device's rows gives the one-device gradient too, wherever no row pads).
+        ``allow_zero_gradients``: gradients that are all zero on purpose (a generator's warm-up, a
+        zero-initialised head) are not refused as a loss that never reads the group."""
         facts = self.facts
         if group is not None and facts.groups is None:
             raise SettingError(
@@ -163,7 +167,8 @@ class StepState(TrainState):
         facts.updates.add(group, facts.groups is not None)
         if facts.axis_name is not None:
             grads = _averaged(grads, self.params, facts, group)
-        facts.updates.note_gradients(facts, self.params, grads, group)
+        if not allow_zero_gradients:
+            facts.updates.note_gradients(facts, self.params, grads, group)
         with jax.named_scope("apply_gradients" if group is None else f"apply_gradients_{group}"):
             if group is None:
                 updates, opt_state = facts.optimizer.update(grads, self.opt_state, self.params)

@@ -57,14 +57,16 @@ def audit_own_step(setup: Setup, prepared: data_lib.Prepared) -> None:
             raise SettingError(
                 f"train_step updates the parameters on gradients that are all zero on the first batch: the loss "
                 f"they are the gradients of does not depend on them. Most often {closure}: "
-                "def loss(params): model(params, ...)."
+                "def loss(params): model(params, ...). Where zero gradients are meant (a warm-up), say so: "
+                "state.apply_gradients(grads, allow_zero_gradients=True)."
             )
         raise SettingError(
             f"train_step updates {group!r} on gradients that are all zero on the first batch: the loss they are "
             f"the gradients of never reads {group!r}'s parameters (a loss of another group's, or its group= "
             "left out), and the optimizer would still move them (Adam's moments). Pass the gradients of the "
             "loss that trains it, with its own group: state.apply_gradients(grads, group='<the group it trains>'). "
-            f"Or {closure}."
+            f"Or {closure}. Where zero gradients are meant (a warm-up, a zero-initialised head), say so: "
+            f"state.apply_gradients(grads, group={group!r}, allow_zero_gradients=True)."
         )
     pads = prepared.rows is None or prepared.rows % prepared.batch_size != 0
     if pads and not jax.tree.leaves(state.model_state):  # batch statistics see padded rows in any step, by design

@@ -4,8 +4,8 @@ each trace of its ``train_step`` / ``test_step``.
 - an attribute the step sets while it is traced (``self.last_d_loss = d_loss``, an EMA target
   kept on ``self``) would keep a leaked tracer: the trainer's attributes are put back as they
   were and the trace is refused, naming the fix (return it in the logs, keep it in the state);
-- a plain value the step may read from ``self`` (``self.beta``: a number, a string, a tuple of
-  them) is a constant of the compiled step: when one has changed before the next run,
+- a plain value the step may read from ``self`` (``self.beta``: a number of any kind, a NumPy
+  scalar or a 0-d array included, a string, a tuple of them) is a constant of the compiled step: when one has changed before the next run,
   :meth:`TracedAttributes.changed` names it and the steps are traced again.
 
 >>> class Owner: beta = None
@@ -27,15 +27,30 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Collection, Iterator
 
+import jax
+import numpy as np
+
 from trainkit.core.checks import SettingError
 
-_PLAIN = (bool, int, float, complex, str, bytes, type(None))
+_PLAIN = (bool, int, float, complex, str, bytes, type(None), np.generic)
 
 
 def _plain(value: object) -> bool:
     if isinstance(value, tuple):
         return all(_plain(v) for v in value)
-    return isinstance(value, _PLAIN)
+    return isinstance(value, _PLAIN) or _scalar_array(value)
+
+
+def _scalar_array(value: object) -> bool:
+    """A 0-d NumPy or JAX array (``np.array(0.5)``, ``jnp.float32(0.5)``): a number the step reads."""
+    return isinstance(value, (np.ndarray, jax.Array)) and value.ndim == 0
+
+
+def _as_read(value: object) -> object:
+    """``value`` as the step read it: a number of a 0-d array (which may be written in place) or a tuple of them."""
+    if isinstance(value, tuple):
+        return tuple(_as_read(v) for v in value)
+    return np.asarray(value).item() if _scalar_array(value) or isinstance(value, np.generic) else value
 
 
 def _plain_attributes(owner: object) -> dict[str, object]:
@@ -44,8 +59,8 @@ def _plain_attributes(owner: object) -> dict[str, object]:
     found: dict[str, object] = {}
     for cls in reversed(type(owner).__mro__):
         if not cls.__module__.startswith("trainkit"):
-            found.update({k: v for k, v in vars(cls).items() if not k.startswith("__") and _plain(v)})
-    found.update({k: v for k, v in vars(owner).items() if _plain(v)})
+            found.update({k: _as_read(v) for k, v in vars(cls).items() if not k.startswith("__") and _plain(v)})
+    found.update({k: _as_read(v) for k, v in vars(owner).items() if _plain(v)})
     return found
 
 
