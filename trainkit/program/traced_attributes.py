@@ -5,8 +5,9 @@ each trace of its ``train_step`` / ``test_step``.
   kept on ``self``) would keep a leaked tracer: the trainer's attributes are put back as they
   were and the trace is refused, naming the fix (return it in the logs, keep it in the state);
 - a plain value the step may read from ``self`` (``self.beta``: a number of any kind, a NumPy
-  scalar or a 0-d array included, a string, a tuple of them) is a constant of the compiled step: when one has changed before the next run,
-  :meth:`TracedAttributes.changed` names it and the steps are traced again.
+  scalar or a 0-d array included, a string, a tuple of them) is a constant of the compiled step:
+  when one has changed before the next run, :meth:`TracedAttributes.changed` names it and the
+  steps are traced again.
 
 >>> class Owner: beta = None
 >>> owner = Owner(); owner.beta = 0.1
