@@ -444,3 +444,55 @@ def test_zero_gradients_meant_for_a_group_are_allowed_when_the_step_says_so():
         fit(CriticGradientsToTheGenerator)
     trainer, history = fit(GeneratorWarmUp, epochs=2)
     assert np.isfinite(history["c_loss"]).all() and trainer.global_step == 6
+
+
+class CriticSteps(Alternating):
+    """WGAN-GP's shape: several critic updates, then the generator's; ``loop`` says how the critic's are written."""
+
+    loop = "unrolled"
+
+    def train_step(self, state, batch, rng):
+        critic_rows, generator_rows = self.losses(state, batch, rng)
+
+        def critic_update(state):
+            grads = jax.grad(lambda p: state.mean(critic_rows(p), batch))(state.params)
+            return state.apply_gradients(grads, "critic")
+
+        if self.loop == "unrolled":
+            for _ in range(2):
+                state = critic_update(state)
+        elif self.loop == "fori_loop":
+            state = jax.lax.fori_loop(0, 2, lambda i, s: critic_update(s), state)
+        elif self.loop == "scan":
+            state = jax.lax.scan(lambda s, _: (critic_update(s), None), state, length=2)[0]
+        else:  # cond: the second update under a condition that holds
+            state = jax.lax.cond(state.step >= 0, critic_update, lambda s: s, critic_update(state))
+        g_loss, grads = jax.value_and_grad(lambda p: state.mean(generator_rows(p), batch))(state.params)
+        return state.apply_gradients(grads, "generator"), {"g_loss": g_loss}
+
+
+@pytest.mark.parametrize("strategy", ["single", "dp"])
+@pytest.mark.parametrize("loop", ["fori_loop", "scan", "cond"])
+def test_updates_inside_a_loop_or_a_condition_train_as_the_unrolled_step(loop, strategy):
+    """#82 (CU4): ``state.apply_gradients`` inside ``lax.fori_loop`` / ``scan`` / ``cond`` (the critic's steps written
+    the JAX way) was a raw UnexpectedTracerError from trainkit's own first-batch audit; now it trains, equal to the
+    same updates unrolled, and the audit still sees each pass's gradients."""
+    unrolled, _ = fit(CriticSteps, strategy=strategy)
+    looped, _ = fit(type("Looped", (CriticSteps,), {"loop": loop}), strategy=strategy)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7), looped.params, unrolled.params)
+
+
+class WrongGroupInALoop(Alternating):
+    def train_step(self, state, batch, rng):
+        critic_rows, _ = self.losses(state, batch, rng)
+
+        def update(i, state):
+            grads = jax.grad(lambda p: state.mean(critic_rows(p), batch))(state.params)
+            return state.apply_gradients(grads, "generator")  # the critic's loss: zero for the generator
+
+        return jax.lax.fori_loop(0, 2, update, state), {}
+
+
+def test_the_audit_sees_an_update_inside_a_loop():
+    with pytest.raises(ValueError, match=r"updates 'generator' on gradients that are all zero"):
+        fit(WrongGroupInALoop)

@@ -95,27 +95,28 @@ def make_custom_train_step(
 
 
 def make_audited_train_step(
-    user_step: UserTrainStep, facts: StepFacts
-) -> Callable[[TrainState, Batch], tuple[TrainState, dict[str, LossAverage], dict[str, jax.Array]]]:
-    """:func:`make_custom_train_step` that also returns, by group, whether every gradient an
-    update of that group read was zero (:mod:`trainkit.program.step_audit`)."""
+    user_step: UserTrainStep, facts: StepFacts, zero_gradients: list[tuple[str, bool]]
+) -> Callable[[TrainState, Batch], tuple[TrainState, dict[str, LossAverage]]]:
+    """:func:`make_custom_train_step` that, as it runs, appends to ``zero_gradients`` each update's
+    group and whether every gradient it read was zero (:mod:`trainkit.program.step_audit`)."""
 
-    def audited(state: TrainState, batch: Batch) -> tuple[TrainState, dict[str, LossAverage], dict[str, jax.Array]]:
-        kept, metrics, record = _run_user_step(user_step, facts, state, batch)
-        zero: dict[str, jax.Array] = {}
-        for group, flag in record.zero_gradients:  # any of a group's updates
-            zero[group] = flag if group not in zero else zero[group] | flag
-        return kept, metrics, zero
+    def audited(state: TrainState, batch: Batch) -> tuple[TrainState, dict[str, LossAverage]]:
+        kept, metrics, _ = _run_user_step(user_step, facts, state, batch, zero_gradients)
+        return kept, metrics
 
     return audited
 
 
 def _run_user_step(
-    user_step: UserTrainStep, facts: StepFacts, state: TrainState, batch: Batch
+    user_step: UserTrainStep,
+    facts: StepFacts,
+    state: TrainState,
+    batch: Batch,
+    zero_gradients: list[tuple[str, bool]] | None = None,
 ) -> tuple[TrainState, dict[str, LossAverage], UpdateRecord]:
     axis = facts.axis_name
     rng = jax.random.fold_in(state.rng, state.step)
-    traced = facts.for_one_trace()
+    traced = facts.for_one_trace(zero_gradients)
     with jax.named_scope("train_step"):  # the user's step, its updates named within (apply_gradients/<group>)
         result = user_step(StepState.of(state, traced), WatchedBatch.of(batch, RowFacts(axis)), rng)
     if not (isinstance(result, tuple) and len(result) == 2 and isinstance(result[0], TrainState)):

@@ -57,21 +57,27 @@ def _one_input(method: str | None, inputs: tuple[PyTree, ...], keywords: dict[st
 
 class UpdateRecord:
     """The groups ``apply_gradients`` updated while one step is traced (``None``: every group), in
-    order: what the step's return is checked against (an update thrown away is named); and for
-    each group an update read, whether all its gradients were zero (a traced flag: computed only
-    where a step outputs it, :mod:`trainkit.program.step_audit`; the compiler drops it elsewhere)."""
+    order: what the step's return is checked against (an update thrown away is named); and, in the
+    step :mod:`trainkit.program.step_audit` runs once (``zero_gradients`` given), for each group an
+    update read whether all its gradients were zero, sent to that list by a host callback as the
+    step runs: from inside a ``fori_loop``, ``scan`` or ``cond`` too (a traced flag kept here would
+    leak out of the loop's trace). Steps that are not audited compute nothing for it."""
 
-    def __init__(self) -> None:
+    def __init__(self, zero_gradients: list[tuple[str, bool]] | None = None) -> None:
         self.groups: list[str | None] = []
-        self.zero_gradients: list[tuple[str, jax.Array]] = []
+        self.zero_gradients = zero_gradients
 
     def note_gradients(self, facts: StepFacts, params: PyTree, grads: PyTree, group: str | None) -> None:
+        if self.zero_gradients is None:
+            return
+        found = self.zero_gradients
         names: tuple[str | None, ...] = (group,) if group is not None or facts.groups is None else facts.groups.names
         for name in names:
             flags = jax.tree.leaves(group_mask(facts, params, name))
             zero = [jnp.all(g == 0) for g, f in zip(jax.tree.leaves(grads), flags) if f]
             if zero:
-                self.zero_gradients.append(("the parameters" if name is None else name, jnp.stack(zero).all()))
+                label = "the parameters" if name is None else name
+                jax.debug.callback(lambda flag, label=label: found.append((label, bool(flag))), jnp.stack(zero).all())
 
     def add(self, group: str | None, has_groups: bool) -> None:
         named = [g for g in self.groups if g is not None]
@@ -101,9 +107,10 @@ class StepFacts:
     bind_inputs: BindInputs = _one_input
     updates: UpdateRecord = dataclasses.field(default_factory=UpdateRecord)
 
-    def for_one_trace(self) -> StepFacts:
-        """These facts with an empty record (one per trace of the step)."""
-        return dataclasses.replace(self, updates=UpdateRecord())
+    def for_one_trace(self, zero_gradients: list[tuple[str, bool]] | None = None) -> StepFacts:
+        """These facts with an empty record (one per trace of the step; ``zero_gradients``: the
+        audit's list, see :class:`UpdateRecord`)."""
+        return dataclasses.replace(self, updates=UpdateRecord(zero_gradients))
 
 
 @flax.struct.dataclass

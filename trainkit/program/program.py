@@ -426,11 +426,11 @@ class Program:
         """LoRA's adapters folded into their kernels (the parameters of the model without them)."""
         return params if self.lora is None else self.lora.merged(params)
 
-    def audited_train_step(self) -> TreeFunction:
-        """The user's ``train_step`` under ``jit`` semantics, returning also whether each group's
-        gradients were all zero (:mod:`trainkit.program.step_audit`)."""
+    def audited_train_step(self, zero_gradients: list[tuple[str, bool]]) -> TreeFunction:
+        """The user's ``train_step`` under ``jit`` semantics, appending to ``zero_gradients`` as it
+        runs whether each update's gradients were all zero (:mod:`trainkit.program.step_audit`)."""
         assert self.train_step is not None
-        return custom_lib.make_audited_train_step(self._user_train_step, self.step_facts(None))
+        return custom_lib.make_audited_train_step(self._user_train_step, self.step_facts(None), zero_gradients)
 
     def metrics_step(
         self,

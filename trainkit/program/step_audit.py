@@ -39,12 +39,17 @@ def audit_own_step(setup: Setup, prepared: data_lib.Prepared) -> None:
     rows = min(CHECKED_ROWS, int(np.sum(batch["mask"])))
     if rows < 3:
         return
-    state, step = setup.session.require_state(), jax.jit(program.audited_train_step())
+    updates: list[tuple[str, bool]] = []  # (group, all its gradients zero) of each update, as the step runs
+    state, step = setup.session.require_state(), jax.jit(program.audited_train_step(updates))
     small = data_lib.take(batch, slice(0, rows))
     try:
-        _, _, zero = step(state, small)
+        jax.block_until_ready(step(state, small))
     except NameError:  # the step names the device axis itself (lax.psum(x, "data")): it runs under its strategy only
         return
+    jax.effects_barrier()  # every update's callback has run
+    zero: dict[str, bool] = {}
+    for group, flag in updates:  # any of a group's updates (each pass of a loop around one)
+        zero[group] = zero.get(group, False) or flag
     closure = (
         "a loss function that reads state.params (or a variable from outside) instead of the parameters it is "
         "given: jax.grad(loss)(state.params) differentiates only what loss computes from its argument, so "
@@ -78,7 +83,7 @@ def _check_padded_rows(step: jax.stages.Wrapped, state: object, small: Batch, pr
     mask = np.asarray(small["mask"]).copy()
     mask[-1] = 0  # the last row pads
     variants = [{**data_lib.take(small, np.r_[0 : rows - 1, source]), "mask": mask} for source in (0, 1)]
-    (first, first_logs, _), (second, second_logs, _) = (step(state, variant) for variant in variants)
+    (first, first_logs), (second, second_logs) = (step(state, variant) for variant in variants)
     for what, a, b in (("logs", first_logs, second_logs), ("update", first.params, second.params)):
         if not all(np.allclose(x, y, rtol=1e-6, atol=1e-7) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b))):
             rows_said = "" if prepared.rows is None else f" ({prepared.rows} rows in batches of {prepared.batch_size})"
