@@ -7,6 +7,9 @@ Pallas splash kernel on a TPU, cuDNN's fused attention on a GPU, XLA's elsewhere
 >>> q = k = v = jnp.ones((1, 4, 2, 8))  # (batch, length, heads, head_dim)
 >>> attention(q, k, v, causal=True).shape
 (1, 4, 2, 8)
+>>> documents = jnp.array([[1, 1, 2, 2]])  # two documents packed in one row: none sees the other
+>>> attention(q, k, v, causal=True, segment_ids=documents).shape
+(1, 4, 2, 8)
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from __future__ import annotations
 import contextlib
 
 import jax
+import jax.numpy as jnp
 
 from trainkit.attn import context_axis, kernels
 from trainkit.core import cost
@@ -29,6 +33,7 @@ def attention(
     bias: jax.Array | None = None,
     scale: float | None = None,
     implementation: str | None = None,
+    segment_ids: jax.Array | tuple[jax.Array, jax.Array] | None = None,
 ) -> jax.Array:
     """Softmax attention of ``(batch, length, heads, head_dim)`` arrays (keys and values may have fewer
     heads: grouped), causal or not, ``mask`` / ``bias`` broadcast to ``(batch, heads, q_length, kv_length)``
@@ -36,7 +41,16 @@ def attention(
     (``implementation=None``: the Pallas kernel on a TPU, see :mod:`trainkit.attn.kernels`) and
     split over a context axis inside a context step (see :mod:`trainkit.attn.context_axis`). Causal,
     it is traced in :data:`~trainkit.core.cost.CAUSAL_ATTENTION_SCOPE`, so the model's flops count half its
-    scores."""
+    scores.
+
+    ``segment_ids``: documents packed into one row (MaxText's, Levanter's and grain's packing): an integer
+    ``(batch, length)`` array, a token attending only to tokens of its own id (causal within it); padding
+    is a segment of its own (give it an id no document has, e.g. 0), its outputs unread. Self-attention
+    takes one array; attention over other keys a pair ``(query_ids, key_ids)``. The Pallas kernel takes
+    them on a TPU (its ``SegmentIds``: the scores never written out); elsewhere they are a mask on XLA's
+    attention, with the same numbers. Beside ``jax.nn.dot_product_attention``'s ``query_seq_lengths`` /
+    ``key_value_seq_lengths`` (a padded tail per row), they also separate documents."""
+    ids = _segment_ids(segment_ids, query, key)
     split = context_axis.active_split()
     choice = kernels.choose(
         query,
@@ -46,6 +60,7 @@ def attention(
         implementation=implementation,
         platform=kernels.target_platform(),
         split_size=1 if split is None else split.size,
+        segmented=ids is not None,
     )
     kernels.note_once(choice.note)
     with jax.named_scope(cost.CAUSAL_ATTENTION_SCOPE) if causal else contextlib.nullcontext():
@@ -57,9 +72,41 @@ def attention(
         if choice.name.startswith("pallas"):
             interpret = choice.name == "pallas-interpret"
             if split is None:
-                return kernels.splash_attention(query, key, value, causal=causal, scale=scale, interpret=interpret)
+                return kernels.splash_attention(
+                    query, key, value, causal=causal, scale=scale, interpret=interpret, segment_ids=ids
+                )
             balanced = causal and context_axis.kernel_balances(query, split)
             context_axis.record(context_axis.AttentionCall("tk.attention", True, balanced=balanced))
             return context_axis.split_kernel(query, key, value, split, causal=causal, scale=scale, interpret=interpret)
+        if ids is not None:  # a mask of (batch, 1, q_length, kv_length): split with the queries under a context axis
+            same = ids[0][:, None, :, None] == ids[1][:, None, None, :]
+            mask = same if mask is None else jnp.logical_and(mask, same)
         options = {"is_causal": causal, "scale": scale, "mask": mask, "bias": bias}
         return context_axis.split_attention(context_axis.JAX_ATTENTION, "tk.attention", query, key, value, options)
+
+
+def _segment_ids(
+    given: jax.Array | tuple[jax.Array, jax.Array] | None, query: jax.Array, key: jax.Array
+) -> tuple[jax.Array, jax.Array] | None:
+    """``(query_ids, key_ids)`` checked against the queries' and keys' ``(batch, length)`` (``None``: none given)."""
+    if given is None:
+        return None
+    pair = tuple(given) if isinstance(given, (tuple, list)) else (given, given)
+    if len(pair) != 2:
+        raise ValueError(
+            f"tk.attention: segment_ids is one array or a pair (query_ids, key_ids); received {len(pair)}."
+        )
+    for ids, of, what in ((pair[0], query, "queries"), (pair[1], key, "keys")):
+        expected = (of.shape[0], of.shape[1])
+        if not jnp.issubdtype(jnp.asarray(ids).dtype, jnp.integer):
+            raise ValueError(
+                f"tk.attention: segment_ids are integer document ids, one per token; received dtype {ids.dtype}. "
+                "Give each packed document its own id (int32), padding an id of its own (e.g. 0)."
+            )
+        if tuple(ids.shape) != expected:
+            raise ValueError(
+                f"tk.attention: segment_ids for the {what} have shape {tuple(ids.shape)}; they need one id per "
+                f"token, (batch, length) = {expected}. Attention over keys of another length takes a pair "
+                "(query_ids, key_ids)."
+            )
+    return jnp.asarray(pair[0], jnp.int32), jnp.asarray(pair[1], jnp.int32)

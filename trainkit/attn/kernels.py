@@ -87,20 +87,22 @@ def choose(
     implementation: str | None,
     platform: str,
     split_size: int = 1,
+    segmented: bool = False,
 ) -> Choice:
     """The attention for a call of these shapes on ``platform`` (``jax.default_backend()``'s name),
-    inside a step whose context axis splits each sequence ``split_size`` ways (1: none)."""
+    inside a step whose context axis splits each sequence ``split_size`` ways (1: none); ``segmented``:
+    with segment ids (the kernel takes them, outside a context axis)."""
     if implementation is not None and implementation not in IMPLEMENTATIONS:
         raise ValueError(
             f"tk.attention: implementation={implementation!r} is not one of {sorted(IMPLEMENTATIONS)} (or None: "
             "chosen per device and shape)."
         )
     if implementation is None:
-        if platform == "gpu" and query.dtype in (jnp.bfloat16, jnp.float16) and not masked:
+        if platform == "gpu" and query.dtype in (jnp.bfloat16, jnp.float16) and not masked and not segmented:
             return Choice("cudnn")
         if platform != "tpu":
             return Choice("xla")
-        why = _kernel_refuses(query, key, masked) or _split_refuses(query, key, split_size)
+        why = _kernel_refuses(query, key, masked) or _split_refuses(query, key, split_size, segmented)
         return Choice("xla", f"tk.attention: {why}: XLA's attention instead") if why else Choice("pallas")
     needs = IMPLEMENTATIONS[implementation]
     if needs is not None and platform != needs:
@@ -109,11 +111,13 @@ def choose(
             f"compiled for {platform!r}. Pass implementation=None (chosen per device), 'xla', or "
             "'pallas-interpret' (the Pallas kernel interpreted: any device, slowly)."
         )
+    if implementation == "cudnn" and segmented:
+        raise ValueError("tk.attention: implementation='cudnn' takes no segment_ids; pass implementation=None.")
     if implementation.startswith("pallas"):
         why = _kernel_refuses(query, key, masked)
         if why:
             raise ValueError(f"tk.attention: implementation={implementation!r} cannot take this call: {why}.")
-        if _split_refuses(query, key, split_size):
+        if _split_refuses(query, key, split_size, segmented):
             raise ValueError(
                 f"tk.attention: the Pallas kernel under a context axis of {split_size} needs self-attention whose "
                 f"length splits into chunks of a multiple of {BLOCK}; received queries of length {query.shape[1]} "
@@ -128,9 +132,13 @@ def kernel_splits(query: jax.Array, key: jax.Array, parts: int) -> bool:
     return key.shape[1] == length and length % parts == 0 and (length // parts) % BLOCK == 0
 
 
-def _split_refuses(query: jax.Array, key: jax.Array, parts: int) -> str:
+def _split_refuses(query: jax.Array, key: jax.Array, parts: int, segmented: bool = False) -> str:
     """Why the kernel cannot take a call split ``parts`` ways over a context axis (``""``: it can)."""
-    if parts == 1 or kernel_splits(query, key, parts):
+    if parts == 1:
+        return ""
+    if segmented:
+        return f"segment ids under a context axis of {parts} are not split for the kernel; split by hand"
+    if kernel_splits(query, key, parts):
         return ""
     return (
         f"under a context axis of {parts}, queries of length {query.shape[1]} do not split into chunks of a multiple "
@@ -167,7 +175,7 @@ def block_size(length: int) -> int:
 @functools.cache
 def _kernel(
     heads: int, q_length: int, kv_length: int, causal: bool, interpret: bool, offset: int = 0
-) -> Callable[[jax.Array, jax.Array, jax.Array], jax.Array]:
+) -> Callable[..., jax.Array]:
     from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as splash
     from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as masks
 
@@ -180,7 +188,7 @@ def _kernel(
     )  # fmt: skip
     mask = masks.MultiHeadMask([head_mask] * heads)
     with jax.ensure_compile_time_eval():  # its block tables concrete arrays, kept across traces (cached)
-        kernel: Callable[[jax.Array, jax.Array, jax.Array], jax.Array] = splash.make_splash_mha_single_device(
+        kernel: Callable[..., jax.Array] = splash.make_splash_mha_single_device(
             mask, block_sizes=sizes, interpret=interpret
         )
     return kernel
@@ -195,10 +203,12 @@ def splash_attention(
     scale: float | None,
     interpret: bool,
     offset: int = 0,
+    segment_ids: tuple[jax.Array, jax.Array] | None = None,
 ) -> jax.Array:
     """Softmax attention of ``(batch, length, heads, head_dim)`` arrays by the splash kernel (each
     row of the batch through the kernel; grouped key and value heads repeated to the queries');
-    ``offset``: the queries' first position among the keys' (a causal chunk of a longer sequence)."""
+    ``offset``: the queries' first position among the keys' (a causal chunk of a longer sequence);
+    ``segment_ids``: the queries' and the keys' ``(batch, length)`` ids (the kernel's ``SegmentIds``)."""
     heads, depth = query.shape[2], query.shape[3]
     groups = heads // key.shape[2]
     if groups > 1:
@@ -207,5 +217,13 @@ def splash_attention(
     kernel = _kernel(heads, query.shape[1], key.shape[1], causal, interpret, offset)
     to_heads = functools.partial(jnp.swapaxes, axis1=1, axis2=2)  # (batch, heads, length, head_dim)
     scaled = (query * np.asarray(scale, query.dtype)).astype(query.dtype)
-    out = jax.vmap(kernel)(to_heads(scaled), to_heads(key), to_heads(value))
+    if segment_ids is None:
+        out = jax.vmap(kernel)(to_heads(scaled), to_heads(key), to_heads(value))
+    else:
+        from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as splash
+
+        ids = splash.SegmentIds(q=segment_ids[0], kv=segment_ids[1])
+        out = jax.vmap(lambda q, k, v, ids: kernel(q, k, v, segment_ids=ids))(
+            to_heads(scaled), to_heads(key), to_heads(value), ids
+        )
     return to_heads(out).astype(query.dtype)

@@ -1,0 +1,94 @@
+"""#83 item 1 (CPU part): ``tk.attention(..., segment_ids=...)``: documents packed into one row attend only
+within themselves, by XLA's attention and by the Pallas splash kernel (interpreted here; the chip runs the
+same kernel), each document's outputs and gradients those of the document run alone; refused by name
+where the ids are not one integer per token."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import trainkit as tk
+
+LENGTH, HEADS, DEPTH = 256, 2, 64
+FIRST = 100  # the first document's tokens; the second has the rest
+
+
+def qkv(length=LENGTH, seed=0):
+    keys = jax.random.split(jax.random.key(seed), 3)
+    return [jax.random.normal(k, (1, length, HEADS, DEPTH), jnp.float32) for k in keys]
+
+
+def packed_ids():
+    return jnp.asarray(np.r_[np.ones(FIRST), np.full(LENGTH - FIRST, 2)][None], jnp.int32)
+
+
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+@pytest.mark.parametrize("implementation", ["xla", "pallas-interpret"])
+def test_a_packed_row_gives_each_document_its_own_attention_and_gradients(implementation, causal):
+    q, k, v = qkv()
+
+    def packed(q, k, v):
+        return tk.attention(q, k, v, causal=causal, segment_ids=packed_ids(), implementation=implementation)
+
+    def alone(q, k, v):  # each document by itself (XLA's attention: the reference)
+        parts = (slice(0, FIRST), slice(FIRST, LENGTH))
+        outs = [tk.attention(q[:, p], k[:, p], v[:, p], causal=causal, implementation="xla") for p in parts]
+        return jnp.concatenate(outs, axis=1)
+
+    np.testing.assert_allclose(packed(q, k, v), alone(q, k, v), atol=2e-5, rtol=2e-5)
+    weights = jax.random.normal(jax.random.key(9), (1, LENGTH, HEADS, DEPTH))
+    grads = [jax.grad(lambda *a, f=f: jnp.sum(f(*a) * weights), argnums=(0, 1, 2))(q, k, v) for f in (packed, alone)]
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=5e-5, rtol=5e-5), grads[0], grads[1])
+
+
+def test_padding_as_a_segment_of_its_own_leaves_the_real_tokens_as_they_were():
+    q, k, v = qkv()
+    ids = jnp.asarray(np.r_[np.ones(200), np.zeros(LENGTH - 200)][None], jnp.int32)  # 56 padding tokens, id 0
+    padded = tk.attention(q, k, v, causal=True, segment_ids=ids)[:, :200]
+    np.testing.assert_allclose(padded, tk.attention(q[:, :200], k[:, :200], v[:, :200], causal=True), atol=2e-6)
+
+
+@pytest.mark.parametrize(
+    ("ids", "message"),
+    [
+        (jnp.ones((1, LENGTH), jnp.float32), r"integer document ids.*float32"),
+        (jnp.ones((1, LENGTH - 1), jnp.int32), r"shape \(1, 255\).*\(batch, length\) = \(1, 256\)"),
+        (jnp.ones((LENGTH,), jnp.int32), r"shape \(256,\).*\(batch, length\) = \(1, 256\)"),
+    ],
+    ids=["float", "short", "no_batch"],
+)
+def test_segment_ids_that_are_not_one_integer_per_token_are_refused_by_name(ids, message):
+    q, k, v = qkv()
+    with pytest.raises(ValueError, match=message):
+        tk.attention(q, k, v, causal=True, segment_ids=ids)
+
+
+def packed_lm(strategy):
+    """A tiny causal LM whose inputs carry each token's document id: ``{"tokens", "segment_ids"}``."""
+    import flax.linen as nn
+    import optax
+
+    class Model(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            tokens, ids = x["tokens"], x["segment_ids"]
+            h = nn.Embed(32, 32)(tokens)
+            b, t, _ = h.shape
+            q, k, v = (a.reshape(b, t, 2, 16) for a in jnp.split(nn.Dense(96)(h), 3, -1))
+            h = h + nn.Dense(32)(tk.attention(q, k, v, causal=True, segment_ids=ids).reshape(b, t, 32))
+            return nn.Dense(32)(h)
+
+    return tk.Trainer(Model(), loss="sparse_categorical_crossentropy", optimizer=optax.sgd(0.1), strategy=strategy)
+
+
+def test_packed_rows_train_on_a_context_axis_to_single_devices_numbers():
+    """Item 4 on ``Hybrid(data=2, context=4)``: the ids split with the queries (a mask of XLA's attention split
+    by hand), 6 steps of 2 packed rows."""
+    from conftest import check_trains_like_single_device
+
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(0, 32, size=(12, 129)).astype(np.int32)
+    ids = np.cumsum(rng.random((12, 128)) < 0.05, axis=1).astype(np.int32) + 1  # documents of ~20 tokens
+    x = {"tokens": tokens[:, :-1], "segment_ids": ids}
+    check_trains_like_single_device(packed_lm, tk.Hybrid(data=2, context=4), x, tokens[:, 1:], batch_size=2, steps=6)
