@@ -79,7 +79,7 @@ def choose(q, k, implementation=None, platform="tpu", masked=False):
 def test_the_choice_per_device_and_shape():
     q = jnp.zeros((1, 512, 8, 128), jnp.bfloat16)
     assert choose(q, q).name == "pallas"
-    assert choose(q, q[:, :, :2]).name == "pallas"  # grouped heads: repeated for the kernel
+    assert choose(q, q[:, :, :2]).name == "pallas"  # grouped heads: the kernel's multi-query form
     assert choose(q, q, platform="gpu").name == "cudnn"
     assert choose(q.astype(jnp.float32), q, platform="gpu").name == "xla"
     assert choose(q, q, platform="cpu") == attention_kernels.Choice("xla")  # no note: no kernel to miss

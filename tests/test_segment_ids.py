@@ -92,3 +92,52 @@ def test_packed_rows_train_on_a_context_axis_to_single_devices_numbers():
     ids = np.cumsum(rng.random((12, 128)) < 0.05, axis=1).astype(np.int32) + 1  # documents of ~20 tokens
     x = {"tokens": tokens[:, :-1], "segment_ids": ids}
     check_trains_like_single_device(packed_lm, tk.Hybrid(data=2, context=4), x, tokens[:, 1:], batch_size=2, steps=6)
+
+
+def window_mask(length, left, right, causal):
+    i, j = np.arange(length)[:, None], np.arange(length)[None]
+    seen = (j >= i - left) & (j <= i + (0 if causal else right))
+    return jnp.asarray(seen[None, None])
+
+
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+@pytest.mark.parametrize("implementation", ["xla", "pallas-interpret"])
+def test_a_window_is_attention_under_the_equivalent_mask(implementation, causal):
+    """#83 item 2: ``window=`` (Mistral's sliding window) by XLA and the kernel's LocalMask, outputs and gradients
+    equal to XLA's attention under the same mask written out."""
+    q, k, v = qkv()
+    left, right = 48, 16
+
+    def windowed(q, k, v):
+        return tk.attention(q, k, v, causal=causal, window=(left, right), implementation=implementation)
+
+    def masked(q, k, v):
+        return tk.attention(q, k, v, mask=window_mask(LENGTH, left, right, causal), implementation="xla")
+
+    np.testing.assert_allclose(windowed(q, k, v), masked(q, k, v), atol=2e-5, rtol=2e-5)
+    weights = jax.random.normal(jax.random.key(9), (1, LENGTH, HEADS, DEPTH))
+    grads = [jax.grad(lambda *a, f=f: jnp.sum(f(*a) * weights), argnums=(0, 1, 2))(q, k, v) for f in (windowed, masked)]
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=5e-5, rtol=5e-5), grads[0], grads[1])
+
+
+@pytest.mark.parametrize(
+    ("window", "message"),
+    [(LENGTH, r"window=256 reaches past the 256 keys.*at most 255"), ((4, -1), r"whole numbers; received \(4, -1\)")],
+    ids=["longer_than_the_sequence", "negative"],
+)
+def test_a_window_that_masks_nothing_or_is_not_whole_numbers_is_refused_by_name(window, message):
+    q, k, v = qkv()
+    with pytest.raises(ValueError, match=message):
+        tk.attention(q, k, v, causal=True, window=window)
+
+
+def test_grouped_heads_with_packed_documents_and_a_window_match_xla_through_the_kernel():
+    """8 query heads over 2 key and value heads (the kernel's multi-query form, no copies), packed documents and
+    a causal window together: the kernel's outputs are XLA's under the equivalent mask."""
+    keys = jax.random.split(jax.random.key(3), 3)
+    q = jax.random.normal(keys[0], (2, LENGTH, 8, DEPTH))
+    k, v = (jax.random.normal(key, (2, LENGTH, 2, DEPTH)) for key in keys[1:])
+    ids = jnp.concatenate([packed_ids(), jnp.ones((1, LENGTH), jnp.int32)])
+    options = {"causal": True, "segment_ids": ids, "window": 40}
+    kernel = tk.attention(q, k, v, implementation="pallas-interpret", **options)
+    np.testing.assert_allclose(kernel, tk.attention(q, k, v, implementation="xla", **options), atol=2e-5, rtol=2e-5)

@@ -34,6 +34,7 @@ def attention(
     scale: float | None = None,
     implementation: str | None = None,
     segment_ids: jax.Array | tuple[jax.Array, jax.Array] | None = None,
+    window: int | tuple[int, int] | None = None,
 ) -> jax.Array:
     """Softmax attention of ``(batch, length, heads, head_dim)`` arrays (keys and values may have fewer
     heads: grouped), causal or not, ``mask`` / ``bias`` broadcast to ``(batch, heads, q_length, kv_length)``
@@ -49,8 +50,14 @@ def attention(
     takes one array; attention over other keys a pair ``(query_ids, key_ids)``. The Pallas kernel takes
     them on a TPU (its ``SegmentIds``: the scores never written out); elsewhere they are a mask on XLA's
     attention, with the same numbers. Beside ``jax.nn.dot_product_attention``'s ``query_seq_lengths`` /
-    ``key_value_seq_lengths`` (a padded tail per row), they also separate documents."""
+    ``key_value_seq_lengths`` (a padded tail per row), they also separate documents.
+
+    ``window``: local (sliding-window) attention, as Mistral's and Gemma's layers use: each query sees the
+    keys at most ``left`` positions before it and ``right`` after (an int: the same both sides; causal:
+    none after), as ``jax.nn.dot_product_attention``'s ``local_window_size``; the kernel's ``LocalMask``
+    on a TPU, XLA's attention elsewhere, the same numbers."""
     ids = _segment_ids(segment_ids, query, key)
+    local = _window(window, key)
     split = context_axis.active_split()
     choice = kernels.choose(
         query,
@@ -61,6 +68,7 @@ def attention(
         platform=kernels.target_platform(),
         split_size=1 if split is None else split.size,
         segmented=ids is not None,
+        windowed=local is not None,
     )
     kernels.note_once(choice.note)
     with jax.named_scope(cost.CAUSAL_ATTENTION_SCOPE) if causal else contextlib.nullcontext():
@@ -73,7 +81,7 @@ def attention(
             interpret = choice.name == "pallas-interpret"
             if split is None:
                 return kernels.splash_attention(
-                    query, key, value, causal=causal, scale=scale, interpret=interpret, segment_ids=ids
+                    query, key, value, causal=causal, scale=scale, interpret=interpret, segment_ids=ids, window=local
                 )
             balanced = causal and context_axis.kernel_balances(query, split)
             context_axis.record(context_axis.AttentionCall("tk.attention", True, balanced=balanced))
@@ -81,7 +89,7 @@ def attention(
         if ids is not None:  # a mask of (batch, 1, q_length, kv_length): split with the queries under a context axis
             same = ids[0][:, None, :, None] == ids[1][:, None, None, :]
             mask = same if mask is None else jnp.logical_and(mask, same)
-        options = {"is_causal": causal, "scale": scale, "mask": mask, "bias": bias}
+        options = {"is_causal": causal, "scale": scale, "mask": mask, "bias": bias, "local_window_size": local}
         return context_axis.split_attention(context_axis.JAX_ATTENTION, "tk.attention", query, key, value, options)
 
 
@@ -110,3 +118,22 @@ def _segment_ids(
                 "(query_ids, key_ids)."
             )
     return jnp.asarray(pair[0], jnp.int32), jnp.asarray(pair[1], jnp.int32)
+
+
+def _window(given: int | tuple[int, int] | None, key: jax.Array) -> tuple[int, int] | None:
+    """``(left, right)`` checked: whole numbers, none past the keys' length (``None``: no window)."""
+    if given is None:
+        return None
+    pair = (given, given) if isinstance(given, int) else tuple(given)
+    if len(pair) != 2 or not all(isinstance(side, int) and side >= 0 for side in pair):
+        raise ValueError(
+            f"tk.attention: window is the keys a query sees before and after it, an int or (left, right) of whole "
+            f"numbers; received {given!r}."
+        )
+    length = key.shape[1]
+    if max(pair) >= length:
+        raise ValueError(
+            f"tk.attention: window={given!r} reaches past the {length} keys of the sequence: it would mask nothing. "
+            f"Pass a window shorter than the sequence (at most {length - 1}), or window=None for full attention."
+        )
+    return int(pair[0]), int(pair[1])

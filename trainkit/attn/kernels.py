@@ -11,7 +11,7 @@ cannot take the call, is refused by name. :func:`choose` decides, also under a c
 one-line note, never a wrong number.
 
 Arrays are ``(batch, length, heads, head_dim)``; keys and values may have fewer heads than the
-queries (grouped heads, repeated for the kernel).
+queries (grouped heads: the kernel's multi-query form, each key and value head serving its group, no copies).
 
 >>> import jax.numpy as jnp
 >>> q = jnp.ones((1, 256, 2, 64))
@@ -88,21 +88,23 @@ def choose(
     platform: str,
     split_size: int = 1,
     segmented: bool = False,
+    windowed: bool = False,
 ) -> Choice:
     """The attention for a call of these shapes on ``platform`` (``jax.default_backend()``'s name),
-    inside a step whose context axis splits each sequence ``split_size`` ways (1: none); ``segmented``:
-    with segment ids (the kernel takes them, outside a context axis)."""
+    inside a step whose context axis splits each sequence ``split_size`` ways (1: none); ``segmented``
+    / ``windowed``: with segment ids or a local window (the kernel takes them, outside a context axis)."""
     if implementation is not None and implementation not in IMPLEMENTATIONS:
         raise ValueError(
             f"tk.attention: implementation={implementation!r} is not one of {sorted(IMPLEMENTATIONS)} (or None: "
             "chosen per device and shape)."
         )
     if implementation is None:
-        if platform == "gpu" and query.dtype in (jnp.bfloat16, jnp.float16) and not masked and not segmented:
+        plain = not (masked or segmented or windowed)
+        if platform == "gpu" and query.dtype in (jnp.bfloat16, jnp.float16) and plain:
             return Choice("cudnn")
         if platform != "tpu":
             return Choice("xla")
-        why = _kernel_refuses(query, key, masked) or _split_refuses(query, key, split_size, segmented)
+        why = _kernel_refuses(query, key, masked) or _split_refuses(query, key, split_size, segmented or windowed)
         return Choice("xla", f"tk.attention: {why}: XLA's attention instead") if why else Choice("pallas")
     needs = IMPLEMENTATIONS[implementation]
     if needs is not None and platform != needs:
@@ -111,13 +113,15 @@ def choose(
             f"compiled for {platform!r}. Pass implementation=None (chosen per device), 'xla', or "
             "'pallas-interpret' (the Pallas kernel interpreted: any device, slowly)."
         )
-    if implementation == "cudnn" and segmented:
-        raise ValueError("tk.attention: implementation='cudnn' takes no segment_ids; pass implementation=None.")
+    if implementation == "cudnn" and (segmented or windowed):
+        raise ValueError(
+            "tk.attention: implementation='cudnn' takes no segment_ids or window; pass implementation=None."
+        )
     if implementation.startswith("pallas"):
         why = _kernel_refuses(query, key, masked)
         if why:
             raise ValueError(f"tk.attention: implementation={implementation!r} cannot take this call: {why}.")
-        if _split_refuses(query, key, split_size, segmented):
+        if _split_refuses(query, key, split_size, segmented or windowed):
             raise ValueError(
                 f"tk.attention: the Pallas kernel under a context axis of {split_size} needs self-attention whose "
                 f"length splits into chunks of a multiple of {BLOCK}; received queries of length {query.shape[1]} "
@@ -132,12 +136,13 @@ def kernel_splits(query: jax.Array, key: jax.Array, parts: int) -> bool:
     return key.shape[1] == length and length % parts == 0 and (length // parts) % BLOCK == 0
 
 
-def _split_refuses(query: jax.Array, key: jax.Array, parts: int, segmented: bool = False) -> str:
-    """Why the kernel cannot take a call split ``parts`` ways over a context axis (``""``: it can)."""
+def _split_refuses(query: jax.Array, key: jax.Array, parts: int, restricted: bool = False) -> str:
+    """Why the kernel cannot take a call split ``parts`` ways over a context axis (``""``: it can);
+    ``restricted``: with segment ids or a window."""
     if parts == 1:
         return ""
-    if segmented:
-        return f"segment ids under a context axis of {parts} are not split for the kernel; split by hand"
+    if restricted:
+        return f"segment ids or a window under a context axis of {parts} are not split for the kernel; split by hand"
     if kernel_splits(query, key, parts):
         return ""
     return (
@@ -174,13 +179,23 @@ def block_size(length: int) -> int:
 
 @functools.cache
 def _kernel(
-    heads: int, q_length: int, kv_length: int, causal: bool, interpret: bool, offset: int = 0
+    heads: int,
+    q_length: int,
+    kv_length: int,
+    causal: bool,
+    interpret: bool,
+    offset: int = 0,
+    window: tuple[int, int] | None = None,
+    shared_kv: bool = False,
 ) -> Callable[..., jax.Array]:
     from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as splash
     from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as masks
 
     shape = (q_length, kv_length)
-    head_mask = masks.CausalMask(shape, offset=offset) if causal else masks.FullMask(shape)
+    if window is not None:  # the keys within (left, right) of each query (right 0: causal)
+        head_mask: masks.Mask = masks.LocalMask(shape, (window[0], 0 if causal else window[1]), offset)
+    else:
+        head_mask = masks.CausalMask(shape, offset=offset) if causal else masks.FullMask(shape)
     bq, bkv = block_size(q_length), block_size(kv_length)
     sizes = splash.BlockSizes(
         block_q=bq, block_kv=bkv, block_kv_compute=bkv, block_q_dkv=bq, block_kv_dkv=bkv,
@@ -188,9 +203,8 @@ def _kernel(
     )  # fmt: skip
     mask = masks.MultiHeadMask([head_mask] * heads)
     with jax.ensure_compile_time_eval():  # its block tables concrete arrays, kept across traces (cached)
-        kernel: Callable[..., jax.Array] = splash.make_splash_mha_single_device(
-            mask, block_sizes=sizes, interpret=interpret
-        )
+        make = splash.make_splash_mqa_single_device if shared_kv else splash.make_splash_mha_single_device
+        kernel: Callable[..., jax.Array] = make(mask, block_sizes=sizes, interpret=interpret)
     return kernel
 
 
@@ -204,26 +218,35 @@ def splash_attention(
     interpret: bool,
     offset: int = 0,
     segment_ids: tuple[jax.Array, jax.Array] | None = None,
+    window: tuple[int, int] | None = None,
 ) -> jax.Array:
     """Softmax attention of ``(batch, length, heads, head_dim)`` arrays by the splash kernel (each
-    row of the batch through the kernel; grouped key and value heads repeated to the queries');
+    row of the batch through the kernel; grouped heads, fewer key and value heads than the queries',
+    by its multi-query form, each key and value head serving its group of query heads without a copy);
     ``offset``: the queries' first position among the keys' (a causal chunk of a longer sequence);
-    ``segment_ids``: the queries' and the keys' ``(batch, length)`` ids (the kernel's ``SegmentIds``)."""
-    heads, depth = query.shape[2], query.shape[3]
-    groups = heads // key.shape[2]
-    if groups > 1:
-        key, value = (jnp.repeat(a, groups, axis=2) for a in (key, value))
+    ``segment_ids``: the queries' and the keys' ``(batch, length)`` ids (the kernel's ``SegmentIds``);
+    ``window``: the keys ``(left, right)`` of each query it sees (the kernel's ``LocalMask``)."""
+    batch, length, heads, depth = query.shape
+    kv_heads = key.shape[2]
+    groups = heads // kv_heads
     scale = 1.0 / math.sqrt(depth) if scale is None else scale
-    kernel = _kernel(heads, query.shape[1], key.shape[1], causal, interpret, offset)
+    kernel = _kernel(
+        groups if groups > 1 else heads, length, key.shape[1], causal, interpret, offset, window, groups > 1
+    )
     to_heads = functools.partial(jnp.swapaxes, axis1=1, axis2=2)  # (batch, heads, length, head_dim)
-    scaled = (query * np.asarray(scale, query.dtype)).astype(query.dtype)
-    if segment_ids is None:
-        out = jax.vmap(kernel)(to_heads(scaled), to_heads(key), to_heads(value))
-    else:
+    q, k, v = to_heads((query * np.asarray(scale, query.dtype)).astype(query.dtype)), to_heads(key), to_heads(value)
+    ids = None
+    if segment_ids is not None:
         from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as splash
 
         ids = splash.SegmentIds(q=segment_ids[0], kv=segment_ids[1])
-        out = jax.vmap(lambda q, k, v, ids: kernel(q, k, v, segment_ids=ids))(
-            to_heads(scaled), to_heads(key), to_heads(value), ids
-        )
+
+    def row(q: jax.Array, k: jax.Array, v: jax.Array, ids: object) -> jax.Array:
+        if groups == 1:
+            return kernel(q, k, v, segment_ids=ids)
+        grouped = q.reshape(kv_heads, groups, length, depth)  # query head h serves key head h // groups
+        out = jax.vmap(lambda q, k, v: kernel(q, k, v, segment_ids=ids))(grouped, k, v)
+        return out.reshape(heads, length, depth)
+
+    out = jax.vmap(row)(q, k, v, ids)
     return to_heads(out).astype(query.dtype)
