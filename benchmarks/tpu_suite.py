@@ -11,7 +11,9 @@ subprocess opens it here), each row printed as it is measured, then the table an
 - the plan's step-time estimate over the real step, the 12 x 1,024 LM at batch 128 with remat of
   its blocks (within 0.7-1.3);
 - ``offload="optimizer"``'s step over the step without it, the 12 x 1,024 LM at batch 32 (<= 1.25);
-- the named out-of-memory error of the 12 x 1,024 LM at batch 512, its text printed.
+- the named out-of-memory error of the 12 x 1,024 LM at batch 512, its text printed;
+- #83's packed rows (``segment_ids``) through the kernel against XLA's masked attention at 8,192 tokens
+  (>= 3x), and grouped heads' attention memory against repeated heads (<= 0.5).
 
     source .whl-tpu/install.sh && python3 benchmarks/tpu_suite.py      # on the chip
     python3 benchmarks/tpu_suite.py --only attention_row               # one row (a function's name)
@@ -189,6 +191,50 @@ def attention_row(size: dict, steps: int = 10) -> Row:
     return ("attention kernel / xla at 2,048 (rate)", ratio, ">= 1", f"{len(rounds['xla'])} paired rounds")
 
 
+def packed_row(size: dict, steps: int = 5) -> Row:
+    """#83: packed documents at 8,192 tokens (2 rows, 8 heads of 128, bf16), forward and backward: the kernel
+    with ``segment_ids`` against XLA's attention under the same mask (target >= 3x its steps a second)."""
+    if jax.devices()[0].platform != "tpu":
+        return ("packed rows kernel / xla masked at 8,192 (rate)", 0.0, ">= 3", "skipped: the kernel runs on a TPU")
+    rng = np.random.default_rng(0)
+    q, k, v = (jnp.asarray(rng.normal(size=(2, 8192, 8, 128)), jnp.bfloat16) for _ in range(3))
+    ids = jnp.asarray(np.cumsum(rng.random((2, 8192)) < 1 / 1500, axis=1) + 1, jnp.int32)  # ~1,500-token documents
+
+    def contender(implementation: str):
+        def loss(*qkv):
+            out = tk.attention(*qkv, causal=True, segment_ids=ids, implementation=implementation)
+            return (out.astype(jnp.float32) ** 2).mean()
+
+        gradients = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
+        return lambda: [jax.block_until_ready(gradients(q, k, v)) for _ in range(steps)] and None
+
+    rounds = measure_rounds({"pallas": contender("pallas"), "xla": contender("xla")}, steps, size["repeats"])
+    ratio = paired_ratio(rounds, "pallas", "xla")
+    return ("packed rows kernel / xla masked at 8,192 (rate)", ratio, ">= 3", f"{len(rounds['xla'])} paired rounds")
+
+
+def grouped_row(size: dict) -> Row:
+    """#83: grouped heads (8 query heads over 2 key and value heads) through the kernel against the same call
+    with the keys and values repeated to 8 heads: the compiled forward-and-backward's temporary bytes (<= 0.5)."""
+    if jax.devices()[0].platform != "tpu":
+        return ("grouped / repeated heads, attention memory", 0.0, "<= 0.5", "skipped: the kernel runs on a TPU")
+    shape = jax.ShapeDtypeStruct
+
+    def temporaries(kv_heads: int) -> float:
+        def loss(q, k, v):
+            return (tk.attention(q, k, v, causal=True).astype(jnp.float32) ** 2).mean()
+
+        grad = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
+        kv = shape((4, 8192, kv_heads, 128), jnp.bfloat16)
+        compiled = grad.lower(shape((4, 8192, 8, 128), jnp.bfloat16), kv, kv).compile()
+        memory = compiled.memory_analysis()
+        return float(memory.temp_size_in_bytes + memory.argument_size_in_bytes)
+
+    grouped, repeated = temporaries(2), temporaries(8)
+    return ("grouped / repeated heads, attention memory", grouped / repeated, "<= 0.5",
+            f"{grouped / 2**20:.0f} vs {repeated / 2**20:.0f} MiB (arguments and temporaries)")  # fmt: skip
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--small", action="store_true", help="tiny sizes: a smoke test on CPU")
@@ -197,7 +243,7 @@ def main() -> None:
     size, start, device = sizes(args.small), time.perf_counter(), jax.devices()[0]
     print(f"jax {jax.__version__}, {device.platform} {device.device_kind}, {'small' if args.small else 'full'} sizes")
     rows: list[Row] = []
-    singles = (fresh_fit_row, mfu_row, plan_row, offload_row, out_of_memory_row, attention_row)
+    singles = (fresh_fit_row, mfu_row, plan_row, offload_row, out_of_memory_row, attention_row, packed_row, grouped_row)
     chosen = [dispatch_rows, *singles] if args.only is None else [globals()[name] for name in args.only]
     for one in chosen:
         for row in one(size) if one is dispatch_rows else [one(size)]:
