@@ -320,9 +320,12 @@ def abstract_inputs(spec: PyTree, rows: int) -> PyTree:
     return jax.tree.map(lambda s: jax.ShapeDtypeStruct((rows, *s[0]), s[1]), spec, is_leaf=is_spec)
 
 
-def check_same_inputs(expected: PyTree, received: PyTree) -> None:
+def check_same_inputs(expected: PyTree, received: PyTree, *, other_lengths: bool = False) -> str:
     """Raises when ``received`` per-example input shapes differ from those the model was
-    initialised with (both from :func:`example_spec`)."""
+    initialised with (both from :func:`example_spec`); ``other_lengths``: sizes that differ where the
+    ranks agree are returned as that message instead (``predict`` / ``evaluate`` on sequences of
+    another length, as Keras retraces per shape: the caller traces the model on them and raises it
+    where the model cannot take them); ``""`` where nothing differs."""
     exp = dict(jax.tree_util.tree_leaves_with_path(expected, is_leaf=is_spec))
     got = dict(jax.tree_util.tree_leaves_with_path(received, is_leaf=is_spec))
     name = lambda path: "x" + jax.tree_util.keystr(path)  # noqa: E731
@@ -337,12 +340,16 @@ def check_same_inputs(expected: PyTree, received: PyTree) -> None:
     for path, (shape, _) in exp.items():
         other = got[path][0]
         if tuple(other) != tuple(shape):
-            raise ValueError(
+            message = (
                 f"{name(path)} has per-example shape {tuple(other)} (batch shape "
                 f"(batch, {', '.join(map(str, other))})), but the model was initialised with "
                 f"per-example shape {tuple(shape)}. Reshape the data to (batch, "
                 f"{', '.join(map(str, shape))}), or build a new Trainer for the new shape."
             )
+            if not (other_lengths and len(other) == len(shape)):
+                raise ValueError(message)
+            return message
+    return ""
 
 
 def describe_shapes(tree: PyTree) -> str:

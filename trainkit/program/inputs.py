@@ -100,8 +100,8 @@ def prepare(
             **(config or {}),
         }
     )
-    if setup.session.state is not None:
-        data_lib.check_same_inputs(setup.decided.input_spec, prepared.spec)
+    if setup.session.state is not None:  # predict / evaluate may take sequences of another length
+        check_inputs(setup, prepared, other_lengths=not training)
     setup.output_spec(prepared.first_x)  # the model traced on the first batch, before anything compiles
     if targets and prepared.has_targets:
         setup.build_objective(prepared, every=True)
@@ -242,6 +242,21 @@ def one_batch_size(setup: Setup, data: DataInput) -> int:
     )
 
 
+def check_inputs(setup: Setup, prepared: data_lib.Prepared, *, other_lengths: bool) -> None:
+    """The prepared inputs' per-example shapes against the model's: the same, or (``other_lengths``:
+    ``predict``, ``evaluate``, validation) other sizes of the same rank the model can be traced on
+    (a sequence of another length); a model that cannot take them gets the shape message, its error
+    beside it."""
+    differs = data_lib.check_same_inputs(setup.decided.input_spec, prepared.spec, other_lengths=other_lengths)
+    if differs:
+        try:
+            setup.output_spec(prepared.first_x)
+        except ValueError as error:
+            raise ValueError(
+                f"{differs} (Tried, as predict and evaluate take another length where a model can: {error})"
+            ) from error
+
+
 def prepare_run(
     setup: Setup,
     data: DataInput,
@@ -341,7 +356,7 @@ def prepare_validation(setup: Setup, data: DataInput, batch_size: int | None) ->
     distributed.check_same_configuration(
         {f"validation {name}": value for name, value in facts.items()} | {"validation batches": batches}
     )
-    data_lib.check_same_inputs(setup.decided.input_spec, prepared.spec)
+    check_inputs(setup, prepared, other_lengths=True)  # as evaluate's
     if prepared.has_targets:
         setup.build_objective(prepared, every=True)
     data_lib.check_batch_size(prepared.batch_size, setup.decided.require_strategy().num_batch_shards)

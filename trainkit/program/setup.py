@@ -157,7 +157,7 @@ class Setup:
         self.session = session
         self.state_access = StateAccess(program, session, self.decided)
         self.compiled = CompiledFunctions(program, self.decided, session.require_state)
-        self._outputs: PyTree = None  # the model's output shapes, once traced
+        self._outputs: dict[str, PyTree] = {}  # the model's output shapes by input shapes, each traced once
         self._computation = ""  # a digest of the model's traced forward pass (what "auto" remembers a pick for)
 
     # ------------------------------------------------------------------ what it decided
@@ -247,10 +247,12 @@ class Setup:
         self.session.replace_state(state)
 
     def output_spec(self, first_x: PyTree) -> PyTree:
-        """The shapes of the model's outputs for the first batch (traced, never run; cached).
-        An error while tracing the model is raised again with the inputs it was given, and
-        outputs without one row per input row are refused (the model mixes the batch axis)."""
-        if self._outputs is None:
+        """The shapes of the model's outputs for the first batch (traced, never run; cached per input
+        shapes: predict and evaluate may take sequences of another length). An error while tracing the
+        model is raised again with the inputs it was given, and outputs without one row per input row
+        are refused (the model mixes the batch axis)."""
+        shapes = str(data_lib.example_spec(first_x))  # per example: the first batch's rows stand for any batch's
+        if shapes not in self._outputs:
             try:
                 live = self.session.state
                 state = abstract(live) if live is not None else self.program.abstract_state(first_x)
@@ -279,9 +281,9 @@ class Setup:
                 )
             if not self.custom_loss:  # a compute_loss of your own may use outputs that are not per row
                 data_lib.check_rows_kept(first_x, outputs)
-            self._outputs = outputs
-            self._computation = hashlib.sha256(str(traced.jaxpr).encode()).hexdigest()[:16]
-        return self._outputs
+            self._outputs[shapes] = outputs
+            self._computation = self._computation or hashlib.sha256(str(traced.jaxpr).encode()).hexdigest()[:16]
+        return self._outputs[shapes]
 
     def build_objective(self, prepared: data_lib.Prepared, every: bool = False) -> None:
         """The objective built for the prepared targets and checked against the model's outputs
