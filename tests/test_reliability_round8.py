@@ -181,7 +181,10 @@ class CausalAttention(nn.Module):
         if self.variant == "alibi":
             distance = jnp.arange(t)[None, :] - jnp.arange(t)[:, None]
             bias = (jnp.array([0.5, 0.25])[:, None, None] * jnp.minimum(distance, 0))[None]  # (1, heads, t, t)
-        attended = tk.attention(q, k, v, causal=True, bias=bias)
+        causal = (
+            "top_left" if self.variant == "cross" else True
+        )  # #83: a causal call over fewer keys says how it aligns
+        attended = tk.attention(q, k, v, causal=causal, bias=bias)
         return nn.Dense(16)(attended.reshape(b, t, 16))
 
 

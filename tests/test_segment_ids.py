@@ -141,3 +141,31 @@ def test_grouped_heads_with_packed_documents_and_a_window_match_xla_through_the_
     options = {"causal": True, "segment_ids": ids, "window": 40}
     kernel = tk.attention(q, k, v, implementation="pallas-interpret", **options)
     np.testing.assert_allclose(kernel, tk.attention(q, k, v, implementation="xla", **options), atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize("implementation", ["xla", "pallas-interpret"])
+def test_causal_over_more_keys_than_queries_aligns_as_said(implementation):
+    """#83 item 5: a decoder's 128 new queries over a cache of 256 keys, ``causal="bottom_right"``: query i sees
+    the keys up to 128 + i, as the same rows of a causal self-attention over all 256 positions see them."""
+    q, k, v = qkv()
+    whole = tk.attention(q, k, v, causal=True, implementation="xla")
+    last = tk.attention(q[:, 128:], k, v, causal="bottom_right", implementation=implementation)
+    np.testing.assert_allclose(last, whole[:, 128:], atol=2e-5, rtol=2e-5)
+    first = tk.attention(q[:, :128], k, v, causal="top_left", implementation="xla")
+    np.testing.assert_allclose(first, whole[:, :128], atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize(
+    ("queries", "keys", "causal", "message"),
+    [
+        (16, 12, True, r"causal=True with 16 queries and 12 keys does not say how they align.*bottom_right"),
+        (16, 12, "bottom_right", r"fewer keys \(12\) leaves the first 4 queries no key"),
+        (8, 8, "diagonal", r"causal='diagonal' is not True, False or one of"),
+    ],
+    ids=["unsaid", "fewer_keys", "unknown"],
+)
+def test_a_causal_call_whose_alignment_is_unsaid_is_refused_by_name(queries, keys, causal, message):
+    q = jnp.ones((1, queries, 2, 8))
+    k = jnp.ones((1, keys, 2, 8))
+    with pytest.raises(ValueError, match=message):
+        tk.attention(q, k, k, causal=causal)

@@ -3,6 +3,24 @@ Pallas splash kernel on a TPU, cuDNN's fused attention on a GPU, XLA's elsewhere
 :func:`~trainkit.attn.kernels.choose`), and split over a context axis inside a context step
 (:mod:`~trainkit.attn.context_axis`).
 
+``segment_ids``: documents packed into one row (MaxText's, Levanter's and grain's packing): an integer
+``(batch, length)`` array, a token attending only to tokens of its own id (causal within it); padding
+is a segment of its own (give it an id no document has, e.g. 0), its outputs unread. Self-attention
+takes one array; attention over other keys a pair ``(query_ids, key_ids)``. The Pallas kernel takes
+them on a TPU (its ``SegmentIds``: the scores never written out); elsewhere they are a mask on XLA's
+attention, with the same numbers. Beside ``jax.nn.dot_product_attention``'s ``query_seq_lengths`` /
+``key_value_seq_lengths`` (a padded tail per row), they also separate documents.
+
+``window``: local (sliding-window) attention, as Mistral's and Gemma's layers use: each query sees the
+keys at most ``left`` positions before it and ``right`` after (an int: the same both sides; causal:
+none after), as ``jax.nn.dot_product_attention``'s ``local_window_size``; the kernel's ``LocalMask``
+on a TPU, XLA's attention elsewhere, the same numbers.
+
+Causal attention over keys of another length than the queries says how they align: ``causal=
+"bottom_right"`` (the last query sees every key: a decoder reading a cache) or ``"top_left"`` (the
+first query sees the first key, ``jax.nn.dot_product_attention``'s ``is_causal``); ``causal=True``
+there is refused by name (it aligned top-left without a word: greedy decoding read the wrong keys).
+
 >>> import jax.numpy as jnp
 >>> q = k = v = jnp.ones((1, 4, 2, 8))  # (batch, length, heads, head_dim)
 >>> attention(q, k, v, causal=True).shape
@@ -28,7 +46,7 @@ def attention(
     key: jax.Array,
     value: jax.Array,
     *,
-    causal: bool = False,
+    causal: bool | str = False,
     mask: jax.Array | None = None,
     bias: jax.Array | None = None,
     scale: float | None = None,
@@ -42,22 +60,11 @@ def attention(
     (``implementation=None``: the Pallas kernel on a TPU, see :mod:`trainkit.attn.kernels`) and
     split over a context axis inside a context step (see :mod:`trainkit.attn.context_axis`). Causal,
     it is traced in :data:`~trainkit.core.cost.CAUSAL_ATTENTION_SCOPE`, so the model's flops count half its
-    scores.
-
-    ``segment_ids``: documents packed into one row (MaxText's, Levanter's and grain's packing): an integer
-    ``(batch, length)`` array, a token attending only to tokens of its own id (causal within it); padding
-    is a segment of its own (give it an id no document has, e.g. 0), its outputs unread. Self-attention
-    takes one array; attention over other keys a pair ``(query_ids, key_ids)``. The Pallas kernel takes
-    them on a TPU (its ``SegmentIds``: the scores never written out); elsewhere they are a mask on XLA's
-    attention, with the same numbers. Beside ``jax.nn.dot_product_attention``'s ``query_seq_lengths`` /
-    ``key_value_seq_lengths`` (a padded tail per row), they also separate documents.
-
-    ``window``: local (sliding-window) attention, as Mistral's and Gemma's layers use: each query sees the
-    keys at most ``left`` positions before it and ``right`` after (an int: the same both sides; causal:
-    none after), as ``jax.nn.dot_product_attention``'s ``local_window_size``; the kernel's ``LocalMask``
-    on a TPU, XLA's attention elsewhere, the same numbers."""
+    scores. ``segment_ids``, ``window`` and a ``causal`` alignment: see the module."""
     ids = _segment_ids(segment_ids, query, key)
     local = _window(window, key)
+    offset = _causal_offset(causal, query, key, local)  # the first query's position among the keys
+    causal = bool(causal)
     split = context_axis.active_split()
     choice = kernels.choose(
         query,
@@ -68,7 +75,7 @@ def attention(
         platform=kernels.target_platform(),
         split_size=1 if split is None else split.size,
         segmented=ids is not None,
-        windowed=local is not None,
+        windowed=local is not None or bool(offset),  # a band the kernel takes and cuDNN does not
     )
     kernels.note_once(choice.note)
     with jax.named_scope(cost.CAUSAL_ATTENTION_SCOPE) if causal else contextlib.nullcontext():
@@ -81,7 +88,15 @@ def attention(
             interpret = choice.name == "pallas-interpret"
             if split is None:
                 return kernels.splash_attention(
-                    query, key, value, causal=causal, scale=scale, interpret=interpret, segment_ids=ids, window=local
+                    query,
+                    key,
+                    value,
+                    causal=causal,
+                    scale=scale,
+                    interpret=interpret,
+                    segment_ids=ids,
+                    window=local,
+                    offset=offset,
                 )
             balanced = causal and context_axis.kernel_balances(query, split)
             context_axis.record(context_axis.AttentionCall("tk.attention", True, balanced=balanced))
@@ -89,6 +104,9 @@ def attention(
         if ids is not None:  # a mask of (batch, 1, q_length, kv_length): split with the queries under a context axis
             same = ids[0][:, None, :, None] == ids[1][:, None, None, :]
             mask = same if mask is None else jnp.logical_and(mask, same)
+        if offset:  # bottom-right: query i sees the keys up to i + offset
+            seen = jnp.arange(key.shape[1])[None, :] <= jnp.arange(query.shape[1])[:, None] + offset
+            mask, causal = (seen if mask is None else jnp.logical_and(mask, seen)), False
         options = {"is_causal": causal, "scale": scale, "mask": mask, "bias": bias, "local_window_size": local}
         return context_axis.split_attention(context_axis.JAX_ATTENTION, "tk.attention", query, key, value, options)
 
@@ -137,3 +155,31 @@ def _window(given: int | tuple[int, int] | None, key: jax.Array) -> tuple[int, i
             f"Pass a window shorter than the sequence (at most {length - 1}), or window=None for full attention."
         )
     return int(pair[0]), int(pair[1])
+
+
+#: how a causal call over keys of another length than the queries aligns them (``causal=`` spellings)
+ALIGNMENTS = ("top_left", "bottom_right")
+
+
+def _causal_offset(causal: bool | str, query: jax.Array, key: jax.Array, window: tuple[int, int] | None) -> int:
+    """The first query's position among the keys of a causal call (0: aligned top-left, or not causal)."""
+    if isinstance(causal, str) and causal not in ALIGNMENTS:
+        raise ValueError(f"tk.attention: causal={causal!r} is not True, False or one of {ALIGNMENTS}.")
+    queries, keys = query.shape[1], key.shape[1]
+    if causal is True and queries != keys:
+        raise ValueError(
+            f"tk.attention: causal=True with {queries} queries and {keys} keys does not say how they align. Pass "
+            "causal='bottom_right' (the last query sees every key: a decoder reading a cache) or causal='top_left' "
+            "(the first query sees the first key, as jax.nn.dot_product_attention's is_causal)."
+        )
+    offset = keys - queries if causal == "bottom_right" else 0
+    if offset < 0:
+        raise ValueError(
+            f"tk.attention: causal='bottom_right' with {queries} queries and fewer keys ({keys}) leaves the first "
+            f"{-offset} queries no key to see. Pass as many keys as queries or more, or causal='top_left'."
+        )
+    if offset and window is not None:
+        raise ValueError(
+            "tk.attention: window= with causal='bottom_right' over more keys than queries is not supported."
+        )
+    return offset
