@@ -20,7 +20,7 @@ import math
 import os
 import warnings
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, Protocol, TypedDict
+from typing import TYPE_CHECKING, Protocol, TypedDict
 
 import numpy as np
 
@@ -223,10 +223,10 @@ def no_suggestion(raw: list[float], tried: list[float], min_lr: float) -> str:
 class RangeTested(TrainerView, Protocol):
     """What the range test drives of a trainer besides a callback's view: ``init`` and ``fit``."""
 
-    def init(self, sample_batch: Any) -> TrainState: ...
+    def init(self, sample_batch: PyTree) -> TrainState: ...
 
     def fit(
-        self, x: Any, y: PyTree, *, batch_size: int | None, epochs: int, steps_per_epoch: int, verbose: int,
+        self, x: PyTree, y: PyTree, *, batch_size: int | None, epochs: int, steps_per_epoch: int, verbose: int,
         callbacks: list[Callback],
     ) -> object: ...  # fmt: skip
 
@@ -242,8 +242,8 @@ class RangeOptions(TypedDict, total=False):
 
 def find_learning_rate(
     trainer: RangeTested,
-    x: Any,
-    y: Any,
+    x: PyTree,
+    y: PyTree,
     *,
     batch_size: int | None,
     min_lr: float = 1e-7,

@@ -27,7 +27,7 @@ import jax
 import optax
 
 from trainkit.core.checks import SettingError
-from trainkit.core.tree import PyTree, leaf_name
+from trainkit.core.tree import KeyPath, PyTree, leaf_name
 
 #: the label of the frozen leaves (``trainable=``, LoRA's base): no update, no state
 FROZEN = "frozen"
@@ -79,7 +79,7 @@ class OptimizerGroups:
         used: set[str] = set()
         frozen: dict[str, str] = {}  # a key matching frozen parameters: one of them
 
-        def one(path: Any, leaf: Any) -> str:
+        def one(path: KeyPath, leaf: object) -> str:
             name = leaf_name(path)
             if not trains(name, leaf):
                 frozen.update({key: name for key in self.label(name)})
@@ -150,11 +150,13 @@ class OptimizerGroups:
         )
         return new_params, optax.MultiTransformState({**opt_state.inner_states, group: inner})
 
-    def inner_state(self, opt_state: Any, group: str) -> PyTree:
+    def inner_state(self, opt_state: optax.MultiTransformState, group: str) -> PyTree:
         """``group``'s part of the optimizer state (its learning rate, its bytes)."""
         self.require(group)
         return opt_state.inner_states[group]
 
-    def with_inner_state(self, opt_state: Any, group: str, inner: PyTree) -> optax.MultiTransformState:
+    def with_inner_state(
+        self, opt_state: optax.MultiTransformState, group: str, inner: PyTree
+    ) -> optax.MultiTransformState:
         self.require(group)
         return optax.MultiTransformState({**opt_state.inner_states, group: inner})
