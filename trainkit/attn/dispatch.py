@@ -16,6 +16,12 @@ keys at most ``left`` positions before it and ``right`` after (an int: the same 
 none after), as ``jax.nn.dot_product_attention``'s ``local_window_size``; the kernel's ``LocalMask``
 on a TPU, XLA's attention elsewhere, the same numbers.
 
+``mask``: where a query may attend, read by its rank as Keras writes it, so a batch as long as the
+sequence is never ambiguous: ``(batch, S)`` a key padding mask, ``(batch, 1, S)`` or ``(batch, T, S)``
+the same for every head, ``(batch, heads, T, S)`` (or any array broadcasting to it) as it is; bool, or
+int / float 0/1 (kept where not 0, as Keras casts it). An additive mask (0 where kept, -inf where not)
+belongs in ``bias=``: one given as ``mask=`` as a constant is refused by name.
+
 Causal attention over keys of another length than the queries says how they align: ``causal=
 "bottom_right"`` (the last query sees every key: a decoder reading a cache) or ``"top_left"`` (the
 first query sees the first key, ``jax.nn.dot_product_attention``'s ``is_causal``); ``causal=True``
@@ -36,6 +42,7 @@ import contextlib
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from trainkit.attn import context_axis, kernels
 from trainkit.core import cost
@@ -60,7 +67,9 @@ def attention(
     (``implementation=None``: the Pallas kernel on a TPU, see :mod:`trainkit.attn.kernels`) and
     split over a context axis inside a context step (see :mod:`trainkit.attn.context_axis`). Causal,
     it is traced in :data:`~trainkit.core.cost.CAUSAL_ATTENTION_SCOPE`, so the model's flops count half its
-    scores. ``segment_ids``, ``window`` and a ``causal`` alignment: see the module."""
+    scores. ``mask`` in Keras's shapes and dtypes, ``segment_ids``, ``window`` and a ``causal`` alignment:
+    see the module."""
+    mask = _as_mask(mask, query, key)
     ids = _segment_ids(segment_ids, query, key)
     local = _window(window, key)
     offset = _causal_offset(causal, query, key, local)  # the first query's position among the keys
@@ -183,3 +192,39 @@ def _causal_offset(causal: bool | str, query: jax.Array, key: jax.Array, window:
             "tk.attention: window= with causal='bottom_right' over more keys than queries is not supported."
         )
     return offset
+
+
+def _as_mask(mask: jax.Array | None, query: jax.Array, key: jax.Array) -> jax.Array | None:
+    """``mask`` as a bool ``(batch | 1, heads | 1, T | 1, S)`` array, read by its rank (see the module)."""
+    if mask is None:
+        return None
+    mask = jnp.asarray(mask)
+    batch, keys = query.shape[0], key.shape[1]
+    if mask.ndim == 2:
+        if mask.shape != (batch, keys):
+            raise ValueError(
+                f"tk.attention: a mask of rank 2 is a key padding mask, (batch, S) = {(batch, keys)} as Keras reads "
+                f"it; received {mask.shape}. A mask over positions (T, S) is mask[None, None]."
+            )
+        mask = mask[:, None, None, :]
+    elif mask.ndim == 3:
+        mask = mask[:, None]  # (batch, T or 1, S): the same for every head
+    if mask.dtype != jnp.bool_:
+        if not jnp.issubdtype(mask.dtype, jnp.number):
+            raise ValueError(f"tk.attention: mask= takes bool or 0/1 numbers; received dtype {mask.dtype}.")
+        if not _zeros_and_ones(mask):
+            raise ValueError(
+                "tk.attention: mask= holds values other than 0 and 1 (an additive mask, 0 where kept and -inf "
+                "where not?): pass it as bias=, or a 0/1 (bool) mask as mask=."
+            )
+        mask = mask != 0
+    return mask
+
+
+def _zeros_and_ones(mask: jax.Array) -> bool:
+    """Whether a numeric mask holds only 0 and 1 (``True`` for a traced one, whose values are not known yet)."""
+    try:
+        values = np.asarray(mask)
+    except jax.errors.TracerArrayConversionError:
+        return True
+    return bool(np.all((values == 0) | (values == 1)))

@@ -1,7 +1,8 @@
-"""#83 item 1 (CPU part): ``tk.attention(..., segment_ids=...)``: documents packed into one row attend only
-within themselves, by XLA's attention and by the Pallas splash kernel (interpreted here; the chip runs the
-same kernel), each document's outputs and gradients those of the document run alone; refused by name
-where the ids are not one integer per token."""
+"""#83's inputs of ``tk.attention`` (CPU parts): ``segment_ids=`` (documents packed into one row attend only
+within themselves, by XLA's attention and by the Pallas splash kernel, interpreted here; the chip runs the
+same kernel: each document's outputs and gradients those of the document run alone), ``window=``, grouped
+heads through the kernel, a causal call's alignment, and masks in Keras's shapes and dtypes; each refused
+by name where it cannot be meant."""
 
 import jax
 import jax.numpy as jnp
@@ -169,3 +170,31 @@ def test_a_causal_call_whose_alignment_is_unsaid_is_refused_by_name(queries, key
     k = jnp.ones((1, keys, 2, 8))
     with pytest.raises(ValueError, match=message):
         tk.attention(q, k, k, causal=causal)
+
+
+KERAS_MASKS = {  # (batch, S) key padding, and the same in Keras's other shapes
+    "(batch, S)": lambda m: m,
+    "(batch, 1, S)": lambda m: m[:, None],
+    "(batch, T, S)": lambda m: np.broadcast_to(m[:, None], (m.shape[0], 8, 8)),
+    "(batch, heads, T, S)": lambda m: np.broadcast_to(m[:, None, None], (m.shape[0], 2, 8, 8)),
+}
+
+
+@pytest.mark.parametrize("dtype", [bool, np.int32, np.float16, np.float32])
+@pytest.mark.parametrize("shape", list(KERAS_MASKS))
+def test_a_mask_in_kerass_shapes_and_dtypes_is_read_by_its_rank(shape, dtype):
+    """#83 item 5: a batch as long as the sequence (8 and 8) is the case a broadcast would misread."""
+    q = jax.random.normal(jax.random.key(0), (8, 8, 2, 4))
+    padding = np.arange(8)[None, :] < np.arange(1, 9)[:, None]  # row r keeps its first r + 1 keys
+    expected = jax.nn.dot_product_attention(q, q, q, mask=jnp.asarray(padding)[:, None, None, :])
+    got = tk.attention(q, q, q, mask=jnp.asarray(KERAS_MASKS[shape](padding).astype(dtype)))
+    np.testing.assert_allclose(got, expected, atol=1e-6)
+
+
+def test_an_additive_mask_or_a_positions_mask_of_rank_two_is_refused_by_name():
+    q = jnp.ones((2, 8, 2, 4))
+    additive = jnp.where(jnp.arange(8) < 6, 0.0, -jnp.inf)[None, None, None]
+    with pytest.raises(ValueError, match=r"values other than 0 and 1 \(an additive mask.*pass it as bias="):
+        tk.attention(q, q, q, mask=additive)
+    with pytest.raises(ValueError, match=r"rank 2 is a key padding mask, \(batch, S\) = \(2, 8\).*mask\[None, None\]"):
+        tk.attention(q, q, q, mask=jnp.tril(jnp.ones((8, 8), bool)))
