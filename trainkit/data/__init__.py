@@ -33,11 +33,13 @@ from trainkit.data.batching import (
 from trainkit.data.epochs import continues_across_epochs, epoch_batches, epoch_steps
 from trainkit.data.fit_config import FitConfig, Validation, validates
 from trainkit.data.iterable import IterableDataset
+from trainkit.data.packing import pack
 from trainkit.data.prepare import Prepared, as_dataset, check_validation_runs, own_batch_size, prepare
 from trainkit.data.random_access import HuggingFaceSource, RandomAccessSource
 from trainkit.data.source import FIRST_PASS, BatchRequest, DataInput, DataSource, Source, UserSource
 
 __all__ = [
+    "pack",
     "ArrayDataset",
     "Batch",
     "BatchRequest",
