@@ -126,14 +126,14 @@ def _segment_ids(
     """``(query_ids, key_ids)`` checked against the queries' and keys' ``(batch, length)`` (``None``: none given)."""
     if given is None:
         return None
-    pair = tuple(given) if isinstance(given, (tuple, list)) else (given, given)
+    pair = tuple(jnp.asarray(ids) for ids in given) if isinstance(given, (tuple, list)) else (jnp.asarray(given),) * 2
     if len(pair) != 2:
         raise ValueError(
             f"tk.attention: segment_ids is one array or a pair (query_ids, key_ids); received {len(pair)}."
         )
     for ids, of, what in ((pair[0], query, "queries"), (pair[1], key, "keys")):
         expected = (of.shape[0], of.shape[1])
-        if not jnp.issubdtype(jnp.asarray(ids).dtype, jnp.integer):
+        if not jnp.issubdtype(ids.dtype, jnp.integer):
             raise ValueError(
                 f"tk.attention: segment_ids are integer document ids, one per token; received dtype {ids.dtype}. "
                 "Give each packed document its own id (int32), padding an id of its own (e.g. 0)."
@@ -144,7 +144,7 @@ def _segment_ids(
                 f"token, (batch, length) = {expected}. Attention over keys of another length takes a pair "
                 "(query_ids, key_ids)."
             )
-    return jnp.asarray(pair[0], jnp.int32), jnp.asarray(pair[1], jnp.int32)
+    return pair[0].astype(jnp.int32), pair[1].astype(jnp.int32)
 
 
 def _window(given: int | tuple[int, int] | None, key: jax.Array) -> tuple[int, int] | None:

@@ -40,7 +40,7 @@ from trainkit.core.checks import SettingError
 from trainkit.core.sown import split_sown
 from trainkit.core.state import Batch, TrainState, check_tree_matches
 from trainkit.core.step_helpers import pmean_floats
-from trainkit.core.step_state import StepFacts, StepState, UpdateRecord, group_mask
+from trainkit.core.step_state import StepFacts, StepState, group_mask
 from trainkit.core.totals import LossAverage
 from trainkit.core.watched_batch import RowFacts, WatchedBatch
 
@@ -80,31 +80,19 @@ def _step_metrics(logs: dict[str, jax.Array], batch: Batch, axis: str | None) ->
 
 
 def make_custom_train_step(
-    user_step: UserTrainStep, facts: StepFacts
+    user_step: UserTrainStep, facts: StepFacts, zero_gradients: list[tuple[str, bool]] | None = None
 ) -> Callable[[TrainState, Batch], tuple[TrainState, dict[str, LossAverage]]]:
     """The user's ``train_step`` as the step every strategy compiles: its ``rng`` is the state's
     folded with the step number (the same on every device), its returned state checked against
     the one it was given (:func:`check_returned`), its step count advanced, its model state
-    averaged over the device axis (batch statistics), its logs weighted by the real rows."""
+    averaged over the device axis (batch statistics), its logs weighted by the real rows.
+    ``zero_gradients``: the audit's list, to which each update appends, as it runs, its group and
+    whether every gradient it read was zero (:mod:`trainkit.program.step_audit`)."""
 
     def train_step(state: TrainState, batch: Batch) -> tuple[TrainState, dict[str, LossAverage]]:
-        kept, metrics, _ = _run_user_step(user_step, facts, state, batch)
-        return kept, metrics
+        return _run_user_step(user_step, facts, state, batch, zero_gradients)
 
     return train_step
-
-
-def make_audited_train_step(
-    user_step: UserTrainStep, facts: StepFacts, zero_gradients: list[tuple[str, bool]]
-) -> Callable[[TrainState, Batch], tuple[TrainState, dict[str, LossAverage]]]:
-    """:func:`make_custom_train_step` that, as it runs, appends to ``zero_gradients`` each update's
-    group and whether every gradient it read was zero (:mod:`trainkit.program.step_audit`)."""
-
-    def audited(state: TrainState, batch: Batch) -> tuple[TrainState, dict[str, LossAverage]]:
-        kept, metrics, _ = _run_user_step(user_step, facts, state, batch, zero_gradients)
-        return kept, metrics
-
-    return audited
 
 
 def _run_user_step(
@@ -112,8 +100,8 @@ def _run_user_step(
     facts: StepFacts,
     state: TrainState,
     batch: Batch,
-    zero_gradients: list[tuple[str, bool]] | None = None,
-) -> tuple[TrainState, dict[str, LossAverage], UpdateRecord]:
+    zero_gradients: list[tuple[str, bool]] | None,
+) -> tuple[TrainState, dict[str, LossAverage]]:
     axis = facts.axis_name
     rng = jax.random.fold_in(state.rng, state.step)
     traced = facts.for_one_trace(zero_gradients)
@@ -134,7 +122,7 @@ def _run_user_step(
     kept = kept.replace(
         step=state.step + 1, rng=state.rng, loss_scale=state.loss_scale, spikes=state.spikes, model_state=model_state
     )
-    return kept, _step_metrics(_checked_logs(logs, "train_step"), batch, axis), traced.updates
+    return kept, _step_metrics(_checked_logs(logs, "train_step"), batch, axis)
 
 
 def check_returned(given: TrainState, returned: TrainState, facts: StepFacts) -> None:

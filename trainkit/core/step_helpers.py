@@ -62,7 +62,7 @@ def mean(values: jax.Array, batch: Batch, axis: str | None) -> jax.Array:
     local = weighted_total(_per_row(values, rows), mask, weights)
     if axis is None:
         return local / jnp.maximum(mask.sum(), 1.0)
-    scaled = devices * local  # a power of two: exact
+    scaled = devices * local  # exact where the device count is a power of two
     total = scaled + jax.lax.stop_gradient(jax.lax.psum(local, axis) - scaled)
     result: jax.Array = total / jnp.maximum(jax.lax.psum(mask.sum(), axis), 1.0)
     return result

@@ -337,6 +337,7 @@ def check_same_inputs(expected: PyTree, received: PyTree, *, other_lengths: bool
             f"{unexpected or 'none'}: the model was initialised with entries "
             f"{sorted(map(name, exp))}. Pass inputs with the same structure."
         )
+    differing = []
     for path, (shape, _) in exp.items():
         other = got[path][0]
         if tuple(other) != tuple(shape):
@@ -348,8 +349,8 @@ def check_same_inputs(expected: PyTree, received: PyTree, *, other_lengths: bool
             )
             if not (other_lengths and len(other) == len(shape)):
                 raise ValueError(message)
-            return message
-    return ""
+            differing.append(message)
+    return differing[0] if differing else ""
 
 
 def describe_shapes(tree: PyTree) -> str:

@@ -154,17 +154,23 @@ def visualize_leaf(trainer_or_state: CompiledTrainer | TrainState, path: str, pa
     jax.debug.visualize_array_sharding(leaf)
 
 
-def lower_train_step(trainer: CompiledTrainer, batch: PyTree = None) -> jax.stages.Lowered:
-    """The trainer's compiled train step lowered for ``batch`` (a batch placed by the strategy,
-    or its abstract shapes), by default the shapes of the last ``fit``'s batches; ``.as_text()``
-    is its StableHLO, ``.compile().as_text()`` the partitioned HLO with the collectives the
-    compiler inserted."""
+def _step_batch(trainer: CompiledTrainer, batch: PyTree) -> PyTree:
+    """``batch``, else the shapes of the last ``fit``'s batches, for a trainer that has a state."""
     if trainer.state is None:
         raise RuntimeError("The trainer has no state yet: call fit(...) or init(sample_batch) first.")
     if batch is None:
         batch = trainer.session.batch_spec
     if batch is None:
         raise ValueError("Pass a sample batch, e.g. trainer.lowered_text((x[:32], y[:32])), or call fit first.")
+    return batch
+
+
+def lower_train_step(trainer: CompiledTrainer, batch: PyTree = None) -> jax.stages.Lowered:
+    """The trainer's compiled train step lowered for ``batch`` (a batch placed by the strategy,
+    or its abstract shapes), by default the shapes of the last ``fit``'s batches; ``.as_text()``
+    is its StableHLO, ``.compile().as_text()`` the partitioned HLO with the collectives the
+    compiler inserted."""
+    batch = _step_batch(trainer, batch)
     function = trainer.function("train")
     if not hasattr(function, "lower"):  # a jax.jit or jax.pmap function
         raise TypeError(
@@ -204,9 +210,7 @@ def model_step_flops(trainer: CompiledTrainer, batch: PyTree = None) -> float | 
     >>> model_step_flops(trainer)  # 3 x (2 x 16 rows x 5 inputs x 3 outputs)
     1440.0
     """
-    if trainer.state is None:
-        raise RuntimeError("The trainer has no state yet: call fit(...) or init(sample_batch) first.")
-    inputs = (trainer.session.batch_spec if batch is None else batch)["x"]
+    inputs = _step_batch(trainer, batch)["x"]
     per_device_rows = _strategy(trainer).axis_name is not None  # pmap places (devices, rows, ...)
 
     def whole(leaf: jax.ShapeDtypeStruct) -> jax.ShapeDtypeStruct:

@@ -430,7 +430,7 @@ class Program:
         """The user's ``train_step`` under ``jit`` semantics, appending to ``zero_gradients`` as it
         runs whether each update's gradients were all zero (:mod:`trainkit.program.step_audit`)."""
         assert self.train_step is not None
-        return custom_lib.make_audited_train_step(self._user_train_step, self.step_facts(None), zero_gradients)
+        return custom_lib.make_custom_train_step(self._user_train_step, self.step_facts(None), zero_gradients)
 
     def metrics_step(
         self,
