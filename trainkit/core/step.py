@@ -420,7 +420,7 @@ def _merged(totals: Totals, metrics: Metrics) -> Totals:
 
 def make_multi_step(
     train_step: Callable[[TrainState, EpochTotals, Batch], tuple[TrainState, EpochTotals]], *, unrolled: bool = False
-) -> Callable[[TrainState, EpochTotals, Batch], tuple[TrainState, EpochTotals]]:
+) -> Callable[[TrainState, Totals, Batch], tuple[TrainState, Totals]]:
     """``k`` training steps in one call: ``(state, totals, batches) -> (state, totals)``, where
     every leaf of ``batches`` stacks ``k`` batches on a new leading axis and ``train_step`` is a
     step of :func:`with_totals`. A ``lax.scan`` over the steps: compiled, the ``k`` steps are
@@ -440,20 +440,23 @@ def make_multi_step(
     (3, 3)
     """
 
-    def multi_step(state: TrainState, totals: EpochTotals, batches: Batch) -> tuple[TrainState, EpochTotals]:
-        if not unrolled:
-            (state, totals), _ = jax.lax.scan(lambda carry, b: (train_step(*carry, b), None), (state, totals), batches)
-            return state, totals
-        for index in range(len(jax.tree.leaves(batches)[0])):
-            state, totals = train_step(state, totals, batches_at(batches, index))
-        return state, totals
+    def multi_step(state: TrainState, totals: Totals, batches: Batch) -> tuple[TrainState, Totals]:
+        # packed totals (the loop's) unpacked once for the k steps and packed once after: inside the scan
+        # their bits would be sliced and concatenated at every step (scalar work a TPU serialises)
+        plain = totals.unpack() if isinstance(totals, PackedTotals) else totals
+        if unrolled:
+            for index in range(len(jax.tree.leaves(batches)[0])):
+                state, plain = train_step(state, plain, batches_at(batches, index))
+        else:
+            (state, plain), _ = jax.lax.scan(lambda carry, b: (train_step(*carry, b), None), (state, plain), batches)
+        return state, pack(plain) if isinstance(totals, PackedTotals) else plain
 
     return multi_step
 
 
 def make_gathered_steps(
-    multi_step: Callable[[TrainState, EpochTotals, Batch], tuple[TrainState, EpochTotals]],
-) -> Callable[[TrainState, EpochTotals, Batch], tuple[TrainState, EpochTotals]]:
+    multi_step: Callable[[TrainState, Totals, Batch], tuple[TrainState, Totals]],
+) -> Callable[[TrainState, Totals, Batch], tuple[TrainState, Totals]]:
     """``multi_step`` (:func:`make_multi_step`) fed from data kept on the devices: its batch is
     ``{"table": every row's parts, "rows": (k, batch) indices, "mask": (k, batch)}``, and the
     call gathers the ``k`` batches with one take of each array, then runs the same steps on them
@@ -466,7 +469,7 @@ def make_gathered_steps(
     [[40.0, 0.0]]
     """
 
-    def gathered_steps(state: TrainState, totals: EpochTotals, batch: Batch) -> tuple[TrainState, EpochTotals]:
+    def gathered_steps(state: TrainState, totals: Totals, batch: Batch) -> tuple[TrainState, Totals]:
         rows = batch["rows"]
         batches = {name: jax.tree.map(lambda a: a[rows], part) for name, part in batch["table"].items()}
         return multi_step(state, totals, {**batches, "mask": batch["mask"]})

@@ -71,8 +71,7 @@ class BatchSizeSearch:
     Attributes:
         batch_size: the largest global batch that fits (use it as ``fit(batch_size=...)``).
         strategy: the strategy the answer's plan recommends (``"auto"``'s pick at that batch).
-        memory_limit: the per-device bytes searched against (the plan keeps
-            :data:`~trainkit.program.plan.HEADROOM` of it free).
+        memory_limit: the per-device bytes searched against (the plan keeps ``headroom`` of it free).
         needed: per-device bytes of each compiled size (the best candidate's), by batch size.
         seconds: the whole search; ``compile_seconds``: each size's plan.
         plans: each compiled size's :class:`~trainkit.program.plan.MemoryPlan` (under the measure, if added).

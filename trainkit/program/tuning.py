@@ -187,8 +187,8 @@ def find_batch_size(
     ``target``, its candidates on its compile-only devices, nothing placed, and sizes not capped
     by the sample's rows); printed on the main process with ``verbose``. When not even the
     smallest size fits, the plan's memory measures are tried in turn, as ``plan`` does. ``headroom``: the
-    fraction of the memory kept free (default ``1 - tk.plan.HEADROOM``), printed with the answer."""
-    usable = plan_lib.HEADROOM if headroom is None else 1 - checks.fraction(headroom, "headroom")
+    fraction of the memory kept free (default 10%, 5% on a TPU, whose compiler counts the whole program:
+    ``plan.usable_share``), printed with the answer."""
     resolved = None if target is None else targets_lib.parse(target)
     shapes = shapes_lib.is_shapes((x, y))
     prepared = data_lib.prepare(shapes_lib.stand_in(x), shapes_lib.stand_in(y))
@@ -209,6 +209,8 @@ def find_batch_size(
         candidates = target_candidates(None, resolved)
         unit = max(c.num_batch_shards for c in candidates) * setup.program.grad_accum_steps
         rows, default_limit, where = None, resolved.memory_limit, f" for {resolved.spec}"
+    platform = candidates[0].devices[0].platform
+    usable = plan_lib.usable_share(platform) if headroom is None else 1 - checks.fraction(headroom, "headroom")
     # a compile-only executable cannot be cached or read back
     cache: contextlib.AbstractContextManager[object] = (
         contextlib.nullcontext() if resolved is None else without_persistent_cache()
