@@ -1,6 +1,7 @@
 """The plan's step-time estimate against the real step on several byte LMs (issue #80 item 6), in one
 process on one chip: per configuration the compiled step's cost (flops, bytes accessed, and on a TPU
-the cycles its compiler estimates for each instruction, summed), the real step (the mean of five after
+the cycles its compiler estimates, as the step runs them: ``program.compiler_cycles``), the plan's
+estimate from them (``program.plan.estimate_seconds``) and its ratio to the real step (the mean of five after
 a warm-up fit), and with ``--out`` the compiled text and the device's time per executed op (a
 ``jax.profiler`` trace of three steps) for reading offline; first, the chip's rates as
 microbenchmarks measure them (a large matmul in bf16 and float32, a large elementwise pass).
@@ -14,7 +15,6 @@ from __future__ import annotations
 import argparse
 import json
 import pathlib
-import re
 import sys
 import tempfile
 import time
@@ -31,6 +31,8 @@ import step_phases  # noqa: E402
 from lm import ByteLM  # noqa: E402
 
 import trainkit as tk  # noqa: E402
+from trainkit.program import plan  # noqa: E402
+from trainkit.program.compiler_cycles import executed_cycles  # noqa: E402
 
 #: (name, layers, d_model, length, batch, precision, remat): #80's six, then two it did not name
 CONFIGS = (
@@ -72,16 +74,6 @@ def trainer_for(layers: int, d_model: int, length: int, precision: str, remat: b
                       precision=precision, remat=["Block"] if remat else None)  # fmt: skip
 
 
-#: an instruction's cycles as a TPU's compiler estimates them (in its compiled text's backend config)
-CYCLES = re.compile(r'"estimated_cycles":"(\d+)"')
-
-
-def compiler_cycles(text: str) -> int:
-    """The compiler's estimated cycles of a compiled module's entry computation (no loops in these steps)."""
-    entry = text[text.index("\nENTRY ") :]
-    return sum(int(cycles) for cycles in CYCLES.findall(entry[: entry.index("\n}\n")]))
-
-
 def check(config: tuple, out: pathlib.Path | None, steps: int = 5) -> dict:
     name, layers, d_model, length, batch, precision, remat = config
     trainer = trainer_for(layers, d_model, length, precision, remat)
@@ -93,9 +85,10 @@ def check(config: tuple, out: pathlib.Path | None, steps: int = 5) -> dict:
     trainer.fit((x, y), batch_size=batch, epochs=1, verbose=0, shuffle=False)
     jax.block_until_ready(trainer.state)
     real = (time.perf_counter() - start) / steps
-    found = {"name": name, "flops": float(cost.get("flops", 0)), "bytes_accessed": float(cost.get("bytes accessed", 0)),
-             "compiler_cycles": compiler_cycles(text) if "estimated_cycles" in text else None,
-             "real": real}  # fmt: skip
+    flops, moved, cycles = float(cost.get("flops", 0)), float(cost.get("bytes accessed", 0)), executed_cycles(text)
+    estimated = plan.estimate_seconds(flops, moved, 0.0, jax.devices()[:1], cycles)  # the plan's, on one device
+    found = {"name": name, "flops": flops, "bytes_accessed": moved, "compiler_cycles": cycles, "real": real,
+             "estimated": estimated, "ratio": estimated / real}  # fmt: skip
     if out is not None:
         slug = "".join(c if c.isalnum() else "_" for c in name)
         (out / f"{slug}.hlo.txt").write_text(text)

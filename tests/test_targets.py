@@ -13,6 +13,8 @@ import optax
 import pytest
 from conftest import classifier
 
+import trainkit as tk
+from trainkit.core import chips
 from trainkit.program import compile_estimate, targets
 from trainkit.program.tuning import target_candidates
 
@@ -207,13 +209,30 @@ def test_find_batch_size_on_a_tpu_keeps_the_smaller_headroom_its_exact_memory_al
     trainer = trainer_for(nn.Dense(10))
     x, y = data(8, 4096)
     options = {"target": "tpu v5e:2x2", "max_batch_size": 256, "verbose": 0}
-    needed = trainer.find_batch_size(x, y, memory_limit="64 MiB", **options).needed
-    size = max(needed)
-    limit = int(needed[size] / 0.925)
+    roomy = trainer.find_batch_size(x, y, memory_limit="64 MiB", **options)
+    size = roomy.batch_size  # the least any candidate needs at it, 92.5% of the limit
+    limit = int(min(row.total_bytes for row in roomy.plans[size].rows if row.error is None) / 0.925)
     found = trainer.find_batch_size(x, y, memory_limit=limit, **options)
     cautious = trainer.find_batch_size(x, y, memory_limit=limit, headroom=0.1, **options)
     assert (found.batch_size, found.headroom) == (size, pytest.approx(0.05)), found
     assert cautious.batch_size < size and "a headroom of 5% kept free" in str(found)
+
+
+def test_a_tpu_plan_times_its_step_by_the_compilers_cycles_and_says_how_far_to_trust_them():
+    """On a TPU target the step's compute is the compiler's estimated cycles at the rate a v5e step was
+    measured to retire them (``Roofline.cycle_rate``), not the roofline of its flops and bytes; FSDP over
+    four chips adds its collectives' bytes over the links; the pick says the estimate's spread."""
+    trainer = trainer_for(nn.Dense(10))
+    x, y = data(64, 256)
+    single = lambda devices: tk.SingleDevice(devices[0])  # noqa: E731
+    plan = trainer.plan((x, y), target="tpu v5e:2x2", candidates=[single, "fsdp"], verbose=0)
+    rate = chips.chip_of_kind("TPU v5 lite").roofline.cycle_rate
+    one, sharded = plan.rows
+    assert one.cycles and sharded.cycles and one.cycles != sharded.cycles
+    assert one.estimated_seconds == pytest.approx(one.cycles / rate)
+    assert sharded.collective_bytes > 0
+    assert sharded.estimated_seconds > sharded.cycles / rate
+    assert "from the compiler's cycles: 0.82-1.00x of the real step where checked on a TPU v5e" in plan.reason()
 
 
 def test_compiles_for_a_target_neither_read_nor_write_the_persistent_cache():

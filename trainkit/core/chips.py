@@ -30,10 +30,19 @@ class Roofline:
         bandwidth: memory bytes/s.
         link: interconnect bytes/s per chip (TPU ICI, NVLink), one direction.
         reached: the share of the compute-or-memory roofline a real train step was measured to reach
-            on the chip (1.0: not measured). TPU v5e: 0.58, a 12 x 1,024 LM (151M parameters, length
-            512, bf16, batch 128, remat of its blocks) whose plan estimated 412.7 ms/step at the peak
-            figures and ran at 710.9 ms (issue #68's run on one chip): one configuration's figure,
-            which issue #80 asks to replace by a model checked on six.
+            on the chip (1.0: not measured), where the plan has no ``cycle_rate`` to use. TPU v5e: 0.58,
+            a 12 x 1,024 LM (151M parameters, length 512, bf16, batch 128, remat of its blocks) whose
+            plan estimated 412.7 ms/step at the peak figures and ran at 710.9 ms (issue #68); 1.60-1.83x
+            off on the same model without remat and on an 8 x 768 LM (issue #80): the compiler's bytes
+            accessed are no memory time on a TPU.
+        cycle_rate: the TPU compiler's estimated cycles (``program.compiler_cycles``) a real train step
+            retires per second on the chip (0: not measured). TPU v5e: 2.383e9, the same 12 x 1,024 LM
+            at batch 128 with remat (1,706,942,594 cycles in 716.3 ms, 2026-12-07); the same chip's
+            other steps that day: the 12 x 1,024 LM at batch 32 and 64 without remat, 0.82 and 0.93 of
+            their real steps, the 8 x 768 LM at batch 32, 0.82. It counts no Pallas kernel (a custom
+            call): attention through one is left out of the estimate.
+        cycle_spread: the lowest and highest estimate over real step among the steps ``cycle_rate`` was
+            checked on (what a plan says of its trust).
     """
 
     memory: int
@@ -41,6 +50,8 @@ class Roofline:
     bandwidth: float
     link: float
     reached: float = 1.0
+    cycle_rate: float = 0.0
+    cycle_spread: tuple[float, float] = (1.0, 1.0)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,7 +93,9 @@ CHIPS: tuple[Chip, ...] = (
     Chip("TPU v5p", ("TPU v5p", "TPU v5"), 459e12, 229.5e12,
          Roofline(95 * GIB, 1.0, 2.765e12, 600e9), family="v5p", most_chips=8960, sides=3),
     Chip("TPU v5e", ("TPU v5 lite", "TPU v5e"), 197e12, 98.5e12,
-         Roofline(16 * GIB, 1.0, 819e9, 200e9, reached=412.7 / 710.9), family="v5e", most_chips=256, sides=2),
+         Roofline(16 * GIB, 1.0, 819e9, 200e9, reached=412.7 / 710.9, cycle_rate=1_706_942_594 / 0.7163,
+                  cycle_spread=(0.82, 1.0)),
+         family="v5e", most_chips=256, sides=2),
     Chip("TPU v4", ("TPU v4",), 275e12, 137.5e12,
          Roofline(32 * GIB, 1.0, 1.2e12, 300e9), family="v4", most_chips=4096, sides=3),
     Chip("TPU v3", ("TPU v3",), 123e12, 61.5e12),

@@ -41,7 +41,7 @@ from trainkit.core.state import Batch, TrainState
 from trainkit.core.tree import PyTree, TreeFunction, array_bytes
 from trainkit.data import check_batch_size
 from trainkit.program import budget as budget_lib
-from trainkit.program import compile_estimate
+from trainkit.program import compile_estimate, compiler_cycles
 from trainkit.program import targets as targets_lib
 from trainkit.program.dcn import dcn_traffic
 from trainkit.strategies import FSDP, DataParallel, Hybrid, SingleDevice, Strategy
@@ -141,21 +141,39 @@ def device_memory_limit(devices: Sequence[jax.Device]) -> int:
 
 
 def estimate_seconds(
-    flops: float, bytes_accessed: float, collective_bytes: float, devices: Sequence[jax.Device]
+    flops: float,
+    bytes_accessed: float,
+    collective_bytes: float,
+    devices: Sequence[jax.Device],
+    cycles: int | None = None,
 ) -> float:
-    """A roofline estimate of one step: compute or memory time (on a known chip, over the share
-    of its roofline a real step was measured to reach: ``Roofline.reached``), plus collective time.
-    Fake CPU devices share the host's cores, so their work adds up once they outnumber the cores."""
+    """One step's compute time plus its collectives' bytes over the links. The compute: on a chip
+    whose rate of retiring its compiler's estimated ``cycles`` was measured (``Roofline.cycle_rate``,
+    a TPU), those cycles at that rate; else a roofline, compute or memory time (on a known chip, over
+    the share of it a real step was measured to reach: ``Roofline.reached``). Fake CPU devices share
+    the host's cores, so their work adds up once they outnumber the cores."""
     platform, chip = devices[0].platform, targets_lib.chip_of(devices[0])
     flop_rate, memory_rate, link_rate = chips.UNKNOWN_RATES.get(platform, chips.UNKNOWN_RATES["gpu"])
     reached = 1.0
     if chip is not None and chip.roofline is not None:  # a known accelerator (or a target's): its public figures
         roofline = chip.roofline
         flop_rate, memory_rate, link_rate, reached = chip.flops, roofline.bandwidth, roofline.link, roofline.reached
+        if cycles and roofline.cycle_rate:
+            return cycles / roofline.cycle_rate + collective_bytes / link_rate
     seconds = max(flops / flop_rate, bytes_accessed / memory_rate) / reached + collective_bytes / link_rate
     if platform == "cpu":  # all devices' work shares the host's cores
         seconds *= len(devices) / (os.cpu_count() or 1)
     return seconds
+
+
+def trust(row: PlanRow, measured: bool) -> str:
+    """How far an estimated step time holds, where the chip says: `` (from the compiler's cycles:
+    0.82-1.0x of the real step where checked)``; nothing for a measured or a roofline estimate."""
+    chip = targets_lib.chip_of(row.strategy.devices[0])
+    if measured or not row.cycles or chip is None or chip.roofline is None or not chip.roofline.cycle_rate:
+        return ""
+    low, high = chip.roofline.cycle_spread
+    return f" (from the compiler's cycles: {low:.2f}-{high:.2f}x of the real step where checked on a {chip.name})"
 
 
 def short_name(strategy: Strategy) -> str:
@@ -196,6 +214,7 @@ class PlanRow:
     collective_bytes: int = 0
     dcn_bytes: int = 0  # of those, what crosses slices (multi-slice TPU targets): the slow network
     collectives: dict[str, int] = dataclasses.field(default_factory=dict)
+    cycles: int | None = None  # a TPU compiler's estimated cycles of one step (program.compiler_cycles)
     estimated_seconds: float = math.inf
     measured_seconds: float | None = None
     fits: bool = False
@@ -293,7 +312,10 @@ def analyse(row: PlanRow, compiled) -> PlanRow:
     text = compiled.as_text()
     row.collective_bytes, row.collectives = collective_traffic(text)
     row.dcn_bytes = dcn_traffic(text)
-    row.estimated_seconds = estimate_seconds(row.flops, row.bytes_accessed, row.collective_bytes, row.strategy.devices)
+    row.cycles = compiler_cycles.executed_cycles(text)
+    row.estimated_seconds = estimate_seconds(
+        row.flops, row.bytes_accessed, row.collective_bytes, row.strategy.devices, row.cycles
+    )
     row.compiled = compiled
     return row
 
@@ -348,7 +370,8 @@ class MemoryPlan:
         not_compiled = "".join(f"; {', '.join(names)} {why}" for why, names in skipped.items())
         added = "" if self.added is None else f" (added {self.added}: no candidate fit without it)"
         return (
-            f"picked {best.name}{added}: {kind} {best.seconds * 1e3:.3g} ms/step, {gib(best.total_bytes)} "
+            f"picked {best.name}{added}: {kind} {best.seconds * 1e3:.3g} ms/step{trust(best, self.measured)}, "
+            f"{gib(best.total_bytes)} "
             f"of {gib(self.memory_limit)} per device{versus}{left_out}{not_compiled}"
         )
 
