@@ -86,10 +86,14 @@ class ArrayDataset(Source):
         :meth:`gather_stacked` gather them)."""
         r = request
         local = batch_size // r.process_count
-        for rows in batch_rows(
-            self.num_examples, batch_size, r.shuffle, r.seed, r.epoch, r.start, r.process_index, r.process_count
+        whole = r.process_count == 1  # each batch's rows a view of the epoch's order, where it is shuffled
+        for index, rows in enumerate(
+            batch_rows(
+                self.num_examples, batch_size, r.shuffle, r.seed, r.epoch, r.start, r.process_index, r.process_count
+            ),
+            start=r.start,
         ):
-            yield Rows(rows, local)
+            yield Rows(rows, local, index * batch_size if whole else -1)
 
     def gather(self, named: Rows) -> Batch:
         """The batch ``named`` names, padded to its size with its real rows repeated."""

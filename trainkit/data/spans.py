@@ -45,14 +45,21 @@ class Span(NamedTuple):
 class Rows(NamedTuple):
     """A batch of an in-memory source named by its rows, gathered when its span is assembled:
     ``rows``, this process's real rows of it (a slice or indices), ``size``, the rows of the
-    padded batch (the real ones repeated, masked).
+    padded batch (the real ones repeated, masked); ``offset``, where ``rows`` start in the array
+    they are a view of (the epoch's order, their ``.base``), as their producer states it
+    (``ArrayDataset.rows``), -1 where they are none: a span of consecutive full batches is then
+    that array's slice, not a stack of its batches.
 
     >>> span_indices([Rows(slice(0, 2), 2), Rows(np.array([3, 2]), 2)])[0].tolist()
     [[0, 1], [3, 2]]
+    >>> order = np.array([5, 1, 4, 0, 3, 2])
+    >>> span_indices([Rows(order[2:4], 2, 2), Rows(order[4:6], 2, 4)])[0].tolist()
+    [[4, 0], [3, 2]]
     """
 
     rows: slice | np.ndarray
     size: int
+    offset: int = -1
 
 
 def padded_indices(real: np.ndarray, size: int) -> np.ndarray:
@@ -75,15 +82,44 @@ def span_indices(span: list[Rows]) -> tuple[np.ndarray, np.ndarray] | None:
     >>> indices.tolist(), masks.tolist()
     ([[0, 1], [3, 3]], [[1.0, 1.0], [1.0, 0.0]])
     """
+    size, count = span[0].size, len(span)
+    sliced = one_slice(span)
+    if sliced is not None:
+        return sliced.reshape(count, size), full_masks(count, size)
     reals = [np.arange(r.rows.start, r.rows.stop) if isinstance(r.rows, slice) else np.asarray(r.rows) for r in span]
     counts = [len(real) for real in reals]
     if 0 in counts:
         return None
-    size = span[0].size
     indices = np.stack([padded_indices(real, size) for real in reals])
     if all(count == size for count in counts):
         return indices, full_masks(len(span), size)
     return indices, (np.arange(size) < np.asarray(counts)[:, None]).astype(np.float32)
+
+
+def one_slice(span: list[Rows]) -> np.ndarray | None:
+    """The span's rows as one slice of the order its batches' rows are views of, where they are
+    consecutive full batches of it (``Rows.offset``); ``None`` otherwise."""
+    first, size = span[0], span[0].size
+    if first.offset < 0 or not isinstance(first.rows, np.ndarray) or first.rows.base is None:
+        return None
+    order = first.rows.base
+    for i, named in enumerate(span):
+        rows = named.rows
+        if not isinstance(rows, np.ndarray) or rows.base is not order or len(rows) != size:
+            return None
+        if named.offset != first.offset + i * size:
+            return None
+    last = span[-1].rows
+    assert isinstance(last, np.ndarray)  # checked above
+    if not (_starts_at(order, first.offset, first.rows) and _starts_at(order, span[-1].offset, last)):
+        return None  # the order is itself a view: offsets into it are not into its base
+    return order[first.offset : first.offset + len(span) * size]
+
+
+def _starts_at(order: np.ndarray, offset: int, rows: np.ndarray) -> bool:
+    """Whether ``rows`` is ``order``'s view at ``offset``."""
+    at = order[offset : offset + 1] if order.ndim == 1 else order[:0]
+    return bool(at.size) and at.__array_interface__["data"][0] == rows.__array_interface__["data"][0]
 
 
 class IndexedSpan(NamedTuple):
