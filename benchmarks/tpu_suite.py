@@ -246,9 +246,11 @@ def main() -> None:
     singles = (fresh_fit_row, mfu_row, plan_row, offload_row, out_of_memory_row, attention_row, packed_row, grouped_row)
     chosen = [dispatch_rows, *singles] if args.only is None else [globals()[name] for name in args.only]
     for one in chosen:
+        began = time.perf_counter()
         for row in one(size) if one is dispatch_rows else [one(size)]:
             rows.append(row)
             print(f"| {row[0]} | {row[1]:.4g} | {row[2]} | {row[3]} |", flush=True)
+        print(f"({one.__name__}: {time.perf_counter() - began:.0f} s)", flush=True)  # the 10-minute budget's shares
     print(f"\n{time.perf_counter() - start:.0f} s\n| check | ratio / value | target | notes |\n|---|---|---|---|")
     for name, value, target, notes in rows:
         print(f"| {name} | {value:.4g} | {target} | {notes} |")

@@ -291,6 +291,26 @@ def test_batch_norm_settings_give_keras_s_moving_statistics():
     assert not np.allclose(port(1e-5).predict(x[:1] * 0), model.predict(x[:1] * 0, verbose=0), rtol=1e-7, atol=1e-7)
 
 
+def test_layer_norm_epsilon_is_1e_3_in_keras_and_1e_6_in_flax():
+    rng = np.random.default_rng(0)
+    x = rng.normal(0.0, 0.03, size=(4, 16)).astype("float32")  # a small variance, where epsilon shows
+    expected = np.asarray(keras.layers.LayerNormalization()(x))
+
+    def flax_norm(**options):
+        norm = nn.LayerNorm(**options)
+        return np.asarray(norm.apply(norm.init(jax.random.PRNGKey(0), x), x))
+
+    np.testing.assert_allclose(flax_norm(epsilon=1e-3), expected, rtol=1e-5, atol=1e-5)
+    assert np.abs(flax_norm() - expected).max() > 0.1  # Flax's own 1e-6: other normalised values
+
+
+def test_gelu_is_exact_in_keras_and_tanh_approximated_in_flax():
+    x = np.linspace(-4.0, 4.0, 81).astype("float32")
+    expected = np.asarray(keras.activations.gelu(x))  # Keras 3: approximate=False, also for activation="gelu"
+    np.testing.assert_allclose(np.asarray(jax.nn.gelu(x, approximate=False)), expected, rtol=1e-6, atol=1e-7)
+    assert np.abs(np.asarray(nn.gelu(x)) - expected).max() > 1e-4  # nn.gelu is jax.nn.gelu(approximate=True)
+
+
 def test_every_row_of_the_porting_page_names_a_test_here():
     import pathlib
     import re
