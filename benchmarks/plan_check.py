@@ -69,7 +69,9 @@ def rates(n: int) -> dict[str, float]:
 
 
 def trainer_for(layers: int, d_model: int, length: int, precision: str, remat: bool) -> tk.Trainer:
-    model = ByteLM(layers=layers, d_model=d_model, heads=max(1, d_model // 64), mlp=4 * d_model, max_len=length)
+    """The byte LM (``examples/lm.py``), its attention by ``tk.attention`` (the kernel on a TPU) from 2,048 tokens."""
+    model = ByteLM(layers=layers, d_model=d_model, heads=max(1, d_model // 64), mlp=4 * d_model, max_len=length,
+                   jax_attention=length >= 2048)  # fmt: skip
     return tk.Trainer(model, loss="sparse_categorical_crossentropy", optimizer=optax.adamw(1e-4), strategy="single",
                       precision=precision, remat=["Block"] if remat else None)  # fmt: skip
 
