@@ -59,7 +59,7 @@ def split_xyw(element: PyTree) -> tuple[PyTree, PyTree, PyTree]:
     return element, None, None
 
 
-def host_array(a: Any) -> Any:
+def host_array(a: object) -> np.ndarray | jax.Array:
     """A leaf as an array the rest of trainkit reads: NumPy and ``jax.Array`` as they are;
     anything else (a torch tensor, a ``tf.Tensor``, a list) through NumPy, so no framework
     type (``torch.dtype``, ``tf.DType``) reaches a step."""
@@ -79,7 +79,7 @@ def num_rows(tree: PyTree) -> int:
     return int(jax.tree.leaves(tree)[0].shape[0])
 
 
-def one_batch_size(data: Any, shards: int) -> int:
+def one_batch_size(data: PyTree, shards: int) -> int:
     """A batch size that holds all rows of ``data`` (``x`` or an ``(x, y[, w])`` tuple) in one
     batch that ``shards`` devices can split (padded), for Keras's ``*_on_batch``.
 

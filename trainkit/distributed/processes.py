@@ -375,7 +375,7 @@ def fetch(tree: Any) -> Any:
     return jax.tree.unflatten(treedef, [np.asarray(leaf) if isinstance(leaf, jax.Array) else leaf for leaf in leaves])
 
 
-def global_replicas(tree: Any) -> Any:
+def global_replicas(tree: T) -> T:
     """With several processes, every array held on this process's devices only and replicated
     there (``jax.pmap``'s replicated outputs: ``DataParallel``'s state) as one array replicated
     over every device of every process, which orbax can write; the rest as it is. On one
@@ -389,12 +389,13 @@ def global_replicas(tree: Any) -> Any:
         return tree
     everywhere = jax.sharding.NamedSharding(jax.sharding.Mesh(np.array(jax.devices()), ("all",)), P())
 
-    def global_replica(leaf: Any) -> Any:
+    def global_replica(leaf: object) -> object:
         if isinstance(leaf, jax.Array) and leaf.is_fully_addressable and leaf.is_fully_replicated:
             return jax.make_array_from_process_local_data(everywhere, np.asarray(leaf.addressable_data(0)))
         return leaf
 
-    return jax.tree.map(global_replica, tree)
+    replicas: T = jax.tree.map(global_replica, tree)
+    return replicas
 
 
 def check_same_configuration(config: Mapping[str, object]) -> None:
