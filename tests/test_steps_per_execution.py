@@ -349,3 +349,39 @@ def test_the_default_calls_a_keras_batch_callback_every_batch_and_deterministic_
     assert every.batches == list(range(11)) and trainer.steps_per_execution == 1
     deterministic = make("single", None, deterministic=True)
     assert not deterministic.setup.decided.tunes_steps and deterministic.steps_per_execution == 1
+
+
+def test_a_fused_call_carries_its_totals_packed_or_unpacked_to_the_same_bits():
+    """On a TPU a fused call unpacks the loop's packed totals once for its k steps (``TOTALS_UNPACKED_ON``),
+    elsewhere it keeps them packed at every step (faster on a CPU): the same state and totals, bit for bit,
+    and the unpacked scan's body holds no concatenate of the packed bits."""
+    import jax.numpy as jnp
+
+    from trainkit.core.state import TrainState
+    from trainkit.core.step import TOTALS_UNPACKED_ON, batches_at, make_multi_step, make_train_step, with_totals
+    from trainkit.core.totals import EpochTotals, pack
+
+    def compute_loss(params, batch, rng, *, model_state, train):
+        return (batch["x"] @ params - batch["y"]) ** 2, (None, model_state)
+
+    tx = optax.adam(0.1)
+    params = jnp.ones((3,))
+    state = TrainState.create(params=params, opt_state=tx.init(params), model_state={}, seed=0)
+    rng = np.random.default_rng(0)
+    batches = {"x": rng.normal(size=(5, 4, 3)), "y": rng.normal(size=(5, 4)), "mask": np.ones((5, 4))}
+    batches = jax.tree.map(lambda a: jnp.asarray(a, jnp.float32), batches)
+    step = with_totals(make_train_step(compute_loss, tx, {}))
+    totals = pack(
+        EpochTotals.empty(jax.eval_shape(make_train_step(compute_loss, tx, {}), state, batches_at(batches, 0))[1])
+    )
+    results = {}
+    for unpack in (False, True):
+        fused = make_multi_step(step, unpack_totals=unpack)
+        results[unpack] = jax.jit(fused)(state, totals, batches)
+        scan = next(e for e in jax.make_jaxpr(fused)(state, totals, batches).jaxpr.eqns if e.primitive.name == "scan")
+        inside = {e.primitive.name for e in scan.params["jaxpr"].jaxpr.eqns}
+        assert ("concatenate" in inside) is not unpack, (unpack, inside)
+    (a_state, a_totals), (b_state, b_totals) = results[False], results[True]
+    assert all(np.array_equal(x, y) for x, y in zip(jax.tree.leaves(a_state), jax.tree.leaves(b_state), strict=True))
+    assert all(np.array_equal(x, y) for x, y in zip(a_totals.arrays, b_totals.arrays, strict=True))
+    assert int(b_totals.unpack().steps) == 5 and TOTALS_UNPACKED_ON == {"tpu"}

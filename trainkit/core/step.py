@@ -418,14 +418,25 @@ def _merged(totals: Totals, metrics: Metrics) -> Totals:
     return totals.add(metrics)
 
 
+#: the platforms on which a fused call unpacks the loop's packed totals once, for its k steps, instead of at
+#: every step: on a TPU the per-step slices and concatenates were serialised scalar work (the dispatch MLP's
+#: k=128 call 1.382 -> 0.970 ms of device time); on a CPU the scan carried fewer buffers packed and ran
+#: faster so (k=32 about 1.1x of the hand scan packed, 0.73-0.85 unpacked; issue #80, docs/performance.md)
+TOTALS_UNPACKED_ON = frozenset({"tpu"})
+
+
 def make_multi_step(
-    train_step: Callable[[TrainState, EpochTotals, Batch], tuple[TrainState, EpochTotals]], *, unrolled: bool = False
+    train_step: Callable[[TrainState, Totals, Batch], tuple[TrainState, Totals]],
+    *,
+    unrolled: bool = False,
+    unpack_totals: bool = False,
 ) -> Callable[[TrainState, Totals, Batch], tuple[TrainState, Totals]]:
     """``k`` training steps in one call: ``(state, totals, batches) -> (state, totals)``, where
     every leaf of ``batches`` stacks ``k`` batches on a new leading axis and ``train_step`` is a
     step of :func:`with_totals`. A ``lax.scan`` over the steps: compiled, the ``k`` steps are
     one dispatch (Keras's ``steps_per_execution``). ``unrolled``: a Python loop instead, for
-    uncompiled (eager) runs.
+    uncompiled (eager) runs; ``unpack_totals``: packed totals unpacked once before the steps and
+    packed once after, not at every step (:data:`TOTALS_UNPACKED_ON`).
 
     >>> import jax.numpy as jnp, optax
     >>> def compute_loss(params, batch, rng, *, model_state, train):
@@ -441,15 +452,16 @@ def make_multi_step(
     """
 
     def multi_step(state: TrainState, totals: Totals, batches: Batch) -> tuple[TrainState, Totals]:
-        # packed totals (the loop's) unpacked once for the k steps and packed once after: inside the scan
-        # their bits would be sliced and concatenated at every step (scalar work a TPU serialises)
-        plain = totals.unpack() if isinstance(totals, PackedTotals) else totals
+        unpacked = unpack_totals and isinstance(totals, PackedTotals)
+        carried: Totals = totals.unpack() if unpack_totals and isinstance(totals, PackedTotals) else totals
         if unrolled:
             for index in range(len(jax.tree.leaves(batches)[0])):
-                state, plain = train_step(state, plain, batches_at(batches, index))
+                state, carried = train_step(state, carried, batches_at(batches, index))
         else:
-            (state, plain), _ = jax.lax.scan(lambda carry, b: (train_step(*carry, b), None), (state, plain), batches)
-        return state, pack(plain) if isinstance(totals, PackedTotals) else plain
+            (state, carried), _ = jax.lax.scan(
+                lambda carry, b: (train_step(*carry, b), None), (state, carried), batches
+            )
+        return state, pack(carried) if unpacked and isinstance(carried, EpochTotals) else carried
 
     return multi_step
 

@@ -59,6 +59,7 @@ from trainkit.core.spikes import SpikeSkip
 from trainkit.core.state import Batch, TrainState, seed_key
 from trainkit.core.statistics import StepStatistics
 from trainkit.core.step import (
+    TOTALS_UNPACKED_ON,
     LossFn,
     TrainStepOptions,
     make_eval_step,
@@ -379,16 +380,23 @@ class Program:
         ``statistics``: what the training steps measure (a ``fit``'s ``GradientStats``)."""
         if self.eager:
             return self.step(kind, None, statistics)
-        step = self.step(kind, strategy.axis_name, statistics, offload=bool(strategy.offload))
+        platform = strategy.devices[0].platform
+        step = self.step(kind, strategy.axis_name, statistics, offload=bool(strategy.offload), platform=platform)
         if kind not in ("eval", "predict"):  # remat a plan added (strategy="auto" when nothing fits)
             step = rematerialised(step, strategy.remat)
         if strategy.logical_rules:  # nn.with_logical_constraint in the model
             step = under_logical_rules(step, strategy.mesh, strategy.logical_rules)
-        step = compiled_for(step, strategy.devices[0].platform)  # a target's, not this host's
+        step = compiled_for(step, platform)  # a target's, not this host's
         return strategy.compile("train" if kind == "train_measured" else kind, step, abstract_state)
 
     def step(
-        self, kind: str, axis: str | None, statistics: StepStatistics | None = None, *, offload: bool | None = None
+        self,
+        kind: str,
+        axis: str | None,
+        statistics: StepStatistics | None = None,
+        *,
+        offload: bool | None = None,
+        platform: str = "cpu",
     ) -> TreeFunction:
         """The pure step a strategy compiles (not compiled): ``"train"`` ``(state, totals,
         batch) -> (state, totals)`` (with statistics, ``"train_measured"`` measures them and
@@ -396,10 +404,14 @@ class Program:
         the due steps), ``"eval"``
         ``(state, totals, batch) -> totals`` (``totals``: the epoch's
         :class:`~trainkit.core.totals.EpochTotals`), ``"predict"`` ``(state, batch) -> outputs``.
-        ``offload``: the optimizer's state is in host memory (``None``: as the trainer says)."""
+        ``offload``: the optimizer's state is in host memory (``None``: as the trainer says); ``platform``: the
+        devices' it is compiled for, which decides how a fused call carries the epoch's totals
+        (:data:`~trainkit.core.step.TOTALS_UNPACKED_ON`)."""
         if kind in ("train_steps", "train_steps_gathered"):
             steps = make_multi_step(
-                with_totals(self.metrics_step("train", axis, "due", statistics, offload=offload)), unrolled=self.eager
+                with_totals(self.metrics_step("train", axis, "due", statistics, offload=offload)),
+                unrolled=self.eager,
+                unpack_totals=platform in TOTALS_UNPACKED_ON,
             )
             return steps if kind == "train_steps" else make_gathered_steps(steps)
         if kind == "predict":
