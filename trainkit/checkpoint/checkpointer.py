@@ -310,6 +310,10 @@ class Checkpointer:
                 force=True,
             )
         except Exception as error:  # orbax and tensorstore raise many kinds
+            try:  # orbax's own threads done with the step's folder first: one still writing recreated it under load
+                self._manager.wait_until_finished()
+            except Exception:  # noqa: BLE001 - the same failed write, raised below
+                pass
             directory_lib.remove_partial_write(self.directory, int(step))
             raise _write_error(self._manager, self.directory, error) from error
 
