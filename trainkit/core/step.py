@@ -451,17 +451,20 @@ def make_multi_step(
     (3, 3)
     """
 
-    def multi_step(state: TrainState, totals: Totals, batches: Batch) -> tuple[TrainState, Totals]:
-        unpacked = unpack_totals and isinstance(totals, PackedTotals)
-        carried: Totals = totals.unpack() if unpack_totals and isinstance(totals, PackedTotals) else totals
+    def steps(state: TrainState, totals: Totals, batches: Batch) -> tuple[TrainState, Totals]:
         if unrolled:
             for index in range(len(jax.tree.leaves(batches)[0])):
-                state, carried = train_step(state, carried, batches_at(batches, index))
-        else:
-            (state, carried), _ = jax.lax.scan(
-                lambda carry, b: (train_step(*carry, b), None), (state, carried), batches
-            )
-        return state, pack(carried) if unpacked and isinstance(carried, EpochTotals) else carried
+                state, totals = train_step(state, totals, batches_at(batches, index))
+            return state, totals
+        (state, totals), _ = jax.lax.scan(lambda carry, b: (train_step(*carry, b), None), (state, totals), batches)
+        return state, totals
+
+    def multi_step(state: TrainState, totals: Totals, batches: Batch) -> tuple[TrainState, Totals]:
+        if unpack_totals and isinstance(totals, PackedTotals):
+            state, plain = steps(state, totals.unpack(), batches)
+            assert isinstance(plain, EpochTotals)  # the steps keep the form they are given
+            return state, pack(plain)
+        return steps(state, totals, batches)
 
     return multi_step
 

@@ -45,7 +45,9 @@ _LOOP = re.compile(r"\swhile\(.*?condition=%([\w.\-]+), body=%([\w.\-]+)")
 _TRIPS = re.compile(r'"known_trip_count":\{"n":"(\d+)"')
 _CONSTANT = re.compile(r"%([\w.\-]+) = s32\[\]\S* constant\((\d+)\)")
 _BELOW = re.compile(r"compare\(%[\w.\-]+, %([\w.\-]+)\), direction=LT")
-_COLLECTIVE = re.compile(r"\s(?:all-reduce|all-gather|reduce-scatter|all-to-all|collective-permute)(?:-start|-done)?\(")
+#: the collectives' op names in compiled text (``plan`` times their bytes over the links)
+COLLECTIVE_OPS = "all-reduce|all-gather|reduce-scatter|all-to-all|collective-permute"
+_COLLECTIVE = re.compile(rf"\s(?:{COLLECTIVE_OPS})(?:-start|-done)?\(")
 
 
 def computations(text: str) -> tuple[dict[str, list[str]], str | None]:

@@ -74,7 +74,7 @@ def usable_share(platform: str) -> float:
 CLEAR_MARGIN = 0.15
 
 _COLLECTIVE = re.compile(
-    r"=\s*(?P<type>\S.*?)\s+(?P<op>all-reduce|all-gather|reduce-scatter|all-to-all|collective-permute)"
+    rf"=\s*(?P<type>\S.*?)\s+(?P<op>{compiler_cycles.COLLECTIVE_OPS})"
     r"(?P<start>-start)?\("
 )
 _SHAPE = re.compile(r"\b(pred|s8|u8|s16|u16|f16|bf16|s32|u32|f32|s64|u64|f64|c64|c128)\[([\d,]*)\]")
