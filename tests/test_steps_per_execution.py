@@ -333,6 +333,26 @@ def test_the_default_keeps_one_step_where_the_fit_would_not_repay_the_compile(xy
     assert remaining == [22, 11] and timed == []  # decided again from the first fit's timings: no step timed
 
 
+def test_the_default_weighs_a_fused_compile_by_the_one_step_compile_wherever_it_ran(xy, monkeypatch):
+    """Where the memory check compiled the train step before its first call (an accelerator; here a
+    CPU given a device memory), the tuner's unit is that first call plus the compile it did not
+    pay, and the fused compile's prior is the platform's (:data:`~trainkit.loop.tuning.FUSED_COMPILE_FACTORS`)."""
+    from trainkit.loop import tuning
+    from trainkit.program.plan import MEMORY_VARIABLE
+
+    seen = []
+    monkeypatch.setenv(MEMORY_VARIABLE, str(2**30))
+    monkeypatch.setitem(tuning.FUSED_COMPILE_FACTORS, "cpu", 123.0)
+    monkeypatch.setattr(tuning.StepsTuner, "decide", lambda self, host, device: seen.append(self) or 1)
+    x, y = xy
+    trainer = make("single", None)
+    trainer.fit((x, y), batch_size=BATCH, epochs=1, verbose=0)
+    ahead = trainer.compiled.compiled_ahead_seconds("train")
+    assert ahead > 0 and make("single", None).compiled.compiled_ahead_seconds("train") == 0.0
+    (tuner,) = seen
+    assert tuner.compile_factor == 123.0 and tuner.compile_seconds == trainer.loop.timings.first_call > ahead
+
+
 def test_the_default_calls_a_keras_batch_callback_every_batch_and_deterministic_never_tunes(xy):
     x, y = xy
 
@@ -385,3 +405,36 @@ def test_a_fused_call_carries_its_totals_packed_or_unpacked_to_the_same_bits():
     assert all(np.array_equal(x, y) for x, y in zip(jax.tree.leaves(a_state), jax.tree.leaves(b_state), strict=True))
     assert all(np.array_equal(x, y) for x, y in zip(a_totals.arrays, b_totals.arrays, strict=True))
     assert int(b_totals.unpack().steps) == 5 and TOTALS_UNPACKED_ON == {"tpu"}
+
+
+def test_an_epoch_s_first_step_merges_averages_without_a_select_per_metric():
+    """Zeros of a ``WeightedAverage`` (and a ``LabelAlarm``) merge as an identity, so merging a step into the
+    totals selects nothing per such metric (on a TPU each select is work at every step of a fused call);
+    a ``LastValue`` still takes its first step's value, and the first step's values are kept exactly."""
+    import clu.metrics
+    import jax.numpy as jnp
+
+    from trainkit.core.totals import EpochTotals, LabelAlarm, LossAverage, WeightedAverage
+
+    def step_metrics(names):
+        metrics = {name: WeightedAverage(total=jnp.float32(-0.5), count=jnp.float32(2)) for name in names}
+        return {
+            **metrics,
+            "loss": LossAverage(total=jnp.float32(3.0), count=jnp.float32(2)),
+            "_alarm": LabelAlarm.none(),
+        }
+
+    def selects(names):
+        metrics = step_metrics(names)
+        jaxpr = jax.make_jaxpr(lambda m: EpochTotals.empty(m).add(m))(metrics)
+        return sum(e.primitive.name == "select_n" for e in jaxpr.jaxpr.eqns)
+
+    assert selects(["a", "b", "c", "d"]) == selects([])
+    last = {
+        "loss": LossAverage(total=jnp.float32(1.0), count=jnp.float32(1)),
+        "lr": clu.metrics.LastValue.from_model_output(jnp.float32(7.0)),
+    }
+    merged = EpochTotals.empty(last).add(last).metrics
+    assert float(merged["lr"].compute()) == 7.0
+    first = EpochTotals.empty(step_metrics(["a"])).add(step_metrics(["a"])).metrics
+    assert float(first["a"].total) == -0.5 and float(first["loss"].total) == 3.0 and int(first["_alarm"].count) == 0

@@ -216,7 +216,13 @@ class EpochTotals:
         index = self.steps + 1
         merged = merge(self.metrics, metrics)
         started = self.steps > 0
-        merged = jax.tree.map(lambda m, b: jnp.where(started, m, b), merged, metrics)
+        first_or_merged = lambda m, b: jnp.where(started, m, b)  # noqa: E731 - for zeros that are no identity
+        merged = {
+            name: metric
+            if _zeros_merge_as_identity(metrics[name])
+            else jax.tree.map(first_or_merged, metric, metrics[name])
+            for name, metric in merged.items()
+        }
         # a metric this step does not report (statistics measured on other steps) is carried as it is
         merged.update({name: metric for name, metric in (self.metrics or {}).items() if name not in metrics})
         loss = metrics["loss"] if "loss" in metrics else _watched(metrics)
@@ -242,6 +248,14 @@ class EpochTotals:
             alarm,
             scale,
         )
+
+
+def _zeros_merge_as_identity(metric: PyTree) -> bool:
+    """Whether zeros of ``metric``'s type merge with a step's state as an identity, so an epoch's
+    first step needs no select: a :class:`WeightedAverage`'s ``0 + x`` and a :class:`LabelAlarm`
+    of count 0 (it takes the other's value and step). On a TPU every selected scalar is work at
+    every step of a fused call (the dispatch MLP's k=128 call: 0.63 -> 0.72 of a hand scan)."""
+    return isinstance(metric, (WeightedAverage, LabelAlarm))
 
 
 def _watched(metrics: dict[str, PyTree]) -> LossAverage:

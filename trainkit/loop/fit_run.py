@@ -43,7 +43,7 @@ from trainkit.loop.carried import CarriedState
 from trainkit.loop.dispatch import Preempted, host_metrics, in_order, logs_of, this_process
 from trainkit.loop.hooks import Hooks, LoopView
 from trainkit.loop.measuring import BetweenDue, SetAside
-from trainkit.loop.tuning import FusedCheck, StepsTuner
+from trainkit.loop.tuning import FusedCheck, StepsTuner, prior_compile_factor
 from trainkit.record.ledger import Bucket, ProcessLedger
 from trainkit.record.session import FitView, Position, StepRecord
 
@@ -267,7 +267,8 @@ class FitRun:
         self.last_ready = None
         cap = min((c for c in caps if c is not None), default=None)
         timings = self.loop.timings  # compile_factor: a fused compile measured on these devices, once one ran
-        tuner = StepsTuner(cap, self.remaining_steps(), self.steps.steps_by_default, timings.compile_factor)
+        factor = timings.compile_factor or prior_compile_factor(self.strategy.devices[0].platform)
+        tuner = StepsTuner(cap, self.remaining_steps(), self.steps.steps_by_default, factor)
         if tuner.steps is None and tuner.repaid_only and timings.host is not None and timings.device is not None:
             tuner.first_call(timings.first_call)  # an earlier fit timed the steps: decided without probes
             tuner.decide_from(timings.host, timings.device)
@@ -296,8 +297,9 @@ class FitRun:
         ready = time.perf_counter()
         if self.last_ready is not None:
             tuner.record(host=back - self.last_ready, device=ready - back)
-        else:
-            tuner.first_call(self.loop.timings.saw_first_call(ready - start))
+        else:  # with its compile, where the memory check compiled it before this call (an accelerator)
+            first = ready - start + self.steps.compiled_ahead_seconds("train")
+            tuner.first_call(self.loop.timings.saw_first_call(first))
         self.last_ready = ready
         if tuner.steps is not None:
             self.loop.timings.saw_steps(statistics.median(tuner.hosts), statistics.median(tuner.devices))

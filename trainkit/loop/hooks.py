@@ -57,6 +57,10 @@ class CompiledSteps(Protocol):
 
     def function(self, kind: str) -> Callable[..., Any]: ...
 
+    def compiled_ahead_seconds(self, kind: str) -> float:
+        """The seconds the ``kind`` step took to compile before its first call (0.0: its first call compiles it)."""
+        ...
+
     def out_of_memory(self, kind: str, error: BaseException) -> BaseException:
         """trainkit's named error for a device's out-of-memory ``error`` in a ``kind`` step."""
         ...

@@ -9,9 +9,10 @@ checkpoints, loggers) and the callbacks that need a call per batch.
 
 Left to its default (``Trainer(steps_per_execution=None)``), the tuner fuses only where the run
 repays it: the host time ``k`` steps per call save over the rest of the fit must exceed
-the fused program's compile: :data:`FUSED_COMPILE_FACTOR` times the trainer's longest first
-call of a fit (the one that compiled the one-step program) until a fused compile was measured
-on this trainer's devices, then the measured ratio. A short fit stays at one step per call and
+the fused program's compile: :data:`FUSED_COMPILE_FACTORS` (per platform) times the trainer's
+longest first call of a fit with the one-step program's compile (its first call's, or on an
+accelerator the memory check's before it) until a fused compile was measured on this trainer's
+devices, then the measured ratio. A short fit stays at one step per call and
 decides again next time. Once fused, the default checks its guess (:class:`FusedCheck`): a few
 fused calls are timed, and where they are no faster a step than one step per call was, the
 fit goes back to one step per call for good (the device's fused call may cost the host more
@@ -38,10 +39,28 @@ HOST_SHARE = 0.05
 PROBES = 6
 #: The most steps per call "auto" picks (the compiled scan's batches are all on the device).
 MOST = 128
-#: Compiling the fused program (and placing its first stacked batches), in first calls of the
-#: one-step program: measured 4.3x on the dispatch-bound MLP of ``benchmarks/step_overhead.py``
-#: (2.3 s more for the first fit of ``"auto"`` than of k=1, against a 0.54 s first call).
-FUSED_COMPILE_FACTOR = 4.0
+#: Compiling the fused program (and placing its first stacked batches) over the one-step program's
+#: first call, its compile included wherever it ran (on an accelerator the memory check compiles it
+#: before that call: :meth:`~trainkit.program.compiled.CompiledFunctions.compiled_ahead_seconds`), per
+#: platform, until a fused compile was measured on the trainer's own devices:
+#:
+#: - ``"cpu"``: 4.3x on the dispatch-bound MLP of ``benchmarks/step_overhead.py`` (2.3 s more for the
+#:   first fit of ``"auto"`` than of k=1, against a 0.54 s first call), taken as 4;
+#: - ``"tpu"``: one v5e, JAX 0.10.2 (2026-12-07, fresh fits, the compilation cache off): 1.79x on the
+#:   dispatch MLP, taken as 1.8; on three models it was not fitted to 1.58x (an MLP 784-512-512-10 at
+#:   batch 128), 2.15x (a two-convolution CNN) and 1.43x (a two-block LM): within 25% of it.
+#:
+#: Other platforms take the CPU's (not measured there).
+FUSED_COMPILE_FACTORS = {"cpu": 4.0, "tpu": 1.8}
+
+
+def prior_compile_factor(platform: str) -> float:
+    """The fused compile over the one-step first call assumed on ``platform`` (:data:`FUSED_COMPILE_FACTORS`).
+
+    >>> prior_compile_factor("tpu"), prior_compile_factor("gpu")
+    (1.8, 4.0)
+    """
+    return FUSED_COMPILE_FACTORS.get(platform, FUSED_COMPILE_FACTORS["cpu"])
 
 
 @dataclasses.dataclass
@@ -103,8 +122,8 @@ class StepsTuner:
         self.remaining, self.repaid_only = remaining, repaid_only
         #: the trainer's longest first call of a fit, in seconds (the one-step program's compile)
         self.compile_seconds = 0.0
-        #: the fused compile over that first call: measured on these devices, else the prior
-        self.compile_factor = FUSED_COMPILE_FACTOR if compile_factor is None else compile_factor
+        #: the fused compile over that first call: measured on these devices, else the platform's prior
+        self.compile_factor = prior_compile_factor("cpu") if compile_factor is None else compile_factor
 
     def first_call(self, seconds: float) -> None:
         """The trainer's longest first call of a fit (what a fused program's compile is weighed by)."""
@@ -131,7 +150,7 @@ class StepsTuner:
 
     def repays(self, steps: int, host: float) -> bool:
         """Whether ``steps`` per call save more host time over the rest of the fit than
-        compiling the fused program costs (:data:`FUSED_COMPILE_FACTOR` first calls)."""
+        compiling the fused program costs (``compile_factor`` first calls: :data:`FUSED_COMPILE_FACTORS`)."""
         if self.remaining is None:
             return False
         return self.remaining * host * (1 - 1 / steps) > self.compile_factor * self.compile_seconds

@@ -58,13 +58,15 @@ class Planner(Protocol):
 class Choice:
     """What ``"auto"`` chose: the ``strategy`` and why (``reason``); the ``plan`` it chose from
     (``None``: remembered, nothing planned); the candidate whose initialisation builds the state
-    (``None``: the strategy's own); the ``train_step`` the plan compiled for it (``None``: none)."""
+    (``None``: the strategy's own); the ``train_step`` the plan compiled for it (``None``: none),
+    in ``compile_seconds``."""
 
     strategy: Strategy
     reason: str
     plan: plan_lib.MemoryPlan | None = None
     initialise_under: Strategy | None = None
     train_step: Callable[..., Any] | None = None
+    compile_seconds: float = 0.0
 
 
 def candidates(auto: Auto) -> list[Strategy]:
@@ -99,7 +101,8 @@ def choose(setup: Planner, prepared: data_lib.Prepared, measure: bool = True, ru
         compile_cache.active_directory(), key, best.name, result.reason(), built_by, result.compare_from_steps
     )
     trains = prepared.has_targets or setup.custom_loss
-    return Choice(best.strategy, result.reason(), result, train_step=best.function if trains else None)
+    step = best.function if trains else None
+    return Choice(best.strategy, result.reason(), result, train_step=step, compile_seconds=best.compile_seconds)
 
 
 def remembered_pick(

@@ -38,6 +38,7 @@ class CompiledFunctions:
         self.program, self.decided, self._state = program, decided, state
         self.statistics: StepStatistics | None = None  # what this fit's training steps measure
         self._functions: dict[tuple[str, StepStatistics | None], TreeFunction] = {}
+        self._compiled_ahead: dict[tuple[str, StepStatistics | None], float] = {}  # seconds, where adopted
         self._totals: dict[tuple[str, StepStatistics | None], EpochTotals] = {}
         #: by kind (``"train"``, ``"eval"``, ``"predict"``): the named error for that run's inputs
         self._namers: dict[str, Callable[[BaseException], BaseException]] = {}
@@ -122,9 +123,16 @@ class CompiledFunctions:
         namer = self._namers.get(kind)
         return error if namer is None else namer(error)
 
-    def adopt(self, kind: str, function: TreeFunction) -> None:
-        """``function``, compiled elsewhere (the plan ``"auto"`` chose from), as the ``kind`` step."""
+    def adopt(self, kind: str, function: TreeFunction, compile_seconds: float = 0.0) -> None:
+        """``function``, compiled elsewhere (the plan ``"auto"`` chose from, the memory check on an
+        accelerator) in ``compile_seconds``, as the ``kind`` step."""
         self._functions[self._key(kind)] = function
+        self._compiled_ahead[self._key(kind)] = compile_seconds
+
+    def compiled_ahead_seconds(self, kind: str) -> float:
+        """The seconds the ``kind`` step took to compile before its first call (:meth:`adopt`), 0.0 where
+        its first call compiles it: what the steps tuner adds to that call to weigh a fused compile."""
+        return self._compiled_ahead.get(self._key(kind), 0.0)
 
     def model_flops(self, x: PyTree) -> float:
         """One train step's flops on inputs ``x`` (global shapes) as the model's own matrix

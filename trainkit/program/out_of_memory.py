@@ -55,7 +55,7 @@ def check_train_step(setup: Setup, prepared: data_lib.Prepared) -> None:
     plan = _plan_at(setup, prepared, prepared.batch_size, limit, [strategy], trains=True)
     row = plan.rows[0]
     if row.fits and row.function is not None:
-        setup.compiled.adopt("train", row.function)  # compiled once, here
+        setup.compiled.adopt("train", row.function, row.compile_seconds)  # compiled once, here
     elif row.too_big:
         raise named(setup, "train", prepared, needed=row.total_bytes or None, limit=limit, reason=row.error)
 

@@ -347,7 +347,7 @@ class Setup:
         if choice.plan is not None:
             self.decided.decide(plan=choice.plan)
         if choice.train_step is not None:
-            self.compiled.adopt("train", choice.train_step)  # compiled during the plan: not compiled again
+            self.compiled.adopt("train", choice.train_step, choice.compile_seconds)  # compiled by the plan, not again
         chooser = "offload='auto'" if self.offload_decides else "strategy='auto'"
         logger.info("%s %s", chooser, choice.reason)
         if announce and distributed.is_main_process():
