@@ -17,6 +17,12 @@ flops) and HFU (the compiler's count).
     python examples/lm.py --strategy context --length 512   # each sequence split over 4 devices x data 2
     python examples/lm.py --strategy single --precision bf16 --remat full --grad-accum-steps 2
     python examples/lm.py --plan-target "tpu v5e:4x4" --layers 8 --d-model 1024 --length 1024 --batch-size 256
+    python examples/lm.py --pack                    # each source file a document, packed into rows (segment ids)
+
+``--pack`` trains on whole documents (each ``.py`` file one) packed into rows by ``tk.data.pack``:
+attention stays within a document (``segment_ids``), positions restart at each document's start,
+and the loss counts only positions whose target is in their own document (``loss_mask``, applied
+in the trainer's ``compute_loss``; the held-out figure is the mean over those positions).
 
 ``--plan-target`` trains nothing: it compiles this LM's real train step for a TPU slice or H100s
 that are not here under FSDP and tensor-parallel Hybrid, prints the plan and exits
@@ -84,7 +90,7 @@ class Attention(nn.Module):
     by_jax: bool = False
 
     @nn.compact
-    def __call__(self, x):
+    def __call__(self, x, segment_ids=None):
         init = nn.initializers.variance_scaling(1.0, "fan_in", "normal", in_axis=0, out_axis=(1, 2))
         shape = (x.shape[-1], self.heads, self.head_dim)
         q, k, v = (
@@ -92,16 +98,18 @@ class Attention(nn.Module):
             for name in ("query", "key", "value")
         )
         if self.by_jax:
-            out = tk.attention(q, k, v, causal=True)
+            out = tk.attention(q, k, v, causal=True, segment_ids=segment_ids)
         else:
-            out = self._written_out(q, k, v)
+            out = self._written_out(q, k, v, segment_ids)
         out_init = nn.initializers.variance_scaling(1.0, "fan_in", "normal", in_axis=(0, 1), out_axis=2)
         kernel = self.param("out", logical(out_init, "heads", "kv", "embed"), (self.heads, self.head_dim, x.shape[-1]))
         return jnp.einsum("blhk,hkd->bld", out, kernel)
 
-    def _written_out(self, q, k, v):
+    def _written_out(self, q, k, v, segment_ids=None):
         length = q.shape[1]
         mask = jnp.tril(jnp.ones((length, length), bool))
+        if segment_ids is not None:  # packed documents: a query sees the keys of its own document only
+            mask = mask & (segment_ids[:, None, :, None] == segment_ids[:, None, None, :])
         scores = jnp.einsum("bqhk,bshk->bhqs", q, k) / math.sqrt(self.head_dim)
         weights = jax.nn.softmax(jnp.where(mask, scores, jnp.finfo(scores.dtype).min), axis=-1)
         return jnp.einsum("bhqs,bshk->bqhk", weights.astype(v.dtype), v)
@@ -114,9 +122,9 @@ class Block(nn.Module):
     jax_attention: bool = False
 
     @nn.compact
-    def __call__(self, x):
+    def __call__(self, x, segment_ids=None):
         norm = lambda: nn.LayerNorm(scale_init=logical(nn.initializers.ones, "embed"), use_bias=False)  # noqa: E731
-        x = x + Attention(self.heads, self.head_dim, self.jax_attention)(norm()(x))
+        x = x + Attention(self.heads, self.head_dim, self.jax_attention)(norm()(x), segment_ids)
         x = nn.with_logical_constraint(x, ("batch", "length", "embed"))
         h = nn.Dense(self.mlp, kernel_init=logical(nn.initializers.lecun_normal(), "embed", "mlp"), use_bias=False)(
             norm()(x)
@@ -142,7 +150,9 @@ class StackedBlock(nn.Module):
 
 
 class ByteLM(nn.Module):
-    """Bytes ``(batch, length)`` -> next-byte logits ``(batch, length, 256)``; ``stacked=True``:
+    """Bytes ``(batch, length)`` -> next-byte logits ``(batch, length, 256)``, or packed documents: a dict of
+    ``tokens``, ``segment_ids`` and ``positions`` (:func:`trainkit.data.pack`'s), each position embedded by
+    its place in its own document and attending within it; ``stacked=True``:
     the blocks are one ``nn.scan`` module (each parameter leads with the layer axis, named
     ``layers``), which a pipeline (``tk.Hybrid(stage=...)``) splits into stages;
     ``jax_attention=True``: each block's attention by ``tk.attention`` (the Pallas kernel on a TPU), which a
@@ -159,13 +169,18 @@ class ByteLM(nn.Module):
 
     @nn.compact
     def __call__(self, tokens):
+        segment_ids, place = None, None
+        if isinstance(tokens, dict):  # packed documents
+            tokens, segment_ids, place = tokens["tokens"], tokens["segment_ids"], tokens["positions"]
+            if self.stacked:
+                raise ValueError("packed documents take the unstacked blocks: use another strategy than pipeline")
         embed = nn.Embed(
             self.vocab, self.d_model, embedding_init=logical(nn.initializers.normal(0.02), "vocab", "embed")
         )
         positions = self.param(
             "positions", logical(nn.initializers.normal(0.02), "length", "embed"), (self.max_len, self.d_model)
         )
-        x = embed(tokens) + positions[None, : tokens.shape[1]]
+        x = embed(tokens) + (positions[None, : tokens.shape[1]] if place is None else positions[place])
         x = nn.with_logical_constraint(x, ("batch", "length", "embed"))
         if self.stacked:
             stack = nn.scan(
@@ -177,7 +192,7 @@ class ByteLM(nn.Module):
             )
             x, _ = stack(self.heads, self.d_model // self.heads, self.mlp, self.jax_attention, name="blocks")(x, None)
         for _ in range(0 if self.stacked else self.layers):
-            x = Block(self.heads, self.d_model // self.heads, self.mlp, self.jax_attention)(x)
+            x = Block(self.heads, self.d_model // self.heads, self.mlp, self.jax_attention)(x, segment_ids)
         x = nn.LayerNorm(scale_init=logical(nn.initializers.ones, "embed"), use_bias=False)(x)
         return nn.Dense(
             self.vocab, kernel_init=logical(nn.initializers.lecun_normal(), "embed", "vocab"), use_bias=False
@@ -195,6 +210,43 @@ def stdlib_bytes(limit: int) -> np.ndarray:
         if total >= limit:
             break
     return np.frombuffer(b"".join(chunks)[:limit], dtype=np.uint8)
+
+
+def stdlib_documents(limit: int) -> list[np.ndarray]:
+    """The standard library's ``.py`` files as byte documents, in a fixed order, ``limit`` bytes in all
+    (the last one cut there)."""
+    root = pathlib.Path(sysconfig.get_paths()["stdlib"])
+    documents, total = [], 0
+    for path in sorted(root.glob("*.py")):
+        documents.append(np.frombuffer(path.read_bytes()[: limit - total], dtype=np.uint8).astype(np.int32))
+        total += len(documents[-1])
+        if total >= limit:
+            break
+    return documents
+
+
+def packed_rows(documents: list[np.ndarray], length: int) -> tuple[dict, dict]:
+    """``documents`` packed into rows of ``length`` (:func:`trainkit.data.pack`): the model's inputs and
+    the targets with the loss's mask."""
+    packed = tk.data.pack(documents, length=length)
+    x = {name: packed[name] for name in ("tokens", "segment_ids", "positions")}
+    return x, {"targets": packed["targets"], "loss_mask": packed["loss_mask"]}
+
+
+class PackedLM(tk.Trainer):
+    """The LM's trainer on packed rows: each row's loss is the sum of its positions' cross-entropies
+    where ``loss_mask`` is 1, over the row's length (Keras's ``sum_over_batch_size`` with per-position
+    weights), so padding and a document's last position never train."""
+
+    def compute_loss(self, params, batch, rng, *, model_state, train):
+        logits, model_state = self.apply(params, model_state, batch["x"], rng=rng, train=train)
+        y = batch["y"]
+        losses = optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), y["targets"])
+        return (losses * y["loss_mask"]).mean(axis=1), (logits, model_state)
+
+
+def first_rows(tree, count: int):
+    return jax.tree.map(lambda a: a[:count], tree)
 
 
 def windows(corpus: np.ndarray, length: int) -> tuple[np.ndarray, np.ndarray]:
@@ -242,12 +294,22 @@ def main(argv=None):
     parser.add_argument(
         "--plan-target", default=None, help='plan for absent devices ("tpu v5e:4x4", "h100 x8") and exit'
     )
+    parser.add_argument("--pack", action="store_true", help="whole source files as documents, packed into rows")
     args = parser.parse_args(argv)
+    if args.pack and args.strategy == "pipeline":
+        parser.error("--pack takes the unstacked blocks: pick another --strategy than pipeline")
 
-    corpus = stdlib_bytes(args.corpus_bytes)
-    split = int(len(corpus) * 0.9)
-    x, y = windows(corpus[:split], args.length)
-    x_val, y_val = windows(corpus[split:], args.length)
+    if args.pack:  # whole files, every tenth held out
+        documents = stdlib_documents(args.corpus_bytes)
+        held_out = [d for i, d in enumerate(documents) if i % 10 == 9]
+        documents = [d for i, d in enumerate(documents) if i % 10 != 9]
+        (x, y), (x_val, y_val) = packed_rows(documents, args.length), packed_rows(held_out, args.length)
+    else:
+        corpus = stdlib_bytes(args.corpus_bytes)
+        split = int(len(corpus) * 0.9)
+        x, y = windows(corpus[:split], args.length)
+        x_val, y_val = windows(corpus[split:], args.length)
+    rows = len(jax.tree.leaves(x)[0])
     # a pipeline splits the blocks stacked into one nn.scan module; a context axis splits tk.attention by hand, and
     # on a TPU tk.attention is the Pallas kernel (long sequences on one chip)
     model = ByteLM(
@@ -258,9 +320,9 @@ def main(argv=None):
         jax_attention=args.strategy == "context" or jax.default_backend() == "tpu",
     )
     schedule = optax.warmup_cosine_decay_schedule(0.0, 3e-3, min(100, args.steps // 10 + 1), args.steps)
-    trainer = tk.Trainer(
+    trainer = (PackedLM if args.pack else tk.Trainer)(
         model,
-        loss="sparse_categorical_crossentropy",
+        loss=None if args.pack else "sparse_categorical_crossentropy",
         optimizer=optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(schedule, weight_decay=0.01)),
         strategy=strategy_for(args.strategy),
         precision=args.precision,
@@ -268,9 +330,10 @@ def main(argv=None):
         grad_accum_steps=args.grad_accum_steps,
         offload=args.offload,
     )
+    what = f"rows of {len(documents)} packed files" if args.pack else "windows"
     print(
-        f"trainkit {tk.__version__}: byte LM, {len(x)} training windows of {args.length} bytes "
-        f"({len(x_val)} held out) on {len(jax.devices())} {jax.devices()[0].platform} devices"
+        f"trainkit {tk.__version__}: byte LM, {rows} training {what} of {args.length} bytes "
+        f"({len(jax.tree.leaves(x_val)[0])} held out) on {len(jax.devices())} {jax.devices()[0].platform} devices"
     )
     if args.plan_target:  # compiled for the target's devices, nothing placed here: FSDP and data x model
         candidates = [
@@ -278,20 +341,29 @@ def main(argv=None):
             # the model axis no wider than the 4 heads it splits
             lambda devices: tk.Hybrid(model=min(4, len(devices) // 2), rules=RULES["tp"], devices=devices),
         ]
-        plan = trainer.plan((x[:8], y[:8]), batch_size=args.batch_size, target=args.plan_target, candidates=candidates)
+        plan = trainer.plan(
+            (first_rows(x, 8), first_rows(y, 8)),
+            batch_size=args.batch_size,
+            target=args.plan_target,
+            candidates=candidates,
+        )
         return plan
-    trainer.init((x[: args.batch_size], y[: args.batch_size]))  # "auto" (or offload="auto") plans this batch
+    trainer.init(
+        (first_rows(x, args.batch_size), first_rows(y, args.batch_size))
+    )  # "auto" (or offload="auto") plans this batch
     print(f"{trainer.count_params():,} parameters; strategy {trainer.strategy.describe()}")
     timer = Timer()
     trainer.fit(
         (x, y),
         batch_size=args.batch_size,
-        epochs=math.ceil(args.steps * args.batch_size / len(x)),
+        epochs=math.ceil(args.steps * args.batch_size / rows),
         max_steps=args.steps,
         verbose=args.verbose,
         callbacks=[timer],
     )
     val_loss = trainer.evaluate((x_val, y_val), batch_size=args.batch_size)
+    if args.pack:  # the mean over the held-out rows of (sum over trained positions) / length: per trained position
+        val_loss *= y_val["loss_mask"].size / y_val["loss_mask"].sum()
     tokens_per_second = timer.steps * args.batch_size * args.length / timer.seconds
     peak = throughput.peak_flops(jax.devices()[0].device_kind, args.precision)
     per_second = timer.steps / timer.seconds / (peak * len(jax.devices())) if peak else 0.0
