@@ -21,8 +21,8 @@ flops) and HFU (the compiler's count).
 
 ``--pack`` trains on whole documents (each ``.py`` file one) packed into rows by ``tk.data.pack``:
 attention stays within a document (``segment_ids``), positions restart at each document's start,
-and the loss counts only positions whose target is in their own document (``loss_mask``, applied
-in the trainer's ``compute_loss``; the held-out figure is the mean over those positions).
+and the loss counts only positions whose target is in their own document (``loss_mask`` as a
+per-token ``sample_weight``; the held-out figure is the mean over those positions).
 
 ``--plan-target`` trains nothing: it compiles this LM's real train step for a TPU slice or H100s
 that are not here under FSDP and tensor-parallel Hybrid, prints the plan and exits
@@ -225,24 +225,12 @@ def stdlib_documents(limit: int) -> list[np.ndarray]:
     return documents
 
 
-def packed_rows(documents: list[np.ndarray], length: int) -> tuple[dict, dict]:
-    """``documents`` packed into rows of ``length`` (:func:`trainkit.data.pack`): the model's inputs and
-    the targets with the loss's mask."""
+def packed_rows(documents: list[np.ndarray], length: int) -> tuple[dict, np.ndarray, np.ndarray]:
+    """``documents`` packed into rows of ``length`` (:func:`trainkit.data.pack`): the model's inputs, the
+    targets, and the loss's mask as a per-token ``sample_weight`` (padding and no target across a boundary)."""
     packed = tk.data.pack(documents, length=length)
     x = {name: packed[name] for name in ("tokens", "segment_ids", "positions")}
-    return x, {"targets": packed["targets"], "loss_mask": packed["loss_mask"]}
-
-
-class PackedLM(tk.Trainer):
-    """The LM's trainer on packed rows: each row's loss is the sum of its positions' cross-entropies
-    where ``loss_mask`` is 1, over the row's length (Keras's ``sum_over_batch_size`` with per-position
-    weights), so padding and a document's last position never train."""
-
-    def compute_loss(self, params, batch, rng, *, model_state, train):
-        logits, model_state = self.apply(params, model_state, batch["x"], rng=rng, train=train)
-        y = batch["y"]
-        losses = optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), y["targets"])
-        return (losses * y["loss_mask"]).mean(axis=1), (logits, model_state)
+    return x, packed["targets"], packed["loss_mask"]
 
 
 def first_rows(tree, count: int):
@@ -303,12 +291,13 @@ def main(argv=None):
         documents = stdlib_documents(args.corpus_bytes)
         held_out = [d for i, d in enumerate(documents) if i % 10 == 9]
         documents = [d for i, d in enumerate(documents) if i % 10 != 9]
-        (x, y), (x_val, y_val) = packed_rows(documents, args.length), packed_rows(held_out, args.length)
+        (x, y, w), (x_val, y_val, w_val) = packed_rows(documents, args.length), packed_rows(held_out, args.length)
     else:
         corpus = stdlib_bytes(args.corpus_bytes)
         split = int(len(corpus) * 0.9)
         x, y = windows(corpus[:split], args.length)
         x_val, y_val = windows(corpus[split:], args.length)
+        w = w_val = None  # every position trains
     rows = len(jax.tree.leaves(x)[0])
     # a pipeline splits the blocks stacked into one nn.scan module; a context axis splits tk.attention by hand, and
     # on a TPU tk.attention is the Pallas kernel (long sequences on one chip)
@@ -320,9 +309,9 @@ def main(argv=None):
         jax_attention=args.strategy == "context" or jax.default_backend() == "tpu",
     )
     schedule = optax.warmup_cosine_decay_schedule(0.0, 3e-3, min(100, args.steps // 10 + 1), args.steps)
-    trainer = (PackedLM if args.pack else tk.Trainer)(
+    trainer = tk.Trainer(
         model,
-        loss=None if args.pack else "sparse_categorical_crossentropy",
+        loss="sparse_categorical_crossentropy",
         optimizer=optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(schedule, weight_decay=0.01)),
         strategy=strategy_for(args.strategy),
         precision=args.precision,
@@ -354,16 +343,18 @@ def main(argv=None):
     print(f"{trainer.count_params():,} parameters; strategy {trainer.strategy.describe()}")
     timer = Timer()
     trainer.fit(
-        (x, y),
+        x,
+        y,
+        sample_weight=w,
         batch_size=args.batch_size,
         epochs=math.ceil(args.steps * args.batch_size / rows),
         max_steps=args.steps,
         verbose=args.verbose,
         callbacks=[timer],
     )
-    val_loss = trainer.evaluate((x_val, y_val), batch_size=args.batch_size)
-    if args.pack:  # the mean over the held-out rows of (sum over trained positions) / length: per trained position
-        val_loss *= y_val["loss_mask"].size / y_val["loss_mask"].sum()
+    val_loss = trainer.evaluate(x_val, y_val, sample_weight=w_val, batch_size=args.batch_size)
+    if args.pack:  # the mean over rows of (sum over trained positions) / length, as the mean per trained position
+        val_loss *= w_val.size / w_val.sum()
     tokens_per_second = timer.steps * args.batch_size * args.length / timer.seconds
     peak = throughput.peak_flops(jax.devices()[0].device_kind, args.precision)
     per_second = timer.steps / timer.seconds / (peak * len(jax.devices())) if peak else 0.0

@@ -30,13 +30,13 @@ def test_sample_weights_of_shape_n_by_1_equal_n_and_others_are_refused(data):
     flat = classifier().fit(x, y, sample_weight=weights, batch_size=8, shuffle=False, verbose=0).history["loss"]
     column = classifier().fit(x, y, sample_weight=weights[:, None], batch_size=8, shuffle=False, verbose=0)
     np.testing.assert_allclose(column.history["loss"], flat, rtol=1e-6)  # not broadcast to (B, B)
-    with pytest.raises(ValueError, match=r"sample_weight has shape \(40, 2\).*shape \(40,\) or \(40, 1\)"):
-        classifier().fit(x, y, sample_weight=np.ones((N, 2)), verbose=0)
+    with pytest.raises(ValueError, match=r"sample_weight is per token, shape \(\d+, 2\).*does not lead with it"):
+        classifier().fit(x, y, sample_weight=np.ones((N, 2)), verbose=0)  # (N, 2) for (N,) labels: not per token
     with pytest.raises(ValueError, match=r"sample_weight\[3\] is -1.0: sample weights must be finite and non-negative"):
         classifier().fit(x, y, sample_weight=np.where(np.arange(N) == 3, -1.0, 1.0), verbose=0)
     with pytest.raises(ValueError, match=r"sample_weight\[0\] is nan"):
         classifier().fit(x, y, sample_weight=np.full(N, np.nan), verbose=0)
-    with pytest.raises(ValueError, match="one array with a weight per row, applied to every output"):
+    with pytest.raises(ValueError, match=r"one array with a weight per row \(or per token\), applied to every output"):
         classifier().fit(x, y, sample_weight={"a": np.ones(N)}, verbose=0)
     batches = [(x[:8], y[:8], np.ones(8)), (x[8:16], y[8:16], -np.ones(8))]
     with pytest.raises(ValueError, match=r"sample_weight of batch 1\[0\] is -1.0"):

@@ -27,7 +27,7 @@ from trainkit import distributed
 from trainkit import export as export_lib
 from trainkit import weights as weights_lib
 from trainkit.callbacks import Callback, CallbackList, History, lr_finder
-from trainkit.core import custom_step, loss_call
+from trainkit.core import custom_step, loss_call, watched_batch
 from trainkit.core.lora import LoRA
 from trainkit.core.model import Model, adapt_model
 from trainkit.core.offload import Offload
@@ -127,10 +127,10 @@ class Trainer:
     def compute_loss(
         self, params: PyTree, batch: Batch, rng: jax.Array, *, model_state: PyTree, train: bool
     ) -> tuple[jax.Array, tuple[PyTree, PyTree]]:
-        """A batch's (``"x"``, ``"y"``, ``"mask"``, maybe ``"sample_weight"``) ``(per_example_loss, (predictions,
-        new_model_state))``, one loss per row (never a mean: trainkit masks and weights the rows). Pure."""
+        """A batch's (``"x"``, ``"y"``, ``"mask"``, maybe ``"sample_weight"``: per token, applied here)
+        ``(per_example_loss, (predictions, new_model_state))``, one loss per row (never a mean). Pure."""
         predictions, model_state = self.apply(params, model_state, batch["x"], rng=rng, train=train)
-        return self.objective.loss(predictions, batch["y"]), (predictions, model_state)
+        return self.objective.loss(predictions, batch["y"], watched_batch.per_token(batch)), (predictions, model_state)
 
     def train_step(self, state: TrainState, batch: Batch, rng: jax.Array) -> tuple[TrainState, dict[str, jax.Array]]:
         """Override for a step of your own (a GAN's): pure, ``(state, batch, rng) -> (state, logs)`` with the helpers

@@ -46,27 +46,35 @@ _KINDS = {"U": "strings", "S": "bytes", "O": "Python objects", "M": "dates", "m"
 
 
 def sample_weights(weights: Any, rows: int, part: str = "sample_weight") -> np.ndarray | None:
-    """One float32 weight per row: ``(N,)`` or ``(N, 1)``; finite and non-negative."""
+    """Float32 weights, finite and non-negative: one per row (``(N,)`` or ``(N, 1)``), or one per element of
+    a row's loss (``(N, T, ...)``: per token, as Keras weights the timesteps of a ``(N, T, classes)``
+    output; the step checks that the loss has that shape).
+
+    >>> sample_weights(np.ones((2, 1)), 2).shape, sample_weights(np.ones((2, 5)), 2).shape
+    ((2,), (2, 5))
+    """
     if weights is None:
         return None
     if isinstance(weights, (dict, list, tuple)) and not np.isscalar(weights):
         raise ValueError(
-            f"{part} must be one array with a weight per row, applied to every output; received a "
+            f"{part} must be one array with a weight per row (or per token), applied to every output; received a "
             f"{type(weights).__name__}. For per-output weights, override Trainer.compute_loss."
         )
     array = np.asarray(weights)
     if array.ndim == 2 and array.shape[1] == 1:
         array = array[:, 0]
-    if array.shape != (rows,):
+    if array.ndim == 0 or array.shape[0] != rows:
         raise ValueError(
-            f"{part} has shape {array.shape}; it needs one weight per row: shape ({rows},) or ({rows}, 1)."
+            f"{part} has shape {array.shape}; it needs one weight per row: shape ({rows},) or ({rows}, 1), or one "
+            f"per token of each row's loss: ({rows}, T, ...)."
         )
     if array.dtype.kind not in "biuf":
         raise ValueError(f"{part} has dtype {array.dtype}; weights must be numbers.")
     array = array.astype(np.float32)
-    bad = np.flatnonzero(~np.isfinite(array) | (array < 0))
+    bad = np.argwhere(~np.isfinite(array) | (array < 0))
     if bad.size:
-        raise ValueError(f"{part}[{bad[0]}] is {array[bad[0]]}: sample weights must be finite and non-negative.")
+        where = ", ".join(str(int(i)) for i in bad[0])
+        raise ValueError(f"{part}[{where}] is {array[tuple(bad[0])]}: sample weights must be finite and non-negative.")
     return array
 
 

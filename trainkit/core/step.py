@@ -44,9 +44,18 @@ from trainkit.core.optimizers import learning_rate
 from trainkit.core.sown import split_sown
 from trainkit.core.state import Batch, TrainState
 from trainkit.core.step_feature import StepFeature, StepUpdate
-from trainkit.core.step_helpers import pmean_floats, row_weights, weighted_total
+from trainkit.core.step_helpers import pmean_floats, row_weights, token_weights, weighed_by_tokens, weighted_total
 from trainkit.core.step_state import StepFacts
-from trainkit.core.totals import EpochTotals, LossAverage, MetricFn, PackedTotals, WeightedAverage, batch_state, pack
+from trainkit.core.totals import (
+    EpochTotals,
+    LossAverage,
+    MetricFn,
+    PackedTotals,
+    Weighted,
+    WeightedAverage,
+    batch_state,
+    pack,
+)
 from trainkit.core.trainable import Trainable
 from trainkit.core.tree import PyTree, TreeFunction
 from trainkit.core.watched_batch import RowFacts, WatchedBatch
@@ -87,11 +96,15 @@ def _step_rng(state: TrainState, axis_name: str | None) -> jax.Array:
     return rng
 
 
-def _rows(loss: jax.Array, num_rows: int, name: str = "loss", sown: bool = False) -> jax.Array:
+def _rows(
+    loss: jax.Array, num_rows: int, name: str = "loss", sown: bool = False, tokens: jax.Array | None = None
+) -> jax.Array:
     """Per-row loss values. Raises while tracing for a loss that is not floating (no gradient)
     or not one value per row: a scalar (a batch mean) would count the padded rows of a last
     partial batch. A value a module sows (``sown``: a regulariser of its weights) may be a
-    scalar, spread evenly over the rows."""
+    scalar, spread evenly over the rows. ``tokens``: per-token sample weights, each weighing its
+    element of the loss before the row's mean (Keras's ``sum_over_batch_size``: the sum of the
+    weighted elements over their count), so the loss must have their shape."""
     loss = jnp.asarray(loss)
     what = "The loss" if name == "loss" else f"The {'sown loss' if sown else 'log'} {name!r}"
     if not jnp.issubdtype(loss.dtype, jnp.floating):
@@ -114,7 +127,10 @@ def _rows(loss: jax.Array, num_rows: int, name: str = "loss", sown: bool = False
             f"{what} has shape {loss.shape} for a batch of {num_rows} rows: return one value per row (shape "
             f"({num_rows}, ...)), not values of several rows concatenated."
         )
-    return loss.astype(jnp.float32).reshape(num_rows, -1).mean(axis=1)
+    loss = loss.astype(jnp.float32)
+    if tokens is not None:
+        loss = weighed_by_tokens(loss, tokens, what)
+    return loss.reshape(num_rows, -1).mean(axis=1)
 
 
 def _loss_total(row_loss: jax.Array, batch: Batch) -> jax.Array:
@@ -136,10 +152,18 @@ def _batch_metrics(
     (by ``weighting``: the batch, without its weights when the loss applied them itself)."""
     mask = batch["mask"]
     weights = row_weights(batch)
+    tokens = token_weights(batch if weighting is None else weighting)  # the loss's, where it did not apply them
+    given = token_weights(batch)
+    weighted = sorted(name for name, fn in metric_fns.items() if isinstance(fn, Weighted))
+    if given is not None and weighted:
+        raise ValueError(
+            f"weighted_metrics {weighted} weigh rows, and this batch's sample_weight is per token (shape "
+            f"{given.shape}): pass them as metrics= (each real row's tokens counted alike), or give one weight per row."
+        )
     # The loss follows Keras: sum(loss * sample_weight) / (number of real rows).
     metrics = {"loss": LossAverage(total=loss_total, count=mask.sum())}
     for name, values in logs.items():
-        logged = _rows(values, mask.shape[0], name)
+        logged = _rows(values, mask.shape[0], name, tokens=tokens)
         metrics[name] = LossAverage(
             total=_loss_total(logged, batch if weighting is None else weighting), count=mask.sum()
         )
@@ -149,10 +173,11 @@ def _batch_metrics(
 
 
 def loss_parts(
-    result: object, rows: int, metric_names: Iterable[str] = ()
+    result: object, rows: int, metric_names: Iterable[str] = (), tokens: jax.Array | None = None
 ) -> tuple[jax.Array, tuple[PyTree, PyTree, dict[str, jax.Array]]]:
     """``compute_loss``'s result as ``(row_loss, (predictions, model_state, logs))`` for a batch of
-    ``rows``: ``logs`` empty when it returned two parts; the losses the model sowed
+    ``rows`` (``tokens``: per-token sample weights the loss did not apply itself, applied to its
+    elements: :func:`_rows`): ``logs`` empty when it returned two parts; the losses the model sowed
     (:mod:`trainkit.core.sown`) taken out of the model state, added to the loss and logged. Raises,
     naming the contract, for any other structure, for logs that are not a dict of values by name,
     or that take a name the logs already have."""
@@ -175,7 +200,7 @@ def loss_parts(
             f"compute_loss logs (or the model sows) {taken}, which the logs already hold (the loss, a metric, or "
             "another log): name them otherwise, e.g. 'reconstruction_loss'."
         )
-    row_loss = _rows(result[0], rows)  # type: ignore[index]  # checked above
+    row_loss = _rows(result[0], rows, tokens=tokens)  # type: ignore[index]  # checked above
     sown = {name: _rows(value, rows, name, sown=True) for name, value in sown.items()}
     for value in sown.values():
         row_loss = row_loss + value
@@ -303,8 +328,11 @@ def make_train_step(
         def objective(trained):
             full = to_device(trained if rebuild is None else rebuild(trained))  # offloaded frozen leaves, streamed
             result = compute_loss(full, watched, rng, model_state=model_state, train=True)
-            row_loss, (predictions, new_model_state, logs) = loss_parts(result, batch["mask"].shape[0], metric_fns)
-            total = _loss_total(row_loss, watched.weighting())
+            weighting = watched.weighting()  # without the weights when the loss applied them itself
+            row_loss, (predictions, new_model_state, logs) = loss_parts(
+                result, batch["mask"].shape[0], metric_fns, token_weights(weighting)
+            )
+            total = _loss_total(row_loss, weighting)
             return loss_scale.scale(total / batch_rows), (total, predictions, new_model_state, logs)
 
         with jax.named_scope("loss_and_gradients"):  # a profile's names for the step's phases (kauldron's way)
@@ -358,8 +386,10 @@ def make_eval_step(
     def eval_step(state: TrainState, batch: Batch) -> Metrics:
         watched = WatchedBatch.of(batch, RowFacts(axis_name))
         result = compute_loss(to_device(state.params), watched, state.rng, model_state=state.model_state, train=False)
-        row_loss, (predictions, _, logs) = loss_parts(result, batch["mask"].shape[0], metric_fns)
         weighting = watched.weighting()  # without the weights when the loss applied them itself
+        row_loss, (predictions, _, logs) = loss_parts(
+            result, batch["mask"].shape[0], metric_fns, token_weights(weighting)
+        )
         loss_total = _loss_total(row_loss, weighting)
         return _psum(_batch_metrics(metric_fns, predictions, batch, loss_total, logs, weighting), axis_name)
 

@@ -23,10 +23,52 @@ from trainkit.core.tree import PyTree
 
 
 def row_weights(batch: Batch) -> jax.Array:
-    """Each row's weight: ``mask * sample_weight`` (padded rows 0)."""
+    """Each row's weight: ``mask * sample_weight`` (padded rows 0); per-token weights weigh the
+    loss's values inside each row (:func:`token_weights`), so then each real row counts once."""
     mask = batch["mask"]
-    weights: jax.Array = mask * batch["sample_weight"] if "sample_weight" in batch else mask
-    return weights
+    weights = dict.get(batch, "sample_weight")  # not noted as read (a WatchedBatch)
+    if weights is None or jnp.ndim(weights) > 1:
+        whole: jax.Array = mask
+        return whole
+    weighted: jax.Array = mask * weights
+    return weighted
+
+
+def token_weights(batch: Batch) -> jax.Array | None:
+    """The batch's per-token sample weights, ``(rows, T, ...)`` (``None``: one weight per row, or none):
+    each weighs its element of a row's loss before the row's mean, as Keras weights timesteps."""
+    weights = dict.get(batch, "sample_weight")  # not noted as read (a WatchedBatch)
+    return weights if weights is not None and jnp.ndim(weights) > 1 else None
+
+
+def weighed_by_tokens(values: jax.Array, tokens: jax.Array, what: str) -> jax.Array:
+    """Per-element loss ``values`` times their per-token ``tokens`` weights (an element of weight 0
+    is 0, even if not finite: padding); raises, naming ``what``, where their shapes differ.
+
+    >>> weighed_by_tokens(jnp.array([[1.0, jnp.nan]]), jnp.array([[2.0, 0.0]]), "the loss").tolist()
+    [[2.0, 0.0]]
+    """
+    if jnp.shape(values) != jnp.shape(tokens):
+        rows = jnp.shape(tokens)[0]
+        raise ValueError(
+            f"{what} has shape {jnp.shape(values)} and sample_weight, per token, {jnp.shape(tokens)}: a per-token "
+            f"weight weighs the loss element at its place, so they need the same shape. Return the loss per token "
+            f"(shape {jnp.shape(tokens)}), or give one weight per row (shape ({rows},))."
+        )
+    weighed: jax.Array = jnp.where(tokens > 0, values * tokens, 0.0)
+    return weighed
+
+
+def refuse_token_weights(batch: Batch, what: str) -> None:
+    """Raises, naming ``what`` and the fix, where ``batch`` carries per-token weights a per-row reduction
+    would drop without a word."""
+    weights = token_weights(batch)
+    if weights is not None:
+        raise ValueError(
+            f"{what} weighs rows, and this batch's sample_weight is per token (shape {jnp.shape(weights)}): it "
+            "would be dropped. Multiply your per-token values by batch['sample_weight'] and reduce each row "
+            "yourself, then pass the rows' mask alone: state.mean(row_values, {'mask': batch['mask']})."
+        )
 
 
 def weighted_total(row_values: jax.Array, mask: jax.Array, weights: jax.Array) -> jax.Array:
@@ -52,6 +94,7 @@ def mean(values: jax.Array, batch: Batch, axis: str | None) -> jax.Array:
     of it (of the global batch's: the gradient itself), so that the gradients averaged over the axis
     (``apply_gradients``, as pmap's data parallelism averages per-device means) are exactly the
     single-device gradient: a ``jnp.mean`` over the batch gives it too wherever no row pads."""
+    refuse_token_weights(batch, "state.mean")
     mask = batch["mask"]
     rows, weights = mask.shape[0], row_weights(batch)
     devices = 1 if axis is None else jax.lax.axis_size(axis)

@@ -112,6 +112,22 @@ class WatchedBatch(dict[str, PyTree]):
         return {key: value for key, value in self.items() if key != WEIGHTS}
 
 
+def per_token(batch: Batch) -> jax.Array | None:
+    """The batch's per-token sample weights for a loss that weighs its elements by them itself (the
+    built-in ``compute_loss``: :meth:`trainkit.objective.Objective.loss`), noted as read so the step
+    weighs nothing twice; ``None`` where the weights are per row, or none (the step weighs the rows).
+
+    >>> import numpy as np
+    >>> batch = WatchedBatch({"mask": np.ones(2), "sample_weight": np.ones((2, 3))})
+    >>> per_token(batch).shape, batch.read_weights
+    ((2, 3), True)
+    """
+    weights = step_helpers.token_weights(batch)
+    if weights is not None and isinstance(batch, WatchedBatch):
+        batch.read_weights = True
+    return weights
+
+
 def _flatten(batch: WatchedBatch) -> tuple[tuple[tuple[jax.tree_util.DictKey, PyTree], ...], tuple[str, ...]]:
     keys = tuple(sorted(batch))  # as a dict flattens; read without noting (a transform reads every leaf)
     return tuple((jax.tree_util.DictKey(key), dict.__getitem__(batch, key)) for key in keys), keys

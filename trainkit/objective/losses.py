@@ -25,6 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from trainkit.core.step_helpers import weighed_by_tokens
 from trainkit.core.totals import per_row
 from trainkit.core.tree import PyTree, Shape
 from trainkit.objective import crossentropy
@@ -299,17 +300,31 @@ def get_loss(loss: str | LossFn) -> LossFn:
     )
 
 
-def per_example(loss: LossFn) -> LossFn:
+def per_example(loss: LossFn, per_token: jax.Array | None = None, what: str = "The loss") -> LossFn:
     """Wraps ``loss`` so that it returns one value per example.
 
-    Per-example outputs ``(B, ...)`` are averaged over their non-batch axes. A loss that
-    reduces the batch to a scalar is re-evaluated row by row (``jax.vmap`` over batches of
+    Per-example outputs ``(B, ...)`` are averaged over their non-batch axes (``per_token``: each
+    element weighed by its sample weight first, the shapes checked, ``what`` naming the loss). A loss
+    that reduces the batch to a scalar is re-evaluated row by row (``jax.vmap`` over batches of
     one), which is exact for losses that are a mean over rows; the choice is made at trace
     time and costs nothing per step.
     """
 
     def values(predictions, targets):
-        return _mean_over_features(per_row(loss, predictions, targets))
+        if per_token is None:
+            return _mean_over_features(per_row(loss, predictions, targets))
+        tokens = tuple(per_token.shape)  # (rows, T, ...): the loss evaluated per token, as rows of their own
+        for name, part in (("outputs", predictions), ("targets", targets)):
+            for leaf in jax.tree.leaves(part):
+                if tuple(jnp.shape(leaf)[: len(tokens)]) != tokens:
+                    raise ValueError(
+                        f"{what}: sample_weight is per token, shape {tokens}, and the {name} have shape "
+                        f"{jnp.shape(leaf)}, which does not lead with it: give a weight per row (shape "
+                        f"({tokens[0]},)), or per token of the {name}' leading axes."
+                    )
+        flat = lambda a: jnp.reshape(a, (-1, *jnp.shape(a)[len(tokens) :]))  # noqa: E731
+        elements = per_row(loss, jax.tree.map(flat, predictions), jax.tree.map(flat, targets))
+        return _mean_over_features(weighed_by_tokens(jnp.reshape(elements, tokens), per_token, what))
 
     return values
 

@@ -298,14 +298,17 @@ class Objective:
     def has_loss(self) -> bool:
         return any(out.loss is not None for out in self.outputs)
 
-    def loss(self, predictions: PyTree, targets: PyTree) -> jax.Array:
-        """Per-example ``sum(weight * loss)`` over the outputs with a loss."""
+    def loss(self, predictions: PyTree, targets: PyTree, per_token: jax.Array | None = None) -> jax.Array:
+        """Per-example ``sum(weight * loss)`` over the outputs with a loss; ``per_token``: sample weights of
+        each element of an output's loss (``(rows, T)`` for ``(rows, T, classes)`` logits), applied before the
+        mean over the elements (Keras's ``sum_over_batch_size``)."""
         self.loss_calls += 1
         total = None
         for out in self.outputs:
             if out.loss is None:
                 continue
-            values = losses.per_example(out.loss)(
+            what = "The loss" if out.key is None else f"The loss of output {out.key!r}"
+            values = losses.per_example(out.loss, per_token, what)(
                 _pick(predictions, out.key, "model's outputs"), _pick(targets, out.key, "targets")
             )
             values = values if out.weight == 1.0 else values * out.weight

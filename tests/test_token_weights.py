@@ -1,0 +1,89 @@
+"""Per-token ``sample_weight`` (issue #83): a ``(rows, T)`` weight for a ``(rows, T, classes)`` output weighs
+each token's loss as Keras 3 does (``sum_over_batch_size``: the weighted tokens' sum over their count),
+checked side by side with Keras (JAX backend) from the same weights, SGD, no shuffling, a ragged last batch,
+on one device and on 8; and what would drop such weights without a word is refused by name."""
+
+import flax.linen as nn
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import trainkit as tk
+
+keras = pytest.importorskip("keras")
+
+N, T, F, C, BATCH = 100, 6, 4, 5, 32
+
+
+@pytest.fixture(scope="module")
+def data():
+    rng = np.random.default_rng(3)
+    x = rng.normal(size=(N, T, F)).astype("float32")
+    y = rng.integers(0, C, size=(N, T)).astype("int32")
+    w = (rng.uniform(0.0, 2.0, size=(N, T)) * (rng.uniform(size=(N, T)) > 0.3)).astype("float32")  # padding tokens 0
+    return x, y, w
+
+
+def twins(strategy, **extra):
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((T, F)), keras.layers.Dense(C)])
+    model.compile(
+        optimizer=keras.optimizers.SGD(0.5), loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    )
+    kernel, bias = model.get_weights()
+    trainer = tk.Trainer(
+        nn.Dense(C),
+        loss="sparse_categorical_crossentropy",
+        optimizer=optax.sgd(0.5),
+        strategy=strategy,
+        params={"kernel": kernel, "bias": bias},
+        **extra,
+    )
+    return model, trainer
+
+
+@pytest.mark.parametrize("strategy", ["single", "dp"])
+def test_per_token_weights_train_and_evaluate_as_keras(data, strategy):
+    x, y, w = data
+    model, trainer = twins(strategy)
+    fit = {"sample_weight": w, "epochs": 2, "batch_size": BATCH, "shuffle": False, "verbose": 0}
+    theirs, ours = model.fit(x, y, **fit).history, trainer.fit(x, y, **fit).history
+    np.testing.assert_allclose(ours["loss"], theirs["loss"], rtol=1e-5, atol=1e-6)
+    kernel, bias = model.get_weights()
+    np.testing.assert_allclose(trainer.params["kernel"], kernel, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(trainer.params["bias"], bias, rtol=1e-5, atol=1e-6)
+    evaluated = model.evaluate(x, y, sample_weight=w, batch_size=BATCH, verbose=0)
+    np.testing.assert_allclose(trainer.evaluate(x, y, sample_weight=w, batch_size=BATCH), evaluated, rtol=1e-5)
+    unweighted = trainer.evaluate(x, y, batch_size=BATCH)
+    assert abs(unweighted - evaluated) > 1e-3  # the weights changed the figure: they were not dropped
+
+
+def test_what_would_drop_per_token_weights_is_refused_by_name(data):
+    x, y, w = data
+    _, trainer = twins("single", weighted_metrics=["accuracy"])
+    with pytest.raises(ValueError, match=r"weighted_metrics \['accuracy'\] weigh rows.*per token"):
+        trainer.fit(x, y, sample_weight=w, batch_size=BATCH, epochs=1, verbose=0)
+
+    class PerRow(tk.Trainer):  # a loss of one value per row cannot take a weight per token
+        def compute_loss(self, params, batch, rng, *, model_state, train):
+            logits, model_state = self.apply(params, model_state, batch["x"], rng=rng, train=train)
+            losses = optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"])
+            return losses.mean(axis=1), (logits, model_state)
+
+    per_row = PerRow(nn.Dense(C), optimizer=optax.sgd(0.5), strategy="single")
+    with pytest.raises(ValueError, match=r"shape \(32,\) and sample_weight, per token, \(32, 6\)"):
+        per_row.fit(x, y, sample_weight=w, batch_size=BATCH, epochs=1, verbose=0)
+
+    class OwnStep(tk.Trainer):
+        def train_step(self, state, batch, rng):
+            logits, _ = state.apply(state.params, state.model_state, batch["x"], rng=rng, train=True)
+            return state, {"loss": state.mean(jnp.mean(logits, axis=(1, 2)), batch)}
+
+    own = OwnStep(nn.Dense(C), loss="sparse_categorical_crossentropy", optimizer=optax.sgd(0.5), strategy="single")
+    with pytest.raises(ValueError, match=r"state.mean weighs rows, and this batch's sample_weight is per token"):
+        own.fit(x, y, sample_weight=w, batch_size=BATCH, epochs=1, verbose=0)
+    negative = w.copy()
+    negative[3, 2] = -1.0
+    with pytest.raises(ValueError, match=r"sample_weight\[3, 2\] is -1.0: sample weights must be finite"):
+        trainer.fit(x, y, sample_weight=negative, batch_size=BATCH, epochs=1, verbose=0)
