@@ -87,3 +87,68 @@ def test_what_would_drop_per_token_weights_is_refused_by_name(data):
     negative[3, 2] = -1.0
     with pytest.raises(ValueError, match=r"sample_weight\[3, 2\] is -1.0: sample weights must be finite"):
         trainer.fit(x, y, sample_weight=negative, batch_size=BATCH, epochs=1, verbose=0)
+
+
+@pytest.fixture(scope="module")
+def padded():
+    """Sequences of 2 to 6 tokens padded with class 0 (the class the loss ignores)."""
+    rng = np.random.default_rng(4)
+    x = rng.normal(size=(N, T, F)).astype("float32")
+    y = rng.integers(1, C, size=(N, T)).astype("int32")
+    lengths = rng.integers(2, T + 1, size=N)
+    y[np.arange(T)[None, :] >= lengths[:, None]] = 0
+    return x, y
+
+
+@pytest.mark.parametrize("strategy", ["single", "dp"])
+@pytest.mark.parametrize("weighted", [False, True])
+def test_ignore_class_reduces_over_the_valid_tokens_as_keras(padded, data, strategy, weighted):
+    """``ignore_class=0``: a batch's loss is the mean over its tokens of another class (with per-token weights:
+    their weighted sum over that count), as Keras 3 reduces it, on one device and on 8, from trainkit's loss
+    object and from Keras's own."""
+    x, y = padded
+    w = data[2] if weighted else None
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((T, F)), keras.layers.Dense(C)])
+    model.compile(
+        optimizer=keras.optimizers.SGD(0.5),
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True, ignore_class=0),
+    )
+    kernel, bias = model.get_weights()
+    fit = {"sample_weight": w, "epochs": 2, "batch_size": BATCH, "shuffle": False, "verbose": 0}
+    theirs = model.fit(x, y, **fit).history["loss"]
+    for loss in (tk.losses.SparseCategoricalCrossentropy(from_logits=True, ignore_class=0), model.loss):
+        trainer = tk.Trainer(
+            nn.Dense(C), loss=loss, optimizer=optax.sgd(0.5), strategy=strategy, params={"kernel": kernel, "bias": bias}
+        )
+        np.testing.assert_allclose(trainer.fit(x, y, **fit).history["loss"], theirs, rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(trainer.params["kernel"], model.get_weights()[0], rtol=1e-5, atol=1e-6)
+        evaluated = model.evaluate(x, y, sample_weight=w, batch_size=BATCH, verbose=0)
+        np.testing.assert_allclose(trainer.evaluate(x, y, sample_weight=w, batch_size=BATCH), evaluated, rtol=1e-5)
+
+
+def test_an_ignored_class_outside_the_classes_is_no_label_error(padded):
+    """Keras users pad with -1 as often as with 0: the ignored class need not be a class, and the label checks
+    (the host's and the step's) leave it alone while still naming a real stray label."""
+    x, y = padded
+    y = np.where(y == 0, -1, y)
+    loss = tk.losses.SparseCategoricalCrossentropy(from_logits=True, ignore_class=-1)
+    trainer = tk.Trainer(nn.Dense(C), loss=loss, optimizer=optax.sgd(0.5), strategy="single")
+    assert np.isfinite(trainer.fit(x, y, batch_size=BATCH, verbose=0).history["loss"][0])
+    stray = y.copy()
+    stray[7, 0] = C
+    with pytest.raises(ValueError, match=f"holds label {C}"):
+        trainer.fit(x, stray, batch_size=BATCH, verbose=0)
+
+
+def test_ignore_class_with_a_train_step_of_your_own_is_refused_by_name(padded):
+    x, y = padded
+
+    class OwnStep(tk.Trainer):
+        def train_step(self, state, batch, rng):
+            return state, {}
+
+    loss = tk.losses.SparseCategoricalCrossentropy(from_logits=True, ignore_class=0)
+    trainer = OwnStep(nn.Dense(C), loss=loss, optimizer=optax.sgd(0.5), strategy="single")
+    with pytest.raises(ValueError, match=r"ignores a class \(ignore_class\), and this trainer's train_step is its own"):
+        trainer.fit(x, y, batch_size=BATCH, epochs=1, verbose=0)

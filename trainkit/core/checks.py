@@ -78,10 +78,11 @@ def sample_weights(weights: Any, rows: int, part: str = "sample_weight") -> np.n
     return array
 
 
-def sparse_labels(labels: np.ndarray, classes: int, where: str) -> None:
-    """Raises naming the first label outside ``[0, classes)``."""
+def sparse_labels(labels: np.ndarray, classes: int, where: str, ignored: int | None = None) -> None:
+    """Raises naming the first label outside ``[0, classes)`` (the ``ignored`` class aside)."""
     labels = np.asarray(labels)
-    bad = np.flatnonzero((labels < 0) | (labels >= classes))
+    outside = (labels < 0) | (labels >= classes)
+    bad = np.flatnonzero(outside if ignored is None else outside & (labels != ignored))
     if bad.size:
         row = int(np.unravel_index(bad[0], labels.shape)[0]) if labels.ndim else 0
         raise ValueError(

@@ -44,7 +44,14 @@ from trainkit.core.optimizers import learning_rate
 from trainkit.core.sown import split_sown
 from trainkit.core.state import Batch, TrainState
 from trainkit.core.step_feature import StepFeature, StepUpdate
-from trainkit.core.step_helpers import pmean_floats, row_weights, token_weights, weighed_by_tokens, weighted_total
+from trainkit.core.step_helpers import (
+    pmean_floats,
+    row_weights,
+    token_weights,
+    weighed_by_tokens,
+    weighted_total,
+    with_ignored_tokens,
+)
 from trainkit.core.step_state import StepFacts
 from trainkit.core.totals import (
     EpochTotals,
@@ -233,6 +240,17 @@ def _batch_rows(batch: Batch, axis_name: str | None) -> jax.Array:
     return rows
 
 
+def _rescaled(grads: PyTree, factor: jax.Array) -> PyTree:
+    return jax.tree.map(lambda g: (g * factor).astype(g.dtype), grads)
+
+
+def _tokens_weighed(batch: Batch, valid_tokens: Callable[[PyTree], jax.Array] | None, axis_name: str | None) -> Batch:
+    """``batch`` with its tokens weighed where the loss ignores a class (:func:`with_ignored_tokens`)."""
+    if valid_tokens is None or "y" not in batch:
+        return batch
+    return with_ignored_tokens(batch, valid_tokens(batch["y"]), axis_name)
+
+
 def _accumulated(
     micro_step: Callable[..., tuple[PyTree, PyTree, Metrics]],
     state: TrainState,
@@ -293,6 +311,8 @@ class TrainStepOptions:
     groups: OptimizerGroups | None = None
     user_step: UserTrainStep | None = None
     facts: StepFacts | None = None
+    #: the targets' tokens that count, where the loss ignores a class (Keras's ``ignore_class``; ``None``: all)
+    valid_tokens: Callable[[PyTree], jax.Array] | None = None
 
 
 def make_train_step(
@@ -343,6 +363,7 @@ def make_train_step(
         return grads, model_state, metrics
 
     def train_step(state: TrainState, batch: Batch) -> tuple[TrainState, Metrics]:
+        batch = _tokens_weighed(batch, options.valid_tokens, axis_name)  # the whole batch's, before micro-batches
         rng, batch_rows, loss_scale = _step_rng(state, axis_name), _batch_rows(batch, axis_name), state.loss_scale
         micro = partial(micro_step, rows=RowFacts(axis_name, rng, _step_rng(state, None)))  # batch.normal's keys
         if grad_accum_steps == 1:
@@ -353,8 +374,7 @@ def make_train_step(
             grads, metrics = _psum((grads, metrics), axis_name)  # one all-reduce
         if axis_name is not None:
             model_state = jax.tree.map(partial(pmean_floats, axis_name=axis_name), model_state)
-            factor = batch_rows / metrics["loss"].count  # static rows / real rows
-            grads = jax.tree.map(lambda g: (g * factor).astype(g.dtype), grads)
+            grads = _rescaled(grads, batch_rows / metrics["loss"].count)  # static rows / real rows
         grads = loss_scale.unscale(grads)
         with jax.named_scope("optimizer_update"):
             updates, opt_state = update_optimizer(grads, state.opt_state, state.params)
@@ -378,12 +398,17 @@ def make_train_step(
 
 
 def make_eval_step(
-    compute_loss: LossFn, metric_fns: Mapping[str, MetricFn], axis_name: str | None = None
+    compute_loss: LossFn,
+    metric_fns: Mapping[str, MetricFn],
+    axis_name: str | None = None,
+    valid_tokens: Callable[[PyTree], jax.Array] | None = None,
 ) -> Callable[[TrainState, Batch], Metrics]:
     """Masked loss and metric sums of one batch, in inference mode (``compute_loss``'s
-    ``batch.normal`` / ``batch.all_rows`` under ``axis_name``)."""
+    ``batch.normal`` / ``batch.all_rows`` under ``axis_name``; ``valid_tokens``: as
+    :class:`TrainStepOptions` says)."""
 
     def eval_step(state: TrainState, batch: Batch) -> Metrics:
+        batch = _tokens_weighed(batch, valid_tokens, axis_name)
         watched = WatchedBatch.of(batch, RowFacts(axis_name))
         result = compute_loss(to_device(state.params), watched, state.rng, model_state=state.model_state, train=False)
         weighting = watched.weighting()  # without the weights when the loss applied them itself

@@ -59,6 +59,37 @@ def weighed_by_tokens(values: jax.Array, tokens: jax.Array, what: str) -> jax.Ar
     return weighed
 
 
+def with_ignored_tokens(batch: Batch, valid: jax.Array, axis: str | None) -> Batch:
+    """``batch`` whose ``sample_weight`` says which tokens count, as Keras's ``ignore_class`` does: each of
+    the ``valid`` tokens (``(rows, T, ...)``, 1 where the target is not the ignored class) of a real row
+    weighs ``real rows * tokens per row / valid tokens`` of the global batch (times its sample weight,
+    per row or per token), the others 0, so the per-token mean over a batch's rows is the mean over its
+    valid tokens (Keras's masked ``sum_over_batch_size``); the counts summed over ``axis``.
+
+    >>> batch = {"mask": jnp.array([1.0, 1.0, 0.0])}
+    >>> valid = jnp.array([[1.0, 0.0], [1.0, 1.0], [1.0, 1.0]])   # the third row pads
+    >>> with_ignored_tokens(batch, valid, None)["sample_weight"].tolist()  # 2 rows x 2 tokens / 3 valid
+    [[1.3333333730697632, 0.0], [1.3333333730697632, 1.3333333730697632], [0.0, 0.0]]
+    """
+    mask = batch["mask"]
+    valid = valid.astype(jnp.float32) * mask.reshape((-1,) + (1,) * (valid.ndim - 1))  # padded rows: none
+    count, real = valid.sum(), mask.sum()
+    if axis is not None:
+        count, real = jax.lax.psum(count, axis), jax.lax.psum(real, axis)
+    tokens = valid.size // valid.shape[0]
+    weights = dict.get(batch, "sample_weight")
+    if weights is None:
+        weights = jnp.ones_like(valid)
+    elif jnp.ndim(weights) == 1:
+        weights = jnp.reshape(weights, (-1,) + (1,) * (valid.ndim - 1))
+    elif jnp.shape(weights) != valid.shape:
+        raise ValueError(
+            f"sample_weight, per token, has shape {jnp.shape(weights)} and the targets the ignored class is read "
+            f"from {valid.shape}: give one weight per token of the targets, or one per row."
+        )
+    return {**batch, "sample_weight": weights * valid * (real * tokens / jnp.maximum(count, 1.0))}
+
+
 def refuse_token_weights(batch: Batch, what: str) -> None:
     """Raises, naming ``what`` and the fix, where ``batch`` carries per-token weights a per-row reduction
     would drop without a word."""

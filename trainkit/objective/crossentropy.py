@@ -50,11 +50,14 @@ def categorical(predictions, one_hot, *, from_logits: bool = True, label_smoothi
     return -jnp.sum(one_hot * _log_probabilities(predictions, from_logits), axis=-1)
 
 
-def sparse_categorical(predictions, labels, *, from_logits: bool = True):
-    """Categorical cross-entropy against integer labels ``(B, ...)`` or ``(B, ..., 1)``."""
+def sparse_categorical(predictions, labels, *, from_logits: bool = True, ignore_class: int | None = None):
+    """Categorical cross-entropy against integer labels ``(B, ...)`` or ``(B, ..., 1)``; the labels of
+    ``ignore_class`` read as class 0 (a finite value: the step gives their tokens no weight)."""
     predictions, labels = jnp.asarray(predictions), jnp.asarray(labels)
     if labels.ndim == predictions.ndim and labels.shape[-1] == 1:
         labels = labels[..., 0]
+    if ignore_class is not None:
+        labels = jnp.where(labels == ignore_class, 0, labels)
     log_p = _log_probabilities(predictions, from_logits)
     return -jnp.take_along_axis(log_p, labels.astype(jnp.int32)[..., None], axis=-1)[..., 0]
 
@@ -134,12 +137,19 @@ class Loss:
 
 
 class SparseCategoricalCrossentropy(Loss):
-    """Keras's class: probabilities by default; ``from_logits=True`` for logits."""
+    """Keras's class: probabilities by default; ``from_logits=True`` for logits. ``ignore_class``:
+    targets of that class (padding) count in no loss, and a batch's loss is the mean over its other
+    tokens, as Keras reduces it (the step weighs the tokens: :func:`trainkit.core.step_helpers.with_ignored_tokens`)."""
 
     fn = staticmethod(sparse_categorical)
 
-    def __init__(self, from_logits: bool = False, name: str = "sparse_categorical_crossentropy"):
-        super().__init__(name, from_logits)
+    def __init__(
+        self, from_logits: bool = False, ignore_class: int | None = None, name: str = "sparse_categorical_crossentropy"
+    ):
+        if ignore_class is not None and (isinstance(ignore_class, bool) or not isinstance(ignore_class, int)):
+            raise ValueError(f"ignore_class is a class id (an int) or None; received {ignore_class!r}.")
+        super().__init__(name, from_logits, **({} if ignore_class is None else {"ignore_class": ignore_class}))
+        self.ignore_class = ignore_class
 
 
 class CategoricalCrossentropy(Loss):

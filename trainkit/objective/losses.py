@@ -270,6 +270,20 @@ def is_keras_object(obj: object) -> bool:
     return type(obj).__module__.startswith("keras") and hasattr(obj, "call")
 
 
+def ignored_class(loss: object) -> int | None:
+    """The class a loss ignores (Keras's ``ignore_class``: trainkit's or a Keras loss object's), ``None``: none.
+
+    >>> ignored_class(crossentropy.SparseCategoricalCrossentropy(ignore_class=0)), ignored_class("mse")
+    (0, None)
+    """
+    if isinstance(loss, crossentropy.SparseCategoricalCrossentropy):
+        return loss.ignore_class
+    if is_keras_object(loss):
+        ignore = loss.get_config().get("ignore_class")  # type: ignore[attr-defined]  # a Keras loss's config
+        return None if ignore is None else int(ignore)
+    return None
+
+
 def _from_keras_loss(loss: Any) -> LossFn:
     """A Keras loss object's unreduced ``call(y_true, y_pred)``; trainkit applies the mask, the
     sample weights and Keras's ``sum_over_batch_size`` reduction itself."""

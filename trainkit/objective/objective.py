@@ -55,6 +55,7 @@ class Output:
     loss_name: str
     weight: float
     logits: bool
+    ignore_class: int | None = None  # targets of this class count in no loss (Keras's ``ignore_class``)
 
 
 def _pick(tree: PyTree, key: OutputKey, what: str) -> PyTree:
@@ -206,8 +207,29 @@ class Objective:
                 spec if isinstance(spec, str) else getattr(spec, "name", None) or getattr(fn, "__name__", "loss")
             )
             logits = True if spec is None else takes_logits(spec)
-            outputs.append(Output(name, key, fn, loss_name, weights[name], logits))
+            outputs.append(Output(name, key, fn, loss_name, weights[name], logits, losses.ignored_class(spec)))
+        ignoring = [out.name or "the output" for out in outputs if out.ignore_class is not None]
+        if ignoring and sum(out.loss is not None for out in outputs) > 1:
+            raise ValueError(
+                f"A loss with ignore_class ({', '.join(ignoring)}) on a model with several losses: trainkit weighs "
+                "one output's tokens. Mask the other outputs' losses in a compute_loss of your own, or train apart."
+            )
         return outputs
+
+    def valid_tokens(self) -> Callable[[PyTree], jax.Array] | None:
+        """``targets -> (rows, T, ...)`` 1.0 where a target is not the class the loss ignores (``None``: no
+        loss ignores one): what the step weighs the tokens by (``core.step_helpers.with_ignored_tokens``)."""
+        out = next((out for out in self.outputs if out.ignore_class is not None), None)
+        if out is None or out.ignore_class is None:
+            return None
+        key, ignored = out.key, int(out.ignore_class)
+
+        def valid_of(targets: PyTree) -> jax.Array:
+            labels = jnp.asarray(_pick(targets, key, "targets"))
+            valid: jax.Array = jnp.not_equal(labels, ignored).astype(jnp.float32)
+            return valid
+
+        return valid_of
 
     @staticmethod
     def _per_output_values(spec, names, kind, what, *, broadcast) -> dict[str, Any]:
@@ -359,7 +381,7 @@ class Objective:
             if losses.is_sparse(loss):
                 labels = target[..., 0] if target.ndim == len(shape) + 1 and target.shape[-1] == 1 else target
                 checks.same_shape(labels.shape[1:], shape[:-1], out.loss_name, f"The labels {where}")
-                checks.sparse_labels(labels, shape[-1], where)
+                checks.sparse_labels(labels, shape[-1], where, out.ignore_class)
                 self.sparse_labels[out.key] = (shape[-1], len(shape))
             elif loss in losses.ELEMENTWISE_LOSSES or isinstance(loss, crossentropy.Loss):
                 checks.same_shape(target.shape[1:], shape, out.loss_name, f"The targets {where}")
@@ -372,11 +394,14 @@ class Objective:
         if not self.sparse_labels:
             return None
         count, value = jnp.int32(0), jnp.int32(0)
+        ignored = {out.key: out.ignore_class for out in self.outputs if out.ignore_class is not None}
         for key, (classes, rank) in self.sparse_labels.items():
             labels = jnp.asarray(_pick(targets, key, "targets"))
             labels = labels[..., 0] if labels.ndim == rank + 1 and labels.shape[-1] == 1 else labels
             labels = labels.reshape(-1).astype(jnp.int32)
             bad = (labels < 0) | (labels >= classes)
+            if key in ignored:
+                bad = bad & (labels != ignored[key])
             # the largest bad label and the count: two sibling reductions XLA fuses into one loop
             largest = jnp.where(bad, labels, jnp.iinfo(jnp.int32).min).max()
             value = jnp.where(count > 0, value, largest)

@@ -460,10 +460,16 @@ class Program:
         if kind == "eval" and self.test_step is not None:
             return custom_lib.make_custom_eval_step(self._user_test_step, self.step_facts(axis))
         if kind == "eval":
-            return make_eval_step(self.training_loss, self.objective.metric_fns, axis)
+            return make_eval_step(self.training_loss, self.objective.metric_fns, axis, self.objective.valid_tokens())
         offload = bool(self.offload) if offload is None else offload
         user_step = None if self.train_step is None else self._user_train_step
         features = self.step_features(statistics, statistics_when) if user_step is None else ()
+        if user_step is not None and self.objective.valid_tokens() is not None:
+            raise ValueError(
+                "The loss ignores a class (ignore_class), and this trainer's train_step is its own: trainkit would not "
+                "see which tokens it reduces over. Weigh the tokens in train_step yourself (a mask of the targets that "
+                "are not that class) and drop ignore_class, or use the built-in step."
+            )
         if user_step is not None and statistics is not None:
             raise ValueError(
                 "GradientStats measures the built-in step's gradients, and this trainer's train_step is its own (its "
@@ -471,7 +477,7 @@ class Program:
             )
         options = TrainStepOptions(
             self.grad_accum_steps, self.trainable, features, offload, groups=self.groups, user_step=user_step,
-            facts=None if user_step is None else self.step_facts(axis),
+            facts=None if user_step is None else self.step_facts(axis), valid_tokens=self.objective.valid_tokens(),
         )  # fmt: skip
         return make_train_step(self.training_loss, self.optimizer, self.objective.metric_fns, axis, options)
 
