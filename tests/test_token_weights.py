@@ -43,7 +43,7 @@ def twins(strategy, **extra):
     return model, trainer
 
 
-@pytest.mark.parametrize("strategy", ["single", "dp"])
+@pytest.mark.parametrize("strategy", ["single", "dp", "fsdp"])
 def test_per_token_weights_train_and_evaluate_as_keras(data, strategy):
     x, y, w = data
     model, trainer = twins(strategy)
@@ -100,7 +100,7 @@ def padded():
     return x, y
 
 
-@pytest.mark.parametrize("strategy", ["single", "dp"])
+@pytest.mark.parametrize("strategy", ["single", "dp", "fsdp"])
 @pytest.mark.parametrize("weighted", [False, True])
 def test_ignore_class_reduces_over_the_valid_tokens_as_keras(padded, data, strategy, weighted):
     """``ignore_class=0``: a batch's loss is the mean over its tokens of another class (with per-token weights:
@@ -152,3 +152,17 @@ def test_ignore_class_with_a_train_step_of_your_own_is_refused_by_name(padded):
     trainer = OwnStep(nn.Dense(C), loss=loss, optimizer=optax.sgd(0.5), strategy="single")
     with pytest.raises(ValueError, match=r"ignores a class \(ignore_class\), and this trainer's train_step is its own"):
         trainer.fit(x, y, batch_size=BATCH, epochs=1, verbose=0)
+
+
+def test_ignore_class_over_micro_batches_counts_the_whole_batch_s_tokens(padded, data):
+    """Under gradient accumulation the valid tokens are counted over the whole batch, not per micro-batch:
+    the same parameters and loss as one step over the batch (and per-token weights the same way)."""
+    x, y = padded
+    runs = []
+    for accumulate in (1, 2):
+        loss = tk.losses.SparseCategoricalCrossentropy(from_logits=True, ignore_class=0)
+        trainer = tk.Trainer(nn.Dense(C), loss=loss, optimizer=optax.sgd(0.5), grad_accum_steps=accumulate)
+        history = trainer.fit(x, y, sample_weight=data[2], batch_size=BATCH, epochs=2, shuffle=False, verbose=0)
+        runs.append((history.history["loss"], trainer.params["kernel"]))
+    np.testing.assert_allclose(runs[1][0], runs[0][0], rtol=1e-5)
+    np.testing.assert_allclose(runs[1][1], runs[0][1], rtol=1e-5, atol=1e-6)
