@@ -76,3 +76,59 @@ def test_a_packed_row_gives_each_document_its_outputs_alone():
 def test_bad_documents_are_refused_by_name(docs, length, message):
     with pytest.raises(ValueError, match=message):
         tk.data.pack(docs, length=length)
+
+
+def grain_packed(docs, length=40, batch=4):
+    """Documents packed by grain's own packer (``FirstFitPackIterDataset``), as ``fit`` takes them: the model's
+    inputs, the targets and the loss mask (a target in its own document) as a per-token ``sample_weight``."""
+    grain = pytest.importorskip("grain")
+    from grain import experimental
+
+    def as_example(element):
+        x = {"tokens": element["inputs"], "segment_ids": element["inputs_segment_ids"]}
+        x["positions"] = element["inputs_positions"]
+        return x, element["targets"], (element["targets_segment_ids"] > 0).astype(np.float32)
+
+    pieces = grain.MapDataset.source([np.asarray(d, np.int32) for d in docs])
+    pieces = pieces.map(lambda d: {"inputs": d[:-1], "targets": d[1:]}).to_iter_dataset()
+    packed = experimental.FirstFitPackIterDataset(
+        pieces, length_struct={"inputs": length, "targets": length}, num_packing_bins=2, shuffle_bins=False
+    )
+    return packed.map(as_example).batch(batch, drop_remainder=False)
+
+
+def test_documents_packed_by_grain_train_and_resume_mid_epoch_bit_identically(tmp_path):
+    """#83 item 3 for grain: grain's packer feeds ``fit`` (segment ids, positions, the mask as per-token weights),
+    and a fit stopped mid-epoch resumes from the packed iterator's saved position to the parameters of an
+    uninterrupted one, bit for bit."""
+    import optax
+
+    docs = [np.asarray(d).clip(max=49) for d in documents(count=40, seed=5)]
+    data = grain_packed(docs)
+
+    def trainer():
+        return tk.Trainer(PackedLM(), loss="sparse_categorical_crossentropy", optimizer=optax.adam(1e-2), seed=1,
+                          strategy="single")  # fmt: skip
+
+    reference = trainer()
+    history = reference.fit(data, epochs=1, verbose=0)
+    batches = int(reference.state.step)
+    assert batches >= 4 and np.isfinite(history.history["loss"][0])
+
+    class Stop(tk.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            if batch == 2:
+                raise RuntimeError("interrupted")
+
+    backup = tmp_path / "backup"
+    with pytest.raises(RuntimeError, match="interrupted"):
+        trainer().fit(data, epochs=1, verbose=0, callbacks=[tk.callbacks.BackupAndRestore(backup, save_freq=1), Stop()])
+    with tk.checkpoint.Checkpointer(backup, read_only=True) as checkpoints:
+        manifest = checkpoints.manifest()
+    assert manifest["position"]["batch"] == 2 and manifest["data_state"][0]  # the packer's position, saved
+    resumed, seen = trainer(), []
+    record = tk.callbacks.LambdaCallback(on_train_batch_begin=lambda batch, logs=None: seen.append(batch))
+    resumed.fit(data, epochs=1, verbose=0, callbacks=[tk.callbacks.BackupAndRestore(backup, save_freq=1), record])
+    assert seen == list(range(2, batches))  # from the saved position, nothing replayed
+    for a, b in zip(jax.tree.leaves(resumed.params), jax.tree.leaves(reference.params), strict=True):
+        np.testing.assert_array_equal(a, b)
