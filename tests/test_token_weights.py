@@ -166,3 +166,20 @@ def test_ignore_class_over_micro_batches_counts_the_whole_batch_s_tokens(padded,
         runs.append((history.history["loss"], trainer.params["kernel"]))
     np.testing.assert_allclose(runs[1][0], runs[0][0], rtol=1e-5)
     np.testing.assert_allclose(runs[1][1], runs[0][1], rtol=1e-5, atol=1e-6)
+
+
+def test_a_compute_loss_of_your_own_weighs_tokens_through_the_objective_as_the_error_says(data):
+    """The refusal's way out: ``self.objective.loss(predictions, y, batch.get("sample_weight"))`` in a
+    ``compute_loss`` of your own weighs the tokens (read so, trainkit weighs nothing again): the built-in numbers."""
+    x, y, w = data
+
+    class Own(tk.Trainer):
+        def compute_loss(self, params, batch, rng, *, model_state, train):
+            logits, model_state = self.apply(params, model_state, batch["x"], rng=rng, train=train)
+            return self.objective.loss(logits, batch["y"], batch.get("sample_weight")), (logits, model_state)
+
+    runs = []
+    for cls in (tk.Trainer, Own):
+        trainer = cls(nn.Dense(C), loss="sparse_categorical_crossentropy", optimizer=optax.sgd(0.5), strategy="single")
+        runs.append(trainer.fit(x, y, sample_weight=w, batch_size=BATCH, epochs=2, shuffle=False, verbose=0))
+    np.testing.assert_array_equal(runs[1].history["loss"], runs[0].history["loss"])

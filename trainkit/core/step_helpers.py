@@ -53,7 +53,9 @@ def weighed_by_tokens(values: jax.Array, tokens: jax.Array, what: str) -> jax.Ar
         raise ValueError(
             f"{what} has shape {jnp.shape(values)} and sample_weight, per token, {jnp.shape(tokens)}: a per-token "
             f"weight weighs the loss element at its place, so they need the same shape. Return the loss per token "
-            f"(shape {jnp.shape(tokens)}), or give one weight per row (shape ({rows},))."
+            f"(shape {jnp.shape(tokens)}); or let the built-in loss weigh its tokens, self.objective.loss(predictions, "
+            f"batch['y'], batch.get('sample_weight')) (read so, trainkit weighs nothing again); or give one weight "
+            f"per row (shape ({rows},))."
         )
     weighed: jax.Array = jnp.where(tokens > 0, values * tokens, 0.0)
     return weighed
