@@ -291,6 +291,22 @@ def run_example_here(script: str, *args: str) -> ExampleRun:
     return ExampleRun(returncode, stdout.getvalue(), stderr.getvalue())
 
 
+def interrupt_with_backup(trainer, data, backup, at_batch: int = 2) -> dict:
+    """``trainer.fit(data)`` for an epoch with a ``BackupAndRestore`` every step, stopped by an error after
+    batch ``at_batch``; returns the backup's manifest (a resumed fit reads the backup)."""
+    import trainkit as tk  # here: the conftest sets JAX's and trainkit's environment before trainkit is imported
+
+    class Stop(tk.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            if batch == at_batch:
+                raise RuntimeError("interrupted")
+
+    with pytest.raises(RuntimeError, match="interrupted"):
+        trainer.fit(data, epochs=1, verbose=0, callbacks=[tk.callbacks.BackupAndRestore(backup, save_freq=1), Stop()])
+    with tk.checkpoint.Checkpointer(backup, read_only=True) as checkpoints:
+        return checkpoints.manifest()
+
+
 def tree_allclose(a, b, rtol=1e-5, atol=1e-6):
     la, lb = jax.tree.leaves(a), jax.tree.leaves(b)
     assert jax.tree.structure(a) == jax.tree.structure(b)

@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import interrupt_with_backup
 
 import trainkit as tk
 
@@ -115,16 +116,8 @@ def test_documents_packed_by_grain_train_and_resume_mid_epoch_bit_identically(tm
     batches = int(reference.state.step)
     assert batches >= 4 and np.isfinite(history.history["loss"][0])
 
-    class Stop(tk.callbacks.Callback):
-        def on_train_batch_end(self, batch, logs=None):
-            if batch == 2:
-                raise RuntimeError("interrupted")
-
     backup = tmp_path / "backup"
-    with pytest.raises(RuntimeError, match="interrupted"):
-        trainer().fit(data, epochs=1, verbose=0, callbacks=[tk.callbacks.BackupAndRestore(backup, save_freq=1), Stop()])
-    with tk.checkpoint.Checkpointer(backup, read_only=True) as checkpoints:
-        manifest = checkpoints.manifest()
+    manifest = interrupt_with_backup(trainer(), data, backup)
     assert manifest["position"]["batch"] == 2 and manifest["data_state"][0]  # the packer's position, saved
     resumed, seen = trainer(), []
     record = tk.callbacks.LambdaCallback(on_train_batch_begin=lambda batch, logs=None: seen.append(batch))

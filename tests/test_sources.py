@@ -6,7 +6,7 @@ import time
 
 import optax
 import pytest
-from conftest import MLP, make_classification, tree_allclose
+from conftest import MLP, interrupt_with_backup, make_classification, tree_allclose
 
 import trainkit as tk
 from trainkit.data.prefetch import Prefetcher
@@ -147,18 +147,8 @@ def test_grain_iterator_position_is_saved_and_restored_without_replaying(tmp_pat
     reference = trainer()
     reference.fit(loader(), epochs=1, verbose=0)
 
-    class Stop(tk.callbacks.Callback):
-        def on_train_batch_end(self, batch, logs=None):
-            if batch == 2:
-                raise RuntimeError("interrupted")
-
     backup = tmp_path / "backup"
-    with pytest.raises(RuntimeError, match="interrupted"):
-        trainer().fit(
-            loader(), epochs=1, verbose=0, callbacks=[tk.callbacks.BackupAndRestore(backup, save_freq=1), Stop()]
-        )
-    with tk.checkpoint.Checkpointer(backup, read_only=True) as checkpoints:
-        manifest = checkpoints.manifest()
+    manifest = interrupt_with_backup(trainer(), loader(), backup)
     assert manifest["position"]["batch"] == 2 and set(manifest["data_state"][0]) == {"bytes"}
     resumed = trainer()
     seen = []
