@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol, cast
 
 import jax
 import jax.numpy as jnp
@@ -279,9 +279,15 @@ def ignored_class(loss: object) -> int | None:
     if isinstance(loss, crossentropy.SparseCategoricalCrossentropy):
         return loss.ignore_class
     if is_keras_object(loss):
-        ignore = loss.get_config().get("ignore_class")  # type: ignore[attr-defined]  # a Keras loss's config
-        return None if ignore is None else int(ignore)
+        ignore = cast(_Configured, loss).get_config().get("ignore_class")
+        return int(ignore) if isinstance(ignore, int) else None
     return None
+
+
+class _Configured(Protocol):
+    """A Keras loss object, as far as :func:`ignored_class` reads it."""
+
+    def get_config(self) -> dict[str, object]: ...
 
 
 def _from_keras_loss(loss: Any) -> LossFn:
