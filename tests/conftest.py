@@ -4,6 +4,7 @@ import contextlib
 import importlib.metadata
 import importlib.util
 import io
+import linecache
 import os
 import pathlib
 import re
@@ -289,6 +290,25 @@ def run_example_here(script: str, *args: str) -> ExampleRun:
         sys.modules.pop(module.__name__, None)
     returncode = code if isinstance(code, int) else 0  # lm.py's main returns its loss; its script exits 0
     return ExampleRun(returncode, stdout.getvalue(), stderr.getvalue())
+
+
+def run_guide(page: pathlib.Path, namespace: dict | None = None, *, first: int | None = None, where: str = "") -> dict:
+    """Runs a guide's ```python blocks as written (its ``first`` ones, or those containing ``where``) in one
+    namespace, and returns it. Each block is compiled under a name of its own, registered with ``linecache``
+    and padded to the page's line numbers: a library that reads its caller's source (grain names a ``map``
+    by ``inspect.getsourcelines``) reads the block, not the Markdown around it (Python 3.12's tokenizer
+    stops at a table's backquote), and a traceback points at the page's line."""
+    namespace = {} if namespace is None else namespace
+    text = page.read_text()
+    blocks = [m for m in re.finditer(r"```python\n(.*?)```", text, re.S) if where in m.group(1)][:first]
+    assert blocks, f"{page} has no python block" + (f" containing {where!r}" if where else "")
+    for match in blocks:
+        start = text.count("\n", 0, match.start(1))
+        name = f"{page}, the python block at line {start + 1}"
+        source = "\n" * start + match.group(1)
+        linecache.cache[name] = (len(source), None, source.splitlines(True), name)
+        exec(compile(source, name, "exec"), namespace)
+    return namespace
 
 
 def interrupt_with_backup(trainer, data, backup, at_batch: int = 2) -> dict:

@@ -1,11 +1,10 @@
 """docs/custom_strategy.md: the user subclass on that page works and matches SingleDevice."""
 
 import pathlib
-import re
 
 import optax
 import pytest
-from conftest import MLP, make_classification, tree_allclose
+from conftest import MLP, make_classification, run_guide, tree_allclose
 
 import trainkit as tk
 
@@ -13,10 +12,7 @@ DOC = pathlib.Path(__file__).parent.parent / "docs" / "custom_strategy.md"
 
 
 def run_doc():
-    namespace: dict = {}
-    for block in re.findall(r"```python\n(.*?)```", DOC.read_text(), re.S):
-        exec(compile(block, str(DOC), "exec"), namespace)
-    return namespace
+    return run_guide(DOC)
 
 
 def test_documented_custom_strategy_matches_single_device():

@@ -2,9 +2,9 @@
 tests/test_ports.py, which compares what it trains with Keras)."""
 
 import pathlib
-import re
 
 import pytest
+from conftest import run_guide
 
 DOCS = pathlib.Path(__file__).parent.parent / "docs"
 
@@ -32,9 +32,5 @@ DOCS = pathlib.Path(__file__).parent.parent / "docs"
 def test_guide_code_runs(page):
     if page == "targets.md":
         pytest.importorskip("libtpu", reason="the tpu-plan extra is not installed")
-    namespace: dict = {}
-    blocks = re.findall(r"```python\n(.*?)```", (DOCS / page).read_text(), re.S)
-    assert blocks, f"{page} has no python example"
-    for block in blocks:
-        exec(compile(block, str(DOCS / page), "exec"), namespace)
+    namespace = run_guide(DOCS / page)
     assert namespace.get("trainer") is not None and namespace["trainer"].state is not None

@@ -4,12 +4,12 @@ trains, and goes back to ``GPT2LMHeadModel.from_pretrained`` with the trainer's 
 Llama recipe's names and shapes are those a real ``LlamaForCausalLM`` writes, and its logits PyTorch's."""
 
 import pathlib
-import re
 import shutil
 
 import numpy as np
 import optax
 import pytest
+from conftest import run_guide
 
 import trainkit as tk
 
@@ -22,9 +22,7 @@ GUIDE = pathlib.Path(__file__).parent.parent / "docs" / "finetuning.md"
 @pytest.fixture(scope="module")
 def recipes() -> dict:
     """The guide's first three blocks run as written (the imports, the GPT-2 and Llama recipes)."""
-    namespace: dict = {}
-    for block in re.findall(r"```python\n(.*?)```", GUIDE.read_text(), re.S)[:3]:
-        exec(compile(block, str(GUIDE), "exec"), namespace)
+    namespace = run_guide(GUIDE, first=3)
     assert {"GPT2", "names_in", "names_out", "conv1d_weights", "Llama", "llama_in", "llama_out"} <= namespace.keys()
     return namespace
 

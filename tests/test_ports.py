@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from conftest import tree_allclose
+from conftest import run_guide, tree_allclose
 
 import trainkit as tk
 
@@ -62,11 +62,8 @@ def keras_convnet():
 def guide_port() -> dict:
     """docs/porting_from_keras.md's trainkit block, run as written (test_docs leaves it to this
     test): its namespace, holding the trainer it fit and the accuracy it evaluated."""
-    page = (pathlib.Path(__file__).parent.parent / "docs" / "porting_from_keras.md").read_text()
-    block = next(b for b in re.findall(r"```python\n(.*?)```", page, re.S) if "tk.Trainer(" in b)
-    namespace: dict = {}
-    exec(compile(block, "docs/porting_from_keras.md", "exec"), namespace)
-    return namespace
+    page = pathlib.Path(__file__).parent.parent / "docs" / "porting_from_keras.md"
+    return run_guide(page, first=1, where="tk.Trainer(")
 
 
 def test_the_keras_convnet_port_learns_as_keras(digits):
@@ -313,7 +310,6 @@ def test_gelu_is_exact_in_keras_and_tanh_approximated_in_flax():
 
 def test_every_row_of_the_porting_page_names_a_test_here():
     import pathlib
-    import re
 
     page = (pathlib.Path(__file__).parent.parent / "docs" / "porting_from_keras.md").read_text()
     named = set(re.findall(r"\| `(test_\w+)` \|", page))

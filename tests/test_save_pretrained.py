@@ -8,7 +8,6 @@ anything is written."""
 import json
 import os
 import pathlib
-import re
 import signal
 import subprocess
 import sys
@@ -17,6 +16,7 @@ import jax
 import numpy as np
 import optax
 import pytest
+from conftest import run_guide
 
 import trainkit as tk
 
@@ -30,10 +30,7 @@ TOKENS = np.random.default_rng(1).integers(0, 64, size=(16, 33)).astype(np.int32
 @pytest.fixture(scope="module")
 def recipes() -> dict:
     """The guide's first three blocks run as written (the imports, the GPT-2 and Llama recipes)."""
-    namespace: dict = {}
-    for block in re.findall(r"```python\n(.*?)```", GUIDE.read_text(), re.S)[:3]:
-        exec(compile(block, str(GUIDE), "exec"), namespace)
-    return namespace
+    return run_guide(GUIDE, first=3)
 
 
 def published(folder: pathlib.Path, model) -> pathlib.Path:
@@ -267,13 +264,11 @@ def test_adapters_of_a_base_never_loaded_or_of_another_width_are_refused(recipes
 KILLED_WRITER = """
 import os, re, signal, sys, pathlib
 sys.path.insert(0, {tests!r})
-import conftest  # noqa: F401  (8 fake devices)
+import conftest  # 8 fake devices; the guide run as the tests run it
 import optax, safetensors.numpy
 import trainkit as tk
 
-namespace = {{}}
-for block in re.findall(r"```python\\n(.*?)```", pathlib.Path({guide!r}).read_text(), re.S)[:3]:
-    exec(compile(block, {guide!r}, "exec"), namespace)
+namespace = conftest.run_guide(pathlib.Path({guide!r}), first=3)
 gpt2 = tk.Trainer(namespace["GPT2"](), loss="mse", optimizer=optax.sgd(0.1), strategy="single")
 gpt2.init(namespace["tokens"][:, :-1])
 tk.weights.load({tuned!r}, into=gpt2, layout="torch", rename=namespace["names_in"], as_is=namespace["conv1d_weights"])
