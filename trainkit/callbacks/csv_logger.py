@@ -13,7 +13,7 @@ from __future__ import annotations
 import collections.abc
 import csv
 import os
-from typing import Any
+from typing import TextIO
 
 import numpy as np
 
@@ -44,10 +44,10 @@ class CSVLogger(Callback):
         self.sep = separator
         self.filename = require_local(filename, "CSVLogger's filename")
         self.append = append
-        self.writer: Any = None  # a csv.DictWriter once the header is known
+        self.writer: csv.DictWriter[str] | None = None  # once the header is known
         self.keys: list[str] | None = None
         self.append_header = True
-        self.csv_file: Any = None  # the open file while a fit runs
+        self.csv_file: TextIO | None = None  # the open file while a fit runs
 
     def on_train_begin(self, logs: Logs | None = None) -> None:
         self._close()

@@ -8,7 +8,6 @@
 from __future__ import annotations
 
 import time
-from typing import Any
 
 from rich.console import Console
 from rich.progress import (
@@ -16,6 +15,7 @@ from rich.progress import (
     MofNCompleteColumn,
     Progress,
     ProgressColumn,
+    TaskID,
     TextColumn,
     TimeElapsedColumn,
     TimeRemainingColumn,
@@ -130,7 +130,7 @@ class ProgressBar(Callback):
         self.verbose = verbose
         self.console = console
         self._progress: Progress | None = None
-        self._task: Any = None  # rich's TaskID of the running epoch
+        self._task: TaskID | None = None  # the running epoch's bar
         self._epochs: int | None = None
         self._steps: int | None = None
         self._seen, self._next_draw = 0, 0.0  # batches done this epoch; when the bar redraws next
@@ -181,7 +181,7 @@ class ProgressBar(Callback):
         self._seen = batch + 1
         if self._after_first is None:  # Keras's time per step leaves the first (compiling) step out
             self._after_first = (self._seen, time.monotonic())
-        if self._progress is None or not logs:
+        if self._progress is None or self._task is None or not logs:
             return
         now = time.monotonic()
         if now < self._next_draw:
@@ -200,7 +200,7 @@ class ProgressBar(Callback):
         return self._mfu_per_step
 
     def on_epoch_end(self, epoch: int, logs: Logs | None = None) -> None:
-        if self._progress is not None:
+        if self._progress is not None and self._task is not None:
             self._progress.update(self._task, completed=self._seen, total=self._seen, metrics="")
             self._progress.stop()
             self._progress = None

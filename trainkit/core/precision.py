@@ -18,7 +18,7 @@ scale, and the scale doubles after ``growth_interval`` finite steps in a row.
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Any, Self
+from typing import TYPE_CHECKING, Self
 
 import clu.metrics
 import flax.struct
@@ -38,7 +38,7 @@ class NoLossScale:
 
     if TYPE_CHECKING:  # flax.struct.dataclass adds it
 
-        def replace(self, **changes: Any) -> Self: ...
+        def replace(self, **changes: object) -> Self: ...
 
     def scale(self, loss: jax.Array) -> jax.Array:
         return loss
@@ -61,7 +61,7 @@ class StaticLossScale:
 
     if TYPE_CHECKING:  # flax.struct.dataclass adds it
 
-        def replace(self, **changes: Any) -> Self: ...
+        def replace(self, **changes: object) -> Self: ...
 
     loss_scale: jax.Array
 
@@ -94,7 +94,7 @@ class DynamicLossScale(StaticLossScale):
 
     if TYPE_CHECKING:  # flax.struct.dataclass adds it
 
-        def replace(self, **changes: Any) -> Self: ...
+        def replace(self, **changes: object) -> Self: ...
 
     good_steps: jax.Array = None  # type: ignore[assignment]  # set by create()
     growth_interval: int = flax.struct.field(pytree_node=False, default=2000)

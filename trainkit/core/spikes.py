@@ -16,7 +16,7 @@ parameters, optimizer moments and model state kept). The running average lives i
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Any, Self
+from typing import TYPE_CHECKING, Self
 
 import clu.metrics
 import flax.struct
@@ -34,7 +34,7 @@ class SpikeState:
 
     if TYPE_CHECKING:  # flax.struct.dataclass adds it
 
-        def replace(self, **changes: Any) -> Self: ...
+        def replace(self, **changes: object) -> Self: ...
 
     mean: jax.Array
     seen: jax.Array

@@ -9,7 +9,7 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Any, Self
+from typing import TYPE_CHECKING, Self
 
 import flax.struct
 import jax
@@ -42,7 +42,7 @@ class TrainState:
 
     if TYPE_CHECKING:  # flax.struct.dataclass adds it
 
-        def replace(self, **changes: Any) -> Self: ...
+        def replace(self, **changes: object) -> Self: ...
 
     step: jax.Array
     params: PyTree
@@ -80,7 +80,7 @@ def abstract(tree: PyTree) -> PyTree:
     return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=_sharding_of(a)), tree)
 
 
-def _sharding_of(leaf: Any) -> Any:
+def _sharding_of(leaf: object) -> jax.sharding.Sharding | None:
     return leaf.sharding if isinstance(leaf, (jax.Array, jax.ShapeDtypeStruct)) else None
 
 

@@ -13,10 +13,9 @@ binds :func:`normal` and :func:`all_rows` for a ``compute_loss`` (``batch.normal
 
 from __future__ import annotations
 
-from typing import Any
-
 import jax
 import jax.numpy as jnp
+from jax.typing import DTypeLike
 
 from trainkit.core.state import Batch
 from trainkit.core.tree import PyTree
@@ -151,7 +150,7 @@ def global_row_ids(batch: Batch, axis: str | None) -> jax.Array:
     return first + jnp.arange(rows)
 
 
-def normal(rng: jax.Array, batch: Batch, shape: tuple[int, ...], dtype: Any, axis: str | None) -> jax.Array:
+def normal(rng: jax.Array, batch: Batch, shape: tuple[int, ...], dtype: DTypeLike, axis: str | None) -> jax.Array:
     """``(rows, *shape)`` standard-normal values, row ``i`` drawn from ``rng`` folded with its
     place in the global batch: the same numbers on any strategy and device count."""
     keys = jax.vmap(lambda i: jax.random.fold_in(rng, i))(global_row_ids(batch, axis))

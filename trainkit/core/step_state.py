@@ -31,6 +31,7 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 import optax
+from jax.typing import DTypeLike
 
 from trainkit.core import step_helpers
 from trainkit.core.checks import SettingError
@@ -190,7 +191,9 @@ class StepState(TrainState):
         counts the rows that pad the last batch."""
         return step_helpers.mean(values, batch, self.facts.axis_name)
 
-    def normal(self, rng: jax.Array, batch: Batch, shape: tuple[int, ...] = (), dtype: Any = jnp.float32) -> jax.Array:
+    def normal(
+        self, rng: jax.Array, batch: Batch, shape: tuple[int, ...] = (), dtype: DTypeLike = jnp.float32
+    ) -> jax.Array:
         """``(rows, *shape)`` standard-normal draws keyed by each row's place in the global batch:
         the same on every strategy and device count (a GAN's ``z``)."""
         if not isinstance(batch, dict) or "mask" not in batch:

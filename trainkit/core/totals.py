@@ -183,7 +183,7 @@ class EpochTotals:
 
     if TYPE_CHECKING:  # flax.struct.dataclass adds it
 
-        def replace(self, **changes: Any) -> Self: ...
+        def replace(self, **changes: object) -> Self: ...
 
     metrics: dict[str, PyTree]
     steps: jax.Array  # steps merged
@@ -321,7 +321,7 @@ class PackedTotals:
 
     if TYPE_CHECKING:  # flax.struct.dataclass adds it
 
-        def replace(self, **changes: Any) -> Self: ...
+        def replace(self, **changes: object) -> Self: ...
 
     arrays: tuple[ArrayValue, ...]
     layout: Any = flax.struct.field(pytree_node=False)  # (treedef, ((array index, offset, shape, dtype), ...))

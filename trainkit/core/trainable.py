@@ -202,6 +202,6 @@ class Trainable:
         )
 
 
-def _float_dtype(leaf: Any) -> Any:
+def _float_dtype(leaf: Any) -> np.dtype:
     dtype = jnp.result_type(leaf)
     return dtype if jnp.issubdtype(dtype, jnp.inexact) else jnp.float32

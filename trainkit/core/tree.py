@@ -16,6 +16,7 @@ from typing import Any
 
 import jax
 import numpy as np
+from jax.typing import DTypeLike
 
 PyTree = Any
 #: One leaf of a state or batch: a device array (or a traced one), a host array or scalar, or an
@@ -40,12 +41,12 @@ Signature = dict[str, list[list[int] | str]]
 Index = tuple[slice | int, ...]
 
 
-def leaf_name(path: Sequence[Any]) -> str:
+def leaf_name(path: Sequence[object]) -> str:
     """``params/Dense_0/kernel`` for a key path of dict keys, attributes and indices."""
     return "/".join(str(_key(entry)) for entry in path)
 
 
-def _key(entry: Any) -> Any:
+def _key(entry: object) -> object:
     if isinstance(entry, jax.tree_util.DictKey):
         return entry.key
     if isinstance(entry, jax.tree_util.GetAttrKey):
@@ -90,7 +91,7 @@ def difference(
     return problems
 
 
-def array_bytes(shape: Sequence[int], dtype: Any) -> int:
+def array_bytes(shape: Sequence[int], dtype: DTypeLike) -> int:
     """The bytes an array of ``shape`` and ``dtype`` takes as a device stores it: a 4-bit type
     (``int4``, the container of qwix's ``nf4``) half a byte an element, where NumPy's
     ``itemsize`` says one.

@@ -19,6 +19,7 @@ from typing import Any
 
 import jax
 import numpy as np
+from jax.typing import DTypeLike
 
 from trainkit.core.step import full_mask
 from trainkit.core.tree import PyTree
@@ -178,7 +179,7 @@ def abstract_batch(x: PyTree, y: PyTree, w: PyTree, batch_size: int) -> Batch:
     ((1024, 2), 'int32', (1024,))
     """
 
-    def rows(a: Any, dtype: Any = None) -> jax.ShapeDtypeStruct:
+    def rows(a: Any, dtype: DTypeLike | None = None) -> jax.ShapeDtypeStruct:
         return jax.ShapeDtypeStruct((batch_size, *np.shape(a)[1:]), a.dtype if dtype is None else dtype)
 
     batch: Batch = {"x": _map(rows, x)}

@@ -14,9 +14,9 @@ import importlib.util
 import os
 import time
 from collections.abc import Callable
-from typing import Any
 
 import numpy as np
+from numpy.typing import DTypeLike
 
 from trainkit import distributed
 from trainkit.core.local_path import require_local
@@ -36,7 +36,7 @@ FORMATS: dict[str, tuple[Callable[..., dict[str, object]], dict[str, str]]] = {
 }
 
 
-def computes_float32(format: str, compute_dtype: Any, model_call: bool) -> bool:
+def computes_float32(format: str, compute_dtype: DTypeLike, model_call: bool) -> bool:
     """Whether an export of a trainer computing in ``compute_dtype`` computes in float32:
     ``"onnx"`` of a bf16 or fp16 trainer does (ONNX Runtime's CPU provider has no bf16 Conv or
     Gemm and refuses such a file); refused when the trainer overrides ``apply`` (``model_call``

@@ -89,7 +89,7 @@ class StateAccess:
         then training ``a`` or ``b``: "Array has been deleted")."""
         live = {id(leaf) for leaf in jax.tree.leaves(self.require_state())}
 
-        def owned(leaf: Any) -> Any:
+        def owned(leaf: object) -> object:
             return jnp.array(leaf, copy=True) if isinstance(leaf, jax.Array) and id(leaf) not in live else leaf
 
         return self.write_state(**{name: jax.tree.map(owned, value) for name, value in fields.items()})
