@@ -57,6 +57,7 @@ LAZY_NAMESPACES = {"__init__": "trainkit", "distributed": "trainkit.distributed"
 #: (375 until #58 put the custom step's public surface on it: train_step, test_step and four helpers)
 FACADE_LIMIT = 380
 FUNCTION_LIMIT = 80  # lines of any function or method in trainkit/
+PROGRAM_FUNCTION_LIMIT = 60  # in program/, the package that grew most (#82): its functions take the values they read
 #: where a run's state is read and replaced only through the session's methods
 OWNERSHIP_CHECKED = ("loop", "program.setup")
 TOP_LEVEL_LIMIT = 6  # .py files directly in trainkit/, __init__ included
@@ -327,8 +328,9 @@ def long_functions(tree: ast.Module, limit: int = FUNCTION_LIMIT) -> list[str]:
 
 @pytest.mark.parametrize("name", sorted(MODULES))
 def test_no_function_is_long(name):
-    found = long_functions(ast.parse(MODULES[name].read_text()))
-    assert not found, f"trainkit.{name}: {found} over {FUNCTION_LIMIT} lines; split them"
+    limit = PROGRAM_FUNCTION_LIMIT if name.startswith("program.") else FUNCTION_LIMIT
+    found = long_functions(ast.parse(MODULES[name].read_text()), limit)
+    assert not found, f"trainkit.{name}: {found} over {limit} lines; split them"
 
 
 def foreign_writes(tree: ast.Module) -> list[str]:

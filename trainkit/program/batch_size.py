@@ -164,12 +164,17 @@ def search(
         )
     best = plans[sizes[index]].recommended
     assert best is not None  # the size fits: it has a recommended row
+    answer = min(distributed.gather_json(sizes[index]))  # the same everywhere, as it must be
+    elapsed = time.perf_counter() - start
+    return BatchSizeSearch(answer, best.name, limit, _needed(plans), elapsed, seconds, plans, added, headroom)
+
+
+def _needed(plans: dict[int, plan_lib.MemoryPlan]) -> dict[int, int]:
+    """The bytes per device each planned size needs: its recommended row's, else its smallest row's."""
     needed = {}
     for size, plan in plans.items():
         rows = [r for r in plan.rows if r.error is None]
         chosen = plan.recommended or min(rows, key=lambda r: r.total_bytes, default=None)
         if chosen is not None:
             needed[size] = chosen.total_bytes
-    answer = min(distributed.gather_json(sizes[index]))  # the same everywhere, as it must be
-    elapsed = time.perf_counter() - start
-    return BatchSizeSearch(answer, best.name, limit, needed, elapsed, seconds, plans, added, headroom)
+    return needed

@@ -61,6 +61,28 @@ def _same_rows(rows: np.ndarray, first: np.ndarray) -> bool:
     return bool(np.allclose(rows, first, rtol=1e-2 if low else 1e-4, atol=1e-2 if low else 1e-5, equal_nan=True))
 
 
+def _check_same_configuration(setup: Setup, prepared: data_lib.Prepared, config: dict[str, JSON]) -> None:
+    """Refuses processes that would train differently or hang in a collective (different batch sizes,
+    row counts, strategies, ...), naming what differs (:func:`distributed.check_same_configuration`)."""
+    program, decided = setup.program, setup.decided
+    distributed.check_same_configuration(
+        {
+            "batch_size": prepared.batch_size,
+            "seed": program.seed,
+            "grad_accum_steps": program.grad_accum_steps,
+            "steps_per_execution": "auto"
+            if decided.tunes_steps
+            else decided.steps_per_execution,  # or collectives hang
+            "strategy": setup.describe_strategy(),
+            "precision": str(program.precision.compute_dtype),
+            "inputs": str(prepared.spec),
+            "rows": prepared.rows,  # different counts would hang a collective
+            "batches": prepared.source.steps(prepared.batch_size),
+            **config,
+        }
+    )
+
+
 def prepare(
     setup: Setup,
     data: DataInput,
@@ -83,23 +105,8 @@ def prepare(
         warn_user(f"Trainer attributes changed since its own step was traced ({'; '.join(changed)}): traced again.")
     micro_batches = setup.program.grad_accum_steps if training else 1
     prepared = capped_at_data(setup, prepared, micro_batches, said=training and batch_size is not None)
-    program, batch_size = setup.program, prepared.batch_size
-    distributed.check_same_configuration(
-        {  # before anything that needs the processes to agree
-            "batch_size": batch_size,
-            "seed": program.seed,
-            "grad_accum_steps": program.grad_accum_steps,
-            "steps_per_execution": "auto"
-            if setup.decided.tunes_steps
-            else setup.decided.steps_per_execution,  # or collectives hang
-            "strategy": setup.describe_strategy(),
-            "precision": str(program.precision.compute_dtype),
-            "inputs": str(prepared.spec),
-            "rows": prepared.rows,  # different counts would hang a collective
-            "batches": prepared.source.steps(batch_size),
-            **(config or {}),
-        }
-    )
+    batch_size = prepared.batch_size
+    _check_same_configuration(setup, prepared, config or {})  # before anything that needs the processes to agree
     if setup.session.state is not None:  # predict / evaluate may take sequences of another length
         check_inputs(setup, prepared, other_lengths=not training)
     setup.output_spec(prepared.first_x)  # the model traced on the first batch, before anything compiles
@@ -277,6 +284,20 @@ def prepare_run(
     return source, batch_size, source.steps(batch_size) if steps is None else steps
 
 
+def _validation(
+    setup: Setup, config: FitConfig, data: DataInput, batch_size: int, given_batch_size: int | None
+) -> Validation:
+    """``fit``'s validation data prepared, in batches of ``given_batch_size`` (``validation_batch_size``),
+    else an iterable's own, else ``batch_size`` (the training one)."""
+    checked = data_lib.as_dataset(data)
+    data_lib.check_validation_runs(checked, config.validation_runs(), config.validation_steps)
+    own_size = isinstance(checked, data_lib.IterableDataset)  # an iterable's batches are its own
+    validating = prepare_validation(setup, checked, given_batch_size or (None if own_size else batch_size))
+    if setup.custom_loss:  # a custom evaluation's mistakes surface before the first step, not after an epoch
+        setup.compiled.empty_totals("eval", validating.sample_batch())
+    return Validation(validating.source, validating.batch_size, config.validation_steps)
+
+
 def prepare_fit(
     setup: Setup,
     config: FitConfig,
@@ -323,13 +344,7 @@ def prepare_fit(
     config = config.until_max_steps(steps, source.one_shot)
     validation = None
     if validation_data is not None:
-        checked = data_lib.as_dataset(validation_data)
-        data_lib.check_validation_runs(checked, config.validation_runs(), config.validation_steps)
-        own_size = isinstance(checked, data_lib.IterableDataset)  # an iterable's batches are its own
-        validating = prepare_validation(setup, checked, validation_batch_size or (None if own_size else batch_size))
-        validation = Validation(validating.source, validating.batch_size, config.validation_steps)
-        if setup.custom_loss:  # a custom evaluation's mistakes surface before the first step, not after an epoch
-            setup.compiled.empty_totals("eval", validating.sample_batch())
+        validation = _validation(setup, config, validation_data, batch_size, validation_batch_size)
     return FitData(
         prepared,
         dataclasses.replace(

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import functools
 import logging
 import math
 import os
@@ -570,39 +571,66 @@ def make_plan(
     with concurrent.futures.ThreadPoolExecutor(max(1, min(len(rows), os.cpu_count() or 1))) as pool:
         side = None if alongside is None else pool.submit(alongside)
         waiting = [row for row in rows if row.error is None]
+        compile_rows = functools.partial(_compile_rows, pool, lower=lower, budget=budget, announce=announce)
         if measure is not None and run_steps is not None:  # staged: see the docstring
-            first = None
-            while waiting and first is None:  # the simplest candidate that fits, compiled alone
-                row = waiting.pop(0)
-                _compile_rows(pool, [row], lower, budget, announce)
-                first = row if row.fits else None
-            if first is not None:
-                _wait(side)  # the state's initialisation compiled: measuring builds the state
-                _time(first, measure)
-                compare_from = _skip_unprofitable(first, waiting, run_steps)
-                waiting = [row for row in waiting if row.skipped is None]
+            waiting, compare_from = _first_timed(compile_rows, waiting, side, measure, run_steps)
         if first_fit:
-            while waiting and not any(row.fits for row in rows):
-                _compile_rows(pool, [waiting.pop(0)], lower, budget, announce)
-            fitted = next((row.name for row in rows if row.fits), "")
-            for row in waiting:
-                row.skipped = f"{FIRST_FIT_SKIP} {fitted} fits)"
+            _compile_until_one_fits(compile_rows, rows, waiting)
             waiting = []
-        _compile_rows(pool, waiting, lower, budget, announce)
+        compile_rows(waiting)
         _wait(side)
     if measure is not None:
         for row in waiting:
             if row.fits:
                 _time(row, measure)
+    _recommend(rows)
+    return MemoryPlan(rows, limit, measure is not None, compare_from_steps=compare_from)
+
+
+def _first_timed(
+    compile_rows: Callable[[list[PlanRow]], None],
+    waiting: list[PlanRow],
+    side: concurrent.futures.Future[object] | None,
+    measure: Callable[[PlanRow], budget_lib.Timing],
+    run_steps: int,
+) -> tuple[list[PlanRow], float | None]:
+    """:func:`make_plan`'s staged start: the simplest candidate that fits, compiled alone and timed, and the
+    others skipped where they could not repay their compile within ``run_steps``. Returns the rows still to
+    compile and the step count from which the others compare (``None``: none fit)."""
+    first = None
+    while waiting and first is None:
+        row = waiting.pop(0)
+        compile_rows([row])
+        first = row if row.fits else None
+    if first is None:
+        return waiting, None
+    _wait(side)  # the state's initialisation compiled: measuring builds the state
+    _time(first, measure)
+    compare_from = _skip_unprofitable(first, waiting, run_steps)
+    return [row for row in waiting if row.skipped is None], compare_from
+
+
+def _compile_until_one_fits(
+    compile_rows: Callable[[list[PlanRow]], None], rows: list[PlanRow], waiting: list[PlanRow]
+) -> None:
+    """``first_fit``: the waiting candidates compiled one at a time until one fits; the rest skipped."""
+    while waiting and not any(row.fits for row in rows):
+        compile_rows([waiting.pop(0)])
+    fitted = next((row.name for row in rows if row.fits), "")
+    for row in waiting:
+        row.skipped = f"{FIRST_FIT_SKIP} {fitted} fits)"
+
+
+def _recommend(rows: list[PlanRow]) -> None:
+    """Marks the pick among the rows that fit (process 0's, where timings differ per process)."""
     fitting = [r for r in rows if r.fits]
     if fitting:
         best = rows.index(pick(fitting))
-        if jax.process_count() > 1:  # timings differ per process: all follow process 0's pick
+        if jax.process_count() > 1:
             from jax.experimental import multihost_utils
 
             best = int(multihost_utils.broadcast_one_to_all(np.int32(best)))
         rows[best].recommended = True
-    return MemoryPlan(rows, limit, measure is not None, compare_from_steps=compare_from)
 
 
 def _time(row: PlanRow, measure: Callable[[PlanRow], budget_lib.Timing]) -> None:
@@ -759,60 +787,90 @@ def plan_step(
     step as ``row.function``; a ``compile_step`` that raises :class:`NotACandidate` (it would
     compute another result) leaves the reason in the row, ``left_out``; ``refused``: see :func:`make_plan`.
     """
-    measure, memory_limit, place_batch = settings.measure, settings.memory_limit, settings.place_batch
+    memory_limit = settings.memory_limit
     limit = int(memory_limit) if memory_limit is not None else device_memory_limit(candidates[0].devices)
-
-    def floor(strategy: Strategy) -> int:
-        return state_bytes_per_device(abstract_state, strategy.state_sharding(abstract_state))
-
-    initialiser = next((c for c in candidates if measure and floor(c) <= settings.usable * limit), None)
-
-    def lower(strategy: Strategy) -> tuple[jax.stages.Lowered, TreeFunction]:
-        pipeline = strategy.microbatches if trains else 1
-        rows = np.shape(host_batch["mask"])[0]
-        check_batch_size(rows, strategy.num_batch_shards, micro_batches=micro_batches, pipeline=pipeline)
-        abstract = _abstract_in(strategy, abstract_state, limit, settings.usable)
-        function: Any = compile_step(strategy, abstract)  # jitted, pmapped or a LeafStep: it lowers
-        placed = jax.tree.map(
-            lambda a: jax.ShapeDtypeStruct(np.shape(a), a.dtype, sharding=strategy.replicated()), totals
-        )
-        if strategy.axis_name is not None and jax.process_count() > 1:
-            # pmap turns each argument into a global array before lowering, which an abstract
-            # one cannot become: lower it with the real state (its size passed the check above)
-            abstract = strategy.put_state(the_host_state(strategy))
-            placed = None if totals is None else strategy.put_replicated(totals)
-        arguments = (abstract, placed) if trains else (abstract,)  # the totals as training places them
-        local = strategy.local_rows(host_batch)  # compile-only target devices take nothing placed
-        batch = strategy.put_batch(local) if place_batch else strategy.abstract_batch(local)
-        return function.lower(*arguments, batch), function
-
-    # built once (sharded, by the first candidate that needs it), then copied
-    host_state: list[tuple[PyTree, Strategy]] = []
-
-    def the_host_state(strategy: Strategy) -> PyTree:
-        if not host_state:
-            under = initialiser or strategy
-            host_state.append((distributed.fetch(create_state(under)), under))
-        return host_state[0][0]
-
-    def run(row: PlanRow) -> budget_lib.Timing:
-        strategy, compiled = row.strategy, row.compiled
-        assert compiled is not None  # only rows that compiled and fit are measured
-        state = strategy.put_state(the_host_state(strategy))
-        if isinstance(row.function, LeafStep):  # its executable takes the state's carried leaves
-            state = row.function.carried(jax.tree.leaves(state))
-        batch = strategy.put_batch(strategy.local_rows(host_batch))
-        return time_steps(compiled, state, batch, settings.steps, strategy.put_replicated(totals) if trains else None)
-
+    inputs = _StepInputs(
+        host_batch=host_batch,
+        abstract_state=abstract_state,
+        compile_step=compile_step,
+        create_state=create_state,
+        micro_batches=micro_batches,
+        trains=trains,
+        totals=totals,
+        settings=settings,
+        limit=limit,
+        candidates=candidates,
+    )
+    initialiser = inputs.under
     alongside = None
     if initialiser is not None and precompile_state is not None:
         alongside = lambda: precompile_state(initialiser)  # noqa: E731
     result = make_plan(
-        candidates, lower, memory_limit=memory_limit, measure=run if measure else None, alongside=alongside,
-        run_steps=settings.run_steps, announce=settings.announce, first_fit=settings.first_fit, refused=refused,
-        usable=settings.usable)  # fmt: skip
-    state, under = host_state[0] if host_state else (None, None)
+        candidates, inputs.lower, memory_limit=memory_limit, measure=inputs.run if settings.measure else None,
+        alongside=alongside, run_steps=settings.run_steps, announce=settings.announce, first_fit=settings.first_fit,
+        refused=refused, usable=settings.usable)  # fmt: skip
+    state, under = inputs.host_state[0] if inputs.host_state else (None, None)
     return dataclasses.replace(result, initial_state=state, initialised_under=under, target=settings.target)
+
+
+@dataclasses.dataclass
+class _StepInputs:
+    """One step's inputs as :func:`plan_step` lowers them under each candidate and runs them when it
+    measures; the host state built once (sharded by ``initialiser``, the first candidate whose state
+    alone fits, or the first that needs it), then copied into each candidate's shardings."""
+
+    host_batch: Batch
+    abstract_state: PyTree
+    compile_step: Callable[[Strategy, PyTree], TreeFunction]
+    create_state: Callable[[Strategy], PyTree]
+    micro_batches: int
+    trains: bool
+    totals: PyTree
+    settings: PlanSettings
+    limit: int
+    candidates: Sequence[Strategy]
+    host_state: list[tuple[PyTree, Strategy]] = dataclasses.field(default_factory=list)
+    under: Strategy | None = dataclasses.field(init=False)  # measuring: the first candidate whose state alone fits
+
+    def __post_init__(self) -> None:
+        usable, abstract = self.settings.usable * self.limit, self.abstract_state
+        fits = (c for c in self.candidates if state_bytes_per_device(abstract, c.state_sharding(abstract)) <= usable)
+        self.under = next(fits, None) if self.settings.measure else None
+
+    def lower(self, strategy: Strategy) -> tuple[jax.stages.Lowered, TreeFunction]:
+        pipeline = strategy.microbatches if self.trains else 1
+        rows = np.shape(self.host_batch["mask"])[0]
+        check_batch_size(rows, strategy.num_batch_shards, micro_batches=self.micro_batches, pipeline=pipeline)
+        abstract = _abstract_in(strategy, self.abstract_state, self.limit, self.settings.usable)
+        function: Any = self.compile_step(strategy, abstract)  # jitted, pmapped or a LeafStep: it lowers
+        placed = jax.tree.map(
+            lambda a: jax.ShapeDtypeStruct(np.shape(a), a.dtype, sharding=strategy.replicated()), self.totals
+        )
+        if strategy.axis_name is not None and jax.process_count() > 1:
+            # pmap turns each argument into a global array before lowering, which an abstract
+            # one cannot become: lower it with the real state (its size passed the check above)
+            abstract = strategy.put_state(self.the_host_state(strategy))
+            placed = None if self.totals is None else strategy.put_replicated(self.totals)
+        arguments = (abstract, placed) if self.trains else (abstract,)  # the totals as training places them
+        local = strategy.local_rows(self.host_batch)  # compile-only target devices take nothing placed
+        batch = strategy.put_batch(local) if self.settings.place_batch else strategy.abstract_batch(local)
+        return function.lower(*arguments, batch), function
+
+    def the_host_state(self, strategy: Strategy) -> PyTree:
+        if not self.host_state:
+            under = self.under or strategy
+            self.host_state.append((distributed.fetch(self.create_state(under)), under))
+        return self.host_state[0][0]
+
+    def run(self, row: PlanRow) -> budget_lib.Timing:
+        strategy, compiled = row.strategy, row.compiled
+        assert compiled is not None  # only rows that compiled and fit are measured
+        state = strategy.put_state(self.the_host_state(strategy))
+        if isinstance(row.function, LeafStep):  # its executable takes the state's carried leaves
+            state = row.function.carried(jax.tree.leaves(state))
+        batch = strategy.put_batch(strategy.local_rows(self.host_batch))
+        totals = strategy.put_replicated(self.totals) if self.trains else None
+        return time_steps(compiled, state, batch, self.settings.steps, totals)
 
 
 #: What a plan row's error says when the candidate failed for memory alone.

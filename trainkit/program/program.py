@@ -139,12 +139,9 @@ class Program:
         self.traced_attributes = TracedAttributes(owner)
         #: the attributes those steps read as ``self.<name>`` (a change of one mid-fit is refused)
         self.read_attributes = custom_lib.read_attributes(train_step, test_step)
-        refusal = custom_step_refusal(
-            grad_accum_steps=grad_accum_steps, precision=precision, spike_skip=spike_skip,
-            log_grad_norm=log_grad_norm, offload=offload,
-        ) if train_step is not None else None  # fmt: skip
-        if refusal is not None:
-            raise ValueError(refusal)
+        self.spike_skip = _checked_spike_skip(spike_skip)
+        if train_step is not None:
+            refuse_for_own_step(grad_accum_steps, precision, spike_skip, log_grad_norm, offload)
         self.log_names: tuple[str, ...] | None = None  # the step's own logs, in their order (found when traced)
         self.offload = offload
         #: why this trainer's settings cannot offload the optimizer's state (``None``: they can)
@@ -158,30 +155,16 @@ class Program:
         adapters = "" if lora is None else f"lora=tk.LoRA(targets={lora.targets!r}) matches no module (no adapter made)"
         self.trainable = Trainable.of(trainable, extra=None if lora is None else is_adapter, extra_name=adapters)
         #: the optimizer's groups, when it is a dict of optimizers by parameter path
-        self.groups = OptimizerGroups(optimizer) if isinstance(optimizer, dict) else None
-        if self.groups is not None:  # one multi_transform: the groups and the frozen leaves (set_to_zero)
-            self.optimizer = self.groups.transform(self.trainable.trains)
-        else:
-            self.optimizer = self.trainable.optimizer(optimizer)  # set_to_zero (no state) for frozen leaves
+        self.groups, self.optimizer = _optimizer(optimizer, self.trainable)
         if offload.frozen and not self.trainable.freezes:
-            raise ValueError(
-                "offload='optimizer+frozen' keeps the frozen parameters in host memory, but none is frozen: pass "
-                "lora=tk.LoRA(...) or trainable=... (the others frozen), or offload='optimizer'."
-            )
+            raise ValueError(OFFLOAD_NOTHING_FROZEN)
         self.objective, self.precision = objective, precision
         self.grad_accum_steps, self.log_grad_norm, self.seed = grad_accum_steps, log_grad_norm, seed
         self.variables = variables
         self.eager = eager
-        if spike_skip is not None and not isinstance(spike_skip, SpikeSkip):
-            raise TypeError(
-                f"skip_spikes takes a tk.SpikeSkip; received {spike_skip!r}. Pass skip_spikes=tk.SpikeSkip() (the "
-                "defaults) or tk.SpikeSkip(factor=..., warmup=...)."
-            )
-        self.spike_skip = spike_skip
         self._settings_checked = False  # idle_settings warned about (at the first trace of the state)
         self.frozen_statistics = bool(frozen_statistics)
         self._frozen_layers: frozenset[str] | None = None  # the frozen BatchNorms, found at the first trace
-        #: what the train step measures for a callback (``GradientStats``); set by the setup per ``fit``
         self._param_axes: dict[str, AxisNames] | None = None  # the model's partitioning annotations, once read
         self._abstract_states: dict[str, PyTree] = {}  # abstract_state by the first row's signature
 
@@ -580,31 +563,63 @@ def _has_logs(result: PyTree) -> bool:
     return isinstance(result, tuple) and len(result) == 2 and isinstance(result[1], tuple) and len(result[1]) == 3
 
 
-def custom_step_refusal(
-    *, grad_accum_steps: int, precision: Precision, spike_skip: SpikeSkip | None, log_grad_norm: bool, offload: Offload
-) -> str | None:
-    """Why a trainer with a ``train_step`` of its own cannot have these settings (``None``: it
-    can): each works on the built-in step's one loss, gradient and update, which a custom step
-    computes itself (it may differentiate several losses and update several groups)."""
+OFFLOAD_NOTHING_FROZEN = (
+    "offload='optimizer+frozen' keeps the frozen parameters in host memory, but none is frozen: pass "
+    "lora=tk.LoRA(...) or trainable=... (the others frozen), or offload='optimizer'."
+)
+
+
+def _checked_spike_skip(spike_skip: object) -> SpikeSkip | None:
+    """``skip_spikes=`` as given, refused unless a ``tk.SpikeSkip`` (or ``None``)."""
+    if spike_skip is not None and not isinstance(spike_skip, SpikeSkip):
+        raise TypeError(
+            f"skip_spikes takes a tk.SpikeSkip; received {spike_skip!r}. Pass skip_spikes=tk.SpikeSkip() (the "
+            "defaults) or tk.SpikeSkip(factor=..., warmup=...)."
+        )
+    return spike_skip
+
+
+def _optimizer(
+    optimizer: optax.GradientTransformation | dict[str, optax.GradientTransformation], trainable: Trainable
+) -> tuple[OptimizerGroups | None, optax.GradientTransformation]:
+    """The optimizer's groups (a dict of optimizers by parameter path; else ``None``) and the one
+    transformation the step applies: the groups' ``multi_transform`` with the frozen leaves, or the
+    optimizer with ``set_to_zero`` (no state) for the frozen leaves."""
+    if isinstance(optimizer, dict):
+        groups = OptimizerGroups(optimizer)
+        return groups, groups.transform(trainable.trains)
+    return None, trainable.optimizer(optimizer)
+
+
+def refuse_for_own_step(
+    grad_accum_steps: int, precision: Precision, spike_skip: SpikeSkip | None, log_grad_norm: bool, offload: Offload
+) -> None:
+    """Raises a ``ValueError`` saying why a trainer with a ``train_step`` of its own cannot have
+    these settings (nothing where it can): each works on the built-in step's one loss, gradient
+    and update, which a custom step computes itself (it may differentiate several losses and
+    update several groups)."""
     why = "the step's loss, gradients and updates are its own, so trainkit has no one loss or update to"
     mine = "with a train_step of your own"
     if grad_accum_steps != 1:
-        return (
+        raise ValueError(
             f"grad_accum_steps={grad_accum_steps} {mine}: {why} accumulate. Pass grad_accum_steps=1 (a larger "
             "batch, or accumulate inside train_step)."
         )
     if precision.loss_scale is not None:
-        return (
+        raise ValueError(
             f"precision={precision!r} scales the loss (fp16) and skips non-finite steps, but {mine} {why} scale. "
             "Use precision='bf16' (no loss scale) or 'fp32'."
         )
     if spike_skip is not None:
-        return f"skip_spikes {mine}: {why} judge. Drop skip_spikes, or skip inside train_step."
+        raise ValueError(f"skip_spikes {mine}: {why} judge. Drop skip_spikes, or skip inside train_step.")
     if log_grad_norm:
-        return f"log_grad_norm=True {mine}: {why} measure. Log optax.global_norm(grads) from train_step instead."
+        raise ValueError(
+            f"log_grad_norm=True {mine}: {why} measure. Log optax.global_norm(grads) from train_step instead."
+        )
     if offload:
-        return f"offload={offload!r} streams the built-in update, and {mine} {why} stream. Pass offload=None."
-    return None
+        raise ValueError(
+            f"offload={offload!r} streams the built-in update, and {mine} {why} stream. Pass offload=None."
+        )
 
 
 def offload_refusal(*, eager: bool, precision: Precision, spike_skip: SpikeSkip | None) -> str | None:

@@ -170,6 +170,22 @@ def _progress(target: targets_lib.Target) -> Callable[[plan_lib.PlanRow], None]:
     return announce
 
 
+def _search_space(
+    setup: Setup, resolved: targets_lib.Target | None, rows: int | None
+) -> tuple[list[Strategy], int, int | None, int, str]:
+    """What :func:`find_batch_size` searches: the candidates (the setup's strategy or ``"auto"``'s, or a
+    target's on its compile-only devices), the unit the sizes are multiples of, the sample's rows that cap
+    them (``None`` for a target), the memory limit by default, and the ``" for <target>"`` it prints."""
+    if resolved is None:
+        strategy = setup.decided.strategy
+        candidates = [strategy] if strategy is not None else auto_lib.candidates(setup.require_auto())
+        unit = inputs.batch_unit(setup, setup.program.grad_accum_steps)
+        return candidates, unit, rows, plan_lib.device_memory_limit(candidates[0].devices), ""
+    candidates = target_candidates(None, resolved)
+    unit = max(c.num_batch_shards for c in candidates) * setup.program.grad_accum_steps
+    return candidates, unit, None, resolved.memory_limit, f" for {resolved.spec}"
+
+
 def find_batch_size(
     setup: Setup,
     x: Any,
@@ -197,18 +213,7 @@ def find_batch_size(
     trains = prepared.has_targets or setup.custom_loss
     if prepared.has_targets:
         setup.build_objective(prepared)
-    if resolved is None:
-        candidates = (
-            [setup.decided.strategy]
-            if setup.decided.strategy is not None
-            else auto_lib.candidates(setup.require_auto())
-        )
-        unit, rows = inputs.batch_unit(setup, setup.program.grad_accum_steps), prepared.rows
-        default_limit, where = plan_lib.device_memory_limit(candidates[0].devices), ""
-    else:
-        candidates = target_candidates(None, resolved)
-        unit = max(c.num_batch_shards for c in candidates) * setup.program.grad_accum_steps
-        rows, default_limit, where = None, resolved.memory_limit, f" for {resolved.spec}"
+    candidates, unit, rows, default_limit, where = _search_space(setup, resolved, prepared.rows)
     platform = candidates[0].devices[0].platform
     usable = plan_lib.usable_share(platform) if headroom is None else 1 - checks.fraction(headroom, "headroom")
     # a compile-only executable cannot be cached or read back
