@@ -97,11 +97,11 @@ def test_the_language_model_example_trains_in_a_short_mode(strategy):
     same model under FSDP is tests/test_annotations.py's, against SingleDevice.)"""
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # a process of its own: fully optimised, the
     # LM steps run faster than the suite's unoptimised ones repay the start (15.4 s against 16.8 s)
-    command = [sys.executable, str(ROOT / "examples" / "lm.py"), "--strategy", strategy, "--steps", "40"]
+    command = [sys.executable, str(ROOT / "examples" / "lm.py"), "--strategy", strategy, "--steps", "20"]
     command += ["--layers", "2", "--d-model", "64", "--length", "64", "--corpus-bytes", "200000", "--verbose", "0"]
     result = subprocess.run(command, capture_output=True, text=True, env=env, timeout=300)
     assert result.returncode == 0, result.stdout + result.stderr
-    bits = float(re.search(r"held-out loss (\d+\.\d+) bits per byte after 40 steps", result.stdout).group(1))
+    bits = float(re.search(r"held-out loss (\d+\.\d+) bits per byte after 20 steps", result.stdout).group(1))
     assert bits < 5.5, result.stdout
     assert re.search(r"[\d,]+ tokens/s", result.stdout)
     expected = {"tp": "mesh data=2, model=4", "pipeline": "mesh stage=2, data=4", "context": "mesh data=2, context=4"}
@@ -115,7 +115,7 @@ def test_the_language_model_example_trains_packed_documents_alike_under_fsdp_and
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     figures = {}
     for strategy in ("fsdp", "context"):
-        command = [sys.executable, str(ROOT / "examples" / "lm.py"), "--pack", "--strategy", strategy, "--steps", "30"]
+        command = [sys.executable, str(ROOT / "examples" / "lm.py"), "--pack", "--strategy", strategy, "--steps", "15"]
         command += ["--layers", "2", "--d-model", "64", "--length", "64", "--corpus-bytes", "200000", "--verbose", "0"]
         result = subprocess.run(command, capture_output=True, text=True, env=env, timeout=300)
         assert result.returncode == 0, result.stdout + result.stderr
