@@ -14,6 +14,7 @@ import pytest
 from conftest import classifier
 
 import trainkit as tk
+from trainkit.attn.kernels import compiled_for
 from trainkit.core import chips
 from trainkit.program import compile_estimate, targets
 from trainkit.program.tuning import target_candidates
@@ -295,8 +296,6 @@ def test_the_kernels_logsumexp_residual_is_read_where_it_lies_not_copied_whole()
 
     def loss(q, k, v):
         return (tk.attention(q, k, v, causal=True).astype(np.float32) ** 2).mean()
-
-    from trainkit.attn.kernels import compiled_for
 
     compiled = jax.jit(compiled_for(jax.grad(loss, argnums=(0, 1, 2)), "tpu")).lower(arrays, arrays, arrays).compile()
     text = compiled.as_text()

@@ -65,14 +65,13 @@ def _check_same_configuration(setup: Setup, prepared: data_lib.Prepared, config:
     """Refuses processes that would train differently or hang in a collective (different batch sizes,
     row counts, strategies, ...), naming what differs (:func:`distributed.check_same_configuration`)."""
     program, decided = setup.program, setup.decided
+    steps_per_execution = "auto" if decided.tunes_steps else decided.steps_per_execution  # or collectives hang
     distributed.check_same_configuration(
         {
             "batch_size": prepared.batch_size,
             "seed": program.seed,
             "grad_accum_steps": program.grad_accum_steps,
-            "steps_per_execution": "auto"
-            if decided.tunes_steps
-            else decided.steps_per_execution,  # or collectives hang
+            "steps_per_execution": steps_per_execution,
             "strategy": setup.describe_strategy(),
             "precision": str(program.precision.compute_dtype),
             "inputs": str(prepared.spec),
@@ -180,13 +179,16 @@ def warn_changed_result(setup: Setup, first_x: PyTree) -> None:
         warn_user(f"{reason}. SingleDevice, FSDP and Hybrid (and strategy='auto') normalise by the whole batch.")
 
 
+def candidate_strategies(setup: Setup) -> list[Strategy]:
+    """The setup's strategy, or under ``"auto"`` (none chosen yet) every candidate it may pick."""
+    strategy = setup.decided.strategy
+    return [strategy] if strategy is not None else auto_lib.candidates(setup.require_auto())
+
+
 def batch_unit(setup: Setup, micro_batches: int = 1) -> int:
     """The smallest global batch the strategy (under ``"auto"``: every candidate) splits
     into equal device parts, times ``micro_batches`` (gradient accumulation)."""
-    strategies = (
-        [setup.decided.strategy] if setup.decided.strategy is not None else auto_lib.candidates(setup.require_auto())
-    )
-    return math.lcm(*(s.num_batch_shards for s in strategies)) * micro_batches
+    return math.lcm(*(s.num_batch_shards for s in candidate_strategies(setup))) * micro_batches
 
 
 def capped_at_data(setup: Setup, prepared: data_lib.Prepared, micro_batches: int, said: bool) -> data_lib.Prepared:

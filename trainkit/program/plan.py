@@ -809,15 +809,15 @@ def plan_step(
         candidates, inputs.lower, memory_limit=memory_limit, measure=inputs.run if settings.measure else None,
         alongside=alongside, run_steps=settings.run_steps, announce=settings.announce, first_fit=settings.first_fit,
         refused=refused, usable=settings.usable)  # fmt: skip
-    state, under = inputs.host_state[0] if inputs.host_state else (None, None)
+    state, under = inputs.built or (None, None)
     return dataclasses.replace(result, initial_state=state, initialised_under=under, target=settings.target)
 
 
 @dataclasses.dataclass
 class _StepInputs:
     """One step's inputs as :func:`plan_step` lowers them under each candidate and runs them when it
-    measures; the host state built once (sharded by ``initialiser``, the first candidate whose state
-    alone fits, or the first that needs it), then copied into each candidate's shardings."""
+    measures; the host state built once (sharded by ``under``, the first candidate whose state alone
+    fits, else by the first that needs it), then copied into each candidate's shardings."""
 
     host_batch: Batch
     abstract_state: PyTree
@@ -829,7 +829,7 @@ class _StepInputs:
     settings: PlanSettings
     limit: int
     candidates: Sequence[Strategy]
-    host_state: list[tuple[PyTree, Strategy]] = dataclasses.field(default_factory=list)
+    built: tuple[PyTree, Strategy] | None = None  # the host state and the candidate it was built under
     under: Strategy | None = dataclasses.field(init=False)  # measuring: the first candidate whose state alone fits
 
     def __post_init__(self) -> None:
@@ -857,10 +857,10 @@ class _StepInputs:
         return function.lower(*arguments, batch), function
 
     def the_host_state(self, strategy: Strategy) -> PyTree:
-        if not self.host_state:
+        if self.built is None:
             under = self.under or strategy
-            self.host_state.append((distributed.fetch(self.create_state(under)), under))
-        return self.host_state[0][0]
+            self.built = (distributed.fetch(self.create_state(under)), under)
+        return self.built[0]
 
     def run(self, row: PlanRow) -> budget_lib.Timing:
         strategy, compiled = row.strategy, row.compiled

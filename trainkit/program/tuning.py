@@ -25,7 +25,6 @@ from trainkit import distributed
 from trainkit.core import checks
 from trainkit.core.tree import PyTree
 from trainkit.data import shapes as shapes_lib
-from trainkit.program import auto as auto_lib
 from trainkit.program import batch_size as batch_size_lib
 from trainkit.program import compile_estimate, inputs
 from trainkit.program import plan as plan_lib
@@ -177,8 +176,7 @@ def _search_space(
     target's on its compile-only devices), the unit the sizes are multiples of, the sample's rows that cap
     them (``None`` for a target), the memory limit by default, and the ``" for <target>"`` it prints."""
     if resolved is None:
-        strategy = setup.decided.strategy
-        candidates = [strategy] if strategy is not None else auto_lib.candidates(setup.require_auto())
+        candidates = inputs.candidate_strategies(setup)
         unit = inputs.batch_unit(setup, setup.program.grad_accum_steps)
         return candidates, unit, rows, plan_lib.device_memory_limit(candidates[0].devices), ""
     candidates = target_candidates(None, resolved)
