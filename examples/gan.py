@@ -5,10 +5,12 @@ update and the generator's, each with its own optimizer, under any strategy.
 
 The model is one Flax module with two parts (``generator`` and ``discriminator``, reached with
 ``self.apply(..., method="generate")``); ``optimizer={"generator": ..., "discriminator": ...}``
-gives each part its own Adam (keys are regexes matched against parameter paths). ``train_step``
-is Keras's "Customizing what happens in fit()" GAN in trainkit's shape: ``state.normal`` draws the
-noise per row (the same on any device count), ``state.mean`` reduces over the global batch's real
-rows, ``state.apply_gradients(grads, "discriminator")`` updates one group. ``fit``,
+gives each part its own Adam (keys are regexes matched against parameter paths). The step is
+Keras's "Customizing what happens in fit()" GAN in trainkit's shape, written once as a ``tk.Step``
+value (``GANStep``; ``--step-value`` trains with ``Trainer(step=GANStep())``), which the
+``train_step`` override (Keras's habit) calls: ``state.normal`` draws the noise per row (the same
+on any device count), ``state.mean`` reduces over the global batch's real rows,
+``state.apply_gradients(grads, "discriminator")`` updates one group. ``fit``,
 callbacks, ``steps_per_execution`` and ``BackupAndRestore`` (``--backup``) work as for the
 built-in step. The script prints how far the generated digits' mean image is from the real
 one before and after training, and exits non-zero when a loss is not finite or the gap did not
@@ -18,6 +20,7 @@ shrink by ``--min-improvement`` (a half by default).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import pathlib
 import sys
 import time
@@ -69,9 +72,15 @@ def bce(logits, label: float):
     return optax.sigmoid_binary_cross_entropy(logits, jnp.full_like(logits, label))
 
 
-class GANTrainer(tk.Trainer):
-    def train_step(self, state, batch, rng):
-        z = state.normal(rng, batch, (LATENT,))  # one draw per row, whatever the device count
+@dataclasses.dataclass(frozen=True)
+class GANStep(tk.Step):
+    """The GAN's step as a value: its hyperparameters are its fields (a changed one is a new value,
+    traced again), and it cannot keep a value of one trace on itself (it is frozen)."""
+
+    latent: int = LATENT
+
+    def train(self, state, batch, rng):
+        z = state.normal(rng, batch, (self.latent,))  # one draw per row, whatever the device count
 
         def run(params, x, method):
             return state.apply(params, state.model_state, x, rng=rng, train=True, method=method)[0]
@@ -92,6 +101,15 @@ class GANTrainer(tk.Trainer):
         return state, {"d_loss": d_loss, "g_loss": g_loss}
 
 
+class GANTrainer(tk.Trainer):
+    """The same GAN in Keras's habit, a ``train_step`` override (which trainkit runs as a step value too)."""
+
+    latent = LATENT
+
+    def train_step(self, state, batch, rng):
+        return GANStep(self.latent).train(state, batch, rng)
+
+
 def digits(rows: int | None = None) -> np.ndarray:
     """scikit-learn's 8x8 digits as rows of 64 values in [-1, 1] (the first ``rows`` of them)."""
     from sklearn.datasets import load_digits
@@ -100,7 +118,7 @@ def digits(rows: int | None = None) -> np.ndarray:
     return images if rows is None else images[:rows]
 
 
-def mean_image_gap(trainer: GANTrainer, images: np.ndarray, samples: int = 512) -> float:
+def mean_image_gap(trainer: tk.Trainer, images: np.ndarray, samples: int = 512) -> float:
     """The mean absolute difference between the mean generated digit (from fixed noise) and the
     mean real one: what a generator that learned nothing gets wrong first."""
     state = trainer.state
@@ -109,11 +127,17 @@ def mean_image_gap(trainer: GANTrainer, images: np.ndarray, samples: int = 512) 
     return float(np.abs(np.asarray(fake).mean(axis=0) - images.mean(axis=0)).mean())
 
 
-def make_trainer(strategy: str = "single", learning_rate: float = 1e-3, **options) -> GANTrainer:
+def make_trainer(
+    strategy: str = "single", learning_rate: float = 1e-3, step_value: bool = False, **options
+) -> tk.Trainer:
+    """The GAN's trainer: its ``train_step`` override, or with ``step_value`` a ``tk.Trainer`` given ``GANStep()``."""
     strategies = {"single": tk.SingleDevice, "dp": tk.DataParallel, "fsdp": tk.FSDP}
     made = tk.Hybrid(data=2, fsdp=4) if strategy == "hybrid" else strategies[strategy]()
     adam = optax.adam(learning_rate, b1=0.5)
-    return GANTrainer(GAN(), optimizer={"generator": adam, "discriminator": adam}, strategy=made, **options)
+    optimizer = {"generator": adam, "discriminator": adam}
+    if step_value:
+        return tk.Trainer(GAN(), optimizer=optimizer, strategy=made, step=GANStep(), **options)
+    return GANTrainer(GAN(), optimizer=optimizer, strategy=made, **options)
 
 
 class Sleep(tk.callbacks.Callback):
@@ -141,6 +165,7 @@ def parse_args(argv=None):
     parser.add_argument("--out", type=pathlib.Path, default=None, help="save the final parameters (.npz)")
     parser.add_argument("--sleep", type=float, default=0.0, help="seconds to sleep after each batch")
     parser.add_argument("--min-improvement", type=float, default=0.5, help="the mean-image gap's least shrinkage")
+    parser.add_argument("--step-value", action="store_true", help="train with GANStep() given as step=")
     parser.add_argument("--verbose", type=int, default=0)
     return parser.parse_args(argv)
 
@@ -149,7 +174,7 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     if args.devices:
         jax.config.update("jax_num_cpu_devices", args.devices)  # before anything touches a device
-    trainer = make_trainer(args.strategy, steps_per_execution=args.steps_per_execution)
+    trainer = make_trainer(args.strategy, step_value=args.step_value, steps_per_execution=args.steps_per_execution)
     callbacks: list[tk.callbacks.Callback] = [Sleep(args.sleep)] if args.sleep else []
     if args.backup is not None:
         callbacks.append(tk.callbacks.BackupAndRestore(str(args.backup), save_freq=1))

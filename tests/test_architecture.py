@@ -487,3 +487,24 @@ def test_one_table_of_chips():
     assert set(figures) == {"core.chips"}, (
         f"chip figures outside core/chips.py: { {n: v for n, v in figures.items() if n != 'core.chips'} }"
     )
+
+
+#: the packages a step passes through from the trainer to the compiled program (#82): none reads a user's
+#: object by snapshotting its attributes
+STEP_PATH = ("program", "loop", "strategies")
+
+
+def test_a_step_is_a_value_not_read_from_bytecode_or_a_snapshot():
+    """#82: the user's step is a value (``tk.Step``; an override runs through a frozen view of the trainer), so no
+    module reads a function's bytecode (``dis``) and none on the step's path snapshots an object with ``vars()``."""
+    readers, snapshots = [], []
+    for name, path in MODULES.items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.Import, ast.ImportFrom)):
+                modules = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""]
+                readers += [f"{name}:{node.lineno}" for m in modules if m.split(".")[0] in ("dis", "opcode")]
+            calls_vars = isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "vars"
+            if calls_vars and package_of(name) in STEP_PATH:
+                snapshots.append(f"{name}:{node.lineno}")
+    assert not readers, f"bytecode read in {readers}: declare what the step needs as a value's field"
+    assert not snapshots, f"vars() on the step's path in {snapshots}: record what the step reads, as it reads it"

@@ -28,6 +28,7 @@ if TYPE_CHECKING:  # what __getattr__ imports on first use, for the type checker
     from trainkit.core.spikes import SpikeSkip
     from trainkit.core.state import TrainState
     from trainkit.core.step_state import StepState
+    from trainkit.core.step_value import Step
     from trainkit.data import sources
     from trainkit.loop import PREEMPTED_EXIT_CODE, Position, Preempted, StepRecord
     from trainkit.monitoring import debug, loggers
@@ -50,6 +51,7 @@ LAZY: dict[str, tuple[str, str | None]] = {
     "StepRecord": ("trainkit.loop", "StepRecord"),
     "TrainState": ("trainkit.core.state", "TrainState"),
     "StepState": ("trainkit.core.step_state", "StepState"),
+    "Step": ("trainkit.core.step_value", "Step"),
     "Strategy": ("trainkit.strategies", "Strategy"),
     "SingleDevice": ("trainkit.strategies", "SingleDevice"),
     "DataParallel": ("trainkit.strategies", "DataParallel"),
@@ -83,6 +85,7 @@ __all__ = [
     "StepRecord",
     "TrainState",
     "StepState",
+    "Step",
     "Strategy",
     "SingleDevice",
     "DataParallel",

@@ -75,9 +75,10 @@ class Trainer:
         skip_spikes: a ``tk.SpikeSkip``: an update whose loss spikes above its running average is not applied.
         offload: ``"optimizer"`` (``"optimizer+frozen"``: and the frozen parameters) in host memory, streamed
             through each step, the same numbers; ``"auto"``: where the step fits only so.
+        step: a ``tk.Step``: a train step of your own as a frozen value (docs/custom_training.md).
 
-    Override :meth:`compute_loss` (a loss not ``loss(predictions, y)``) or :meth:`train_step` (docs/custom_training.md).
-    Each argument: docs/quickstart.md, docs/outputs.md, docs/performance.md, docs/precision_and_memory.md.
+    Override :meth:`compute_loss` (a loss not ``loss(predictions, y)``) or :meth:`train_step` (docs/custom_training.md);
+    each argument: docs/quickstart.md, docs/outputs.md, docs/performance.md, docs/precision_and_memory.md.
     """
 
     def __init__(
@@ -89,12 +90,12 @@ class Trainer:
         log_grad_norm: bool = False, steps_per_execution: int | str | None = None, run_eagerly: bool = False,
         jit_compile: bool | str = "auto", mixes_rows: bool = False, deterministic: bool = False,
         trainable: TrainableSpec = None, lora: LoRA | None = None, skip_spikes: SpikeSkip | None = None,
-        frozen_statistics: bool = True, offload: str | Offload | None = None,
+        frozen_statistics: bool = True, offload: str | Offload | None = None, step: custom_step.Step | None = None,
     ) -> None:  # fmt: skip
         if deterministic:  # XLA reads its flags when the backend starts: before anything touches devices
             distributed.enable_determinism()
         distributed.initialize_from_environment()  # a multi-process job: connect first
-        own = custom_step.overrides(type(self), Trainer, has_loss=loss is not None)  # compute_loss, train_step, ...
+        own = custom_step.overrides(type(self), Trainer, has_loss=loss is not None, step=step)  # compute_loss, ...
         check_trainer_arguments(optimizer, grad_accum_steps, jit_compile, has_loss=loss is not None or own.loss)
         self.model, self.loss, self.optimizer, self.remat, self.seed = model, loss, optimizer, remat, int(seed)
         self.objective = Objective(loss, metrics, weighted_metrics, loss_weights, own_loss=own.compute_loss)
@@ -106,8 +107,7 @@ class Trainer:
             optimizer=optimizer, objective=self.objective, precision=self.precision, eager=self.run_eagerly,
             grad_accum_steps=self.grad_accum_steps, log_grad_norm=self.log_grad_norm, variables=params, lora=lora,
             trainable=trainable, spike_skip=skip_spikes, frozen_statistics=frozen_statistics,
-            offload=Offload.of(offload), train_step=self.train_step if own.train_step else None,
-            test_step=self.test_step if own.test_step else None,
+            offload=Offload.of(offload), step=custom_step.step_of(self, own, step),
         )  # fmt: skip
         self.session = Session()  # the one holder of the live state, the position and the flags
         self.setup = Setup(
@@ -120,8 +120,7 @@ class Trainer:
     def apply(
         self, params: PyTree, model_state: PyTree, x: PyTree, *, rng: jax.Array, train: bool, method: str | None = None
     ) -> tuple[PyTree, PyTree]:
-        """``(outputs, new_model_state)`` of the model (or its ``method``, by name) under the precision policy and
-        remat; pure (use it in ``compute_loss`` and ``train_step``)."""
+        """``(outputs, new_model_state)`` of the model (or its ``method``) under precision and remat; pure."""
         return self.program.call_model(params, model_state, x, rng=rng, train=train, method=method)
 
     def compute_loss(
@@ -133,14 +132,22 @@ class Trainer:
         return self.objective.loss(predictions, batch["y"], watched_batch.per_token(batch)), (predictions, model_state)
 
     def train_step(self, state: TrainState, batch: Batch, rng: jax.Array) -> tuple[TrainState, dict[str, jax.Array]]:
-        """Override for a step of your own (a GAN's): pure, ``(state, batch, rng) -> (state, logs)`` with the helpers
-        on the state (``state.apply``, ``state.apply_gradients(grads, group)``, ``state.mean``, ``state.normal``,
-        ``state.all_rows``); run by every strategy, fused and resumed as the built-in step (docs/custom_training.md)."""
+        """Override for a step of your own (or pass ``step=``): pure, ``(state, batch, rng) -> (state, logs)``, helpers
+        on the state; run by every strategy, fused and resumed as the built-in step (docs/custom_training.md)."""
         raise custom_step.not_callable("train_step")
 
     def test_step(self, state: TrainState, batch: Batch, rng: jax.Array) -> dict[str, jax.Array]:
         """Override for an evaluation of your own: pure, ``(state, batch, rng) -> logs`` (default: the loss)."""
         raise custom_step.not_callable("test_step")
+
+    @property
+    def step(self) -> custom_step.Step | None:
+        """The step value (``step=``'s, a ``train_step`` override's; ``None``: built in); settable between fits."""
+        return self.program.user_step
+
+    @step.setter
+    def step(self, value: custom_step.Step) -> None:
+        self.program.set_step(value)
 
     @property
     def state(self) -> TrainState | None:
@@ -238,11 +245,9 @@ class Trainer:
     def merge_lora(self) -> Trainer:
         """A trainer of the model without adapters, folded into its kernels: the same predictions."""
         (loss, metrics, weighted, loss_weights), (variables, sample) = self.objective.spec, self.state_access.merged()
-        merged = type(self)(
-            self.model, loss=loss, optimizer=self.optimizer, metrics=metrics, weighted_metrics=weighted,
-            loss_weights=loss_weights, strategy=self.strategy or "auto", seed=self.seed, precision=self.precision,
-            remat=self.remat, params=variables,
-        )  # fmt: skip
+        merged = type(self)(self.model, loss=loss, optimizer=self.optimizer, metrics=metrics, weighted_metrics=weighted,
+                            loss_weights=loss_weights, strategy=self.strategy or "auto", seed=self.seed,
+                            precision=self.precision, remat=self.remat, params=variables)  # fmt: skip
         merged.init(sample)
         return merged
 
@@ -251,16 +256,14 @@ class Trainer:
         return checkpoint_lib.manifest_of(self.session, self.strategy, self.state_access.settings())
 
     def save(self, filepath: str | os.PathLike[str], **options: Unpack[checkpoint_lib.SaveOptions]) -> int:
-        """Writes the state (``weights_only``: the variables) and the manifest to ``filepath`` (orbax) at the current
-        step, returned once on disk, keeping ``max_to_keep``; refuses an existing step with ``overwrite=False``, NaN
-        unless ``allow_non_finite``."""
+        """Writes the state (``weights_only``: the variables) and manifest to ``filepath`` (orbax) at this step, once
+        on disk, keeping ``max_to_keep``; refuses an existing step (``overwrite=False``), NaN (``allow_non_finite``)."""
         return checkpoint_lib.save_session(filepath, self.session, self.manifest(), **options)
 
     def load(
         self, directory: str | os.PathLike[str] | checkpoint_lib.Checkpointer, step: int | None = None
     ) -> checkpoint_lib.Manifest:
-        """Restores the latest checkpoint (or ``step``), saved under any strategy or device count (or the
-        variables of a ``save_weights_only`` one), after ``init(sample_batch)``; returns the manifest."""
+        """Restores the latest checkpoint (or ``step``) of any strategy, device count, or weights only, after init."""
         return checkpoint_lib.restore_session(directory, self.session, step, self.strategy)
 
     def function(self, kind: str) -> TreeFunction:
@@ -293,17 +296,15 @@ class Trainer:
     def find_batch_size(
         self, x: DataInput, y: PyTree = None, **options: Unpack[tuning.BatchSizeOptions]
     ) -> BatchSizeSearch:
-        """The largest global batch (up to ``max_batch_size``, ``powers_of_two``) whose compiled train step fits
-        ``memory_limit`` (default: the device's) less ``headroom``, found by compiling, never by an OOM; with remat
-        or offload where needed; ``target``: a pod's compile-only devices (docs/tuning.md)."""
+        """The largest global batch (to ``max_batch_size``, ``powers_of_two``) whose compiled step fits ``memory_limit``
+        less ``headroom``, by compiling, never an OOM; remat or offload where needed; ``target``: docs/tuning.md."""
         return tuning.find_batch_size(self.setup, x, y, **options)
 
     def find_learning_rate(
         self, x: DataInput, y: PyTree = None, *, batch_size: int | None, **options: Unpack[lr_finder.RangeOptions]
     ) -> lr_finder.LearningRateSearch:
-        """Lightning's range test over ``steps`` from ``min_lr`` (1e-7) to ``max_lr`` (1.0), stopped past
-        ``early_stop_threshold``: ``lrs``, smoothed ``losses``, the ``suggestion`` and ``plot(path)``; the trainer
-        is restored exactly (docs/tuning.md)."""
+        """Lightning's range test (``steps``, ``min_lr`` 1e-7 to ``max_lr`` 1, stopped past ``early_stop_threshold``):
+        ``lrs``, smoothed ``losses``, ``suggestion``, ``plot(path)``; the trainer restored exactly (docs/tuning.md)."""
         return lr_finder.find_learning_rate(self, x, y, batch_size=batch_size, **options)
 
     def fit(
@@ -353,10 +354,8 @@ class Trainer:
         """One optimizer step on exactly these rows (Keras's ``train_on_batch``, padded to a size the
         devices split): that batch's loss and metrics, as :meth:`evaluate` returns them."""
         size = inputs.one_batch_size(self.setup, x)
-        history = self.fit(
-            x, y, batch_size=size, epochs=1, sample_weight=sample_weight, class_weight=class_weight, shuffle=False,
-            verbose=0,
-        )  # fmt: skip
+        history = self.fit(x, y, batch_size=size, epochs=1, sample_weight=sample_weight, class_weight=class_weight,
+                           shuffle=False, verbose=0)  # fmt: skip
         return self.objective.keras_result({k: v[-1] for k, v in history.history.items()}, return_dict)
 
     def test_on_batch(
@@ -374,7 +373,6 @@ class Trainer:
         self, x: DataInput = None, batch_size: int | None = None, verbose: int | str = 0, steps: int | None = None,
         callbacks: Iterable[Callback] | None = None,
     ) -> PyTree:  # fmt: skip
-        """Outputs with exactly one row per input row (a pytree for several outputs); ``x`` as ``fit`` takes
-        it (targets ignored), a tuple of arrays the inputs."""
+        """Outputs, one row per input row (a pytree for several); ``x`` as ``fit`` takes it, targets ignored."""
         dataset, batch_size, total = inputs.prepare_run(self.setup, x, None, None, batch_size, steps, targets=False)
         return self.loop.predict(dataset, batch_size, steps, CallbackList.for_run(callbacks, self, verbose, total))

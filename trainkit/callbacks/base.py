@@ -17,6 +17,7 @@ of the batch a hook is about, ``resume_at`` / ``request_stop`` / ``preempt``), a
 
 from __future__ import annotations
 
+import inspect
 from typing import TypedDict
 
 from trainkit.callbacks.trainer_view import TrainerView
@@ -173,8 +174,7 @@ class Callback:
 
 def overrides(callback: Callback, hook: str) -> bool:
     """Whether ``callback`` implements ``hook`` itself (a method or an instance attribute)."""
-    fn = getattr(callback, hook)
-    return getattr(fn, "__func__", fn) is not getattr(Callback, hook)
+    return inspect.getattr_static(callback, hook) is not inspect.getattr_static(Callback, hook)
 
 
 def resolve_mode(monitor: str, mode: str) -> str:

@@ -25,9 +25,7 @@ the logs (scalars) become metrics weighted by the step's real rows, as the built
 
 from __future__ import annotations
 
-import dis
 import inspect
-import types
 from collections.abc import Callable
 from typing import Any, NamedTuple, Protocol
 
@@ -37,10 +35,12 @@ import numpy as np
 
 from trainkit.core import tree
 from trainkit.core.checks import SettingError
+from trainkit.core.override_step import OverrideStep
 from trainkit.core.sown import split_sown
 from trainkit.core.state import Batch, TrainState, check_tree_matches
 from trainkit.core.step_helpers import pmean_floats
 from trainkit.core.step_state import StepFacts, StepState, group_mask
+from trainkit.core.step_value import Step, checked_step
 from trainkit.core.totals import LossAverage
 from trainkit.core.watched_batch import RowFacts, WatchedBatch
 
@@ -48,9 +48,6 @@ from trainkit.core.watched_batch import RowFacts, WatchedBatch
 UserTrainStep = Callable[[StepState, Batch, jax.Array], tuple[TrainState, dict[str, jax.Array]]]
 #: ``test_step(state, batch, rng) -> logs``
 UserTestStep = Callable[[StepState, Batch, jax.Array], dict[str, jax.Array]]
-
-#: the helpers that moved from the trainer (``self.mean``) to the state the step threads (``state.mean``)
-MOVED_HELPERS = ("apply", "apply_gradients", "mean", "normal", "all_rows")
 
 
 def _checked_logs(logs: object, where: str) -> dict[str, jax.Array]:
@@ -201,11 +198,13 @@ class Overrides(NamedTuple):
     train_step: bool
     #: a ``test_step`` of its own, or none to evaluate by (a ``train_step`` of its own, no loss)
     test_step: bool
+    #: a step value was given (``Trainer(step=...)``)
+    step: bool = False
 
     @property
     def loss(self) -> bool:
-        """The loss is the user's (``compute_loss`` or ``train_step``): ``loss=`` may be left out."""
-        return self.compute_loss or self.train_step
+        """The loss is the user's (``compute_loss``, ``train_step`` or a step value): ``loss=`` may be left out."""
+        return self.compute_loss or self.train_step or self.step
 
 
 class Overridable(Protocol):
@@ -218,15 +217,30 @@ class Overridable(Protocol):
     def test_step(self, *args: Any, **kwargs: Any) -> Any: ...
 
 
-def overrides(cls: type[Overridable], base: type[Overridable], *, has_loss: bool) -> Overrides:
+def overrides(cls: type[Overridable], base: type[Overridable], *, has_loss: bool, step: object = None) -> Overrides:
     """What ``cls`` (a ``Trainer`` subclass) overrides of ``base`` (``Trainer``): raises for a
-    ``train_step`` / ``test_step`` of the wrong signature or the old ``self.`` helpers
-    (:func:`overridden`); ``has_loss``: ``loss=`` was given (else a ``train_step`` of its own
-    evaluates by its ``test_step``)."""
-    step = overridden(cls.train_step, base.train_step, cls.__name__)
+    ``train_step`` / ``test_step`` of the wrong signature (:func:`overridden`); ``has_loss``:
+    ``loss=`` was given (else a ``train_step`` of its own evaluates by its ``test_step``);
+    ``step``: the ``step=`` given (a value replacing the built-in step)."""
+    train = overridden(cls.train_step, base.train_step, cls.__name__)
     test = overridden(cls.test_step, base.test_step, cls.__name__)
     own_loss = cls.compute_loss is not base.compute_loss
-    return Overrides(own_loss, step, test or (step and not has_loss and not own_loss))
+    return Overrides(own_loss, train, test or (train and not has_loss and not own_loss), step is not None)
+
+
+def step_of(owner: Overridable, own: Overrides, step: object) -> Step | None:
+    """The step value a trainer runs: ``step`` (``Trainer(step=...)``, checked), the adapter of
+    its ``train_step`` / ``test_step`` overrides, or ``None`` (the built-in step)."""
+    if step is not None:
+        if own.train_step or own.test_step:
+            raise TypeError(
+                f"{type(owner).__name__} overrides train_step or test_step and was given step= too: one step runs. "
+                "Keep the override, or move it into the tk.Step (its train / test methods) and drop the override."
+            )
+        return checked_step(step)
+    if own.train_step or own.test_step:
+        return OverrideStep(owner, trains_own=own.train_step, tests_own=own.test_step)
+    return None
 
 
 def overridden(method: Callable[..., object], default: Callable[..., object], owner: str) -> bool:
@@ -250,47 +264,7 @@ def overridden(method: Callable[..., object], default: Callable[..., object], ow
             "Keras's train_step(self, state, data) / train_step(self, data) map onto it as docs/custom_training.md "
             "shows (gradients through state.apply_gradients(grads), losses through state.mean(values, batch))."
         )
-    moved = sorted(_trainer_attributes(method, parameters[0].name if parameters else "state") & set(MOVED_HELPERS))
-    if moved:
-        helper = moved[0]
-        raise TypeError(
-            f"{owner}.{name} calls self.{helper}(...): the step's helpers live on the state it threads, which knows "
-            f"the strategy tracing the step. Write state.{helper}(...) instead of self.{helper}(...)"
-            + (" (and drop the state argument: state = state.apply_gradients(grads, group=...))" if helper ==
-               "apply_gradients" else "")
-            + f"; the helpers: {', '.join(f'state.{h}' for h in MOVED_HELPERS)} (docs/custom_training.md)."
-        )  # fmt: skip
     return True
-
-
-def read_attributes(*methods: Callable[..., object] | None) -> frozenset[str]:
-    """The attributes the trainer's ``methods`` (its ``train_step`` / ``test_step``) read as
-    ``self.<name>``, by their bytecode (:func:`_trainer_attributes`)."""
-    return frozenset(name for method in methods if method is not None for name in _trainer_attributes(method, ""))
-
-
-def _trainer_attributes(method: Callable[..., object], state_name: str) -> set[str]:
-    """The attributes ``method`` (or a function nested in it) reads from its first argument
-    (``self``), by its bytecode: what ``self.mean(...)`` spells (a method of another name is
-    not followed)."""
-    function = inspect.unwrap(method)
-    if isinstance(function, types.MethodType):  # the trainer's bound train_step
-        function = function.__func__
-    if not isinstance(function, types.FunctionType) or not function.__code__.co_varnames:
-        return set()
-    code = function.__code__
-    own, found = code.co_varnames[0], set()
-    codes = [code]
-    while codes:
-        current = codes.pop()
-        codes.extend(c for c in current.co_consts if isinstance(c, types.CodeType))
-        previous = None
-        for instruction in dis.get_instructions(current):
-            if instruction.opname in ("LOAD_ATTR", "LOAD_METHOD") and previous is not None:
-                if previous.opname.startswith("LOAD_") and previous.argval == own and own != state_name:
-                    found.add(str(instruction.argval))
-            previous = instruction
-    return found
 
 
 def not_callable(name: str) -> NotImplementedError:

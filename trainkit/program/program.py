@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import types
 from collections.abc import Callable, Sequence
 
 import jax
@@ -31,7 +30,7 @@ import numpy as np
 import optax
 
 from trainkit.attn.kernels import compiled_for
-from trainkit.core import cost, loss_call, tree
+from trainkit.core import cost, loss_call, step_value, tree
 from trainkit.core import custom_step as custom_lib
 from trainkit.core import frozen_statistics as frozen_lib
 from trainkit.core import lora as lora_lib
@@ -52,6 +51,7 @@ from trainkit.core.model import (
 )
 from trainkit.core.offload import Offload
 from trainkit.core.optimizer_groups import OptimizerGroups
+from trainkit.core.override_step import replacing
 from trainkit.core.pipeline import NotPipelined, stacked_parameters, staged
 from trainkit.core.precision import Precision, cast_floating
 from trainkit.core.remat import Remat, rematerialised, repeated_blocks, wrap_remat
@@ -71,13 +71,13 @@ from trainkit.core.step import (
 )
 from trainkit.core.step_feature import StepFeature
 from trainkit.core.step_state import StepFacts, StepState
+from trainkit.core.step_value import Step, frozen_while_traced
 from trainkit.core.totals import EpochTotals, pack
 from trainkit.core.trainable import Trainable, TrainableSpec
 from trainkit.core.tree import Apply, PyTree, TreeFunction
 from trainkit.core.warn import warn_user
 from trainkit.objective import Objective
 from trainkit.program import plan as plan_lib
-from trainkit.program.traced_attributes import TracedAttributes
 from trainkit.strategies import Strategy
 
 
@@ -106,8 +106,9 @@ class Program:
             in training (:mod:`trainkit.core.frozen_statistics`); ``False``: its statistics train.
         offload: what lives in host memory (:class:`~trainkit.core.offload.Offload`): the strategy
             places it there and the train step streams it through the update.
-        train_step, test_step: the user's own steps (:mod:`trainkit.core.custom_step`), which
-            replace the built-in loss, gradient and update (``None``: the built-in ones).
+        step: the user's own step value (:class:`~trainkit.core.step_value.Step`: ``Trainer(step=...)``
+            or the adapter of a ``train_step`` / ``test_step`` override), whose ``train`` replaces
+            the built-in loss, gradient and update, and ``test`` the evaluation (``None``: the built-in ones).
     """
 
     def __init__(
@@ -130,17 +131,13 @@ class Program:
         spike_skip: SpikeSkip | None = None,
         frozen_statistics: bool = True,
         offload: Offload = Offload(),  # noqa: B008 - a frozen value
-        train_step: custom_lib.UserTrainStep | None = None,
-        test_step: custom_lib.UserTestStep | None = None,
+        step: Step | None = None,
     ):
-        self.train_step, self.test_step = train_step, test_step
-        owner = next((step.__self__ for step in (train_step, test_step) if isinstance(step, types.MethodType)), None)
-        #: the trainer's attributes around each trace of the user's steps (nothing leaks through self)
-        self.traced_attributes = TracedAttributes(owner)
-        #: the attributes those steps read as ``self.<name>`` (a change of one mid-fit is refused)
-        self.read_attributes = custom_lib.read_attributes(train_step, test_step)
+        self.user_step = step
+        #: the values the compiled user's steps were traced with (:meth:`Step.traced_values`)
+        self._traced: dict[str, object] | None = None
         self.spike_skip = _checked_spike_skip(spike_skip)
-        if train_step is not None:
+        if self.own_train:
             refuse_for_own_step(grad_accum_steps, precision, spike_skip, log_grad_norm, offload)
         self.log_names: tuple[str, ...] | None = None  # the step's own logs, in their order (found when traced)
         self.offload = offload
@@ -202,19 +199,50 @@ class Program:
         loss_call.applied(train, model_state, out[1])  # inside a traced compute_loss: its mistakes
         return out
 
-    def _user_train_step(self, state: StepState, batch: Batch, rng: jax.Array) -> PyTree:
-        """The user's ``train_step``, its logs' names recorded (in their order) when traced."""
-        assert self.train_step is not None
-        with self.traced_attributes.tracing("train_step"):
-            result = self.train_step(state, batch, rng)
-        if isinstance(result, tuple) and len(result) == 2 and isinstance(result[1], dict):
+    @property
+    def own_train(self) -> bool:
+        """The train step is the user's (a step value's ``train``)."""
+        return self.user_step is not None and self.user_step.trains
+
+    @property
+    def own_test(self) -> bool:
+        """The evaluation is the user's: a step value's ``test``, or the step's (which names the fix)
+        where it trains and nothing else can evaluate (no ``loss=``, no ``compute_loss``)."""
+        if self.user_step is None:
+            return False
+        no_loss = self.objective.spec[0] is None and not self.objective.own_loss
+        return self.user_step.tests or (self.user_step.trains and no_loss)
+
+    def set_step(self, step: object) -> None:
+        """A new value of the user's step (``trainer.step = dataclasses.replace(...)``): the next
+        run traces the steps again with it (:meth:`step_values_changed`)."""
+        self.user_step = replacing(self.user_step, step)
+
+    def step_values_changed(self, forget: bool = True) -> list[str]:
+        """``'name: old -> new'`` for each value the user's steps were traced with that has changed
+        since (a hyperparameter of the step value, a value an override read from ``self``);
+        ``forget``: then forgotten (the next trace records them again)."""
+        if self.user_step is None or self._traced is None:
+            return []
+        found = step_value.changed(self._traced, self.user_step.watched())
+        if found and forget:
+            self._traced = None
+        return found
+
+    def _user_step(self, kind: str, state: StepState, batch: Batch, rng: jax.Array) -> PyTree:
+        """The user's step value's ``train`` (``kind`` ``"train_step"``; its logs' names recorded
+        in their order) or ``test`` (``"test_step"``), the values it read recorded, when traced."""
+        assert self.user_step is not None
+        with frozen_while_traced(kind):
+            result = (
+                self.user_step.train(state, batch, rng)
+                if kind == "train_step"
+                else self.user_step.test(state, batch, rng)
+            )
+        self._traced = {**(self._traced or {}), **self.user_step.traced_values()}
+        if kind == "train_step" and isinstance(result, tuple) and len(result) == 2 and isinstance(result[1], dict):
             self._record_logs(result[1])
         return result
-
-    def _user_test_step(self, state: StepState, batch: Batch, rng: jax.Array) -> PyTree:
-        assert self.test_step is not None
-        with self.traced_attributes.tracing("test_step"):
-            return self.test_step(state, batch, rng)
 
     def _record_logs(self, logs: PyTree) -> None:
         if self.log_names is None and isinstance(logs, dict):
@@ -225,7 +253,7 @@ class Program:
         """The names the logs hold, in order: the objective's (the loss, its terms, the metrics)
         and ``compute_loss``'s logs, or the user's ``train_step``'s logs alone (once traced)."""
         logs = self.log_names or ()
-        if self.train_step is not None:
+        if self.own_train:
             return logs
         order = self.objective.log_order
         return (order[0], *logs, *order[1:])
@@ -424,8 +452,9 @@ class Program:
     def audited_train_step(self, zero_gradients: list[tuple[str, bool]]) -> TreeFunction:
         """The user's ``train_step`` under ``jit`` semantics, appending to ``zero_gradients`` as it
         runs whether each update's gradients were all zero (:mod:`trainkit.program.step_audit`)."""
-        assert self.train_step is not None
-        return custom_lib.make_custom_train_step(self._user_train_step, self.step_facts(None), zero_gradients)
+        assert self.own_train
+        train = functools.partial(self._user_step, "train_step")
+        return custom_lib.make_custom_train_step(train, self.step_facts(None), zero_gradients)
 
     def metrics_step(
         self,
@@ -440,12 +469,13 @@ class Program:
         ``(state, batch) -> metrics``, before their metrics are merged into the totals; the
         statistics (``GradientStats``) measured as ``statistics_when`` says
         (:meth:`~trainkit.core.statistics.StepStatistics.metrics`)."""
-        if kind == "eval" and self.test_step is not None:
-            return custom_lib.make_custom_eval_step(self._user_test_step, self.step_facts(axis))
+        if kind == "eval" and self.own_test:
+            test = functools.partial(self._user_step, "test_step")
+            return custom_lib.make_custom_eval_step(test, self.step_facts(axis))
         if kind == "eval":
             return make_eval_step(self.training_loss, self.objective.metric_fns, axis, self.objective.valid_tokens())
         offload = bool(self.offload) if offload is None else offload
-        user_step = None if self.train_step is None else self._user_train_step
+        user_step = functools.partial(self._user_step, "train_step") if self.own_train else None
         features = self.step_features(statistics, statistics_when) if user_step is None else ()
         if user_step is not None and self.objective.valid_tokens() is not None:
             raise ValueError(

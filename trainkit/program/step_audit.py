@@ -32,7 +32,7 @@ def audit_own_step(setup: Setup, prepared: data_lib.Prepared) -> None:
     """Refuses a custom ``train_step`` that updates a group on all-zero gradients, or whose logs
     or update move with a padded row's content."""
     program = setup.program
-    if program.train_step is None or setup.audited_own_step or jax.process_count() > 1:
+    if not program.own_train or setup.audited_own_step or jax.process_count() > 1:
         return
     setup.audited_own_step = True
     batch = prepared.sample_batch()
