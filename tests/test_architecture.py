@@ -508,3 +508,17 @@ def test_a_step_is_a_value_not_read_from_bytecode_or_a_snapshot():
                 snapshots.append(f"{name}:{node.lineno}")
     assert not readers, f"bytecode read in {readers}: declare what the step needs as a value's field"
     assert not snapshots, f"vars() on the step's path in {snapshots}: record what the step reads, as it reads it"
+
+
+def test_one_trace_context_and_a_pure_core():
+    """#82: what a step is traced under is one value in one ``ContextVar`` (core/trace_context.py), handed to the
+    step once by the program's compile (the platform and the strategy's ``trace_parts``); core/ holds no mesh, no
+    ``shard_map`` and no thread state: the mesh-aware code (the pipeline, GPipe, logical axis rules) lives in
+    strategies/, which owns the mesh."""
+    variables = [n for n, path in MODULES.items() if "ContextVar(" in path.read_text()]
+    assert variables == ["core.trace_context"], f"ContextVars in {variables}: make it a part of core/trace_context"
+    impure = re.compile(r"\bMesh\b|shard_map\(|NamedSharding|threading\.|with_sharding_constraint")
+    found = [n for n, path in MODULES.items() if package_of(n) == "core" and impure.search(path.read_text())]
+    assert not found, f"mesh or thread code in core/: {found}; it belongs to the package that owns the mesh"
+    program = MODULES["program.program"].read_text()
+    assert program.count("traced_under(") == 1 and "trace_parts()" in program, "the step's context handed once"

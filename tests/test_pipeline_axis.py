@@ -14,7 +14,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 import trainkit as tk
-from trainkit.core.pipeline import bubble_fraction
+from trainkit.strategies.pipeline import bubble_fraction
 
 SEQUENCE, WIDTH, VOCAB, HEADS, LAYERS = 512, 64, 64, 4, 4
 

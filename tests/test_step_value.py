@@ -12,7 +12,7 @@ import pytest
 from conftest import load_example, strategy_table
 
 import trainkit as tk
-from trainkit.core import custom_step
+from trainkit.core import override_step
 
 gan = load_example("gan")
 IMAGES = gan.digits(100)  # with batch 32: three full batches and one of 4 real rows
@@ -37,7 +37,7 @@ def fit(strategy, *, step=None, epochs=2, **options):
 def test_a_gan_as_a_step_value_equals_the_same_gan_as_a_train_step_override(strategy):
     value, value_logs = fit(strategy, step=gan.GANStep())
     override, override_logs = fit(strategy)
-    assert isinstance(value.step, gan.GANStep) and isinstance(override.step, custom_step.OverrideStep)
+    assert isinstance(value.step, gan.GANStep) and isinstance(override.step, override_step.OverrideStep)
     assert sorted(value_logs) == sorted(override_logs) == ["d_loss", "g_loss"]
     for name in value_logs:
         np.testing.assert_allclose(value_logs[name], override_logs[name], rtol=1e-7, atol=1e-7, err_msg=name)

@@ -14,8 +14,9 @@ import pytest
 from conftest import classifier
 
 import trainkit as tk
-from trainkit.attn.kernels import compiled_for
+from trainkit.attn.kernels import Platform
 from trainkit.core import chips
+from trainkit.core.trace_context import traced_under
 from trainkit.program import compile_estimate, targets
 from trainkit.program.tuning import target_candidates
 
@@ -297,7 +298,11 @@ def test_the_kernels_logsumexp_residual_is_read_where_it_lies_not_copied_whole()
     def loss(q, k, v):
         return (tk.attention(q, k, v, causal=True).astype(np.float32) ** 2).mean()
 
-    compiled = jax.jit(compiled_for(jax.grad(loss, argnums=(0, 1, 2)), "tpu")).lower(arrays, arrays, arrays).compile()
+    compiled = (
+        jax.jit(traced_under(jax.grad(loss, argnums=(0, 1, 2)), Platform("tpu")))
+        .lower(arrays, arrays, arrays)
+        .compile()
+    )
     text = compiled.as_text()
     assert "tpu_custom_call" in text  # the kernel ran, not XLA's attention
     residual = re.compile(rf"= f32\[[\d,]*{length},128\]\{{[^}}]*\}} copy\(")

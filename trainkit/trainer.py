@@ -27,7 +27,7 @@ from trainkit import distributed
 from trainkit import export as export_lib
 from trainkit import weights as weights_lib
 from trainkit.callbacks import Callback, CallbackList, History, lr_finder
-from trainkit.core import custom_step, loss_call, watched_batch
+from trainkit.core import loss_call, override_step, watched_batch
 from trainkit.core.lora import LoRA
 from trainkit.core.model import Model, adapt_model
 from trainkit.core.offload import Offload
@@ -90,12 +90,12 @@ class Trainer:
         log_grad_norm: bool = False, steps_per_execution: int | str | None = None, run_eagerly: bool = False,
         jit_compile: bool | str = "auto", mixes_rows: bool = False, deterministic: bool = False,
         trainable: TrainableSpec = None, lora: LoRA | None = None, skip_spikes: SpikeSkip | None = None,
-        frozen_statistics: bool = True, offload: str | Offload | None = None, step: custom_step.Step | None = None,
+        frozen_statistics: bool = True, offload: str | Offload | None = None, step: override_step.Step | None = None,
     ) -> None:  # fmt: skip
         if deterministic:  # XLA reads its flags when the backend starts: before anything touches devices
             distributed.enable_determinism()
         distributed.initialize_from_environment()  # a multi-process job: connect first
-        own = custom_step.overrides(type(self), Trainer, has_loss=loss is not None, step=step)  # compute_loss, ...
+        own = override_step.overrides(type(self), Trainer, has_loss=loss is not None, step=step)  # compute_loss, ...
         check_trainer_arguments(optimizer, grad_accum_steps, jit_compile, has_loss=loss is not None or own.loss)
         self.model, self.loss, self.optimizer, self.remat, self.seed = model, loss, optimizer, remat, int(seed)
         self.objective = Objective(loss, metrics, weighted_metrics, loss_weights, own_loss=own.compute_loss)
@@ -107,7 +107,7 @@ class Trainer:
             optimizer=optimizer, objective=self.objective, precision=self.precision, eager=self.run_eagerly,
             grad_accum_steps=self.grad_accum_steps, log_grad_norm=self.log_grad_norm, variables=params, lora=lora,
             trainable=trainable, spike_skip=skip_spikes, frozen_statistics=frozen_statistics,
-            offload=Offload.of(offload), step=custom_step.step_of(self, own, step),
+            offload=Offload.of(offload), step=override_step.step_of(self, own, step),
         )  # fmt: skip
         self.session = Session()  # the one holder of the live state, the position and the flags
         self.setup = Setup(
@@ -134,19 +134,19 @@ class Trainer:
     def train_step(self, state: TrainState, batch: Batch, rng: jax.Array) -> tuple[TrainState, dict[str, jax.Array]]:
         """Override for a step of your own (or pass ``step=``): pure, ``(state, batch, rng) -> (state, logs)``, helpers
         on the state; run by every strategy, fused and resumed as the built-in step (docs/custom_training.md)."""
-        raise custom_step.not_callable("train_step")
+        raise override_step.not_callable("train_step")
 
     def test_step(self, state: TrainState, batch: Batch, rng: jax.Array) -> dict[str, jax.Array]:
         """Override for an evaluation of your own: pure, ``(state, batch, rng) -> logs`` (default: the loss)."""
-        raise custom_step.not_callable("test_step")
+        raise override_step.not_callable("test_step")
 
     @property
-    def step(self) -> custom_step.Step | None:
+    def step(self) -> override_step.Step | None:
         """The step value (``step=``'s, a ``train_step`` override's; ``None``: built in); settable between fits."""
         return self.program.user_step
 
     @step.setter
-    def step(self, value: custom_step.Step) -> None:
+    def step(self, value: override_step.Step) -> None:
         self.program.set_step(value)
 
     @property

@@ -20,7 +20,6 @@ routes Flax's and JAX's own attention here; every call a step's trace reaches is
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import dataclasses
 import functools
 import math
@@ -33,7 +32,7 @@ from jax.sharding import Mesh, PartitionSpec
 
 from trainkit.attn import kernels
 from trainkit.attn.causal_balance import balanced_causal_attention, balanced_halves, contiguous_halves
-from trainkit.core.scoped import scoped
+from trainkit.core.trace_context import current, under
 
 JAX_ATTENTION = jax.nn.dot_product_attention  # bound before attention.reach can route jax.nn's name here
 
@@ -62,18 +61,21 @@ class AttentionCall:
     balanced: bool = False  # causal, its score tiles balanced over the devices (trainkit.attn.causal_balance)
 
 
-_ACTIVE: contextvars.ContextVar[ContextSplit | None] = contextvars.ContextVar("context_split", default=None)
-_CALLS: contextvars.ContextVar[list[AttentionCall] | None] = contextvars.ContextVar("attention_calls", default=None)
+@dataclasses.dataclass(frozen=True)
+class _Calls:
+    """The trace context's part that collects the attention calls a trace reaches."""
+
+    calls: list[AttentionCall]
 
 
 def context_split(split: ContextSplit) -> contextlib.AbstractContextManager[None]:
-    """While a step is traced: :func:`attention` splits over ``split``'s axis."""
-    return scoped(_ACTIVE, split)
+    """While a step is traced: :func:`attention` splits over ``split``'s axis (a part of its trace context)."""
+    return under(split)
 
 
 def active_split() -> ContextSplit | None:
     """The context split of the step being traced (``None``: no context axis)."""
-    split = _ACTIVE.get()
+    split = current(ContextSplit)
     return None if split is None or split.size == 1 else split
 
 
@@ -87,14 +89,14 @@ def attention_calls() -> Iterator[list[AttentionCall]]:
     []
     """
     calls: list[AttentionCall] = []
-    with scoped(_CALLS, calls):
+    with under(_Calls(calls)):
         yield calls
 
 
 def record(call: AttentionCall) -> None:
-    calls = _CALLS.get()
-    if calls is not None:
-        calls.append(call)
+    collecting = current(_Calls)
+    if collecting is not None:
+        collecting.calls.append(call)
 
 
 # Arguments whose meaning depends on a query's position in the whole sequence (or on the whole
@@ -174,7 +176,7 @@ def split_attention(
             allowed = allowed.reshape((1,) * (q.ndim - 2) + allowed.shape)
             mask = local_arrays.get("mask")
             local_arrays = {**local_arrays, "mask": allowed if mask is None else jnp.logical_and(mask, allowed)}
-        with scoped(_ACTIVE, None):  # an attend that calls tk.attention runs whole here
+        with under(without=(ContextSplit,)):  # an attend that calls tk.attention runs whole here
             return attend(q, k, v, **fixed, **local_arrays)
 
     run = jax.shard_map(

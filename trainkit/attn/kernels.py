@@ -23,18 +23,16 @@ tk.attention: length 200 is not a multiple of the Pallas kernel's block of 128: 
 
 from __future__ import annotations
 
-import contextvars
 import dataclasses
 import functools
 import math
 from collections.abc import Callable
-from typing import ParamSpec, TypeVar
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from trainkit.core.scoped import scoped
+from trainkit.core.trace_context import current
 from trainkit.core.warn import warn_user
 
 #: the implementations ``tk.attention(implementation=...)`` takes, and the platforms each runs on
@@ -42,32 +40,27 @@ IMPLEMENTATIONS = {"xla": None, "pallas": "tpu", "pallas-interpret": None, "cudn
 #: the splash kernel's smallest block along a sequence (a TPU's lane width)
 BLOCK = 128
 _NOTED: set[str] = set()
-#: the platform of the devices the step being traced is compiled for (None: JAX's default backend)
-_PLATFORM: contextvars.ContextVar[str | None] = contextvars.ContextVar("attention_platform", default=None)
-P = ParamSpec("P")
-R = TypeVar("R")
 
 
-def compiled_for(step: Callable[P, R], platform: str) -> Callable[P, R]:
-    """``step``, whose traces pick attention for ``platform``'s devices (``"tpu"``, ``"gpu"``, ``"cpu"``):
-    a plan for a TPU slice compiled on a CPU (a compile-only target) traces the kernel the slice runs.
+@dataclasses.dataclass(frozen=True)
+class Platform:
+    """The platform of the devices the step being traced is compiled for (``"tpu"``, ``"gpu"``,
+    ``"cpu"``), a part of its trace context: a plan for a TPU slice compiled on a CPU (a
+    compile-only target) traces the kernel the slice runs.
 
-    >>> compiled_for(lambda: target_platform(), "tpu")()
+    >>> from trainkit.core.trace_context import traced_under
+    >>> traced_under(target_platform, Platform("tpu"))()
     'tpu'
     """
 
-    @functools.wraps(step)
-    def traced(*args: P.args, **kwargs: P.kwargs) -> R:
-        with scoped(_PLATFORM, platform):
-            return step(*args, **kwargs)
-
-    return traced
+    name: str
 
 
 def target_platform() -> str:
-    """The platform the attention being traced runs on: the compiled step's devices' (:func:`compiled_for`),
+    """The platform the attention being traced runs on: the compiled step's devices' (:class:`Platform`),
     else JAX's default backend."""
-    return _PLATFORM.get() or jax.default_backend()
+    platform = current(Platform)
+    return jax.default_backend() if platform is None else platform.name
 
 
 @dataclasses.dataclass(frozen=True)

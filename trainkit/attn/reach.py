@@ -30,6 +30,7 @@ and the plan's notes say no attention was split.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import inspect
 import threading
@@ -39,7 +40,8 @@ import flax.linen as nn
 import flax.linen.attention as linen_attention
 import jax
 
-from trainkit.attn.context_axis import ContextSplit, active_split, context_split, split_attention
+from trainkit.attn.context_axis import ContextSplit, active_split, split_attention
+from trainkit.core.trace_context import Scoped, under
 from trainkit.core.tree import PyTree
 from trainkit.internals.rebinding import field_set, rebound
 
@@ -117,9 +119,19 @@ def _intercept_multi_head(
         return next_fun(*args, **kwargs)
 
 
-@contextlib.contextmanager
-def reaching_attention(split: ContextSplit) -> Iterator[None]:
+@dataclasses.dataclass(frozen=True)
+class ReachAttention(Scoped):
+    """The trace context's part that routes the doors above to the context split while a step is
+    traced (``Hybrid(..., reach_attention=True)``)."""
+
+    def entered(self) -> contextlib.AbstractContextManager[object]:
+        stack = contextlib.ExitStack()
+        stack.enter_context(_ROUTING.active())
+        stack.enter_context(nn.intercept_methods(_intercept_multi_head))
+        return stack
+
+
+def reaching_attention(split: ContextSplit) -> contextlib.AbstractContextManager[None]:
     """While a step with a context axis is traced: ``tk.attention`` and the doors above split over
-    ``split``'s axis."""
-    with context_split(split), _ROUTING.active(), nn.intercept_methods(_intercept_multi_head):
-        yield
+    ``split``'s axis (the two parts a strategy's compile hands its steps)."""
+    return under(split, ReachAttention())

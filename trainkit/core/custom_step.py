@@ -25,9 +25,8 @@ the logs (scalars) become metrics weighted by the step's real rows, as the built
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Callable
-from typing import Any, NamedTuple, Protocol
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -35,12 +34,10 @@ import numpy as np
 
 from trainkit.core import tree
 from trainkit.core.checks import SettingError
-from trainkit.core.override_step import OverrideStep
 from trainkit.core.sown import split_sown
 from trainkit.core.state import Batch, TrainState, check_tree_matches
 from trainkit.core.step_helpers import pmean_floats
 from trainkit.core.step_state import StepFacts, StepState, group_mask
-from trainkit.core.step_value import Step, checked_step
 from trainkit.core.totals import LossAverage
 from trainkit.core.watched_batch import RowFacts, WatchedBatch
 
@@ -189,98 +186,6 @@ def make_custom_eval_step(
         return _step_metrics(_checked_logs(logs, "test_step"), batch, facts.axis_name)
 
     return eval_step
-
-
-class Overrides(NamedTuple):
-    """Which of a trainer's override points its class overrides (:func:`overrides`)."""
-
-    compute_loss: bool
-    train_step: bool
-    #: a ``test_step`` of its own, or none to evaluate by (a ``train_step`` of its own, no loss)
-    test_step: bool
-    #: a step value was given (``Trainer(step=...)``)
-    step: bool = False
-
-    @property
-    def loss(self) -> bool:
-        """The loss is the user's (``compute_loss``, ``train_step`` or a step value): ``loss=`` may be left out."""
-        return self.compute_loss or self.train_step or self.step
-
-
-class Overridable(Protocol):
-    """A trainer class as :func:`overrides` reads it: its override points."""
-
-    def compute_loss(self, *args: Any, **kwargs: Any) -> Any: ...
-
-    def train_step(self, *args: Any, **kwargs: Any) -> Any: ...
-
-    def test_step(self, *args: Any, **kwargs: Any) -> Any: ...
-
-
-def overrides(cls: type[Overridable], base: type[Overridable], *, has_loss: bool, step: object = None) -> Overrides:
-    """What ``cls`` (a ``Trainer`` subclass) overrides of ``base`` (``Trainer``): raises for a
-    ``train_step`` / ``test_step`` of the wrong signature (:func:`overridden`); ``has_loss``:
-    ``loss=`` was given (else a ``train_step`` of its own evaluates by its ``test_step``);
-    ``step``: the ``step=`` given (a value replacing the built-in step)."""
-    train = overridden(cls.train_step, base.train_step, cls.__name__)
-    test = overridden(cls.test_step, base.test_step, cls.__name__)
-    own_loss = cls.compute_loss is not base.compute_loss
-    return Overrides(own_loss, train, test or (train and not has_loss and not own_loss), step is not None)
-
-
-def step_of(owner: Overridable, own: Overrides, step: object) -> Step | None:
-    """The step value a trainer runs: ``step`` (``Trainer(step=...)``, checked), the adapter of
-    its ``train_step`` / ``test_step`` overrides, or ``None`` (the built-in step)."""
-    if step is not None:
-        if own.train_step or own.test_step:
-            raise TypeError(
-                f"{type(owner).__name__} overrides train_step or test_step and was given step= too: one step runs. "
-                "Keep the override, or move it into the tk.Step (its train / test methods) and drop the override."
-            )
-        return checked_step(step)
-    if own.train_step or own.test_step:
-        return OverrideStep(owner, trains_own=own.train_step, tests_own=own.test_step)
-    return None
-
-
-def overridden(method: Callable[..., object], default: Callable[..., object], owner: str) -> bool:
-    """Whether ``method`` (a class's ``train_step`` / ``test_step``) overrides the ``default`` one;
-    raises for an override that does not take ``(state, batch, rng)`` (Keras's ``train_step(self,
-    state, data)`` or ``train_step(self, data)``, which trainkit would otherwise never call)."""
-    if method is default:
-        return False
-    name = default.__name__
-    try:
-        parameters = list(inspect.signature(method).parameters.values())[1:]  # after self
-    except (TypeError, ValueError):
-        return True
-    positional = [p for p in parameters if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
-    if not any(p.kind == p.VAR_POSITIONAL for p in parameters) and len(positional) != 3:
-        returns = "(state, logs)" if name == "train_step" else "logs"
-        raise TypeError(
-            f"{owner}.{name} takes ({', '.join(p.name for p in parameters)}), but trainkit calls "
-            f"{name}(self, state, batch, rng) -> {returns}: state a StepState (state.params, state.opt_state, "
-            "state.model_state), batch a dict ('x', 'y', 'mask', maybe 'sample_weight'), rng this step's key. "
-            "Keras's train_step(self, state, data) / train_step(self, data) map onto it as docs/custom_training.md "
-            "shows (gradients through state.apply_gradients(grads), losses through state.mean(values, batch))."
-        )
-    return True
-
-
-def not_callable(name: str) -> NotImplementedError:
-    """What calling the default ``train_step`` / ``test_step`` raises: ``super().train_step(...)``,
-    or an evaluation of a trainer whose own ``train_step`` has no loss to evaluate by."""
-    if name == "test_step":
-        return NotImplementedError(
-            "evaluate and validation run test_step(self, state, batch, rng) -> logs, and this trainer has a "
-            "train_step of its own but neither loss= nor compute_loss for the built-in evaluation: override "
-            "test_step (e.g. return {'d_loss': state.mean(per_row, batch)}), or pass loss=... ."
-        )
-    return NotImplementedError(
-        "Trainer.train_step has no body to call: without an override trainkit runs its built-in step (compute_loss, "
-        "the optimizer, the metrics) directly. In an override, compute the loss with self.compute_loss(...) or "
-        "state.apply(...) and state.mean(...), and update with state = state.apply_gradients(grads)."
-    )
 
 
 def _describe(value: object) -> str:

@@ -24,7 +24,7 @@ True
 from __future__ import annotations
 
 import contextlib
-import contextvars
+import dataclasses
 from collections.abc import Callable, Iterator, Sequence
 from typing import ParamSpec, TypeVar
 
@@ -33,13 +33,24 @@ import jax
 from flax import nnx
 
 from trainkit.core.statistics import module_of
+from trainkit.core.trace_context import current, under
 from trainkit.core.tree import PyTree, leaf_name
 from trainkit.internals.rebinding import field_set
 
 P = ParamSpec("P")
 R = TypeVar("R")
 
-_FROZEN: contextvars.ContextVar[frozenset[str]] = contextvars.ContextVar("frozen_statistics", default=frozenset())
+
+@dataclasses.dataclass(frozen=True)
+class _Frozen:
+    """The trace context's part naming the batch-statistics layers that run in inference mode."""
+
+    layers: frozenset[str]
+
+
+def _frozen() -> frozenset[str]:
+    part = current(_Frozen)
+    return frozenset() if part is None else part.layers
 
 
 def frozen_layers(
@@ -81,7 +92,7 @@ def _interceptor(
     if (
         context.method_name == "__call__"
         and isinstance(module, nn.BatchNorm)
-        and "/".join(map(str, module.path)) in _FROZEN.get()
+        and "/".join(map(str, module.path)) in _frozen()
     ):
         if module.use_running_average is None:  # given at call time: given True instead
             return call(*args[:1], **{**kwargs, "use_running_average": True})
@@ -98,18 +109,14 @@ def statistics_frozen(layers: frozenset[str]) -> Iterator[None]:
     if not layers:
         yield
         return
-    token = _FROZEN.set(layers)
-    try:
-        with nn.intercept_methods(_interceptor):
-            yield
-    finally:
-        _FROZEN.reset(token)
+    with under(_Frozen(layers)), nn.intercept_methods(_interceptor):
+        yield
 
 
 def freeze_nnx_layers(module: nnx.Module) -> None:
     """Switches the NNX ``BatchNorm`` layers :func:`statistics_frozen` names to inference mode
     (called after ``module.train()``)."""
-    layers = _FROZEN.get()
+    layers = _frozen()
     if not layers:
         return
     for path, layer in nnx.iter_modules(module):

@@ -20,13 +20,13 @@ ValueError: compute_loss called self.apply(..., train=True) while the step evalu
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import dataclasses
 from collections.abc import Iterator
 from typing import TypeVar
 
 import jax
 
+from trainkit.core.trace_context import current, under
 from trainkit.core.tree import PyTree
 
 T = TypeVar("T")
@@ -42,25 +42,19 @@ class LossCall:
     updated: bool = False
 
 
-_CURRENT: contextvars.ContextVar[LossCall | None] = contextvars.ContextVar("loss_call", default=None)
-
-
 @contextlib.contextmanager
 def tracing(train: bool, model_state: PyTree) -> Iterator[LossCall]:
     """While it lasts, ``compute_loss`` is being traced with ``train`` and ``model_state``."""
     call = LossCall(train, _ids(model_state))
-    token = _CURRENT.set(call)
-    try:
+    with under(call):  # a part of the step's trace context
         yield call
-    finally:
-        _CURRENT.reset(token)
 
 
 def applied(train: bool, given: PyTree, returned: PyTree) -> None:
     """The model was called (``self.apply``) inside the traced ``compute_loss`` with ``train``,
     given the model state ``given``, returning ``returned``; refuses a training call while the
     step evaluates."""
-    call = _CURRENT.get()
+    call = current(LossCall)
     if call is None:
         return
     if train and not call.train:
@@ -92,7 +86,7 @@ def _ids(tree: PyTree) -> list[int]:
 def outside_a_step(state: T) -> T:
     """``state`` (the live state) unless a ``compute_loss`` is being traced, where reading it is
     the mistake of using the live parameters instead of the ``params`` argument."""
-    if _CURRENT.get() is not None:
+    if current(LossCall) is not None:
         raise ValueError(
             "compute_loss read trainer.state (the live state) while its step is traced: those arrays are "
             "constants to the step, so the loss would have no gradient and nothing would learn. Use the params "

@@ -19,7 +19,7 @@ import dataclasses
 import functools
 import inspect
 import zlib
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Hashable
 from typing import Any, NamedTuple, Protocol, cast
 
 import jax
@@ -31,7 +31,7 @@ from trainkit.core.frozen_statistics import freeze_nnx_layers
 from trainkit.core.lora import LoRA
 from trainkit.core.sown import LOSSES
 from trainkit.core.state import check_tree_matches
-from trainkit.core.tree import PyTree, TreeFunction, leaf_name
+from trainkit.core.tree import PyTree, leaf_name
 
 # Keyword names of ``__call__`` that switch training behaviour, and whether they mean
 # "training" (True) or its negation (False).
@@ -508,19 +508,6 @@ def call_error_hint(error: Exception) -> str:
 def param_axes(adapter: ModelAdapter, x: PyTree) -> dict[str, AxisNames]:
     """The model's parameter annotations ``{path: names}`` (empty for an adapter without any)."""
     return adapter.param_axes(x)
-
-
-def under_logical_rules(fn: TreeFunction, mesh: jax.sharding.Mesh, rules: Sequence[LogicalRule]) -> TreeFunction:
-    """``fn`` traced with ``mesh`` as the abstract mesh (``jax.sharding.use_abstract_mesh``:
-    ``jax.set_mesh`` may not be entered under ``jit``) and Flax's logical axis ``rules``
-    active, so ``nn.with_logical_constraint`` on activations constrains them on this mesh."""
-
-    @functools.wraps(fn)
-    def traced(*args, **kwargs):
-        with jax.sharding.use_abstract_mesh(mesh.abstract_mesh), nn.logical_axis_rules(rules):
-            return fn(*args, **kwargs)
-
-    return traced
 
 
 def adapt_model(model: object) -> ModelAdapter:

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import threading
 from collections.abc import Callable, Sequence
 from typing import Any, ParamSpec, TypeVar
 
@@ -38,6 +37,7 @@ import jax
 import jax.numpy as jnp
 
 from trainkit.core.model import LinenModel, ModelAdapter, ModulePath
+from trainkit.core.trace_context import current, under
 from trainkit.core.tree import Apply, TreeFunction
 
 P = ParamSpec("P")
@@ -87,11 +87,12 @@ def resolve_remat(remat: Remat) -> RematSpec | None:
     )
 
 
-class _Inside(threading.local):
-    active = False  # inside a rematerialised submodule, on this thread
+@dataclasses.dataclass(frozen=True)
+class _Inside:
+    """The trace context's part of a rematerialised submodule being traced (none nests in it)."""
 
 
-_inside = _Inside()
+_INSIDE = _Inside()
 
 
 def _is_dynamic(value: Any) -> bool:
@@ -144,7 +145,7 @@ def _interceptor(spec: RematSpec):
             selected = len(module.scope.path) == 1  # a direct submodule of the model
         else:
             selected = type(module).__name__ in spec.modules
-        if context.method_name != "__call__" or not selected or _inside.active:
+        if context.method_name != "__call__" or not selected or current(_Inside) is not None:
             return next_fun(*args, **kwargs)
         names = list(kwargs)
         values = list(args) + [kwargs[n] for n in names]
@@ -154,11 +155,8 @@ def _interceptor(spec: RematSpec):
         def call(mdl, *arrays):
             it = iter(arrays)
             full = [next(it) if d else v for v, d in zip(values, dynamic)]
-            _inside.active = True
-            try:
+            with under(_INSIDE):
                 return mdl(*full[: len(args)], **dict(zip(names, full[len(args) :])))
-            finally:
-                _inside.active = False
 
         variables = module.variables
         if set(variables) <= {"params"} and all(_is_floating(a) for a in arrays):

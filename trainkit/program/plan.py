@@ -37,7 +37,6 @@ from trainkit.core import checks, chips
 from trainkit.core import cost as cost_lib
 from trainkit.core.leaf_step import LeafStep
 from trainkit.core.offload import in_host_memory
-from trainkit.core.pipeline import bubble_fraction
 from trainkit.core.state import Batch, TrainState
 from trainkit.core.tree import PyTree, TreeFunction, array_bytes
 from trainkit.data import check_batch_size
@@ -46,6 +45,7 @@ from trainkit.program import compile_estimate, compiler_cycles
 from trainkit.program import targets as targets_lib
 from trainkit.program.dcn import dcn_traffic
 from trainkit.strategies import FSDP, DataParallel, Hybrid, SingleDevice, Strategy
+from trainkit.strategies.pipeline import bubble_fraction
 
 logger = logging.getLogger("trainkit")
 

@@ -29,7 +29,7 @@ import jax
 import numpy as np
 import optax
 
-from trainkit.attn.kernels import compiled_for
+from trainkit.attn.kernels import Platform
 from trainkit.core import cost, loss_call, step_value, tree
 from trainkit.core import custom_step as custom_lib
 from trainkit.core import frozen_statistics as frozen_lib
@@ -46,13 +46,11 @@ from trainkit.core.model import (
     bind_inputs,
     param_axes,
     starting_variables,
-    under_logical_rules,
     with_lora,
 )
 from trainkit.core.offload import Offload
 from trainkit.core.optimizer_groups import OptimizerGroups
 from trainkit.core.override_step import replacing
-from trainkit.core.pipeline import NotPipelined, stacked_parameters, staged
 from trainkit.core.precision import Precision, cast_floating
 from trainkit.core.remat import Remat, rematerialised, repeated_blocks, wrap_remat
 from trainkit.core.spikes import SpikeSkip
@@ -73,12 +71,14 @@ from trainkit.core.step_feature import StepFeature
 from trainkit.core.step_state import StepFacts, StepState
 from trainkit.core.step_value import Step, frozen_while_traced
 from trainkit.core.totals import EpochTotals, pack
+from trainkit.core.trace_context import traced_under
 from trainkit.core.trainable import Trainable, TrainableSpec
 from trainkit.core.tree import Apply, PyTree, TreeFunction
 from trainkit.core.warn import warn_user
 from trainkit.objective import Objective
 from trainkit.program import plan as plan_lib
 from trainkit.strategies import Strategy
+from trainkit.strategies.pipeline import NotPipelined, stacked_parameters, staged
 
 
 class Program:
@@ -395,9 +395,7 @@ class Program:
         step = self.step(kind, strategy.axis_name, statistics, offload=bool(strategy.offload), platform=platform)
         if kind not in ("eval", "predict"):  # remat a plan added (strategy="auto" when nothing fits)
             step = rematerialised(step, strategy.remat)
-        if strategy.logical_rules:  # nn.with_logical_constraint in the model
-            step = under_logical_rules(step, strategy.mesh, strategy.logical_rules)
-        step = compiled_for(step, platform)  # a target's, not this host's
+        step = traced_under(step, Platform(platform), *strategy.trace_parts())  # the step's context, handed once
         return strategy.compile("train" if kind == "train_measured" else kind, step, abstract_state)
 
     def step(

@@ -22,17 +22,21 @@ and leaves under ``min_shard_size`` elements stay replicated.
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import math
 import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import flax.linen as nn
 import jax
 import numpy as np
-from jax.sharding import PartitionSpec
+from jax.sharding import Mesh, PartitionSpec
 
 from trainkit.core.model import LogicalRule
 from trainkit.core.offload import HOST_MEMORY, on_host
+from trainkit.core.trace_context import Scoped
 from trainkit.core.tree import PyTree, leaf_name
 
 Rule = tuple[str, PartitionSpec]
@@ -324,3 +328,20 @@ def paths_in_host_memory(shardings: PyTree, paths: frozenset[str]) -> PyTree:
     return jax.tree_util.tree_map_with_path(
         lambda path, s: s.with_memory_kind(HOST_MEMORY) if leaf_name(path) in paths else s, shardings
     )
+
+
+@dataclasses.dataclass(frozen=True)
+class LogicalRules(Scoped):
+    """A part of a step's trace context: ``mesh`` as the abstract mesh
+    (``jax.sharding.use_abstract_mesh``: ``jax.set_mesh`` may not be entered under ``jit``) and
+    Flax's logical axis ``rules`` active, so ``nn.with_logical_constraint`` on activations
+    constrains them on this mesh."""
+
+    mesh: Mesh
+    rules: tuple[LogicalRule, ...]
+
+    def entered(self) -> contextlib.AbstractContextManager[object]:
+        stack = contextlib.ExitStack()
+        stack.enter_context(jax.sharding.use_abstract_mesh(self.mesh.abstract_mesh))
+        stack.enter_context(nn.logical_axis_rules(self.rules))
+        return stack

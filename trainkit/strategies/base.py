@@ -97,7 +97,7 @@ class Strategy:
     #: (``Hybrid(reach_attention=True)``; :mod:`trainkit.attn.reach`).
     reach_attention: bool = False
     #: The mesh axis a pipeline splits the model's stacked blocks over (``None``: no pipeline), and
-    #: into how many microbatches each step's batch goes through it (:mod:`trainkit.core.pipeline`).
+    #: into how many microbatches each step's batch goes through it (:mod:`trainkit.strategies.pipeline`).
     stage_axis: str | None = None
     microbatches: int = 1
     #: The stacked blocks' parameter paths the stages split along their layer axis: set by
@@ -234,6 +234,13 @@ class Strategy:
         not here: compile-only TPU or GPU devices hold no data). The default is
         :meth:`put_batch`'s result, which a strategy whose ``put_batch`` places arrays overrides."""
         return self.put_batch(host_batch)
+
+    def trace_parts(self) -> tuple[object, ...]:
+        """What every step it compiles is traced under (parts of the step's trace context,
+        :mod:`trainkit.core.trace_context`), handed to the step once with the platform by the
+        program's compile: a mesh's logical axis rules, a context split, a pipeline's schedule.
+        The default: none."""
+        return ()
 
     def compile(self, kind: str, fn: TreeFunction, abstract_state: PyTree) -> TreeFunction:
         """The one compile entry point: ``fn`` compiled for ``kind`` (``"train"``: the state

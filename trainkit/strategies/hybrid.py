@@ -11,7 +11,7 @@
   Composes with ``fsdp`` and ``model``.
 - ``Hybrid(data=2, stage=4, microbatches=8)``: a pipeline; the model's stacked blocks (``nn.scan``)
   are split into 4 stages along their layer axis, and each step's rows (per data group) go through
-  them as 8 microbatches on a GPipe schedule (:mod:`trainkit.core.pipeline`). It belongs across
+  them as 8 microbatches on a GPipe schedule (:mod:`trainkit.strategies.pipeline`). It belongs across
   slices or hosts, where only activations cross the slow network (docs/large_models.md).
 
 One size may be left out (``None``): it is the device count divided by the others.

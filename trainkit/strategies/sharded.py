@@ -23,16 +23,15 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from trainkit import distributed
-from trainkit.attn import ContextSplit, context_split
-from trainkit.attn.reach import reaching_attention
-from trainkit.core.gpipe import Schedule
+from trainkit.attn import ContextSplit
+from trainkit.attn.reach import ReachAttention
 from trainkit.core.leaf_step import LeafStep
-from trainkit.core.pipeline import pipelined
 from trainkit.core.state import TrainState
 from trainkit.core.step import full_mask
 from trainkit.core.tree import KeyPath, PyTree, TreeFunction, leaf_name
 from trainkit.strategies import _sharding
 from trainkit.strategies.base import GATHERING_SPLIT_BATCH, Strategy, make_mesh
+from trainkit.strategies.gpipe import Schedule
 
 
 class ShardedStrategy(Strategy):
@@ -294,13 +293,24 @@ class ShardedStrategy(Strategy):
                 raise NotImplementedError(f"{self!r}: {GATHERING_SPLIT_BATCH}. Pass fit(..., data_on_device=False).")
             stacked = self.stacked_batch_sharding
             batch = {"table": self.replicated(), "rows": stacked, "mask": stacked}
-        fn = pipelined(self._sequences_split(fn, kind), self.schedule)
+        fn = self._sequences_split(fn, kind)
         if kind in ("train", "train_steps", "train_steps_gathered"):  # over the state's leaves (LeafStep)
             ins, outs = (state, totals, batch), (state, totals)
             return LeafStep.jit(fn, abstract_state, in_shardings=ins, out_shardings=outs, replicated=totals)
         if kind == "eval":
             return jax.jit(fn, in_shardings=(state, totals, batch), out_shardings=totals)
         return jax.jit(fn, in_shardings=(state, batch), out_shardings=self.batch_sharding)
+
+    def trace_parts(self) -> tuple[object, ...]:
+        """The pipeline's schedule, the logical axis rules on its mesh, and under a context axis the
+        split ``tk.attention`` makes by hand (with ``reach_attention``: also Flax's and JAX's own)."""
+        parts: list[object | None] = [self.schedule]
+        if self.logical_rules:
+            parts.append(_sharding.LogicalRules(self.mesh, self.logical_rules))
+        if self.context_axis is not None:
+            parts.append(ContextSplit(self.mesh, self.context_axis, self.batch_axes))
+            parts.append(ReachAttention() if self.reach_attention else None)
+        return tuple(part for part in parts if part is not None)
 
     def _sequences_split(self, fn: TreeFunction, kind: str) -> TreeFunction:
         """``fn`` with its batch's sequences split over the context axis (``sequence_axis`` of each
@@ -309,7 +319,6 @@ class ShardedStrategy(Strategy):
         layer needs whole (attention's keys and values). ``fn`` itself without a context axis."""
         if self.context_axis is None:
             return fn
-        context = ContextSplit(self.mesh, self.context_axis, self.batch_axes)  # what attention splits by hand
         where, lead = (1, ()) if kind == "predict" else (2, (None,) if kind == "train_steps" else ())
         axis, size = self.sequence_axis + len(lead), self.mesh.shape[self.context_axis]
         rows = self.batch_axes or None
@@ -328,12 +337,9 @@ class ShardedStrategy(Strategy):
             constrained: jax.Array = jax.lax.with_sharding_constraint(leaf, NamedSharding(self.mesh, spec))
             return constrained
 
-        reach = reaching_attention if self.reach_attention else context_split  # tk.attention's split either way
-
         @functools.wraps(fn)
-        def split_step(*args: PyTree) -> PyTree:
-            with reach(context):
-                return fn(*args[:where], jax.tree_util.tree_map_with_path(split, args[where]), *args[where + 1 :])
+        def split_step(*args: PyTree) -> PyTree:  # attention's split by hand: a part of the trace context
+            return fn(*args[:where], jax.tree_util.tree_map_with_path(split, args[where]), *args[where + 1 :])
 
         return split_step
 

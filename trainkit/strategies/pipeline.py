@@ -1,12 +1,13 @@
 """A pipeline over a ``stage`` mesh axis: the model's stacked blocks split into stages, each
 microbatch passed from stage to stage (``Hybrid(data=2, stage=4, microbatches=8)``).
 
-The model is not edited. While a training step is traced under :func:`pipelined`, the model's
+The model is not edited. While a training step is traced with a :class:`~trainkit.strategies.gpipe.Schedule`
+in its trace context (:mod:`trainkit.core.trace_context`), the model's
 forward pass (:func:`staged`) is traced once at one microbatch's rows and split at its stacked
 blocks: the one ``lax.scan`` over the layers (what ``nn.scan``, ``nnx.scan`` or a hand-written
 scan over stacked parameters becomes). What comes before it (the embedding) and after it (the
 head) runs for every microbatch (``jax.vmap``); the scan itself runs as a GPipe schedule
-(:mod:`trainkit.core.gpipe`): stage ``s`` holds layers ``s*L/S`` to ``(s+1)*L/S`` (the stacked
+(:mod:`trainkit.strategies.gpipe`): stage ``s`` holds layers ``s*L/S`` to ``(s+1)*L/S`` (the stacked
 parameters sharded along their layer axis) and works on microbatch ``t - s`` at tick ``t``. The
 numbers are those of the whole batch through the plain model: every row computes the same
 operations; only which rows share a matrix product changes.
@@ -21,19 +22,17 @@ its own key (``fold_in(rng, microbatch)``), so masks differ from one device's.
 
 from __future__ import annotations
 
-import contextvars
 import dataclasses
-import functools
 from collections.abc import Callable, Sequence
 from typing import ParamSpec, TypeVar, cast
 
 import jax
 import jax.numpy as jnp
 
-from trainkit.core.gpipe import Layer, Schedule, gpipe
-from trainkit.core.scoped import scoped
+from trainkit.core.trace_context import current
 from trainkit.core.tree import Apply, PyTree, leaf_name
 from trainkit.internals import jaxpr as jcore
+from trainkit.strategies.gpipe import Layer, Schedule, gpipe
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -50,34 +49,19 @@ def bubble_fraction(*, stages: int, microbatches: int) -> float:
     return (stages - 1) / (microbatches + stages - 1)
 
 
-_ACTIVE: contextvars.ContextVar[Schedule | None] = contextvars.ContextVar("pipeline", default=None)
-
-
-def pipelined(fn: Callable[P, R], schedule: Schedule | None) -> Callable[P, R]:
-    """``fn`` (a step) traced with the model's forward pass run by ``schedule``; ``fn`` itself
-    for ``None``."""
-    if schedule is None:
-        return fn
-
-    @functools.wraps(fn)
-    def traced(*args: P.args, **kwargs: P.kwargs) -> R:
-        with scoped(_ACTIVE, schedule):
-            return fn(*args, **kwargs)
-
-    return traced
-
-
 class NotPipelined(ValueError):
     """The model cannot be split into stages (the reason says why and what to do)."""
 
 
 def staged(apply: Apply) -> Apply:
-    """``apply`` run as a pipeline while a :func:`pipelined` step is traced and the rows divide
-    into its microbatches (else, e.g. a predict batch of another size, as it is: the same numbers,
-    the compiler gathering the stacked parameters)."""
+    """``apply`` run as a pipeline while a step is traced with a schedule in its context and the
+    rows divide into its microbatches (else, e.g. a predict batch of another size, as it is: the
+    same numbers, the compiler gathering the stacked parameters)."""
 
-    def run(params: PyTree, model_state: PyTree, x: PyTree, *, rng: jax.Array | None, train: bool, **options: PyTree):
-        schedule = _ACTIVE.get()
+    def run(
+        params: PyTree, model_state: PyTree, x: PyTree, *, rng: jax.Array | None, train: bool, **options: PyTree
+    ) -> tuple[PyTree, PyTree]:
+        schedule = current(Schedule)
         rows = None if schedule is None else _rows(x)  # no schedule: nothing read (an export's symbolic batch)
         if schedule is None or rows is None or rows % schedule.microbatches:
             return apply(params, model_state, x, rng=rng, train=train, **options)
