@@ -160,3 +160,34 @@ def test_a_steps_own_test_evaluates_and_one_without_a_loss_or_test_names_the_fix
     with pytest.raises(NotImplementedError, match=r"run the step's test\(state, batch, rng\).*or pass loss="):
         untested.fit(IMAGES, batch_size=32, validation_data=(IMAGES[:32],), verbose=0)
     assert untested.global_step == 0
+
+
+@dataclasses.dataclass(frozen=True)
+class Warmed(gan.GANStep):
+    """The GAN, or with ``frozen_generator`` the generator given the discriminator's gradients (all zero for it)."""
+
+    frozen_generator: bool = False
+
+    def train(self, state, batch, rng):
+        if not self.frozen_generator:
+            return super().train(state, batch, rng)
+        z = state.normal(rng, batch, (self.latent,))
+        fake = state.apply(state.params, state.model_state, z, rng=rng, train=True, method="generate")[0]
+
+        def d_loss_fn(params):
+            logits = state.apply(params, state.model_state, fake, rng=rng, train=True, method="discriminate")[0]
+            return state.mean(gan.bce(logits, 0.0), batch)
+
+        d_loss, grads = jax.value_and_grad(d_loss_fn)(state.params)
+        return state.apply_gradients(grads, "generator"), {"d_loss": d_loss}
+
+
+def test_a_new_step_value_is_audited_again_before_its_first_update():
+    """#82 (CU12): the first-batch audit ran once per trainer, so a second fit's step went unchecked; it now runs
+    once per step value: a replaced value that updates a group on all-zero gradients is refused before training."""
+    trainer, _ = fit("single", step=Warmed(), epochs=1)
+    trainer.step = dataclasses.replace(trainer.step, frozen_generator=True)
+    with pytest.raises(ValueError, match=r"updates 'generator' on gradients that are all zero"):
+        with pytest.warns(UserWarning, match=r"frozen_generator: False -> True"):
+            trainer.fit(IMAGES, batch_size=32, verbose=0)
+    assert trainer.global_step == 4

@@ -136,6 +136,7 @@ class Program:
         self.user_step = step
         #: the values the compiled user's steps were traced with (:meth:`Step.traced_values`)
         self._traced: dict[str, object] | None = None
+        self._audited: Step | None = None  # the step value program/step_audit.py last audited
         self.spike_skip = _checked_spike_skip(spike_skip)
         if self.own_train:
             refuse_for_own_step(grad_accum_steps, precision, spike_skip, log_grad_norm, offload)
@@ -217,6 +218,13 @@ class Program:
         """A new value of the user's step (``trainer.step = dataclasses.replace(...)``): the next
         run traces the steps again with it (:meth:`step_values_changed`)."""
         self.user_step = replacing(self.user_step, step)
+
+    def audit_due(self) -> bool:
+        """The user's step trains and this value of it has not been audited (program/step_audit.py)."""
+        return self.own_train and self.user_step is not self._audited
+
+    def audited(self) -> None:
+        self._audited = self.user_step
 
     def step_values_changed(self, forget: bool = True) -> list[str]:
         """``'name: old -> new'`` for each value the user's steps were traced with that has changed

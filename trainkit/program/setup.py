@@ -122,7 +122,6 @@ class Setup:
     ):
         compile_cache.configure()  # compiled steps persist across runs (TRAINKIT_COMPILATION_CACHE)
         self.program, self.objective, self.custom_loss = program, program.objective, custom_loss
-        self.audited_own_step = False  # a train_step of the user's own, before its first fit (program/step_audit.py)
         self.mixes_rows = mixes_rows  # the model mixes a batch's rows on purpose: not checked
         chosen = resolve_strategy("single" if program.eager and strategy == "auto" else strategy)
         if program.eager and not isinstance(chosen, SingleDevice):

@@ -10,7 +10,8 @@ state; nothing kept), for the mistakes no trace can see:
   that moves counted the padded row (a ``jnp.mean`` over the batch instead of
   ``state.mean(values, batch)``), and the fit is refused naming the fix.
 
-Audited once per trainer, at its first ``fit``; not at all for a step that names the device axis
+Audited once per step value, at the first ``fit`` that runs it (a trainer's override: once; a
+``tk.Step`` replaced by another value: again); not at all for a step that names the device axis
 itself (``lax.psum(x, "data")``), which runs under its strategy alone.
 """
 
@@ -32,9 +33,9 @@ def audit_own_step(setup: Setup, prepared: data_lib.Prepared) -> None:
     """Refuses a custom ``train_step`` that updates a group on all-zero gradients, or whose logs
     or update move with a padded row's content."""
     program = setup.program
-    if not program.own_train or setup.audited_own_step or jax.process_count() > 1:
+    if not program.audit_due() or jax.process_count() > 1:
         return
-    setup.audited_own_step = True
+    program.audited()
     batch = prepared.sample_batch()
     rows = min(CHECKED_ROWS, int(np.sum(batch["mask"])))
     if rows < 3:
