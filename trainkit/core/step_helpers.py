@@ -165,6 +165,20 @@ def all_rows(values: PyTree, axis: str | None) -> PyTree:
     return jax.tree.map(lambda a: jax.lax.all_gather(a, axis, tiled=True), values)
 
 
+def shuffled(values: PyTree, rng: jax.Array, batch: Batch, axis: str | None) -> PyTree:
+    """Each row's partner under one random permutation of the global batch's real rows drawn from
+    ``rng`` (a padded row is no real row's partner, and its own): over the whole batch, whose rows
+    this device's are (under ``axis``: the rows gathered, permuted, this device's kept), so the
+    same on any strategy and device count."""
+    real = all_rows(batch["mask"], axis) > 0
+    size = real.shape[0]
+    index = jnp.arange(size)
+    in_order = jnp.argsort(jnp.where(real, index, size + index))  # the real rows first, then the padded ones
+    drawn = jnp.argsort(jnp.where(real, jax.random.uniform(rng, (size,)), 2.0 + index))  # the real ones shuffled
+    partners = index.at[in_order].set(drawn)[global_row_ids(batch, axis)]
+    return jax.tree.map(lambda a: a[partners], all_rows(values, axis))
+
+
 def pmean_floats(value: jax.Array, axis_name: str) -> jax.Array:
     """A floating model-state value (batch statistics) averaged over the device axis, exactly
     itself where every device holds the same (a frozen BatchNorm's statistics, or statistics a

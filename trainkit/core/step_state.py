@@ -204,6 +204,12 @@ class StepState(TrainState):
             )
         return step_helpers.normal(rng, batch, shape, dtype, self.facts.axis_name)
 
+    def shuffled(self, values: PyTree, rng: jax.Array, batch: Batch) -> PyTree:
+        """Per-row ``values`` of each row's partner under one permutation of the global batch drawn
+        from ``rng`` (MixUp's, CutMix's partners): ``jax.random.permutation`` over the whole batch,
+        the same on every strategy and device count (over each device's rows it would not be)."""
+        return step_helpers.shuffled(values, rng, batch, self.facts.axis_name)
+
     def all_rows(self, values: PyTree) -> PyTree:
         """The global batch's rows of per-row ``values`` (an all-gather under a device axis);
         ``state.all_rows(batch["mask"])`` marks the padded ones."""

@@ -266,10 +266,12 @@ class Program:
         order = self.objective.log_order
         return (order[0], *logs, *order[1:])
 
-    def step_facts(self, axis: str | None) -> StepFacts:
-        """What a custom step's state helpers read under the device ``axis``."""
+    def step_facts(self, axis: str | None, *, inference: bool = False) -> StepFacts:
+        """What a custom step's state helpers read under the device ``axis``; ``inference``: the
+        model always called in inference mode (no dropout: the audit's comparison of device splits)."""
         bind = functools.partial(bind_inputs, self.adapter.module)
-        return StepFacts(axis, self.optimizer, self.groups, self.trainable, self.call_model, bind)
+        call = functools.partial(_in_inference, self.call_model) if inference else self.call_model
+        return StepFacts(axis, self.optimizer, self.groups, self.trainable, call, bind)
 
     # ------------------------------------------------------------------ the initial state
     def init_state(self, variables: PyTree, first_row: PyTree, key: jax.Array) -> TrainState:
@@ -455,12 +457,17 @@ class Program:
         """LoRA's adapters folded into their kernels (the parameters of the model without them)."""
         return params if self.lora is None else self.lora.merged(params)
 
-    def audited_train_step(self, zero_gradients: list[tuple[str, bool]]) -> TreeFunction:
-        """The user's ``train_step`` under ``jit`` semantics, appending to ``zero_gradients`` as it
-        runs whether each update's gradients were all zero (:mod:`trainkit.program.step_audit`)."""
+    def audited_train_step(
+        self, zero_gradients: list[tuple[str, bool]] | None, axis: str | None = None, *, inference: bool = False
+    ) -> TreeFunction:
+        """The user's ``train_step`` under ``jit`` semantics (``axis``: under a device axis, as a
+        ``vmap`` over devices runs it), appending to ``zero_gradients`` as it runs whether each
+        update's gradients were all zero; ``inference``: the model in inference mode
+        (:mod:`trainkit.program.step_audit`)."""
         assert self.own_train
         train = functools.partial(self._user_step, "train_step")
-        return custom_lib.make_custom_train_step(train, self.step_facts(None), zero_gradients)
+        facts = self.step_facts(axis, inference=inference)
+        return custom_lib.make_custom_train_step(train, facts, zero_gradients)
 
     def metrics_step(
         self,
@@ -625,6 +632,13 @@ def _optimizer(
         groups = OptimizerGroups(optimizer)
         return groups, groups.transform(trainable.trains)
     return None, trainable.optimizer(optimizer)
+
+
+def _in_inference(
+    call: Callable[..., tuple[PyTree, PyTree]], *args: PyTree, train: bool, **options: PyTree
+) -> tuple[PyTree, PyTree]:
+    """``call`` (the model's) in inference mode whatever ``train`` says."""
+    return call(*args, train=False, **options)
 
 
 def refuse_for_own_step(

@@ -8,7 +8,13 @@ state; nothing kept), for the mistakes no trace can see:
 - where the data pads a partial last batch (or its length is unknown), the step is run twice with
   different contents in one row marked padded, as the last batch pads it: a log or a parameter
   that moves counted the padded row (a ``jnp.mean`` over the batch instead of
-  ``state.mean(values, batch)``), and the fit is refused naming the fix.
+  ``state.mean(values, batch)``), and the fit is refused naming the fix;
+- under a strategy with a device axis (``DataParallel``: each device runs the step on its own
+  rows), the step is run as the devices run it (a ``vmap`` over them, the model in inference
+  mode on both sides: dropout's masks differ per device by design) and as one device does: logs
+  that differ drew or mixed over each device's rows (``jax.random.permutation(rng, len(x))``,
+  ``jax.random.normal(rng, (rows, ...))``, the same on every device), and the fit is refused
+  naming ``state.shuffled`` / ``state.normal`` / ``state.all_rows``.
 
 Audited once per step value, at the first ``fit`` that runs it (a trainer's override: once; a
 ``tk.Step`` replaced by another value: again); not at all for a step that names the device axis
@@ -77,6 +83,9 @@ def audit_own_step(setup: Setup, prepared: data_lib.Prepared) -> None:
     pads = prepared.rows is None or prepared.rows % prepared.batch_size != 0
     if pads and not jax.tree.leaves(state.model_state):  # batch statistics see padded rows in any step, by design
         _check_padded_rows(step, state, small, prepared)
+    strategy = setup.decided.require_strategy()
+    if strategy.axis_name is not None and not jax.tree.leaves(state.model_state):  # per-device statistics: by design
+        _check_device_split(setup, state, small, strategy.axis_name, len(strategy.devices))
 
 
 def _check_padded_rows(step: jax.stages.Wrapped, state: object, small: Batch, prepared: data_lib.Prepared) -> None:
@@ -94,3 +103,32 @@ def _check_padded_rows(step: jax.stages.Wrapped, state: object, small: Batch, pr
                 "with state.mean(values, batch), which leaves the padded rows out (batch['mask'] marks them), or "
                 "pass a batch_size that divides the data."
             )
+
+
+def _check_device_split(setup: Setup, state: object, small: Batch, axis: str, devices: int) -> None:
+    """Refuses a step whose logs on the first batch differ when its rows are split over ``devices``
+    (as the strategy's axis splits them) from one device's: a draw or a mix over each device's rows."""
+    rows = (len(small["mask"]) // devices) * devices
+    if rows < 2 * devices or not np.all(np.asarray(small["mask"])[:rows]):
+        return
+    whole = data_lib.take(small, slice(0, rows))
+    split = jax.tree.map(lambda a: np.asarray(a).reshape(devices, rows // devices, *np.shape(a)[1:]), whole)
+    one = jax.jit(setup.program.audited_train_step(None, inference=True))
+    spread = jax.jit(
+        jax.vmap(setup.program.audited_train_step(None, axis, inference=True), (None, 0), axis_name=axis)
+    )  # fmt: skip
+    (_, logs), (_, spread_logs) = one(state, whole), spread(state, split)
+    found = {name: (float(logs[name].compute()), float(spread_logs[name].compute()[0])) for name in logs}
+    apart = {name: pair for name, pair in found.items() if not np.isclose(*pair, rtol=1e-4, atol=1e-6)}
+    if apart:
+        name, (alone, spread_out) = next(iter(apart.items()))
+        raise SettingError(
+            f"train_step's {name!r} on the first batch is {spread_out:.6g} when its rows are split over the "
+            f"{devices} devices of the strategy's {axis!r} axis and {alone:.6g} on one device: each device runs the "
+            "step on its own rows, so a draw or a mix over the batch is over those rows alone "
+            "(jax.random.permutation(rng, len(x)): partners from the same device only; jax.random.normal(rng, "
+            "(rows, ...)): the same draws on every device). Draw partners with state.shuffled(values, rng, batch) "
+            "(one permutation of the global batch), per-row noise with state.normal(rng, batch, shape), and reach "
+            "other rows with state.all_rows(values); or train with tk.FSDP() or tk.Hybrid(...), whose step sees the "
+            "global batch."
+        )
