@@ -143,11 +143,11 @@ class Trainer:
     @property
     def step(self) -> override_step.Step | None:
         """The step value (``step=``'s, a ``train_step`` override's; ``None``: built in); settable between fits."""
-        return self.program.user_step
+        return self.program.own.value
 
     @step.setter
     def step(self, value: override_step.Step) -> None:
-        self.program.set_step(value)
+        self.program.own.replace(value)
 
     @property
     def state(self) -> TrainState | None:

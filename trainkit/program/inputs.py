@@ -145,7 +145,7 @@ def check_loss_rows(setup: Setup, prepared: data_lib.Prepared) -> None:
     parts = [f"{type(strategy).__name__} gives it each device's rows"] if strategy.axis_name is not None else []
     if program.grad_accum_steps > 1:
         parts.append(f"grad_accum_steps={program.grad_accum_steps} gives it each micro-batch's rows")
-    if not parts or not setup.custom_loss or program.own_train or jax.process_count() > 1:
+    if not parts or not setup.custom_loss or program.own.trains or jax.process_count() > 1:
         return
     batch = prepared.sample_batch()
     rows = min(CHECKED_ROWS, int(np.sum(batch["mask"])))

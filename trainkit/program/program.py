@@ -30,7 +30,7 @@ import numpy as np
 import optax
 
 from trainkit.attn.kernels import Platform
-from trainkit.core import cost, loss_call, step_value, tree
+from trainkit.core import cost, loss_call, tree
 from trainkit.core import custom_step as custom_lib
 from trainkit.core import frozen_statistics as frozen_lib
 from trainkit.core import lora as lora_lib
@@ -50,7 +50,6 @@ from trainkit.core.model import (
 )
 from trainkit.core.offload import Offload
 from trainkit.core.optimizer_groups import OptimizerGroups
-from trainkit.core.override_step import replacing
 from trainkit.core.precision import Precision, cast_floating
 from trainkit.core.remat import Remat, rematerialised, repeated_blocks, wrap_remat
 from trainkit.core.spikes import SpikeSkip
@@ -69,7 +68,7 @@ from trainkit.core.step import (
 )
 from trainkit.core.step_feature import StepFeature
 from trainkit.core.step_state import StepFacts, StepState
-from trainkit.core.step_value import Step, frozen_while_traced
+from trainkit.core.step_value import Step
 from trainkit.core.totals import EpochTotals, pack
 from trainkit.core.trace_context import traced_under
 from trainkit.core.trainable import Trainable, TrainableSpec
@@ -77,6 +76,7 @@ from trainkit.core.tree import Apply, PyTree, TreeFunction
 from trainkit.core.warn import warn_user
 from trainkit.objective import Objective
 from trainkit.program import plan as plan_lib
+from trainkit.program.own_step import OwnStep
 from trainkit.strategies import Strategy
 from trainkit.strategies.pipeline import NotPipelined, stacked_parameters, staged
 
@@ -133,12 +133,10 @@ class Program:
         offload: Offload = Offload(),  # noqa: B008 - a frozen value
         step: Step | None = None,
     ):
-        self.user_step = step
-        #: the values the compiled user's steps were traced with (:meth:`Step.traced_values`)
-        self._traced: dict[str, object] | None = None
-        self._audited: Step | None = None  # the step value program/step_audit.py last audited
+        #: the user's own step (``own.value``; ``None``: the built-in one)
+        self.own = OwnStep(step, evaluates_alone=objective.spec[0] is None and not objective.own_loss)
         self.spike_skip = _checked_spike_skip(spike_skip)
-        if self.own_train:
+        if self.own.trains:
             refuse_for_own_step(grad_accum_steps, precision, spike_skip, log_grad_norm, offload)
         self.log_names: tuple[str, ...] | None = None  # the step's own logs, in their order (found when traced)
         self.offload = offload
@@ -200,54 +198,9 @@ class Program:
         loss_call.applied(train, model_state, out[1])  # inside a traced compute_loss: its mistakes
         return out
 
-    @property
-    def own_train(self) -> bool:
-        """The train step is the user's (a step value's ``train``)."""
-        return self.user_step is not None and self.user_step.trains
-
-    @property
-    def own_test(self) -> bool:
-        """The evaluation is the user's: a step value's ``test``, or the step's (which names the fix)
-        where it trains and nothing else can evaluate (no ``loss=``, no ``compute_loss``)."""
-        if self.user_step is None:
-            return False
-        no_loss = self.objective.spec[0] is None and not self.objective.own_loss
-        return self.user_step.tests or (self.user_step.trains and no_loss)
-
-    def set_step(self, step: object) -> None:
-        """A new value of the user's step (``trainer.step = dataclasses.replace(...)``): the next
-        run traces the steps again with it (:meth:`step_values_changed`)."""
-        self.user_step = replacing(self.user_step, step)
-
-    def audit_due(self) -> bool:
-        """The user's step trains and this value of it has not been audited (program/step_audit.py)."""
-        return self.own_train and self.user_step is not self._audited
-
-    def audited(self) -> None:
-        self._audited = self.user_step
-
-    def step_values_changed(self, forget: bool = True) -> list[str]:
-        """``'name: old -> new'`` for each value the user's steps were traced with that has changed
-        since (a hyperparameter of the step value, a value an override read from ``self``);
-        ``forget``: then forgotten (the next trace records them again)."""
-        if self.user_step is None or self._traced is None:
-            return []
-        found = step_value.changed(self._traced, self.user_step.watched())
-        if found and forget:
-            self._traced = None
-        return found
-
     def _user_step(self, kind: str, state: StepState, batch: Batch, rng: jax.Array) -> PyTree:
-        """The user's step value's ``train`` (``kind`` ``"train_step"``; its logs' names recorded
-        in their order) or ``test`` (``"test_step"``), the values it read recorded, when traced."""
-        assert self.user_step is not None
-        with frozen_while_traced(kind):
-            result = (
-                self.user_step.train(state, batch, rng)
-                if kind == "train_step"
-                else self.user_step.test(state, batch, rng)
-            )
-        self._traced = {**(self._traced or {}), **self.user_step.traced_values()}
+        """The user's step (:meth:`OwnStep.run`), the train step's logs' names recorded in their order."""
+        result = self.own.run(kind, state, batch, rng)
         if kind == "train_step" and isinstance(result, tuple) and len(result) == 2 and isinstance(result[1], dict):
             self._record_logs(result[1])
         return result
@@ -261,7 +214,7 @@ class Program:
         """The names the logs hold, in order: the objective's (the loss, its terms, the metrics)
         and ``compute_loss``'s logs, or the user's ``train_step``'s logs alone (once traced)."""
         logs = self.log_names or ()
-        if self.own_train:
+        if self.own.trains:
             return logs
         order = self.objective.log_order
         return (order[0], *logs, *order[1:])
@@ -464,7 +417,7 @@ class Program:
         ``vmap`` over devices runs it), appending to ``zero_gradients`` as it runs whether each
         update's gradients were all zero; ``inference``: the model in inference mode
         (:mod:`trainkit.program.step_audit`)."""
-        assert self.own_train
+        assert self.own.trains
         train = functools.partial(self._user_step, "train_step")
         facts = self.step_facts(axis, inference=inference)
         return custom_lib.make_custom_train_step(train, facts, zero_gradients)
@@ -482,13 +435,13 @@ class Program:
         ``(state, batch) -> metrics``, before their metrics are merged into the totals; the
         statistics (``GradientStats``) measured as ``statistics_when`` says
         (:meth:`~trainkit.core.statistics.StepStatistics.metrics`)."""
-        if kind == "eval" and self.own_test:
+        if kind == "eval" and self.own.tests:
             test = functools.partial(self._user_step, "test_step")
             return custom_lib.make_custom_eval_step(test, self.step_facts(axis))
         if kind == "eval":
             return make_eval_step(self.training_loss, self.objective.metric_fns, axis, self.objective.valid_tokens())
         offload = bool(self.offload) if offload is None else offload
-        user_step = functools.partial(self._user_step, "train_step") if self.own_train else None
+        user_step = functools.partial(self._user_step, "train_step") if self.own.trains else None
         features = self.step_features(statistics, statistics_when) if user_step is None else ()
         if user_step is not None and self.objective.valid_tokens() is not None:
             raise ValueError(

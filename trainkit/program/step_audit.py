@@ -39,9 +39,9 @@ def audit_own_step(setup: Setup, prepared: data_lib.Prepared) -> None:
     """Refuses a custom ``train_step`` that updates a group on all-zero gradients, or whose logs
     or update move with a padded row's content."""
     program = setup.program
-    if not program.audit_due() or jax.process_count() > 1:
+    if not program.own.audit_due() or jax.process_count() > 1:
         return
-    program.audited()
+    program.own.audited()
     batch = prepared.sample_batch()
     rows = min(CHECKED_ROWS, int(np.sum(batch["mask"])))
     if rows < 3:

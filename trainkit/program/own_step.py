@@ -1,0 +1,73 @@
+"""The user's own step as a program runs it: the step value (``Trainer(step=...)``, or the
+adapter of a ``train_step`` / ``test_step`` override; ``None``: the built-in step), the values
+its traces were built from (a changed one retraces, or stops a fit it changed during), and which
+value the first-batch audit (:mod:`trainkit.program.step_audit`) last checked.
+
+>>> own = OwnStep(None, evaluates_alone=False)
+>>> own.trains, own.tests, own.changed()
+(False, False, [])
+"""
+
+from __future__ import annotations
+
+import jax
+
+from trainkit.core import step_value
+from trainkit.core.override_step import replacing
+from trainkit.core.state import Batch
+from trainkit.core.step_state import StepState
+from trainkit.core.step_value import Step, frozen_while_traced
+from trainkit.core.tree import PyTree
+
+
+class OwnStep:
+    """``value``: the step value (``None``: the built-in step); ``evaluates_alone``: nothing but the
+    step can evaluate (no ``loss=``, no ``compute_loss``), so its ``test`` runs (and names the fix)."""
+
+    def __init__(self, value: Step | None, *, evaluates_alone: bool) -> None:
+        self.value = value
+        self._evaluates_alone = evaluates_alone
+        self._traced: dict[str, object] | None = None  # the values the compiled steps were traced with
+        self._audited: Step | None = None
+
+    @property
+    def trains(self) -> bool:
+        """The train step is the user's (the value's ``train``)."""
+        return self.value is not None and self.value.trains
+
+    @property
+    def tests(self) -> bool:
+        """The evaluation is the user's: the value's ``test``, or the step's where it trains and
+        nothing else can evaluate."""
+        return self.value is not None and (self.value.tests or (self.value.trains and self._evaluates_alone))
+
+    def replace(self, new: object) -> None:
+        """A new value (``trainer.step = dataclasses.replace(...)``): the next run traces with it."""
+        self.value = replacing(self.value, new)
+
+    def audit_due(self) -> bool:
+        """It trains and this value has not been audited."""
+        return self.trains and self.value is not self._audited
+
+    def audited(self) -> None:
+        self._audited = self.value
+
+    def changed(self, forget: bool = True) -> list[str]:
+        """``'name: old -> new'`` for each value the steps were traced with that has changed since
+        (a hyperparameter of the value, a value an override read from ``self``); ``forget``: then
+        forgotten (the next trace records them again)."""
+        if self.value is None or self._traced is None:
+            return []
+        found = step_value.changed(self._traced, self.value.watched())
+        if found and forget:
+            self._traced = None
+        return found
+
+    def run(self, kind: str, state: StepState, batch: Batch, rng: jax.Array) -> PyTree:
+        """The value's ``train`` (``kind`` ``"train_step"``) or ``test`` (``"test_step"``), traced:
+        an attribute set on it refused by name, the values it read recorded."""
+        assert self.value is not None
+        with frozen_while_traced(kind):
+            result = self.value.train(state, batch, rng) if kind == "train_step" else self.value.test(state, batch, rng)
+        self._traced = {**(self._traced or {}), **self.value.traced_values()}
+        return result
