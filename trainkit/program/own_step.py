@@ -29,6 +29,8 @@ class OwnStep:
         self._evaluates_alone = evaluates_alone
         self._traced: dict[str, object] | None = None  # the values the compiled steps were traced with
         self._audited: Step | None = None
+        #: the names of the train step's logs, in their order (found when it is first traced)
+        self.log_names: tuple[str, ...] | None = None
 
     @property
     def trains(self) -> bool:
@@ -65,9 +67,19 @@ class OwnStep:
 
     def run(self, kind: str, state: StepState, batch: Batch, rng: jax.Array) -> PyTree:
         """The value's ``train`` (``kind`` ``"train_step"``) or ``test`` (``"test_step"``), traced:
-        an attribute set on it refused by name, the values it read recorded."""
+        an attribute set on it refused by name, the values it read recorded (and the train step's
+        logs' names, in their order)."""
         assert self.value is not None
         with frozen_while_traced(kind):
-            result = self.value.train(state, batch, rng) if kind == "train_step" else self.value.test(state, batch, rng)
-        self._traced = {**(self._traced or {}), **self.value.traced_values()}
+            if kind != "train_step":
+                logs: PyTree = self.value.test(state, batch, rng)
+                self._record(None)
+                return logs
+            result: PyTree = self.value.train(state, batch, rng)
+        self._record(result)
         return result
+
+    def _record(self, result: PyTree) -> None:
+        self._traced = {**(self._traced or {}), **(self.value.traced_values() if self.value is not None else {})}
+        if self.log_names is None and isinstance(result, tuple) and len(result) == 2 and isinstance(result[1], dict):
+            self.log_names = tuple(result[1])

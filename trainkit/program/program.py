@@ -67,7 +67,7 @@ from trainkit.core.step import (
     with_totals,
 )
 from trainkit.core.step_feature import StepFeature
-from trainkit.core.step_state import StepFacts, StepState
+from trainkit.core.step_state import StepFacts
 from trainkit.core.step_value import Step
 from trainkit.core.totals import EpochTotals, pack
 from trainkit.core.trace_context import traced_under
@@ -138,7 +138,7 @@ class Program:
         self.spike_skip = _checked_spike_skip(spike_skip)
         if self.own.trains:
             refuse_for_own_step(grad_accum_steps, precision, spike_skip, log_grad_norm, offload)
-        self.log_names: tuple[str, ...] | None = None  # the step's own logs, in their order (found when traced)
+        self.log_names: tuple[str, ...] | None = None  # compute_loss's own logs, in their order (found when traced)
         self.offload = offload
         #: why this trainer's settings cannot offload the optimizer's state (``None``: they can)
         self.offload_refusal = offload_refusal(eager=eager, precision=precision, spike_skip=spike_skip)
@@ -198,13 +198,6 @@ class Program:
         loss_call.applied(train, model_state, out[1])  # inside a traced compute_loss: its mistakes
         return out
 
-    def _user_step(self, kind: str, state: StepState, batch: Batch, rng: jax.Array) -> PyTree:
-        """The user's step (:meth:`OwnStep.run`), the train step's logs' names recorded in their order."""
-        result = self.own.run(kind, state, batch, rng)
-        if kind == "train_step" and isinstance(result, tuple) and len(result) == 2 and isinstance(result[1], dict):
-            self._record_logs(result[1])
-        return result
-
     def _record_logs(self, logs: PyTree) -> None:
         if self.log_names is None and isinstance(logs, dict):
             self.log_names = tuple(logs)
@@ -213,9 +206,9 @@ class Program:
     def log_order(self) -> tuple[str, ...]:
         """The names the logs hold, in order: the objective's (the loss, its terms, the metrics)
         and ``compute_loss``'s logs, or the user's ``train_step``'s logs alone (once traced)."""
-        logs = self.log_names or ()
         if self.own.trains:
-            return logs
+            return self.own.log_names or ()
+        logs = self.log_names or ()
         order = self.objective.log_order
         return (order[0], *logs, *order[1:])
 
@@ -418,7 +411,7 @@ class Program:
         update's gradients were all zero; ``inference``: the model in inference mode
         (:mod:`trainkit.program.step_audit`)."""
         assert self.own.trains
-        train = functools.partial(self._user_step, "train_step")
+        train = functools.partial(self.own.run, "train_step")
         facts = self.step_facts(axis, inference=inference)
         return custom_lib.make_custom_train_step(train, facts, zero_gradients)
 
@@ -436,12 +429,12 @@ class Program:
         statistics (``GradientStats``) measured as ``statistics_when`` says
         (:meth:`~trainkit.core.statistics.StepStatistics.metrics`)."""
         if kind == "eval" and self.own.tests:
-            test = functools.partial(self._user_step, "test_step")
+            test = functools.partial(self.own.run, "test_step")
             return custom_lib.make_custom_eval_step(test, self.step_facts(axis))
         if kind == "eval":
             return make_eval_step(self.training_loss, self.objective.metric_fns, axis, self.objective.valid_tokens())
         offload = bool(self.offload) if offload is None else offload
-        user_step = functools.partial(self._user_step, "train_step") if self.own.trains else None
+        user_step = functools.partial(self.own.run, "train_step") if self.own.trains else None
         features = self.step_features(statistics, statistics_when) if user_step is None else ()
         if user_step is not None and self.objective.valid_tokens() is not None:
             raise ValueError(
