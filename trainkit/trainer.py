@@ -1,5 +1,4 @@
-"""``Trainer``: Keras's ``fit`` / ``evaluate`` / ``predict`` in, delegation out (to
-:class:`trainkit.loop.Loop`, :class:`trainkit.program.setup.Setup` and :mod:`trainkit.checkpoint`).
+"""``Trainer``: Keras's ``fit`` / ``evaluate`` / ``predict`` in, delegation out (``Loop``, ``Setup``, checkpoint).
 
 >>> import numpy as np, optax, flax.linen as nn
 >>> x = np.random.default_rng(0).normal(size=(64, 3)).astype("float32")
@@ -28,25 +27,18 @@ from trainkit import export as export_lib
 from trainkit import weights as weights_lib
 from trainkit.callbacks import Callback, CallbackList, History, lr_finder
 from trainkit.core import loss_call, override_step, watched_batch
-from trainkit.core.lora import LoRA
-from trainkit.core.model import Model, adapt_model
-from trainkit.core.offload import Offload
-from trainkit.core.precision import Precision, get_precision
-from trainkit.core.remat import Remat
-from trainkit.core.spikes import SpikeSkip
+from trainkit.core.model import Model
 from trainkit.core.state import Batch, TrainState
-from trainkit.core.trainable import TrainableSpec
 from trainkit.core.tree import PyTree, TreeFunction
-from trainkit.data import DataInput, FitConfig
+from trainkit.data import DataInput
 from trainkit.loop import Loop
 from trainkit.monitoring import debug
 from trainkit.monitoring import summary as summary_lib
-from trainkit.objective import LossSpec, MetricSpec, Objective
+from trainkit.objective import LossSpec, MetricSpec
 from trainkit.program import inputs, tuning
 from trainkit.program import plan as plan_lib
+from trainkit.program.arguments import FitArguments, FitOptions, TrainerArguments, TrainerOptions
 from trainkit.program.batch_size import BatchSizeSearch
-from trainkit.program.program import Program
-from trainkit.program.setup import Setup, check_trainer_arguments
 from trainkit.program.state_access import GroupRates
 from trainkit.record.session import Session
 from trainkit.strategies import Auto, Strategy
@@ -64,56 +56,43 @@ class Trainer:
             (``{"generator": ..., "discriminator": ...}``, ``re.match``; docs/custom_training.md).
         strategy: a :class:`trainkit.Strategy`, a name, or ``"auto"`` (picked by the compiled plan).
         seed: seeds initialisation, dropout and the shuffle order. params: variables to start from (fine-tuning).
-        precision: ``"fp32"``, ``"bf16"``, ``"fp16"`` (loss scaling) or a ``tk.Precision``.
-        remat: ``"full"``, ``"dots"``, ``"dots_no_batch"``, a ``jax.checkpoint`` policy, or class names.
-        grad_accum_steps: micro-batches per global batch in one step. log_grad_norm: also log ``grad_norm``.
-        mixes_rows: the model mixes a batch's rows on purpose (else checked before training).
-        deterministic: XLA's deterministic GPU ops, and no choice by timing (docs/tuning.md).
-        trainable: the parameters that train (a path regex, a list, ``(path, leaf) -> bool``); the others frozen,
-            their BatchNorm in inference mode unless ``frozen_statistics=False`` (docs/finetuning.md).
-        lora: a ``tk.LoRA``: low-rank adapters (qwix) on the kernels it targets (linen or NNX); only they train.
-        skip_spikes: a ``tk.SpikeSkip``: an update whose loss spikes above its running average is not applied.
-        offload: ``"optimizer"`` (``"optimizer+frozen"``: and the frozen parameters) in host memory, streamed
-            through each step, the same numbers; ``"auto"``: where the step fits only so.
-        step: a ``tk.Step``: a train step of your own as a frozen value (docs/custom_training.md).
+        **options: trainkit's own, beyond Keras's ``compile`` (each described in
+            :class:`~trainkit.program.arguments.TrainerOptions`; an unknown name is refused): ``precision``,
+            ``remat``, ``grad_accum_steps``, ``log_grad_norm``, ``mixes_rows``, ``deterministic``, ``trainable``,
+            ``lora``, ``skip_spikes``, ``frozen_statistics``, ``offload``, ``step`` (a ``tk.Step``).
 
     Override :meth:`compute_loss` (a loss not ``loss(predictions, y)``) or :meth:`train_step` (docs/custom_training.md);
     each argument: docs/quickstart.md, docs/outputs.md, docs/performance.md, docs/precision_and_memory.md.
     """
 
     def __init__(
-        self, model: Model, *, loss: LossSpec = None, optimizer: optax.GradientTransformation,
-        metrics: MetricSpec = None, weighted_metrics: MetricSpec = None,
+        self,
+        model: Model,
+        *,
+        loss: LossSpec = None,
+        optimizer: optax.GradientTransformation | dict[str, optax.GradientTransformation],
+        metrics: MetricSpec = None,
+        weighted_metrics: MetricSpec = None,
         loss_weights: float | Sequence[float] | Mapping[str, float] | None = None,
-        strategy: str | Strategy | Auto = "auto", seed: int = 0, params: PyTree | None = None,
-        precision: str | Precision | None = "fp32", remat: Remat = None, grad_accum_steps: int = 1,
-        log_grad_norm: bool = False, steps_per_execution: int | str | None = None, run_eagerly: bool = False,
-        jit_compile: bool | str = "auto", mixes_rows: bool = False, deterministic: bool = False,
-        trainable: TrainableSpec = None, lora: LoRA | None = None, skip_spikes: SpikeSkip | None = None,
-        frozen_statistics: bool = True, offload: str | Offload | None = None, step: override_step.Step | None = None,
-    ) -> None:  # fmt: skip
-        if deterministic:  # XLA reads its flags when the backend starts: before anything touches devices
-            distributed.enable_determinism()
-        distributed.initialize_from_environment()  # a multi-process job: connect first
-        own = override_step.overrides(type(self), Trainer, has_loss=loss is not None, step=step)  # compute_loss, ...
-        check_trainer_arguments(optimizer, grad_accum_steps, jit_compile, has_loss=loss is not None or own.loss)
-        self.model, self.loss, self.optimizer, self.remat, self.seed = model, loss, optimizer, remat, int(seed)
-        self.objective = Objective(loss, metrics, weighted_metrics, loss_weights, own_loss=own.compute_loss)
-        self.run_eagerly = bool(run_eagerly) or jit_compile is False
-        self.precision = get_precision(precision)
-        self.grad_accum_steps, self.log_grad_norm = int(grad_accum_steps), bool(log_grad_norm)
-        self.program = Program(
-            adapter=adapt_model(model), remat=remat, compute_loss=self.compute_loss, apply=self.apply, seed=self.seed,
-            optimizer=optimizer, objective=self.objective, precision=self.precision, eager=self.run_eagerly,
-            grad_accum_steps=self.grad_accum_steps, log_grad_norm=self.log_grad_norm, variables=params, lora=lora,
-            trainable=trainable, spike_skip=skip_spikes, frozen_statistics=frozen_statistics,
-            offload=Offload.of(offload), step=override_step.step_of(self, own, step),
-        )  # fmt: skip
+        strategy: str | Strategy | Auto = "auto",
+        seed: int = 0,
+        params: PyTree | None = None,
+        steps_per_execution: int | str | None = None,
+        run_eagerly: bool = False,
+        jit_compile: bool | str = "auto",
+        **options: Unpack[TrainerOptions],
+    ) -> None:
+        given = TrainerArguments.of(locals())  # one value: handed on, and what merge_lora rebuilds from
+        given.connect()  # XLA's flags and a multi-process job, before anything touches the devices
+        own = override_step.overrides(type(self), Trainer, has_loss=loss is not None, step=given.step)  # compute_loss..
+        self.arguments = given.checked(own)
+        self.model, self.loss, self.optimizer, self.seed = model, loss, optimizer, int(seed)
+        self.objective, step = given.objective(own), override_step.step_of(self, own, given.step)
+        self.program = given.program(self.objective, compute_loss=self.compute_loss, apply=self.apply, step=step)
+        self.precision, self.grad_accum_steps = self.program.precision, self.program.grad_accum_steps
+        self.run_eagerly = self.program.eager
         self.session = Session()  # the one holder of the live state, the position and the flags
-        self.setup = Setup(
-            self.program, strategy, session=self.session, steps_per_execution=steps_per_execution,
-            custom_loss=own.loss, mixes_rows=mixes_rows, deterministic=deterministic,
-        )  # fmt: skip
+        self.setup = given.setup(self.program, self.session, own)
         self.state_access, self.compiled = self.setup.state_access, self.setup.compiled
         self.loop = Loop(self.session, self.compiled)
 
@@ -229,12 +208,10 @@ class Trainer:
         """Puts variables from :meth:`get_weights` back into the live state (same shapes)."""
         self.state_access.set_weights(variables)
 
-    def save_weights(
-        self, filepath: str | os.PathLike[str], *, format="safetensors", layout="flax", rename=(), prefix: str = ""
-    ) -> None:
-        """The variables (LoRA's merged; ``prefix``: that sub-tree's) as safetensors, Flax's or PyTorch's layout."""
-        weights_lib.save(self.state_access.named_weights(), filepath, format=format, layout=layout, rename=rename,
-                         prefix=prefix)  # fmt: skip
+    def save_weights(self, filepath: str | os.PathLike[str], **options: Unpack[weights_lib.WeightsFile]) -> None:
+        """The variables (LoRA's merged) as safetensors (``format``), Flax's or PyTorch's ``layout``, ``rename`` pairs
+        applied last, ``prefix``: that sub-tree's (docs/finetuning.md)."""
+        weights_lib.save(self.state_access.named_weights(), filepath, **options)
 
     def save_pretrained(
         self, folder: str | os.PathLike[str], *, config: object, **options: Unpack[weights_lib.Pretrained]
@@ -244,10 +221,8 @@ class Trainer:
 
     def merge_lora(self) -> Trainer:
         """A trainer of the model without adapters, folded into its kernels: the same predictions."""
-        (loss, metrics, weighted, loss_weights), (variables, sample) = self.objective.spec, self.state_access.merged()
-        merged = type(self)(self.model, loss=loss, optimizer=self.optimizer, metrics=metrics, weighted_metrics=weighted,
-                            loss_weights=loss_weights, strategy=self.strategy or "auto", seed=self.seed,
-                            precision=self.precision, remat=self.remat, params=variables)  # fmt: skip
+        variables, sample = self.state_access.merged()
+        merged = type(self)(**self.arguments.without_lora(variables, self.strategy or "auto"))
         merged.init(sample)
         return merged
 
@@ -308,39 +283,49 @@ class Trainer:
         return lr_finder.find_learning_rate(self, x, y, batch_size=batch_size, **options)
 
     def fit(
-        self, x: DataInput = None, y: PyTree = None, batch_size: int | None = None, epochs: int | None = None,
-        verbose: int | str = 1, callbacks: Iterable[Callback] | None = None, validation_split: float = 0.0,
-        validation_data: DataInput = None, shuffle: bool | str = True, class_weight: Mapping[int, float] | None = None,
-        sample_weight: PyTree = None, initial_epoch: int = 0, steps_per_epoch: int | None = None,
-        validation_steps: int | None = None, validation_batch_size: int | None = None,
-        validation_freq: int | list[int] = 1, *, validation_interval: int | None = None, max_steps: int | None = None,
-        read_ahead: bool = True, data_on_device: bool | str = "auto",
-    ) -> History:  # fmt: skip
-        """Keras's ``fit`` (``x``: docs/data.md): a ``History``, callbacks in Keras 3's order; ``epochs=None``: 1,
-        or with ``max_steps`` as many as reach it. ``validation_interval=N`` validates every N steps; ``read_ahead``,
-        ``data_on_device``: where the data is read and kept (docs/data.md)."""
+        self,
+        x: DataInput = None,
+        y: PyTree = None,
+        batch_size: int | None = None,
+        epochs: int | None = None,
+        verbose: int | str = 1,
+        callbacks: Iterable[Callback] | None = None,
+        validation_split: float = 0.0,
+        validation_data: DataInput = None,
+        shuffle: bool | str = True,
+        class_weight: Mapping[int, float] | None = None,
+        sample_weight: PyTree = None,
+        initial_epoch: int = 0,
+        steps_per_epoch: int | None = None,
+        validation_steps: int | None = None,
+        validation_batch_size: int | None = None,
+        validation_freq: int | list[int] = 1,
+        **options: Unpack[FitOptions],
+    ) -> History:
+        """Keras's ``fit`` (``x``: docs/data.md): a ``History``, callbacks in Keras 3's order; ``epochs=None``: 1, or
+        with ``max_steps`` as many as reach it. ``**options``: trainkit's own (``validation_interval``, ``max_steps``,
+        ``read_ahead``, ``data_on_device``: :class:`~trainkit.program.arguments.FitOptions`; unknown names refused)."""
+        given = FitArguments.of(locals())
         callbacks = CallbackList.checked(callbacks)  # before anything is built
-        config = FitConfig(
-            epochs=epochs, initial_epoch=initial_epoch, steps_per_epoch=steps_per_epoch, max_steps=max_steps,
-            shuffle=shuffle, seed=self.seed, validation_freq=validation_freq, validation_steps=validation_steps,
-            validation_interval=validation_interval, read_ahead=read_ahead, data_on_device=data_on_device,
-        ).checked(has_validation=validation_data is not None or bool(validation_split))  # fmt: skip
+        config = given.config(self.seed)
         with self.session.ledger.running(distributed.take_startup_seconds()):  # history.goodput: where time went
             self.compiled.use_statistics(CallbackList.step_statistics_of(callbacks))  # in the train step
-            prepared, config = inputs.prepare_fit(
-                self.setup, config, x, y, sample_weight, batch_size, validation_data=validation_data,
-                validation_split=validation_split, validation_batch_size=validation_batch_size,
-                class_weight=class_weight, announce=bool(verbose),
-            )  # fmt: skip
+            prepared, config = inputs.prepare_fit(self.setup, config, given)
             callback_list = CallbackList.for_run(callbacks, self, verbose, config.steps, config.epoch_count, fit=True)
             self.loop.fit(prepared.source, prepared.batch_size, callback_list, config)
         return callback_list.require_history()
 
     def evaluate(
-        self, x: DataInput = None, y: PyTree = None, batch_size: int | None = None, verbose: int | str = 0,
-        sample_weight: PyTree = None, steps: int | None = None, callbacks: Iterable[Callback] | None = None,
+        self,
+        x: DataInput = None,
+        y: PyTree = None,
+        batch_size: int | None = None,
+        verbose: int | str = 0,
+        sample_weight: PyTree = None,
+        steps: int | None = None,
+        callbacks: Iterable[Callback] | None = None,
         return_dict: bool = False,
-    ) -> float | list[float] | dict[str, float]:  # fmt: skip
+    ) -> float | list[float] | dict[str, float]:
         """The loss and metrics over all the data, exact on any device count: as Keras, the loss alone
         or ``[loss, *metrics]``, or with ``return_dict`` the dict (prints nothing)."""
         dataset, size, total = inputs.prepare_run(self.setup, x, y, sample_weight, batch_size, steps, targets=True)
@@ -348,14 +333,17 @@ class Trainer:
         return self.objective.keras_result(logs, return_dict)
 
     def train_on_batch(
-        self, x: DataInput, y: PyTree = None, sample_weight: PyTree = None,
-        class_weight: dict[int, float] | None = None, return_dict: bool = False,
-    ) -> float | list[float] | dict[str, float]:  # fmt: skip
+        self,
+        x: DataInput,
+        y: PyTree = None,
+        sample_weight: PyTree = None,
+        class_weight: dict[int, float] | None = None,
+        return_dict: bool = False,
+    ) -> float | list[float] | dict[str, float]:
         """One optimizer step on exactly these rows (Keras's ``train_on_batch``, padded to a size the
         devices split): that batch's loss and metrics, as :meth:`evaluate` returns them."""
         size = inputs.one_batch_size(self.setup, x)
-        history = self.fit(x, y, batch_size=size, epochs=1, sample_weight=sample_weight, class_weight=class_weight,
-                           shuffle=False, verbose=0)  # fmt: skip
+        history = self.fit(x, y, size, 1, 0, sample_weight=sample_weight, class_weight=class_weight, shuffle=False)
         return self.objective.keras_result({k: v[-1] for k, v in history.history.items()}, return_dict)
 
     def test_on_batch(
@@ -370,9 +358,13 @@ class Trainer:
         return self.predict(x, batch_size=inputs.one_batch_size(self.setup, x))
 
     def predict(
-        self, x: DataInput = None, batch_size: int | None = None, verbose: int | str = 0, steps: int | None = None,
+        self,
+        x: DataInput = None,
+        batch_size: int | None = None,
+        verbose: int | str = 0,
+        steps: int | None = None,
         callbacks: Iterable[Callback] | None = None,
-    ) -> PyTree:  # fmt: skip
+    ) -> PyTree:
         """Outputs, one row per input row (a pytree for several); ``x`` as ``fit`` takes it, targets ignored."""
         dataset, batch_size, total = inputs.prepare_run(self.setup, x, None, None, batch_size, steps, targets=False)
         return self.loop.predict(dataset, batch_size, steps, CallbackList.for_run(callbacks, self, verbose, total))

@@ -10,7 +10,7 @@ the validation data are prepared by the data layer and checked against what trai
 >>> trainer = tk.Trainer(nn.Dense(2), loss="mse", optimizer=optax.sgd(0.1), strategy="single")
 >>> x, y = np.ones((8, 3), np.float32), np.ones((8, 2), np.float32)
 >>> config = FitConfig().checked(has_validation=True)
->>> fit_data = prepare_fit(trainer.setup, config, x, y, None, 4, validation_data=(x, y))
+>>> fit_data = prepare_fit(trainer.setup, config, FitArguments(x=x, y=y, batch_size=4, validation_data=(x, y)))
 >>> fit_data.train.batch_size, fit_data.validation.batch_size, trainer.state.params["kernel"].shape
 (4, 4, (3, 2))
 """
@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import NamedTuple
 
 import jax
@@ -34,6 +34,7 @@ from trainkit.core.warn import warn_user
 from trainkit.data import DataInput, FitConfig, Validation
 from trainkit.program import auto as auto_lib
 from trainkit.program import device_data, out_of_memory
+from trainkit.program.arguments import FitArguments
 from trainkit.program.setup import Setup
 from trainkit.program.step_audit import audit_own_step
 from trainkit.strategies import Strategy
@@ -300,30 +301,17 @@ def _validation(
     return Validation(validating.source, validating.batch_size, config.validation_steps)
 
 
-def prepare_fit(
-    setup: Setup,
-    config: FitConfig,
-    data: DataInput,
-    y: PyTree,
-    sample_weight: PyTree,
-    batch_size: int | None,
-    *,
-    validation_data: DataInput = None,
-    validation_split: float = 0.0,
-    validation_batch_size: int | None = None,
-    class_weight: Mapping[int, float] | None = None,
-    announce: bool = False,
-) -> FitData:
-    """``fit``'s training data prepared (Keras's ``validation_split`` and ``class_weight``
-    applied), and ``config`` completed: the epoch's steps, the validation data (in batches
-    of ``validation_batch_size``, else the training batch size; an iterable's batches are
-    its own; :func:`prepare_validation`), the non-finite warning, the first-step check.
-    ``announce``: print the strategy ``"auto"`` picks."""
-    source = data_lib.as_dataset(data, y, sample_weight)
-    if validation_split and validation_data is None:
-        source, validation_data = data_lib.split_validation(source, validation_split)
-    if class_weight is not None:
-        source = data_lib.with_class_weight(source, class_weight)
+def prepare_fit(setup: Setup, config: FitConfig, given: FitArguments) -> FitData:
+    """``fit``'s training data (``given``: its arguments) prepared (Keras's ``validation_split`` and
+    ``class_weight`` applied), and ``config`` completed: the epoch's steps, the validation data (in
+    batches of ``validation_batch_size``, else the training batch size; an iterable's batches are
+    its own; :func:`prepare_validation`), the non-finite warning, the first-step check; a
+    ``verbose`` fit prints the strategy ``"auto"`` picks."""
+    source, validation_data = data_lib.as_dataset(given.x, given.y, given.sample_weight), given.validation_data
+    if given.validation_split and validation_data is None:
+        source, validation_data = data_lib.split_validation(source, given.validation_split)
+    if given.class_weight is not None:
+        source = data_lib.with_class_weight(source, given.class_weight)
     settings = config.loop_settings()
 
     def epoch_steps(prepared: data_lib.Prepared) -> int | None:
@@ -332,10 +320,10 @@ def prepare_fit(
     prepared = prepare(
         setup,
         source,
-        batch_size=batch_size,
+        batch_size=given.batch_size,
         targets=True,
         training=True,
-        announce=announce,
+        announce=bool(given.verbose),
         config=settings,
         run_steps=lambda prepared: config.planned_steps(epoch_steps(prepared)),
     )
@@ -346,7 +334,7 @@ def prepare_fit(
     config = config.until_max_steps(steps, source.one_shot)
     validation = None
     if validation_data is not None:
-        validation = _validation(setup, config, validation_data, batch_size, validation_batch_size)
+        validation = _validation(setup, config, validation_data, batch_size, given.validation_batch_size)
     return FitData(
         prepared,
         dataclasses.replace(

@@ -36,8 +36,6 @@ from collections.abc import Sequence
 from typing import NamedTuple
 
 import jax
-import numpy as np
-import optax
 
 from trainkit import data as data_lib
 from trainkit import distributed
@@ -61,23 +59,6 @@ logger = logging.getLogger("trainkit")
 
 #: The examples ``summary`` traces the model with (a leading axis of this size is the batch).
 SUMMARY_ROWS = 2
-
-
-def check_trainer_arguments(
-    optimizer: object, grad_accum_steps: object, jit_compile: object, *, has_loss: bool
-) -> None:
-    """Refuses the ``Trainer`` arguments that cannot work, saying what to pass."""
-    if not has_loss:
-        raise ValueError("Pass loss=..., or subclass Trainer and override compute_loss (or train_step).")
-    if not isinstance(optimizer, (optax.GradientTransformation, dict)):
-        raise TypeError(
-            f"optimizer must be an optax.GradientTransformation such as optax.adam(1e-3), or a dict of them by "
-            f"parameter path (one per sub-network); received {type(optimizer).__name__}."
-        )
-    if not isinstance(grad_accum_steps, (int, np.integer)) or grad_accum_steps < 1:
-        raise ValueError(f"grad_accum_steps must be a positive integer; received {grad_accum_steps!r}.")
-    if jit_compile not in (True, False, "auto"):
-        raise ValueError(f"jit_compile must be True, False or 'auto'; received {jit_compile!r}.")
 
 
 class SummaryInputs(NamedTuple):

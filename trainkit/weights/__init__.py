@@ -71,6 +71,15 @@ class Pretrainable(Loadable, Protocol):
     def named_adapters(self) -> tuple[LoRA, dict[str, np.ndarray]]: ...
 
 
+class WeightsFile(TypedDict, total=False):
+    """``trainer.save_weights``'s options besides the path (:func:`save`)."""
+
+    format: str
+    layout: str
+    rename: Sequence[tuple[str, str]]
+    prefix: str
+
+
 class Pretrained(TypedDict, total=False):
     """``trainer.save_pretrained``'s options besides the folder and ``config`` (:func:`save_pretrained`)."""
 
