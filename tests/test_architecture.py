@@ -509,6 +509,14 @@ def test_a_step_is_a_value_not_read_from_bytecode_or_a_snapshot():
             if calls_vars and package_of(name) in STEP_PATH:
                 snapshots.append(f"{name}:{node.lineno}")
     assert not readers, f"bytecode read in {readers}: declare what the step needs as a value's field"
+    step_imports = {
+        node.module
+        for node in ast.walk(ast.parse(MODULES["core.step"].read_text()))
+        if isinstance(node, ast.ImportFrom)
+    }
+    assert "trainkit.core.custom_step" not in step_imports, (
+        "the built-in step branches into the user's: the program chooses"
+    )
     assert not snapshots, f"vars() on the step's path in {snapshots}: record what the step reads, as it reads it"
 
 

@@ -37,7 +37,6 @@ import numpy as np
 import optax
 from clu.metrics import LastValue
 
-from trainkit.core.custom_step import UserTrainStep, make_custom_train_step
 from trainkit.core.offload import streamed_update, to_device
 from trainkit.core.optimizer_groups import OptimizerGroups
 from trainkit.core.optimizers import learning_rate
@@ -52,7 +51,6 @@ from trainkit.core.step_helpers import (
     weighted_total,
     with_ignored_tokens,
 )
-from trainkit.core.step_state import StepFacts
 from trainkit.core.totals import (
     EpochTotals,
     LossAverage,
@@ -301,16 +299,14 @@ class TrainStepOptions:
     ``features`` (:mod:`trainkit.core.step_feature`), run in order after the update; and
     ``offload``: the optimizer's state is in host memory, streamed through the update
     (:func:`trainkit.core.offload.streamed_update`); ``groups``: the optimizer's groups (a dict
-    of optimizers by parameter path); ``user_step``: the user's own ``train_step``, which then
-    replaces the loss, the gradient and the update (:mod:`trainkit.core.custom_step`)."""
+    of optimizers by parameter path). A step of the user's own is not built here
+    (:func:`trainkit.core.custom_step.make_custom_train_step`)."""
 
     grad_accum_steps: int = 1
     trainable: Trainable | None = None
     features: tuple[StepFeature, ...] = ()
     offload: bool = False
     groups: OptimizerGroups | None = None
-    user_step: UserTrainStep | None = None
-    facts: StepFacts | None = None
     #: the targets' tokens that count, where the loss ignores a class (Keras's ``ignore_class``; ``None``: all)
     valid_tokens: Callable[[PyTree], jax.Array] | None = None
 
@@ -336,9 +332,6 @@ def make_train_step(
     update_optimizer = functools.partial(streamed_update, tx) if options.offload else tx.update
     trainable = options.trainable if options.trainable is not None else Trainable(None)
     freezes = trainable.freezes
-    if options.user_step is not None:  # the user's own step: loss, gradients and update are its
-        assert options.facts is not None, "a step of the user's own needs the strategy's facts"
-        return make_custom_train_step(options.user_step, options.facts)
 
     def micro_step(params, model_state, batch, rng, batch_rows, loss_scale, *, rows: RowFacts):
         trained, rebuild = (params, None) if not freezes else trainable.split(params)

@@ -433,25 +433,34 @@ class Program:
             return custom_lib.make_custom_eval_step(test, self.step_facts(axis))
         if kind == "eval":
             return make_eval_step(self.training_loss, self.objective.metric_fns, axis, self.objective.valid_tokens())
-        offload = bool(self.offload) if offload is None else offload
-        user_step = functools.partial(self.own.run, "train_step") if self.own.trains else None
-        features = self.step_features(statistics, statistics_when) if user_step is None else ()
-        if user_step is not None and self.objective.valid_tokens() is not None:
+        if self.own.trains:
+            return self._own_train_step(axis, statistics)
+        options = TrainStepOptions(
+            self.grad_accum_steps,
+            self.trainable,
+            self.step_features(statistics, statistics_when),
+            bool(self.offload) if offload is None else offload,
+            groups=self.groups,
+            valid_tokens=self.objective.valid_tokens(),
+        )
+        return make_train_step(self.training_loss, self.optimizer, self.objective.metric_fns, axis, options)
+
+    def _own_train_step(self, axis: str | None, statistics: StepStatistics | None) -> TreeFunction:
+        """The user's own ``train_step`` (a step value's or an override's) as the ``"train"`` step:
+        its loss, gradients and update are its own, so the built-in step's features are not in it."""
+        if self.objective.valid_tokens() is not None:
             raise ValueError(
                 "The loss ignores a class (ignore_class), and this trainer's train_step is its own: trainkit would not "
                 "see which tokens it reduces over. Weigh the tokens in train_step yourself (a mask of the targets that "
                 "are not that class) and drop ignore_class, or use the built-in step."
             )
-        if user_step is not None and statistics is not None:
+        if statistics is not None:
             raise ValueError(
                 "GradientStats measures the built-in step's gradients, and this trainer's train_step is its own (its "
                 "gradients are its locals). Log what you need from train_step's logs, or drop GradientStats."
             )
-        options = TrainStepOptions(
-            self.grad_accum_steps, self.trainable, features, offload, groups=self.groups, user_step=user_step,
-            facts=None if user_step is None else self.step_facts(axis), valid_tokens=self.objective.valid_tokens(),
-        )  # fmt: skip
-        return make_train_step(self.training_loss, self.optimizer, self.objective.metric_fns, axis, options)
+        train = functools.partial(self.own.run, "train_step")
+        return custom_lib.make_custom_train_step(train, self.step_facts(axis))
 
     def step_features(self, statistics: StepStatistics | None, when: str = "due") -> tuple[StepFeature, ...]:
         """The train step's features (:mod:`trainkit.core.features`) this trainer's settings
