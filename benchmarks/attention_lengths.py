@@ -29,7 +29,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "example
 from lm import ByteLM  # noqa: E402
 
 import trainkit as tk  # noqa: E402
-from trainkit.program import targets  # noqa: E402
+from trainkit.planning import targets  # noqa: E402
 
 
 def trainer(args: argparse.Namespace, attention: str, length: int) -> tk.Trainer:

@@ -58,8 +58,8 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "example
 from lm import ByteLM  # noqa: E402
 
 import trainkit as tk  # noqa: E402
-from trainkit.program import plan as plan_lib  # noqa: E402
-from trainkit.program import targets as targets_lib  # noqa: E402
+from trainkit.planning import plan as plan_lib  # noqa: E402
+from trainkit.planning import targets as targets_lib  # noqa: E402
 
 LENGTH = 2048
 TARGETS = ("tpu v5e:2x4", "tpu v5p:2x2x1", "h100 x8")

@@ -27,7 +27,7 @@ each microbatch's activations on and their cotangents back at every tick (the bu
 head too (it is replicated over the stages), and their cotangents back, all bf16 and a quarter
 per device, plus the gradients of the embedding and head
 (outside the stages, replicated over them). Loops count once per iteration
-(:mod:`trainkit.program.dcn`).
+(:mod:`trainkit.planning.dcn`).
 
     python benchmarks/capacity.py --axes [--out F]
 """
@@ -44,8 +44,8 @@ import optax
 from lm import ByteLM
 
 import trainkit as tk
-from trainkit.program import plan as plan_lib
-from trainkit.program import targets as targets_lib
+from trainkit.planning import plan as plan_lib
+from trainkit.planning import targets as targets_lib
 
 SEQUENCE_TARGET = "tpu v5e:2x4"
 SLICES_TARGET = "tpu v5p:2x2x1 x2"

@@ -1,5 +1,5 @@
 """Compile seconds per StableHLO operation, per target platform: the rates behind the plan's
-"about N s" progress line (``trainkit.program.compile_estimate``).
+"about N s" progress line (``trainkit.planning.compile_estimate``).
 
 The LM example's real train step (``examples/lm.py``'s ``ByteLM``, AdamW) is planned from shapes
 at several depths for each target, one candidate at a time (``first_fit=False``, FSDP and
@@ -33,7 +33,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "example
 from lm import ByteLM  # noqa: E402
 
 import trainkit as tk  # noqa: E402
-from trainkit.program import compile_estimate, targets  # noqa: E402
+from trainkit.planning import compile_estimate, targets  # noqa: E402
 
 
 def rows(target: str, layers: int, d_model: int, length: int, batch_size: int):

@@ -1,7 +1,7 @@
 """The plan's step-time estimate against the real step on several byte LMs (issue #80 item 6), in one
 process on one chip: per configuration the compiled step's cost (flops, bytes accessed, and on a TPU
-the cycles its compiler estimates, as the step runs them: ``program.compiler_cycles``), the plan's
-estimate from them (``program.plan.estimate_seconds``) and its ratio to the real step (the mean of five after
+the cycles its compiler estimates, as the step runs them: ``planning.compiler_cycles``), the plan's
+estimate from them (``planning.plan.estimate_seconds``) and its ratio to the real step (the mean of five after
 a warm-up fit), and with ``--out`` the compiled text and the device's time per executed op (a
 ``jax.profiler`` trace of three steps) for reading offline; first, the chip's rates as
 microbenchmarks measure them (a large matmul in bf16 and float32, a large elementwise pass).
@@ -31,8 +31,8 @@ import step_phases  # noqa: E402
 from lm import ByteLM  # noqa: E402
 
 import trainkit as tk  # noqa: E402
-from trainkit.program import plan  # noqa: E402
-from trainkit.program.compiler_cycles import executed_cycles  # noqa: E402
+from trainkit.planning import plan  # noqa: E402
+from trainkit.planning.compiler_cycles import executed_cycles  # noqa: E402
 
 #: (name, layers, d_model, length, batch, precision, remat): #80's six, then two it did not name
 CONFIGS = (

@@ -8,8 +8,8 @@ import optax
 from conftest import classifier, make_classification
 
 import trainkit as tk
-from trainkit.program import budget as budget_lib
-from trainkit.program import plan as plan_lib
+from trainkit.planning import budget as budget_lib
+from trainkit.planning import plan as plan_lib
 
 
 def trainer(strategy="auto"):

@@ -18,7 +18,7 @@ from conftest import MLP, make_classification
 
 import trainkit as tk
 from trainkit.distributed import compile_cache
-from trainkit.program import budget as budget_lib
+from trainkit.planning import budget as budget_lib
 from trainkit.program.setup import Setup
 
 ROOT = pathlib.Path(__file__).parent.parent

@@ -16,7 +16,7 @@ from conftest import attention_written_out, check_resumes_and_loads_elsewhere, c
 
 import trainkit as tk
 from trainkit.attn import active_split
-from trainkit.program.plan import short_name
+from trainkit.planning.plan import short_name
 
 SEQUENCE, WIDTH, VOCAB, HEADS = 512, 64, 64, 4
 

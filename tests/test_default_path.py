@@ -268,7 +268,7 @@ def test_loading_a_checkpoint_prints_no_read_only_notice(data, tmp_path, caplog)
 
 
 def test_init_and_the_finders_under_auto_time_no_candidate(data, monkeypatch):
-    from trainkit.program import plan as plan_lib
+    from trainkit.planning import plan as plan_lib
 
     def timed(*args, **kwargs):
         raise AssertionError("a candidate was timed")

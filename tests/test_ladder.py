@@ -12,7 +12,7 @@ import pytest
 from conftest import classifier
 
 import trainkit as tk
-from trainkit.program import ladder
+from trainkit.planning import ladder
 
 
 class Block(nn.Module):

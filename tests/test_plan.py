@@ -11,7 +11,7 @@ import pytest
 from conftest import Wide, classifier
 
 import trainkit as tk
-from trainkit.program.plan import collective_traffic
+from trainkit.planning.plan import collective_traffic
 
 
 def make_trainer(strategy="dp", **options):
@@ -119,7 +119,7 @@ def test_a_long_reason_is_printed_whole_under_the_table_and_the_figures_stay(pla
     out = io.StringIO()
     dataclasses.replace(plan, rows=rows).print(Console(width=80, file=out, color_system=None))
     text = out.getvalue()
-    from trainkit.program.plan import _mib
+    from trainkit.planning.plan import _mib
 
     for row in [r for r in plan.rows if r.name.startswith(("DataParallel", "FSDP"))]:  # figures whole at 80 columns
         line = next(line for line in text.splitlines() if "│" in line and row.name[:6] in line)

@@ -338,7 +338,7 @@ def test_the_default_weighs_a_fused_compile_by_the_one_step_compile_wherever_it_
     CPU given a device memory), the tuner's unit is that first call plus the compile it did not
     pay, and the fused compile's prior is the platform's (:data:`~trainkit.loop.tuning.FUSED_COMPILE_FACTORS`)."""
     from trainkit.loop import tuning
-    from trainkit.program.plan import MEMORY_VARIABLE
+    from trainkit.planning.plan import MEMORY_VARIABLE
 
     seen = []
     monkeypatch.setenv(MEMORY_VARIABLE, str(2**30))

@@ -17,7 +17,7 @@ import trainkit as tk
 from trainkit.attn.kernels import Platform
 from trainkit.core import chips
 from trainkit.core.trace_context import traced_under
-from trainkit.program import compile_estimate, targets
+from trainkit.planning import compile_estimate, targets
 from trainkit.program.tuning import target_candidates
 
 pytest.importorskip("libtpu")

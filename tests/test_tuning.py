@@ -17,7 +17,7 @@ from conftest import CHILD_XLA_FLAGS, NoisyMLP, Wide, classifier, make_classific
 
 import trainkit as tk
 from trainkit.distributed import determinism
-from trainkit.program.batch_size import candidate_sizes
+from trainkit.planning.batch_size import candidate_sizes
 
 ROOT = pathlib.Path(__file__).parent.parent
 LIMITS = (2**20, 2**22, 2**24)

@@ -33,7 +33,7 @@ if TYPE_CHECKING:  # what __getattr__ imports on first use, for the type checker
     from trainkit.loop import PREEMPTED_EXIT_CODE, Position, Preempted, StepRecord
     from trainkit.monitoring import debug, loggers
     from trainkit.objective import losses, metrics
-    from trainkit.program import plan
+    from trainkit.planning import plan
     from trainkit.strategies import FSDP, DataParallel, Hybrid, SingleDevice, Strategy
     from trainkit.trainer import Trainer
 
@@ -64,7 +64,7 @@ LAZY: dict[str, tuple[str, str | None]] = {
     "sources": ("trainkit.data.sources", None),
     "loggers": ("trainkit.monitoring.loggers", None),
     "debug": ("trainkit.monitoring.debug", None),
-    "plan": ("trainkit.program.plan", None),
+    "plan": ("trainkit.planning.plan", None),
     "losses": ("trainkit.objective.losses", None),
     "metrics": ("trainkit.objective.metrics", None),
     "optimizers": ("trainkit.core.optimizers", None),

@@ -8,7 +8,7 @@ configuration is checked before the cluster is rented (docs/targets.md).
 for you (before JAX starts), as the CUDA plugin needs it.
 
 (A command of the package rather than a ``trainkit.plan`` module: ``tk.plan`` is
-:mod:`trainkit.program.plan`, which a module of that name would shadow.)
+:mod:`trainkit.planning.plan`, which a module of that name would shadow.)
 """
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ def load_function(spec: str):
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    from trainkit.program import targets
+    from trainkit.planning import targets
 
     try:  # a misspelled target is refused before the script runs or JAX starts (its plugins log to stderr)
         targets.parse(args.target)

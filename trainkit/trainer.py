@@ -35,10 +35,10 @@ from trainkit.loop import Loop
 from trainkit.monitoring import debug
 from trainkit.monitoring import summary as summary_lib
 from trainkit.objective import LossSpec, MetricSpec
+from trainkit.planning import plan as plan_lib
+from trainkit.planning.batch_size import BatchSizeSearch
 from trainkit.program import inputs, tuning
-from trainkit.program import plan as plan_lib
 from trainkit.program.arguments import FitArguments, FitOptions, TrainerArguments, TrainerOptions
-from trainkit.program.batch_size import BatchSizeSearch
 from trainkit.program.state_access import GroupRates
 from trainkit.record.session import Session
 from trainkit.strategies import Auto, Strategy

@@ -35,7 +35,7 @@ class Roofline:
             plan estimated 412.7 ms/step at the peak figures and ran at 710.9 ms (issue #68); 1.60-1.83x
             off on the same model without remat and on an 8 x 768 LM (issue #80): the compiler's bytes
             accessed are no memory time on a TPU.
-        cycle_rate: the TPU compiler's estimated cycles (``program.compiler_cycles``) a real train step
+        cycle_rate: the TPU compiler's estimated cycles (``planning.compiler_cycles``) a real train step
             retires per second on the chip (0: not measured). TPU v5e: 2.383e9, the same 12 x 1,024 LM
             at batch 128 with remat (1,706,942,594 cycles in 716.3 ms, 2026-12-07); the same chip's
             other steps that day: the 12 x 1,024 LM at batch 32 and 64 without remat, 0.82 and 0.93 of

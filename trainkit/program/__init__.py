@@ -1,3 +1,3 @@
-"""Program: what one setup compiles: the initial state, the steps under a strategy, the
-compiled memory plan and ``"auto"`` (imports ``core``, ``objective``, ``data``, ``strategies``,
-``distributed``)."""
+"""Program: what one setup compiles and runs: the initial state, the steps under a strategy,
+``"auto"``'s choice, the setup and its input (imports ``core``, ``objective``, ``data``,
+``strategies``, ``distributed``, and ``planning`` for the compiled memory plan)."""

@@ -1,6 +1,6 @@
 """``strategy="auto"``'s choice, as one frozen :class:`Choice`: the strategy an earlier run of
 the same setup picked (remembered in the compilation cache's folder,
-:mod:`trainkit.program.remembered`), or else the one the compiled plan recommends among the
+:mod:`trainkit.planning.remembered`), or else the one the compiled plan recommends among the
 candidates, with the plan, the candidate whose initialisation built the state, and the train
 step the plan compiled (so it is not compiled again). The setup applies the choice; nothing
 here changes it.
@@ -23,9 +23,9 @@ from trainkit import distributed
 from trainkit.core import tree
 from trainkit.core.tree import PyTree
 from trainkit.distributed import compile_cache
-from trainkit.program import ladder as ladder_lib
-from trainkit.program import plan as plan_lib
-from trainkit.program import remembered as remembered_lib
+from trainkit.planning import ladder as ladder_lib
+from trainkit.planning import plan as plan_lib
+from trainkit.planning import remembered as remembered_lib
 from trainkit.program.program import Program
 from trainkit.program.state_access import StateAccess
 from trainkit.strategies import Auto, Strategy

@@ -15,7 +15,7 @@ import dataclasses
 from typing import Any
 
 from trainkit.core.tree import PyTree
-from trainkit.program import plan as plan_lib
+from trainkit.planning import plan as plan_lib
 from trainkit.strategies import Strategy
 
 

@@ -25,7 +25,7 @@ import jax
 import numpy as np
 
 from trainkit.data import Source
-from trainkit.program.plan import device_memory_limit
+from trainkit.planning.plan import device_memory_limit
 from trainkit.strategies import Strategy
 from trainkit.strategies.base import GATHERING_SPLIT_BATCH
 

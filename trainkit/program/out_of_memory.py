@@ -25,9 +25,9 @@ import jax
 
 from trainkit import data as data_lib
 from trainkit.core.checks import OutOfMemory
-from trainkit.program import batch_size as batch_size_lib
-from trainkit.program import ladder as ladder_lib
-from trainkit.program import plan as plan_lib
+from trainkit.planning import batch_size as batch_size_lib
+from trainkit.planning import ladder as ladder_lib
+from trainkit.planning import plan as plan_lib
 from trainkit.program.setup import Setup
 from trainkit.strategies import Strategy
 
@@ -35,7 +35,7 @@ MEMORY_VARIABLE = plan_lib.MEMORY_VARIABLE
 
 
 def known_limit(devices: Sequence[jax.Device]) -> int | None:
-    """The per-device bytes a step is checked against (:func:`~trainkit.program.plan.device_memory_limit`:
+    """The per-device bytes a step is checked against (:func:`~trainkit.planning.plan.device_memory_limit`:
     ``TRAINKIT_DEVICE_MEMORY``, else what the accelerator reports); ``None`` on a CPU without the
     setting (its memory is the host's, shared)."""
     if not os.environ.get(MEMORY_VARIABLE) and devices[0].platform == "cpu":
@@ -178,7 +178,7 @@ def _largest_batch(
 def _rung_that_fits(
     setup: Setup, prepared: data_lib.Prepared, limit: int, strategy: Strategy, rungs: Sequence[ladder_lib.Rung]
 ) -> tuple[ladder_lib.Rung, int] | None:
-    """The first memory measure (:mod:`trainkit.program.ladder`, cheapest first) under which this
+    """The first memory measure (:mod:`trainkit.planning.ladder`, cheapest first) under which this
     batch's train step fits, and its bytes; ``None``: none does."""
     for rung in rungs:
         measured = rung.applied(strategy)

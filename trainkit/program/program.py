@@ -75,7 +75,7 @@ from trainkit.core.trainable import Trainable, TrainableSpec
 from trainkit.core.tree import Apply, PyTree, TreeFunction
 from trainkit.core.warn import warn_user
 from trainkit.objective import Objective
-from trainkit.program import plan as plan_lib
+from trainkit.planning import plan as plan_lib
 from trainkit.program.own_step import OwnStep
 from trainkit.strategies import Strategy
 from trainkit.strategies.pipeline import NotPipelined, stacked_parameters, staged
@@ -320,7 +320,7 @@ class Program:
         first_row: PyTree,
         statistics: StepStatistics | None = None,
     ) -> TreeFunction:
-        """``compile(kind, ...)`` for a plan's candidate; :class:`~trainkit.program.plan.NotACandidate`
+        """``compile(kind, ...)`` for a plan's candidate; :class:`~trainkit.planning.plan.NotACandidate`
         for a candidate whose training step would compute another result than ``SingleDevice``'s."""
         reason = self.changes_result(strategy, first_row, abstract_state) if kind == "train" else None
         if self.offload and not strategy.offloads:
@@ -520,7 +520,7 @@ class Program:
         statistics: StepStatistics | None = None,
         settings: plan_lib.PlanSettings = plan_lib.PlanSettings(),  # noqa: B008 - a frozen value
     ) -> plan_lib.MemoryPlan:
-        """:func:`trainkit.program.plan.plan_step` of the train step (or, when ``trains`` is false, the
+        """:func:`trainkit.planning.plan.plan_step` of the train step (or, when ``trains`` is false, the
         predict step) on a padded global batch."""
         kind = "train" if trains else "predict"
         first_row = host_batch["x"]  # the model is initialised on a real batch, as it trains

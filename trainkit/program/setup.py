@@ -45,9 +45,9 @@ from trainkit.core.state import TrainState, abstract
 from trainkit.core.tree import PyTree, TreeFunction
 from trainkit.data import DataInput
 from trainkit.distributed import compile_cache
+from trainkit.planning import ladder as ladder_lib
+from trainkit.planning import plan as plan_lib
 from trainkit.program import auto as auto_lib
-from trainkit.program import ladder as ladder_lib
-from trainkit.program import plan as plan_lib
 from trainkit.program.compiled import CompiledFunctions
 from trainkit.program.decisions import Decided, Decisions
 from trainkit.program.program import Program
@@ -288,7 +288,7 @@ class Setup:
     ) -> plan_lib.MemoryPlan:
         """:meth:`trainkit.Trainer.plan` of a prepared input (``abstract``: compiled on its shapes
         alone, nothing placed). When no candidate's train step fits, the memory measures are
-        tried in turn (:mod:`trainkit.program.ladder`; ``ladder=False``: not)."""
+        tried in turn (:mod:`trainkit.planning.ladder`; ``ladder=False``: not)."""
         trains = prepared.has_targets or self.custom_loss
         if prepared.has_targets:
             self.build_objective(prepared)

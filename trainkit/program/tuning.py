@@ -25,10 +25,11 @@ from trainkit import distributed
 from trainkit.core import checks
 from trainkit.core.tree import PyTree
 from trainkit.data import shapes as shapes_lib
-from trainkit.program import batch_size as batch_size_lib
-from trainkit.program import compile_estimate, inputs
-from trainkit.program import plan as plan_lib
-from trainkit.program import targets as targets_lib
+from trainkit.planning import batch_size as batch_size_lib
+from trainkit.planning import compile_estimate
+from trainkit.planning import plan as plan_lib
+from trainkit.planning import targets as targets_lib
+from trainkit.program import inputs
 from trainkit.program.setup import Setup
 from trainkit.strategies import FSDP, DataParallel, Hybrid, Strategy
 
@@ -74,10 +75,10 @@ def plan(
 ) -> plan_lib.MemoryPlan:
     """:meth:`trainkit.Trainer.plan`: the sample batch (any form ``fit`` takes) prepared and
     the train step (predict step without targets) compiled under each candidate; for a
-    ``target`` (:mod:`trainkit.program.targets`) on its compile-only devices, nothing placed;
+    ``target`` (:mod:`trainkit.planning.targets`) on its compile-only devices, nothing placed;
     ``candidates`` by default: a ``tk.strategies.Auto``'s own, else the defaults;
     ``first_fit``: the candidates compiled in order, up to the first that fits; ``add_measures``:
-    when none fits, the memory measures in turn (:mod:`trainkit.program.ladder`).
+    when none fits, the memory measures in turn (:mod:`trainkit.planning.ladder`).
     A batch of ``jax.ShapeDtypeStruct`` is planned from its shapes, never built."""
     shapes = shapes_lib.is_shapes(sample_batch)
     if shapes and measure:

@@ -2,7 +2,7 @@
 
 ``strategy="auto"`` (the Trainer's default) means ``Auto()``: on one device it is
 ``SingleDevice``; on several, the Trainer compiles the real train step under every candidate
-(:func:`trainkit.program.plan.default_candidates`) and keeps the fastest one whose per-device memory
+(:func:`trainkit.planning.plan.default_candidates`) and keeps the fastest one whose per-device memory
 fits, logging what it picked and why (see :meth:`trainkit.Trainer.plan`).
 
 >>> auto = Auto(memory_limit=2**30, measure=False)
@@ -31,11 +31,11 @@ class Auto:
             rough (on CPU, fake devices and convolutions defeat any simple cost model).
         candidates: the strategies to choose from (default: SingleDevice, DataParallel and
             FSDP; across processes DataParallel, FSDP and the Hybrid with data over the
-            processes: :func:`trainkit.program.plan.default_candidates`).
+            processes: :func:`trainkit.planning.plan.default_candidates`).
         always_compare: when measuring for ``fit``, compile and time every candidate. By
             default the simplest candidate that fits is timed first and each other one is
             compiled only when it could repay its compile and timing within the run's steps
-            (:mod:`trainkit.program.budget`): a short run starts at once.
+            (:mod:`trainkit.planning.budget`): a short run starts at once.
     """
 
     def __init__(

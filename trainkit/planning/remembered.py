@@ -95,7 +95,7 @@ def remember(
     cannot be written only costs the next run a plan. ``initialised_under``: the candidate whose
     initialisation built the state the pick started from (the next run builds it the same way);
     ``compare_from_steps``: candidates were left uncompiled, and runs of that many steps or more
-    compare them (:mod:`trainkit.program.budget`)."""
+    compare them (:mod:`trainkit.planning.budget`)."""
     if directory is None:
         return
     path = path_for(directory, key)

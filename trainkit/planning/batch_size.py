@@ -1,5 +1,5 @@
 """``find_batch_size``: the largest global batch whose compiled train step fits the device
-memory, found from the compiler's memory analysis (:mod:`trainkit.program.plan`), never by
+memory, found from the compiler's memory analysis (:mod:`trainkit.planning.plan`), never by
 running into an out-of-memory error. Every process compiles the same steps against the same
 limit (the smallest of the processes'), so all get the same answer without a trial run that
 one of them might fail alone.
@@ -21,8 +21,8 @@ import time
 from collections.abc import Callable, Sequence
 
 from trainkit import distributed
-from trainkit.program import ladder as ladder_lib
-from trainkit.program import plan as plan_lib
+from trainkit.planning import ladder as ladder_lib
+from trainkit.planning import plan as plan_lib
 from trainkit.strategies import Strategy
 
 
@@ -74,8 +74,8 @@ class BatchSizeSearch:
         memory_limit: the per-device bytes searched against (the plan keeps ``headroom`` of it free).
         needed: per-device bytes of each compiled size (the best candidate's), by batch size.
         seconds: the whole search; ``compile_seconds``: each size's plan.
-        plans: each compiled size's :class:`~trainkit.program.plan.MemoryPlan` (under the measure, if added).
-        added: the memory measure the answer needs (``"remat"``, ...; :mod:`trainkit.program.ladder`): not even
+        plans: each compiled size's :class:`~trainkit.planning.plan.MemoryPlan` (under the measure, if added).
+        added: the memory measure the answer needs (``"remat"``, ...; :mod:`trainkit.planning.ladder`): not even
             the smallest batch fit without it. ``None``: none.
         headroom: the fraction of ``memory_limit`` kept free (``find_batch_size(headroom=...)``).
     """
@@ -122,7 +122,7 @@ def search(
     ``None``: the trainer's own); a size fits when its plan recommends a strategy. The limit is
     the smallest of the processes' (``memory_limit``, else each one's ``default_limit``).
 
-    When not even the smallest size fits, each of ``rungs()`` (:mod:`trainkit.program.ladder`,
+    When not even the smallest size fits, each of ``rungs()`` (:mod:`trainkit.planning.ladder`,
     cheapest first) is applied to the candidates that were only too big there, and the first
     under which the smallest size fits is bisected: the answer's strategy carries the measure,
     and ``added`` names it. ``headroom``: the fraction of the limit the plans keep free (said in the answer)."""

@@ -40,10 +40,10 @@ from trainkit.core.offload import in_host_memory
 from trainkit.core.state import Batch, TrainState
 from trainkit.core.tree import PyTree, TreeFunction, array_bytes
 from trainkit.data import check_batch_size
-from trainkit.program import budget as budget_lib
-from trainkit.program import compile_estimate, compiler_cycles
-from trainkit.program import targets as targets_lib
-from trainkit.program.dcn import dcn_traffic
+from trainkit.planning import budget as budget_lib
+from trainkit.planning import compile_estimate, compiler_cycles
+from trainkit.planning import targets as targets_lib
+from trainkit.planning.dcn import dcn_traffic
 from trainkit.strategies import FSDP, DataParallel, Hybrid, SingleDevice, Strategy
 from trainkit.strategies.pipeline import bubble_fraction
 
@@ -215,7 +215,7 @@ class PlanRow:
     collective_bytes: int = 0
     dcn_bytes: int = 0  # of those, what crosses slices (multi-slice TPU targets): the slow network
     collectives: dict[str, int] = dataclasses.field(default_factory=dict)
-    cycles: int | None = None  # a TPU compiler's estimated cycles of one step (program.compiler_cycles)
+    cycles: int | None = None  # a TPU compiler's estimated cycles of one step (planning.compiler_cycles)
     estimated_seconds: float = math.inf
     measured_seconds: float | None = None
     fits: bool = False
@@ -558,7 +558,7 @@ def make_plan(
     initialisation that measuring needs). With ``measure`` and ``run_steps`` (the steps of the
     run the pick trains), the first candidate that fits is compiled and timed alone, and each
     other one only when it could repay its compile within those steps
-    (:mod:`trainkit.program.budget`); the rest keep the reason in ``skipped``. ``announce(row)``
+    (:mod:`trainkit.planning.budget`); the rest keep the reason in ``skipped``. ``announce(row)``
     is told of each candidate before it is lowered (a progress line), and of it again once compiled.
     ``refused`` (by ``id`` of the candidate): why one cannot run this model at all (a pipeline on a
     model without stacked blocks); its row says so, and nothing is lowered, skipped or timed for it.

@@ -17,7 +17,7 @@ from collections.abc import Callable, Sequence
 
 from trainkit.core.offload import Offload
 from trainkit.core.remat import Remat
-from trainkit.program import plan as plan_lib
+from trainkit.planning import plan as plan_lib
 from trainkit.strategies import Strategy
 
 
