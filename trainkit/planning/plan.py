@@ -801,14 +801,20 @@ def plan_step(
         limit=limit,
         candidates=candidates,
     )
-    initialiser = inputs.under
-    alongside = None
-    if initialiser is not None and precompile_state is not None:
-        alongside = lambda: precompile_state(initialiser)  # noqa: E731
+    under = inputs.under  # the candidate the measured state is built under: its initialisation compiled beside
+    alongside = None if under is None or precompile_state is None else functools.partial(precompile_state, under)
     result = make_plan(
-        candidates, inputs.lower, memory_limit=memory_limit, measure=inputs.run if settings.measure else None,
-        alongside=alongside, run_steps=settings.run_steps, announce=settings.announce, first_fit=settings.first_fit,
-        refused=refused, usable=settings.usable)  # fmt: skip
+        candidates,
+        inputs.lower,
+        memory_limit=memory_limit,
+        measure=inputs.run if settings.measure else None,
+        alongside=alongside,
+        run_steps=settings.run_steps,
+        announce=settings.announce,
+        first_fit=settings.first_fit,
+        refused=refused,
+        usable=settings.usable,
+    )
     state, under = inputs.built or (None, None)
     return dataclasses.replace(result, initial_state=state, initialised_under=under, target=settings.target)
 

@@ -127,7 +127,7 @@ def prepare(
         if training:
             check_loss_rows(setup, prepared)
     if training:
-        audit_own_step(setup, prepared)
+        audit_own_step(setup.program, setup.session.require_state(), strategy, prepared)
     kind = "train" if training else "eval" if targets else "predict"
     setup.compiled.name_out_of_memory(kind, lambda error: out_of_memory.named(setup, kind, prepared, cause=error))
     if training and setup.decided.steps_per_execution == 1:

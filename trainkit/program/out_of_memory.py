@@ -25,6 +25,7 @@ import jax
 
 from trainkit import data as data_lib
 from trainkit.core.checks import OutOfMemory
+from trainkit.core.state import TrainState
 from trainkit.planning import batch_size as batch_size_lib
 from trainkit.planning import ladder as ladder_lib
 from trainkit.planning import plan as plan_lib
@@ -106,10 +107,14 @@ def named(
         else "once the model, its precision or the strategy change as above"
     )
     return OutOfMemory(
-        "\n".join(lines) + "\n" + _what_happened(setup, cause, fix),
-        kind=kind, batch_size=size, needed=needed, available=limit, fits_at=fits_at,
+        "\n".join(lines) + "\n" + _what_happened(setup.session.state, cause, fix),
+        kind=kind,
+        batch_size=size,
+        needed=needed,
+        available=limit,
+        fits_at=fits_at,
         measure=None if fitting is None else fitting[0].name,
-    )  # fmt: skip
+    )
 
 
 def _how(rung: ladder_lib.Rung) -> str:
@@ -117,12 +122,11 @@ def _how(rung: ladder_lib.Rung) -> str:
     return f"Trainer({', '.join(settings)})"
 
 
-def _what_happened(setup: Setup, cause: BaseException | None, fix: str) -> str:
-    """Whether anything ran, and whether the trainer's state is still whole; ``fix``: how it fits."""
+def _what_happened(state: TrainState | None, cause: BaseException | None, fix: str) -> str:
+    """Whether anything ran, and whether the trainer's ``state`` is still whole; ``fix``: how it fits."""
     if cause is None:
         where = f" ({MEMORY_VARIABLE} set)" if os.environ.get(MEMORY_VARIABLE) else ""
         return f"Nothing was run{where}: the trainer is as it was, and fits {fix}."
-    state = setup.session.state
     if state is not None and any(isinstance(leaf, jax.Array) and leaf.is_deleted() for leaf in jax.tree.leaves(state)):
         return (
             "The device refused the step after the state was handed to it (donated): the trainer's state is gone. "

@@ -28,17 +28,18 @@ import numpy as np
 
 from trainkit import data as data_lib
 from trainkit.core.checks import SettingError
-from trainkit.core.state import Batch
-from trainkit.program.setup import Setup
+from trainkit.core.state import Batch, TrainState
+from trainkit.program.program import Program
+from trainkit.strategies import Strategy
 
 #: the rows of the first batch the audit runs the step on
 CHECKED_ROWS = 32
 
 
-def audit_own_step(setup: Setup, prepared: data_lib.Prepared) -> None:
-    """Refuses a custom ``train_step`` that updates a group on all-zero gradients, or whose logs
-    or update move with a padded row's content."""
-    program = setup.program
+def audit_own_step(program: Program, state: TrainState, strategy: Strategy, prepared: data_lib.Prepared) -> None:
+    """Refuses a custom ``train_step`` of ``program`` (run from the live ``state``, split as
+    ``strategy`` splits a batch) that updates a group on all-zero gradients, or whose logs or
+    update move with a padded row's content or with the rows' split over the devices."""
     if not program.own.audit_due() or jax.process_count() > 1:
         return
     program.own.audited()
@@ -47,7 +48,7 @@ def audit_own_step(setup: Setup, prepared: data_lib.Prepared) -> None:
     if rows < 3:
         return
     updates: list[tuple[str, bool]] = []  # (group, all its gradients zero) of each update, as the step runs
-    state, step = setup.session.require_state(), jax.jit(program.audited_train_step(updates))
+    step = jax.jit(program.audited_train_step(updates))
     small = data_lib.take(batch, slice(0, rows))
     try:
         jax.block_until_ready(step(state, small))
@@ -83,12 +84,11 @@ def audit_own_step(setup: Setup, prepared: data_lib.Prepared) -> None:
     pads = prepared.rows is None or prepared.rows % prepared.batch_size != 0
     if pads and not jax.tree.leaves(state.model_state):  # batch statistics see padded rows in any step, by design
         _check_padded_rows(step, state, small, prepared)
-    strategy = setup.decided.require_strategy()
     if strategy.axis_name is not None and not jax.tree.leaves(state.model_state):  # per-device statistics: by design
-        _check_device_split(setup, state, small, strategy.axis_name, len(strategy.devices))
+        _check_device_split(program, state, small, strategy.axis_name, len(strategy.devices))
 
 
-def _check_padded_rows(step: jax.stages.Wrapped, state: object, small: Batch, prepared: data_lib.Prepared) -> None:
+def _check_padded_rows(step: jax.stages.Wrapped, state: TrainState, small: Batch, prepared: data_lib.Prepared) -> None:
     rows = len(small["mask"])
     mask = np.asarray(small["mask"]).copy()
     mask[-1] = 0  # the last row pads
@@ -105,7 +105,7 @@ def _check_padded_rows(step: jax.stages.Wrapped, state: object, small: Batch, pr
             )
 
 
-def _check_device_split(setup: Setup, state: object, small: Batch, axis: str, devices: int) -> None:
+def _check_device_split(program: Program, state: TrainState, small: Batch, axis: str, devices: int) -> None:
     """Refuses a step whose logs on the first batch differ when its rows are split over ``devices``
     (as the strategy's axis splits them) from one device's: a draw or a mix over each device's rows."""
     rows = (len(small["mask"]) // devices) * devices
@@ -113,10 +113,8 @@ def _check_device_split(setup: Setup, state: object, small: Batch, axis: str, de
         return
     whole = data_lib.take(small, slice(0, rows))
     split = jax.tree.map(lambda a: np.asarray(a).reshape(devices, rows // devices, *np.shape(a)[1:]), whole)
-    one = jax.jit(setup.program.audited_train_step(None, inference=True))
-    spread = jax.jit(
-        jax.vmap(setup.program.audited_train_step(None, axis, inference=True), (None, 0), axis_name=axis)
-    )  # fmt: skip
+    one = jax.jit(program.audited_train_step(None, inference=True))
+    spread = jax.jit(jax.vmap(program.audited_train_step(None, axis, inference=True), (None, 0), axis_name=axis))
     (_, logs), (_, spread_logs) = one(state, whole), spread(state, split)
     found = {name: (float(logs[name].compute()), float(spread_logs[name].compute()[0])) for name in logs}
     apart = {name: pair for name, pair in found.items() if not np.isclose(*pair, rtol=1e-4, atol=1e-6)}
