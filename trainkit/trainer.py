@@ -342,7 +342,7 @@ class Trainer:
     ) -> float | list[float] | dict[str, float]:
         """One optimizer step on exactly these rows (Keras's ``train_on_batch``, padded to a size the
         devices split): that batch's loss and metrics, as :meth:`evaluate` returns them."""
-        size = inputs.one_batch_size(self.setup, x)
+        size = inputs.one_batch_size(self.strategy, x)
         history = self.fit(x, y, size, 1, 0, sample_weight=sample_weight, class_weight=class_weight, shuffle=False)
         return self.objective.keras_result({k: v[-1] for k, v in history.history.items()}, return_dict)
 
@@ -350,12 +350,12 @@ class Trainer:
         self, x: DataInput, y: PyTree = None, sample_weight: PyTree = None, return_dict: bool = False
     ) -> float | list[float] | dict[str, float]:
         """The loss and metrics of exactly these rows (Keras's ``test_on_batch``)."""
-        size = inputs.one_batch_size(self.setup, x)
+        size = inputs.one_batch_size(self.strategy, x)
         return self.evaluate(x, y, sample_weight=sample_weight, batch_size=size, return_dict=return_dict)
 
     def predict_on_batch(self, x: DataInput) -> PyTree:
         """The outputs of exactly these rows (Keras's ``predict_on_batch``)."""
-        return self.predict(x, batch_size=inputs.one_batch_size(self.setup, x))
+        return self.predict(x, batch_size=inputs.one_batch_size(self.strategy, x))
 
     def predict(
         self,

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 import jax
@@ -29,12 +29,14 @@ from trainkit import data as data_lib
 from trainkit import distributed
 from trainkit.core import step as step_lib
 from trainkit.core.precision import NoLossScale
+from trainkit.core.state import TrainState
 from trainkit.core.tree import JSON, PyTree
 from trainkit.core.warn import warn_user
 from trainkit.data import DataInput, FitConfig, Validation
 from trainkit.program import auto as auto_lib
 from trainkit.program import device_data, out_of_memory
 from trainkit.program.arguments import FitArguments
+from trainkit.program.program import Program
 from trainkit.program.setup import Setup
 from trainkit.program.step_audit import audit_own_step
 from trainkit.strategies import Strategy
@@ -121,11 +123,11 @@ def prepare(
     check_shared_rows(strategy, prepared.source)
     if setup.session.state is None:
         if training and setup.auto is None:  # "auto" leaves such a strategy out; a given one is said once
-            warn_changed_result(setup, prepared.first_x)
+            warn_changed_result(setup.program, strategy, prepared.first_x)
         setup.create_state(prepared)
         check_outputs(setup, prepared.first_x)
         if training:
-            check_loss_rows(setup, prepared)
+            check_loss_rows(setup.program, strategy, setup.session.require_state(), prepared, setup.custom_loss)
     if training:
         audit_own_step(setup.program, setup.session.require_state(), strategy, prepared)
     kind = "train" if training else "eval" if targets else "predict"
@@ -135,18 +137,20 @@ def prepare(
     return prepared
 
 
-def check_loss_rows(setup: Setup, prepared: data_lib.Prepared) -> None:
+def check_loss_rows(
+    program: Program, strategy: Strategy, state: TrainState, prepared: data_lib.Prepared, custom_loss: bool
+) -> None:
     """A ``compute_loss`` of the user's sees each device's rows under a ``pmap`` strategy
     (``DataParallel``) and each micro-batch's with ``grad_accum_steps``: one whose rows' losses
     depend on the other rows (a contrastive loss) would compute another loss than on one device
     (NT-Xent: 1.11 under DataParallel against 2.88 on SingleDevice). Found on up to
     ``CHECKED_ROWS`` rows of the first batch in inference mode (one row replaced by another: the
-    other rows' losses must not move), and refused with the fix."""
-    program, strategy = setup.program, setup.decided.require_strategy()
+    other rows' losses must not move), and refused with the fix (``custom_loss``: the trainer
+    overrides ``compute_loss``; the built-in loss is per row by construction)."""
     parts = [f"{type(strategy).__name__} gives it each device's rows"] if strategy.axis_name is not None else []
     if program.grad_accum_steps > 1:
         parts.append(f"grad_accum_steps={program.grad_accum_steps} gives it each micro-batch's rows")
-    if not parts or not setup.custom_loss or program.own.trains or jax.process_count() > 1:
+    if not parts or not custom_loss or program.own.trains or jax.process_count() > 1:
         return
     batch = prepared.sample_batch()
     rows = min(CHECKED_ROWS, int(np.sum(batch["mask"])))
@@ -160,7 +164,6 @@ def check_loss_rows(setup: Setup, prepared: data_lib.Prepared) -> None:
         return step_lib.loss_parts(result, rows)[0]
 
     losses = jax.jit(row_losses)
-    state = setup.session.require_state()
     before, after = (np.asarray(losses(state, b)) for b in (small, changed))
     if not np.allclose(before[1:], after[1:], rtol=1e-5, atol=1e-6):
         raise ValueError(
@@ -172,10 +175,10 @@ def check_loss_rows(setup: Setup, prepared: data_lib.Prepared) -> None:
         )
 
 
-def warn_changed_result(setup: Setup, first_x: PyTree) -> None:
+def warn_changed_result(program: Program, strategy: Strategy, first_x: PyTree) -> None:
     """Says once when the given strategy trains this model on other numbers than one device
     (BatchNorm under ``DataParallel``), and how to get the same ones."""
-    reason = setup.program.changes_result(setup.decided.require_strategy(), first_x)
+    reason = program.changes_result(strategy, first_x)
     if reason is not None:
         warn_user(f"{reason}. SingleDevice, FSDP and Hybrid (and strategy='auto') normalise by the whole batch.")
 
@@ -186,10 +189,10 @@ def candidate_strategies(setup: Setup) -> list[Strategy]:
     return [strategy] if strategy is not None else auto_lib.candidates(setup.require_auto())
 
 
-def batch_unit(setup: Setup, micro_batches: int = 1) -> int:
-    """The smallest global batch the strategy (under ``"auto"``: every candidate) splits
+def batch_unit(candidates: Sequence[Strategy], micro_batches: int = 1) -> int:
+    """The smallest global batch each of ``candidates`` (:func:`candidate_strategies`) splits
     into equal device parts, times ``micro_batches`` (gradient accumulation)."""
-    return math.lcm(*(s.num_batch_shards for s in candidate_strategies(setup))) * micro_batches
+    return math.lcm(*(s.num_batch_shards for s in candidates)) * micro_batches
 
 
 def capped_at_data(setup: Setup, prepared: data_lib.Prepared, micro_batches: int, said: bool) -> data_lib.Prepared:
@@ -199,7 +202,7 @@ def capped_at_data(setup: Setup, prepared: data_lib.Prepared, micro_batches: int
     rows, size = prepared.rows, prepared.batch_size
     if rows is None or data_lib.own_batch_size(prepared.source) is not None:
         return prepared
-    unit = batch_unit(setup, micro_batches)
+    unit = batch_unit(candidate_strategies(setup), micro_batches)
     capped = -(-rows // unit) * unit
     if capped >= size:
         return prepared
@@ -245,11 +248,10 @@ def check_outputs(setup: Setup, first_x: PyTree) -> None:
         )
 
 
-def one_batch_size(setup: Setup, data: DataInput) -> int:
-    """A batch size holding all rows of ``data`` that the devices can split (``*_on_batch``)."""
-    return data_lib.one_batch_size(
-        data, setup.decided.strategy.num_batch_shards if setup.decided.strategy is not None else 1
-    )
+def one_batch_size(strategy: Strategy | None, data: DataInput) -> int:
+    """A batch size holding all rows of ``data`` that ``strategy``'s devices can split (``*_on_batch``;
+    ``None``: not chosen yet, any)."""
+    return data_lib.one_batch_size(data, 1 if strategy is None else strategy.num_batch_shards)
 
 
 def check_inputs(setup: Setup, prepared: data_lib.Prepared, *, other_lengths: bool) -> None:

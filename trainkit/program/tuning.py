@@ -178,7 +178,7 @@ def _search_space(
     them (``None`` for a target), the memory limit by default, and the ``" for <target>"`` it prints."""
     if resolved is None:
         candidates = inputs.candidate_strategies(setup)
-        unit = inputs.batch_unit(setup, setup.program.grad_accum_steps)
+        unit = inputs.batch_unit(candidates, setup.program.grad_accum_steps)
         return candidates, unit, rows, plan_lib.device_memory_limit(candidates[0].devices), ""
     candidates = target_candidates(None, resolved)
     unit = max(c.num_batch_shards for c in candidates) * setup.program.grad_accum_steps
