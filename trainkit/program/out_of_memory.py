@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import os
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import jax
 
@@ -53,7 +53,7 @@ def check_train_step(setup: Setup, prepared: data_lib.Prepared) -> None:
     limit = known_limit(strategy.devices)
     if limit is None or setup.auto is not None or setup.compiled.has("train"):
         return
-    plan = _plan_at(setup, prepared, prepared.batch_size, limit, [strategy], trains=True)
+    plan = _planner(setup, prepared, limit, trains=True)(prepared.batch_size, [strategy])
     row = plan.rows[0]
     if row.fits and row.function is not None:
         setup.compiled.adopt("train", row.function, row.compile_seconds)  # compiled once, here
@@ -79,9 +79,10 @@ def named(
     size, trains = prepared.batch_size, kind == "train"
     needed = needed or (None if cause is None else bytes_in_message(str(cause)))
     unit = strategy.num_batch_shards * (setup.program.grad_accum_steps if trains else 1)
-    fits_at = _largest_batch(setup, prepared, unit, limit, strategy, trains)
+    plan_at = _planner(setup, prepared, limit, trains=trains)
+    fits_at = _largest_batch(plan_at, size, unit, strategy)
     rungs = setup.ladder(prepared.first_x) if trains else []
-    fitting = _rung_that_fits(setup, prepared, limit, strategy, rungs)
+    fitting = _rung_that_fits(plan_at, size, strategy, rungs)
     needs = f"needs {plan_lib.gib(needed)} per device" if needed else f"does not fit ({reason or 'the device said so'})"
     lines = [
         f"The {kind} step at batch_size={size} under {strategy!r} {needs}; the device has {plan_lib.gib(limit)}.",
@@ -156,39 +157,41 @@ def bytes_in_message(message: str) -> int | None:
     return None
 
 
-def _plan_at(
-    setup: Setup, prepared: data_lib.Prepared, size: int, limit: int, candidates: Sequence[Strategy], *, trains: bool
-) -> plan_lib.MemoryPlan:
-    """The step compiled (never run) at a global batch of ``size`` rows under ``candidates``; a
-    strategy fits when its step's bytes are within the whole ``limit`` (the device's own rule)."""
-    batch = prepared.sample_batch(size)  # this batch's first rows: nothing read past them
+#: ``plan_at(size, candidates)``: the step compiled (never run) at a global batch of ``size`` rows
+PlanAt = Callable[[int, Sequence[Strategy]], plan_lib.MemoryPlan]
+
+
+def _planner(setup: Setup, prepared: data_lib.Prepared, limit: int, *, trains: bool) -> PlanAt:
+    """The train step (``trains``; else the predict step) of ``setup``'s program compiled (never run)
+    on the first rows of ``prepared``'s batch under given candidates; a strategy fits when its step's
+    bytes are within the whole ``limit`` (the device's own rule)."""
     settings = plan_lib.PlanSettings(memory_limit=limit, usable=1.0)
-    statistics = setup.compiled.statistics if trains else None
-    return setup.program.plan(batch, candidates, trains=trains, statistics=statistics, settings=settings)
+    statistics, program = (setup.compiled.statistics if trains else None), setup.program
+
+    def plan_at(size: int, candidates: Sequence[Strategy]) -> plan_lib.MemoryPlan:
+        batch = prepared.sample_batch(size)  # this batch's first rows: nothing read past them
+        return program.plan(batch, candidates, trains=trains, statistics=statistics, settings=settings)
+
+    return plan_at
 
 
-def _largest_batch(
-    setup: Setup, prepared: data_lib.Prepared, unit: int, limit: int, strategy: Strategy, trains: bool
-) -> int | None:
-    """The largest of ``unit * 2**k`` below this batch whose step fits (a bisection of compiles)."""
-    sizes = batch_size_lib.candidate_sizes(unit, max(unit, prepared.batch_size))
-    below = [size for size in sizes if size < prepared.batch_size]
-    index = batch_size_lib.bisect(
-        below, lambda size: _plan_at(setup, prepared, size, limit, [strategy], trains=trains).recommended is not None
-    )
+def _largest_batch(plan_at: PlanAt, size: int, unit: int, strategy: Strategy) -> int | None:
+    """The largest of ``unit * 2**k`` below ``size`` whose step fits (a bisection of compiles)."""
+    below = [candidate for candidate in batch_size_lib.candidate_sizes(unit, max(unit, size)) if candidate < size]
+    index = batch_size_lib.bisect(below, lambda candidate: plan_at(candidate, [strategy]).recommended is not None)
     return below[index] if index >= 0 else None
 
 
 def _rung_that_fits(
-    setup: Setup, prepared: data_lib.Prepared, limit: int, strategy: Strategy, rungs: Sequence[ladder_lib.Rung]
+    plan_at: PlanAt, size: int, strategy: Strategy, rungs: Sequence[ladder_lib.Rung]
 ) -> tuple[ladder_lib.Rung, int] | None:
-    """The first memory measure (:mod:`trainkit.planning.ladder`, cheapest first) under which this
-    batch's train step fits, and its bytes; ``None``: none does."""
+    """The first memory measure (:mod:`trainkit.planning.ladder`, cheapest first) under which the
+    train step at ``size`` fits, and its bytes; ``None``: none does."""
     for rung in rungs:
         measured = rung.applied(strategy)
         if measured is None:
             continue
-        row = _plan_at(setup, prepared, prepared.batch_size, limit, [measured], trains=True).rows[0]
+        row = plan_at(size, [measured]).rows[0]
         if row.fits:
             return rung, row.total_bytes
     return None
