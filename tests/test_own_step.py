@@ -404,6 +404,25 @@ def test_a_step_naming_the_device_axis_itself_trains_under_its_strategy():
     assert history["rows"] == [pytest.approx(history["rows"][0])] and history["rows"][0] > 0
 
 
+class NamesTheAxisCountingPaddedRows(tk.Trainer):
+    def train_step(self, state, batch, rng):
+        def loss_fn(params):
+            out, _ = state.apply(params, state.model_state, batch["x"], rng=rng, train=True, method="judge")
+            return jax.lax.pmean(jnp.mean(out), "data")  # the padded rows counted in the mean
+
+        loss, grads = jax.value_and_grad(loss_fn)(state.params)
+        return state.apply_gradients(grads, "critic"), {"loss": loss}
+
+
+def test_a_step_naming_the_device_axis_itself_is_audited_under_it():
+    """#82: the first-batch audit runs under the strategy's axis (a vmap of one device), so a step that
+    names the axis is audited like any other, not skipped (it used to be, found by a NameError)."""
+    with pytest.raises(ValueError, match="moved when only a padded row changed"):
+        fit(NamesTheAxisCountingPaddedRows, rows=90, strategy="dp")
+    _, history = fit(NamesTheAxisCountingPaddedRows, rows=96, strategy="dp")  # no padded row: nothing to refuse
+    assert len(history["loss"]) == 1 and np.isfinite(history["loss"][0])
+
+
 def test_a_value_the_step_reads_changed_by_a_callback_mid_fit_stops_it_naming_the_fix():
     trainer = Weighted(TwoParts(), optimizer=groups(), strategy="single")
     anneal = tk.callbacks.LambdaCallback(on_epoch_end=lambda epoch, logs: setattr(trainer, "beta", 0.5))

@@ -17,8 +17,9 @@ state; nothing kept), for the mistakes no trace can see:
   naming ``state.shuffled`` / ``state.normal`` / ``state.all_rows``.
 
 Audited once per step value, at the first ``fit`` that runs it (a trainer's override: once; a
-``tk.Step`` replaced by another value: again); not at all for a step that names the device axis
-itself (``lax.psum(x, "data")``), which runs under its strategy alone.
+``tk.Step`` replaced by another value: again). Under a strategy with a device axis every run of
+the audit is under that axis (a ``vmap`` of one device where the rows are not split), so a step
+that names the axis itself (``lax.psum(x, "data")``) is audited as it trains.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ import numpy as np
 from trainkit import data as data_lib
 from trainkit.core.checks import SettingError
 from trainkit.core.state import Batch, TrainState
+from trainkit.core.tree import PyTree, TreeFunction
 from trainkit.program.program import Program
 from trainkit.strategies import Strategy
 
@@ -48,12 +50,9 @@ def audit_own_step(program: Program, state: TrainState, strategy: Strategy, prep
     if rows < 3:
         return
     updates: list[tuple[str, bool]] = []  # (group, all its gradients zero) of each update, as the step runs
-    step = jax.jit(program.audited_train_step(updates))
+    step = _on_one_device(program.audited_train_step(updates, strategy.axis_name), strategy.axis_name)
     small = data_lib.take(batch, slice(0, rows))
-    try:
-        jax.block_until_ready(step(state, small))
-    except NameError:  # the step names the device axis itself (lax.psum(x, "data")): it runs under its strategy only
-        return
+    jax.block_until_ready(step(state, small))
     jax.effects_barrier()  # every update's callback has run
     zero: dict[str, bool] = {}
     for group, flag in updates:  # any of a group's updates (each pass of a loop around one)
@@ -88,7 +87,21 @@ def audit_own_step(program: Program, state: TrainState, strategy: Strategy, prep
         _check_device_split(program, state, small, strategy.axis_name, len(strategy.devices))
 
 
-def _check_padded_rows(step: jax.stages.Wrapped, state: TrainState, small: Batch, prepared: data_lib.Prepared) -> None:
+def _on_one_device(step: TreeFunction, axis: str | None) -> TreeFunction:
+    """``step`` (``(state, batch) -> outputs``) compiled as one device runs it: under the device
+    ``axis`` when the strategy has one (a ``vmap`` of one, the whole batch on it), so that a step
+    naming the axis itself traces; the outputs as one device's."""
+    if axis is None:
+        return jax.jit(step)
+    one = jax.vmap(step, in_axes=(None, 0), axis_name=axis)
+
+    def on_one(state: PyTree, batch: Batch) -> PyTree:
+        return jax.tree.map(lambda a: a[0], one(state, jax.tree.map(lambda a: a[None], batch)))
+
+    return jax.jit(on_one)
+
+
+def _check_padded_rows(step: TreeFunction, state: TrainState, small: Batch, prepared: data_lib.Prepared) -> None:
     rows = len(small["mask"])
     mask = np.asarray(small["mask"]).copy()
     mask[-1] = 0  # the last row pads
@@ -113,7 +126,7 @@ def _check_device_split(program: Program, state: TrainState, small: Batch, axis:
         return
     whole = data_lib.take(small, slice(0, rows))
     split = jax.tree.map(lambda a: np.asarray(a).reshape(devices, rows // devices, *np.shape(a)[1:]), whole)
-    one = jax.jit(program.audited_train_step(None, inference=True))
+    one = _on_one_device(program.audited_train_step(None, axis, inference=True), axis)
     spread = jax.jit(jax.vmap(program.audited_train_step(None, axis, inference=True), (None, 0), axis_name=axis))
     (_, logs), (_, spread_logs) = one(state, whole), spread(state, split)
     found = {name: (float(logs[name].compute()), float(spread_logs[name].compute()[0])) for name in logs}
