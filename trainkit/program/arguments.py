@@ -226,10 +226,17 @@ class TrainerArguments:
         )
 
     def without_lora(self, variables: PyTree, strategy: str | Strategy | Auto) -> dict[str, Any]:
-        """The keyword arguments of the same trainer without adapters: from ``variables`` (the merged
-        ones) on ``strategy``, every parameter training (``Trainer.merge_lora``)."""
-        kept = {field.name: self.__dict__[field.name] for field in dataclasses.fields(self)}
-        return kept | {"params": variables, "strategy": strategy, "lora": None, "trainable": None}
+        """The keyword arguments of the same trainer without adapters (``Trainer.merge_lora``): the
+        model and each argument given other than its default (a subclass's own ``__init__`` receives
+        what it was given), from ``variables`` (the merged ones) on ``strategy``, every parameter
+        training."""
+        given = {
+            field.name: self.__dict__[field.name]
+            for field in dataclasses.fields(self)
+            if field.default is dataclasses.MISSING or self.__dict__[field.name] is not field.default
+        }
+        given = {name: value for name, value in given.items() if name not in ("lora", "trainable")}
+        return given | {"params": variables, "strategy": strategy}
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
