@@ -37,6 +37,8 @@ def test_the_value_holds_every_argument_and_option_with_the_signature_defaults(f
 def test_an_unknown_trainer_option_is_refused_by_name_with_the_nearest():
     with pytest.raises(TypeError, match=r"unknown option precison='bf16' \(did you mean precision\?\).*grad_accum"):
         tk.Trainer(nn.Dense(2), loss="mse", optimizer=optax.sgd(0.1), precison="bf16")
+    with pytest.raises(TypeError, match=r"unknown option metric=\['accuracy'\] \(did you mean metrics\?\)"):
+        tk.Trainer(nn.Dense(2), loss="mse", optimizer=optax.sgd(0.1), metric=["accuracy"])
     with pytest.raises(TypeError, match=r"unknown option xyzzy=1; its options"):
         tk.Trainer(nn.Dense(2), loss="mse", optimizer=optax.sgd(0.1), xyzzy=1)
 

@@ -110,7 +110,7 @@ def _given(values: Mapping[str, Any], known: Mapping[str, object], where: str) -
     options: dict[str, Any] = given.pop("options", {})
     for name, value in options.items():
         if name not in known:
-            near = difflib.get_close_matches(name, known, n=1)
+            near = difflib.get_close_matches(name, [*given, *known], n=1)  # Keras's names too: metric= -> metrics
             hint = f" (did you mean {near[0]}?)" if near else ""
             raise TypeError(
                 f"{where} got an unknown option {name}={value!r}{hint}; its options beyond Keras's arguments are "
@@ -233,9 +233,8 @@ class TrainerArguments:
         given = {
             field.name: self.__dict__[field.name]
             for field in dataclasses.fields(self)
-            if field.default is dataclasses.MISSING or self.__dict__[field.name] is not field.default
+            if field.name not in ("lora", "trainable") and self.__dict__[field.name] is not field.default
         }
-        given = {name: value for name, value in given.items() if name not in ("lora", "trainable")}
         return given | {"params": variables, "strategy": strategy}
 
 

@@ -127,7 +127,8 @@ def prepare(
         setup.create_state(prepared)
         check_outputs(setup, prepared.first_x)
         if training:
-            check_loss_rows(setup.program, strategy, setup.session.require_state(), prepared, setup.custom_loss)
+            state = setup.session.require_state()
+            check_loss_rows(setup.program, state, strategy, prepared, custom_loss=setup.custom_loss)
     if training:
         audit_own_step(setup.program, setup.session.require_state(), strategy, prepared)
     kind = "train" if training else "eval" if targets else "predict"
@@ -138,7 +139,7 @@ def prepare(
 
 
 def check_loss_rows(
-    program: Program, strategy: Strategy, state: TrainState, prepared: data_lib.Prepared, custom_loss: bool
+    program: Program, state: TrainState, strategy: Strategy, prepared: data_lib.Prepared, *, custom_loss: bool
 ) -> None:
     """A ``compute_loss`` of the user's sees each device's rows under a ``pmap`` strategy
     (``DataParallel``) and each micro-batch's with ``grad_accum_steps``: one whose rows' losses
