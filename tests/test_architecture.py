@@ -520,6 +520,9 @@ def test_a_step_is_a_value_not_read_from_bytecode_or_a_snapshot():
     assert "trainkit.core.custom_step" not in step_imports, (
         "the built-in step branches into the user's: the program chooses"
     )
+    program = MODULES["program.program"].read_text()
+    built = [name for name in ("make_train_step(", "make_eval_step(") if name in program]
+    assert not built, f"program/program.py calls {built}: the built-in step is a value (core/loss_step.LossStep)"
     assert not snapshots, f"vars() on the step's path in {snapshots}: record what the step reads, as it reads it"
 
 

@@ -28,15 +28,23 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import re
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import ClassVar, Protocol
 
+import clu.metrics
 import jax
 import numpy as np
 
 from trainkit.core.checks import SettingError
+from trainkit.core.custom_step import make_custom_eval_step, make_custom_train_step
 from trainkit.core.state import Batch, TrainState
-from trainkit.core.step_state import StepState
+from trainkit.core.step_state import StepFacts, StepState
+
+#: a step as every strategy compiles it: ``(state, batch) -> (state, metrics)``, each metric a
+#: :mod:`clu.metrics` state of the step's real rows (merged into the epoch's totals)
+TrainMetricsStep = Callable[[TrainState, Batch], tuple[TrainState, Mapping[str, clu.metrics.Metric]]]
+#: an evaluation as every strategy compiles it: ``(state, batch) -> metrics``
+EvalMetricsStep = Callable[[TrainState, Batch], Mapping[str, clu.metrics.Metric]]
 
 _PLAIN = (bool, int, float, complex, str, bytes, type(None), np.generic)
 
@@ -103,6 +111,18 @@ class Step:
             "trainer no loss= for the built-in evaluation: define test (e.g. return {'d_loss': state.mean(per_row, "
             "batch)}), or pass loss=... ."
         )
+
+    def train_metrics(self, facts: StepFacts) -> TrainMetricsStep:
+        """The step as every strategy compiles it (under ``facts``: the device axis, the optimizer,
+        its groups): :meth:`train` with its ``rng`` the state's folded with the step number, its
+        returned state checked and its logs weighted by the real rows
+        (:func:`~trainkit.core.custom_step.make_custom_train_step`). The built-in step
+        (:class:`~trainkit.core.loss_step.LossStep`) compiles its own loss step here instead."""
+        return make_custom_train_step(self.train, facts)
+
+    def test_metrics(self, facts: StepFacts) -> EvalMetricsStep:
+        """The evaluation as every strategy compiles it: :meth:`test`, its logs weighted by the real rows."""
+        return make_custom_eval_step(self.test, facts)
 
     @property
     def trains(self) -> bool:

@@ -10,11 +10,13 @@ value the first-batch audit (:mod:`trainkit.program.step_audit`) last checked.
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 
 from trainkit.core import step_value
 from trainkit.core.override_step import replacing
-from trainkit.core.state import Batch
+from trainkit.core.state import Batch, TrainState
 from trainkit.core.step_state import StepState
 from trainkit.core.step_value import Step, frozen_while_traced
 from trainkit.core.tree import PyTree
@@ -79,7 +81,29 @@ class OwnStep:
         self._record(result)
         return result
 
+    @property
+    def traced(self) -> Step:
+        """The value as the program compiles it: a step whose ``train`` and ``test`` are :meth:`run`'s
+        (through the same seam, :meth:`Step.train_metrics`, as the built-in step's)."""
+        return _Recorded(self)
+
     def _record(self, result: PyTree) -> None:
         self._traced = {**(self._traced or {}), **(self.value.traced_values() if self.value is not None else {})}
         if self.log_names is None and isinstance(result, tuple) and len(result) == 2 and isinstance(result[1], dict):
             self.log_names = tuple(result[1])
+
+
+@dataclasses.dataclass(frozen=True)
+class _Recorded(Step):
+    """The user's step value traced through its :class:`OwnStep` (an attribute set refused by
+    name, the values it read and its logs' names recorded)."""
+
+    own: OwnStep
+
+    def train(self, state: StepState, batch: Batch, rng: jax.Array) -> tuple[TrainState, dict[str, jax.Array]]:
+        result: tuple[TrainState, dict[str, jax.Array]] = self.own.run("train_step", state, batch, rng)
+        return result
+
+    def test(self, state: StepState, batch: Batch, rng: jax.Array) -> dict[str, jax.Array]:
+        logs: dict[str, jax.Array] = self.own.run("test_step", state, batch, rng)
+        return logs

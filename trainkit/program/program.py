@@ -39,6 +39,7 @@ from trainkit.core.features.gradient_statistics import measure_statistics
 from trainkit.core.features.label_check import check_labels
 from trainkit.core.features.spike_skipping import skip_spikes
 from trainkit.core.lora import LoRA, is_adapter
+from trainkit.core.loss_step import LossStep
 from trainkit.core.model import (
     AxisNames,
     LinenModel,
@@ -59,11 +60,9 @@ from trainkit.core.step import (
     TOTALS_UNPACKED_ON,
     LossFn,
     TrainStepOptions,
-    make_eval_step,
     make_gathered_steps,
     make_multi_step,
     make_predict_step,
-    make_train_step,
     with_totals,
 )
 from trainkit.core.step_feature import StepFeature
@@ -428,26 +427,33 @@ class Program:
         ``(state, batch) -> metrics``, before their metrics are merged into the totals; the
         statistics (``GradientStats``) measured as ``statistics_when`` says
         (:meth:`~trainkit.core.statistics.StepStatistics.metrics`)."""
-        if kind == "eval" and self.own.tests:
-            test = functools.partial(self.own.run, "test_step")
-            return custom_lib.make_custom_eval_step(test, self.step_facts(axis))
-        if kind == "eval":
-            return make_eval_step(self.training_loss, self.objective.metric_fns, axis, self.objective.valid_tokens())
-        if self.own.trains:
-            return self._own_train_step(axis, statistics)
+        value, facts = self.step_value(kind, statistics, statistics_when, offload), self.step_facts(axis)
+        return value.test_metrics(facts) if kind == "eval" else value.train_metrics(facts)
+
+    def step_value(
+        self, kind: str, statistics: StepStatistics | None = None, when: str = "due", offload: bool | None = None
+    ) -> Step:
+        """The step value the ``"train"`` or ``"eval"`` step is compiled from: the user's own
+        (``step=``, an override) where it replaces that kind, else the built-in
+        :class:`~trainkit.core.loss_step.LossStep` with this trainer's settings, the statistics
+        measured as ``when`` says and ``offload`` (``None``: as the trainer says)."""
+        if self.own.tests if kind == "eval" else self.own.trains:
+            if kind != "eval":
+                self._refuse_for_own_train_step(statistics)
+            return self.own.traced
         options = TrainStepOptions(
             self.grad_accum_steps,
             self.trainable,
-            self.step_features(statistics, statistics_when),
+            self.step_features(statistics, when) if kind != "eval" else (),
             bool(self.offload) if offload is None else offload,
             groups=self.groups,
             valid_tokens=self.objective.valid_tokens(),
         )
-        return make_train_step(self.training_loss, self.optimizer, self.objective.metric_fns, axis, options)
+        return LossStep(self.training_loss, self.objective.metric_fns, options)
 
-    def _own_train_step(self, axis: str | None, statistics: StepStatistics | None) -> TreeFunction:
-        """The user's own ``train_step`` (a step value's or an override's) as the ``"train"`` step:
-        its loss, gradients and update are its own, so the built-in step's features are not in it."""
+    def _refuse_for_own_train_step(self, statistics: StepStatistics | None) -> None:
+        """What the built-in step alone can do, refused for the user's own ``train_step``: its loss,
+        gradients and update are its own, so the built-in step's features are not in it."""
         if self.objective.valid_tokens() is not None:
             raise ValueError(
                 "The loss ignores a class (ignore_class), and this trainer's train_step is its own: trainkit would not "
@@ -459,8 +465,6 @@ class Program:
                 "GradientStats measures the built-in step's gradients, and this trainer's train_step is its own (its "
                 "gradients are its locals). Log what you need from train_step's logs, or drop GradientStats."
             )
-        train = functools.partial(self.own.run, "train_step")
-        return custom_lib.make_custom_train_step(train, self.step_facts(axis))
 
     def step_features(self, statistics: StepStatistics | None, when: str = "due") -> tuple[StepFeature, ...]:
         """The train step's features (:mod:`trainkit.core.features`) this trainer's settings
