@@ -13,7 +13,6 @@
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, Unpack, cast
 
@@ -27,6 +26,7 @@ from trainkit import export as export_lib
 from trainkit import weights as weights_lib
 from trainkit.callbacks import Callback, CallbackList, History, lr_finder
 from trainkit.core import loss_call, override_step, watched_batch
+from trainkit.core.local_path import LocalPath
 from trainkit.core.model import Model
 from trainkit.core.state import Batch, TrainState
 from trainkit.core.tree import PyTree, TreeFunction
@@ -56,10 +56,9 @@ class Trainer:
             (``{"generator": ..., "discriminator": ...}``, ``re.match``; docs/custom_training.md).
         strategy: a :class:`trainkit.Strategy`, a name, or ``"auto"`` (picked by the compiled plan).
         seed: seeds initialisation, dropout and the shuffle order. params: variables to start from (fine-tuning).
-        **options: trainkit's own, beyond Keras's ``compile`` (each described in
-            :class:`~trainkit.program.arguments.TrainerOptions`; an unknown name is refused): ``precision``,
-            ``remat``, ``grad_accum_steps``, ``log_grad_norm``, ``mixes_rows``, ``deterministic``, ``trainable``,
-            ``lora``, ``skip_spikes``, ``frozen_statistics``, ``offload``, ``step`` (a ``tk.Step``).
+        **options: trainkit's own beyond Keras's compile, each described in ``TrainerOptions`` (program/arguments.py;
+            an unknown name is refused): precision, remat, grad_accum_steps, log_grad_norm, mixes_rows, deterministic,
+            trainable, lora, skip_spikes, frozen_statistics, offload, step (a tk.Step).
 
     Override :meth:`compute_loss` (a loss not ``loss(predictions, y)``) or :meth:`train_step` (docs/custom_training.md);
     each argument: docs/quickstart.md, docs/outputs.md, docs/performance.md, docs/precision_and_memory.md.
@@ -208,35 +207,30 @@ class Trainer:
         """Puts variables from :meth:`get_weights` back into the live state (same shapes)."""
         self.state_access.set_weights(variables)
 
-    def save_weights(self, filepath: str | os.PathLike[str], **options: Unpack[weights_lib.WeightsFile]) -> None:
+    def save_weights(self, filepath: LocalPath, **options: Unpack[weights_lib.WeightsFile]) -> None:
         """The variables (LoRA's merged) as safetensors (``format``), Flax's or PyTorch's ``layout``, ``rename`` pairs
         applied last, ``prefix``: that sub-tree's (docs/finetuning.md)."""
         weights_lib.save(self.state_access.named_weights(), filepath, **options)
 
-    def save_pretrained(
-        self, folder: str | os.PathLike[str], *, config: object, **options: Unpack[weights_lib.Pretrained]
-    ) -> None:
+    def save_pretrained(self, folder: LocalPath, *, config: object, **options: Unpack[weights_lib.Pretrained]) -> None:
         """A folder Hugging Face's from_pretrained and vLLM read, or LoRA's adapters as PEFT's (docs/finetuning.md)."""
         weights_lib.save_pretrained(self.state_access, folder, config=config, **options)
 
     def merge_lora(self) -> Trainer:
         """A trainer of the model without adapters, folded into its kernels: the same predictions."""
-        variables, sample = self.state_access.merged()
-        merged = type(self)(**self.arguments.without_lora(variables, self.strategy or "auto"))
-        merged.init(sample)
-        return merged
+        return self.arguments.merged_trainer(type(self), self.state_access.merged(), self.strategy or "auto")
 
     def manifest(self) -> checkpoint_lib.Manifest:
         """What a checkpoint records besides the arrays (JSON; see docs/checkpointing.md)."""
         return checkpoint_lib.manifest_of(self.session, self.strategy, self.state_access.settings())
 
-    def save(self, filepath: str | os.PathLike[str], **options: Unpack[checkpoint_lib.SaveOptions]) -> int:
+    def save(self, filepath: LocalPath, **options: Unpack[checkpoint_lib.SaveOptions]) -> int:
         """Writes the state (``weights_only``: the variables) and manifest to ``filepath`` (orbax) at this step, once
         on disk, keeping ``max_to_keep``; refuses an existing step (``overwrite=False``), NaN (``allow_non_finite``)."""
         return checkpoint_lib.save_session(filepath, self.session, self.manifest(), **options)
 
     def load(
-        self, directory: str | os.PathLike[str] | checkpoint_lib.Checkpointer, step: int | None = None
+        self, directory: LocalPath | checkpoint_lib.Checkpointer, step: int | None = None
     ) -> checkpoint_lib.Manifest:
         """Restores the latest checkpoint (or ``step``) of any strategy, device count, or weights only, after init."""
         return checkpoint_lib.restore_session(directory, self.session, step, self.strategy)
@@ -259,14 +253,11 @@ class Trainer:
         ``memory_limit``: bytes, flops, time, the pick; ``target``: a pod's compile-only devices (docs/targets.md)."""
         return tuning.plan(self.setup, sample_batch, **options)
 
-    def export(
-        self, filepath: str | os.PathLike[str], format: str | None = None, verbose: bool = True, **options: Any
-    ) -> None:
+    def export(self, filepath: LocalPath, format: str | None = None, verbose: bool = True, **options: Any) -> None:
         """Keras 3's ``model.export``: ``predict`` with a symbolic batch axis as ``"jax"``, ``"tf_saved_model"`` or
         ``"onnx"`` (float32) by the suffix, ``format`` or ``"jax"``; under LoRA the merged model (docs/export.md)."""
-        format = export_lib.resolve_format(filepath, format)
-        float32 = export_lib.computes_float32(format, self.precision.compute_dtype, type(self).apply is Trainer.apply)
-        export_lib.export(filepath, lambda: self.setup.inference(float32), format, verbose=verbose, **options)
+        model_call, dtype = type(self).apply is Trainer.apply, self.precision.compute_dtype  # onnx: float32 if it can
+        export_lib.export(filepath, self.setup.inference, format, dtype, model_call, verbose=verbose, **options)
 
     def find_batch_size(
         self, x: DataInput, y: PyTree = None, **options: Unpack[tuning.BatchSizeOptions]
@@ -307,10 +298,9 @@ class Trainer:
         ``read_ahead``, ``data_on_device``: :class:`~trainkit.program.arguments.FitOptions`; unknown names refused)."""
         given = FitArguments.of(locals())
         callbacks = CallbackList.checked(callbacks)  # before anything is built
-        config = given.config(self.seed)
         with self.session.ledger.running(distributed.take_startup_seconds()):  # history.goodput: where time went
             self.compiled.use_statistics(CallbackList.step_statistics_of(callbacks))  # in the train step
-            prepared, config = inputs.prepare_fit(self.setup, config, given)
+            prepared, config = inputs.prepare_fit(self.setup, given)
             callback_list = CallbackList.for_run(callbacks, self, verbose, config.steps, config.epoch_count, fit=True)
             self.loop.fit(prepared.source, prepared.batch_size, callback_list, config)
         return callback_list.require_history()

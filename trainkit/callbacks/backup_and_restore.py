@@ -22,7 +22,7 @@ from trainkit.callbacks.triggers import SaveFrequency
 from trainkit.checkpoint import Checkpointer, CheckpointError, checked_position, remove_checkpoints
 from trainkit.checkpoint.directory import foreign_entries
 from trainkit.checkpoint.manifest import Manifest
-from trainkit.core.local_path import require_local
+from trainkit.core.local_path import LocalPath, require_local
 from trainkit.core.warn import warn_user
 from trainkit.distributed import ray_train
 from trainkit.distributed.atomic import write_text
@@ -96,7 +96,7 @@ class BackupAndRestore(Callback):
 
     def __init__(
         self,
-        backup_dir: str | os.PathLike[str] | None,
+        backup_dir: LocalPath | None,
         save_freq: str | int = "epoch",
         double_checkpoint: bool = False,
         delete_checkpoint: bool = True,

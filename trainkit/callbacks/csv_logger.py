@@ -19,7 +19,7 @@ import numpy as np
 
 from trainkit import distributed
 from trainkit.callbacks.base import Callback, Logs
-from trainkit.core.local_path import require_local
+from trainkit.core.local_path import LocalPath, require_local
 
 
 def _cell(value):
@@ -40,7 +40,7 @@ class CSVLogger(Callback):
         append: add to an existing file (no second header) instead of overwriting it.
     """
 
-    def __init__(self, filename: str | os.PathLike[str], separator: str = ",", append: bool = False):
+    def __init__(self, filename: LocalPath, separator: str = ",", append: bool = False):
         self.sep = separator
         self.filename = require_local(filename, "CSVLogger's filename")
         self.append = append

@@ -25,7 +25,7 @@ import numpy as np
 
 from trainkit import distributed
 from trainkit.callbacks.base import Callback, Logs
-from trainkit.core.local_path import require_local
+from trainkit.core.local_path import LocalPath, require_local
 from trainkit.core.statistics import PREFIX, StepStatistics, module_of
 from trainkit.core.tree import leaf_name
 from trainkit.loop.dispatch import host_metric
@@ -56,7 +56,7 @@ class GradientStats(Callback):
 
     async_safe = True  # it reads the totals of the step it is about, which the device keeps
 
-    def __init__(self, every: int = 100, per_layer: str | None = None, log_dir: str | os.PathLike[str] | None = None):
+    def __init__(self, every: int = 100, per_layer: str | None = None, log_dir: LocalPath | None = None):
         self.spec = StepStatistics(every, per_layer)
         self.log_dir = None if log_dir is None else require_local(log_dir, "GradientStats' log_dir")
         self.values: dict[str, float] = {}

@@ -17,7 +17,6 @@ from __future__ import annotations
 import collections.abc
 import dataclasses
 import math
-import os
 import warnings
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Protocol, TypedDict
@@ -26,7 +25,7 @@ import numpy as np
 
 from trainkit.callbacks.base import Callback, Logs
 from trainkit.callbacks.trainer_view import TrainerView
-from trainkit.core.local_path import require_local
+from trainkit.core.local_path import LocalPath, require_local
 from trainkit.core.state import TrainState
 from trainkit.core.tree import PyTree
 from trainkit.core.warn import warn_user
@@ -141,7 +140,7 @@ class LearningRateSearch:
     stopped_early: bool
     suggestions: dict[str, float | None] = dataclasses.field(default_factory=dict)
 
-    def plot(self, path: str | os.PathLike[str], suggest: bool = True) -> Figure:
+    def plot(self, path: LocalPath, suggest: bool = True) -> Figure:
         """The smoothed loss against the rate (log scale), the suggestion marked, as a PNG at
         ``path`` (matplotlib, the ``monitoring`` extra); returns the figure."""
         path = require_local(path, "LearningRateSearch.plot's path")

@@ -17,7 +17,7 @@ from trainkit import distributed
 from trainkit.callbacks.base import Logs, MonitorCallback
 from trainkit.callbacks.triggers import SaveFrequency
 from trainkit.checkpoint import Checkpointer, check_writable, remove_checkpoints
-from trainkit.core.local_path import require_local
+from trainkit.core.local_path import LocalPath, require_local
 from trainkit.core.warn import warn_user
 from trainkit.record.ledger import Bucket
 
@@ -57,7 +57,7 @@ class ModelCheckpoint(MonitorCallback):
 
     def __init__(
         self,
-        filepath: str | os.PathLike[str],
+        filepath: LocalPath,
         monitor: str = "val_loss",
         verbose: int = 0,
         save_best_only: bool = False,

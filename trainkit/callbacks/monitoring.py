@@ -21,7 +21,7 @@ from trainkit import distributed
 from trainkit.callbacks.base import Callback, Logs
 from trainkit.callbacks.trainer_view import TrainerView
 from trainkit.core import optimizers
-from trainkit.core.local_path import require_local
+from trainkit.core.local_path import LocalPath, require_local
 from trainkit.core.redact import redacted
 from trainkit.core.tree import leaf_name
 from trainkit.core.warn import warn_user
@@ -258,7 +258,7 @@ class Profiler(Callback):
     def reads_batch_logs(self) -> bool:
         return False
 
-    def __init__(self, log_dir: str | os.PathLike[str], steps: tuple[int, int], memory_profile: bool = False):
+    def __init__(self, log_dir: LocalPath, steps: tuple[int, int], memory_profile: bool = False):
         if (
             not isinstance(steps, (tuple, list))
             or len(steps) != 2
@@ -315,7 +315,7 @@ class TensorBoard(_Rate):
 
     def __init__(
         self,
-        log_dir: str | os.PathLike[str] = "logs",
+        log_dir: LocalPath = "logs",
         histogram_freq: int = 0,
         write_graph: bool = True,
         write_images: bool = False,

@@ -11,12 +11,12 @@ trainer hands itself to its callbacks); it extends the monitoring helpers' ``Com
 
 from __future__ import annotations
 
-import os
 from collections.abc import Mapping
 from contextlib import AbstractContextManager
 from typing import Any, Protocol
 
 from trainkit.checkpoint import Checkpointer
+from trainkit.core.local_path import LocalPath
 from trainkit.core.precision import Precision
 from trainkit.core.state import TrainState
 from trainkit.core.tree import PyTree
@@ -87,4 +87,4 @@ class TrainerView(CompiledTrainer, Protocol):
 
     def manifest(self) -> dict[str, Any]: ...
 
-    def load(self, directory: str | os.PathLike[str] | Checkpointer, step: int | None = None) -> dict[str, Any]: ...
+    def load(self, directory: LocalPath | Checkpointer, step: int | None = None) -> dict[str, Any]: ...

@@ -42,7 +42,7 @@ from trainkit.checkpoint.errors import CheckpointError
 from trainkit.checkpoint.parts import Parts
 from trainkit.core import state as state_lib
 from trainkit.core import tree
-from trainkit.core.local_path import require_local
+from trainkit.core.local_path import LocalPath, require_local
 from trainkit.core.tree import PyTree
 from trainkit.core.warn import warn_user
 from trainkit.distributed import filesystem
@@ -210,7 +210,7 @@ class Checkpointer:
 
     def __init__(
         self,
-        directory: str | os.PathLike[str],
+        directory: LocalPath,
         *,
         max_to_keep: int | None = None,
         best_fn: Callable[[dict[str, float]], float] | None = None,

@@ -22,6 +22,7 @@ from typing import Any, TypedDict
 from trainkit.checkpoint import directory as directory_lib
 from trainkit.checkpoint.checkpointer import Checkpointer, CheckpointError, all_finite
 from trainkit.checkpoint.manifest import Layout, Manifest, explain_restore
+from trainkit.core.local_path import LocalPath
 from trainkit.core.tree import PyTree
 from trainkit.core.warn import warn_user
 from trainkit.distributed import atomic
@@ -29,7 +30,7 @@ from trainkit.record.session import Session
 
 
 def save(
-    filepath: str | os.PathLike[str],
+    filepath: LocalPath,
     step: int,
     state: PyTree,
     manifest: Manifest,
@@ -60,9 +61,7 @@ def save(
         checkpointer.close()
 
 
-def restore(
-    directory: str | os.PathLike[str] | Checkpointer, target: PyTree, step: int | None = None
-) -> tuple[PyTree, Manifest]:
+def restore(directory: LocalPath | Checkpointer, target: PyTree, step: int | None = None) -> tuple[PyTree, Manifest]:
     """The checkpoint's state (the latest, or ``step``) in the shardings of ``target``, and its
     manifest; a directory is opened read-only and closed again."""
     own = not isinstance(directory, Checkpointer)
@@ -84,7 +83,7 @@ class SaveOptions(TypedDict, total=False):
 
 
 def save_session(
-    filepath: str | os.PathLike[str],
+    filepath: LocalPath,
     session: Session,
     manifest: Manifest,
     *,
@@ -103,7 +102,7 @@ def save_session(
 
 
 def restore_session(
-    directory: str | os.PathLike[str] | Checkpointer, session: Session, step: int | None, into: Layout | None
+    directory: LocalPath | Checkpointer, session: Session, step: int | None, into: Layout | None
 ) -> dict[str, Any]:
     """:func:`restore` into ``session``'s live state (``Trainer.load``), in its shardings: the
     position follows a full checkpoint, not a weights-only one; returns the manifest (and warns
@@ -114,7 +113,7 @@ def restore_session(
     return manifest
 
 
-def remove_checkpoints(directory: str | os.PathLike[str]) -> None:
+def remove_checkpoints(directory: LocalPath) -> None:
     """Deletes what trainkit wrote in a checkpoint directory (its steps, its lock, the goodput
     journal), never another file, and the directory itself when that leaves it empty (never the
     working directory or one above it). Through a symbolic link, what the link points to is

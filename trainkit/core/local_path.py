@@ -25,10 +25,13 @@ import re
 
 from trainkit.core.redact import redacted
 
+#: a local (or mounted) path as trainkit takes one: a string or an ``os.PathLike`` (``pathlib.Path``)
+LocalPath = str | os.PathLike[str]
+
 _URL = re.compile(r"^\s*(?P<scheme>[a-zA-Z][a-zA-Z0-9+.-]+):/")  # two letters or more: C:/ is a drive
 
 
-def require_local(path: str | os.PathLike[str], what: str) -> str:
+def require_local(path: LocalPath, what: str) -> str:
     """``path`` as a string, or a ``ValueError`` for a URL (see the module docstring)."""
     text = os.fspath(path)
     found = _URL.match(text)

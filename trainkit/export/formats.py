@@ -19,7 +19,7 @@ import numpy as np
 from numpy.typing import DTypeLike
 
 from trainkit import distributed
-from trainkit.core.local_path import require_local
+from trainkit.core.local_path import LocalPath, require_local
 from trainkit.core.tree import PyTree, TreeFunction
 from trainkit.distributed import atomic, filesystem
 from trainkit.export import jax_format, onnx_format, tf_saved_model
@@ -64,7 +64,7 @@ SUFFIXES = {".jax": "jax", ".onnx": "onnx"}
 FOLDER_ENTRIES = {"tf_saved_model": frozenset({"saved_model.pb", "variables", "assets", "fingerprint.pb"})}
 
 
-def resolve_format(path: str | os.PathLike[str], format: str | None) -> str:
+def resolve_format(path: LocalPath, format: str | None) -> str:
     """The format of an export to ``path``: its suffix's (``.onnx``, ``.jax``), else ``format``
     (default ``"jax"``); a ``format`` the suffix contradicts is refused.
 
@@ -100,7 +100,7 @@ def check_format(format: str) -> None:
 
 
 def write(
-    path: str | os.PathLike[str],
+    path: LocalPath,
     function: TreeFunction,
     variables: PyTree,
     spec: PyTree,
@@ -133,17 +133,22 @@ def write(
 
 
 def export(
-    path: str | os.PathLike[str],
-    inference: Callable[[], tuple[TreeFunction, PyTree, PyTree]],
+    path: LocalPath,
+    inference: Callable[[bool], tuple[TreeFunction, PyTree, PyTree]],
     format: str | None = None,
+    compute_dtype: DTypeLike = np.float32,
+    model_call: bool = True,
     *,
     verbose: bool = True,
     **options,
 ) -> None:
-    """:meth:`trainkit.Trainer.export`: ``format`` checked first, then what ``inference()``
-    returns (the function, its host variables, the per-example input spec) written by :func:`write`."""
+    """:meth:`trainkit.Trainer.export`: ``format`` checked first, then what ``inference(float32)``
+    returns (the function, its host variables, the per-example input spec) written by :func:`write`;
+    ``float32`` as :func:`computes_float32` decides for a trainer computing in ``compute_dtype``
+    (``model_call``: its outputs are the model's own call, no ``apply`` override)."""
     format = resolve_format(path, format)  # a URL refused first
     check_format(format)  # before anything is fetched or traced
+    float32 = computes_float32(format, compute_dtype, model_call)
     if format in FOLDER_ENTRIES:
         filesystem.require_folder(path, f"export's {format!r} folder")
-    write(path, *inference(), format, verbose=verbose, **options)
+    write(path, *inference(float32), format, verbose=verbose, **options)

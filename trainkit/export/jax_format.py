@@ -30,7 +30,7 @@ from collections.abc import Sequence
 import jax
 import numpy as np
 
-from trainkit.core.local_path import require_local
+from trainkit.core.local_path import LocalPath, require_local
 from trainkit.core.tree import PyTree, TreeFunction
 from trainkit.export.signature import leaf_names, output_names
 
@@ -43,11 +43,7 @@ SIDECAR = ".json"
 
 
 def save(
-    path: str | os.PathLike[str],
-    function: TreeFunction,
-    variables: PyTree,
-    inputs: PyTree,
-    platforms: Sequence[str] | None = None,
+    path: LocalPath, function: TreeFunction, variables: PyTree, inputs: PyTree, platforms: Sequence[str] | None = None
 ) -> dict[str, object]:
     """Exports ``function(variables, x)`` for the symbolic ``inputs``, the variables inside as
     constants (for ``platforms``, default the current backend), into ``path``, and its
@@ -81,12 +77,12 @@ def _checked(described: object, where: str) -> dict[str, object]:
     return described
 
 
-def _headed(path: str | os.PathLike[str]) -> bool:
+def _headed(path: LocalPath) -> bool:
     with open(path, "rb") as file:
         return file.read(len(MAGIC)) == MAGIC
 
 
-def header(path: str | os.PathLike[str]) -> dict[str, object]:
+def header(path: LocalPath) -> dict[str, object]:
     """What the sidecar (or, for an older file, the header) says of a ``"jax"`` export; ``{}``
     for a plain serialization without either."""
     sidecar = os.fspath(path) + SIDECAR
@@ -109,7 +105,7 @@ def header(path: str | os.PathLike[str]) -> dict[str, object]:
     return _checked(described, f"{path}: its header")
 
 
-def payload(path: str | os.PathLike[str]) -> bytearray:
+def payload(path: LocalPath) -> bytearray:
     """The ``jax.export`` bytes of a ``"jax"`` export, checked against the length and digest its
     sidecar (or older header) records; a plain serialization is returned as it is."""
     described = header(path)
@@ -152,7 +148,7 @@ class LoadedModel:
         return f"LoadedModel({self.path!r}, inputs={self.input_shapes}, platforms={self.exported.platforms})"
 
 
-def load(path: str | os.PathLike[str]) -> LoadedModel:
+def load(path: LocalPath) -> LoadedModel:
     """The ``"jax"`` export at ``path`` as a callable, refused with the reason when this JAX
     cannot run its calling convention or the file is no ``jax.export`` serialization."""
     path = require_local(path, "tk.export.load's path")

@@ -22,6 +22,7 @@ import os
 
 import jax
 
+from trainkit.core.local_path import LocalPath
 from trainkit.core.tree import PyTree, TreeFunction
 from trainkit.export.signature import leaf_names, output_names
 
@@ -44,7 +45,7 @@ def _quiet(names: tuple[str, ...]):
 
 
 def save(
-    path: str | os.PathLike[str], function: TreeFunction, variables: PyTree, inputs: PyTree, opset: int = 21
+    path: LocalPath, function: TreeFunction, variables: PyTree, inputs: PyTree, opset: int = 21
 ) -> dict[str, object]:
     """Writes the ONNX model of ``function(variables, x)`` for the symbolic ``inputs`` to ``path``."""
     import jax2onnx

@@ -21,6 +21,7 @@ from collections.abc import Sequence
 import jax
 import numpy as np
 
+from trainkit.core.local_path import LocalPath
 from trainkit.core.tree import PyTree, TreeFunction
 from trainkit.export.signature import leaf_names, output_names
 
@@ -30,11 +31,7 @@ def _tensor_spec(tf, leaf: jax.ShapeDtypeStruct):
 
 
 def save(
-    path: str | os.PathLike[str],
-    function: TreeFunction,
-    variables: PyTree,
-    inputs: PyTree,
-    platforms: Sequence[str] | None = None,
+    path: LocalPath, function: TreeFunction, variables: PyTree, inputs: PyTree, platforms: Sequence[str] | None = None
 ) -> dict[str, object]:
     """Writes the SavedModel of ``function(variables, x)`` for the symbolic ``inputs`` to ``path``."""
     import tensorflow as tf

@@ -28,7 +28,7 @@ from typing import IO, TYPE_CHECKING, Any, Literal, Protocol, TypeVar, runtime_c
 
 import numpy as np
 
-from trainkit.core.local_path import require_local
+from trainkit.core.local_path import LocalPath, require_local
 from trainkit.core.redact import redacted
 from trainkit.distributed import atomic, filesystem
 
@@ -58,7 +58,7 @@ class Logger(Protocol):
     def close(self) -> None: ...
 
 
-def check_log_dir(log_dir: str | os.PathLike[str], owner: str) -> None:
+def check_log_dir(log_dir: LocalPath, owner: str) -> None:
     """Creates ``log_dir`` and writes a file in it, or raises a ``ValueError`` naming it and
     ``owner`` (called at ``on_train_begin``, so nothing fails in the middle of a run).
 
@@ -82,7 +82,7 @@ class TensorBoardLogger:
     scalars are tagged ``{prefix}{name}`` (Keras: ``epoch_loss``). Histograms via
     :meth:`log_histograms`, hyperparameters with TensorBoard's HParams plugin."""
 
-    def __init__(self, log_dir: str | os.PathLike[str], prefix: str = ""):
+    def __init__(self, log_dir: LocalPath, prefix: str = ""):
         from tensorboardX import SummaryWriter
 
         self.log_dir, self.prefix = require_local(log_dir, "TensorBoardLogger's log_dir"), prefix
@@ -123,7 +123,7 @@ class CSVMetricsLogger:
     """Long-format CSV, one row per value: ``step,run,name,value`` (any metric at any step),
     and ``hparams.json`` beside it."""
 
-    def __init__(self, path: str | os.PathLike[str]):
+    def __init__(self, path: LocalPath):
         self.path = require_local(path, "CSVMetricsLogger's path")
         self._file: IO[str] | None = None
 
@@ -266,7 +266,7 @@ class WandbLogger:
     def __init__(
         self,
         project: str = "trainkit",
-        dir: str | os.PathLike[str] = ".",
+        dir: LocalPath = ".",
         mode: Literal["online", "offline", "disabled", "shared"] = "offline",
         timeout: float = 30.0,
         **init: Any,  # wandb.init's other keywords, passed as given

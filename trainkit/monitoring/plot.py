@@ -21,7 +21,7 @@ import sys
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from trainkit.core.local_path import require_local
+from trainkit.core.local_path import LocalPath, require_local
 from trainkit.distributed import atomic
 
 #: Epoch-level logs that are not curves worth a panel.
@@ -40,7 +40,7 @@ def panels(series: Mapping[str, Sequence[float]]) -> dict[str, list[str]]:
     return {base: sorted(grouped[base], key=lambda n: n.startswith("val_")) for base in order}
 
 
-def plot_curves(series: Mapping[str, Sequence[float]], path: str | os.PathLike[str], title: str | None = None) -> Any:
+def plot_curves(series: Mapping[str, Sequence[float]], path: LocalPath, title: str | None = None) -> Any:
     """Draws ``series`` (``{"loss": [...], "val_loss": [...], ...}``, one value per epoch) to
     ``path`` (PNG) and returns the matplotlib figure: one panel per metric, a training line and
     a validation line (dashed) in each."""
@@ -85,7 +85,7 @@ def plot_curves(series: Mapping[str, Sequence[float]], path: str | os.PathLike[s
     return figure
 
 
-def read_series(source: str | os.PathLike[str]) -> dict[str, list[float]]:
+def read_series(source: LocalPath) -> dict[str, list[float]]:
     """Per-epoch series from a Keras ``CSVLogger`` file (``epoch,loss,...``), a
     ``CSVMetricsLogger`` file (``step,run,name,value``: one point per logged step) or a
     TensorBoard log directory (``train/`` and ``validation/`` runs, ``epoch_*`` tags)."""

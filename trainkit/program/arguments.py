@@ -24,8 +24,8 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-from collections.abc import Iterable, Mapping, Sequence
-from typing import Any, TypedDict
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any, Protocol, TypedDict, TypeVar
 
 import numpy as np
 import optax
@@ -47,6 +47,14 @@ from trainkit.program.program import Program
 from trainkit.program.setup import Setup
 from trainkit.record.session import Session
 from trainkit.strategies import Auto, Strategy
+
+
+class _Initialisable(Protocol):
+    def init(self, sample_batch: DataInput) -> object: ...
+
+
+#: a trainer (of the class ``merge_lora`` is called on), as this module sees it: it initialises from a sample
+Initialised = TypeVar("Initialised", bound=_Initialisable)
 
 
 class TrainerOptions(TypedDict, total=False):
@@ -236,6 +244,16 @@ class TrainerArguments:
             if field.name not in ("lora", "trainable") and self.__dict__[field.name] is not field.default
         }
         return given | {"params": variables, "strategy": strategy}
+
+    def merged_trainer(
+        self, cls: Callable[..., Initialised], merged: tuple[PyTree, PyTree], strategy: str | Strategy | Auto
+    ) -> Initialised:
+        """``Trainer.merge_lora``'s trainer: ``cls`` (the trainer's class) made from :meth:`without_lora`'s
+        arguments and initialised, from ``merged``: the merged variables and a sample batch to initialise with."""
+        variables, sample = merged
+        trainer = cls(**self.without_lora(variables, strategy))
+        trainer.init(sample)
+        return trainer
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -9,8 +9,7 @@ the validation data are prepared by the data layer and checked against what trai
 >>> import numpy as np, optax, flax.linen as nn, trainkit as tk
 >>> trainer = tk.Trainer(nn.Dense(2), loss="mse", optimizer=optax.sgd(0.1), strategy="single")
 >>> x, y = np.ones((8, 3), np.float32), np.ones((8, 2), np.float32)
->>> config = FitConfig().checked(has_validation=True)
->>> fit_data = prepare_fit(trainer.setup, config, FitArguments(x=x, y=y, batch_size=4, validation_data=(x, y)))
+>>> fit_data = prepare_fit(trainer.setup, FitArguments(x=x, y=y, batch_size=4, validation_data=(x, y)))
 >>> fit_data.train.batch_size, fit_data.validation.batch_size, trainer.state.params["kernel"].shape
 (4, 4, (3, 2))
 """
@@ -304,12 +303,13 @@ def _validation(
     return Validation(validating.source, validating.batch_size, config.validation_steps)
 
 
-def prepare_fit(setup: Setup, config: FitConfig, given: FitArguments) -> FitData:
+def prepare_fit(setup: Setup, given: FitArguments) -> FitData:
     """``fit``'s training data (``given``: its arguments) prepared (Keras's ``validation_split`` and
-    ``class_weight`` applied), and ``config`` completed: the epoch's steps, the validation data (in
-    batches of ``validation_batch_size``, else the training batch size; an iterable's batches are
-    its own; :func:`prepare_validation`), the non-finite warning, the first-step check; a
-    ``verbose`` fit prints the strategy ``"auto"`` picks."""
+    ``class_weight`` applied), and its settings (``given.config``, checked first) completed: the
+    epoch's steps, the validation data (in batches of ``validation_batch_size``, else the training
+    batch size; an iterable's batches are its own; :func:`prepare_validation`), the non-finite
+    warning, the first-step check; a ``verbose`` fit prints the strategy ``"auto"`` picks."""
+    config = given.config(setup.program.seed)  # refused, if it must be, before the data are read
     source, validation_data = data_lib.as_dataset(given.x, given.y, given.sample_weight), given.validation_data
     if given.validation_split and validation_data is None:
         source, validation_data = data_lib.split_validation(source, given.validation_split)

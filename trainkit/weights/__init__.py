@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from trainkit import distributed
-from trainkit.core.local_path import require_local
+from trainkit.core.local_path import LocalPath, require_local
 from trainkit.core.lora import LoRA
 from trainkit.core.tree import ArrayValue, Leaf, PyTree, leaf_name
 from trainkit.core.warn import warn_user
@@ -87,7 +87,7 @@ class Pretrained(TypedDict, total=False):
     layout: str
     dtype: object
     max_shard_size: int | str
-    tokenizer: str | os.PathLike[str] | None
+    tokenizer: LocalPath | None
     adapter: bool
 
 
@@ -253,7 +253,7 @@ def _target(leaf: Leaf) -> Target:
 
 def save(
     named: Mapping[str, np.ndarray],
-    path: str | os.PathLike[str],
+    path: LocalPath,
     *,
     format: str = "safetensors",
     layout: str = "flax",
@@ -325,14 +325,14 @@ def written_arrays(
 
 def save_pretrained(
     holder: Pretrainable,
-    folder: str | os.PathLike[str],
+    folder: LocalPath,
     *,
     config: object,
     rename: Sequence[tuple[str, str]] = (),
     layout: str = "flax",
     dtype: object = None,
     max_shard_size: int | str = "5GB",
-    tokenizer: str | os.PathLike[str] | None = None,
+    tokenizer: LocalPath | None = None,
     adapter: bool = False,
 ) -> None:
     """A folder ``transformers``' ``from_pretrained`` and vLLM read (:mod:`trainkit.weights.pretrained`):

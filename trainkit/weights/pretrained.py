@@ -25,7 +25,7 @@ from typing import Any, Protocol, TypeGuard
 import numpy as np
 
 from trainkit import distributed
-from trainkit.core.local_path import require_local
+from trainkit.core.local_path import LocalPath, require_local
 from trainkit.distributed import atomic
 
 #: What a base model's folder holds besides its weights that a fine-tuned folder takes as it is
@@ -192,7 +192,7 @@ def check_json(config: Config) -> None:
 
 
 def write_folder(
-    folder: str | os.PathLike[str],
+    folder: LocalPath,
     files: Mapping[str, Mapping[str, np.ndarray]],
     documents: Mapping[str, object],
     copied: Mapping[str, str],
@@ -236,7 +236,7 @@ def weight_files(
     return dict(zip(names, cut)), {INDEX: {"metadata": {"total_size": total}, "weight_map": weight_map}}
 
 
-def check_not_a_source(folder: str | os.PathLike[str], sources: Mapping[str, object]) -> None:
+def check_not_a_source(folder: LocalPath, sources: Mapping[str, object]) -> None:
     """Refuses to write where a source lies: a path ``sources`` names by argument (``config=`` as a
     folder or its ``config.json``, ``tokenizer=``, the weights the trainer was loaded from) that is the
     target folder, inside it or above it. The published base would be replaced by the fine-tuned one
@@ -266,7 +266,7 @@ def _under(path: str, folder: str) -> bool:
     return path.startswith(folder.rstrip(os.sep) + os.sep)
 
 
-def tokenizer_files(tokenizer: str | os.PathLike[str] | None) -> dict[str, str]:
+def tokenizer_files(tokenizer: LocalPath | None) -> dict[str, str]:
     """The tokenizer and generation files of the base folder ``tokenizer`` by name (none for ``None``);
     refused when the folder holds none of them."""
     if tokenizer is None:

@@ -25,7 +25,7 @@ import jax
 import ml_dtypes
 import numpy as np
 
-from trainkit.core.local_path import require_local
+from trainkit.core.local_path import LocalPath, require_local
 from trainkit.core.tree import ArrayValue, Index, PyTree, leaf_name
 from trainkit.weights.pretrained import INDEX, WEIGHTS
 
@@ -420,7 +420,7 @@ def _folder_source(path: str, checkpoints: bool = False) -> WeightSource:
 
 
 #: What ``tk.weights.load`` reads: a path (file or folder) or a dict of arrays (nested, or flat by name).
-SourceSpec = str | os.PathLike[str] | Mapping[str, PyTree]
+SourceSpec = LocalPath | Mapping[str, PyTree]
 
 
 def open_source(source: SourceSpec, checkpoints: bool = False) -> WeightSource:
