@@ -392,8 +392,8 @@ def test_pmap_lives_in_data_parallel_only():
 
 
 FEATURES = "core.features"
-#: the one module that lists the train step's features (Program.step_features)
-FEATURE_REGISTRY = "program.program"
+#: the one module that lists the train step's features (Steps.step_features)
+FEATURE_REGISTRY = "program.steps"
 STEP_PARAMETERS_LIMIT = 5  # make_train_step's parameters: the rest are features on one seam
 
 
@@ -461,7 +461,7 @@ def test_the_rules_can_fail(tmp_path):
     spread = {"core.features.a": {"core.features.b"}, "core.features.b": set(), "loop.x": {"core.features.a"}}
     assert feature_rules(spread) == [
         "core.features.a imports the feature core.features.b: features know only the seam",
-        "loop.x imports ['core.features.a']: only program.program registers features",
+        "loop.x imports ['core.features.a']: only program.steps registers features",
     ]
 
 
@@ -520,9 +520,9 @@ def test_a_step_is_a_value_not_read_from_bytecode_or_a_snapshot():
     assert "trainkit.core.custom_step" not in step_imports, (
         "the built-in step branches into the user's: the program chooses"
     )
-    program = MODULES["program.program"].read_text()
-    built = [name for name in ("make_train_step(", "make_eval_step(") if name in program]
-    assert not built, f"program/program.py calls {built}: the built-in step is a value (core/loss_step.LossStep)"
+    for module in ("program.program", "program.steps"):
+        built = [name for name in ("make_train_step(", "make_eval_step(") if name in MODULES[module].read_text()]
+        assert not built, f"{module} calls {built}: the built-in step is a value (core/loss_step.LossStep)"
     assert not snapshots, f"vars() on the step's path in {snapshots}: record what the step reads, as it reads it"
 
 

@@ -202,14 +202,14 @@ def test_the_built_in_step_is_a_value_compiled_through_the_seam_of_every_step():
     fitted = tk.Trainer(nn.Dense(1), loss="mse", optimizer=optax.sgd(0.1), strategy="single")
     fitted.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)
     trainer = tk.Trainer(nn.Dense(1), loss="mse", optimizer=optax.sgd(0.1), strategy="single")
-    built = trainer.program.step_value("train")
+    built = trainer.program.steps.step_value("train")
     assert isinstance(built, LossStep) and not built.trains and trainer.step is None
     with pytest.raises(dataclasses.FrozenInstanceError):
         built.metric_fns = {}  # type: ignore[misc]
     state = trainer.program.create_state(tk.SingleDevice(), x[:1])
-    step = jax.jit(built.train_metrics(trainer.program.step_facts(None)))
+    step = jax.jit(built.train_metrics(trainer.program.steps.step_facts(None)))
     state, metrics = step(state, {"x": x, "y": y, "mask": np.ones(8, np.float32)})
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6), state.params, fitted.params)
     assert int(state.step) == 1 and float(metrics["loss"].compute()) > 0
-    own = tk.Trainer(nn.Dense(1), loss="mse", optimizer=optax.sgd(0.1), step=Scaled()).program
+    own = tk.Trainer(nn.Dense(1), loss="mse", optimizer=optax.sgd(0.1), step=Scaled()).program.steps
     assert not isinstance(own.step_value("train"), LossStep) and isinstance(own.step_value("eval"), LossStep)

@@ -99,7 +99,7 @@ class Trainer:
         self, params: PyTree, model_state: PyTree, x: PyTree, *, rng: jax.Array, train: bool, method: str | None = None
     ) -> tuple[PyTree, PyTree]:
         """``(outputs, new_model_state)`` of the model (or its ``method``) under precision and remat; pure."""
-        return self.program.call_model(params, model_state, x, rng=rng, train=train, method=method)
+        return self.program.steps.call_model(params, model_state, x, rng=rng, train=train, method=method)
 
     def compute_loss(
         self, params: PyTree, batch: Batch, rng: jax.Array, *, model_state: PyTree, train: bool
@@ -121,11 +121,11 @@ class Trainer:
     @property
     def step(self) -> override_step.Step | None:
         """The step value (``step=``'s, a ``train_step`` override's; ``None``: built in); settable between fits."""
-        return self.program.own.value
+        return self.program.steps.own.value
 
     @step.setter
     def step(self, value: override_step.Step) -> None:
-        self.program.own.replace(value)
+        self.program.steps.own.replace(value)
 
     @property
     def state(self) -> TrainState | None:

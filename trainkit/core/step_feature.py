@@ -4,7 +4,7 @@ run inside the compiled step, in order, after the optimizer's update. It may add
 global gradient norm, gradient statistics, the label check, the learning rate) or replace what
 the step writes (spike skipping keeps the old parameters). The core step knows only this seam;
 each feature lives in its own module of :mod:`trainkit.core.features`, and the program lists
-the ones a trainer's settings ask for (:meth:`trainkit.program.program.Program.step_features`).
+the ones a trainer's settings ask for (:meth:`trainkit.program.steps.Steps.step_features`).
 
 >>> import jax, jax.numpy as jnp
 >>> from clu.metrics import LastValue

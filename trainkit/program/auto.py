@@ -121,7 +121,7 @@ def remembered_pick(
         "settings": setup.state_access.settings(),
         "remat": repr(program.remat),
         "offload": repr(program.offload),
-        "log_grad_norm": program.log_grad_norm,
+        "log_grad_norm": program.steps.log_grad_norm,
         "devices": [len(devices), devices[0].platform, devices[0].device_kind, jax.process_count()],
         "candidates": [plan_lib.short_name(c) for c in chosen_from],
         "auto": [measure, auto.memory_limit],

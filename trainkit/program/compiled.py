@@ -59,7 +59,7 @@ class CompiledFunctions:
 
     @property
     def log_order(self) -> tuple[str, ...]:
-        return self.program.log_order
+        return self.program.steps.log_order
 
     def labels_message(self, count: int, value: int, where: str) -> str:
         return self.program.objective.labels_message(count, value, where)
@@ -98,7 +98,7 @@ class CompiledFunctions:
         """Forgets the compiled steps when a plain value of the trainer a step of the user's own
         was traced with has changed since (``trainer.beta = 0`` between two fits): the next run
         traces them with the new value. Returns what changed (``'beta: 0.1 -> 0.0'``)."""
-        changed = self.program.own.changed()
+        changed = self.program.steps.own.changed()
         if changed:
             self._functions.clear()
         return changed
@@ -106,7 +106,7 @@ class CompiledFunctions:
     def traced_values_changed(self) -> list[str]:
         """The plain values a step of the user's own reads as ``self.<name>`` that changed since it
         was traced (a callback's ``trainer.beta = ...`` during a fit), kept until the next run."""
-        return self.program.own.changed(forget=False)
+        return self.program.steps.own.changed(forget=False)
 
     def has(self, kind: str) -> bool:
         """Whether the ``kind`` step is compiled (or adopted) for this fit's statistics."""

@@ -150,7 +150,7 @@ def check_loss_rows(
     parts = [f"{type(strategy).__name__} gives it each device's rows"] if strategy.axis_name is not None else []
     if program.grad_accum_steps > 1:
         parts.append(f"grad_accum_steps={program.grad_accum_steps} gives it each micro-batch's rows")
-    if not parts or not custom_loss or program.own.trains or jax.process_count() > 1:
+    if not parts or not custom_loss or program.steps.own.trains or jax.process_count() > 1:
         return
     batch = prepared.sample_batch()
     rows = min(CHECKED_ROWS, int(np.sum(batch["mask"])))
@@ -160,7 +160,7 @@ def check_loss_rows(
     changed = data_lib.take(small, np.r_[rows - 1, 1:rows])  # row 0 replaced by the last one
 
     def row_losses(state: PyTree, batch: PyTree) -> jax.Array:
-        result = program.training_loss(state.params, batch, state.rng, model_state=state.model_state, train=False)
+        result = program.steps.training_loss(state.params, batch, state.rng, model_state=state.model_state, train=False)
         return step_lib.loss_parts(result, rows)[0]
 
     losses = jax.jit(row_losses)

@@ -22,7 +22,6 @@ compiled plan of a batch under candidate strategies.
 from __future__ import annotations
 
 import dataclasses
-import functools
 from collections.abc import Callable, Sequence
 
 import jax
@@ -30,25 +29,10 @@ import numpy as np
 import optax
 
 from trainkit.attn.kernels import Platform
-from trainkit.core import cost, loss_call, tree
-from trainkit.core import custom_step as custom_lib
-from trainkit.core import frozen_statistics as frozen_lib
+from trainkit.core import cost, tree
 from trainkit.core import lora as lora_lib
-from trainkit.core.features.grad_norm import global_grad_norm
-from trainkit.core.features.gradient_statistics import measure_statistics
-from trainkit.core.features.label_check import check_labels
-from trainkit.core.features.spike_skipping import skip_spikes
 from trainkit.core.lora import LoRA, is_adapter
-from trainkit.core.loss_step import LossStep
-from trainkit.core.model import (
-    AxisNames,
-    LinenModel,
-    ModelAdapter,
-    bind_inputs,
-    param_axes,
-    starting_variables,
-    with_lora,
-)
+from trainkit.core.model import AxisNames, LinenModel, ModelAdapter, param_axes, starting_variables, with_lora
 from trainkit.core.offload import Offload
 from trainkit.core.optimizer_groups import OptimizerGroups
 from trainkit.core.precision import Precision, cast_floating
@@ -59,14 +43,11 @@ from trainkit.core.statistics import StepStatistics
 from trainkit.core.step import (
     TOTALS_UNPACKED_ON,
     LossFn,
-    TrainStepOptions,
     make_gathered_steps,
     make_multi_step,
     make_predict_step,
     with_totals,
 )
-from trainkit.core.step_feature import StepFeature
-from trainkit.core.step_state import StepFacts
 from trainkit.core.step_value import Step
 from trainkit.core.totals import EpochTotals, pack
 from trainkit.core.trace_context import traced_under
@@ -76,6 +57,7 @@ from trainkit.core.warn import warn_user
 from trainkit.objective import Objective
 from trainkit.planning import plan as plan_lib
 from trainkit.program.own_step import OwnStep
+from trainkit.program.steps import Steps
 from trainkit.strategies import Strategy
 from trainkit.strategies.pipeline import NotPipelined, stacked_parameters, staged
 
@@ -132,13 +114,7 @@ class Program:
         offload: Offload = Offload(),  # noqa: B008 - a frozen value
         step: Step | None = None,
     ):
-        #: the user's own step (``own.value``; ``None``: the built-in one)
-        self.own = OwnStep(step, evaluates_alone=objective.spec[0] is None and not objective.own_loss)
-        self.spike_skip = _checked_spike_skip(spike_skip)
-        if self.own.trains:
-            refuse_for_own_step(grad_accum_steps, precision, spike_skip, log_grad_norm, offload)
-        self.log_names: tuple[str, ...] | None = None  # compute_loss's own logs, in their order (found when traced)
-        self.offload = offload
+        self.spike_skip, self.offload = _checked_spike_skip(spike_skip), offload
         #: why this trainer's settings cannot offload the optimizer's state (``None``: they can)
         self.offload_refusal = offload_refusal(eager=eager, precision=precision, spike_skip=spike_skip)
         if offload and self.offload_refusal is not None:
@@ -154,69 +130,27 @@ class Program:
         if offload.frozen and not self.trainable.freezes:
             raise ValueError(OFFLOAD_NOTHING_FROZEN)
         self.objective, self.precision = objective, precision
-        self.grad_accum_steps, self.log_grad_norm, self.seed = grad_accum_steps, log_grad_norm, seed
-        self.variables = variables
-        self.eager = eager
+        self.grad_accum_steps, self.seed, self.variables, self.eager = grad_accum_steps, seed, variables, eager
         self._settings_checked = False  # idle_settings warned about (at the first trace of the state)
-        self.frozen_statistics = bool(frozen_statistics)
-        self._frozen_layers: frozenset[str] | None = None  # the frozen BatchNorms, found at the first trace
+        #: the steps' values and facts (:mod:`trainkit.program.steps`)
+        self.steps = Steps(
+            own=OwnStep(step, evaluates_alone=objective.spec[0] is None and not objective.own_loss),
+            objective=objective,
+            adapter=adapter,
+            run_model=self.run_model,
+            compute_loss=compute_loss,
+            trainable=self.trainable,
+            optimizer=self.optimizer,
+            groups=self.groups,
+            grad_accum_steps=grad_accum_steps,
+            offload=offload,
+            spike_skip=self.spike_skip,
+            log_grad_norm=log_grad_norm,
+            frozen_statistics=frozen_statistics,
+            precision=precision,
+        )
         self._param_axes: dict[str, AxisNames] | None = None  # the model's partitioning annotations, once read
         self._abstract_states: dict[str, PyTree] = {}  # abstract_state by the first row's signature
-
-    def frozen_layers(self, params: PyTree, model_state: PyTree, x: PyTree) -> frozenset[str]:
-        """The ``BatchNorm`` layers whose parameters are all frozen, which train in inference mode
-        (empty with ``frozen_statistics=False`` or nothing frozen); found once (traced)."""
-        if self._frozen_layers is None:
-            found: frozenset[str] = frozenset()
-            if self.frozen_statistics and self.trainable.freezes:
-                calls = self.adapter.module_calls(params, model_state, x)
-                paths = ["/".join(map(str, call.path)) for call in calls if call.kind == "BatchNorm"]
-                order = ["/".join(map(str, call.path)) for call in calls]
-                found = frozen_lib.frozen_layers(paths, params, self.trainable.trains, order)
-            self._frozen_layers = found
-        return self._frozen_layers
-
-    def training_loss(self, params: PyTree, batch: Batch, rng: jax.Array, *, model_state: PyTree, train: bool):
-        """``compute_loss`` with the frozen ``BatchNorm`` layers in inference mode when it trains."""
-        layers = self.frozen_layers(params, model_state, batch["x"]) if train else frozenset()
-        calls = self.objective.loss_calls
-        with frozen_lib.statistics_frozen(layers), loss_call.tracing(train, model_state) as call:
-            result = self.compute_loss(params, batch, rng, model_state=model_state, train=train)
-        self.objective.check_used(calls)
-        if isinstance(result, tuple) and len(result) == 2 and isinstance(result[1], tuple) and len(result[1]) >= 2:
-            loss_call.check_returned(call, result[1][1])  # any other structure: loss_parts names the contract
-        self._record_logs(result[1][2] if _has_logs(result) else {})
-        return result
-
-    def call_model(
-        self, params: PyTree, model_state: PyTree, x: PyTree, *, rng: jax.Array, train: bool, method: str | None = None
-    ) -> tuple[PyTree, PyTree]:
-        """:attr:`run_model` of ``__call__`` or the module's ``method``."""
-        options = {} if method is None else {"method": method}
-        out = self.run_model(params, model_state, x, rng=rng, train=train, **options)
-        loss_call.applied(train, model_state, out[1])  # inside a traced compute_loss: its mistakes
-        return out
-
-    def _record_logs(self, logs: PyTree) -> None:
-        if self.log_names is None and isinstance(logs, dict):
-            self.log_names = tuple(logs)
-
-    @property
-    def log_order(self) -> tuple[str, ...]:
-        """The names the logs hold, in order: the objective's (the loss, its terms, the metrics)
-        and ``compute_loss``'s logs, or the user's ``train_step``'s logs alone (once traced)."""
-        if self.own.trains:
-            return self.own.log_names or ()
-        logs = self.log_names or ()
-        order = self.objective.log_order
-        return (order[0], *logs, *order[1:])
-
-    def step_facts(self, axis: str | None, *, inference: bool = False) -> StepFacts:
-        """What a custom step's state helpers read under the device ``axis``; ``inference``: the
-        model always called in inference mode (no dropout: the audit's comparison of device splits)."""
-        bind = functools.partial(bind_inputs, self.adapter.module)
-        call = functools.partial(_in_inference, self.call_model) if inference else self.call_model
-        return StepFacts(axis, self.optimizer, self.groups, self.trainable, call, bind)
 
     # ------------------------------------------------------------------ the initial state
     def init_state(self, variables: PyTree, first_row: PyTree, key: jax.Array) -> TrainState:
@@ -300,7 +234,7 @@ class Program:
             return None
         state = self.abstract_state(first_row) if state is None else state
         layers = self.adapter.batch_statistics_layers(state.params, state.model_state, first_row, axis)
-        frozen = self.frozen_layers(state.params, state.model_state, first_row)  # they compute no statistics
+        frozen = self.steps.frozen_layers(state.params, state.model_state, first_row)  # they compute no statistics
         layers = [layer for layer in layers if layer.split(" (")[0] not in frozen]
         if not layers:
             return None
@@ -373,7 +307,7 @@ class Program:
         (:data:`~trainkit.core.step.TOTALS_UNPACKED_ON`)."""
         if kind in ("train_steps", "train_steps_gathered"):
             steps = make_multi_step(
-                with_totals(self.metrics_step("train", axis, "due", statistics, offload=offload)),
+                with_totals(self.steps.metrics_step("train", axis, "due", statistics, offload=offload)),
                 unrolled=self.eager,
                 unpack_totals=platform in TOTALS_UNPACKED_ON,
             )
@@ -381,7 +315,9 @@ class Program:
         if kind == "predict":
             return make_predict_step(self.apply)
         when = "always" if kind == "train_measured" else "never"
-        return with_totals(self.metrics_step(kind, axis, when, statistics, offload=offload), trains=kind != "eval")
+        return with_totals(
+            self.steps.metrics_step(kind, axis, when, statistics, offload=offload), trains=kind != "eval"
+        )
 
     def outputs(self, state: TrainState, x: PyTree) -> PyTree:
         """The model's outputs for inputs ``x`` in inference mode, as the predict step computes
@@ -402,85 +338,6 @@ class Program:
         """LoRA's adapters folded into their kernels (the parameters of the model without them)."""
         return params if self.lora is None else self.lora.merged(params)
 
-    def audited_train_step(
-        self, zero_gradients: list[tuple[str, bool]] | None, axis: str | None = None, *, inference: bool = False
-    ) -> TreeFunction:
-        """The user's ``train_step`` under ``jit`` semantics (``axis``: under a device axis, as a
-        ``vmap`` over devices runs it), appending to ``zero_gradients`` as it runs whether each
-        update's gradients were all zero; ``inference``: the model in inference mode
-        (:mod:`trainkit.program.step_audit`)."""
-        assert self.own.trains
-        train = functools.partial(self.own.run, "train_step")
-        facts = self.step_facts(axis, inference=inference)
-        return custom_lib.make_custom_train_step(train, facts, zero_gradients)
-
-    def metrics_step(
-        self,
-        kind: str,
-        axis: str | None,
-        statistics_when: str = "due",
-        statistics: StepStatistics | None = None,
-        *,
-        offload: bool | None = None,
-    ) -> TreeFunction:
-        """The ``"train"`` step ``(state, batch) -> (state, metrics)`` or the ``"eval"`` step
-        ``(state, batch) -> metrics``, before their metrics are merged into the totals; the
-        statistics (``GradientStats``) measured as ``statistics_when`` says
-        (:meth:`~trainkit.core.statistics.StepStatistics.metrics`)."""
-        value, facts = self.step_value(kind, statistics, statistics_when, offload), self.step_facts(axis)
-        return value.test_metrics(facts) if kind == "eval" else value.train_metrics(facts)
-
-    def step_value(
-        self, kind: str, statistics: StepStatistics | None = None, when: str = "due", offload: bool | None = None
-    ) -> Step:
-        """The step value the ``"train"`` or ``"eval"`` step is compiled from: the user's own
-        (``step=``, an override) where it replaces that kind, else the built-in
-        :class:`~trainkit.core.loss_step.LossStep` with this trainer's settings, the statistics
-        measured as ``when`` says and ``offload`` (``None``: as the trainer says)."""
-        if self.own.tests if kind == "eval" else self.own.trains:
-            if kind != "eval":
-                self._refuse_for_own_train_step(statistics)
-            return self.own.traced
-        options = TrainStepOptions(
-            self.grad_accum_steps,
-            self.trainable,
-            self.step_features(statistics, when) if kind != "eval" else (),
-            bool(self.offload) if offload is None else offload,
-            groups=self.groups,
-            valid_tokens=self.objective.valid_tokens(),
-        )
-        return LossStep(self.training_loss, self.objective.metric_fns, options)
-
-    def _refuse_for_own_train_step(self, statistics: StepStatistics | None) -> None:
-        """What the built-in step alone can do, refused for the user's own ``train_step``: its loss,
-        gradients and update are its own, so the built-in step's features are not in it."""
-        if self.objective.valid_tokens() is not None:
-            raise ValueError(
-                "The loss ignores a class (ignore_class), and this trainer's train_step is its own: trainkit would not "
-                "see which tokens it reduces over. Weigh the tokens in train_step yourself (a mask of the targets that "
-                "are not that class) and drop ignore_class, or use the built-in step."
-            )
-        if statistics is not None:
-            raise ValueError(
-                "GradientStats measures the built-in step's gradients, and this trainer's train_step is its own (its "
-                "gradients are its locals). Log what you need from train_step's logs, or drop GradientStats."
-            )
-
-    def step_features(self, statistics: StepStatistics | None, when: str = "due") -> tuple[StepFeature, ...]:
-        """The train step's features (:mod:`trainkit.core.features`) this trainer's settings
-        ask for, in the order they run: spike skipping, the global gradient norm, the
-        statistics a fit measures (as ``when`` says), the label check. The one place a feature
-        is registered."""
-        features: list[StepFeature] = []
-        if self.spike_skip is not None:  # first: the others see the update it keeps
-            features.append(jax.named_call(skip_spikes(self.spike_skip), name="skip_spikes"))
-        if self.log_grad_norm:
-            features.append(jax.named_call(global_grad_norm, name="grad_norm"))
-        if statistics is not None:
-            features.append(jax.named_call(measure_statistics(statistics, when), name="gradient_statistics"))
-        features.append(jax.named_call(check_labels(self.objective.labels_out_of_range), name="label_check"))
-        return tuple(features)
-
     def empty_totals(
         self,
         kind: str,
@@ -494,7 +351,7 @@ class Program:
         device ``axis`` (which the model may use too: ``BatchNorm(axis_name=...)``) traced as
         one device of it."""
         kind = "eval" if kind == "eval" else "train"
-        step = self.metrics_step(kind, axis, statistics=statistics)
+        step = self.steps.metrics_step(kind, axis, statistics=statistics)
         if axis is not None:
             one = jax.tree.map(lambda a: jax.ShapeDtypeStruct((1, *np.shape(a)), a.dtype), host_batch)
             outputs = jax.eval_shape(jax.vmap(step, in_axes=(None, 0), axis_name=axis), abstract_state, one)
@@ -561,10 +418,6 @@ class Program:
         return dataclasses.replace(plan, state_bytes=parts)
 
 
-def _has_logs(result: PyTree) -> bool:
-    return isinstance(result, tuple) and len(result) == 2 and isinstance(result[1], tuple) and len(result[1]) == 3
-
-
 OFFLOAD_NOTHING_FROZEN = (
     "offload='optimizer+frozen' keeps the frozen parameters in host memory, but none is frozen: pass "
     "lora=tk.LoRA(...) or trainable=... (the others frozen), or offload='optimizer'."
@@ -591,44 +444,6 @@ def _optimizer(
         groups = OptimizerGroups(optimizer)
         return groups, groups.transform(trainable.trains)
     return None, trainable.optimizer(optimizer)
-
-
-def _in_inference(
-    call: Callable[..., tuple[PyTree, PyTree]], *args: PyTree, train: bool, **options: PyTree
-) -> tuple[PyTree, PyTree]:
-    """``call`` (the model's) in inference mode whatever ``train`` says."""
-    return call(*args, train=False, **options)
-
-
-def refuse_for_own_step(
-    grad_accum_steps: int, precision: Precision, spike_skip: SpikeSkip | None, log_grad_norm: bool, offload: Offload
-) -> None:
-    """Raises a ``ValueError`` saying why a trainer with a ``train_step`` of its own cannot have
-    these settings (nothing where it can): each works on the built-in step's one loss, gradient
-    and update, which a custom step computes itself (it may differentiate several losses and
-    update several groups)."""
-    why = "the step's loss, gradients and updates are its own, so trainkit has no one loss or update to"
-    mine = "with a train_step of your own"
-    if grad_accum_steps != 1:
-        raise ValueError(
-            f"grad_accum_steps={grad_accum_steps} {mine}: {why} accumulate. Pass grad_accum_steps=1 (a larger "
-            "batch, or accumulate inside train_step)."
-        )
-    if precision.loss_scale is not None:
-        raise ValueError(
-            f"precision={precision!r} scales the loss (fp16) and skips non-finite steps, but {mine} {why} scale. "
-            "Use precision='bf16' (no loss scale) or 'fp32'."
-        )
-    if spike_skip is not None:
-        raise ValueError(f"skip_spikes {mine}: {why} judge. Drop skip_spikes, or skip inside train_step.")
-    if log_grad_norm:
-        raise ValueError(
-            f"log_grad_norm=True {mine}: {why} measure. Log optax.global_norm(grads) from train_step instead."
-        )
-    if offload:
-        raise ValueError(
-            f"offload={offload!r} streams the built-in update, and {mine} {why} stream. Pass offload=None."
-        )
 
 
 def offload_refusal(*, eager: bool, precision: Precision, spike_skip: SpikeSkip | None) -> str | None:

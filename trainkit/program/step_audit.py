@@ -42,15 +42,15 @@ def audit_own_step(program: Program, state: TrainState, strategy: Strategy, prep
     """Refuses a custom ``train_step`` of ``program`` (run from the live ``state``, split as
     ``strategy`` splits a batch) that updates a group on all-zero gradients, or whose logs or
     update move with a padded row's content or with the rows' split over the devices."""
-    if not program.own.audit_due() or jax.process_count() > 1:
+    if not program.steps.own.audit_due() or jax.process_count() > 1:
         return
-    program.own.audited()
+    program.steps.own.audited()
     batch = prepared.sample_batch()
     rows = min(CHECKED_ROWS, int(np.sum(batch["mask"])))
     if rows < 3:
         return
     updates: list[tuple[str, bool]] = []  # (group, all its gradients zero) of each update, as the step runs
-    step = _on_one_device(program.audited_train_step(updates, strategy.axis_name), strategy.axis_name)
+    step = _on_one_device(program.steps.audited_train_step(updates, strategy.axis_name), strategy.axis_name)
     small = data_lib.take(batch, slice(0, rows))
     jax.block_until_ready(step(state, small))
     jax.effects_barrier()  # every update's callback has run
@@ -126,8 +126,8 @@ def _check_device_split(program: Program, state: TrainState, small: Batch, axis:
         return
     whole = data_lib.take(small, slice(0, rows))
     split = jax.tree.map(lambda a: np.asarray(a).reshape(devices, rows // devices, *np.shape(a)[1:]), whole)
-    one = _on_one_device(program.audited_train_step(None, axis, inference=True), axis)
-    spread = jax.jit(jax.vmap(program.audited_train_step(None, axis, inference=True), (None, 0), axis_name=axis))
+    one = _on_one_device(program.steps.audited_train_step(None, axis, inference=True), axis)
+    spread = jax.jit(jax.vmap(program.steps.audited_train_step(None, axis, inference=True), (None, 0), axis_name=axis))
     (_, logs), (_, spread_logs) = one(state, whole), spread(state, split)
     found = {name: (float(logs[name].compute()), float(spread_logs[name].compute()[0])) for name in logs}
     apart = {name: pair for name, pair in found.items() if not np.isclose(*pair, rtol=1e-4, atol=1e-6)}

@@ -2,4 +2,4 @@
 spike skipping (:mod:`.spike_skipping`), the global gradient norm (:mod:`.grad_norm`),
 gradient statistics (:mod:`.gradient_statistics`) and the label check (:mod:`.label_check`).
 A new feature is a module here and a line where the program lists the features a trainer's
-settings ask for (:meth:`trainkit.program.program.Program.step_features`)."""
+settings ask for (:meth:`trainkit.program.steps.Steps.step_features`)."""
