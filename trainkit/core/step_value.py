@@ -117,7 +117,8 @@ class Step:
         its groups): :meth:`train` with its ``rng`` the state's folded with the step number, its
         returned state checked and its logs weighted by the real rows
         (:func:`~trainkit.core.custom_step.make_custom_train_step`). The built-in step
-        (:class:`~trainkit.core.loss_step.LossStep`) compiles its own loss step here instead."""
+        (:class:`~trainkit.core.loss_step.LossStep`) compiles its own loss step here instead. trainkit's
+        seam, not an extension point: a value given as ``step=`` is compiled through its ``train``."""
         return make_custom_train_step(self.train, facts)
 
     def test_metrics(self, facts: StepFacts) -> EvalMetricsStep:
