@@ -105,7 +105,9 @@ def prepare(
     if changed:
         warn_user(f"Trainer attributes changed since its own step was traced ({'; '.join(changed)}): traced again.")
     micro_batches = setup.program.grad_accum_steps if training else 1
-    prepared = capped_at_data(setup, prepared, micro_batches, said=training and batch_size is not None)
+    prepared = capped_at_data(
+        prepared, candidate_strategies(setup), micro_batches, said=training and batch_size is not None
+    )
     batch_size = prepared.batch_size
     _check_same_configuration(setup, prepared, config or {})  # before anything that needs the processes to agree
     if setup.session.state is not None:  # predict / evaluate may take sequences of another length
@@ -195,14 +197,17 @@ def batch_unit(candidates: Sequence[Strategy], micro_batches: int = 1) -> int:
     return math.lcm(*(s.num_batch_shards for s in candidates)) * micro_batches
 
 
-def capped_at_data(setup: Setup, prepared: data_lib.Prepared, micro_batches: int, said: bool) -> data_lib.Prepared:
+def capped_at_data(
+    prepared: data_lib.Prepared, candidates: Sequence[Strategy], micro_batches: int, said: bool
+) -> data_lib.Prepared:
     """As Keras: a batch size above the rows of the data is one batch of all the rows, here
-    rounded up to what the devices split (the rest padded and masked, so nothing changes but
-    the time and memory the padding would take); ``said``: a warning names the cap."""
+    rounded up to what the devices of ``candidates`` (:func:`candidate_strategies`) split (the
+    rest padded and masked, so nothing changes but the time and memory the padding would take);
+    ``said``: a warning names the cap."""
     rows, size = prepared.rows, prepared.batch_size
     if rows is None or data_lib.own_batch_size(prepared.source) is not None:
         return prepared
-    unit = batch_unit(candidate_strategies(setup), micro_batches)
+    unit = batch_unit(candidates, micro_batches)
     capped = -(-rows // unit) * unit
     if capped >= size:
         return prepared
@@ -358,7 +363,7 @@ def prepare_validation(setup: Setup, data: DataInput, batch_size: int | None) ->
     against the objective and the model's outputs (every label of arrays), a batch the devices
     split, and the same on every process."""
     prepared = data_lib.prepare(data, batch_size=batch_size, needs_targets=not setup.custom_loss)
-    prepared = capped_at_data(setup, prepared, 1, said=False)
+    prepared = capped_at_data(prepared, candidate_strategies(setup), 1, said=False)
     batches = prepared.source.steps(prepared.batch_size)
     facts: dict[str, JSON] = {"batch_size": prepared.batch_size, "inputs": str(prepared.spec), "rows": prepared.rows}
     distributed.check_same_configuration(
