@@ -152,9 +152,8 @@ class Steps:
         update's gradients were all zero; ``inference``: the model in inference mode
         (:mod:`trainkit.program.step_audit`)."""
         assert self.own.trains
-        train = functools.partial(self.own.run, "train_step")
-        facts = self.step_facts(axis, inference=inference)
-        return custom_lib.make_custom_train_step(train, facts, zero_gradients)
+        facts = self.step_facts(axis, inference=inference)  # the value that trains, traced as it is
+        return custom_lib.make_custom_train_step(self.own.traced.train, facts, zero_gradients)
 
     def metrics_step(
         self,
